@@ -1,0 +1,112 @@
+"""One validated configuration object for the whole service.
+
+Sources, lowest to highest precedence: field defaults < YAML file < environment
+(``TEACHER_SERVER_<FIELD>``) < command-line flags. Every field is documented in
+``config.yaml`` at the repository root.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "TEACHER_SERVER_"
+
+LogprobsMode = Literal["raw_logprobs", "raw_logits"]
+AttentionBackend = Literal["auto", "sdpa", "varlen", "flash_attn"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class Config(BaseModel):
+    """Every setting of the service. Built once at startup, passed down explicitly."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    # --- model -------------------------------------------------------------------------
+    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors). None: built-in demo model.")
+    served_model_name: str | None = Field(None, description="Name clients use in `model`; defaults to the directory name.")
+    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    demo_model_dir: str | None = Field(None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
+
+    # --- scoring contract --------------------------------------------------------------
+    max_model_len: int | None = Field(None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
+    max_logprobs: int = Field(256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    max_rows_x_k: int = Field(64 * 1024 * 1024, ge=1, description="Cap on rows*K of one result matrix.")
+
+    # --- engine ------------------------------------------------------------------------
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="Token budget of one forward step; default 16384 on GPU, 2048 on CPU.")
+    max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    logits_chunk_rows: int = Field(4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
+    block_size: int = Field(16, ge=1, description="Tokens per paged-KV block.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; default sized from free memory.")
+    gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0)
+    enable_prefix_caching: bool = True
+    attention_backend: AttentionBackend = "auto"
+    deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
+
+    # --- server ------------------------------------------------------------------------
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: str | None = Field(None, description="Require `Authorization: Bearer KEY`; also TEACHER_SERVER_API_KEY.")
+    auth_exempt_health: bool = True
+    auth_exempt_metrics: bool = True
+    max_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    max_queue_requests: int = Field(4096, ge=1)
+    max_queue_tokens: int = Field(64 * 1024 * 1024, ge=1)
+    request_timeout_s: float | None = Field(None, gt=0, description="Per-request deadline; None waits forever.")
+    shutdown_timeout_s: float = Field(30.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_json: bool = False
+
+    @field_validator("model", "served_model_name", "api_key", "demo_model_dir", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return None if isinstance(v, str) and v.strip() == "" else v
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        if self.load_format == "dummy" and self.model is None:
+            raise ValueError("load_format=dummy needs a model directory with a config.json")
+        return self
+
+    # ---------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, file: str | os.PathLike | None = None, env: dict[str, str] | None = None,
+             overrides: dict[str, Any] | None = None) -> "Config":
+        """Merge defaults < YAML file < environment < overrides (CLI flags) and validate."""
+        values: dict[str, Any] = {}
+        if file is not None:
+            path = Path(file)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {path}")
+            loaded = yaml.safe_load(path.read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {path} must hold a mapping of settings")
+            values.update(loaded)
+        env = dict(os.environ) if env is None else env
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key in env:
+                values[name] = env[key]
+        for k, v in (overrides or {}).items():
+            if v is not None:
+                values[k] = v
+        unknown = sorted(set(values) - set(cls.model_fields))
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        try:
+            return cls(**values)
+        except ValidationError as e:
+            msgs = [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+            raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None

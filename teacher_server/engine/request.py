@@ -1,0 +1,77 @@
+"""ScoreRequest (validated input to the engine) and ScoreResult (what it returns).
+
+Plain Python + numpy: no torch here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class ScoreRequest:
+    """One scoring request, already validated.
+
+    Row ``i`` of the candidate matrix scores token ``start + i + 1`` given
+    ``token_ids[: start + i + 1]``; ``rows = max(len(token_ids) - 1 - start, 0)``.
+    """
+
+    request_id: str
+    token_ids: np.ndarray  # [L] int64
+    start: int = 0
+    candidates: np.ndarray | None = None  # [K] shared or [rows, K] per row, int64, -1 = padding
+    prompt_logprobs: int | None = None  # classic top-k over every position
+    max_tokens: int = 0  # 1: also return the greedy next token
+    cache_salt: str | None = None
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() value
+
+    @property
+    def length(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def rows(self) -> int:
+        return max(self.length - 1 - self.start, 0)
+
+    @property
+    def k(self) -> int:
+        return 0 if self.candidates is None else int(self.candidates.shape[-1])
+
+    @property
+    def per_row(self) -> bool:
+        return self.candidates is not None and self.candidates.ndim == 2
+
+    def logit_range(self) -> tuple[int, int]:
+        """Positions [lo, hi) whose hidden state must reach the LM head ([0, 0) if none).
+        Candidate rows need [start, L-1); prompt_logprobs [0, L-1); max_tokens=1 {L-1}."""
+        lo, hi = None, 0
+        n = self.length
+        if self.candidates is not None and self.rows > 0:
+            lo, hi = self.start, n - 1
+        if self.prompt_logprobs is not None and n > 1:
+            lo, hi = 0, n - 1
+        if self.max_tokens >= 1:
+            lo = n - 1 if lo is None else lo
+            hi = n
+        return (0, 0) if lo is None else (lo, hi)
+
+
+@dataclass
+class ScoreResult:
+    request_id: str
+    prompt_tokens: int
+    token_id_logprobs: np.ndarray | None = None  # [rows, K] float32
+    # classic prompt_logprobs for positions 1..L-1 (entry j scores token j)
+    plp_token_logprob: np.ndarray | None = None  # [L-1] float32
+    plp_token_rank: np.ndarray | None = None  # [L-1] int64
+    plp_topk_ids: np.ndarray | None = None  # [L-1, k] int64
+    plp_topk_logprobs: np.ndarray | None = None  # [L-1, k] float32
+    next_token: int | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+    error_kind: str | None = None  # "timeout", "cancelled", "internal", "overloaded"
+    finished_at: float = 0.0

@@ -1,0 +1,84 @@
+"""Sequence: a request's progress through the engine (chunks done, KV blocks held). No torch."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from teacher_server.engine.block_manager import block_hashes
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+
+_counter = itertools.count()
+
+
+@dataclass
+class Sequence:
+    req: ScoreRequest
+    block_size: int
+    prefix_caching: bool
+    order: int = field(default_factory=lambda: next(_counter))
+    num_computed: int = 0  # tokens [0, num_computed) done (their KV is in the pool if needed later)
+    num_cached: int = 0  # of which reused from the prefix cache
+    num_registered: int = 0  # cacheable blocks already registered in the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    result: ScoreResult | None = None
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.logit_lo, self.logit_hi = self.req.logit_range()
+        # Tokens at or after the last logit position need no forward at all.
+        self.num_tokens = self.logit_hi
+        # Full blocks wholly before the first logit row may come from / go to the cache.
+        self.cache_end = (self.logit_lo // self.block_size) * self.block_size if self.prefix_caching else 0
+        self._hashes: list[bytes] | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.req.request_id
+
+    @property
+    def hashes(self) -> list[bytes]:
+        if self._hashes is None:
+            self._hashes = block_hashes(self.req.token_ids, self.cache_end // self.block_size,
+                                        self.block_size, self.req.cache_salt)
+        return self._hashes
+
+    @property
+    def remaining(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def max_blocks(self) -> int:
+        """Upper bound on blocks this sequence holds at once if it is processed in chunks."""
+        return -(-self.num_tokens // self.block_size)
+
+    def slots(self, start: int, end: int) -> np.ndarray:
+        """Pool slot ids of positions [start, end): [end - start] int64."""
+        pos = np.arange(start, end, dtype=np.int64)
+        table = np.asarray(self.block_table, dtype=np.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+@dataclass
+class Chunk:
+    """Positions [start, end) of one sequence computed in this step; KV of [start, write_end)
+    is written to the pool."""
+
+    seq: Sequence
+    start: int
+    end: int
+    write_end: int
+
+    @property
+    def final(self) -> bool:
+        return self.end == self.seq.num_tokens
+
+    @property
+    def logit_lo(self) -> int:
+        return max(self.start, self.seq.logit_lo)
+
+    @property
+    def logit_hi(self) -> int:
+        return min(self.end, self.seq.logit_hi)

@@ -1,0 +1,107 @@
+"""Our own decoder implementation for the Llama / Mistral / Qwen2 / Qwen3 families.
+
+Weights are fused (QKV, gate/up). The forward takes packed varlen tokens and a
+StepContext; KV of the step's tokens is written to the paged pool where the scheduler
+asked for it, and keys of earlier chunks / cached prefixes are gathered from it.
+Only the hidden rows listed in ``ctx.logits_idx`` are returned (final-normed).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teacher_server.model.attention import AttentionBackend
+from teacher_server.model.context import StepContext
+from teacher_server.model.rope import apply_rotary
+from teacher_server.model.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, cast back to x's dtype before the weight (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.spec = spec
+        self.input_norm = nn.Parameter(torch.empty(h, **kw), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.empty(h, **kw), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty(spec.q_size + 2 * spec.kv_size, h, **kw), requires_grad=False)
+        self.qkv_bias = (nn.Parameter(torch.empty(spec.q_size + 2 * spec.kv_size, **kw), requires_grad=False)
+                         if spec.attention_bias else None)
+        self.o_proj = nn.Parameter(torch.empty(h, spec.q_size, **kw), requires_grad=False)
+        self.q_norm = nn.Parameter(torch.empty(d, **kw), requires_grad=False) if spec.qk_norm else None
+        self.k_norm = nn.Parameter(torch.empty(d, **kw), requires_grad=False) if spec.qk_norm else None
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, **kw), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(h, spec.intermediate_size, **kw), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
+                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                attn: AttentionBackend) -> torch.Tensor:
+        spec = self.spec
+        eps, d = spec.rms_norm_eps, spec.head_dim
+        t = x.shape[0]
+        # --- attention ---
+        h = rms_norm(x, self.input_norm, eps)
+        qkv = F.linear(h, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(t, spec.num_heads, d)
+        k = k.view(t, spec.num_kv_heads, d)
+        v = v.view(t, spec.num_kv_heads, d)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, eps)
+            k = rms_norm(k, self.k_norm, eps)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if ctx.write_slots is not None and k_cache is not None:
+            k_cache[ctx.write_slots] = k[ctx.write_src]
+            v_cache[ctx.write_slots] = v[ctx.write_src]
+        if ctx.has_prefix:
+            # Pack [cached prefix | chunk] keys per sequence in cu_k order.
+            kf = k.new_empty(ctx.total_k, spec.num_kv_heads, d)
+            vf = v.new_empty(ctx.total_k, spec.num_kv_heads, d)
+            kf[ctx.new_pos] = k
+            vf[ctx.new_pos] = v
+            kf[ctx.prefix_pos] = k_cache[ctx.prefix_slots]
+            vf[ctx.prefix_pos] = v_cache[ctx.prefix_slots]
+            k, v = kf, vf
+        o = attn(q, k, v, ctx, d ** -0.5, spec.sliding_window)  # [T, Hq, D]
+        x = x + F.linear(o.reshape(t, spec.q_size), self.o_proj)
+        # --- MLP ---
+        h = rms_norm(x, self.post_attn_norm, eps)
+        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tied: bool) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.spec = spec
+        self.tied = tied
+        self.embed = nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(spec, dtype, device) for _ in range(spec.num_layers))
+        self.norm = nn.Parameter(torch.empty(spec.hidden_size, **kw), requires_grad=False)
+        self.lm_head = (self.embed if tied else
+                        nn.Parameter(torch.empty(spec.vocab_size, spec.hidden_size, **kw), requires_grad=False))
+
+    @torch.inference_mode()
+    def forward(self, ctx: StepContext, cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+                attn: AttentionBackend) -> torch.Tensor:
+        """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden]."""
+        x = F.embedding(ctx.input_ids, self.embed)  # [T, hidden]
+        cs = cos_sin[ctx.positions]  # [T, D] float32
+        half = self.spec.head_dim // 2
+        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        for i, layer in enumerate(self.layers):
+            kc, vc = kv_caches[i] if kv_caches else (None, None)
+            x = layer(x, cos, sin, ctx, kc, vc, attn)
+        x = x[ctx.logits_idx]
+        return rms_norm(x, self.norm, self.spec.rms_norm_eps)

@@ -1,0 +1,85 @@
+"""Rotary position embedding: inverse frequencies for each supported scaling, and a
+cos/sin table indexed by absolute position (so chunked prefill needs no per-chunk work)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from teacher_server.model.spec import ModelSpec
+
+
+def inv_freq_and_scale(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """Return ([head_dim // 2] float32 inverse frequencies, attention scaling of cos/sin)."""
+    dim = spec.head_dim
+    base = spec.rope_theta
+    rs = spec.rope_scaling
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = rs.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":
+        return inv_freq / float(rs["factor"]), 1.0
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old_len = float(rs["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(spec, inv_freq)
+    raise ValueError(f"unsupported rope type {kind!r}")
+
+
+def _yarn(spec: ModelSpec, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
+    rs = spec.rope_scaling
+    dim, base = spec.head_dim, spec.rope_theta
+    factor = float(rs["factor"])
+    orig = rs.get("original_max_position_embeddings") or spec.max_position_embeddings
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = rs.get("attention_factor")
+    if attn is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    extra_factor = 1 - ramp
+    interp = inv_freq / factor
+    return interp * (1 - extra_factor) + inv_freq * extra_factor, float(attn)
+
+
+def cos_sin_table(spec: ModelSpec, max_len: int, device: torch.device) -> torch.Tensor:
+    """[max_len, head_dim] float32: first half cos, second half sin (already scaled)."""
+    inv_freq, scale = inv_freq_and_scale(spec)
+    pos = torch.arange(max_len, dtype=torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]  # [max_len, head_dim // 2]
+    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin: [T, 1, D/2] float32. Non-interleaved (rotate-half) layout.
+    Computed in float32 and cast back to x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)

@@ -1,0 +1,121 @@
+"""ModelSpec: the architecture facts read from an HF ``config.json``, validated.
+
+Parsed by hand (no ``transformers`` at run time). Handles both the classic layout
+(``rope_theta`` + ``rope_scaling``) and the newer one (``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# architecture name in config.json -> family
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool | None = None  # None: decided by the presence of lm_head.weight
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    torch_dtype: str | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def non_embedding_params(self) -> int:
+        """Parameters touched per token, excluding the embedding and LM head (for FLOP counts)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        mlp = 3 * h * i
+        return self.num_layers * (attn + mlp)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        archs = d.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            model_type = d.get("model_type")
+            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            arch = by_type.get(model_type) if model_type else None
+        if arch is None:
+            raise UnsupportedModelError(
+                f"unsupported architecture {archs or d.get('model_type')!r}; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES))
+        family = SUPPORTED_ARCHITECTURES[arch]
+        num_heads = int(d["num_attention_heads"])
+        hidden = int(d["hidden_size"])
+        head_dim = d.get("head_dim") or hidden // num_heads
+        rope_params = dict(d.get("rope_parameters") or {})
+        scaling = dict(d.get("rope_scaling") or {})
+        theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        # The newer layout keeps the scaling keys in rope_parameters next to rope_theta.
+        merged = {**{k: v for k, v in rope_params.items() if k != "rope_theta"}, **scaling}
+        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        merged["rope_type"] = rope_type
+        sliding = None
+        if family == "mistral":
+            sliding = d.get("sliding_window")
+        elif family in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+            raise UnsupportedModelError("Qwen sliding-window attention (use_sliding_window=true) is not supported")
+        return cls(
+            family=family,
+            architecture=arch,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            rope_scaling=merged,
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=d.get("tie_word_embeddings"),
+            attention_bias=bool(d.get("attention_bias", family == "qwen2")),
+            qk_norm=family == "qwen3",
+            sliding_window=int(sliding) if sliding else None,
+            torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelSpec":
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        return cls.from_dict(json.loads(cfg.read_text()))
