@@ -1,0 +1,199 @@
+"""Engine: the synchronous prefill-only scoring engine (load, admit, step, finish).
+
+Used directly by the in-process Python API and driven by AsyncEngine's thread in the
+server. Not thread-safe on its own: one thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from teacher_server.config import Config
+from teacher_server.engine.block_manager import BlockManager
+from teacher_server.engine.model_runner import ModelRunner
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
+from teacher_server.engine.sequence import Sequence
+from teacher_server.model.attention import make_backend
+from teacher_server.model.loader import load_model
+from teacher_server.model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slow on CPU, and float32 is the exact path
+    return torch.float16 if str(spec.torch_dtype).replace("torch.", "") == "float16" else torch.bfloat16
+
+
+class Engine:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        self.device = resolve_device(cfg.device)
+        if cfg.model is None:
+            from teacher_server.demo_model import ensure_demo_model
+
+            model_dir = ensure_demo_model(cfg.demo_model_dir)
+            log.warning("no model given: serving the built-in demo model at %s; its weights are RANDOM, "
+                        "its scores are meaningless", model_dir)
+            self.is_demo = True
+        else:
+            model_dir = Path(cfg.model)
+            self.is_demo = False
+        self.model_dir = Path(model_dir)
+        self.spec = ModelSpec.from_dir(self.model_dir)
+        self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")
+        self.max_model_len = cfg.max_model_len or self.spec.max_position_embeddings
+        if cfg.deterministic and self.device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
+        torch.manual_seed(cfg.seed)
+        self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, cfg.load_format, cfg.seed)
+        self.attn = make_backend(cfg.attention_backend, self.device)
+        budget = cfg.max_num_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
+        self.max_num_batched_tokens = budget
+        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(budget)
+        need = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < need:
+            raise RuntimeError(f"KV pool of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one "
+                               f"sequence of max_model_len={self.max_model_len}; lower max_model_len or "
+                               f"raise num_kv_blocks / gpu_memory_utilization")
+        prefix = cfg.enable_prefix_caching and not cfg.deterministic
+        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix)
+        self.scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self.blocks)
+        self.runner = ModelRunner(self.model, self.attn, num_blocks, cfg.block_size, self.max_model_len,
+                                  self.device, cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows)
+        self.prefix_caching = prefix
+        self.seqs: dict[str, Sequence] = {}
+        log.info("engine ready: %s (%s) on %s, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
+                 "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device,
+                 str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,
+                 self.max_model_len, time.perf_counter() - t0)
+
+    def _auto_num_blocks(self, budget: int) -> int:
+        s = self.spec
+        bytes_per_token = 2 * s.num_layers * s.kv_size * torch.finfo(self.dtype).bits // 8
+        min_tokens = max(self.max_model_len, 4 * budget)
+        if self.device.type != "cuda":
+            tokens = 2 * min_tokens
+        else:
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Activations of one step: a generous per-token estimate plus one logits chunk.
+            act = budget * (s.q_size + 2 * s.kv_size + 3 * s.intermediate_size + 6 * s.hidden_size) * 4
+            act += 3 * self.cfg.logits_chunk_rows * s.vocab_size * 4
+            # Packed keys of a long chunked sequence (prefix gathered per layer).
+            act += 2 * self.max_model_len * s.kv_size * 2 * 2
+            avail = free - (1 - self.cfg.gpu_memory_utilization) * total - act - (1 << 30)
+            tokens = int(avail // bytes_per_token)
+            if tokens < min_tokens:
+                log.warning("only %d tokens of KV fit in GPU memory", max(tokens, 0))
+        return max(tokens // self.cfg.block_size, 1)
+
+    # --- requests ----------------------------------------------------------------------
+    def add_request(self, req: ScoreRequest) -> ScoreResult | None:
+        """Queue a validated request. Returns its result at once if it needs no forward."""
+        if req.request_id in self.seqs:
+            raise ValueError(f"duplicate request_id {req.request_id!r}")
+        seq = Sequence(req, self.blocks.block_size, self.prefix_caching)
+        seq.result = self._new_result(req)
+        if seq.num_tokens == 0:
+            seq.result.finished_at = time.monotonic()
+            return seq.result
+        self.seqs[req.request_id] = seq
+        self.scheduler.add(seq)
+        return None
+
+    def _new_result(self, req: ScoreRequest) -> ScoreResult:
+        res = ScoreResult(request_id=req.request_id, prompt_tokens=req.length)
+        if req.candidates is not None:
+            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
+        if req.prompt_logprobs is not None:
+            n = max(req.length - 1, 0)
+            res.plp_token_logprob = np.zeros(n, dtype=np.float32)
+            res.plp_token_rank = np.zeros(n, dtype=np.int64)
+            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
+            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
+        return res
+
+    def abort_request(self, request_id: str, kind: str = "cancelled", message: str = "request cancelled") -> ScoreResult | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.abort(seq)
+        seq.result.error, seq.result.error_kind = message, kind
+        seq.result.finished_at = time.monotonic()
+        return seq.result
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- stepping ----------------------------------------------------------------------
+    def step(self) -> list[ScoreResult]:
+        """Run one forward step. Returns the results of requests that finished (or failed)."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        try:
+            hs = self.runner.prepare(chunks)
+            out = self.runner.execute(hs)
+            self.runner.scatter_results(hs, out)
+        except Exception as e:
+            # Fail only this step's requests; the engine goes on serving.
+            log.exception("forward step failed; failing its %d request(s)", len(chunks))
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            failed = []
+            for c in chunks:
+                r = self.abort_request(c.seq.request_id, "internal", f"inference failed: {type(e).__name__}")
+                if r is not None:
+                    failed.append(r)
+            if _is_fatal(e):
+                raise
+            return failed
+        done = self.scheduler.finish_step(chunks)
+        now = time.monotonic()
+        for seq in done:
+            self.seqs.pop(seq.request_id, None)
+            seq.result.cached_tokens = seq.num_cached
+            seq.result.finished_at = now
+        return [s.result for s in done]
+
+    def run_to_completion(self, reqs: list[ScoreRequest]) -> list[ScoreResult]:
+        """Score a batch synchronously (the in-process API)."""
+        results: dict[str, ScoreResult] = {}
+        for r in reqs:
+            immediate = self.add_request(r)
+            if immediate is not None:
+                results[r.request_id] = immediate
+        while self.has_unfinished():
+            for res in self.step():
+                results[res.request_id] = res
+        return [results[r.request_id] for r in reqs]
+
+
+def _is_fatal(e: Exception) -> bool:
+    """CUDA errors other than out-of-memory leave the context unusable."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return False
+    msg = str(e)
+    return isinstance(e, RuntimeError) and ("CUDA error" in msg or "device-side assert" in msg)

@@ -1,0 +1,188 @@
+"""ModelRunner: owns the model, the KV pool tensors and the attention backend; turns a
+step's chunks into one StepContext (one host-to-device copy), runs the forward and the
+scoring stage, and copies results back into each request's result arrays."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from teacher_server.engine.scoring import ScoringOutput, ScoringPlan, score_rows
+from teacher_server.engine.sequence import Chunk
+from teacher_server.model.attention import AttentionBackend
+from teacher_server.model.context import StepContext
+from teacher_server.model.decoder import DecoderModel
+from teacher_server.model.rope import cos_sin_table
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HostStep:
+    """Host-side arrays of one step, before the single transfer to the device."""
+
+    ints: dict[str, np.ndarray]  # name -> int64 array; concatenated into one buffer
+    q_lens: list[int]
+    k_lens: list[int]
+    total_k: int
+    has_prefix: bool
+    has_writes: bool
+    kmax: int
+    plp_k: int
+    # per chunk: (chunk, rows offset in R, number of logit rows, offset into plp rows, offset into argmax rows)
+    layout: list[tuple[Chunk, int, int, int, int]]
+    plp_rows: np.ndarray
+    argmax_rows: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, attn: AttentionBackend, num_blocks: int, block_size: int,
+                 max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.attn = attn
+        self.device = device
+        self.block_size = block_size
+        self.logits_mode = logits_mode
+        self.chunk_rows = logits_chunk_rows
+        dtype = model.embed.dtype
+        self.cos_sin = cos_sin_table(self.spec, max_model_len + 1, device)  # [len, D] float32
+        slots = num_blocks * block_size
+        # One allocation: [layers, 2 (k/v), slots, kv_heads, head_dim]
+        self.kv = torch.empty(self.spec.num_layers, 2, slots, self.spec.num_kv_heads, self.spec.head_dim,
+                              dtype=dtype, device=device)
+        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.spec.num_layers)]
+
+    # --- prepare ---------------------------------------------------------------------
+    def prepare(self, chunks: list[Chunk]) -> HostStep:
+        ids, pos, wsrc, wslot, newpos, ppos, pslot, lidx = [], [], [], [], [], [], [], []
+        cand_blocks: list[tuple[int, int, np.ndarray]] = []  # (row offset, n rows, [n, K] or [K])
+        plp_rows, plp_act, arg_rows = [], [], []
+        q_lens, k_lens, layout = [], [], []
+        q_off = k_off = r_off = 0
+        kmax = plp_k = 0
+        has_prefix = any(c.start > 0 for c in chunks)
+        for c in chunks:
+            seq, req = c.seq, c.seq.req
+            toks = req.token_ids
+            n = c.end - c.start
+            ids.append(toks[c.start:c.end])
+            pos.append(np.arange(c.start, c.end, dtype=np.int64))
+            q_lens.append(n)
+            k_lens.append(c.end)
+            if c.write_end > c.start:
+                wsrc.append(np.arange(q_off, q_off + c.write_end - c.start, dtype=np.int64))
+                wslot.append(seq.slots(c.start, c.write_end))
+            if has_prefix:
+                newpos.append(np.arange(k_off + c.start, k_off + c.end, dtype=np.int64))
+                if c.start > 0:
+                    ppos.append(np.arange(k_off, k_off + c.start, dtype=np.int64))
+                    pslot.append(seq.slots(0, c.start))
+            lo, hi = c.logit_lo, c.logit_hi
+            nr = max(hi - lo, 0)
+            p_off, a_off = len(plp_rows), len(arg_rows)
+            if nr:
+                lidx.append(np.arange(q_off + lo - c.start, q_off + hi - c.start, dtype=np.int64))
+                # candidate rows: positions [max(lo, start_req), min(hi, L-1))
+                if req.candidates is not None:
+                    kmax = max(kmax, req.k)
+                    a, b = max(lo, req.start), min(hi, req.length - 1)
+                    if b > a:
+                        block = req.candidates[a - req.start:b - req.start] if req.per_row else req.candidates
+                        cand_blocks.append((r_off + a - lo, b - a, block))
+                if req.prompt_logprobs is not None:
+                    a, b = lo, min(hi, req.length - 1)
+                    if b > a:
+                        plp_k = max(plp_k, req.prompt_logprobs)
+                        plp_rows.extend(range(r_off, r_off + b - a))
+                        plp_act.append(toks[a + 1:b + 1])
+                if req.max_tokens >= 1 and hi == req.length:
+                    arg_rows.append(r_off + hi - 1 - lo)
+            layout.append((c, r_off, nr, p_off, a_off))
+            q_off += n
+            k_off += c.end
+            r_off += nr
+        cand = np.full((r_off, kmax), -1, dtype=np.int64)
+        for off, n, block in cand_blocks:
+            cand[off:off + n, :block.shape[-1]] = block
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        ints = {
+            "input_ids": cat(ids).astype(np.int64, copy=False),
+            "positions": cat(pos),
+            "cu_q": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
+            "cu_k": np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
+            "write_src": cat(wsrc),
+            "write_slots": cat(wslot),
+            "new_pos": cat(newpos),
+            "prefix_pos": cat(ppos),
+            "prefix_slots": cat(pslot),
+            "logits_idx": cat(lidx),
+            "cand": cand.reshape(-1),
+            "plp_rows": np.asarray(plp_rows, dtype=np.int64),
+            "plp_actual": cat(plp_act).astype(np.int64, copy=False),
+            "argmax_rows": np.asarray(arg_rows, dtype=np.int64),
+        }
+        return HostStep(ints, q_lens, k_lens, k_off, has_prefix and bool(ppos), bool(wsrc), kmax, plp_k, layout,
+                        ints["plp_rows"], ints["argmax_rows"])
+
+    # --- execute ---------------------------------------------------------------------
+    def execute(self, hs: HostStep) -> ScoringOutput:
+        names = list(hs.ints)
+        sizes = [hs.ints[n].size for n in names]
+        flat = torch.from_numpy(np.concatenate([hs.ints[n] for n in names]))
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        parts = dict(zip(names, torch.split(flat, sizes)))
+        ctx = StepContext(
+            input_ids=parts["input_ids"], positions=parts["positions"],
+            cu_q=parts["cu_q"].to(torch.int32), cu_k=parts["cu_k"].to(torch.int32),
+            max_q=max(hs.q_lens), max_k=max(hs.k_lens), q_lens=hs.q_lens, k_lens=hs.k_lens,
+            write_src=parts["write_src"] if hs.has_writes else None,
+            write_slots=parts["write_slots"] if hs.has_writes else None,
+            new_pos=parts["new_pos"] if hs.has_prefix else None,
+            prefix_pos=parts["prefix_pos"] if hs.has_prefix else None,
+            prefix_slots=parts["prefix_slots"] if hs.has_prefix else None,
+            total_k=hs.total_k, logits_idx=parts["logits_idx"],
+        )
+        hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn)  # [R, H]
+        plan = ScoringPlan(
+            cand=parts["cand"].view(-1, hs.kmax) if hs.kmax else parts["cand"].view(0, 0),
+            kmax=hs.kmax,
+            plp_rows=parts["plp_rows"] if hs.plp_rows.size else None,
+            plp_actual=parts["plp_actual"] if hs.plp_rows.size else None,
+            plp_k=hs.plp_k,
+            argmax_rows=parts["argmax_rows"] if hs.argmax_rows.size else None,
+            plp_rows_host=hs.plp_rows, argmax_rows_host=hs.argmax_rows,
+        )
+        return score_rows(hidden, self.model.lm_head, plan, self.logits_mode, self.chunk_rows)
+
+    # --- results ---------------------------------------------------------------------
+    @staticmethod
+    def scatter_results(hs: HostStep, out: ScoringOutput) -> None:
+        """Copy one step's device results (one transfer each) into the requests' arrays."""
+        to_np = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
+        scores, pa, pr, tv, ti, am = map(to_np, (out.scores, out.plp_actual, out.plp_rank,
+                                                 out.plp_topk_vals, out.plp_topk_ids, out.argmax))
+        for c, r_off, nr, p_off, a_off in hs.layout:
+            seq, req, res = c.seq, c.seq.req, c.seq.result
+            if nr == 0:
+                continue
+            lo, hi = c.logit_lo, c.logit_hi
+            if req.candidates is not None and res.token_id_logprobs is not None:
+                a, b = max(lo, req.start), min(hi, req.length - 1)
+                if b > a:
+                    res.token_id_logprobs[a - req.start:b - req.start] = \
+                        scores[r_off + a - lo:r_off + b - lo, :req.k]
+            if req.prompt_logprobs is not None:
+                a, b = lo, min(hi, req.length - 1)
+                if b > a:
+                    sl = slice(p_off, p_off + b - a)
+                    res.plp_token_logprob[a:b] = pa[sl]
+                    res.plp_token_rank[a:b] = pr[sl]
+                    res.plp_topk_logprobs[a:b] = tv[sl, :req.prompt_logprobs]
+                    res.plp_topk_ids[a:b] = ti[sl, :req.prompt_logprobs]
+            if req.max_tokens >= 1 and hi == req.length:
+                res.next_token = int(am[a_off])

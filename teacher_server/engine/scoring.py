@@ -1,0 +1,96 @@
+"""The scoring stage: hidden states of scored rows -> float32 logits in row chunks ->
+gather-logprob kernel. The full [rows, vocab] matrix never exists beyond one chunk.
+
+Classic ``prompt_logprobs`` (top-k + the actual token, with ranks) and the greedy next
+token reuse the same logits chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from teacher_server.ops.gather_logprob import gather_logprobs
+
+_MM_OUT_DTYPE: bool | None = None  # does torch.mm(..., out_dtype=float32) work here?
+
+
+def lm_head_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[r, H] x [V, H]^T -> [r, V] float32, accumulated and stored in float32 (no bf16
+    rounding of logits: it costs ~0.06 nats at logit 16)."""
+    global _MM_OUT_DTYPE
+    if w.dtype == torch.float32:
+        return h.float() @ w.t()
+    if h.is_cuda and _MM_OUT_DTYPE is not False:
+        try:
+            out = torch.mm(h, w.t(), out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE = False
+    return h.float() @ w.float().t()
+
+
+@dataclass
+class ScoringPlan:
+    """What to compute for the R logit rows of one step (device tensors)."""
+
+    cand: torch.Tensor  # [R, Kmax] int64, -1 = no candidate
+    kmax: int
+    plp_rows: torch.Tensor | None  # [Rp] int64 ascending rows (into R) needing classic prompt_logprobs
+    plp_actual: torch.Tensor | None  # [Rp] int64 actual next token ids
+    plp_k: int  # top-k width for those rows (max over requests)
+    argmax_rows: torch.Tensor | None  # [Ra] int64 ascending rows needing the greedy next token
+    # Host copies of the row lists: chunk boundaries are found on the host (no device sync).
+    plp_rows_host: np.ndarray | None = None
+    argmax_rows_host: np.ndarray | None = None
+
+
+@dataclass
+class ScoringOutput:
+    scores: torch.Tensor | None  # [R, Kmax] float32
+    plp_actual: torch.Tensor | None  # [Rp] float32
+    plp_rank: torch.Tensor | None  # [Rp] int64
+    plp_topk_vals: torch.Tensor | None  # [Rp, plp_k] float32
+    plp_topk_ids: torch.Tensor | None  # [Rp, plp_k] int64
+    argmax: torch.Tensor | None  # [Ra] int64
+
+
+def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
+               chunk_rows: int) -> ScoringOutput:
+    """hidden: [R, H] final-normed; lm_head: [V, H]."""
+    r = hidden.shape[0]
+    dev = hidden.device
+    scores = torch.empty(r, plan.kmax, dtype=torch.float32, device=dev) if plan.kmax else None
+    n_p = 0 if plan.plp_rows is None else plan.plp_rows.numel()
+    n_a = 0 if plan.argmax_rows is None else plan.argmax_rows.numel()
+    plp_actual = torch.empty(n_p, dtype=torch.float32, device=dev) if n_p else None
+    plp_rank = torch.empty(n_p, dtype=torch.int64, device=dev) if n_p else None
+    topv = torch.empty(n_p, plan.plp_k, dtype=torch.float32, device=dev) if n_p else None
+    topi = torch.empty(n_p, plan.plp_k, dtype=torch.int64, device=dev) if n_p else None
+    argmax = torch.empty(n_a, dtype=torch.int64, device=dev) if n_a else None
+    for r0 in range(0, r, chunk_rows):
+        r1 = min(r0 + chunk_rows, r)
+        logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, V] float32
+        if scores is not None:
+            scores[r0:r1] = gather_logprobs(logits, plan.cand[r0:r1], logits_mode=logits_mode)
+        if n_p:
+            a, b = np.searchsorted(plan.plp_rows_host, [r0, r1])
+            if b > a:
+                sub = logits[plan.plp_rows[a:b] - r0]  # [p, V]
+                act = sub.gather(1, plan.plp_actual[a:b, None])  # [p, 1]
+                plp_rank[a:b] = (sub > act).sum(-1) + 1
+                lse = 0.0 if logits_mode else torch.logsumexp(sub, dim=-1, keepdim=True)
+                plp_actual[a:b] = (act - lse).squeeze(1)
+                if plan.plp_k:
+                    v, i = sub.topk(plan.plp_k, dim=-1)
+                    topv[a:b] = v - lse
+                    topi[a:b] = i
+        if n_a:
+            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
+            if b > a:
+                argmax[a:b] = logits[plan.argmax_rows[a:b] - r0].argmax(-1)
+        del logits
+    return ScoringOutput(scores, plp_actual, plp_rank, topv, topi, argmax)

@@ -1,0 +1,97 @@
+"""Tiny random checkpoints of every supported family (written with transformers'
+save_pretrained) and the float32 transformers reference the engine is checked against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+FAMILIES = ("llama", "llama3rope", "qwen2", "qwen3", "mistral", "qwen3tied", "qwen2yarn")
+
+
+def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096) -> Path:
+    """Save a tiny random model of ``family`` to ``path`` (float32 safetensors)."""
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                  rms_norm_eps=1e-6)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common, rope_theta=10000.0)
+        cls = tf.LlamaForCausalLM
+    elif family == "llama3rope":
+        cfg = tf.LlamaConfig(**common, rope_theta=500000.0,
+                             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        cls = tf.LlamaForCausalLM
+    elif family == "qwen2":
+        cfg = tf.Qwen2Config(**common, rope_theta=1000000.0)
+        cls = tf.Qwen2ForCausalLM
+    elif family == "qwen2yarn":
+        cfg = tf.Qwen2Config(**common, rope_theta=10000.0,
+                             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+        cls = tf.Qwen2ForCausalLM
+    elif family in ("qwen3", "qwen3tied"):
+        cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=family == "qwen3tied")
+        cls = tf.Qwen3ForCausalLM
+    elif family == "mistral":
+        cfg = tf.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+        cls = tf.MistralForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():  # make norms and biases non-trivial so every weight matters
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    key = f"{path}:{dtype}"
+    if key not in _MODELS:
+        import transformers as tf
+
+        _MODELS[key] = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+    return _MODELS[key]
+
+
+@torch.no_grad()
+def reference_logprobs(path: Path, token_ids: list[int]) -> np.ndarray:
+    """[L, V] float64 log-probs of the float32 transformers forward; row p predicts token p+1."""
+    model = hf_model(path)
+    logits = model(torch.tensor([token_ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def reference_scores(path: Path, token_ids: list[int], cand, start: int, logits_mode: bool = False) -> np.ndarray:
+    """The [rows, K] matrix the contract defines, from the transformers reference."""
+    n = len(token_ids)
+    rows = max(n - 1 - start, 0)
+    cand = np.asarray(cand)
+    k = cand.shape[-1]
+    if rows == 0:
+        return np.zeros((0, k), dtype=np.float32)
+    if logits_mode:
+        model = hf_model(path)
+        with torch.no_grad():
+            lp = model(torch.tensor([token_ids])).logits[0].double().numpy()
+    else:
+        lp = reference_logprobs(path, token_ids)
+    out = np.empty((rows, k), dtype=np.float64)
+    for i in range(rows):
+        c = cand[i] if cand.ndim == 2 else cand
+        row = lp[start + i]
+        out[i] = np.where(c >= 0, row[np.clip(c, 0, None)], -np.inf)
+    return out.astype(np.float32)
