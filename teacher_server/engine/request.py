@@ -74,4 +74,5 @@ class ScoreResult:
     cached_tokens: int = 0
     error: str | None = None
     error_kind: str | None = None  # "timeout", "cancelled", "internal", "overloaded"
+    scheduled_at: float = 0.0  # first step that computed it (time.monotonic())
     finished_at: float = 0.0

@@ -13,6 +13,7 @@ Policy, each step:
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from teacher_server.engine.block_manager import BlockManager
@@ -104,6 +105,8 @@ class Scheduler:
             seq.block_table = list(hit)
             seq.num_computed = seq.num_cached = cached
             seq.num_registered = len(hit)
+            if seq.result is not None:
+                seq.result.scheduled_at = time.monotonic()
             chunks.append(self._take(seq, n))
             budget -= n
             admitted.append(i)

@@ -1,0 +1,3 @@
+from teacher_server.cli import main
+
+main()

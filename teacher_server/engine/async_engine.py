@@ -1,0 +1,195 @@
+"""AsyncEngine: runs the Engine in one dedicated thread and exposes ``await score(req)``.
+
+The event loop never runs GPU work. Requests and aborts cross into the engine thread
+through a queue; results come back through ``loop.call_soon_threadsafe``. Admission
+control (bounded queue of requests and tokens) happens here, at the edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+
+log = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """The queue is full (requests or tokens); the client should retry later."""
+
+
+class EngineUnavailable(Exception):
+    """The engine is draining for shutdown or has died."""
+
+
+@dataclass
+class _Pending:
+    req: ScoreRequest
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, max_queue_requests: int, max_queue_tokens: int,
+                 on_step: Callable[[Engine, list[ScoreResult]], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.engine = engine
+        self.max_queue_requests = max_queue_requests
+        self.max_queue_tokens = max_queue_tokens
+        self.on_step = on_step
+        self.on_fatal = on_fatal
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}  # engine-thread owned after admission
+        self._lock = threading.Lock()
+        self._queued_requests = 0  # admitted and not finished (guarded by _lock)
+        self._queued_tokens = 0
+        self._stop = threading.Event()
+        self.accepting = True
+        self.alive = True
+        self.fatal_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="teacher-engine", daemon=True)
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return self._queued_requests
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until in-flight requests finish (True) or the timeout passes (False)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    # --- requests ----------------------------------------------------------------------
+    async def score(self, req: ScoreRequest) -> ScoreResult:
+        """Queue a request and wait for its result. Cancelling the awaiting task aborts it
+        and frees its KV blocks."""
+        if not self.alive:
+            raise EngineUnavailable(self.fatal_error or "engine is not running")
+        if not self.accepting:
+            raise EngineUnavailable("server is shutting down")
+        with self._lock:
+            if (self._queued_requests + 1 > self.max_queue_requests
+                    or self._queued_tokens + req.length > self.max_queue_tokens):
+                raise EngineOverloaded(f"queue full ({self._queued_requests} requests, "
+                                       f"{self._queued_tokens} tokens)")
+            self._queued_requests += 1
+            self._queued_tokens += req.length
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._inbox.put(("add", _Pending(req, fut, loop)))
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._inbox.put(("abort", req.request_id))
+            raise
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # --- engine thread -----------------------------------------------------------------
+    def _release(self, req: ScoreRequest) -> None:
+        with self._lock:
+            self._queued_requests -= 1
+            self._queued_tokens -= req.length
+
+    def _deliver(self, res: ScoreResult) -> None:
+        p = self._pending.pop(res.request_id, None)
+        if p is None:
+            return
+        self._release(p.req)
+
+        def _set(f: asyncio.Future = p.future, r: ScoreResult = res) -> None:
+            if not f.done():
+                f.set_result(r)
+        try:
+            p.loop.call_soon_threadsafe(_set)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    def _handle(self, msg: tuple) -> None:
+        kind, arg = msg
+        if kind == "add":
+            p: _Pending = arg
+            rid = p.req.request_id
+            if rid in self._pending:
+                res = ScoreResult(rid, p.req.length, error=f"duplicate request_id {rid!r} in flight",
+                                  error_kind="conflict")
+                self._release(p.req)
+                p.loop.call_soon_threadsafe(lambda: p.future.done() or p.future.set_result(res))
+                return
+            self._pending[rid] = p
+            try:
+                immediate = self.engine.add_request(p.req)
+            except Exception as e:  # a request the engine refuses must not stop the thread
+                log.exception("request %s rejected by the engine", rid)
+                immediate = ScoreResult(rid, p.req.length, error=str(e), error_kind="internal")
+            if immediate is not None:
+                self._deliver(immediate)
+        elif kind == "abort":
+            res = self.engine.abort_request(arg)
+            if res is not None:
+                self._deliver(res)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid, p in list(self._pending.items()):
+            if p.req.deadline is not None and now > p.req.deadline:
+                res = self.engine.abort_request(rid, "timeout", "request deadline exceeded")
+                if res is not None:
+                    self._deliver(res)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                block = not self.engine.has_unfinished()
+                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                if msg is None:
+                    continue
+                self._handle(msg)
+                while True:  # take everything queued before the next step
+                    msg = self._inbox.get_nowait()
+                    if msg is not None:
+                        self._handle(msg)
+            except queue.Empty:
+                pass
+            try:
+                self._expire()
+                if not self.engine.has_unfinished():
+                    continue
+                results = self.engine.step()
+                if self.on_step is not None:
+                    self.on_step(self.engine, results)
+                for res in results:
+                    self._deliver(res)
+            except BaseException as e:  # fatal: the step already failed its own requests
+                log.critical("engine cannot recover: %s", e)
+                self.alive = False
+                self.fatal_error = f"engine failed: {type(e).__name__}"
+                for rid in list(self._pending):
+                    p = self._pending[rid]
+                    self._deliver(ScoreResult(rid, p.req.length, error=self.fatal_error, error_kind="internal"))
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
+                return

@@ -1,0 +1,136 @@
+"""In-process Python API, shaped like vLLM's ``LLM`` so teacher-scoring code written for
+vLLM runs with only its import changed::
+
+    from teacher_server import LLM, SamplingParams, TokensPrompt
+
+    out = LLM(model_dir).generate(
+        TokensPrompt(prompt_token_ids=ids),
+        SamplingParams(max_tokens=1, prompt_logprob_token_ids=cands, prompt_logprob_start=len(prompt) - 1),
+    )[0].prompt_token_id_logprobs          # np.ndarray [rows, K] float32
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+import numpy as np
+
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreResult
+from teacher_server.validation import Limits, build_request
+
+
+class TokensPrompt(TypedDict, total=False):
+    prompt_token_ids: list[int]
+    cache_salt: str
+
+
+@dataclass
+class SamplingParams:
+    """The vLLM fields that matter for scoring; other vLLM sampling fields are accepted
+    as keyword arguments and do not change the scores."""
+
+    max_tokens: int = 1
+    prompt_logprob_token_ids: Any = None  # [K], [rows, K] (-1 pads), or base64 .npy
+    prompt_logprob_start: int | None = None
+    prompt_logprobs: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, max_tokens: int = 1, prompt_logprob_token_ids: Any = None,
+                 prompt_logprob_start: int | None = None, prompt_logprobs: int | None = None,
+                 **ignored: Any) -> None:
+        self.max_tokens = max_tokens
+        self.prompt_logprob_token_ids = prompt_logprob_token_ids
+        self.prompt_logprob_start = prompt_logprob_start
+        self.prompt_logprobs = prompt_logprobs
+        self.extra = ignored
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = "length"
+    text: str = ""
+    logprobs: None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_token_id_logprobs: np.ndarray | None  # [rows, K] float32
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+class LLM:
+    """The scoring engine in this process. ``model`` is an HF checkpoint directory
+    (None: the built-in demo model); keyword arguments are Config fields."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        cfg = kwargs.pop("config", None) or Config.load(overrides={"model": model, **kwargs}, env={})
+        self.config = cfg
+        self.engine = Engine(cfg)
+        self.limits = Limits(self.engine.spec.vocab_size, self.engine.max_model_len, cfg.max_logprobs,
+                             cfg.max_rows_x_k)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: TokensPrompt | Sequence[TokensPrompt] | Sequence[int],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False, **_: Any) -> list[RequestOutput]:
+        """Score each prompt; one RequestOutput per prompt, in order. Invalid input raises
+        ``teacher_server.validation.BadRequest`` (a ValueError) naming the field."""
+        if isinstance(prompts, dict) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = [p if isinstance(p, dict) else {"prompt_token_ids": list(p)} for p in prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(sps) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts and {len(sps)} sampling params")
+        reqs = [build_request(token_ids=p["prompt_token_ids"], limits=self.limits,
+                              candidates=sp.prompt_logprob_token_ids, start=sp.prompt_logprob_start,
+                              prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
+                              request_id=str(next(self._ids)), cache_salt=p.get("cache_salt"))
+                for p, sp in zip(prompts, sps)]
+        results = self.engine.run_to_completion(reqs)
+        return [self._output(r, res) for r, res in zip(reqs, results)]
+
+    def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Any, start: int = 0) -> np.ndarray:
+        """Convenience: the [rows, K] float32 matrix for one sequence."""
+        out = self.generate({"prompt_token_ids": list(np.asarray(token_ids).tolist())},
+                            SamplingParams(max_tokens=0, prompt_logprob_token_ids=candidates,
+                                           prompt_logprob_start=start))
+        return out[0].prompt_token_id_logprobs
+
+    @staticmethod
+    def _output(req: Any, res: ScoreResult) -> RequestOutput:
+        if res.error is not None:
+            raise RuntimeError(f"request {req.request_id} failed: {res.error}")
+        plp = None
+        if req.prompt_logprobs is not None:
+            toks = req.token_ids.tolist()
+            plp = [None]
+            for j in range(1, len(toks)):
+                d = {toks[j]: Logprob(float(res.plp_token_logprob[j - 1]), int(res.plp_token_rank[j - 1]))}
+                for r, (t, v) in enumerate(zip(res.plp_topk_ids[j - 1].tolist(),
+                                               res.plp_topk_logprobs[j - 1].tolist()), start=1):
+                    d.setdefault(t, Logprob(v, r))
+                plp.append(d)
+        nxt = [res.next_token] if req.max_tokens and res.next_token is not None else []
+        return RequestOutput(req.request_id, req.token_ids.tolist(), [CompletionOutput(0, nxt)],
+                             res.token_id_logprobs, plp, res.cached_tokens)

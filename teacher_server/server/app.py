@@ -1,0 +1,353 @@
+"""The HTTP server: a thin FastAPI layer over AsyncEngine.
+
+``create_app(config)`` builds the app; the engine is created in the lifespan and lives
+in ``app.state``. Validation errors are 400 in vLLM's error shape (never FastAPI's 422).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+import numpy as np
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from teacher_server import __version__
+from teacher_server.config import Config
+from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreResult
+from teacher_server.server.metrics import Metrics
+from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
+from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
+
+log = logging.getLogger("teacher_server.server")
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestEntityTooLarge",
+                429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError",
+                503: "ServiceUnavailableError", 504: "TimeoutError"}
+NEG_INF_JSON = -9999.0  # JSON has no infinity; vLLM clients expect this value
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param,
+                      "code": status}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
+                    media_type="application/json")
+
+
+def encode_npy(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _finite(x: float) -> float:
+    return NEG_INF_JSON if not math.isfinite(x) else x
+
+
+def format_prompt_logprobs(req_tokens: np.ndarray, res: ScoreResult) -> list:
+    """vLLM's classic layout: entry 0 null; entry j maps token ids to {logprob, rank,
+    decoded_token}, the actual token j first, then the top-k by rank."""
+    out: list = [None]
+    toks = req_tokens.tolist()
+    lp, rk = res.plp_token_logprob.tolist(), res.plp_token_rank.tolist()
+    ids, vals = res.plp_topk_ids.tolist(), res.plp_topk_logprobs.tolist()
+    for j in range(1, len(toks)):
+        a = toks[j]
+        entry = {str(a): {"logprob": _finite(lp[j - 1]), "rank": rk[j - 1], "decoded_token": None}}
+        for r, (t, v) in enumerate(zip(ids[j - 1], vals[j - 1]), start=1):
+            if t != a:
+                entry[str(t)] = {"logprob": _finite(v), "rank": r, "decoded_token": None}
+        out.append(entry)
+    return out
+
+
+def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine) -> FastAPI:
+    """Build the service. The engine is made in the lifespan (startup), not at import."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        engine = await asyncio.to_thread(engine_factory, cfg)
+        metrics = Metrics(engine.served_model_name)
+        app.state.engine = engine
+        app.state.metrics = metrics
+        app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k)
+        app.state.aengine = AsyncEngine(engine, cfg.max_queue_requests, cfg.max_queue_tokens,
+                                        on_step=lambda e, results: _on_step(metrics, e, results),
+                                        on_fatal=lambda exc: _on_fatal(app, exc))
+        app.state.aengine.start()
+        app.state.started = int(time.time())
+        metrics.labels(metrics.healthy).set(1)
+        try:
+            yield
+        finally:
+            ae: AsyncEngine = app.state.aengine
+            ae.stop_accepting()
+            if ae.in_flight:
+                log.info("draining %d in-flight request(s) (timeout %.0fs)", ae.in_flight, cfg.shutdown_timeout_s)
+                drained = await ae.drain(cfg.shutdown_timeout_s)
+                if not drained:
+                    log.warning("shutdown timeout: %d request(s) still in flight", ae.in_flight)
+            ae.shutdown()
+
+    app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan,
+                  description="Teacher log-probs of student candidates for on-policy distillation "
+                              "(vLLM teacher-scoring compatible).")
+
+    # --- errors --------------------------------------------------------------------------
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _pydantic_error(exc.errors())
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, "internal server error")
+
+    # --- auth + body limit ---------------------------------------------------------------
+    open_paths = {"/health"} if cfg.auth_exempt_health else set()
+    if cfg.auth_exempt_metrics:
+        open_paths.add("/metrics")
+    api_key = cfg.api_key or os.environ.get("TEACHER_SERVER_API_KEY") or None
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):  # noqa: ANN202
+        if api_key is not None and request.url.path not in open_paths:
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key")
+        return await call_next(request)
+
+    # --- routes --------------------------------------------------------------------------
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health(request: Request) -> Response:
+        """200 when the engine can serve, 503 otherwise (starting, draining or failed)."""
+        ae: AsyncEngine | None = getattr(request.app.state, "aengine", None)
+        if ae is None or not ae.alive or not ae.accepting:
+            return error_response(503, "engine is not ready" if ae is None or ae.alive else ae.fatal_error or "down")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        e: Engine = request.app.state.engine
+        return {"object": "list", "data": [{
+            "id": e.served_model_name, "object": "model", "created": request.app.state.started,
+            "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        m: Metrics = request.app.state.metrics
+        _refresh_gauges(m, request.app.state.engine)
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/inference/v1/generate", response_model=GenerateResponse,
+              responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
+                         404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
+                         429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}})
+    async def generate(request: Request) -> Response:
+        """Score `token_ids`: one prefill, no sampling. Returns the teacher's log-probs of the
+        candidates as a base64 `.npy` float32 [rows, K] matrix, rows = len(token_ids) - 1 - start."""
+        t0 = time.monotonic()
+        m: Metrics = request.app.state.metrics
+        resp = await _generate(request, cfg, t0)
+        m.labels(m.requests, status=str(resp.status_code)).inc()
+        m.labels(m.e2e).observe(time.monotonic() - t0)
+        return resp
+
+    _register_schemas(app)
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+        chunks.append(part)
+    return b"".join(chunks)
+
+
+async def _generate(request: Request, cfg: Config, t0: float) -> Response:
+    app = request.app
+    m: Metrics = app.state.metrics
+    engine: Engine = app.state.engine
+    ae: AsyncEngine = app.state.aengine
+    try:
+        if not ae.accepting or not ae.alive:
+            raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
+        raw = await _read_body(request, cfg.max_body_bytes)
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadRequest("request body is not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise BadRequest("request body must be a JSON object")
+        try:
+            body = GenerateRequest.model_validate(obj)
+        except ValidationError as e:
+            return _pydantic_error(e.errors())
+        if body.model is not None and body.model != engine.served_model_name:
+            return error_response(404, f"model {body.model[:200]!r} does not exist; this server serves "
+                                       f"{engine.served_model_name!r}", "model")
+        if body.stream:
+            raise BadRequest(STREAM_MESSAGE, "stream")
+        sp = body.sampling_params
+        req = build_request(
+            token_ids=body.token_ids, limits=app.state.limits, candidates=sp.prompt_logprob_token_ids,
+            start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
+            request_id=body.request_id, cache_salt=body.cache_salt, priority=body.priority,
+            truncate_prompt_tokens=sp.truncate_prompt_tokens)
+        if cfg.request_timeout_s is not None:
+            req.deadline = t0 + cfg.request_timeout_s
+        task = asyncio.ensure_future(ae.score(req))
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+        if task not in done:  # the client went away: drop its work and free its KV
+            task.cancel()
+            m.labels(m.failures, reason="disconnected").inc()
+            return error_response(499, "client disconnected")
+        res = task.result()
+    except BadRequest as e:
+        m.labels(m.failures, reason="validation" if e.status == 400 else "too_large").inc()
+        return error_response(e.status, e.message, e.param)
+    except EngineOverloaded as e:
+        m.labels(m.failures, reason="overloaded").inc()
+        return error_response(429, str(e), headers={"Retry-After": "1"})
+    except EngineUnavailable as e:
+        m.labels(m.failures, reason="unavailable").inc()
+        return error_response(503, str(e), headers={"Retry-After": "5"})
+    if res.error is not None:
+        status = {"timeout": 504, "cancelled": 499, "conflict": 409}.get(res.error_kind, 500)
+        m.labels(m.failures, reason=res.error_kind or "internal").inc()
+        return error_response(status, res.error)
+    m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
+    if res.scheduled_at:
+        m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
+    m.labels(m.prompt_tokens).inc(req.length)
+    m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
+    return _json(_response_body(body, req, res, engine.served_model_name))
+
+
+def _response_body(body: GenerateRequest, req, res: ScoreResult, model_name: str) -> dict:  # noqa: ANN001
+    mt = req.max_tokens
+    out = {
+        "request_id": req.request_id,
+        "model": model_name,
+        "created": int(time.time()),
+        "choices": [{"index": 0, "token_ids": [res.next_token] if mt and res.next_token is not None else [],
+                     "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": req.length, "completion_tokens": mt, "total_tokens": req.length + mt,
+                  "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
+        "prompt_logprobs": format_prompt_logprobs(req.token_ids, res) if req.prompt_logprobs is not None else None,
+        "prompt_token_id_logprobs": encode_npy(res.token_id_logprobs) if res.token_id_logprobs is not None else None,
+    }
+    if body.return_token_ids:
+        out["prompt_token_ids"] = req.token_ids.tolist()
+    return out
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+
+
+def _pydantic_error(errors: list) -> Response:
+    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
+    # Drop union-branch markers pydantic adds (e.g. 'list[int]'), keep field names and indices.
+    loc = [p for p in loc if not ("[" in p or p in ("str", "int", "bool", "float"))]
+    param = ".".join(p for p in loc if not p.isdigit()) or None
+    where = ".".join(loc) or "body"
+    msg = str(e.get("msg", "invalid value"))
+    if e.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    elif e.get("type") == "missing":
+        msg = "field required"
+    return error_response(400, f"{where}: {msg}"[:500], param)
+
+
+def _refresh_gauges(m: Metrics, engine: Engine) -> None:
+    s, bm = engine.scheduler, engine.blocks
+    m.labels(m.waiting).set(s.num_waiting)
+    m.labels(m.running).set(s.num_running)
+    m.labels(m.kv_usage).set(bm.num_used / bm.num_blocks)
+
+
+def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
+    m.labels(m.steps).inc()
+    bm = engine.blocks
+    dq, dh = bm.query_tokens - getattr(m, "_last_q", 0), bm.hit_tokens - getattr(m, "_last_h", 0)
+    m._last_q, m._last_h = bm.query_tokens, bm.hit_tokens
+    if dq:
+        m.labels(m.prefix_queries).inc(dq)
+    if dh:
+        m.labels(m.prefix_hits).inc(dh)
+    _refresh_gauges(m, engine)
+
+
+def _on_fatal(app: FastAPI, exc: BaseException) -> None:
+    """The engine cannot recover: report unhealthy and ask the process to exit so the
+    orchestrator restarts it."""
+    m: Metrics = app.state.metrics
+    m.labels(m.healthy).set(0)
+    log.critical("engine failed (%s); exiting", exc)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _register_schemas(app: FastAPI) -> None:
+    """Put the request model's nested schemas into components (the body is read by hand)."""
+    original = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        full = GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in full.pop("$defs", {}).items():
+            comps.setdefault(name, sub)
+        comps.setdefault("GenerateRequest", full)
+        body = schema["paths"]["/inference/v1/generate"]["post"]["requestBody"]
+        body["content"]["application/json"]["schema"] = {"$ref": "#/components/schemas/GenerateRequest"}
+        return schema
+
+    app.openapi = openapi

@@ -1,0 +1,39 @@
+"""Prometheus metrics, named in vLLM's style under the ``teacher_server_`` prefix.
+Each app has its own registry (several apps can live in one process, as in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, p = self.registry, "teacher_server_"
+        lab = ["model_name"]
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued, not yet scheduled.", lab, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests part-way through prefill.", lab, registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lab, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
+        self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model (excludes cache hits).",
+                                       lab, registry=r)
+        self.scored_rows = Counter(p + "scored_rows", "Scored rows (result matrix rows) returned.", lab, registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Cacheable prompt tokens looked up.", lab, registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served from the prefix cache.", lab,
+                                   registry=r)
+        self.requests = Counter(p + "requests", "Finished HTTP scoring requests by status code.",
+                                lab + ["status"], registry=r)
+        self.failures = Counter(p + "request_failures", "Failed requests by reason.", lab + ["reason"], registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to response.", lab, buckets=_LAT, registry=r)
+        self.queue_time = Histogram(p + "request_queue_time_seconds", "Arrival to first scheduled step.", lab,
+                                    buckets=_LAT, registry=r)
+        self.inference_time = Histogram(p + "request_inference_time_seconds", "First scheduled step to finish.",
+                                        lab, buckets=_LAT, registry=r)
+        self.steps = Counter(p + "engine_steps", "Forward steps run.", lab, registry=r)
+        self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", lab, registry=r)
+        self.model_name = model_name
+
+    def labels(self, metric, **kw):  # noqa: ANN001, ANN201
+        return metric.labels(model_name=self.model_name, **kw)

@@ -1,0 +1,109 @@
+"""Pydantic models of the HTTP API (they also make the OpenAPI page)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+class SamplingParams(BaseModel):
+    """vLLM sampling parameters. Only the scoring fields change the result."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_logprob_token_ids: list[StrictInt] | list[list[StrictInt]] | StrictStr | None = Field(
+        None, description="Candidates: a flat list of K ids shared by every scored row, a list of `rows` "
+                          "lists of K ids (-1 pads), or a base64 `.npy` int32/int64 array of shape [K] or [rows, K].")
+    prompt_logprob_start: StrictInt | None = Field(
+        None, description="First scored causal row (default 0); typically len(prompt) - 1.")
+    prompt_logprobs: StrictInt | None = Field(
+        None, description="Classic per-position top-k (teacher's top-k plus the actual token).")
+    max_tokens: StrictInt | None = Field(
+        1, description="0 or 1; 1 also returns the greedy next token. This server does not generate.")
+    truncate_prompt_tokens: StrictInt | None = Field(None, description="Not supported: inputs are never truncated.")
+    # Accepted for compatibility; they do not change the scores.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    logprobs: int | None = None
+    detokenize: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    output_kind: Any = None
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    n: int | None = None
+    best_of: int | None = None
+    flat_logprobs: bool | None = None
+    logits_processors: Any = None
+
+
+class GenerateRequest(BaseModel):
+    """Body of `POST /inference/v1/generate` (vLLM's tokens-in endpoint)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[StrictInt] = Field(..., description="Prompt ids followed by response ids (at least one).")
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    request_id: StrictStr | None = Field(None, description="Echoed back; generated when absent.")
+    model: StrictStr | None = Field(None, description="Must name the served model.")
+    stream: StrictBool = False
+    cache_salt: StrictStr | None = Field(None, description="Isolates prefix-cache entries between tenants.")
+    priority: StrictInt = Field(0, description="Lower values are scheduled earlier.")
+    return_token_ids: StrictBool | None = Field(None, description="Echo `prompt_token_ids`.")
+
+
+class Choice(BaseModel):
+    index: int = 0
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class GenerateResponse(BaseModel):
+    request_id: str
+    model: str
+    created: int
+    choices: list[Choice]
+    usage: Usage
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Field(
+        None, description="Classic per-position logprobs: first entry null; actual token first, then top-k.")
+    prompt_token_id_logprobs: str | None = Field(
+        None, description="base64 of np.save bytes of the [rows, K] float32 matrix.")
+    prompt_token_ids: list[int] | None = None
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
