@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny checkpoints of every family, and live servers on loopback."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import make_checkpoint  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (runs on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:  # noqa: ANN001
+    """family -> directory, made lazily on first use."""
+    root = tmp_path_factory.mktemp("ckpt")
+
+    class Lazy(dict):
+        def __missing__(self, fam: str) -> Path:
+            p = make_checkpoint(fam, root / fam)
+            self[fam] = p
+            return p
+
+    return Lazy()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """A real uvicorn server on 127.0.0.1 in a background thread."""
+
+    def __init__(self, cfg) -> None:  # noqa: ANN001
+        import uvicorn
+
+        from teacher_server.server.app import create_app
+
+        self.cfg = cfg
+        self.app = create_app(cfg)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
+                                                    access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.server.started:
+                return self
+            if not self.thread.is_alive():
+                raise RuntimeError("server failed to start")
+            time.sleep(0.05)
+        raise RuntimeError("server did not start in time")
+
+    def __exit__(self, *exc) -> None:  # noqa: ANN002
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    def client(self, **kw) -> httpx.Client:  # noqa: ANN003
+        return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory):  # noqa: ANN001, ANN201
+    """The built-in demo model served on CPU (its own cache dir)."""
+    from teacher_server.config import Config
+
+    cfg = Config(demo_model_dir=str(tmp_path_factory.mktemp("demo") / "m"), device="cpu",
+                 max_num_batched_tokens=512, num_kv_blocks=4096, max_model_len=8192, max_logprobs=64)
+    with LiveServer(cfg) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def qwen3_server(checkpoints):  # noqa: ANN001, ANN201
+    """A tiny Qwen3 checkpoint served with a small budget, so long sequences are chunked."""
+    from teacher_server.config import Config
+
+    cfg = Config(model=str(checkpoints["qwen3"]), device="cpu", max_num_batched_tokens=96, block_size=8,
+                 num_kv_blocks=512, max_model_len=1024, max_logprobs=64)
+    with LiveServer(cfg) as s:
+        yield s

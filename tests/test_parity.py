@@ -1,0 +1,169 @@
+"""The engine's matrix equals transformers' float32 log_softmax gathered at the same ids,
+for every supported family, both candidate forms, edge starts, and chunked sequences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import FAMILIES, hf_model, reference_logprobs, reference_scores
+
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest
+
+VOCAB = 512
+TOL = 1e-4  # float32 engine vs float32 transformers; the contract bound is 1e-3
+
+
+def make_requests(rng: np.random.Generator, k: int = 6) -> list[ScoreRequest]:
+    """Flat and per-row candidates, start in {0, len-2, len-1, beyond the end, inside},
+    lengths from 1 to long enough to be chunked several times at a 32-token budget."""
+    reqs = []
+    specs = [(1, 0), (2, 0), (7, 5), (7, 6), (7, 10), (40, 0), (40, 38), (150, 17), (150, 0), (97, 64), (130, 129)]
+    for j, (n, start) in enumerate(specs):
+        toks = rng.integers(0, VOCAB, n)
+        rows = max(n - 1 - start, 0)
+        if j % 2:
+            cand = np.stack([rng.choice(VOCAB, k, replace=False) for _ in range(rows)]) if rows else np.zeros((0, k), np.int64)
+            if rows:
+                cand[rng.random((rows, k)) < 0.2] = -1
+        else:
+            cand = rng.choice(VOCAB, k, replace=False)
+        reqs.append(ScoreRequest(f"r{j}", toks, start, cand, max_tokens=1))
+    return reqs
+
+
+def check(path, reqs, results, tol: float = TOL, logits_mode: bool = False) -> float:  # noqa: ANN001
+    worst = 0.0
+    for q, r in zip(reqs, results):
+        assert r.error is None, r.error
+        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start, logits_mode)
+        got = r.token_id_logprobs
+        assert got.shape == (q.rows, q.k) and got.dtype == np.float32
+        fin = np.isfinite(ref)
+        np.testing.assert_array_equal(np.isfinite(got), fin)
+        assert (got[~fin] == -np.inf).all()
+        if fin.any():
+            worst = max(worst, float(np.abs(got[fin] - ref[fin]).max()))
+        # greedy next token = argmax of the last row of the reference
+        last = reference_logprobs(path, q.token_ids.tolist())[-1]
+        assert last[r.next_token] >= last.max() - 1e-5
+    assert worst < tol, worst
+    return worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_cpu(family: str, checkpoints) -> None:  # noqa: ANN001
+    path = checkpoints[family]
+    eng = Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=32, block_size=8,
+                        num_kv_blocks=256, max_model_len=512))
+    reqs = make_requests(np.random.default_rng(hash(family) % 1000))
+    check(path, reqs, eng.run_to_completion(reqs))
+
+
+def test_sliding_window_mistral(tmp_path) -> None:  # noqa: ANN001
+    """Mistral with a sliding window shorter than the sequence, across chunk boundaries."""
+    import transformers as tf
+
+    cfg = tf.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=24,
+                           max_position_embeddings=512)
+    torch.manual_seed(0)
+    tf.MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    model = hf_model(tmp_path)
+    model.config._attn_implementation = "sdpa"
+    eng = Engine(Config(model=str(tmp_path), device="cpu", max_num_batched_tokens=32, block_size=8,
+                        num_kv_blocks=256, max_model_len=512))
+    reqs = make_requests(np.random.default_rng(5))
+    check(tmp_path, reqs, eng.run_to_completion(reqs))
+
+
+def test_logits_mode(checkpoints) -> None:  # noqa: ANN001
+    path = checkpoints["qwen3"]
+    eng = Engine(Config(model=str(path), device="cpu", logprobs_mode="raw_logits", max_num_batched_tokens=64,
+                        num_kv_blocks=128, block_size=8, max_model_len=512))
+    reqs = make_requests(np.random.default_rng(1))
+    check(path, reqs, eng.run_to_completion(reqs), logits_mode=True)
+
+
+def test_prompt_logprobs_and_candidates_agree(checkpoints) -> None:  # noqa: ANN001
+    path = checkpoints["llama"]
+    eng = Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=16, num_kv_blocks=128,
+                        block_size=8, max_model_len=512))
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, VOCAB, 60)
+    start = 20
+    cand = np.stack([[toks[start + i + 1]] for i in range(60 - 1 - start)])  # K=1: the actual tokens
+    req = ScoreRequest("p", toks, start, cand, prompt_logprobs=5, max_tokens=0)
+    (res,) = eng.run_to_completion([req])
+    ref = reference_logprobs(path, toks.tolist())  # [L, V]
+    actual = ref[np.arange(59), toks[1:]]
+    np.testing.assert_allclose(res.plp_token_logprob, actual, atol=TOL)
+    # the candidate matrix and prompt_logprobs come from the same logits and must agree
+    np.testing.assert_allclose(res.token_id_logprobs[:, 0], res.plp_token_logprob[start:], atol=1e-6)
+    ranks = (ref[np.arange(59)] > actual[:, None]).sum(-1) + 1
+    np.testing.assert_array_equal(res.plp_token_rank, ranks)
+    top = np.argsort(-ref[:59], axis=-1, kind="stable")[:, :5]
+    np.testing.assert_array_equal(res.plp_topk_ids, top)
+    np.testing.assert_allclose(res.plp_topk_logprobs, np.take_along_axis(ref[:59], top, -1), atol=TOL)
+    assert res.next_token is None
+
+
+def test_batch_composition_does_not_change_results(checkpoints) -> None:  # noqa: ANN001
+    """Deterministic mode: the same request gives the same bits alone and in a batch."""
+    path = checkpoints["qwen2"]
+    cfg = Config(model=str(path), device="cpu", deterministic=True, max_num_batched_tokens=48,
+                 num_kv_blocks=256, block_size=8, max_model_len=512)
+    reqs = make_requests(np.random.default_rng(9))
+    batch = Engine(cfg).run_to_completion(reqs)
+    eng = Engine(cfg)
+    for q, r in zip(reqs, batch):
+        alone = eng.run_to_completion([ScoreRequest(q.request_id + "a", q.token_ids, q.start, q.candidates,
+                                                 max_tokens=q.max_tokens)])[0]
+        np.testing.assert_array_equal(alone.token_id_logprobs, r.token_id_logprobs)
+
+
+# --- the same on the GPU -------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_gpu_float32(family: str, checkpoints) -> None:  # noqa: ANN001
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = checkpoints[family]
+    eng = Engine(Config(model=str(path), device="cuda", dtype="float32", max_num_batched_tokens=32,
+                        block_size=8, num_kv_blocks=256, max_model_len=512))
+    reqs = make_requests(np.random.default_rng(7))
+    check(path, reqs, eng.run_to_completion(reqs), tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_parity_gpu_bfloat16(family: str, checkpoints) -> None:  # noqa: ANN001
+    """bf16 weights vs the float32 reference. The bound is relative to what transformers'
+    own bf16 forward gets on the same weights (bf16 rounding of weights and activations is
+    the error floor; fp32 logits + fp32 log-softmax must not add to it)."""
+    path = checkpoints[family]
+    eng = Engine(Config(model=str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=64,
+                        block_size=16, num_kv_blocks=256, max_model_len=512))
+    reqs = make_requests(np.random.default_rng(11))
+    results = eng.run_to_completion(reqs)
+    import transformers as tf
+
+    hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ours, theirs = [], []
+    for q, r in zip(reqs, results):
+        if q.rows == 0:
+            continue
+        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
+        with torch.no_grad():
+            lg = hf16(torch.tensor([q.token_ids.tolist()], device="cuda")).logits[0]
+        lp = torch.log_softmax(lg.float(), -1).cpu().double().numpy()
+        hf_rows = np.stack([np.where((c := (q.candidates[i] if q.per_row else q.candidates)) >= 0,
+                                     lp[q.start + i][np.clip(c, 0, None)], -np.inf) for i in range(q.rows)])
+        fin = np.isfinite(ref)
+        ours.append(np.abs(r.token_id_logprobs[fin] - ref[fin]))
+        theirs.append(np.abs(hf_rows[fin] - ref[fin]))
+    ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
+    print(f"{family}: bf16 mean abs error vs fp32 reference: ours {ours_mae:.5f}, transformers bf16 {theirs_mae:.5f}")
+    assert ours_mae <= 1.25 * theirs_mae + 1e-3, (ours_mae, theirs_mae)
