@@ -1,0 +1,63 @@
+"""Config precedence (flags > env > file > defaults), validation, and config.yaml coverage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from teacher_server.cli import config_from_args
+from teacher_server.config import Config, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_config_yaml_documents_every_setting() -> None:
+    doc = yaml.safe_load((ROOT / "config.yaml").read_text())
+    assert set(doc) == set(Config.model_fields)
+    Config.load(ROOT / "config.yaml", env={})  # and it loads as is
+
+
+def test_precedence(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    f = tmp_path / "c.yaml"
+    f.write_text("port: 1111\nmax_logprobs: 10\nlog_level: warning\n")
+    monkeypatch.setenv("TEACHER_SERVER_PORT", "2222")
+    monkeypatch.setenv("TEACHER_SERVER_MAX_LOGPROBS", "20")
+    cfg = config_from_args(["serve", "--config", str(f), "--port", "3333"])
+    assert cfg.port == 3333 and cfg.max_logprobs == 20 and cfg.log_level == "warning"
+    assert Config.load(f, env={}).port == 1111
+    assert Config.load(env={}).port == 8000
+
+
+def test_invalid_values_name_the_field(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="max_logprobs"):
+        Config.load(env={"TEACHER_SERVER_MAX_LOGPROBS": "0"})
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        Config.load(overrides={"logprobs_mode": "processed"}, env={})
+    f = tmp_path / "bad.yaml"
+    f.write_text("no_such_setting: 1\n")
+    with pytest.raises(ConfigError, match="no_such_setting"):
+        Config.load(f, env={})
+    with pytest.raises(ConfigError, match="not found"):
+        Config.load(tmp_path / "missing.yaml", env={})
+
+
+def test_cli_flags_map_to_fields() -> None:
+    cfg = config_from_args(["serve", "--model", "/m", "--host", "127.0.0.1", "--device", "cpu",
+                            "--max-logprobs", "64", "--logprobs-mode", "raw_logits", "--served-model-name", "t",
+                            "--no-enable-prefix-caching", "--deterministic"])
+    assert (cfg.model, cfg.host, cfg.device, cfg.max_logprobs, cfg.logprobs_mode, cfg.served_model_name) == \
+        ("/m", "127.0.0.1", "cpu", 64, "raw_logits", "t")
+    assert cfg.enable_prefix_caching is False and cfg.deterministic is True
+
+
+def test_unsupported_architecture_is_refused(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from teacher_server.engine.engine import Engine
+    from teacher_server.model.spec import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="Qwen3ForCausalLM"):
+        Engine(Config(model=str(tmp_path), device="cpu"))

@@ -1,0 +1,68 @@
+"""Checkpoint loading: single file, sharded with an index, sharded without one, dummy."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from reference import reference_scores
+
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest
+from teacher_server.model.loader import checkpoint_files
+
+
+def score(path, **kw):  # noqa: ANN001, ANN003, ANN201
+    eng = Engine(Config(model=str(path), device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256, **kw))
+    toks = np.arange(3, 60)
+    return eng.run_to_completion([ScoreRequest("x", toks, 10, np.array([1, 2, 3]))])[0].token_id_logprobs, toks
+
+
+@pytest.mark.parametrize("keep_index", [True, False])
+def test_sharded(tmp_path, keep_index) -> None:  # noqa: ANN001
+    import transformers as tf
+
+    cfg = tf.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    tf.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="100KB")
+    assert len(checkpoint_files(tmp_path)) > 1
+    ref = reference_scores(tmp_path, list(range(3, 60)), np.array([1, 2, 3]), 10)
+    if not keep_index:
+        (tmp_path / "model.safetensors.index.json").unlink()
+    got, toks = score(tmp_path)
+    assert np.abs(got - ref).max() < 1e-4
+
+
+def test_missing_weight_is_refused(tmp_path, checkpoints) -> None:  # noqa: ANN001
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoints["llama"]
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    w = load_file(tmp_path / "model.safetensors")
+    del w["model.layers.1.mlp.up_proj.weight"]
+    save_file(w, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing weights"):
+        score(tmp_path)
+
+
+def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:  # noqa: ANN001
+    src = checkpoints["llama"]
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="shape"):
+        score(tmp_path)
+
+
+def test_dummy_load_format(tmp_path, checkpoints) -> None:  # noqa: ANN001
+    (tmp_path / "config.json").write_text((checkpoints["qwen3"] / "config.json").read_text())
+    got, _ = score(tmp_path, load_format="dummy")  # no safetensors needed
+    assert got.shape == (46, 3) and np.isfinite(got).all() and (got < 0).all()
