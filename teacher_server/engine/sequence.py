@@ -13,7 +13,7 @@ from teacher_server.engine.request import ScoreRequest, ScoreResult
 _counter = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: hashable, cheap `in` checks
 class Sequence:
     req: ScoreRequest
     block_size: int

@@ -1,0 +1,127 @@
+"""BlockManager and Scheduler bookkeeping (plain Python, no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from teacher_server.engine.block_manager import BlockManager, block_hashes
+from teacher_server.engine.request import ScoreRequest
+from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
+from teacher_server.engine.sequence import Sequence
+
+
+def test_hash_chain_depends_on_prefix_and_salt() -> None:
+    t = np.arange(64)
+    a = block_hashes(t, 4, 16, None)
+    assert len(a) == 4 and len(set(a)) == 4
+    assert block_hashes(t, 4, 16, "s") != a
+    u = t.copy()
+    u[0] = 999  # a change in block 0 changes every later hash
+    b = block_hashes(u, 4, 16, None)
+    assert all(x != y for x, y in zip(a, b))
+    u = t.copy()
+    u[40] = 999
+    c = block_hashes(u, 4, 16, None)
+    assert c[:2] == a[:2] and c[2:] != a[2:]
+
+
+def test_refcount_lru_eviction() -> None:
+    bm = BlockManager(4, 2)
+    x = bm.allocate(2)
+    bm.register(x[0], b"h0")
+    bm.register(x[1], b"h1")
+    bm.release(x)
+    assert bm.num_free == 4 and bm.match_prefix([b"h0", b"h1"]) == x
+    hit = bm.match_prefix([b"h0"])
+    bm.acquire(hit)  # a referenced block is never evicted
+    y = bm.allocate(3)
+    assert x[0] not in y and bm.match_prefix([b"h0"]) == [x[0]]
+    assert bm.match_prefix([b"h0", b"h1"]) == [x[0]]  # h1's block was evicted for y
+    with pytest.raises(MemoryError):
+        bm.allocate(1)
+    bm.release(hit)
+    bm.release(y)
+    assert bm.num_free == 4
+    with pytest.raises(AssertionError):
+        bm.release(y)
+
+
+def seq(n: int, start: int, bs: int = 4, salt: str | None = None, prio: int = 0, toks=None) -> Sequence:  # noqa: ANN001
+    toks = np.arange(n) if toks is None else toks
+    return Sequence(ScoreRequest(f"s{n}-{start}-{salt}", toks, start, np.array([1]), priority=prio, cache_salt=salt), bs, True)
+
+
+def test_chunking_and_budget() -> None:
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=8), bm)
+    a, b = seq(25, 0), seq(7, 0)
+    s.add(a)
+    s.add(b)
+    steps = []
+    while s.has_work():
+        chunks = s.schedule()
+        assert sum(c.end - c.start for c in chunks) <= 10
+        steps.append([(c.seq is a, c.start, c.end) for c in chunks])
+        s.finish_step(chunks)
+    assert steps[0] == [(True, 0, 10)]
+    assert steps[1] == [(True, 10, 20)]
+    assert steps[2] == [(True, 20, 24), (False, 0, 6)]  # last logit row of b is 5 (L-2), a's is 23
+    assert bm.num_free == 64  # everything released
+
+
+def test_priority_order() -> None:
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=1), bm)
+    low, high = seq(10, 0, prio=5), seq(11, 0, prio=-1)
+    s.add(low)
+    s.add(high)
+    assert s.schedule()[0].seq is high
+
+
+def test_group_arriving_together_computes_prompt_once() -> None:
+    bm = BlockManager(256, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=1000, max_num_seqs=64), bm)
+    prompt = np.arange(100, 140)  # 40 tokens = 10 blocks
+    group = [Sequence(ScoreRequest(f"g{i}", np.concatenate([prompt, np.arange(i * 20, i * 20 + 20)]), 39,
+                                   np.array([1])), 4, True) for i in range(4)]
+    for g in group:
+        s.add(g)
+    first = s.schedule()
+    assert [c.seq for c in first] == [group[0]]  # siblings wait for the prompt
+    s.finish_step(first)
+    second = s.schedule()
+    assert [c.seq.request_id for c in second] == [g.request_id for g in group[1:]]
+    assert all(c.start == 36 for c in second)  # 9 full blocks (36 tokens) before row 39 reused
+    assert all(c.seq.num_cached == 36 for c in second)
+
+
+def test_salt_isolates_cache() -> None:
+    bm = BlockManager(256, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=1000, max_num_seqs=64), bm)
+    a = seq(40, 30, salt="tenant-a")
+    s.finish_step(s.schedule()) if s.add(a) is None else None
+    b = seq(40, 30, salt="tenant-b")
+    c = seq(40, 30, salt="tenant-a")
+    s.add(b)
+    s.finish_step(s.schedule())
+    s.add(c)
+    s.finish_step(s.schedule())
+    assert b.num_cached == 0 and c.num_cached == 28
+
+
+def test_no_deadlock_when_pool_is_tight() -> None:
+    """Two long sequences that cannot both be resident: admission reserves blocks so the
+    first always finishes and the second then runs."""
+    bm = BlockManager(30, 4)  # 120 tokens
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8), bm)
+    a, b = seq(100, 0), seq(100, 0, toks=np.arange(100) + 7)
+    s.add(a)
+    s.add(b)
+    for _ in range(50):
+        if not s.has_work():
+            break
+        chunks = s.schedule()
+        assert chunks, "no progress"
+        s.finish_step(chunks)
+    assert not s.has_work()

@@ -1,0 +1,109 @@
+"""Prefix caching on the paged KV pool: results with cache hits equal results without."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest
+
+BS = 8
+
+
+def engine(path, cache: bool, blocks: int = 256, budget: int = 64) -> Engine:  # noqa: ANN001
+    return Engine(Config(model=str(path), device="cpu", enable_prefix_caching=cache, block_size=BS,
+                         num_kv_blocks=blocks, max_num_batched_tokens=budget, max_model_len=512))
+
+
+def group(rng, prompt_len: int, n: int, resp_len: int, per_row: bool, salt: str | None = None,  # noqa: ANN001
+          tag: str = "") -> list[ScoreRequest]:
+    prompt = rng.integers(0, 512, prompt_len)
+    out = []
+    for i in range(n):
+        toks = np.concatenate([prompt, rng.integers(0, 512, resp_len)])
+        start = prompt_len - 1
+        rows = len(toks) - 1 - start
+        cand = (np.stack([rng.choice(512, 5, replace=False) for _ in range(rows)]) if per_row
+                else rng.choice(512, 5, replace=False))
+        out.append(ScoreRequest(f"{tag}{prompt_len}-{i}", toks, start, cand, cache_salt=salt, max_tokens=1))
+    return out
+
+
+def assert_same(a, b, tol: float = 2e-5) -> None:  # noqa: ANN001
+    for x, y in zip(a, b):
+        assert x.error is None and y.error is None
+        fin = np.isfinite(y.token_id_logprobs)
+        np.testing.assert_array_equal(np.isfinite(x.token_id_logprobs), fin)
+        np.testing.assert_allclose(x.token_id_logprobs[fin], y.token_id_logprobs[fin], atol=tol, rtol=0)
+        assert x.next_token == y.next_token
+
+
+@pytest.mark.parametrize("prompt_len", [BS * 4 - 1, BS * 4, BS * 4 + 1, BS * 4 + 5, 3])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_hits_equal_no_cache(checkpoints, prompt_len, per_row) -> None:  # noqa: ANN001
+    """start (= prompt_len - 1) inside, at, and past a block boundary."""
+    path = checkpoints["qwen3"]
+    reqs = group(np.random.default_rng(prompt_len), prompt_len, 4, 20, per_row)
+    cold = engine(path, cache=False).run_to_completion(reqs)
+    eng = engine(path, cache=True)
+    first = eng.run_to_completion(reqs[:1])
+    warm = eng.run_to_completion([ScoreRequest(r.request_id + "w", r.token_ids, r.start, r.candidates,
+                                               max_tokens=1) for r in reqs])
+    assert_same(first + warm[1:], cold)
+    assert_same(warm, cold)
+    expect = ((prompt_len - 1) // BS) * BS
+    assert all(w.cached_tokens == expect for w in warm)
+    assert all(c.cached_tokens == 0 for c in cold)
+
+
+def test_group_arriving_together_shares_prompt(checkpoints) -> None:  # noqa: ANN001
+    path = checkpoints["llama"]
+    rng = np.random.default_rng(0)
+    reqs = [r for g in range(3) for r in group(rng, 60, 4, 15, per_row=g % 2 == 0, tag=f"g{g}-")]
+    cold = engine(path, cache=False, budget=512).run_to_completion(reqs)
+    eng = engine(path, cache=True, budget=512)
+    warm = eng.run_to_completion(reqs)
+    assert_same(warm, cold)
+    cached = [w.cached_tokens for w in warm]
+    assert sorted(cached) == [0] * 3 + [56] * 9  # one computes each prompt, its siblings reuse it
+
+
+def test_salts_never_share(checkpoints) -> None:  # noqa: ANN001
+    path = checkpoints["qwen2"]
+    rng = np.random.default_rng(1)
+    base = group(rng, 40, 1, 10, per_row=False)[0]
+    eng = engine(path, cache=True)
+    mk = lambda rid, salt: ScoreRequest(rid, base.token_ids, base.start, base.candidates, cache_salt=salt)  # noqa: E731
+    a, b, c, d = eng.run_to_completion([mk("a", "tenant-a")] ) + eng.run_to_completion(
+        [mk("b", "tenant-b")]) + eng.run_to_completion([mk("c", "tenant-a")]) + eng.run_to_completion([mk("d", None)])
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens, d.cached_tokens) == (0, 0, 32, 0)
+    assert_same([b, c, d], [a, a, a])
+
+
+def test_eviction_under_pressure(checkpoints) -> None:  # noqa: ANN001
+    """A pool of 70 blocks (560 tokens) and many distinct groups with long, chunked
+    sequences: cached blocks are evicted while others run; no result is corrupted."""
+    path = checkpoints["mistral"]
+    rng = np.random.default_rng(2)
+    reqs = []
+    for g in range(6):
+        reqs += group(rng, int(rng.integers(20, 200)), 3, int(rng.integers(5, 250)), per_row=g % 2 == 1, tag=f"e{g}-")
+    cold = engine(path, cache=False, blocks=70, budget=48).run_to_completion(reqs)
+    eng = engine(path, cache=True, blocks=70, budget=48)
+    for _ in range(2):  # the second pass hits what the first left, and evicts more
+        warm = eng.run_to_completion([ScoreRequest(r.request_id + f"-{_}", r.token_ids, r.start, r.candidates,
+                                                   max_tokens=1) for r in reqs])
+        assert_same(warm, cold)
+    assert eng.blocks.num_free == eng.blocks.num_blocks  # nothing leaked
+    assert eng.blocks.hit_tokens > 0
+
+
+def test_cache_can_be_turned_off(checkpoints) -> None:  # noqa: ANN001
+    path = checkpoints["qwen3"]
+    reqs = group(np.random.default_rng(3), 50, 3, 10, per_row=False)
+    eng = engine(path, cache=False)
+    res = eng.run_to_completion(reqs) + eng.run_to_completion(
+        [ScoreRequest(r.request_id + "x", r.token_ids, r.start, r.candidates) for r in reqs])
+    assert all(r.cached_tokens == 0 for r in res)
