@@ -1,0 +1,84 @@
+{{/*
+Short name of the app: the chart name unless nameOverride is set. DNS labels are at most
+63 characters.
+*/}}
+{{- define "teacher-server.name" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Name of every object of the release. The release name alone when it already contains
+the app name (`helm install teacher-server ...`), else "<release>-<app>".
+*/}}
+{{- define "teacher-server.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $app := include "teacher-server.name" . -}}
+{{- $full := ternary .Release.Name (printf "%s-%s" .Release.Name $app) (contains $app .Release.Name) -}}
+{{- $full | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels that select the pods: must never change for a release. */}}
+{{- define "teacher-server.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "teacher-server.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/* Labels on every object. */}}
+{{- define "teacher-server.labels" -}}
+{{ include "teacher-server.selectorLabels" . }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/version: {{ .Values.image.tag | default .Chart.AppVersion | trunc 63 | quote }}
+app.kubernetes.io/component: server
+app.kubernetes.io/part-of: teacher-server
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "teacher-server.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
+{{- end -}}
+
+{{/* Secret holding the API key, or "" when no key is configured. */}}
+{{- define "teacher-server.apiKeySecretName" -}}
+{{- if .Values.apiKey.existingSecret -}}
+{{- .Values.apiKey.existingSecret -}}
+{{- else if .Values.apiKey.create -}}
+{{- printf "%s-api-key" (include "teacher-server.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "teacher-server.apiKeySecretKey" -}}
+{{- if .Values.apiKey.existingSecret -}}
+{{- .Values.apiKey.existingSecretKey -}}
+{{- else -}}
+api-key
+{{- end -}}
+{{- end -}}
+
+{{- define "teacher-server.newClaimName" -}}
+{{- printf "%s-model" (include "teacher-server.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Where the server reads its config file (the ConfigMap's mount). */}}
+{{- define "teacher-server.configDir" -}}
+/etc/teacher-server
+{{- end -}}
+
+{{/*
+Checks that span several values, which values.schema.json cannot express. A failure
+stops the render with a message naming the values.
+*/}}
+{{- define "teacher-server.validate" -}}
+{{- $s := .Values.shutdown -}}
+{{- if le (int $s.terminationGracePeriodSeconds) (add $s.preStopSleepSeconds $s.drainTimeoutSeconds | int) -}}
+{{- fail (printf "shutdown.terminationGracePeriodSeconds (%v) must exceed shutdown.preStopSleepSeconds + shutdown.drainTimeoutSeconds (%v + %v), or the kubelet kills requests that are still draining" $s.terminationGracePeriodSeconds $s.preStopSleepSeconds $s.drainTimeoutSeconds) -}}
+{{- end -}}
+{{- if and .Values.apiKey.existingSecret .Values.apiKey.create -}}
+{{- fail "apiKey: set either existingSecret or create, not both" -}}
+{{- end -}}
+{{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
+{{- fail (printf "autoscaling.minReplicas (%v) is above autoscaling.maxReplicas (%v)" .Values.autoscaling.minReplicas .Values.autoscaling.maxReplicas) -}}
+{{- end -}}
+{{- end -}}
