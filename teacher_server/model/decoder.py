@@ -19,7 +19,10 @@ from teacher_server.model.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, cast back to x's dtype before the weight (as HF does)."""
+    """RMSNorm with float32 statistics. On CUDA torch's fused kernel (one read, one write);
+    elsewhere the float32 formula transformers uses (cast to x's dtype before the weight)."""
+    if x.is_cuda:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)

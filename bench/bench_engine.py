@@ -1,0 +1,266 @@
+"""Engine benchmark on the canonical workloads (DESIGN.md section 6), side by side with
+the transformers baseline on the same requests in the same run.
+
+  python bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --baseline W1,W1f,W3
+  python bench/bench_engine.py --model-size 32b --workloads W4 --baseline W4
+  python bench/bench_engine.py --workloads W2 --prefix-cache-compare --workloads L131072
+
+Qwen3-8B is written as safetensors (random bf16 weights) and loaded through the real
+loader; Qwen3-32B uses the dummy load format (random weights made in place). Writes a
+JSON results file and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import gc
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import hf_baseline  # noqa: E402
+from workloads import H200_PEAK, QWEN3_8B, QWEN3_32B, Req, flops, make_workload, write_config, \
+    write_random_checkpoint  # noqa: E402
+
+from teacher_server.config import Config  # noqa: E402
+from teacher_server.engine.engine import Engine  # noqa: E402
+from teacher_server.engine.request import ScoreRequest  # noqa: E402
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def to_score_requests(reqs: list[Req], tag: str) -> list[ScoreRequest]:
+    return [ScoreRequest(f"{tag}-{i}", r.tokens, r.start, r.cand.astype(np.int64), max_tokens=1)
+            for i, r in enumerate(reqs)]
+
+
+def run_engine(engine: Engine, reqs: list[Req], tag: str) -> tuple[float, list[float], list]:
+    srs = to_score_requests(reqs, tag)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for r in srs:
+        engine.add_request(r)
+    done: dict[str, float] = {}
+    results = {}
+    while engine.has_unfinished():
+        for res in engine.step():
+            done[res.request_id] = time.perf_counter() - t0
+            results[res.request_id] = res
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    return dt, [done[r.request_id] for r in srs], [results[r.request_id] for r in srs]
+
+
+def summarize(name: str, cfg: dict, reqs: list[Req], seconds: float, lat: list[float], peak: float,
+              cached: list[int] | None = None) -> dict:
+    tokens = sum(len(r.tokens) for r in reqs)
+    rows = sum(r.rows for r in reqs)
+    f = flops(cfg, reqs, computed_only=cached is not None, cached=cached)
+    return {"workload": name, "seconds": seconds, "tokens": tokens, "scored_rows": rows,
+            "tokens_per_s": tokens / seconds, "scored_tokens_per_s": rows / seconds,
+            "mfu": f / seconds / H200_PEAK, "peak_gib": peak / 2**30,
+            "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
+
+
+def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int) -> dict:
+    run_engine(engine, reqs[: max(2, len(reqs) // 8)], f"warm-{name}")  # warm-up: kernels, allocator
+    engine.blocks.reset_prefix_cache()
+    runs = []
+    for k in range(repeats):
+        torch.cuda.reset_peak_memory_stats()
+        dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
+        assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
+        assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
+        assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
+        runs.append(summarize(name, cfg, reqs, dt, lat, torch.cuda.max_memory_allocated()))
+        engine.blocks.reset_prefix_cache()
+    best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    best["runs_seconds"] = [r["seconds"] for r in runs]
+    return best
+
+
+# --- HTTP path -----------------------------------------------------------------------------
+
+def npy_b64(a: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, list[float]]:
+    import httpx
+
+    try:
+        import orjson
+        dumps = orjson.dumps
+    except ImportError:  # pragma: no cover
+        dumps = lambda o: json.dumps(o).encode()  # noqa: E731
+    bodies = [dumps({"token_ids": r.tokens.tolist(), "sampling_params": {
+        "max_tokens": 1, "prompt_logprob_start": r.start, "prompt_logprob_token_ids": npy_b64(r.cand)}})
+        for r in reqs]
+    sem = asyncio.Semaphore(concurrency)
+    lat = [0.0] * len(reqs)
+
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=concurrency)) as c:
+        async def one(i: int) -> None:
+            async with sem:
+                s = time.perf_counter()
+                r = await c.post("/inference/v1/generate", content=bodies[i],
+                                 headers={"content-type": "application/json"})
+                assert r.status_code == 200, r.text[:300]
+                m = np.load(io.BytesIO(base64.b64decode(r.json()["prompt_token_id_logprobs"])))
+                assert m.shape == reqs[i].cand.shape
+                lat[i] = time.perf_counter() - s
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(reqs))))
+        return time.perf_counter() - t0, lat
+
+
+def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req]) -> dict:
+    port = 18000 + os.getpid() % 1000
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
+           "--host", "127.0.0.1", "--max-num-batched-tokens", str(args.budget), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    try:
+        import httpx
+
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("server exited during startup")
+            time.sleep(1)
+        url = f"http://127.0.0.1:{port}"
+        asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency))  # warm-up
+        runs = []
+        for _ in range(args.repeats):
+            dt, lat = asyncio.run(http_run(url, reqs, args.concurrency))
+            runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
+        best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+        best["runs_seconds"] = [r["seconds"] for r in runs]
+        best["concurrency"] = args.concurrency
+        return best
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-size", choices=["8b", "32b"], default="8b")
+    ap.add_argument("--workloads", default="W1,W1f,W3")
+    ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
+    ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
+    ap.add_argument("--prefix-cache-compare", action="store_true", help="run each workload with the cache on and off")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = QWEN3_8B if args.model_size == "8b" else QWEN3_32B
+    names = [w for w in args.workloads.split(",") if w]
+    base_names = [w for w in args.baseline.split(",") if w]
+    http_names = [w for w in args.http.split(",") if w]
+    ckpt = Path(args.ckpt_dir) / f"qwen3-{args.model_size}"
+    t = time.perf_counter()
+    if args.model_size == "8b":
+        write_random_checkpoint(ckpt, cfg)
+        load_format = "auto"
+    else:
+        write_config(ckpt, cfg)
+        load_format = "dummy"
+    print(f"checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
+    workloads = {n: make_workload(n, cfg["vocab_size"]) for n in set(names + base_names + http_names)}
+    max_len = max([args.max_model_len] + [len(r.tokens) for w in workloads.values() for r in w])
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "model": f"Qwen3-{args.model_size.upper()} shape, random bf16 weights ({load_format} load)",
+                     "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
+    t = time.perf_counter()
+    ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
+                  max_model_len=max_len, enable_prefix_caching=True)
+    engine = Engine(ecfg)
+    results["engine_load_s"] = time.perf_counter() - t
+    results["attention_backend"] = engine.attn.name
+    print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.attn.name}", flush=True)
+    for n in names:
+        if args.prefix_cache_compare:
+            engine.prefix_caching = engine.blocks.enable_prefix_caching = False
+            off = bench_engine(engine, cfg, n, workloads[n], args.repeats)
+            engine.prefix_caching = engine.blocks.enable_prefix_caching = True
+            on = bench_engine(engine, cfg, n, workloads[n], args.repeats)
+            results["prefix_cache"][n] = {"off": off, "on": on, "speedup": off["seconds"] / on["seconds"]}
+            print(n, "cache off", f"{off['tokens_per_s']:.0f} tok/s", "on", f"{on['tokens_per_s']:.0f} tok/s",
+                  f"x{off['seconds'] / on['seconds']:.2f}", flush=True)
+        else:
+            results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
+            print(n, json.dumps(results["engine"][n]), flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    for n in http_names:
+        results["http"][n] = bench_http(ckpt, args, cfg, n, workloads[n])
+        print(n, "http", json.dumps(results["http"][n]), flush=True)
+    if base_names:
+        import transformers as tf
+
+        t = time.perf_counter()
+        if load_format == "dummy":
+            hcfg = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
+            with torch.device("cuda"):
+                model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+        else:
+            model = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                            device_map="cuda")
+        model.eval()
+        results["baseline_load_s"] = time.perf_counter() - t
+        for n in base_names:
+            reqs = workloads[n]
+            hf_baseline.run(model, reqs[:2])  # warm-up
+            torch.cuda.reset_peak_memory_stats()
+            dt, _, fin = hf_baseline.run(model, reqs)
+            results["baseline"][n] = summarize(n + "-transformers", cfg, reqs, dt, fin, torch.cuda.max_memory_allocated())
+            print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
+    out = Path(args.out or f"bench/results/engine_{args.model_size}_h200.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{'workload':<22}{'tok/s':>10}{'scored/s':>10}{'MFU':>7}{'x base':>8}{'peak GiB':>9}{'p50 s':>8}{'p99 s':>8}")
+    rows = [(k, v) for k, v in results["engine"].items()] + [(k + "-http", v) for k, v in results["http"].items()] + \
+        [(k + "-transformers", v) for k, v in results["baseline"].items()]
+    for k, d in results["prefix_cache"].items():
+        rows += [(k + "-cache-off", d["off"]), (k + "-cache-on", d["on"])]
+    for name, r in rows:
+        base = results["baseline"].get(name.split("-")[0])
+        ratio = f"{base['seconds'] / r['seconds']:.2f}" if base and not name.endswith("transformers") else ""
+        print(f"{name:<22}{r['tokens_per_s']:>10.0f}{r['scored_tokens_per_s']:>10.0f}{r['mfu']:>7.3f}{ratio:>8}"
+              f"{r['peak_gib']:>9.1f}{r['latency_p50_s']:>8.2f}{r['latency_p99_s']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried server wheels, then run the steps named
+# in $STEPS (default: tests). Logs go to $OUT (or ./out). Example:
+#   STEPS="tests kernel engine8b" bash bench/gpu_session.sh
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+for step in ${STEPS:-tests}; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    tests)   python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    alltests) python3 -m pytest -q -x tests -p no:cacheprovider --ignore=tests/test_deploy.py 2>&1 | tee "$OUT/all_tests.log" | tail -25 ;;
+    kernel)  python3 bench/bench_kernel.py --out "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/kernel.log" | tail -30 ;;
+    engine8b) python3 bench/bench_engine.py ${ENGINE_ARGS:-} --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
+    engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

@@ -1,0 +1,146 @@
+"""Canonical workloads (DESIGN.md section 6), model shapes, FLOP counts, and the random
+checkpoints the benchmarks load."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+QWEN3_8B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
+    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+}
+QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                 num_attention_heads=64, num_key_value_heads=8)
+H200_PEAK = 989e12  # dense bf16 FLOP/s
+
+
+@dataclass
+class Req:
+    tokens: np.ndarray  # [L] int64
+    start: int  # first scored row = len(prompt) - 1
+    cand: np.ndarray  # [rows, K] int32, unique per row
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens) - 1 - self.start
+
+
+def _candidates(rng: np.random.Generator, rows: int, k: int, vocab: int) -> np.ndarray:
+    # Unique ids per row without a per-row shuffle: a + j * stride (mod vocab), stride * K < vocab.
+    a = rng.integers(0, vocab, (rows, 1))
+    stride = rng.integers(1, vocab // k, (rows, 1))
+    return ((a + np.arange(k)[None, :] * stride) % vocab).astype(np.int32)
+
+
+def make_workload(name: str, vocab: int, k: int = 64, seed: int = 0) -> list[Req]:
+    rng = np.random.default_rng(seed)
+    if name == "W1":
+        n = 128
+        prompts = rng.integers(256, 1793, n)
+        responses = rng.integers(1024, 5121, n)
+    elif name == "W1f":
+        prompts, responses = np.full(64, 1024), np.full(64, 3072)
+    elif name == "W3":
+        prompts, responses = np.full(8, 1024), np.full(8, 31744)
+    elif name == "W4":
+        prompts, responses = np.full(32, 1024), np.full(32, 3072)
+    elif name == "W2":
+        out = []
+        for _ in range(32):
+            prompt = rng.integers(0, vocab, 2048)
+            for _ in range(8):
+                toks = np.concatenate([prompt, rng.integers(0, vocab, 2048)])
+                out.append(Req(toks, 2047, _candidates(rng, 2048, k, vocab)))
+        return out
+    elif name.startswith("L"):  # one long request, e.g. L131072
+        total = int(name[1:])
+        prompts, responses = np.array([1024]), np.array([total - 1024])
+    else:
+        raise ValueError(name)
+    out = []
+    for p, r in zip(prompts.tolist(), responses.tolist()):
+        toks = rng.integers(0, vocab, p + r)
+        out.append(Req(toks, p - 1, _candidates(rng, r, k, vocab)))
+    return out
+
+
+def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[int] | None = None) -> float:
+    """DESIGN.md: 2 x non-embedding params + 2 x layers x context x attn_dim per token
+    (causal average) + 2 x hidden x vocab per scored row."""
+    h, i, n_l = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    params = n_l * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    total = 0.0
+    for j, r in enumerate(reqs):
+        length = len(r.tokens)
+        skip = cached[j] if (computed_only and cached) else 0
+        n = length - skip
+        total += 2 * params * n + 2 * n_l * q * (length * length - skip * skip) / 1 + 2 * h * cfg["vocab_size"] * r.rows
+    return total
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def write_random_checkpoint(path: Path, cfg: dict, seed: int = 0, shard_gb: float = 4.0) -> Path:
+    """Random bf16 weights with HF names, made on the GPU, saved as sharded safetensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    write_config(path, cfg)
+    if (path / "model.safetensors.index.json").exists():
+        return path
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+
+    def one(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16, device="cuda")
+
+    names: dict[str, tuple] = {"model.embed_tokens.weight": (w, (v, h)), "model.norm.weight": (one, (h,)),
+                               "lm_head.weight": (w, (v, h))}
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        names |= {p + "input_layernorm.weight": (one, (h,)), p + "post_attention_layernorm.weight": (one, (h,)),
+                  p + "self_attn.q_proj.weight": (w, (q, h)), p + "self_attn.k_proj.weight": (w, (kv, h)),
+                  p + "self_attn.v_proj.weight": (w, (kv, h)), p + "self_attn.o_proj.weight": (w, (h, q)),
+                  p + "self_attn.q_norm.weight": (one, (d,)), p + "self_attn.k_norm.weight": (one, (d,)),
+                  p + "mlp.gate_proj.weight": (w, (inter, h)), p + "mlp.up_proj.weight": (w, (inter, h)),
+                  p + "mlp.down_proj.weight": (w, (h, inter))}
+    shard: dict = {}
+    size, idx, weight_map = 0, 0, {}
+    files = []
+
+    def flush() -> None:
+        nonlocal shard, size, idx
+        if shard:
+            fname = f"model-{idx:05d}.safetensors"
+            save_file({k: t.cpu() for k, t in shard.items()}, str(path / fname), metadata={"format": "pt"})
+            for k in shard:
+                weight_map[k] = fname
+            files.append(fname)
+            shard, size, idx = {}, 0, idx + 1
+
+    for name, (fn, shape) in names.items():
+        t = fn(*shape)
+        shard[name] = t
+        size += t.numel() * 2
+        if size >= shard_gb * 1e9:
+            flush()
+    flush()
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
