@@ -48,13 +48,13 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a background thread."""
 
-    def __init__(self, cfg) -> None:  # noqa: ANN001
+    def __init__(self, cfg, **app_kw) -> None:  # noqa: ANN001, ANN003
         import uvicorn
 
         from teacher_server.server.app import create_app
 
         self.cfg = cfg
-        self.app = create_app(cfg)
+        self.app = create_app(cfg, **app_kw)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,

@@ -85,6 +85,11 @@ class Engine:
                                   self.device, cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows)
         self.prefix_caching = prefix
         self.seqs: dict[str, Sequence] = {}
+        self.last_step_tokens = 0
+        if self.device.type == "cuda":  # build / load the CUDA kernel now, not inside a request
+            from teacher_server.ops.gather_logprob import kernel_available
+
+            kernel_available()
         log.info("engine ready: %s (%s) on %s, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
                  "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device,
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,
@@ -151,6 +156,7 @@ class Engine:
     def step(self) -> list[ScoreResult]:
         """Run one forward step. Returns the results of requests that finished (or failed)."""
         chunks = self.scheduler.schedule()
+        self.last_step_tokens = sum(c.end - c.start for c in chunks)
         if not chunks:
             return []
         try:

@@ -84,8 +84,11 @@ def format_prompt_logprobs(req_tokens: np.ndarray, res: ScoreResult) -> list:
     return out
 
 
-def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine) -> FastAPI:
-    """Build the service. The engine is made in the lifespan (startup), not at import."""
+def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """Build the service. The engine is made in the lifespan (startup), not at import.
+    ``on_fatal`` runs when the engine cannot recover (default: SIGTERM to this process, so
+    the orchestrator restarts it)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -96,7 +99,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine)
         app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k)
         app.state.aengine = AsyncEngine(engine, cfg.max_queue_requests, cfg.max_queue_tokens,
                                         on_step=lambda e, results: _on_step(metrics, e, results),
-                                        on_fatal=lambda exc: _on_fatal(app, exc))
+                                        on_fatal=lambda exc: _on_fatal(app, exc, on_fatal))
         app.state.aengine.start()
         app.state.started = int(time.time())
         metrics.labels(metrics.healthy).set(1)
@@ -136,13 +139,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine)
         open_paths.add("/metrics")
     api_key = cfg.api_key or os.environ.get("TEACHER_SERVER_API_KEY") or None
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):  # noqa: ANN202
-        if api_key is not None and request.url.path not in open_paths:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
 
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -182,12 +180,35 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine)
         t0 = time.monotonic()
         m: Metrics = request.app.state.metrics
         resp = await _generate(request, cfg, t0)
+        dt = time.monotonic() - t0
         m.labels(m.requests, status=str(resp.status_code)).inc()
-        m.labels(m.e2e).observe(time.monotonic() - t0)
+        m.labels(m.e2e).observe(dt)
+        rid = resp.headers.get("x-request-id")
+        level = logging.DEBUG if resp.status_code < 400 else (logging.WARNING if resp.status_code >= 500 else logging.INFO)
+        log.log(level, "generate %s -> %d in %.3fs", rid, resp.status_code, dt,
+                extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4)})
         return resp
 
     _register_schemas(app)
     return app
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer KEY` on every path but the open ones; constant-time compare.
+    Pure ASGI (no BaseHTTPMiddleware) so client disconnects still reach the handlers."""
+
+    def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:  # noqa: ANN001
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                await error_response(401, "invalid or missing API key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -258,13 +279,15 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
     if res.error is not None:
         status = {"timeout": 504, "cancelled": 499, "conflict": 409}.get(res.error_kind, 500)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
-        return error_response(status, res.error)
+        return error_response(status, res.error, headers={"x-request-id": req.request_id})
     m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
     if res.scheduled_at:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
-    return _json(_response_body(body, req, res, engine.served_model_name))
+    resp = _json(_response_body(body, req, res, engine.served_model_name))
+    resp.headers["x-request-id"] = req.request_id
+    return resp
 
 
 def _response_body(body: GenerateRequest, req, res: ScoreResult, model_name: str) -> dict:  # noqa: ANN001
@@ -314,6 +337,7 @@ def _refresh_gauges(m: Metrics, engine: Engine) -> None:
 
 def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
     m.labels(m.steps).inc()
+    m.labels(m.computed_tokens).inc(engine.last_step_tokens)
     bm = engine.blocks
     dq, dh = bm.query_tokens - getattr(m, "_last_q", 0), bm.hit_tokens - getattr(m, "_last_h", 0)
     m._last_q, m._last_h = bm.query_tokens, bm.hit_tokens
@@ -324,13 +348,17 @@ def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
     _refresh_gauges(m, engine)
 
 
-def _on_fatal(app: FastAPI, exc: BaseException) -> None:
+def _on_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None) -> None:
     """The engine cannot recover: report unhealthy and ask the process to exit so the
     orchestrator restarts it."""
     m: Metrics = app.state.metrics
     m.labels(m.healthy).set(0)
+    app.state.exit_code = 3
     log.critical("engine failed (%s); exiting", exc)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if hook is not None:
+        hook()
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _register_schemas(app: FastAPI) -> None:

@@ -34,6 +34,10 @@ class Metrics:
         self.steps = Counter(p + "engine_steps", "Forward steps run.", lab, registry=r)
         self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", lab, registry=r)
         self.model_name = model_name
+        for m in (self.waiting, self.running, self.kv_usage, self.prompt_tokens, self.computed_tokens,
+                  self.scored_rows, self.prefix_queries, self.prefix_hits, self.e2e, self.queue_time,
+                  self.inference_time, self.steps, self.healthy):
+            m.labels(model_name=model_name)  # export every series from the start
 
     def labels(self, metric, **kw):  # noqa: ANN001, ANN201
         return metric.labels(model_name=self.model_name, **kw)
