@@ -148,9 +148,10 @@ def parse_output(data: Mapping[str, Any]) -> ScoreOutput:
 def error_from_response(resp: httpx.Response, attempts: int) -> TeacherServerError:
     """A non-200 response -> ``TeacherServerError`` from vLLM's error shape (or the raw text)."""
     try:
-        err = resp.json()["error"]
-        assert isinstance(err, dict)
-    except Exception:  # not our error shape: a proxy page, an empty body, ...
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if not isinstance(err, dict):  # not our error shape: a proxy page, an empty body, ...
         return TeacherServerError(resp.text[:300] or resp.reason_phrase, status=resp.status_code, attempts=attempts)
     code = err.get("code")
     return TeacherServerError(str(err.get("message", "")), status=resp.status_code, type=err.get("type"),
@@ -332,7 +333,11 @@ class TeacherClient(_Base):
     def score_batch(self, requests: Iterable[TeacherRequest | Mapping[str, Any] | Sequence[Any]], *,
                     progress: bool = False) -> list[np.ndarray]:
         """Score many requests, at most ``max_concurrency`` at once; results in input order.
-        The first failure cancels the requests not yet started and is raised."""
+
+        Each request is a ``TeacherRequest``, a dict of its fields, or a tuple in its field
+        order. The first failure cancels the requests not yet started and is raised.
+        ``progress`` shows a tqdm bar when tqdm is installed, else a counter on stderr.
+        """
         return [o.scores for o in self.score_batch_full(requests, progress=progress)]
 
     def score_batch_full(self, requests: Iterable[TeacherRequest | Mapping[str, Any] | Sequence[Any]], *,
@@ -346,7 +351,7 @@ class TeacherClient(_Base):
                 futures = [pool.submit(self._send, r) for r in reqs]
                 for f in futures:
                     f.add_done_callback(lambda f: f.cancelled() or bar.update())
-                done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                _, pending = wait(futures, return_when=FIRST_EXCEPTION)
                 failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
                 if failed is not None:
                     for f in pending:

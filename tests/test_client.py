@@ -1,0 +1,435 @@
+"""The trainer client against the live demo server: both clients, both candidate forms,
+batching, errors, and retries through transports that inject 429/503 or count requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from email.utils import formatdate
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from apiutil import body, decode, npy_b64
+from conftest import free_port
+
+from teacher_server.client import (AsyncTeacherClient, ScoreOutput, TeacherClient, TeacherRequest,
+                                   TeacherServerError, retry_after_seconds)
+
+ROOT = Path(__file__).resolve().parents[1]
+GEN = "/inference/v1/generate"
+VOCAB = 4096
+RNG = np.random.default_rng(1234)
+
+
+def seq(n: int) -> list[int]:
+    return RNG.integers(0, VOCAB, n).tolist()
+
+
+def per_row(rows: int, k: int) -> np.ndarray:
+    """[rows, K] distinct ids per row."""
+    return np.stack([RNG.choice(VOCAB, k, replace=False) for _ in range(rows)]).astype(np.int32)
+
+
+def raw_scores(server, token_ids: list[int], cands, start: int) -> np.ndarray:  # noqa: ANN001
+    """What a plain httpx post with JSON-list candidates returns."""
+    with server.client() as c:
+        r = c.post(GEN, json=body(token_ids, cands, start=start, max_tokens=0))
+    assert r.status_code == 200, r.text
+    return decode(r.json()["prompt_token_id_logprobs"])
+
+
+class _Counting:
+    """Counts requests and the peak number in flight; the first ``fail`` requests are
+    answered with ``status`` (and ``headers``) instead of being forwarded."""
+
+    def __init__(self, fail: int = 0, status: int = 429, headers: dict[str, str] | None = None,
+                 delay: float = 0.0) -> None:
+        self.fail, self.status, self.headers, self.delay = fail, status, headers or {}, delay
+        self.count = self.inflight = self.peak = 0
+        self.lock = threading.Lock()
+        self.seen: list[httpx.Request] = []
+
+    def _enter(self, request: httpx.Request) -> httpx.Response | None:
+        with self.lock:
+            self.count += 1
+            self.seen.append(request)
+            self.inflight += 1
+            self.peak = max(self.peak, self.inflight)
+            n = self.count
+        if n <= self.fail:
+            return httpx.Response(self.status, headers=self.headers, json={"error": {
+                "message": "injected", "type": "RateLimitError", "param": None, "code": self.status}})
+        return None
+
+    def _exit(self) -> None:
+        with self.lock:
+            self.inflight -= 1
+
+
+class CountingTransport(_Counting, httpx.BaseTransport):
+    def __init__(self, **kw) -> None:  # noqa: ANN003
+        super().__init__(**kw)
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            injected = self._enter(request)
+            time.sleep(self.delay)
+            return injected or self.inner.handle_request(request)
+        finally:
+            self._exit()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class AsyncCountingTransport(_Counting, httpx.AsyncBaseTransport):
+    def __init__(self, **kw) -> None:  # noqa: ANN003
+        super().__init__(**kw)
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            injected = self._enter(request)
+            await asyncio.sleep(self.delay)
+            return injected or await self.inner.handle_async_request(request)
+        finally:
+            self._exit()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+# --- results ------------------------------------------------------------------------------
+
+def test_imports_without_torch() -> None:
+    code = "import sys, teacher_server.client; assert 'torch' not in sys.modules, 'torch was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.parametrize("form", ["shared", "per_row", "per_row_padded"])
+def test_sync_matches_raw_post(demo_server, form: str) -> None:  # noqa: ANN001
+    toks, start = seq(40), 9
+    rows = len(toks) - 1 - start
+    if form == "shared":
+        cands = RNG.choice(VOCAB, 12, replace=False)
+    else:
+        cands = per_row(rows, 12)
+        if form == "per_row_padded":
+            cands[::3, -4:] = -1
+    expected = raw_scores(demo_server, toks, cands.tolist(), start)
+    with TeacherClient(demo_server.url) as client:
+        got = client.score(toks, cands, start)
+    assert got.shape == (rows, 12) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    if form == "per_row_padded":
+        assert np.isneginf(got[cands == -1]).all() and np.isfinite(got[cands != -1]).all()
+
+
+@pytest.mark.parametrize("form", ["shared", "per_row"])
+def test_async_matches_sync(demo_server, form: str) -> None:  # noqa: ANN001
+    toks, start = seq(33), 4
+    cands = [5, 17, 99, 3000] if form == "shared" else per_row(len(toks) - 1 - start, 4).tolist()
+
+    async def go() -> np.ndarray:
+        async with AsyncTeacherClient(demo_server.url) as client:
+            return await client.score(toks, cands, start)
+
+    got = asyncio.run(go())
+    with TeacherClient(demo_server.url) as client:
+        expected = client.score(np.asarray(toks), np.asarray(cands), start)
+    assert got.shape == (28, 4) and got.dtype == np.float32
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def test_zero_rows(demo_server) -> None:  # noqa: ANN001
+    toks = seq(6)
+
+    async def go() -> list[np.ndarray]:
+        async with AsyncTeacherClient(demo_server.url) as client:
+            return [await client.score(toks, [1, 2, 3], start=5),
+                    await client.score(toks, np.zeros((0, 3), np.int32), start=5)]
+
+    with TeacherClient(demo_server.url) as client:
+        results = [client.score(toks, [1, 2, 3], start=5), client.score(toks, np.zeros((0, 3), np.int32), start=5),
+                   client.score(toks, [7], start=50), client.score([42], [1, 2, 3])]
+    results += asyncio.run(go())
+    for r in results:
+        assert r.dtype == np.float32 and r.shape[0] == 0 and r.shape[1] in (1, 3)
+
+
+def test_score_full(demo_server) -> None:  # noqa: ANN001
+    toks = seq(20)
+    with TeacherClient(demo_server.url) as client:
+        out = client.score_full(toks, [1, 2], 3, request_id="req-full-1", prompt_logprobs=2, max_tokens=1,
+                                cache_salt="full")
+        again = client.score_full(toks, [1, 2], 3, cache_salt="full")
+    assert isinstance(out, ScoreOutput)
+    assert out.scores.shape == (16, 2) and out.request_id == "req-full-1" and out.model
+    assert out.next_token is not None and 0 <= out.next_token < VOCAB and again.next_token is None
+    assert out.prompt_tokens == 20 and isinstance(out.cached_tokens, int)
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == 20 and out.prompt_logprobs[0] is None
+    assert next(iter(out.prompt_logprobs[1])) == str(toks[1])  # the actual token comes first
+    assert again.prompt_logprobs is None and again.request_id != "req-full-1"
+    np.testing.assert_allclose(again.scores, out.scores, rtol=0, atol=1e-5)
+
+
+def test_candidates_are_sent_in_binary_form_with_auth() -> None:
+    seen: list[httpx.Request] = []
+    matrix = np.arange(6, dtype=np.float32).reshape(3, 2)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"request_id": "r", "model": "m", "created": 0,
+                                         "choices": [{"index": 0, "token_ids": [], "finish_reason": "length",
+                                                      "logprobs": None}],
+                                         "usage": {"prompt_tokens": 4, "completion_tokens": 0, "total_tokens": 4,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}},
+                                         "prompt_token_id_logprobs": npy_b64(matrix)})
+
+    with TeacherClient("http://teacher.invalid", api_key="sk-1", transport=httpx.MockTransport(handler)) as c:
+        got = c.score([1, 2, 3, 4], [[1, 2], [3, -1], [5, 6]], 0)
+    with TeacherClient("http://teacher.invalid", transport=httpx.MockTransport(handler)) as c:
+        c.score(np.array([1, 2, 3, 4], np.int64), np.array([9, 8], np.int64))
+    np.testing.assert_array_equal(got, matrix)
+    assert seen[0].headers["authorization"] == "Bearer sk-1" and "authorization" not in seen[1].headers
+    for req, shape in zip(seen, [(3, 2), (2,)]):
+        sp = json.loads(req.content)["sampling_params"]
+        cands = decode(sp["prompt_logprob_token_ids"])  # a base64 .npy string, never a JSON list
+        assert cands.dtype == np.dtype("<i4") and cands.shape == shape
+    assert decode(json.loads(seen[0].content)["sampling_params"]["prompt_logprob_token_ids"]).tolist() == \
+        [[1, 2], [3, -1], [5, 6]]
+
+
+def test_error_without_the_error_shape_is_not_retried() -> None:
+    calls: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(1)
+        return httpx.Response(502, text="<html>bad gateway</html>")
+
+    with TeacherClient("http://teacher.invalid", backoff=0.01, transport=httpx.MockTransport(handler)) as c:
+        with pytest.raises(TeacherServerError) as ei:
+            c.score([1, 2, 3], [1, 2])
+    assert ei.value.status == 502 and ei.value.type is None and "bad gateway" in ei.value.message
+    assert len(calls) == 1
+
+
+def test_local_input_errors() -> None:
+    with TeacherClient("http://teacher.invalid") as c:
+        with pytest.raises(TypeError):
+            c.score([1, 2, 3], [1.5, 2.0])
+        with pytest.raises(ValueError):
+            c.score([1, 2, 3], np.zeros((1, 2, 2), np.int32))
+        with pytest.raises(ValueError):
+            c.score([1, 2, 3], [2 ** 40])
+
+
+# --- batches ------------------------------------------------------------------------------
+
+def _batch(n: int) -> tuple[list, list[int]]:
+    """n requests of different lengths (so a mix-up would show in the shapes), in the three
+    accepted forms."""
+    reqs, rows = [], []
+    for i in range(n):
+        toks, start = seq(30 + 7 * i), 5
+        r = len(toks) - 1 - start
+        cands = per_row(r, 3)
+        reqs.append([TeacherRequest(toks, cands, start), dict(token_ids=toks, candidates=cands, start=start),
+                     (toks, cands, start)][i % 3])
+        rows.append(r)
+    return reqs, rows
+
+
+def test_score_batch_order_and_concurrency(demo_server) -> None:  # noqa: ANN001
+    reqs, rows = _batch(12)
+    transport = CountingTransport(delay=0.05)
+    with TeacherClient(demo_server.url, max_concurrency=3, transport=transport) as client:
+        results = client.score_batch(reqs, progress=True)
+        singles = [client.score(*r) for r in reqs if isinstance(r, tuple)]
+    assert [r.shape for r in results] == [(n, 3) for n in rows]
+    for got, want in zip([r for r, q in zip(results, reqs) if isinstance(q, tuple)], singles):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert transport.count == 12 + len(singles)
+    assert 2 <= transport.peak <= 3, transport.peak
+    with TeacherClient(demo_server.url) as client:
+        assert client.score_batch([]) == []
+
+
+def test_async_score_batch_order_and_concurrency(demo_server) -> None:  # noqa: ANN001
+    reqs, rows = _batch(10)
+    transport = AsyncCountingTransport(delay=0.05)
+
+    async def go() -> list[np.ndarray]:
+        async with AsyncTeacherClient(demo_server.url, max_concurrency=4, transport=transport) as client:
+            return await client.score_batch(reqs)
+
+    results = asyncio.run(go())
+    assert [r.shape for r in results] == [(n, 3) for n in rows]
+    assert transport.count == 10 and 2 <= transport.peak <= 4, transport.peak
+
+
+def test_progress_without_tqdm(demo_server, monkeypatch, capsys) -> None:  # noqa: ANN001
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails: the stderr counter is used
+    reqs, _ = _batch(3)
+    with TeacherClient(demo_server.url) as client:
+        assert len(client.score_batch(reqs, progress=True)) == 3
+    assert "3/3" in capsys.readouterr().err
+
+
+def test_score_batch_raises_first_failure(demo_server) -> None:  # noqa: ANN001
+    reqs, _ = _batch(4)
+    reqs[2] = TeacherRequest(seq(10), [3, 3])  # duplicate ids: 400
+    with TeacherClient(demo_server.url, max_concurrency=2) as client, pytest.raises(TeacherServerError) as ei:
+        client.score_batch(reqs)
+    assert ei.value.status == 400
+
+    async def go() -> None:
+        async with AsyncTeacherClient(demo_server.url, max_concurrency=2) as client:
+            await client.score_batch(reqs)
+
+    with pytest.raises(TeacherServerError) as ei:
+        asyncio.run(go())
+    assert ei.value.status == 400
+
+
+# --- errors and retries -------------------------------------------------------------------
+
+def test_bad_request_is_not_retried(demo_server) -> None:  # noqa: ANN001
+    transport = CountingTransport()
+    with TeacherClient(demo_server.url, max_retries=5, backoff=0.01, transport=transport) as client:
+        with pytest.raises(TeacherServerError) as ei:
+            client.score(seq(10), [[1, 1], [2, 3]], start=7)
+    e = ei.value
+    assert (e.status, e.type, e.code, e.param) == (400, "BadRequestError", 400,
+                                                   "sampling_params.prompt_logprob_token_ids")
+    assert "duplicate" in e.message and e.attempts == 1 and transport.count == 1
+
+    async_transport = AsyncCountingTransport()
+
+    async def go() -> None:
+        async with AsyncTeacherClient(demo_server.url, max_retries=5, backoff=0.01,
+                                      transport=async_transport) as client:
+            await client.score([1, VOCAB], [1, 2])
+
+    with pytest.raises(TeacherServerError) as ei:
+        asyncio.run(go())
+    assert ei.value.status == 400 and ei.value.param == "token_ids" and async_transport.count == 1
+
+
+def test_wrong_model_is_404_not_retried(demo_server) -> None:  # noqa: ANN001
+    transport = CountingTransport()
+    with TeacherClient(demo_server.url, model="no-such-model", transport=transport) as client:
+        with pytest.raises(TeacherServerError) as ei:
+            client.score(seq(5), [1, 2])
+    assert ei.value.status == 404 and ei.value.type == "NotFoundError" and transport.count == 1
+
+
+def test_retry_after_429_honours_retry_after(demo_server) -> None:  # noqa: ANN001
+    toks, cands = seq(25), [4, 5, 6]
+    transport = CountingTransport(fail=3, status=429, headers={"Retry-After": "0"})
+    t0 = time.monotonic()
+    # A 30 s backoff would make this test crawl: Retry-After: 0 must take its place.
+    with TeacherClient(demo_server.url, max_retries=3, backoff=30.0, transport=transport) as client:
+        got = client.score(toks, cands, 2)
+    assert time.monotonic() - t0 < 10
+    assert transport.count == 4  # three injected 429s, then the real answer
+    np.testing.assert_allclose(got, raw_scores(demo_server, toks, cands, 2), rtol=0, atol=1e-5)
+
+
+def test_retry_after_503_then_success_async(demo_server) -> None:  # noqa: ANN001
+    transport = AsyncCountingTransport(fail=2, status=503)  # no Retry-After: exponential backoff
+
+    async def go() -> np.ndarray:
+        async with AsyncTeacherClient(demo_server.url, max_retries=2, backoff=0.01, transport=transport) as c:
+            return await c.score(seq(12), [1, 2], 3)
+
+    assert asyncio.run(go()).shape == (8, 2) and transport.count == 3
+
+
+def test_retries_exhausted_raise_last_status(demo_server) -> None:  # noqa: ANN001
+    transport = CountingTransport(fail=10, status=503, headers={"Retry-After": "0"})
+    with TeacherClient(demo_server.url, max_retries=2, transport=transport) as client:
+        with pytest.raises(TeacherServerError) as ei:
+            client.score(seq(5), [1, 2])
+    assert ei.value.status == 503 and ei.value.attempts == 3 and transport.count == 3
+
+
+def test_connection_refused_retries_then_raises() -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nobody listens here
+    transport = CountingTransport()
+    with TeacherClient(url, max_retries=2, backoff=0.01, transport=transport) as client:
+        with pytest.raises(TeacherServerError) as ei:
+            client.score([1, 2, 3], [1, 2])
+    assert ei.value.status is None and ei.value.type == "ConnectError" and ei.value.attempts == 3
+    assert transport.count == 3 and isinstance(ei.value.__cause__, httpx.ConnectError)
+
+    async_transport = AsyncCountingTransport()
+
+    async def go() -> None:
+        async with AsyncTeacherClient(url, max_retries=1, backoff=0.01, transport=async_transport) as c:
+            await c.score([1, 2, 3], [1, 2])
+
+    with pytest.raises(TeacherServerError) as ei:
+        asyncio.run(go())
+    assert ei.value.attempts == 2 and async_transport.count == 2
+
+
+def test_retry_after_parsing() -> None:
+    def parsed(value: str | None) -> float | None:
+        return retry_after_seconds(httpx.Response(429, headers={} if value is None else {"Retry-After": value}))
+
+    assert parsed("3") == 3.0 and parsed("0") == 0.0 and parsed(None) is None and parsed("soon") is None
+    assert 50 < parsed(formatdate(time.time() + 60, usegmt=True)) <= 61
+    assert parsed(formatdate(time.time() - 60, usegmt=True)) == 0.0
+
+
+# --- the example --------------------------------------------------------------------------
+
+def test_distill_step_example(demo_server, tmp_path) -> None:  # noqa: ANN001
+    script = ROOT / "examples" / "distill_step.py"
+    r = subprocess.run([sys.executable, str(script), "--url", demo_server.url, "--prompts", "2", "--group", "3",
+                        "--prompt-len", "40", "--response-len", "24", "-k", "8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "scored 6 rollouts (144 response tokens, K=8)" in r.stdout and "forward KL" in r.stdout
+
+    # The same step from a rollouts file, through main().
+    sys.path.insert(0, str(script.parent))
+    try:
+        import distill_step
+    finally:
+        sys.path.remove(str(script.parent))
+    rollouts = distill_step.random_rollouts(1, 2, 10, 6, 4, VOCAB, seed=3)
+    rollouts[0].student_topk_ids[1, -1] = -1  # a padded candidate
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_ids": r.prompt_ids, "response_ids": r.response_ids,
+                                        "student_topk_ids": r.student_topk_ids.tolist(),
+                                        "student_topk_logprobs": r.student_topk_logprobs.tolist()}) + "\n"
+                            for r in rollouts))
+    summary = distill_step.main(["--url", demo_server.url, "--rollouts", str(path)])
+    assert summary["rollouts"] == 2 and summary["scored_tokens"] == 12
+    assert np.isfinite(summary["loss"]) and summary["loss"] >= 0
+
+
+def test_distill_loss_properties() -> None:
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from distill_step import distill_loss
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    ids = np.array([[1, 2, 3], [4, 5, -1]])
+    lp = np.log(np.array([[0.5, 0.3, 0.2], [0.6, 0.4, 1.0]]))
+    teacher = np.where(ids >= 0, lp - 1.0, -np.inf)  # same distribution once renormalised over K
+    np.testing.assert_allclose(distill_loss(teacher, lp, ids), 0.0, atol=1e-12)
+    student = np.log(np.array([[0.2, 0.3, 0.5], [0.5, 0.5, 1.0]]))
+    loss = distill_loss(teacher, student, ids)
+    want0 = np.sum([0.5, 0.3, 0.2] * np.log(np.array([0.5, 0.3, 0.2]) / [0.2, 0.3, 0.5]))
+    want1 = 0.6 * np.log(0.6 / 0.5) + 0.4 * np.log(0.4 / 0.5)
+    np.testing.assert_allclose(loss, [want0, want1], rtol=1e-12)
