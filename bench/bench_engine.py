@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
+    ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = QWEN3_8B if args.model_size == "8b" else QWEN3_32B
@@ -217,6 +218,9 @@ def main() -> None:
         else:
             results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             print(n, json.dumps(results["engine"][n]), flush=True)
+    if args.profile:
+        results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),
+                                     Path(args.out or "bench/results/x.json").with_suffix(".profile.txt"))
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -247,6 +251,31 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
+
+
+def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
+    """Per-kernel CUDA time over a few steps: where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    sub = reqs[:24]
+    run_engine(engine, sub[:4], "prof-warm")
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dt, _, _ = run_engine(engine, sub, "prof")
+    engine.blocks.reset_prefix_cache()
+    ka = prof.key_averages()
+    table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(table)
+    total = sum(e.self_device_time_total for e in ka) / 1e3
+    top = sorted(ka, key=lambda e: -e.self_device_time_total)[:15]
+    print(f"\nprofile: {dt:.2f}s wall, {total / 1e3:.2f}s of kernels")
+    out = []
+    for e in top:
+        ms = e.self_device_time_total / 1e3
+        print(f"  {ms:9.1f} ms {100 * ms / total:5.1f}%  x{e.count:<6d} {e.key[:90]}")
+        out.append({"kernel": e.key[:200], "ms": ms, "count": e.count})
+    return out
 
 
 def print_table(results: dict) -> None:

@@ -53,6 +53,7 @@ class Config(BaseModel):
     gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackend = "auto"
+    compile: bool = Field(True, description="Fuse elementwise stages with torch.compile on CUDA.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
     # --- server ------------------------------------------------------------------------

@@ -42,3 +42,22 @@ def test_backend_matches_reference(backend: str, window) -> None:  # noqa: ANN00
                         d ** -0.5, window)
     err = (got.cpu() - ref).abs().max().item()
     assert err < 2e-2, err  # bf16 inputs and outputs
+
+
+def test_dense_cudnn_path_matches_reference() -> None:
+    """All sequences of one length, no prefix: the varlen backend takes cuDNN's dense path."""
+    attn = make_backend("varlen", torch.device("cuda"))
+    torch.manual_seed(1)
+    q_lens = [512] * 4
+    hq, hk, d = 8, 2, 128
+    q = torch.randn(2048, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2048, hk, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(2048, hk, d, device="cuda", dtype=torch.bfloat16)
+    got = attn(q, k, v, ctx_for(q_lens, q_lens, "cuda"), d ** -0.5, None).float().cpu()
+    assert attn.dense_cudnn, "cuDNN dense path was not taken"
+    ref = SdpaBackend()(q.float().cpu(), k.float().cpu(), v.float().cpu(), ctx_for(q_lens, q_lens, "cpu"),
+                        d ** -0.5, None)
+    assert (got - ref).abs().max().item() < 2e-2
+    attn.dense_cudnn = False
+    varlen = attn(q, k, v, ctx_for(q_lens, q_lens, "cuda"), d ** -0.5, None).float().cpu()
+    assert (varlen - ref).abs().max().item() < 2e-2

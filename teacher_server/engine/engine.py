@@ -69,7 +69,7 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, cfg.load_format, cfg.seed)
-        self.attn = make_backend(cfg.attention_backend, self.device)
+        self.attn = make_backend(cfg.attention_backend, self.device, self.dtype)
         budget = cfg.max_num_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.max_num_batched_tokens = budget
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(budget)
@@ -82,7 +82,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, cfg.block_size, prefix)
         self.scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self.blocks)
         self.runner = ModelRunner(self.model, self.attn, num_blocks, cfg.block_size, self.max_model_len,
-                                  self.device, cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows)
+                                  self.device, cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows,
+                                  cfg.compile)
         self.prefix_caching = prefix
         self.seqs: dict[str, Sequence] = {}
         self.last_step_tokens = 0

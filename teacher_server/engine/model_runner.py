@@ -5,6 +5,7 @@ scoring stage, and copies results back into each request's result arrays."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,6 +16,7 @@ from teacher_server.engine.sequence import Chunk
 from teacher_server.model.attention import AttentionBackend
 from teacher_server.model.context import StepContext
 from teacher_server.model.decoder import DecoderModel
+from teacher_server.model.fused import FusedOps
 from teacher_server.model.rope import cos_sin_table
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class HostStep:
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, attn: AttentionBackend, num_blocks: int, block_size: int,
-                 max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int) -> None:
+                 max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int,
+                 compile_ops: bool = True) -> None:
         self.model = model
         self.spec = model.spec
         self.attn = attn
@@ -55,6 +58,29 @@ class ModelRunner:
         self.kv = torch.empty(self.spec.num_layers, 2, slots, self.spec.num_kv_heads, self.spec.head_dim,
                               dtype=dtype, device=device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.spec.num_layers)]
+        self.ops = FusedOps(enable_compile=compile_ops and device.type == "cuda")
+        if self.ops.compiled:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile the fused stages now (two token counts: a static then a dynamic graph),
+        checking them against eager; fall back to eager on any failure."""
+        t0 = time.perf_counter()
+        try:
+            for n in (16, 40):
+                ids = torch.randint(0, self.spec.vocab_size, (n,), device=self.device)
+                pos = torch.arange(n, device=self.device)
+                cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+                ctx = StepContext(ids, pos, cu, cu, n, n, [n], [n], None, None, None, None, None, n, pos)
+                fast = self.model(ctx, self.cos_sin, None, self.attn, self.ops)
+                ref = self.model(ctx, self.cos_sin, None, self.attn, FusedOps(False))
+                err = (fast.float() - ref.float()).abs().max().item()
+                scale = ref.float().abs().max().item() + 1e-6
+                if not err <= 2e-2 * scale:
+                    raise RuntimeError(f"compiled stages differ from eager by {err:.3g} (scale {scale:.3g})")
+            log.info("compiled fused elementwise stages in %.1fs", time.perf_counter() - t0)
+        except Exception as e:
+            self.ops.fallback(e)
 
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
@@ -147,7 +173,7 @@ class ModelRunner:
             prefix_slots=parts["prefix_slots"] if hs.has_prefix else None,
             total_k=hs.total_k, logits_idx=parts["logits_idx"],
         )
-        hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn)  # [R, H]
+        hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn, self.ops)  # [R, H]
         plan = ScoringPlan(
             cand=parts["cand"].view(-1, hs.kmax) if hs.kmax else parts["cand"].view(0, 0),
             kmax=hs.kmax,

@@ -60,15 +60,41 @@ class SdpaBackend:
 
 
 class TorchVarlenBackend:
+    """torch's varlen FlashAttention-2; a step whose sequences all have one length and no
+    cached prefix (a dense batch) goes to cuDNN attention instead, which is faster there
+    (measured on the H200: ~613 vs ~334 TFLOP/s)."""
+
     name = "varlen"
 
-    def __init__(self) -> None:
+    def __init__(self, dense_cudnn: bool = True) -> None:
         from torch.nn.attention.varlen import varlen_attn
 
         self._fn = varlen_attn
         self._has_gqa_flag = "enable_gqa" in inspect.signature(varlen_attn).parameters
+        self.dense_cudnn = dense_cudnn
+
+    def _dense(self, q, k, v, ctx, scale):  # noqa: ANN001, ANN202
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        b, n = len(ctx.q_lens), ctx.q_lens[0]
+        groups = q.shape[1] // k.shape[1]
+        qd = q.view(b, n, q.shape[1], q.shape[2]).transpose(1, 2)
+        kd = k.view(b, n, k.shape[1], k.shape[2]).transpose(1, 2)
+        vd = v.view(b, n, v.shape[1], v.shape[2]).transpose(1, 2)
+        if groups > 1:
+            kd = kd.repeat_interleave(groups, dim=1)
+            vd = vd.repeat_interleave(groups, dim=1)
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+        return o.transpose(1, 2).reshape(q.shape)
 
     def __call__(self, q, k, v, ctx, scale, window):
+        if self.dense_cudnn and window is None and ctx.uniform and len(ctx.q_lens) > 1:
+            try:
+                return self._dense(q, k, v, ctx, scale)
+            except RuntimeError as e:  # cuDNN refused these shapes: stay on varlen from now on
+                log.warning("dense cuDNN attention unavailable (%s); using varlen", e)
+                self.dense_cudnn = False
         kw = {"scale": scale, "window_size": (-1 if window is None else window - 1, 0)}
         if self._has_gqa_flag and q.shape[1] != k.shape[1]:
             kw["enable_gqa"] = True
@@ -89,10 +115,11 @@ class FlashAttnBackend:
                         softmax_scale=scale, causal=True, window_size=ws)
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Build the named backend; ``auto`` picks flash_attn > varlen on CUDA, sdpa on CPU."""
+def make_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:
+    """Build the named backend; ``auto`` picks flash_attn > varlen on CUDA for bf16/fp16,
+    sdpa on CPU and for float32 (the flash kernels take half precision only)."""
     if name == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" or dtype == torch.float32:
             return SdpaBackend()
         for cand in ("flash_attn", "varlen"):
             try:

@@ -33,3 +33,8 @@ class StepContext:
     @property
     def has_prefix(self) -> bool:
         return self.prefix_slots is not None
+
+    @property
+    def uniform(self) -> bool:
+        """Every sequence has the same length and no earlier keys: a dense batch."""
+        return self.prefix_slots is None and len(set(self.q_lens)) == 1

@@ -14,18 +14,8 @@ from torch import nn
 
 from teacher_server.model.attention import AttentionBackend
 from teacher_server.model.context import StepContext
-from teacher_server.model.rope import apply_rotary
+from teacher_server.model.fused import FusedOps
 from teacher_server.model.spec import ModelSpec
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with float32 statistics. On CUDA torch's fused kernel (one read, one write);
-    elsewhere the float32 formula transformers uses (cast to x's dtype before the weight)."""
-    if x.is_cuda:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -45,24 +35,17 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, **kw), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(h, spec.intermediate_size, **kw), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
-                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                attn: AttentionBackend, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
+        residual stream and the next layer's normed input (normed with ``next_norm``)."""
         spec = self.spec
         eps, d = spec.rms_norm_eps, spec.head_dim
         t = x.shape[0]
         # --- attention ---
-        h = rms_norm(x, self.input_norm, eps)
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = q.view(t, spec.num_heads, d)
-        k = k.view(t, spec.num_kv_heads, d)
-        v = v.view(t, spec.num_kv_heads, d)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, eps)
-            k = rms_norm(k, self.k_norm, eps)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k, v = ops.qkv_prep(qkv, cos, sin, self.q_norm, self.k_norm, spec.num_heads, spec.num_kv_heads, d, eps)
         if ctx.write_slots is not None and k_cache is not None:
             k_cache[ctx.write_slots] = k[ctx.write_src]
             v_cache[ctx.write_slots] = v[ctx.write_src]
@@ -76,11 +59,10 @@ class DecoderLayer(nn.Module):
             vf[ctx.prefix_pos] = v_cache[ctx.prefix_slots]
             k, v = kf, vf
         o = attn(q, k, v, ctx, d ** -0.5, spec.sliding_window)  # [T, Hq, D]
-        x = x + F.linear(o.reshape(t, spec.q_size), self.o_proj)
+        x, h = ops.add_rms_norm(x, F.linear(o.reshape(t, spec.q_size), self.o_proj), self.post_attn_norm, eps)
         # --- MLP ---
-        h = rms_norm(x, self.post_attn_norm, eps)
-        gate, up = F.linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj)
+        mlp = F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
+        return ops.add_rms_norm(x, mlp, next_norm, eps)
 
 
 class DecoderModel(nn.Module):
@@ -97,14 +79,17 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: AttentionBackend, ops: FusedOps) -> torch.Tensor:
         """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden]."""
+        eps = self.spec.rms_norm_eps
         x = F.embedding(ctx.input_ids, self.embed)  # [T, hidden]
         cs = cos_sin[ctx.positions]  # [T, D] float32
         half = self.spec.head_dim // 2
         cos, sin = cs[:, None, :half], cs[:, None, half:]
+        h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+        n = len(self.layers)
         for i, layer in enumerate(self.layers):
             kc, vc = kv_caches[i] if kv_caches else (None, None)
-            x = layer(x, cos, sin, ctx, kc, vc, attn)
-        x = x[ctx.logits_idx]
-        return rms_norm(x, self.norm, self.spec.rms_norm_eps)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
+            x, h = layer(x, h, next_norm, cos, sin, ctx, kc, vc, attn, ops)
+        return h[ctx.logits_idx]

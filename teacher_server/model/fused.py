@@ -1,0 +1,83 @@
+"""Elementwise stages of a decoder layer, written once in plain torch and compiled on CUDA
+(``torch.compile``, dynamic shapes: one graph for every token count) so each becomes one
+or two fused kernels instead of a chain of full-size passes. The CPU runs them eagerly.
+
+The math follows transformers exactly where it rounds: the residual sum is rounded to the
+activation dtype before its float32 norm; RMSNorm casts back before the weight.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta)): the residual stream and the next block's input."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: torch.Tensor | None,
+             k_norm: torch.Tensor | None, n_q: int, n_kv: int, d: int,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split fused QKV [T, (n_q + 2 n_kv) d], per-head RMSNorm of q and k (Qwen3), rotary
+    on q and k (cos/sin: [T, 1, d/2] float32). Returns contiguous q [T, n_q, d], k, v [T, n_kv, d]."""
+    t = qkv.shape[0]
+    q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q = q.reshape(t, n_q, d)
+    k = k.reshape(t, n_kv, d)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin).contiguous(), v.reshape(t, n_kv, d).contiguous()
+
+
+class FusedOps:
+    """The stage functions, compiled for CUDA or eager. Compilation is checked once on a
+    small input against the eager version; any failure falls back to eager (one log line)."""
+
+    def __init__(self, enable_compile: bool) -> None:
+        self.add_rms_norm: Callable = add_rms_norm
+        self.silu_mul: Callable = silu_mul
+        self.qkv_prep: Callable = qkv_prep
+        self.rms_norm: Callable = rms_norm
+        self.compiled = False
+        if enable_compile:
+            try:
+                self.add_rms_norm = torch.compile(add_rms_norm, dynamic=True, fullgraph=True)
+                self.silu_mul = torch.compile(silu_mul, dynamic=True, fullgraph=True)
+                self.qkv_prep = torch.compile(qkv_prep, dynamic=True, fullgraph=True)
+                self.rms_norm = torch.compile(rms_norm, dynamic=True, fullgraph=True)
+                self.compiled = True
+            except Exception as e:  # no triton / inductor: the eager path is correct, only slower
+                log.warning("torch.compile unavailable (%s); elementwise stages run eagerly", e)
+                self.__init__(False)
+
+    def fallback(self, err: Exception) -> None:
+        log.warning("compiled elementwise stages failed (%s: %s); running them eagerly", type(err).__name__, err)
+        self.__init__(False)
