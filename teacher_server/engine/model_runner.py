@@ -63,21 +63,35 @@ class ModelRunner:
             self._warm_up()
 
     def _warm_up(self) -> None:
-        """Compile the fused stages now (two token counts: a static then a dynamic graph),
-        checking them against eager; fall back to eager on any failure."""
+        """Compile the fused stages now (two token counts: a static then a dynamic graph) and
+        check each against its eager version on random inputs; fall back to eager on failure."""
         t0 = time.perf_counter()
+        s, dt, dev = self.spec, self.model.embed.dtype, self.device
+        eager = FusedOps(False)
         try:
             for n in (16, 40):
-                ids = torch.randint(0, self.spec.vocab_size, (n,), device=self.device)
-                pos = torch.arange(n, device=self.device)
-                cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-                ctx = StepContext(ids, pos, cu, cu, n, n, [n], [n], None, None, None, None, None, n, pos)
-                fast = self.model(ctx, self.cos_sin, None, self.attn, self.ops)
-                ref = self.model(ctx, self.cos_sin, None, self.attn, FusedOps(False))
-                err = (fast.float() - ref.float()).abs().max().item()
-                scale = ref.float().abs().max().item() + 1e-6
-                if not err <= 2e-2 * scale:
-                    raise RuntimeError(f"compiled stages differ from eager by {err:.3g} (scale {scale:.3g})")
+                x = torch.randn(n, s.hidden_size, device=dev, dtype=dt)
+                w = 1 + 0.1 * torch.randn(s.hidden_size, device=dev, dtype=dt)
+                gu = torch.randn(n, 2 * s.intermediate_size, device=dev, dtype=dt)
+                qkv = torch.randn(n, s.q_size + 2 * s.kv_size, device=dev, dtype=dt)
+                cs = self.cos_sin[torch.arange(n, device=dev) * 37]
+                half = s.head_dim // 2
+                cos, sin = cs[:, None, :half], cs[:, None, half:]
+                qn = self.model.layers[0].q_norm
+                kn = self.model.layers[0].k_norm
+                args = {
+                    "rms_norm": (x, w, s.rms_norm_eps),
+                    "add_rms_norm": (x, x.flip(0), w, s.rms_norm_eps),
+                    "silu_mul": (gu,),
+                    "qkv_prep": (qkv, cos, sin, qn, kn, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps),
+                }
+                for name, a in args.items():
+                    got, ref = getattr(self.ops, name)(*a), getattr(eager, name)(*a)
+                    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+                        err = (g.float() - r.float()).abs().max().item()
+                        bound = 1e-2 * r.float().abs().max().item() + 1e-3
+                        if not err <= bound:
+                            raise RuntimeError(f"compiled {name} differs from eager by {err:.3g} (bound {bound:.3g})")
             log.info("compiled fused elementwise stages in %.1fs", time.perf_counter() - t0)
         except Exception as e:
             self.ops.fallback(e)
