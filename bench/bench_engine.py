@@ -205,6 +205,8 @@ def main() -> None:
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
     results["attention_backend"] = engine.attn.name
+    results["kv_pool_gib"] = engine.runner.kv.numel() * engine.runner.kv.element_size() / 2**30
+    results["fused_stages_compiled"] = engine.runner.ops.compiled
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.attn.name}", flush=True)
     for n in names:
         if args.prefix_cache_compare:

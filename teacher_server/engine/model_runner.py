@@ -74,7 +74,7 @@ class ModelRunner:
                 w = 1 + 0.1 * torch.randn(s.hidden_size, device=dev, dtype=dt)
                 gu = torch.randn(n, 2 * s.intermediate_size, device=dev, dtype=dt)
                 qkv = torch.randn(n, s.q_size + 2 * s.kv_size, device=dev, dtype=dt)
-                cs = self.cos_sin[torch.arange(n, device=dev) * 37]
+                cs = self.cos_sin[(torch.arange(n, device=dev) * 37) % self.cos_sin.shape[0]]
                 half = s.head_dim // 2
                 cos, sin = cs[:, None, :half], cs[:, None, half:]
                 qn = self.model.layers[0].q_norm

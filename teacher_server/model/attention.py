@@ -89,7 +89,7 @@ class TorchVarlenBackend:
         return o.transpose(1, 2).reshape(q.shape)
 
     def __call__(self, q, k, v, ctx, scale, window):
-        if self.dense_cudnn and window is None and ctx.uniform and len(ctx.q_lens) > 1:
+        if self.dense_cudnn and window is None and ctx.uniform:
             try:
                 return self._dense(q, k, v, ctx, scale)
             except RuntimeError as e:  # cuDNN refused these shapes: stay on varlen from now on
