@@ -59,6 +59,25 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: to
     return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin).contiguous(), v.reshape(t, n_kv, d).contiguous()
 
 
+class _Guarded:
+    """A compiled stage that falls back to its eager version for good the first time
+    compilation fails at run time (for example a recompile limit); results stay correct."""
+
+    def __init__(self, compiled: Callable, eager: Callable) -> None:
+        self.compiled, self.eager, self.ok = compiled, eager, True
+
+    def __call__(self, *args):  # noqa: ANN002, ANN204
+        if self.ok:
+            try:
+                return self.compiled(*args)
+            except Exception as e:
+                if not isinstance(e, torch._dynamo.exc.TorchDynamoException) and "inductor" not in type(e).__module__:
+                    raise
+                log.warning("compiled %s failed at run time (%s); using eager", self.eager.__name__, type(e).__name__)
+                self.ok = False
+        return self.eager(*args)
+
+
 class FusedOps:
     """The stage functions, compiled for CUDA or eager. Compilation is checked once on a
     small input against the eager version; any failure falls back to eager (one log line)."""
@@ -71,10 +90,11 @@ class FusedOps:
         self.compiled = False
         if enable_compile:
             try:
-                self.add_rms_norm = torch.compile(add_rms_norm, dynamic=True, fullgraph=True)
-                self.silu_mul = torch.compile(silu_mul, dynamic=True, fullgraph=True)
-                self.qkv_prep = torch.compile(qkv_prep, dynamic=True, fullgraph=True)
-                self.rms_norm = torch.compile(rms_norm, dynamic=True, fullgraph=True)
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                self.add_rms_norm = _Guarded(torch.compile(add_rms_norm, fullgraph=True), add_rms_norm)
+                self.silu_mul = _Guarded(torch.compile(silu_mul, fullgraph=True), silu_mul)
+                self.qkv_prep = _Guarded(torch.compile(qkv_prep, fullgraph=True), qkv_prep)
+                self.rms_norm = _Guarded(torch.compile(rms_norm, fullgraph=True), rms_norm)
                 self.compiled = True
             except Exception as e:  # no triton / inductor: the eager path is correct, only slower
                 log.warning("torch.compile unavailable (%s); elementwise stages run eagerly", e)
