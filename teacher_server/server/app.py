@@ -183,7 +183,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         dt = time.monotonic() - t0
         m.labels(m.requests, status=str(resp.status_code)).inc()
         m.labels(m.e2e).observe(dt)
-        rid = resp.headers.get("x-request-id")
+        rid = str(getattr(request.state, "request_id", None))[:128]
         level = logging.DEBUG if resp.status_code < 400 else (logging.WARNING if resp.status_code >= 500 else logging.INFO)
         log.log(level, "generate %s -> %d in %.3fs", rid, resp.status_code, dt,
                 extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4)})
@@ -254,6 +254,7 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
             start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
             request_id=body.request_id, cache_salt=body.cache_salt, priority=body.priority,
             truncate_prompt_tokens=sp.truncate_prompt_tokens)
+        request.state.request_id = req.request_id
         if cfg.request_timeout_s is not None:
             req.deadline = t0 + cfg.request_timeout_s
         task = asyncio.ensure_future(ae.score(req))
@@ -279,15 +280,13 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
     if res.error is not None:
         status = {"timeout": 504, "cancelled": 499, "conflict": 409}.get(res.error_kind, 500)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
-        return error_response(status, res.error, headers={"x-request-id": req.request_id})
+        return error_response(status, res.error)
     m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
     if res.scheduled_at:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
-    resp = _json(_response_body(body, req, res, engine.served_model_name))
-    resp.headers["x-request-id"] = req.request_id
-    return resp
+    return _json(_response_body(body, req, res, engine.served_model_name))
 
 
 def _response_body(body: GenerateRequest, req, res: ScoreResult, model_name: str) -> dict:  # noqa: ANN001
