@@ -683,3 +683,24 @@ def test_rendered_config_hash_tracks_config(helm: ModuleType) -> None:
 
     assert digest(None) == digest(None)
     assert digest(None) != digest({"config": {"log_json": True, "max_logprobs": 128}})
+
+
+def test_readme_helm_command_renders(helm: ModuleType, kube: ModuleType, kube_versions: list[str]) -> None:
+    """The README's `helm install --set ...` example renders and validates."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"helm install teacher .*?(?=\n```)", readme, flags=re.S).group(0).replace("\\\n", " ")
+    values: dict[str, Any] = {}
+    for item in re.findall(r"--set (\S+)", block):
+        key, val = item.split("=", 1)
+        node = values
+        *path, last = key.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = int(val) if val.isdigit() else val
+    docs = manifests(render(helm, values))
+    deploy = one(docs, "Deployment")
+    assert deploy["spec"]["replicas"] == 4
+    env = env_of(server_container(deploy))
+    assert env["TEACHER_SERVER_MODEL"]["value"] == "/models/Qwen3-32B"
+    assert env["TEACHER_SERVER_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "teacher-api-key"
+    validate_k8s(kube, kube_versions, docs)
