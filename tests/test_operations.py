@@ -267,3 +267,9 @@ def test_json_log_carries_request_id() -> None:
     rec.request_id, rec.status = "r-1", 500
     out = json.loads(JsonFormatter().format(rec))
     assert out["request_id"] == "r-1" and out["status"] == 500 and out["level"] == "warning"
+
+
+def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:  # noqa: ANN001
+    with LiveServer(demo_cfg(tmp_path_factory, max_queue_tokens=100)) as s, s.client() as c:
+        assert_error(c.post(GEN, json=body(range(1, 200), [1])), 400, "token_ids", "max_queue_tokens")
+        assert c.post(GEN, json=body(range(1, 50), [1])).status_code == 200

@@ -255,6 +255,9 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
             request_id=body.request_id, cache_salt=body.cache_salt, priority=body.priority,
             truncate_prompt_tokens=sp.truncate_prompt_tokens)
         request.state.request_id = req.request_id
+        if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
+            raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
+                             f"(max_queue_tokens={cfg.max_queue_tokens})", "token_ids")
         if cfg.request_timeout_s is not None:
             req.deadline = t0 + cfg.request_timeout_s
         task = asyncio.ensure_future(ae.score(req))
