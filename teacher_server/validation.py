@@ -52,6 +52,13 @@ def decode_npy(b64: str, param: str) -> np.ndarray:
                          param)
     if arr.ndim not in (1, 2):
         raise BadRequest(f"{param} must have shape [K] or [rows, K], got {list(arr.shape)}", param)
+    return _to_int64(arr, param)
+
+
+def _to_int64(arr: np.ndarray, param: str) -> np.ndarray:
+    """int64 copy; unsigned values beyond int64 are refused (they would wrap to negatives)."""
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise BadRequest(f"{param}: id {int(arr.max())} is out of range", param)
     return arr.astype(np.int64, copy=False)
 
 
@@ -64,7 +71,7 @@ def _as_int_array(x: Any, param: str) -> np.ndarray:
         return arr.astype(np.int64)
     if arr.dtype.kind not in "iu":  # floats, bools, strings, ragged or huge (object) values
         raise BadRequest(f"{param} must hold integer ids within int64", param)
-    return arr.astype(np.int64)
+    return _to_int64(arr, param)
 
 
 def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.ndarray:
@@ -134,6 +141,8 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     bad = (toks < 0) | (toks >= limits.vocab_size)
     if bad.any():
         raise BadRequest(f"token_ids: id {int(toks[bad][0])} is outside [0, {limits.vocab_size})", "token_ids")
+    if cache_salt is not None and cache_salt == "":
+        raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
     if truncate_prompt_tokens is not None:
         raise BadRequest("truncate_prompt_tokens is not supported: inputs are never truncated",
                          sp + "truncate_prompt_tokens")

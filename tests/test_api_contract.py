@@ -193,3 +193,23 @@ def test_other_endpoints(client) -> None:  # noqa: ANN001
     assert client.get("/metrics").status_code == 200
     assert_error(client.get("/no-such-path"), 404)
     assert_error(client.get(GEN), 405)
+
+
+def test_uint64_ids_never_wrap(client) -> None:  # noqa: ANN001
+    """2**64 - 1 would wrap to -1 (padding) in int64: it must be refused instead."""
+    assert_error(client.post(GEN, json=body(TOKS, [[2 ** 64 - 1, 1]] * 4, start=5)), 400)
+    arr = np.array([[2 ** 64 - 1, 1]] * 4, dtype=np.uint64)
+    assert_error(client.post(GEN, json=body(TOKS, npy_b64(arr), start=5)), 400)
+
+
+def test_empty_cache_salt_is_rejected(client) -> None:  # noqa: ANN001
+    assert_error(client.post(GEN, json={**GOOD, "cache_salt": ""}), 400, "cache_salt")
+
+
+def test_large_body_parsed_off_the_loop(client, good_result) -> None:  # noqa: ANN001
+    """A body above the inline threshold (parsed in a worker thread) gives the same answer."""
+    big = {**GOOD, "request_id": "x" * 300_000}
+    r = client.post(GEN, json=big)
+    assert r.status_code == 200 and r.json()["request_id"] == big["request_id"]
+    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+    assert_error(client.post(GEN, json={**big, "model": "nope"}), 404, "model")

@@ -107,3 +107,10 @@ def test_cache_can_be_turned_off(checkpoints) -> None:  # noqa: ANN001
     res = eng.run_to_completion(reqs) + eng.run_to_completion(
         [ScoreRequest(r.request_id + "x", r.token_ids, r.start, r.candidates) for r in reqs])
     assert all(r.cached_tokens == 0 for r in res)
+
+
+def test_no_salt_and_empty_salt_hash_apart() -> None:
+    from teacher_server.engine.block_manager import block_hashes
+
+    t = np.arange(32)
+    assert block_hashes(t, 2, 16, None) != block_hashes(t, 2, 16, "")

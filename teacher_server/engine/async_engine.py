@@ -85,24 +85,24 @@ class AsyncEngine:
     async def score(self, req: ScoreRequest) -> ScoreResult:
         """Queue a request and wait for its result. Cancelling the awaiting task aborts it
         and frees its KV blocks."""
-        if not self.alive:
-            raise EngineUnavailable(self.fatal_error or "engine is not running")
-        if not self.accepting:
-            raise EngineUnavailable("server is shutting down")
-        with self._lock:
+        loop = asyncio.get_running_loop()
+        pending = _Pending(req, loop.create_future(), loop)
+        with self._lock:  # checked and queued atomically with the engine thread's death
+            if not self.alive:
+                raise EngineUnavailable(self.fatal_error or "engine is not running")
+            if not self.accepting:
+                raise EngineUnavailable("server is shutting down")
             if (self._queued_requests + 1 > self.max_queue_requests
                     or self._queued_tokens + req.length > self.max_queue_tokens):
                 raise EngineOverloaded(f"queue full ({self._queued_requests} requests, "
                                        f"{self._queued_tokens} tokens)")
             self._queued_requests += 1
             self._queued_tokens += req.length
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._inbox.put(("add", _Pending(req, fut, loop)))
+            self._inbox.put(("add", pending))
         try:
-            return await fut
+            return await pending.future
         except asyncio.CancelledError:
-            self._inbox.put(("abort", req.request_id))
+            self._inbox.put(("abort", pending))  # by identity: never another request with this id
             raise
 
     def abort(self, request_id: str) -> None:
@@ -134,10 +134,13 @@ class AsyncEngine:
             p: _Pending = arg
             rid = p.req.request_id
             if rid in self._pending:
-                res = ScoreResult(rid, p.req.length, error=f"duplicate request_id {rid!r} in flight",
+                res = ScoreResult(rid, p.req.length, error=f"duplicate request_id {rid[:100]!r} in flight",
                                   error_kind="conflict")
                 self._release(p.req)
-                p.loop.call_soon_threadsafe(lambda: p.future.done() or p.future.set_result(res))
+                try:
+                    p.loop.call_soon_threadsafe(lambda: p.future.done() or p.future.set_result(res))
+                except RuntimeError:  # the loop is closed
+                    pass
                 return
             self._pending[rid] = p
             try:
@@ -148,6 +151,10 @@ class AsyncEngine:
             if immediate is not None:
                 self._deliver(immediate)
         elif kind == "abort":
+            if isinstance(arg, _Pending):  # a cancelled waiter: abort only if it is still the owner of its id
+                if self._pending.get(arg.req.request_id) is not arg:
+                    return
+                arg = arg.req.request_id
             res = self.engine.abort_request(arg)
             if res is not None:
                 self._deliver(res)
@@ -161,35 +168,48 @@ class AsyncEngine:
                     self._deliver(res)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # fatal: the step already failed its own requests
+            self._die(e)
+
+    def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 block = not self.engine.has_unfinished()
                 msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-                if msg is None:
-                    continue
-                self._handle(msg)
+                if msg is not None:
+                    self._handle(msg)
                 while True:  # take everything queued before the next step
                     msg = self._inbox.get_nowait()
                     if msg is not None:
                         self._handle(msg)
             except queue.Empty:
                 pass
-            try:
-                self._expire()
-                if not self.engine.has_unfinished():
-                    continue
-                results = self.engine.step()
-                if self.on_step is not None:
-                    self.on_step(self.engine, results)
-                for res in results:
-                    self._deliver(res)
-            except BaseException as e:  # fatal: the step already failed its own requests
-                log.critical("engine cannot recover: %s", e)
-                self.alive = False
-                self.fatal_error = f"engine failed: {type(e).__name__}"
-                for rid in list(self._pending):
-                    p = self._pending[rid]
-                    self._deliver(ScoreResult(rid, p.req.length, error=self.fatal_error, error_kind="internal"))
-                if self.on_fatal is not None:
-                    self.on_fatal(e)
-                return
+            self._expire()
+            if not self.engine.has_unfinished():
+                continue
+            results = self.engine.step()
+            if self.on_step is not None:
+                self.on_step(self.engine, results)
+            for res in results:
+                self._deliver(res)
+
+    def _die(self, e: BaseException) -> None:
+        """The engine cannot go on: answer every request it holds or that is still queued."""
+        log.critical("engine cannot recover: %s", e)
+        with self._lock:  # after this no request can be queued any more
+            self.alive = False
+            self.fatal_error = f"engine failed: {type(e).__name__}"
+            while True:
+                try:
+                    msg = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if msg is not None and msg[0] == "add":
+                    self._pending.setdefault(msg[1].req.request_id, msg[1])
+        for rid in list(self._pending):
+            p = self._pending[rid]
+            self._deliver(ScoreResult(rid, p.req.length, error=self.fatal_error, error_kind="internal"))
+        if self.on_fatal is not None:
+            self.on_fatal(e)

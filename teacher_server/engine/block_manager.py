@@ -19,7 +19,8 @@ import numpy as np
 def block_hashes(tokens: np.ndarray, n_blocks: int, block_size: int, salt: str | None) -> list[bytes]:
     """Hash chain of the first ``n_blocks`` full blocks: h_i = H(h_{i-1} | salt | tokens_i)."""
     out: list[bytes] = []
-    prev = hashlib.blake2b((salt or "").encode(), digest_size=16, person=b"ts-salt").digest()
+    seed = b"\x00" if salt is None else b"\x01" + salt.encode()  # no salt and "" never collide
+    prev = hashlib.blake2b(seed, digest_size=16, person=b"ts-salt").digest()
     toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.int64)
     for i in range(n_blocks):
         h = hashlib.blake2b(prev, digest_size=16)

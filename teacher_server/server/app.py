@@ -52,11 +52,6 @@ def error_response(status: int, message: str, param: str | None = None,
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
 
-def _json(obj: object, status: int = 200) -> Response:
-    return Response(orjson.dumps(obj, option=orjson.OPT_SERIALIZE_NUMPY), status_code=status,
-                    media_type="application/json")
-
-
 def encode_npy(arr: np.ndarray) -> str:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
@@ -233,27 +228,10 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
         if not ae.accepting or not ae.alive:
             raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
         raw = await _read_body(request, cfg.max_body_bytes)
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise BadRequest("request body is not valid JSON") from None
-        if not isinstance(obj, dict):
-            raise BadRequest("request body must be a JSON object")
-        try:
-            body = GenerateRequest.model_validate(obj)
-        except ValidationError as e:
-            return _pydantic_error(e.errors())
-        if body.model is not None and body.model != engine.served_model_name:
-            return error_response(404, f"model {body.model[:200]!r} does not exist; this server serves "
-                                       f"{engine.served_model_name!r}", "model")
-        if body.stream:
-            raise BadRequest(STREAM_MESSAGE, "stream")
-        sp = body.sampling_params
-        req = build_request(
-            token_ids=body.token_ids, limits=app.state.limits, candidates=sp.prompt_logprob_token_ids,
-            start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
-            request_id=body.request_id, cache_salt=body.cache_salt, priority=body.priority,
-            truncate_prompt_tokens=sp.truncate_prompt_tokens)
+        # Parsing and validating a large body takes a while: keep it off the event loop.
+        args = (raw, app.state.limits, engine.served_model_name)
+        body, req = await asyncio.to_thread(_parse_request, *args) if len(raw) > _INLINE_BYTES \
+            else _parse_request(*args)
         request.state.request_id = req.request_id
         if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
@@ -272,7 +250,7 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
             return error_response(499, "client disconnected")
         res = task.result()
     except BadRequest as e:
-        m.labels(m.failures, reason="validation" if e.status == 400 else "too_large").inc()
+        m.labels(m.failures, reason={400: "validation", 404: "unknown_model"}.get(e.status, "too_large")).inc()
         return error_response(e.status, e.message, e.param)
     except EngineOverloaded as e:
         m.labels(m.failures, reason="overloaded").inc()
@@ -289,7 +267,39 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
-    return _json(_response_body(body, req, res, engine.served_model_name))
+    big = req.rows * max(req.k, 1) > _INLINE_BYTES // 4 or req.prompt_logprobs is not None
+    build = lambda: orjson.dumps(_response_body(body, req, res, engine.served_model_name))  # noqa: E731
+    content = await asyncio.to_thread(build) if big else build()
+    return Response(content, media_type="application/json")
+
+
+_INLINE_BYTES = 256 * 1024  # bodies and results above this are (de)serialised in a worker thread
+
+
+def _parse_request(raw: bytes, limits: Limits, served_model_name: str):  # noqa: ANN202
+    """JSON bytes -> (GenerateRequest, ScoreRequest); BadRequest (400/404) otherwise."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        body = GenerateRequest.model_validate(obj)
+    except ValidationError as e:
+        raise BadRequest(*_pydantic_message(e.errors())) from None
+    if body.model is not None and body.model != served_model_name:
+        raise BadRequest(f"model {body.model[:200]!r} does not exist; this server serves {served_model_name!r}",
+                         "model", status=404)
+    if body.stream:
+        raise BadRequest(STREAM_MESSAGE, "stream")
+    sp = body.sampling_params
+    req = build_request(
+        token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,
+        start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
+        request_id=body.request_id, cache_salt=body.cache_salt, priority=body.priority,
+        truncate_prompt_tokens=sp.truncate_prompt_tokens)
+    return body, req
 
 
 def _response_body(body: GenerateRequest, req, res: ScoreResult, model_name: str) -> dict:  # noqa: ANN001
@@ -316,6 +326,10 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def _pydantic_error(errors: list) -> Response:
+    return error_response(400, *_pydantic_message(errors))
+
+
+def _pydantic_message(errors: list) -> tuple[str, str | None]:
     e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
     # Drop union-branch markers pydantic adds (e.g. 'list[int]'), keep field names and indices.
@@ -327,7 +341,7 @@ def _pydantic_error(errors: list) -> Response:
         msg = "unknown field"
     elif e.get("type") == "missing":
         msg = "field required"
-    return error_response(400, f"{where}: {msg}"[:500], param)
+    return f"{where}: {msg}"[:500], param
 
 
 def _refresh_gauges(m: Metrics, engine: Engine) -> None:

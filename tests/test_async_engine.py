@@ -1,0 +1,72 @@
+"""AsyncEngine: cancellation by identity, and no request left hanging when the engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from teacher_server.config import Config
+from teacher_server.engine.async_engine import AsyncEngine
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest
+
+
+def slow_engine(tmp_path, fatal_token: int | None = None) -> Engine:  # noqa: ANN001
+    eng = Engine(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=32,
+                        num_kv_blocks=512, max_model_len=4096))
+    orig = eng.runner.execute
+
+    def execute(hs):  # noqa: ANN001, ANN202
+        time.sleep(0.05)  # long steps, so messages pile up in the inbox meanwhile
+        if fatal_token is not None and fatal_token in hs.ints["input_ids"].tolist():
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+        return orig(hs)
+
+    eng.runner.execute = execute
+    return eng
+
+
+def req(rid: str, n: int, first: int = 1) -> ScoreRequest:
+    toks = np.arange(first, first + n) % 4000
+    return ScoreRequest(rid, toks, 0, np.array([1, 2]))
+
+
+def test_cancelling_a_duplicate_id_does_not_cancel_the_original(tmp_path) -> None:  # noqa: ANN001
+    ae = AsyncEngine(slow_engine(tmp_path), 100, 10 ** 6)
+    ae.start()
+
+    async def main() -> None:
+        a = asyncio.ensure_future(ae.score(req("x", 200)))
+        await asyncio.sleep(0.02)
+        b = asyncio.ensure_future(ae.score(req("x", 10)))
+        await asyncio.sleep(0.01)
+        b.cancel()
+        res = await a
+        assert res.error is None and res.token_id_logprobs.shape == (199, 2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
+def test_fatal_error_answers_queued_requests(tmp_path) -> None:  # noqa: ANN001
+    fired = []
+    ae = AsyncEngine(slow_engine(tmp_path, fatal_token=3999), 100, 10 ** 6, on_fatal=fired.append)
+    ae.start()
+
+    async def main() -> None:
+        a = asyncio.ensure_future(ae.score(req("a", 10, first=3991)))  # contains the fatal token
+        await asyncio.sleep(0.01)
+        others = [asyncio.ensure_future(ae.score(req(f"b{i}", 10))) for i in range(5)]
+        results = await asyncio.wait_for(asyncio.gather(a, *others, return_exceptions=True), 10)
+        for r in results:
+            assert isinstance(r, Exception) or r.error is not None, r
+        assert ae.in_flight == 0 and not ae.alive and fired
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
