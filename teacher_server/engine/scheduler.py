@@ -80,6 +80,7 @@ class Scheduler:
         if budget <= 0 or len(chunks) >= max_seqs:
             return chunks
         inflight = self._inflight_hashes(chunks)
+        reserved = self._reserved()  # kept up to date below: O(1) per waiting sequence
         admitted: list[int] = []
         for i, (_, _, seq) in enumerate(self.waiting):
             if budget <= 0 or len(chunks) >= max_seqs:
@@ -98,7 +99,7 @@ class Scheduler:
             else:
                 need = seq.max_blocks - len(hit)
             hit_free = sum(1 for b in hit if self.bm.ref[b] == 0)  # evictable ones we would pin
-            if self.bm.num_free - hit_free - self._reserved() < need:
+            if self.bm.num_free - hit_free - reserved < need:
                 break  # keep admission order; blocks free up as running sequences finish
             self.bm.acquire(hit)
             self.bm.record_lookup(seq.cache_end, cached)
@@ -112,6 +113,7 @@ class Scheduler:
             admitted.append(i)
             if not final:
                 self.running.append(seq)
+                reserved += max(seq.max_blocks - len(seq.block_table), 0)
             inflight.update(hashes[len(hit):])
         for i in reversed(admitted):
             del self.waiting[i]
