@@ -5,7 +5,6 @@ answers correctly afterwards."""
 from __future__ import annotations
 
 import base64
-import io
 
 import numpy as np
 import pytest

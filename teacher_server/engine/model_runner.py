@@ -207,7 +207,7 @@ class ModelRunner:
         scores, pa, pr, tv, ti, am = map(to_np, (out.scores, out.plp_actual, out.plp_rank,
                                                  out.plp_topk_vals, out.plp_topk_ids, out.argmax))
         for c, r_off, nr, p_off, a_off in hs.layout:
-            seq, req, res = c.seq, c.seq.req, c.seq.result
+            req, res = c.seq.req, c.seq.result
             if nr == 0:
                 continue
             lo, hi = c.logit_lo, c.logit_hi

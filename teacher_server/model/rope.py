@@ -74,12 +74,3 @@ def cos_sin_table(spec: ModelSpec, max_len: int, device: torch.device) -> torch.
     pos = torch.arange(max_len, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]  # [max_len, head_dim // 2]
     return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, 1, D/2] float32. Non-interleaved (rotate-half) layout.
-    Computed in float32 and cast back to x's dtype."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-    return out.to(x.dtype)
