@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import numpy as np
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreResult
+from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
 from teacher_server.validation import Limits, build_request
 
 
@@ -29,22 +29,15 @@ class TokensPrompt(TypedDict, total=False):
     cache_salt: str
 
 
-@dataclass
 class SamplingParams:
     """The vLLM fields that matter for scoring; other vLLM sampling fields are accepted
     as keyword arguments and do not change the scores."""
-
-    max_tokens: int = 1
-    prompt_logprob_token_ids: Any = None  # [K], [rows, K] (-1 pads), or base64 .npy
-    prompt_logprob_start: int | None = None
-    prompt_logprobs: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __init__(self, max_tokens: int = 1, prompt_logprob_token_ids: Any = None,
                  prompt_logprob_start: int | None = None, prompt_logprobs: int | None = None,
                  **ignored: Any) -> None:
         self.max_tokens = max_tokens
-        self.prompt_logprob_token_ids = prompt_logprob_token_ids
+        self.prompt_logprob_token_ids = prompt_logprob_token_ids  # [K], [rows, K] (-1 pads), or base64 .npy
         self.prompt_logprob_start = prompt_logprob_start
         self.prompt_logprobs = prompt_logprobs
         self.extra = ignored
@@ -123,14 +116,8 @@ class LLM:
             raise RuntimeError(f"request {req.request_id} failed: {res.error}")
         plp = None
         if req.prompt_logprobs is not None:
-            toks = req.token_ids.tolist()
-            plp = [None]
-            for j in range(1, len(toks)):
-                d = {toks[j]: Logprob(float(res.plp_token_logprob[j - 1]), int(res.plp_token_rank[j - 1]))}
-                for r, (t, v) in enumerate(zip(res.plp_topk_ids[j - 1].tolist(),
-                                               res.plp_topk_logprobs[j - 1].tolist()), start=1):
-                    d.setdefault(t, Logprob(v, r))
-                plp.append(d)
+            plp = [None if e is None else {t: Logprob(v, r) for t, v, r in e}
+                   for e in prompt_logprob_entries(req.token_ids, res)]
         nxt = [res.next_token] if req.max_tokens and res.next_token is not None else []
         return RequestOutput(req.request_id, req.token_ids.tolist(), [CompletionOutput(0, nxt)],
                              res.token_id_logprobs, plp, res.cached_tokens)

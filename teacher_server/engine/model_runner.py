@@ -126,20 +126,18 @@ class ModelRunner:
             p_off, a_off = len(plp_rows), len(arg_rows)
             if nr:
                 lidx.append(np.arange(q_off + lo - c.start, q_off + hi - c.start, dtype=np.int64))
-                # candidate rows: positions [max(lo, start_req), min(hi, L-1))
                 if req.candidates is not None:
                     kmax = max(kmax, req.k)
-                    a, b = max(lo, req.start), min(hi, req.length - 1)
-                    if b > a:
-                        block = req.candidates[a - req.start:b - req.start] if req.per_row else req.candidates
-                        cand_blocks.append((r_off + a - lo, b - a, block))
-                if req.prompt_logprobs is not None:
-                    a, b = lo, min(hi, req.length - 1)
-                    if b > a:
-                        plp_k = max(plp_k, req.prompt_logprobs)
-                        plp_rows.extend(range(r_off, r_off + b - a))
-                        plp_act.append(toks[a + 1:b + 1])
-                if req.max_tokens >= 1 and hi == req.length:
+                a, b = c.cand_positions()
+                if b > a:
+                    block = req.candidates[a - req.start:b - req.start] if req.per_row else req.candidates
+                    cand_blocks.append((r_off + a - lo, b - a, block))
+                a, b = c.plp_positions()
+                if b > a:
+                    plp_k = max(plp_k, req.prompt_logprobs)
+                    plp_rows.extend(range(r_off, r_off + b - a))
+                    plp_act.append(toks[a + 1:b + 1])
+                if c.has_next_token:
                     arg_rows.append(r_off + hi - 1 - lo)
             layout.append((c, r_off, nr, p_off, a_off))
             q_off += n
@@ -210,19 +208,16 @@ class ModelRunner:
             req, res = c.seq.req, c.seq.result
             if nr == 0:
                 continue
-            lo, hi = c.logit_lo, c.logit_hi
-            if req.candidates is not None and res.token_id_logprobs is not None:
-                a, b = max(lo, req.start), min(hi, req.length - 1)
-                if b > a:
-                    res.token_id_logprobs[a - req.start:b - req.start] = \
-                        scores[r_off + a - lo:r_off + b - lo, :req.k]
-            if req.prompt_logprobs is not None:
-                a, b = lo, min(hi, req.length - 1)
-                if b > a:
-                    sl = slice(p_off, p_off + b - a)
-                    res.plp_token_logprob[a:b] = pa[sl]
-                    res.plp_token_rank[a:b] = pr[sl]
-                    res.plp_topk_logprobs[a:b] = tv[sl, :req.prompt_logprobs]
-                    res.plp_topk_ids[a:b] = ti[sl, :req.prompt_logprobs]
-            if req.max_tokens >= 1 and hi == req.length:
+            lo = c.logit_lo
+            a, b = c.cand_positions()
+            if b > a:
+                res.token_id_logprobs[a - req.start:b - req.start] = scores[r_off + a - lo:r_off + b - lo, :req.k]
+            a, b = c.plp_positions()
+            if b > a:
+                sl = slice(p_off, p_off + b - a)
+                res.plp_token_logprob[a:b] = pa[sl]
+                res.plp_token_rank[a:b] = pr[sl]
+                res.plp_topk_logprobs[a:b] = tv[sl, :req.prompt_logprobs]
+                res.plp_topk_ids[a:b] = ti[sl, :req.prompt_logprobs]
+            if c.has_next_token:
                 res.next_token = int(am[a_off])

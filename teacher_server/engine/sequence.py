@@ -82,3 +82,24 @@ class Chunk:
     @property
     def logit_hi(self) -> int:
         return min(self.end, self.seq.logit_hi)
+
+    # The three uses of this chunk's logit rows [logit_lo, logit_hi), as position ranges
+    # (empty ranges have b <= a). Shared by step preparation and result scatter.
+    def cand_positions(self) -> tuple[int, int]:
+        """Positions scored against candidates: [max(lo, start), min(hi, L-1))."""
+        req = self.seq.req
+        if req.candidates is None:
+            return 0, 0
+        return max(self.logit_lo, req.start), min(self.logit_hi, req.length - 1)
+
+    def plp_positions(self) -> tuple[int, int]:
+        """Positions needing classic prompt_logprobs: [lo, min(hi, L-1))."""
+        req = self.seq.req
+        if req.prompt_logprobs is None:
+            return 0, 0
+        return self.logit_lo, min(self.logit_hi, req.length - 1)
+
+    @property
+    def has_next_token(self) -> bool:
+        """This chunk holds the last position and the request wants the greedy next token."""
+        return self.seq.req.max_tokens >= 1 and self.logit_hi == self.seq.req.length

@@ -92,9 +92,9 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                     _copy_checked(p.data[lo:hi], t, hf_name)
                 filled[target] = filled.get(target, 0) + 1
     missing = []
-    for name, p in model.named_parameters():
-        want = len(_fused_slices(spec, name.rsplit(".", 1)[-1])) if name.rsplit(".", 1)[-1] in (
-            "qkv_proj", "qkv_bias", "gate_up_proj") else 1
+    for name, _ in model.named_parameters():
+        short = name.rsplit(".", 1)[-1]
+        want = len(_fused_slices(spec, short)) if short in ("qkv_proj", "qkv_bias", "gate_up_proj") else 1
         if filled.get(name, 0) != want:
             missing.append(name)
     if missing:

@@ -31,7 +31,7 @@ from teacher_server import __version__
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreResult
+from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
 from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
@@ -63,20 +63,10 @@ def _finite(x: float) -> float:
 
 
 def format_prompt_logprobs(req_tokens: np.ndarray, res: ScoreResult) -> list:
-    """vLLM's classic layout: entry 0 null; entry j maps token ids to {logprob, rank,
-    decoded_token}, the actual token j first, then the top-k by rank."""
-    out: list = [None]
-    toks = req_tokens.tolist()
-    lp, rk = res.plp_token_logprob.tolist(), res.plp_token_rank.tolist()
-    ids, vals = res.plp_topk_ids.tolist(), res.plp_topk_logprobs.tolist()
-    for j in range(1, len(toks)):
-        a = toks[j]
-        entry = {str(a): {"logprob": _finite(lp[j - 1]), "rank": rk[j - 1], "decoded_token": None}}
-        for r, (t, v) in enumerate(zip(ids[j - 1], vals[j - 1]), start=1):
-            if t != a:
-                entry[str(t)] = {"logprob": _finite(v), "rank": r, "decoded_token": None}
-        out.append(entry)
-    return out
+    """JSON form: ``{token id: {logprob, rank, decoded_token}}`` per entry, -inf as -9999.0."""
+    return [None if e is None else {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": None}
+                                    for t, v, r in e}
+            for e in prompt_logprob_entries(req_tokens, res)]
 
 
 def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
