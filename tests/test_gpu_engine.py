@@ -4,60 +4,76 @@ against transformers (DESIGN.md: mean abs error no larger than transformers' own
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from teacher_server.model.attention import SdpaBackend, make_backend
-from teacher_server.model.context import StepContext
+from attn_util import make_step, reference
+
+from teacher_server.model.attention import CudnnBackend, make_backend
 
 pytestmark = pytest.mark.gpu
 
 
-def ctx_for(q_lens: list[int], k_lens: list[int], dev: str) -> StepContext:
-    cu_q = torch.tensor([0] + np.cumsum(q_lens).tolist(), dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0] + np.cumsum(k_lens).tolist(), dtype=torch.int32, device=dev)
-    z = torch.zeros(0, dtype=torch.int64, device=dev)
-    return StepContext(z, z, cu_q, cu_k, max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None, None,
-                       sum(k_lens), z)
+MIXED = [(1, 1), (7, 50), (300, 300), (128, 1000), (1000, 1000), (400, 1400), (512, 512), (512, 512), (40, 40)]
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flash_attn"])
-@pytest.mark.parametrize("window", [None, 64])
-def test_backend_matches_reference(backend: str, window) -> None:  # noqa: ANN001
+def _backend(name: str):  # noqa: ANN202
     try:
-        attn = make_backend(backend, torch.device("cuda"))
+        return make_backend(name, torch.device("cuda"))
     except Exception as e:  # flash-attn is optional (the Docker image has it)
-        pytest.skip(f"{backend} unavailable: {e}")
-    torch.manual_seed(0)
-    q_lens = [1, 7, 300, 128, 1000]
-    k_lens = [1, 50, 300, 1000, 1000]  # prefix of k - q tokens precedes the queries
-    hq, hk, d = 8, 2, 128
-    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(sum(k_lens), hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(sum(k_lens), hk, d, device="cuda", dtype=torch.bfloat16)
-    c = ctx_for(q_lens, k_lens, "cuda")
-    got = attn(q, k, v, c, d ** -0.5, window).float()
-    ref = SdpaBackend()(q.float().cpu(), k.float().cpu(), v.float().cpu(), ctx_for(q_lens, k_lens, "cpu"),
-                        d ** -0.5, window)
-    err = (got.cpu() - ref).abs().max().item()
-    assert err < 2e-2, err  # bf16 inputs and outputs
+        pytest.skip(f"{name} unavailable: {e}")
 
 
-def test_dense_cudnn_path_matches_reference() -> None:
-    """All sequences of one length, no prefix: the varlen backend takes cuDNN's dense path."""
-    attn = make_backend("varlen", torch.device("cuda"))
-    torch.manual_seed(1)
-    q_lens = [512] * 4
-    hq, hk, d = 8, 2, 128
-    q = torch.randn(2048, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2048, hk, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2048, hk, d, device="cuda", dtype=torch.bfloat16)
-    got = attn(q, k, v, ctx_for(q_lens, q_lens, "cuda"), d ** -0.5, None).float().cpu()
-    assert attn.dense_cudnn, "cuDNN dense path was not taken"
-    ref = SdpaBackend()(q.float().cpu(), k.float().cpu(), v.float().cpu(), ctx_for(q_lens, q_lens, "cpu"),
-                        d ** -0.5, None)
-    assert (got - ref).abs().max().item() < 2e-2
-    attn.dense_cudnn = False
-    varlen = attn(q, k, v, ctx_for(q_lens, q_lens, "cuda"), d ** -0.5, None).float().cpu()
-    assert (varlen - ref).abs().max().item() < 2e-2
+@pytest.mark.parametrize("backend", ["varlen", "flash_attn", "cudnn"])
+@pytest.mark.parametrize("window", [None, 64])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_backend_matches_reference(backend: str, window, heads) -> None:  # noqa: ANN001
+    """Prefixed (queries shorter than keys) and fresh sequences, equal and unequal lengths,
+    GQA and MHA: every backend equals the float32 sdpa reference within bf16 rounding."""
+    attn = _backend(backend)
+    tensors, ctx, _ = make_step(MIXED, *heads, 128, "cuda", torch.bfloat16)
+    got = attn(*tensors, ctx, 128 ** -0.5, window).float().cpu()
+    err = (got - reference(tensors, ctx, 128 ** -0.5, window)).abs().max().item()
+    assert err < 2e-2, err
+
+
+def test_cudnn_paths_are_taken() -> None:
+    """On the H200 both cuDNN paths pass their self-check and serve long sequences."""
+    attn = _backend("cudnn")
+    assert isinstance(attn, CudnnBackend) and attn.dense and attn.merged
+    tensors, ctx, _ = make_step(MIXED, 8, 2, 128, "cuda", torch.bfloat16)
+    attn(*tensors, ctx, 128 ** -0.5, None)
+    kinds = [type(it).__name__ for it in ctx.attn_plan.items]
+    # prefixed: 400 (merged), then 128 and 7 (varlen); fresh: 1000, 512 x 2, 300 (dense), 40 and 1 (varlen)
+    assert kinds.count("_Merged") == 1 and kinds.count("_Dense") == 3 and kinds.count("_Varlen") == 2, kinds
+    assert attn.dense and attn.merged
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 333, 4096])
+def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:  # noqa: ANN001
+    from teacher_server.ops.elementwise import silu_mul, silu_mul_reference
+    from teacher_server.ops.gather_logprob import kernel_available
+
+    assert kernel_available()
+    x = torch.randn(rows, 2 * 1536, device="cuda", dtype=dtype) * 4
+    got, ref = silu_mul(x), silu_mul_reference(x)
+    assert got.dtype == dtype and got.shape == (rows, 1536)
+    assert (got.float() - ref.float()).abs().max().item() <= 1e-2 * ref.float().abs().max().item()
+    assert (got == ref).float().mean().item() > 0.99  # same rounding points as eager torch
+
+
+def test_merge_attn_kernel_matches_reference() -> None:
+    from teacher_server.ops.elementwise import merge_attn, merge_attn_reference
+
+    c, h, d = 300, 8, 128
+    o1 = torch.randn(1, h, c, d, device="cuda", dtype=torch.bfloat16)[0].transpose(0, 1)  # [c, H, D] strided
+    o2 = torch.randn(c, h, d, device="cuda", dtype=torch.bfloat16)
+    l1 = torch.randn(h, c, device="cuda") * 5
+    l2 = torch.randn(c, h, device="cuda").t() * 5  # strided [H, c]
+    l2[0, :3] = float("-inf")
+    out = torch.empty(c, h, d, device="cuda", dtype=torch.bfloat16)
+    merge_attn(o1, l1, o2, l2, out)
+    ref = merge_attn_reference(o1, l1, o2, l2)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    assert torch.equal(out[:3, 0], o1[:3, 0])

@@ -29,8 +29,8 @@ class HostStep:
     ints: dict[str, np.ndarray]  # name -> int64 array; concatenated into one buffer
     q_lens: list[int]
     k_lens: list[int]
-    total_k: int
-    has_prefix: bool
+    total_k: int  # packed keys of the prefixed sequences
+    n_prefixed: int  # leading sequences with earlier keys
     has_writes: bool
     kmax: int
     plp_k: int
@@ -104,7 +104,9 @@ class ModelRunner:
         q_lens, k_lens, layout = [], [], []
         q_off = k_off = r_off = 0
         kmax = plp_k = 0
-        has_prefix = any(c.start > 0 for c in chunks)
+        # Prefixed sequences first, then fresh ones; each part longest first (see StepContext).
+        chunks = sorted(chunks, key=lambda c: (c.start == 0, -(c.end - c.start)))
+        n_prefixed = sum(1 for c in chunks if c.start > 0)
         for c in chunks:
             seq, req = c.seq, c.seq.req
             toks = req.token_ids
@@ -116,11 +118,11 @@ class ModelRunner:
             if c.write_end > c.start:
                 wsrc.append(np.arange(q_off, q_off + c.write_end - c.start, dtype=np.int64))
                 wslot.append(seq.slots(c.start, c.write_end))
-            if has_prefix:
+            if c.start > 0:
                 newpos.append(np.arange(k_off + c.start, k_off + c.end, dtype=np.int64))
-                if c.start > 0:
-                    ppos.append(np.arange(k_off, k_off + c.start, dtype=np.int64))
-                    pslot.append(seq.slots(0, c.start))
+                ppos.append(np.arange(k_off, k_off + c.start, dtype=np.int64))
+                pslot.append(seq.slots(0, c.start))
+                k_off += c.end
             lo, hi = c.logit_lo, c.logit_hi
             nr = max(hi - lo, 0)
             p_off, a_off = len(plp_rows), len(arg_rows)
@@ -141,7 +143,6 @@ class ModelRunner:
                     arg_rows.append(r_off + hi - 1 - lo)
             layout.append((c, r_off, nr, p_off, a_off))
             q_off += n
-            k_off += c.end
             r_off += nr
         cand = np.full((r_off, kmax), -1, dtype=np.int64)
         for off, n, block in cand_blocks:
@@ -163,7 +164,7 @@ class ModelRunner:
             "plp_actual": cat(plp_act).astype(np.int64, copy=False),
             "argmax_rows": np.asarray(arg_rows, dtype=np.int64),
         }
-        return HostStep(ints, q_lens, k_lens, k_off, has_prefix and bool(ppos), bool(wsrc), kmax, plp_k, layout,
+        return HostStep(ints, q_lens, k_lens, k_off, n_prefixed, bool(wsrc), kmax, plp_k, layout,
                         ints["plp_rows"], ints["argmax_rows"])
 
     # --- execute ---------------------------------------------------------------------
@@ -180,10 +181,11 @@ class ModelRunner:
             max_q=max(hs.q_lens), max_k=max(hs.k_lens), q_lens=hs.q_lens, k_lens=hs.k_lens,
             write_src=parts["write_src"] if hs.has_writes else None,
             write_slots=parts["write_slots"] if hs.has_writes else None,
-            new_pos=parts["new_pos"] if hs.has_prefix else None,
-            prefix_pos=parts["prefix_pos"] if hs.has_prefix else None,
-            prefix_slots=parts["prefix_slots"] if hs.has_prefix else None,
+            new_pos=parts["new_pos"] if hs.n_prefixed else None,
+            prefix_pos=parts["prefix_pos"] if hs.n_prefixed else None,
+            prefix_slots=parts["prefix_slots"] if hs.n_prefixed else None,
             total_k=hs.total_k, logits_idx=parts["logits_idx"],
+            n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]),
         )
         hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn, self.ops)  # [R, H]
         plan = ScoringPlan(

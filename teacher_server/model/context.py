@@ -1,9 +1,15 @@
 """StepContext: the per-step metadata every layer reads (built once by the model runner,
-copied to the device in one transfer)."""
+copied to the device in one transfer).
+
+Sequence order in a step: sequences whose queries follow earlier keys (a cached prefix or
+earlier chunks: "prefixed") come first, then "fresh" sequences (keys = their own queries),
+longest first. Attention backends rely on it: each part is one contiguous token range.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,27 +20,27 @@ class StepContext:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64, absolute positions
     cu_q: torch.Tensor  # [B+1] int32, cumulative query lengths
-    cu_k: torch.Tensor  # [B+1] int32, cumulative key lengths (cached prefix + chunk)
+    cu_k: torch.Tensor  # [B+1] int32, cumulative key lengths (prefix + chunk; = query length when fresh)
     max_q: int
     max_k: int
-    q_lens: list[int]  # host copies, used by the per-sequence reference backend
+    q_lens: list[int]  # host copies: attention plans are made on the host, no device sync
     k_lens: list[int]
     # KV writes into the paged pool: chunk tokens write_src -> pool slots write_slots.
     write_src: torch.Tensor | None  # [W] int64 indices into T
     write_slots: torch.Tensor | None  # [W] int64 slot ids
-    # Keys of earlier chunks / cached prefixes, gathered from the pool (None: no prefix in step).
-    new_pos: torch.Tensor | None  # [T] int64, where each chunk token sits in the packed keys
+    # Packed keys of the prefixed sequences ([prefix | chunk] each, in cu_k order), gathered
+    # from the pool and this step's keys. None when no sequence in the step is prefixed.
+    new_pos: torch.Tensor | None  # [Tp] int64, where each prefixed chunk token sits in the packed keys
     prefix_pos: torch.Tensor | None  # [P] int64, where each gathered prefix token sits
     prefix_slots: torch.Tensor | None  # [P] int64 pool slots to gather
-    total_k: int
+    total_k: int  # packed keys of the prefixed sequences: cu_k[n_prefixed]
     # Rows whose hidden state reaches the LM head.
     logits_idx: torch.Tensor  # [R] int64 indices into T
+    n_prefixed: int = 0  # leading sequences that are prefixed
+    tok_prefixed: int = 0  # their query tokens: q[:tok_prefixed]
+    # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
+    attn_plan: Any = field(default=None, repr=False)
 
     @property
     def has_prefix(self) -> bool:
-        return self.prefix_slots is not None
-
-    @property
-    def uniform(self) -> bool:
-        """Every sequence has the same length and no earlier keys: a dense batch."""
-        return self.prefix_slots is None and len(set(self.q_lens)) == 1
+        return self.n_prefixed > 0

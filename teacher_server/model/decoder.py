@@ -49,16 +49,17 @@ class DecoderLayer(nn.Module):
         if ctx.write_slots is not None and k_cache is not None:
             k_cache[ctx.write_slots] = k[ctx.write_src]
             v_cache[ctx.write_slots] = v[ctx.write_src]
+        kp = vp = None
         if ctx.has_prefix:
-            # Pack [cached prefix | chunk] keys per sequence in cu_k order.
-            kf = k.new_empty(ctx.total_k, spec.num_kv_heads, d)
-            vf = v.new_empty(ctx.total_k, spec.num_kv_heads, d)
-            kf[ctx.new_pos] = k
-            vf[ctx.new_pos] = v
-            kf[ctx.prefix_pos] = k_cache[ctx.prefix_slots]
-            vf[ctx.prefix_pos] = v_cache[ctx.prefix_slots]
-            k, v = kf, vf
-        o = attn(q, k, v, ctx, d ** -0.5, spec.sliding_window)  # [T, Hq, D]
+            # Packed [cached prefix | chunk] keys of the prefixed sequences (the first tp tokens).
+            tp = ctx.tok_prefixed
+            kp = k.new_empty(ctx.total_k, spec.num_kv_heads, d)
+            vp = v.new_empty(ctx.total_k, spec.num_kv_heads, d)
+            kp[ctx.new_pos] = k[:tp]
+            vp[ctx.new_pos] = v[:tp]
+            kp[ctx.prefix_pos] = k_cache[ctx.prefix_slots]
+            vp[ctx.prefix_pos] = v_cache[ctx.prefix_slots]
+        o = attn(q, k, v, kp, vp, ctx, d ** -0.5, spec.sliding_window)  # [T, Hq, D]
         x, h = ops.add_rms_norm(x, F.linear(o.reshape(t, spec.q_size), self.o_proj), self.post_attn_norm, eps)
         # --- MLP ---
         mlp = F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)

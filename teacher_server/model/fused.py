@@ -1,6 +1,8 @@
 """Elementwise stages of a decoder layer, written once in plain torch and compiled on CUDA
 (``torch.compile``, dynamic shapes: one graph for every token count) so each becomes one
-or two fused kernels instead of a chain of full-size passes. The CPU runs them eagerly.
+or two fused kernels instead of a chain of full-size passes; SiLU-mul is a hand-written
+CUDA kernel (``ops.elementwise``), ~2.5x faster than the compiled one. The CPU runs all
+of them eagerly.
 
 The math follows transformers exactly where it rounds: the residual sum is rounded to the
 activation dtype before its float32 norm; RMSNorm casts back before the weight.
@@ -13,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from teacher_server.ops.elementwise import silu_mul, silu_mul_reference
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +34,6 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """(x + delta, rms_norm(x + delta)): the residual stream and the next block's input."""
     s = x + delta
     return s, rms_norm(s, weight, eps)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: silu(gate) * up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -84,7 +82,7 @@ class FusedOps:
 
     def __init__(self, enable_compile: bool) -> None:
         self.add_rms_norm: Callable = add_rms_norm
-        self.silu_mul: Callable = silu_mul
+        self.silu_mul: Callable = silu_mul if enable_compile else silu_mul_reference  # CUDA kernel / eager
         self.qkv_prep: Callable = qkv_prep
         self.rms_norm: Callable = rms_norm
         self.compiled = False
@@ -92,7 +90,6 @@ class FusedOps:
             try:
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
                 self.add_rms_norm = _Guarded(torch.compile(add_rms_norm, fullgraph=True), add_rms_norm)
-                self.silu_mul = _Guarded(torch.compile(silu_mul, fullgraph=True), silu_mul)
                 self.qkv_prep = _Guarded(torch.compile(qkv_prep, fullgraph=True), qkv_prep)
                 self.rms_norm = _Guarded(torch.compile(rms_norm, fullgraph=True), rms_norm)
                 self.compiled = True

@@ -23,10 +23,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_EXT_NAME = "teacher_server_gather_logprob"
+_EXT_NAME = "teacher_server_kernels"
 # teacher_server/csrc is a symlink to the repo's kernels/ (no .py may live in kernels/).
 _SRC_DIR = Path(__file__).resolve().parent.parent / "csrc"
-_SOURCES = ("gather_logprob.cu", "gather_logprob.cpp")
+_SOURCES = ("gather_logprob.cu", "elementwise.cu", "bindings.cpp")
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _CAND_DTYPES = (torch.int32, torch.int64)
 

@@ -1,0 +1,22 @@
+// Python bindings of the CUDA kernels (kept out of the .cu files so nvcc never compiles
+// the pybind11 headers, and the sources build in parallel).
+
+#include <torch/extension.h>
+
+void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
+                         bool logits_mode);
+void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out);
+void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor& o2, const at::Tensor& l2,
+                    const at::Tensor& out);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gather_logprobs_out", &gather_logprobs_out,
+        "out[r, j] = log_softmax(logits[r])[cand[r, j]] (or the logit in logits mode); "
+        "cand < 0 gives -inf",
+        py::arg("logits"), py::arg("cand"), py::arg("out"), py::arg("logits_mode"));
+  m.def("silu_mul_out", &silu_mul_out, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("gate_up"),
+        py::arg("out"));
+  m.def("merge_attn_out", &merge_attn_out,
+        "merge two partial attentions over disjoint keys by their log-sum-exp", py::arg("o1"), py::arg("l1"),
+        py::arg("o2"), py::arg("l2"), py::arg("out"));
+}
