@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--num-kv-blocks", type=int)
     s.add_argument("--block-size", type=int)
     s.add_argument("--gpu-memory-utilization", type=float)
-    s.add_argument("--attention-backend", choices=["auto", "sdpa", "varlen", "flash_attn"])
+    s.add_argument("--attention-backend", choices=["auto", "sdpa", "varlen", "cudnn", "flash_attn"])
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     s.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None)
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

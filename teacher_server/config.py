@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENV_PREFIX = "TEACHER_SERVER_"
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits"]
-AttentionBackend = Literal["auto", "sdpa", "varlen", "flash_attn"]
+AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "flash_attn"]
 
 
 class ConfigError(ValueError):
@@ -53,7 +53,8 @@ class Config(BaseModel):
     gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0)
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackend = "auto"
-    compile: bool = Field(True, description="Fuse elementwise stages with torch.compile on CUDA.")
+    compile: bool = Field(True, description="Fuse elementwise stages with torch.compile and CUDA kernels on CUDA.")
+    pipeline: bool = Field(True, description="Schedule and launch step N+1 while step N runs on the GPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
     # --- server ------------------------------------------------------------------------

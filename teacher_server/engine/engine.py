@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +17,10 @@ import torch
 
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
-from teacher_server.engine.model_runner import ModelRunner
+from teacher_server.engine.model_runner import HostStep, ModelRunner, PendingOutput
 from teacher_server.engine.request import ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
-from teacher_server.engine.sequence import Sequence
+from teacher_server.engine.sequence import Chunk, Sequence
 from teacher_server.model.attention import make_backend
 from teacher_server.model.loader import load_model
 from teacher_server.model.spec import ModelSpec
@@ -87,6 +88,11 @@ class Engine:
         self.prefix_caching = prefix
         self.seqs: dict[str, Sequence] = {}
         self.last_step_tokens = 0
+        self._inflight: _InFlight | None = None  # launched, not yet completed (pipelined)
+        self._failed: list[ScoreResult] = []  # results of a step that failed at launch
+        # Host time per stage, summed (seconds), and work done: where a step's time goes.
+        self.timing = dict.fromkeys(("schedule_s", "prepare_s", "launch_s", "wait_s", "scatter_s", "steps",
+                                     "tokens"), 0)
         if self.device.type == "cuda":  # build / load the CUDA kernel now, not inside a request
             from teacher_server.ops.gather_logprob import kernel_available
 
@@ -151,39 +157,91 @@ class Engine:
         return seq.result
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None or bool(self._failed)
 
     # --- stepping ----------------------------------------------------------------------
     def step(self) -> list[ScoreResult]:
-        """Run one forward step. Returns the results of requests that finished (or failed)."""
+        """Complete one forward step; return the results of requests that finished (or failed).
+
+        Pipelined (``pipeline``, the default): the step completed here was launched by the
+        previous call, and before waiting for it this call schedules, prepares and launches
+        the next one, so the host work of step N+1 overlaps the GPU work of step N. The
+        scheduler's bookkeeping for a step (progress, prefix-cache blocks, freed blocks) is
+        done at launch: the GPU runs steps in launch order on one stream, so a later step
+        may reuse blocks or cached KV of an earlier one that has not finished yet."""
+        results, self._failed = self._failed, []
+        cur = self._inflight if self._inflight is not None else self._launch()
+        self._inflight = None
+        if cur is not None:
+            if self.cfg.pipeline:
+                self._inflight = self._launch()
+            results += self._complete(cur)
+        results += self._failed
+        self._failed = []
+        return results
+
+    def _launch(self) -> _InFlight | None:
+        """Schedule, prepare and launch one step (asynchronous on CUDA)."""
+        tm = self.timing
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
-        self.last_step_tokens = sum(c.end - c.start for c in chunks)
+        t1 = time.perf_counter()
+        tm["schedule_s"] += t1 - t0
         if not chunks:
-            return []
+            return None
+        self.last_step_tokens = sum(c.end - c.start for c in chunks)
         try:
             hs = self.runner.prepare(chunks)
-            out = self.runner.execute(hs)
-            self.runner.scatter_results(hs, out)
+            t2 = time.perf_counter()
+            pending = self.runner.launch(hs)
         except Exception as e:
-            # Fail only this step's requests; the engine goes on serving.
-            log.exception("forward step failed; failing its %d request(s)", len(chunks))
-            if isinstance(e, torch.cuda.OutOfMemoryError):
-                torch.cuda.empty_cache()
-            failed = []
-            for c in chunks:
-                r = self.abort_request(c.seq.request_id, "internal", f"inference failed: {type(e).__name__}")
-                if r is not None:
-                    failed.append(r)
-            if _is_fatal(e):
-                raise
-            return failed
+            self._fail_step(chunks, e)
+            return None
+        t3 = time.perf_counter()
+        tm["prepare_s"] += t2 - t1
+        tm["launch_s"] += t3 - t2
+        tm["steps"] += 1
+        tm["tokens"] += self.last_step_tokens
         done = self.scheduler.finish_step(chunks)
+        return _InFlight(chunks, hs, pending, done)
+
+    def _complete(self, cur: _InFlight) -> list[ScoreResult]:
+        """Wait for a launched step and copy its results into the requests' arrays."""
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.collect(cur.pending)
+            t1 = time.perf_counter()
+            self.runner.scatter_results(cur.hs, out)
+        except Exception as e:
+            self._fail_step(cur.chunks, e)
+            return []
+        t2 = time.perf_counter()
+        self.timing["wait_s"] += t1 - t0
+        self.timing["scatter_s"] += t2 - t1
         now = time.monotonic()
-        for seq in done:
+        results = []
+        for seq in cur.done:
+            if seq.result.error is not None:  # aborted while its last step ran: already answered
+                continue
             self.seqs.pop(seq.request_id, None)
             seq.result.cached_tokens = seq.num_cached
             seq.result.finished_at = now
-        return [s.result for s in done]
+            results.append(seq.result)
+        return results
+
+    def _fail_step(self, chunks: list[Chunk], e: Exception) -> None:
+        """Fail only this step's requests; the engine goes on serving (unless CUDA is gone)."""
+        log.exception("forward step failed; failing its %d request(s)", len(chunks))
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        for c in chunks:
+            self.scheduler.abort(c.seq)  # also frees blocks of a sequence already finished at launch
+            if self.seqs.get(c.seq.request_id) is c.seq:
+                r = self.abort_request(c.seq.request_id, "internal", f"inference failed: {type(e).__name__}")
+                if r is not None:
+                    self._failed.append(r)
+        if _is_fatal(e):
+            raise e
 
     def run_to_completion(self, reqs: list[ScoreRequest]) -> list[ScoreResult]:
         """Score a batch synchronously (the in-process API)."""
@@ -196,6 +254,14 @@ class Engine:
             for res in self.step():
                 results[res.request_id] = res
         return [results[r.request_id] for r in reqs]
+
+
+@dataclass
+class _InFlight:
+    chunks: list[Chunk]
+    hs: HostStep
+    pending: PendingOutput
+    done: list[Sequence]  # sequences this step completes (their bookkeeping is done)
 
 
 def _is_fatal(e: Exception) -> bool:

@@ -40,6 +40,14 @@ class HostStep:
     argmax_rows: np.ndarray
 
 
+@dataclass
+class PendingOutput:
+    """A launched step's results: host tensors, valid once ``done`` has completed."""
+
+    out: ScoringOutput
+    done: torch.cuda.Event | None  # None: already complete (CPU)
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, attn: AttentionBackend, num_blocks: int, block_size: int,
                  max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int,
@@ -199,11 +207,36 @@ class ModelRunner:
         )
         return score_rows(hidden, self.model.lm_head, plan, self.logits_mode, self.chunk_rows)
 
+    def launch(self, hs: HostStep) -> PendingOutput:
+        """Run the step and queue the copies of its results to pinned host memory; on CUDA
+        this returns as soon as the work is queued (``collect`` waits for it)."""
+        out = self.execute(hs)
+        if self.device.type != "cuda":
+            return PendingOutput(out, None)
+        host = {}
+        for name in ScoringOutput.__dataclass_fields__:
+            t = getattr(out, name)
+            if t is not None:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                t = h
+            host[name] = t
+        done = torch.cuda.Event()
+        done.record()
+        return PendingOutput(ScoringOutput(**host), done)
+
+    @staticmethod
+    def collect(p: PendingOutput) -> ScoringOutput:
+        """Wait until a launched step's results are on the host."""
+        if p.done is not None:
+            p.done.synchronize()
+        return p.out
+
     # --- results ---------------------------------------------------------------------
     @staticmethod
     def scatter_results(hs: HostStep, out: ScoringOutput) -> None:
-        """Copy one step's device results (one transfer each) into the requests' arrays."""
-        to_np = lambda t: None if t is None else t.cpu().numpy()  # noqa: E731
+        """Copy one step's host results into the requests' arrays."""
+        to_np = lambda t: None if t is None else t.numpy()  # noqa: E731
         scores, pa, pr, tv, ti, am = map(to_np, (out.scores, out.plp_actual, out.plp_rank,
                                                  out.plp_topk_vals, out.plp_topk_ids, out.argmax))
         for c, r_off, nr, p_off, a_off in hs.layout:
