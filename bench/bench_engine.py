@@ -80,16 +80,53 @@ def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats:
     engine.blocks.reset_prefix_cache()
     runs = []
     for k in range(repeats):
-        torch.cuda.reset_peak_memory_stats()
-        dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
-        assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
-        assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
-        assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
-        runs.append(summarize(name, cfg, reqs, dt, lat, torch.cuda.max_memory_allocated()))
+        runs.append(timed_run(engine, cfg, name, reqs, k))
         engine.blocks.reset_prefix_cache()
     best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     best["runs_seconds"] = [r["seconds"] for r in runs]
+    best["host_stages_s"] = best.pop("_timing")
     return best
+
+
+def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> dict:
+    """One run, with the engine's per-stage host time over it (wait_s: the host waiting
+    for the GPU; the rest is host work, overlapped with the GPU when pipelined)."""
+    before = dict(engine.timing)
+    torch.cuda.reset_peak_memory_stats()
+    dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
+    assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
+    assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
+    assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
+    out = summarize(name, cfg, reqs, dt, lat, torch.cuda.max_memory_allocated())
+    out["_timing"] = {k: round(engine.timing[k] - before[k], 4) for k in engine.timing}
+    return out
+
+
+def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int) -> dict:
+    """The same workload with one optimisation taken away at a time (same process, same
+    weights): what each is worth."""
+    from teacher_server.model.attention import make_backend
+
+    out = {}
+    attn, budget = engine.runner.attn, engine.scheduler.cfg.max_num_batched_tokens
+    variants = {
+        "as_configured": lambda: None,
+        "varlen_attention": lambda: setattr(engine.runner, "attn", make_backend("varlen", engine.device)),
+        "no_pipeline": lambda: setattr(engine.cfg, "pipeline", False),
+        "budget_x2": lambda: setattr(engine.scheduler.cfg, "max_num_batched_tokens", 2 * budget),
+    }
+    for v, apply in variants.items():
+        apply()
+        try:
+            out[v] = bench_engine(engine, cfg, f"{name}-{v}", reqs, repeats)
+            print(f"ablation {name} {v}: {out[v]['tokens_per_s']:.0f} tok/s, MFU {out[v]['mfu']:.3f}", flush=True)
+        except torch.cuda.OutOfMemoryError as e:
+            out[v] = {"error": str(e)[:200]}
+            torch.cuda.empty_cache()
+        finally:
+            engine.runner.attn, engine.cfg.pipeline = attn, True
+            engine.scheduler.cfg.max_num_batched_tokens = budget
+    return out
 
 
 # --- HTTP path -----------------------------------------------------------------------------
@@ -178,6 +215,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
+    ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
+    ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -194,14 +233,15 @@ def main() -> None:
         write_config(ckpt, cfg)
         load_format = "dummy"
     print(f"checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
-    workloads = {n: make_workload(n, cfg["vocab_size"]) for n in set(names + base_names + http_names)}
+    abl_names = [w for w in args.ablate.split(",") if w]
+    workloads = {n: make_workload(n, cfg["vocab_size"]) for n in set(names + base_names + http_names + abl_names)}
     max_len = max([args.max_model_len] + [len(r.tokens) for w in workloads.values() for r in w])
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                      "model": f"Qwen3-{args.model_size.upper()} shape, random bf16 weights ({load_format} load)",
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
-                  max_model_len=max_len, enable_prefix_caching=True)
+                  max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
     results["attention_backend"] = engine.attn.name
@@ -220,6 +260,8 @@ def main() -> None:
         else:
             results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             print(n, json.dumps(results["engine"][n]), flush=True)
+    results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], 1)
+                           for n in args.ablate.split(",") if n}
     if args.profile:
         results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),
                                      Path(args.out or "bench/results/x.json").with_suffix(".profile.txt"))
