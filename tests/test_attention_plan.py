@@ -1,6 +1,7 @@
-"""The packed attention backends' planning (which tokens and keys each call covers) and the
-log-sum-exp merge, checked on the CPU: the cuDNN backend with its device calls replaced by
-float32 math must equal the sdpa reference for mixed steps."""
+"""The packed attention backends' planning (which tokens and keys each call covers), the
+cuDNN backend's bucketed padding and prefix split, and the log-sum-exp merge, checked on
+the CPU: the cuDNN backend with its device call replaced by float32 math must equal the
+sdpa reference for mixed steps."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ca
 
 
 class CpuCudnn(A.CudnnBackend):
-    """The cuDNN backend's plan with each device call done in float32 torch."""
+    """The cuDNN backend (plan, bucketed padding, prefix split, merge) with the device
+    attention call replaced by float32 math."""
 
     def __init__(self, min_len: int) -> None:
         super().__init__(min_len)
@@ -38,20 +40,16 @@ class CpuCudnn(A.CudnnBackend):
         return torch.cat([A._sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
                           for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
 
-    def _dense(self, q, k, v, b, n, scale):  # noqa: ANN001, ANN202
-        self.calls.append(f"dense{b}x{n}")
-        return torch.cat([_partial(q[i * n:(i + 1) * n], k[i * n:(i + 1) * n], v[i * n:(i + 1) * n], scale, True)[0]
-                          for i in range(b)])
-
-    def _merged(self, q, kpre, vpre, kown, vown, scale, out):  # noqa: ANN001, ANN202
-        self.calls.append(f"merged{q.shape[0]}+{kpre.shape[0]}")
-        o1, l1 = _partial(q, kpre, vpre, scale, False)
-        o2, l2 = _partial(q, kown, vown, scale, True)
-        merge_attn(o1, l1, o2, l2, out)
+    def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
+        assert not causal or q.shape[0] == k.shape[0]  # causal calls are square
+        self.calls.append(f"{'causal' if causal else 'full'}{q.shape[0]}x{k.shape[0]}")
+        o, l = _partial(q, k, v, scale, causal)
+        return o, (l if lse else None)
 
 
 CASES = {
     "mixed": [(40, 200), (300, 900), (8, 8), (64, 64), (64, 64), (100, 100), (3, 50)],
+    "prefix_split": [(70, 70 + 600), (100, 100 + 64), (30, 30 + 63), (20, 20 + 1000)],
     "fresh_equal": [(64, 64)] * 4,
     "prefixed_only": [(32, 96), (16, 16 + 5)],
     "short_only": [(5, 5), (7, 20), (1, 1)],
@@ -64,21 +62,40 @@ def test_cudnn_plan_matches_reference(case: str, min_len: int) -> None:
     tensors, ctx, order = make_step(CASES[case], 4, 2, 16, "cpu", torch.float32)
     be = CpuCudnn(min_len)
     got = be(*tensors, ctx, 0.25, None)
-    ref = reference(tensors, ctx, 0.25, None)
-    assert (got - ref).abs().max().item() < 1e-5
-    n_special = sum(1 for lq, _ in order if lq >= min_len)
+    assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
     if min_len > 1000:
-        assert all(c == "varlen" for c in be.calls)
+        assert set(be.calls) == {"varlen"}
     else:
-        assert sum(c.startswith("merged") for c in be.calls) == sum(1 for lq, lk in order if lk > lq and lq >= min_len)
-        assert n_special == 0 or any(c != "varlen" for c in be.calls)
+        fresh = [lq for lq, lk in order if lq == lk and lq >= min_len]
+        assert all(f"causal{A.bucket(n)}x{A.bucket(n)}" in be.calls for n in fresh)
 
 
-def test_equal_lengths_are_one_dense_call() -> None:
-    tensors, ctx, _ = make_step([(64, 64)] * 4 + [(32, 32)] * 2, 4, 2, 16, "cpu", torch.float32)
+def test_prefix_split_and_padding() -> None:
+    """A prefix of 600 keys: a full call over its first 576 (a bucket) with the 300 queries
+    padded to 320, then a causal square over the other 24 keys + the 300 queries, padded to
+    384; a prefix under 64: one square over prefix + queries (250, padded to 256)."""
+    tensors, ctx, _ = make_step([(300, 900), (200, 250)], 4, 2, 16, "cpu", torch.float32)
     be = CpuCudnn(16)
-    be(*tensors, ctx, 0.25, None)
-    assert be.calls == ["dense4x64", "dense2x32"]
+    got = be(*tensors, ctx, 0.25, None)
+    assert be.calls == ["full320x576", "causal384x384", "causal256x256"], be.calls
+    assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+
+
+def test_short_chunk_after_long_prefix_goes_to_varlen() -> None:
+    tensors, ctx, _ = make_step([(20, 20 + 5000), (300, 300)], 4, 2, 16, "cpu", torch.float32)
+    be = CpuCudnn(16)
+    got = be(*tensors, ctx, 0.25, None)
+    assert be.calls == ["varlen", "causal320x320"], be.calls  # 20 queries over 5000 keys: cheaper on varlen
+    assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 1024, 1025, 3000, 4097, 40000, 131072])
+def test_buckets(n: int) -> None:
+    b = A.bucket(n)
+    assert n <= b < n + max(64, n // 16) and A.bucket(b) == b
+    f = A.bucket_floor(n)
+    assert f <= n and (f == 0) == (n < 64)
+    assert f == 0 or (A.bucket_floor(f) == f and f > n - max(64, n // 8))
 
 
 def test_sliding_window_stays_on_varlen() -> None:
@@ -89,15 +106,15 @@ def test_sliding_window_stays_on_varlen() -> None:
     assert (got - reference(tensors, ctx, 0.25, 24)).abs().max().item() < 1e-5
 
 
-def test_failed_path_is_switched_off_and_replanned() -> None:
+def test_refused_shape_switches_to_varlen() -> None:
     class Refusing(CpuCudnn):
-        def _merged(self, *a):  # noqa: ANN002, ANN202
+        def _sdpa(self, *a):  # noqa: ANN002, ANN202
             raise RuntimeError("cuDNN: no engine for these shapes")
 
     tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
     be = Refusing(16)
     got = be(*tensors, ctx, 0.25, None)
-    assert not be.merged and be.dense
+    assert not be.enabled and set(be.calls) == {"varlen"}
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
 
 

@@ -38,15 +38,20 @@ def test_backend_matches_reference(backend: str, window, heads) -> None:  # noqa
 
 
 def test_cudnn_paths_are_taken() -> None:
-    """On the H200 both cuDNN paths pass their self-check and serve long sequences."""
+    """On the H200 the cuDNN backend passes its self-check and serves long sequences; after
+    the start-up warm-up every square (causal) shape it runs has a plan already."""
     attn = _backend("cudnn")
-    assert isinstance(attn, CudnnBackend) and attn.dense and attn.merged
+    assert isinstance(attn, CudnnBackend) and attn.enabled
+    secs = attn.warm_up(4096, 8, 2, 128, torch.device("cuda"), torch.bfloat16)
+    warmed = set(attn.shapes)
+    print(f"cuDNN warm-up to 4096: {len(warmed)} shapes in {secs:.2f}s, native GQA {attn.native_gqa}")
     tensors, ctx, _ = make_step(MIXED, 8, 2, 128, "cuda", torch.bfloat16)
     attn(*tensors, ctx, 128 ** -0.5, None)
     kinds = [type(it).__name__ for it in ctx.attn_plan.items]
-    # prefixed: 400 (merged), then 128 and 7 (varlen); fresh: 1000, 512 x 2, 300 (dense), 40 and 1 (varlen)
-    assert kinds.count("_Merged") == 1 and kinds.count("_Dense") == 3 and kinds.count("_Varlen") == 2, kinds
-    assert attn.dense and attn.merged
+    # prefixed: 400 after 1000 (cuDNN), then 128 and 7 (varlen); fresh: 1000, 512 x 2, 300 (cuDNN), 40, 1 (varlen)
+    assert kinds.count("_Prefixed") == 1 and kinds.count("_Fresh") == 4 and kinds.count("_Varlen") == 2, kinds
+    assert attn.enabled
+    assert all(s in warmed for s in attn.shapes if s[2]), attn.shapes - warmed
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

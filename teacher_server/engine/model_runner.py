@@ -66,6 +66,10 @@ class ModelRunner:
         self.kv = torch.empty(self.spec.num_layers, 2, slots, self.spec.num_kv_heads, self.spec.head_dim,
                               dtype=dtype, device=device)
         self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.spec.num_layers)]
+        if hasattr(attn, "warm_up") and device.type == "cuda":  # cuDNN plans for every bucketed length
+            secs = attn.warm_up(max_model_len, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
+                                device, dtype)
+            log.info("attention warm-up: %d cuDNN shapes in %.1fs", len(attn.shapes), secs)
         self.ops = FusedOps(enable_compile=compile_ops and device.type == "cuda")
         if self.ops.compiled:
             self._warm_up()
