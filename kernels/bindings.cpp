@@ -6,6 +6,10 @@
 void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
                          bool logits_mode);
 void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out);
+void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::optional<at::Tensor>& q_w,
+                  const c10::optional<at::Tensor>& k_w, double eps, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const c10::optional<at::Tensor>& k_cache,
+                  const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots);
 void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor& o2, const at::Tensor& l2,
                     const at::Tensor& out);
 
@@ -16,6 +20,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("logits"), py::arg("cand"), py::arg("out"), py::arg("logits_mode"));
   m.def("silu_mul_out", &silu_mul_out, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("gate_up"),
         py::arg("out"));
+  m.def("qkv_rope_out", &qkv_rope_out,
+        "split fused QKV, per-head RMSNorm (optional), rotary, and write k/v into the KV pool", py::arg("qkv"),
+        py::arg("cs"), py::arg("q_w"), py::arg("k_w"), py::arg("eps"), py::arg("q"), py::arg("k"), py::arg("v"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"));
   m.def("merge_attn_out", &merge_attn_out,
         "merge two partial attentions over disjoint keys by their log-sum-exp", py::arg("o1"), py::arg("l1"),
         py::arg("o2"), py::arg("l2"), py::arg("out"));

@@ -23,40 +23,35 @@ namespace {
 constexpr int kVec = 8;  // 16 bytes of 2-byte elements
 constexpr int kThreads = 256;
 
-template <typename T>
-struct Half2Byte;
-
-template <>
-struct Half2Byte<__nv_bfloat16> {
-  __device__ __forceinline__ static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16(v); }
+// Conversions of a 2-byte float format held as raw bits (uint16_t storage everywhere, so
+// unions and vector moves never touch the CUDA types' constructors).
+struct BF16 {
+  __device__ __forceinline__ static float to_float(uint16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+  __device__ __forceinline__ static uint16_t from_float(float v) { return __bfloat16_as_ushort(__float2bfloat16(v)); }
 };
 
-template <>
-struct Half2Byte<__half> {
-  __device__ __forceinline__ static float to_float(__half v) { return __half2float(v); }
-  __device__ __forceinline__ static __half from_float(float v) { return __float2half(v); }
+struct FP16 {
+  __device__ __forceinline__ static float to_float(uint16_t v) { return __half2float(__ushort_as_half(v)); }
+  __device__ __forceinline__ static uint16_t from_float(float v) { return __half_as_ushort(__float2half(v)); }
 };
 
-template <typename T>
 union Vec {
   uint4 raw;
-  T x[kVec];
+  uint16_t x[kVec];
 };
 
-template <typename T>
+template <typename C>
 __global__ void __launch_bounds__(kThreads)
-silu_mul_kernel(const T* __restrict__ in, int64_t in_stride, T* __restrict__ out, int64_t rows,
+silu_mul_kernel(const uint16_t* __restrict__ in, int64_t in_stride, uint16_t* __restrict__ out, int64_t rows,
                 int64_t inter) {
-  using C = Half2Byte<T>;
   const int64_t per_row = inter / kVec;
   const int64_t n = rows * per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row;
     const int64_t c = (i - r * per_row) * kVec;
-    const T* row = in + r * in_stride;
-    Vec<T> g, u, o;
+    const uint16_t* row = in + r * in_stride;
+    Vec g, u, o;
     g.raw = __ldcs(reinterpret_cast<const uint4*>(row + c));
     u.raw = __ldcs(reinterpret_cast<const uint4*>(row + inter + c));
 #pragma unroll
@@ -73,13 +68,12 @@ struct Strides3 {
   int64_t s0, s1;  // [c, H, D] with a contiguous last dim
 };
 
-template <typename T>
+template <typename C>
 __global__ void __launch_bounds__(kThreads)
-merge_attn_kernel(const T* __restrict__ o1, Strides3 st1, const float* __restrict__ l1,
-                  const T* __restrict__ o2, Strides3 st2, const float* __restrict__ l2,
-                  int64_t ls0, int64_t ls1, int64_t ls20, int64_t ls21, T* __restrict__ out,
+merge_attn_kernel(const uint16_t* __restrict__ o1, Strides3 st1, const float* __restrict__ l1,
+                  const uint16_t* __restrict__ o2, Strides3 st2, const float* __restrict__ l2,
+                  int64_t ls0, int64_t ls1, int64_t ls20, int64_t ls21, uint16_t* __restrict__ out,
                   Strides3 sto, int64_t c, int heads, int dim) {
-  using C = Half2Byte<T>;
   const int per_head = dim / kVec;
   const int64_t n = c * heads * per_head;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
@@ -99,7 +93,7 @@ merge_attn_kernel(const T* __restrict__ o1, Strides3 st1, const float* __restric
       w1 *= inv;
       w2 *= inv;
     }
-    Vec<T> x, y, o;
+    Vec x, y, o;
     x.raw = *reinterpret_cast<const uint4*>(o1 + t * st1.s0 + h * st1.s1 + d);
     y.raw = *reinterpret_cast<const uint4*>(o2 + t * st2.s0 + h * st2.s1 + d);
 #pragma unroll
@@ -139,14 +133,12 @@ void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out) {
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(gate_up.get_device()).stream();
   const unsigned grid = grid_for(rows * inter / kVec);
+  const auto* ip = static_cast<const uint16_t*>(gate_up.data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
   if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(gate_up.data_ptr()), gate_up.stride(0),
-        static_cast<__nv_bfloat16*>(out.data_ptr()), rows, inter);
+    silu_mul_kernel<BF16><<<grid, kThreads, 0, stream>>>(ip, gate_up.stride(0), op, rows, inter);
   } else {
-    silu_mul_kernel<__half><<<grid, kThreads, 0, stream>>>(
-        static_cast<const __half*>(gate_up.data_ptr()), gate_up.stride(0), static_cast<__half*>(out.data_ptr()),
-        rows, inter);
+    silu_mul_kernel<FP16><<<grid, kThreads, 0, stream>>>(ip, gate_up.stride(0), op, rows, inter);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -179,16 +171,209 @@ void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor
   const Strides3 s1{o1.stride(0), o1.stride(1)}, s2{o2.stride(0), o2.stride(1)}, so{out.stride(0), out.stride(1)};
   const auto* l1p = l1.data_ptr<float>();
   const auto* l2p = l2.data_ptr<float>();
+  const auto* p1 = static_cast<const uint16_t*>(o1.data_ptr());
+  const auto* p2 = static_cast<const uint16_t*>(o2.data_ptr());
+  auto* po = static_cast<uint16_t*>(out.data_ptr());
   if (o1.scalar_type() == at::kBFloat16) {
-    merge_attn_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(o1.data_ptr()), s1, l1p, static_cast<const __nv_bfloat16*>(o2.data_ptr()),
-        s2, l2p, l1.stride(0), l1.stride(1), l2.stride(0), l2.stride(1),
-        static_cast<__nv_bfloat16*>(out.data_ptr()), so, c, static_cast<int>(heads), static_cast<int>(dim));
+    merge_attn_kernel<BF16><<<grid, kThreads, 0, stream>>>(p1, s1, l1p, p2, s2, l2p, l1.stride(0), l1.stride(1),
+                                                           l2.stride(0), l2.stride(1), po, so, c,
+                                                           static_cast<int>(heads), static_cast<int>(dim));
   } else {
-    merge_attn_kernel<__half><<<grid, kThreads, 0, stream>>>(
-        static_cast<const __half*>(o1.data_ptr()), s1, l1p, static_cast<const __half*>(o2.data_ptr()), s2, l2p,
-        l1.stride(0), l1.stride(1), l2.stride(0), l2.stride(1), static_cast<__half*>(out.data_ptr()), so, c,
-        static_cast<int>(heads), static_cast<int>(dim));
+    merge_attn_kernel<FP16><<<grid, kThreads, 0, stream>>>(p1, s1, l1p, p2, s2, l2p, l1.stride(0), l1.stride(1),
+                                                           l2.stride(0), l2.stride(1), po, so, c,
+                                                           static_cast<int>(heads), static_cast<int>(dim));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------------------
+// qkv_rope: split the fused QKV projection, per-head RMSNorm of q and k (when weights are
+// given, Qwen3), rotary on q and k, and the write of k and v into the paged KV pool.
+//
+// One warp per (token, head); lane l holds elements [l*E, l*E + E) of the head (E = D/32),
+// so the rotary partner (i +- D/2) is in lane l ^ 16. Rounding follows the eager torch
+// code: normed = round(x * rsqrt(mean(x^2) + eps)); w = round(weight * normed);
+// out = round(x1*cos - x2*sin | x2*cos + x1*sin) from the rounded values.
+namespace {
+
+template <int E>
+struct VecOf;
+template <>
+struct VecOf<2> {
+  using type = uint32_t;
+};
+template <>
+struct VecOf<4> {
+  using type = uint2;
+};
+template <>
+struct VecOf<8> {
+  using type = uint4;
+};
+
+// E consecutive 2-byte elements moved as one 4/8/16-byte word.
+template <int E>
+union Lanes {
+  typename VecOf<E>::type raw;
+  uint16_t x[E];
+};
+
+template <int E>
+__device__ __forceinline__ Lanes<E> load_lanes(const uint16_t* p) {
+  Lanes<E> v;
+  v.raw = *reinterpret_cast<const typename VecOf<E>::type*>(p);
+  return v;
+}
+
+template <int E>
+__device__ __forceinline__ void store_lanes(uint16_t* p, const Lanes<E>& v) {
+  *reinterpret_cast<typename VecOf<E>::type*>(p) = v.raw;
+}
+
+template <typename C, int E>
+__global__ void __launch_bounds__(kThreads)
+qkv_rope_kernel(const uint16_t* __restrict__ qkv, int64_t qkv_stride, const float* __restrict__ cs,
+                int64_t cs_stride, const uint16_t* __restrict__ q_w, const uint16_t* __restrict__ k_w, float eps,
+                uint16_t* __restrict__ q_out, uint16_t* __restrict__ k_out, uint16_t* __restrict__ v_out,
+                uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, const int64_t* __restrict__ slots,
+                int64_t ntok, int hq, int hkv) {
+  constexpr int D = 32 * E;
+  constexpr int kHalf = D / 2;
+  const int lane = threadIdx.x & 31;
+  const int heads = hq + 2 * hkv;
+  const int64_t warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
+  if (warp >= ntok * heads) return;
+  const int64_t t = warp / heads;
+  const int h = static_cast<int>(warp - t * heads);
+  const uint16_t* src = qkv + t * qkv_stride + static_cast<int64_t>(h) * D + lane * E;
+  const Lanes<E> in = load_lanes<E>(src);
+  const int64_t slot = slots != nullptr ? slots[t] : -1;
+  if (h >= hq + hkv) {  // v: copy, and into the pool
+    const int hv = h - hq - hkv;
+    store_lanes<E>(v_out + (t * hkv + hv) * D + lane * E, in);
+    if (slot >= 0) store_lanes<E>(v_cache + (slot * hkv + hv) * D + lane * E, in);
+    return;
+  }
+  float x[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) x[j] = C::to_float(in.x[j]);
+  const bool is_q = h < hq;
+  const uint16_t* w = is_q ? q_w : k_w;
+  if (w != nullptr) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) ss += x[j] * x[j];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    const float r = rsqrtf(ss / static_cast<float>(D) + eps);
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const float n = C::to_float(C::from_float(x[j] * r));
+      x[j] = C::to_float(C::from_float(C::to_float(w[lane * E + j]) * n));
+    }
+  }
+  float other[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) other[j] = __shfl_xor_sync(0xffffffffu, x[j], 16);
+  const bool low = lane < 16;
+  const float* row = cs + t * cs_stride;
+  Lanes<E> out;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int i = (lane * E + j) % kHalf;  // frequency index
+    const float c = row[i], s = row[kHalf + i];
+    out.x[j] = C::from_float(low ? x[j] * c - other[j] * s : x[j] * c + other[j] * s);
+  }
+  if (is_q) {
+    store_lanes<E>(q_out + (t * hq + h) * D + lane * E, out);
+  } else {
+    store_lanes<E>(k_out + (t * hkv + (h - hq)) * D + lane * E, out);
+    if (slot >= 0) store_lanes<E>(k_cache + (slot * hkv + (h - hq)) * D + lane * E, out);
+  }
+}
+
+template <typename C>
+void launch_qkv(const at::Tensor& qkv, const at::Tensor& cs, const at::Tensor* q_w, const at::Tensor* k_w,
+                double eps, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* kc,
+                const at::Tensor* vc, const at::Tensor* slots, int hq, int hkv, int d, cudaStream_t stream) {
+  const int64_t ntok = qkv.size(0);
+  const int64_t warps = ntok * (hq + 2 * hkv);
+  const unsigned grid = static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads);
+  auto p = [](const at::Tensor* t) { return t == nullptr ? nullptr : static_cast<uint16_t*>(t->data_ptr()); };
+  const int64_t* sp = slots == nullptr ? nullptr : slots->data_ptr<int64_t>();
+#define TS_QKV(E)                                                                                      \
+  qkv_rope_kernel<C, E><<<grid, kThreads, 0, stream>>>(                                               \
+      static_cast<const uint16_t*>(qkv.data_ptr()), qkv.stride(0), cs.data_ptr<float>(), cs.stride(0),   \
+      p(q_w), p(k_w), static_cast<float>(eps), p(&q), p(&k), p(&v), p(kc), p(vc), sp, ntok, hq, hkv)
+  if (d == 64) {
+    TS_QKV(2);
+  } else if (d == 128) {
+    TS_QKV(4);
+  } else {
+    TS_QKV(8);
+  }
+#undef TS_QKV
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// qkv [T, (hq + 2 hkv) d] (last dim contiguous); cs [T, d] float32 (cos | sin halves);
+// q_w, k_w: [d] or undefined; q [T, hq, d], k, v [T, hkv, d] contiguous outputs;
+// k_cache, v_cache: [S, hkv, d] contiguous or undefined; slots [T] int64 (-1: no write).
+void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::optional<at::Tensor>& q_w,
+                  const c10::optional<at::Tensor>& k_w, double eps, const at::Tensor& q, const at::Tensor& k,
+                  const at::Tensor& v, const c10::optional<at::Tensor>& k_cache,
+                  const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots) {
+  TORCH_CHECK(qkv.is_cuda() && (qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kHalf) &&
+                  qkv.dim() == 2 && qkv.stride(1) == 1,
+              "qkv_rope: qkv must be a [T, n] CUDA bf16/fp16 tensor with a contiguous last dim");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous() && k.is_contiguous() &&
+                  v.is_contiguous(),
+              "qkv_rope: q, k, v must be contiguous [T, H, d]");
+  const int64_t ntok = qkv.size(0);
+  const int hq = static_cast<int>(q.size(1)), hkv = static_cast<int>(k.size(1)), d = static_cast<int>(q.size(2));
+  TORCH_CHECK(d == 64 || d == 128 || d == 256, "qkv_rope: head dim must be 64, 128 or 256");
+  TORCH_CHECK(qkv.size(1) == static_cast<int64_t>(hq + 2 * hkv) * d && q.size(0) == ntok && k.size(0) == ntok &&
+                  v.size(0) == ntok && v.size(1) == hkv && k.size(2) == d && v.size(2) == d,
+              "qkv_rope: shapes do not match");
+  for (const at::Tensor* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->device() == qkv.device(), "qkv_rope: q/k/v dtype/device");
+  }
+  TORCH_CHECK(cs.is_cuda() && cs.scalar_type() == at::kFloat && cs.dim() == 2 && cs.size(0) == ntok &&
+                  cs.size(1) == d && cs.stride(1) == 1,
+              "qkv_rope: cs must be [T, d] float32 with a contiguous last dim");
+  TORCH_CHECK(q_w.has_value() == k_w.has_value(), "qkv_rope: give both norm weights or neither");
+  if (q_w.has_value()) {
+    for (const at::Tensor* t : {&*q_w, &*k_w}) {
+      TORCH_CHECK(t->numel() == d && t->is_contiguous() && t->scalar_type() == qkv.scalar_type() &&
+                      t->device() == qkv.device(),
+                  "qkv_rope: norm weights must be contiguous [d] of qkv's dtype");
+    }
+  }
+  const bool cache = slots.has_value();
+  TORCH_CHECK(cache == k_cache.has_value() && cache == v_cache.has_value(), "qkv_rope: cache args go together");
+  if (cache) {
+    TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() == ntok && slots->is_contiguous() &&
+                    slots->device() == qkv.device(),
+                "qkv_rope: slots must be [T] int64 on the device");
+    for (const at::Tensor* t : {&*k_cache, &*v_cache}) {
+      TORCH_CHECK(t->dim() == 3 && t->size(1) == hkv && t->size(2) == d && t->is_contiguous() &&
+                      t->scalar_type() == qkv.scalar_type() && t->device() == qkv.device(),
+                  "qkv_rope: caches must be contiguous [S, hkv, d] of qkv's dtype");
+    }
+  }
+  if (ntok == 0) return;
+  const c10::cuda::CUDAGuard guard(qkv.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qkv.get_device()).stream();
+  const at::Tensor* qw = q_w.has_value() ? &*q_w : nullptr;
+  const at::Tensor* kw = k_w.has_value() ? &*k_w : nullptr;
+  const at::Tensor* kc = cache ? &*k_cache : nullptr;
+  const at::Tensor* vc = cache ? &*v_cache : nullptr;
+  const at::Tensor* sl = cache ? &*slots : nullptr;
+  if (qkv.scalar_type() == at::kBFloat16) {
+    launch_qkv<BF16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, stream);
+  } else {
+    launch_qkv<FP16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, stream);
+  }
 }

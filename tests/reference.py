@@ -33,6 +33,10 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
         cfg = tf.Qwen2Config(**common, rope_theta=10000.0,
                              rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
         cls = tf.Qwen2ForCausalLM
+    elif family == "qwen3hd128":  # the real head dim: the fused CUDA kernels and cuDNN paths take it
+        cfg = tf.Qwen3Config(**{**common, "hidden_size": 256, "intermediate_size": 512}, head_dim=128,
+                             rope_theta=1000000.0)
+        cls = tf.Qwen3ForCausalLM
     elif family in ("qwen3", "qwen3tied"):
         cfg = tf.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=family == "qwen3tied")
         cls = tf.Qwen3ForCausalLM

@@ -82,3 +82,35 @@ def test_merge_attn_kernel_matches_reference() -> None:
     ref = merge_attn_reference(o1, l1, o2, l2)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
     assert torch.equal(out[:3, 0], o1[:3, 0])
+
+
+@pytest.mark.parametrize("d,norm", [(128, True), (128, False), (64, True), (256, False)])
+def test_qkv_rope_kernel_matches_torch(d: int, norm: bool) -> None:
+    """Split + per-head norm + rotary + pool write in one kernel equals the torch stages."""
+    from teacher_server.model.fused import qkv_prep
+    from teacher_server.ops.elementwise import qkv_rope
+
+    torch.manual_seed(3)
+    t, hq, hkv, dt = 777, 8, 2, torch.bfloat16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dt) * 3
+    pos = torch.randint(0, 30000, (t,), device="cuda")
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    ang = pos[:, None].float() * inv[None]
+    cs = torch.cat([ang.cos(), ang.sin()], dim=1)  # [t, d]
+    qn = (1 + 0.2 * torch.randn(d, device="cuda")).to(dt) if norm else None
+    kn = (1 + 0.2 * torch.randn(d, device="cuda")).to(dt) if norm else None
+    slots = torch.randperm(2 * t, device="cuda")[:t]
+    slots[::5] = -1
+    kc, vc = (torch.zeros(2 * t, hkv, d, device="cuda", dtype=dt) for _ in range(2))
+    got = qkv_rope(qkv, cs, qn, kn, 1e-6, hq, hkv, d, kc, vc, slots)
+    assert got is not None
+    ref = qkv_prep(qkv, cs[:, None, :d // 2], cs[:, None, d // 2:], qn, kn, hq, hkv, d, 1e-6)
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        assert (g.float() - r.float()).abs().max().item() <= 2e-2 * r.float().abs().max().item()
+        assert (g == r).float().mean().item() > 0.99
+    keep = slots >= 0
+    assert torch.equal(kc[slots[keep]], got[1][keep]) and torch.equal(vc[slots[keep]], got[2][keep])
+    written = torch.zeros(2 * t, dtype=torch.bool, device="cuda")
+    written[slots[keep]] = True
+    assert not kc[~written].any() and not vc[~written].any()  # nothing else in the pool touched

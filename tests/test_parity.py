@@ -150,7 +150,7 @@ def long_requests(rng: np.random.Generator, k: int = 16) -> list[ScoreRequest]:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,shape", [("qwen3", "short"), ("llama", "short"), ("qwen2", "short"),
-                                          ("qwen3", "long")])
+                                          ("qwen3hd128", "short"), ("qwen3hd128", "long")])
 def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:  # noqa: ANN001
     """bf16 weights vs the float32 reference: our mean abs error is no larger than that of
     transformers' own bf16 forward on the same weights (bf16 rounding of weights and

@@ -107,6 +107,37 @@ class ModelRunner:
             log.info("compiled fused elementwise stages in %.1fs", time.perf_counter() - t0)
         except Exception as e:
             self.ops.fallback(e)
+            return
+        try:
+            self._check_qkv_kernel(eager)
+        except Exception as e:  # the torch stages are correct, only slower
+            log.warning("fused QKV kernel disabled: %s", e)
+            self.ops.qkv_kernel = False
+
+    def _check_qkv_kernel(self, eager: FusedOps) -> None:
+        """The fused QKV/rotary/KV-write kernel against the torch stages, pool writes included."""
+        from types import SimpleNamespace
+
+        s, dt, dev = self.spec, self.model.embed.dtype, self.device
+        n = 40
+        qkv = torch.randn(n, s.q_size + 2 * s.kv_size, device=dev, dtype=dt)
+        cs = self.cos_sin[(torch.arange(n, device=dev) * 37) % self.cos_sin.shape[0]]
+        slots = torch.arange(n, device=dev) * 2
+        slots[::3] = -1  # some tokens are not written
+        keep = slots >= 0
+        ctx = SimpleNamespace(tok_slots=slots, write_slots=slots[keep], write_src=torch.arange(n, device=dev)[keep])
+        layer = self.model.layers[0]
+        res = []
+        for ops in (self.ops, eager):
+            kc = torch.zeros(2 * n, s.num_kv_heads, s.head_dim, device=dev, dtype=dt)
+            vc = torch.zeros_like(kc)
+            q, k, v = ops.qkv_store(qkv, cs, layer.q_norm, layer.k_norm, s.num_heads, s.num_kv_heads, s.head_dim,
+                                    s.rms_norm_eps, kc, vc, ctx)
+            res.append((q, k, v, kc, vc))
+        for name, g, r in zip(("q", "k", "v", "k_cache", "v_cache"), *res):
+            err = (g.float() - r.float()).abs().max().item()
+            if not err <= 1e-2 * r.float().abs().max().item() + 1e-3:
+                raise RuntimeError(f"{name} differs from the torch stages by {err:.3g}")
 
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
@@ -156,6 +187,9 @@ class ModelRunner:
             layout.append((c, r_off, nr, p_off, a_off))
             q_off += n
             r_off += nr
+        tok_slots = np.full(q_off, -1, dtype=np.int64)
+        if wsrc:
+            tok_slots[np.concatenate(wsrc)] = np.concatenate(wslot)
         cand = np.full((r_off, kmax), -1, dtype=np.int64)
         for off, n, block in cand_blocks:
             cand[off:off + n, :block.shape[-1]] = block
@@ -167,6 +201,7 @@ class ModelRunner:
             "cu_k": np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
             "write_src": cat(wsrc),
             "write_slots": cat(wslot),
+            "tok_slots": tok_slots,
             "new_pos": cat(newpos),
             "prefix_pos": cat(ppos),
             "prefix_slots": cat(pslot),
@@ -193,6 +228,7 @@ class ModelRunner:
             max_q=max(hs.q_lens), max_k=max(hs.k_lens), q_lens=hs.q_lens, k_lens=hs.k_lens,
             write_src=parts["write_src"] if hs.has_writes else None,
             write_slots=parts["write_slots"] if hs.has_writes else None,
+            tok_slots=parts["tok_slots"] if hs.has_writes else None,
             new_pos=parts["new_pos"] if hs.n_prefixed else None,
             prefix_pos=parts["prefix_pos"] if hs.n_prefixed else None,
             prefix_slots=parts["prefix_slots"] if hs.n_prefixed else None,

@@ -35,8 +35,8 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * spec.intermediate_size, h, **kw), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(h, spec.intermediate_size, **kw), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor, cs: torch.Tensor,
+                ctx: StepContext, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
                 attn: AttentionBackend, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
         """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
         residual stream and the next layer's normed input (normed with ``next_norm``)."""
@@ -45,10 +45,8 @@ class DecoderLayer(nn.Module):
         t = x.shape[0]
         # --- attention ---
         qkv = F.linear(h, self.qkv_proj, self.qkv_bias)  # [T, q + 2kv]
-        q, k, v = ops.qkv_prep(qkv, cos, sin, self.q_norm, self.k_norm, spec.num_heads, spec.num_kv_heads, d, eps)
-        if ctx.write_slots is not None and k_cache is not None:
-            k_cache[ctx.write_slots] = k[ctx.write_src]
-            v_cache[ctx.write_slots] = v[ctx.write_src]
+        q, k, v = ops.qkv_store(qkv, cs, self.q_norm, self.k_norm, spec.num_heads, spec.num_kv_heads, d, eps,
+                                k_cache, v_cache, ctx)
         kp = vp = None
         if ctx.has_prefix:
             # Packed [cached prefix | chunk] keys of the prefixed sequences (the first tp tokens).
@@ -84,13 +82,11 @@ class DecoderModel(nn.Module):
         """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden]."""
         eps = self.spec.rms_norm_eps
         x = F.embedding(ctx.input_ids, self.embed)  # [T, hidden]
-        cs = cos_sin[ctx.positions]  # [T, D] float32
-        half = self.spec.head_dim // 2
-        cos, sin = cs[:, None, :half], cs[:, None, half:]
+        cs = cos_sin[ctx.positions]  # [T, D] float32: cos | sin halves
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         n = len(self.layers)
         for i, layer in enumerate(self.layers):
             kc, vc = kv_caches[i] if kv_caches else (None, None)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
-            x, h = layer(x, h, next_norm, cos, sin, ctx, kc, vc, attn, ops)
+            x, h = layer(x, h, next_norm, cs, ctx, kc, vc, attn, ops)
         return h[ctx.logits_idx]

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from teacher_server.ops.elementwise import silu_mul, silu_mul_reference
+from teacher_server.ops.elementwise import qkv_rope, silu_mul, silu_mul_reference
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class FusedOps:
         self.silu_mul: Callable = silu_mul if enable_compile else silu_mul_reference  # CUDA kernel / eager
         self.qkv_prep: Callable = qkv_prep
         self.rms_norm: Callable = rms_norm
+        self.qkv_kernel = enable_compile  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.compiled = False
         if enable_compile:
             try:
@@ -96,6 +97,22 @@ class FusedOps:
             except Exception as e:  # no triton / inductor: the eager path is correct, only slower
                 log.warning("torch.compile unavailable (%s); elementwise stages run eagerly", e)
                 self.__init__(False)
+
+    def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                  n_q: int, n_kv: int, d: int, eps: float, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+                  ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """qkv_prep, plus the write of this step's k and v into the KV pool where the
+        scheduler asked for it: one CUDA kernel when it can, else the torch stages."""
+        if self.qkv_kernel:
+            out = qkv_rope(qkv, cs, q_norm, k_norm, eps, n_q, n_kv, d, k_cache, v_cache, ctx.tok_slots)
+            if out is not None:
+                return out
+        half = d // 2
+        q, k, v = self.qkv_prep(qkv, cs[:, None, :half], cs[:, None, half:], q_norm, k_norm, n_q, n_kv, d, eps)
+        if ctx.write_slots is not None and k_cache is not None:
+            k_cache[ctx.write_slots] = k[ctx.write_src]
+            v_cache[ctx.write_slots] = v[ctx.write_src]
+        return q, k, v
 
     def fallback(self, err: Exception) -> None:
         log.warning("compiled elementwise stages failed (%s: %s); running them eagerly", type(err).__name__, err)

@@ -4,6 +4,8 @@ the exact semantics (CPU, float32, odd shapes, or no kernel).
 
 - ``silu_mul``: [T, 2I] -> [T, I], ``silu(gate) * up``, rounded as eager torch rounds.
 - ``merge_attn``: two partial attentions over disjoint key sets, merged by log-sum-exp.
+- ``qkv_rope``: split fused QKV, per-head RMSNorm, rotary, and the KV-pool write, in one
+  pass (the torch version is ``model.fused.qkv_prep`` plus an indexed store).
 """
 
 from __future__ import annotations
@@ -58,3 +60,25 @@ def merge_attn(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.T
             ext.merge_attn_out(o1, l1, o2, l2, out)
             return out
     return out.copy_(merge_attn_reference(o1, l1, o2, l2))
+
+
+def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+             eps: float, n_q: int, n_kv: int, d: int, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
+             slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """q [T, n_q, d], k, v [T, n_kv, d] from qkv [T, (n_q + 2 n_kv) d] and cs [T, d] (cos | sin);
+    k, v also go to the pool rows ``slots`` (-1: none). None when the kernel cannot take it."""
+    if not (qkv.is_cuda and qkv.dtype in _HALF and d in (64, 128, 256) and qkv.dim() == 2 and qkv.stride(1) == 1
+            and qkv.stride(0) % 8 == 0 and _aligned(qkv) and (q_norm is None) == (k_norm is None)
+            and cs.dtype == torch.float32 and cs.stride(1) == 1):
+        return None
+    ext = _load()
+    if ext is None:
+        return None
+    t = qkv.shape[0]
+    q = qkv.new_empty(t, n_q, d)
+    k = qkv.new_empty(t, n_kv, d)
+    v = qkv.new_empty(t, n_kv, d)
+    write = slots is not None and k_cache is not None
+    ext.qkv_rope_out(qkv, cs, q_norm, k_norm, eps, q, k, v, k_cache if write else None, v_cache if write else None,
+                     slots if write else None)
+    return q, k, v
