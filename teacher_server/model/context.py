@@ -36,9 +36,9 @@ class StepContext:
     total_k: int  # packed keys of the prefixed sequences: cu_k[n_prefixed]
     # Rows whose hidden state reaches the LM head.
     logits_idx: torch.Tensor  # [R] int64 indices into T
-    tok_slots: torch.Tensor | None = None  # [T] int64: the pool slot of each token's KV, -1 = not written
     n_prefixed: int = 0  # leading sequences that are prefixed
     tok_prefixed: int = 0  # their query tokens: q[:tok_prefixed]
+    tok_slots: torch.Tensor | None = None  # [T] int64: the pool slot of each token's KV, -1 = not written
     # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
     attn_plan: Any = field(default=None, repr=False)
 
