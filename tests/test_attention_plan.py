@@ -131,3 +131,29 @@ def test_merge_reference_equals_full_softmax() -> None:
     l2[:, 0] = float("-inf")
     merge_attn(o1, l1, o2, l2, out)
     assert torch.allclose(out[0], o1[0], atol=1e-6)
+
+
+def test_padding_is_a_view_into_slack_and_garbage_queries_stay_out() -> None:
+    """With slack rows around the step's buffers (as the engine allocates them), bucket
+    padding and prefix offsets read neighbouring rows instead of copying: query rows there
+    may be anything (NaN here), key/value rows there are finite; results are unchanged."""
+    tensors, ctx, _ = make_step([(300, 900), (200, 250), (100, 100), (90, 90)], 4, 2, 16, "cpu", torch.float32)
+    ref = reference(tensors, ctx, 0.25, None)
+    slacked = []
+    for i, t in enumerate(tensors):
+        sl = A.slack_rows(t.shape[0])
+        buf = torch.full((sl + t.shape[0] + sl, *t.shape[1:]), float("nan") if i == 0 else 0.0)
+        buf[sl:sl + t.shape[0]] = t
+        slacked.append(buf[sl:sl + t.shape[0]])
+    copies = []
+
+    class Counting(CpuCudnn):
+        @staticmethod
+        def _padded(x, front, n):  # noqa: ANN001, ANN205
+            y = A.CudnnBackend._padded(x, front, n)
+            copies.append(y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
+            return y
+
+    got = Counting(16)(*slacked, ctx, 0.25, None)
+    assert copies and not any(copies)  # every padded operand was a view
+    assert torch.isfinite(got).all() and (got - ref).abs().max().item() < 1e-5

@@ -104,13 +104,19 @@ def test_qkv_rope_kernel_matches_torch(d: int, norm: bool) -> None:
     kc, vc = (torch.zeros(2 * t, hkv, d, device="cuda", dtype=dt) for _ in range(2))
     got = qkv_rope(qkv, cs, qn, kn, 1e-6, hq, hkv, d, kc, vc, slots)
     assert got is not None
-    ref = qkv_prep(qkv, cs[:, None, :d // 2], cs[:, None, d // 2:], qn, kn, hq, hkv, d, 1e-6)
-    for g, r in zip(got, ref):
+    # The reference runs on the CPU: there rms_norm is the transformers formula (round the
+    # normed value to bf16, then multiply by the weight), which the kernel follows.
+    cpu = lambda x: None if x is None else x.cpu()  # noqa: E731
+    ref = qkv_prep(qkv.cpu(), cs[:, None, :d // 2].cpu(), cs[:, None, d // 2:].cpu(), cpu(qn), cpu(kn), hq, hkv, d,
+                   1e-6)
+    got_cpu = [g.cpu() for g in got]
+    for g, r in zip(got_cpu, ref):
         assert g.shape == r.shape
         assert (g.float() - r.float()).abs().max().item() <= 2e-2 * r.float().abs().max().item()
         assert (g == r).float().mean().item() > 0.99
     keep = slots >= 0
     assert torch.equal(kc[slots[keep]], got[1][keep]) and torch.equal(vc[slots[keep]], got[2][keep])
+    assert got[0].is_contiguous() and got[1].is_contiguous()
     written = torch.zeros(2 * t, dtype=torch.bool, device="cuda")
     written[slots[keep]] = True
     assert not kc[~written].any() and not vc[~written].any()  # nothing else in the pool touched

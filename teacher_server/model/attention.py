@@ -238,6 +238,12 @@ def bucket(n: int, per_octave: int = 16) -> int:
     return -(-n // g) * g
 
 
+def slack_rows(n: int) -> int:
+    """Rows of slack before and after a step's q/k/v (n rows) so that bucket padding and
+    prefix-split offsets of the cuDNN backend are views, not copies (when they fit)."""
+    return 64 + n // 8
+
+
 def bucket_floor(n: int, per_octave: int = 8) -> int:
     """The largest bucket value (``per_octave`` per power of two) not above n; 0 below 64."""
     if n < 64:
@@ -325,9 +331,18 @@ class CudnnBackend(TorchVarlenBackend):
 
     @staticmethod
     def _padded(x: torch.Tensor, front: int, n: int) -> torch.Tensor:
-        """x placed at rows [front, front + len) of n rows; the other rows zero."""
+        """n rows with x at rows [front, front + len). When x's storage has the rows around it
+        (the step's q/k/v and packed keys are allocated with slack: ``slack_rows``), this is
+        a view, no copy: padding query rows may hold anything (their outputs are dropped and
+        never mix into other rows); padding key/value rows lie after x, where the buffers hold
+        later sequences' keys or zeroed slack, so they are finite (a zero softmax weight
+        times a NaN value would be NaN). Otherwise a zero-padded copy."""
         if front == 0 and x.shape[0] == n:
             return x
+        r = x.stride(0)
+        off = x.storage_offset() - front * r
+        if x.is_contiguous() and off >= 0 and off + n * r <= x.untyped_storage().nbytes() // x.element_size():
+            return x.as_strided((n, *x.shape[1:]), x.stride(), off)
         buf = x.new_empty(n, *x.shape[1:])
         buf[:front].zero_()
         buf[front:front + x.shape[0]] = x

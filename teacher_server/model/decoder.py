@@ -16,6 +16,7 @@ from teacher_server.model.attention import AttentionBackend
 from teacher_server.model.context import StepContext
 from teacher_server.model.fused import FusedOps
 from teacher_server.model.spec import ModelSpec
+from teacher_server.ops.elementwise import alloc_with_slack
 
 
 class DecoderLayer(nn.Module):
@@ -51,8 +52,8 @@ class DecoderLayer(nn.Module):
         if ctx.has_prefix:
             # Packed [cached prefix | chunk] keys of the prefixed sequences (the first tp tokens).
             tp = ctx.tok_prefixed
-            kp = k.new_empty(ctx.total_k, spec.num_kv_heads, d)
-            vp = v.new_empty(ctx.total_k, spec.num_kv_heads, d)
+            kp = alloc_with_slack(k, ctx.total_k, spec.num_kv_heads, d)
+            vp = alloc_with_slack(v, ctx.total_k, spec.num_kv_heads, d)
             kp[ctx.new_pos] = k[:tp]
             vp[ctx.new_pos] = v[:tp]
             kp[ctx.prefix_pos] = k_cache[ctx.prefix_slots]

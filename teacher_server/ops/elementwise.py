@@ -62,6 +62,18 @@ def merge_attn(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.T
     return out.copy_(merge_attn_reference(o1, l1, o2, l2))
 
 
+def alloc_with_slack(like: torch.Tensor, t: int, h: int, d: int, front: bool = False) -> torch.Tensor:
+    """[t, h, d] rows inside a larger buffer: zeroed slack rows after (and uninitialised ones
+    before, when ``front``), which the cuDNN attention backend uses as padding without copies."""
+    from teacher_server.model.attention import slack_rows
+
+    sl = slack_rows(t)
+    f = sl if front else 0
+    buf = like.new_empty(f + t + sl, h, d)
+    buf[f + t:].zero_()
+    return buf[f:f + t]
+
+
 def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
              eps: float, n_q: int, n_kv: int, d: int, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None,
              slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -75,9 +87,8 @@ def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k
     if ext is None:
         return None
     t = qkv.shape[0]
-    q = qkv.new_empty(t, n_q, d)
-    k = qkv.new_empty(t, n_kv, d)
-    v = qkv.new_empty(t, n_kv, d)
+    q, k, v = alloc_with_slack(qkv, t, n_q, d, front=True), alloc_with_slack(qkv, t, n_kv, d), \
+        alloc_with_slack(qkv, t, n_kv, d)
     write = slots is not None and k_cache is not None
     ext.qkv_rope_out(qkv, cs, q_norm, k_norm, eps, q, k, v, k_cache if write else None, v_cache if write else None,
                      slots if write else None)
