@@ -3,7 +3,7 @@ the transformers baseline on the same requests in the same run.
 
   python bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --baseline W1,W1f,W3
   python bench/bench_engine.py --model-size 32b --workloads W4 --baseline W4
-  python bench/bench_engine.py --workloads W2 --prefix-cache-compare --workloads L131072
+  python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
 
 Qwen3-8B is written as safetensors (random bf16 weights) and loaded through the real
 loader; Qwen3-32B uses the dummy load format (random weights made in place). Writes a
@@ -79,7 +79,7 @@ def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats:
     run_engine(engine, reqs[: max(2, len(reqs) // 8)], f"warm-{name}")  # warm-up: kernels, allocator
     engine.blocks.reset_prefix_cache()
     runs = []
-    for k in range(repeats):
+    for k in range(repeats if len(reqs) > 1 else min(repeats, 2)):  # one long request: two runs
         runs.append(timed_run(engine, cfg, name, reqs, k))
         engine.blocks.reset_prefix_cache()
     best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
-    ap.add_argument("--prefix-cache-compare", action="store_true", help="run each workload with the cache on and off")
+    ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     ap.add_argument("--concurrency", type=int, default=128)
@@ -234,7 +234,9 @@ def main() -> None:
         load_format = "dummy"
     print(f"checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
     abl_names = [w for w in args.ablate.split(",") if w]
-    workloads = {n: make_workload(n, cfg["vocab_size"]) for n in set(names + base_names + http_names + abl_names)}
+    cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
+    workloads = {n: make_workload(n, cfg["vocab_size"])
+                 for n in set(names + base_names + http_names + abl_names + cmp_names)}
     max_len = max([args.max_model_len] + [len(r.tokens) for w in workloads.values() for r in w])
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                      "model": f"Qwen3-{args.model_size.upper()} shape, random bf16 weights ({load_format} load)",
@@ -248,8 +250,9 @@ def main() -> None:
     results["kv_pool_gib"] = engine.runner.kv.numel() * engine.runner.kv.element_size() / 2**30
     results["fused_stages_compiled"] = engine.runner.ops.compiled
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.attn.name}", flush=True)
-    for n in names:
-        if args.prefix_cache_compare:
+    cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
+    for n in names + [w for w in cmp_names if w not in names]:
+        if n in cmp_names:
             engine.prefix_caching = engine.blocks.enable_prefix_caching = False
             off = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             engine.prefix_caching = engine.blocks.enable_prefix_caching = True
