@@ -18,11 +18,11 @@ def slow_engine(tmp_path, fatal_token: int | None = None) -> Engine:  # noqa: AN
                         num_kv_blocks=512, max_model_len=4096))
     orig = eng.runner.execute
 
-    def execute(hs):  # noqa: ANN001, ANN202
+    def execute(hs, *rest):  # noqa: ANN001, ANN002, ANN202
         time.sleep(0.05)  # long steps, so messages pile up in the inbox meanwhile
         if fatal_token is not None and fatal_token in hs.ints["input_ids"].tolist():
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        return orig(hs)
+        return orig(hs, *rest)
 
     eng.runner.execute = execute
     return eng

@@ -178,10 +178,10 @@ def faulty_engine(exc_factory):  # noqa: ANN001, ANN201
         eng = Engine(cfg)
         orig = eng.runner.execute
 
-        def execute(hs):  # noqa: ANN001, ANN202
+        def execute(hs, *rest):  # noqa: ANN001, ANN002, ANN202
             if POISON in hs.ints["input_ids"].tolist():
                 raise exc_factory()
-            return orig(hs)
+            return orig(hs, *rest)
 
         eng.runner.execute = execute
         return eng

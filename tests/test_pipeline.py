@@ -68,10 +68,10 @@ def test_launch_failure_fails_only_that_step(tmp_path, pipeline: bool) -> None: 
     orig = eng.runner.execute
     poison = 4095
 
-    def execute(hs):  # noqa: ANN001, ANN202
+    def execute(hs, *rest):  # noqa: ANN001, ANN002, ANN202
         if poison in hs.ints["input_ids"].tolist():
             raise RuntimeError("injected step failure")
-        return orig(hs)
+        return orig(hs, *rest)
 
     eng.runner.execute = execute
     good = [ScoreRequest(f"g{i}", np.arange(1, 40) + i, 3, np.array([5, 6])) for i in range(4)]

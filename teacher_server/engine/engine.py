@@ -164,8 +164,10 @@ class Engine:
         """Complete one forward step; return the results of requests that finished (or failed).
 
         Pipelined (``pipeline``, the default): the step completed here was launched by the
-        previous call, and before waiting for it this call schedules, prepares and launches
-        the next one, so the host work of step N+1 overlaps the GPU work of step N. The
+        previous call, and once it is half done this call schedules, prepares and launches the
+        next one, so the host work of step N+1 overlaps the GPU work of step N. (Launching it
+        earlier would fill the GPU's launch queue and block inside kernel launches, holding
+        the GIL that the server's event loop needs; half a step ahead is ample.) The
         scheduler's bookkeeping for a step (progress, prefix-cache blocks, freed blocks) is
         done at launch: the GPU runs steps in launch order on one stream, so a later step
         may reuse blocks or cached KV of an earlier one that has not finished yet."""
@@ -174,6 +176,9 @@ class Engine:
         self._inflight = None
         if cur is not None:
             if self.cfg.pipeline:
+                t0 = time.perf_counter()
+                cur.pending.wait_half()
+                self.timing["wait_s"] += time.perf_counter() - t0
                 self._inflight = self._launch()
             results += self._complete(cur)
         results += self._failed

@@ -46,6 +46,12 @@ class PendingOutput:
 
     out: ScoringOutput
     done: torch.cuda.Event | None  # None: already complete (CPU)
+    mid: torch.cuda.Event | None = None  # recorded half-way through the forward
+
+    def wait_half(self) -> None:
+        """Block (without the GIL) until the step's forward is half done."""
+        if self.mid is not None:
+            self.mid.synchronize()
 
 
 class ModelRunner:
@@ -215,7 +221,7 @@ class ModelRunner:
                         ints["plp_rows"], ints["argmax_rows"])
 
     # --- execute ---------------------------------------------------------------------
-    def execute(self, hs: HostStep) -> ScoringOutput:
+    def execute(self, hs: HostStep, mid_event: torch.cuda.Event | None = None) -> ScoringOutput:
         names = list(hs.ints)
         sizes = [hs.ints[n].size for n in names]
         flat = torch.from_numpy(np.concatenate([hs.ints[n] for n in names]))
@@ -233,7 +239,7 @@ class ModelRunner:
             prefix_pos=parts["prefix_pos"] if hs.n_prefixed else None,
             prefix_slots=parts["prefix_slots"] if hs.n_prefixed else None,
             total_k=hs.total_k, logits_idx=parts["logits_idx"],
-            n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]),
+            n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]), mid_event=mid_event,
         )
         hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn, self.ops)  # [R, H]
         plan = ScoringPlan(
@@ -250,7 +256,8 @@ class ModelRunner:
     def launch(self, hs: HostStep) -> PendingOutput:
         """Run the step and queue the copies of its results to pinned host memory; on CUDA
         this returns as soon as the work is queued (``collect`` waits for it)."""
-        out = self.execute(hs)
+        mid = torch.cuda.Event() if self.device.type == "cuda" else None
+        out = self.execute(hs, mid)
         if self.device.type != "cuda":
             return PendingOutput(out, None)
         host = {}
@@ -263,7 +270,7 @@ class ModelRunner:
             host[name] = t
         done = torch.cuda.Event()
         done.record()
-        return PendingOutput(ScoringOutput(**host), done)
+        return PendingOutput(ScoringOutput(**host), done, mid)
 
     @staticmethod
     def collect(p: PendingOutput) -> ScoringOutput:

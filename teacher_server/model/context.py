@@ -39,6 +39,7 @@ class StepContext:
     n_prefixed: int = 0  # leading sequences that are prefixed
     tok_prefixed: int = 0  # their query tokens: q[:tok_prefixed]
     tok_slots: torch.Tensor | None = None  # [T] int64: the pool slot of each token's KV, -1 = not written
+    mid_event: Any = None  # a CUDA event the forward records half-way through its layers
     # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
     attn_plan: Any = field(default=None, repr=False)
 

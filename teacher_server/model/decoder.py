@@ -90,4 +90,6 @@ class DecoderModel(nn.Module):
             kc, vc = kv_caches[i] if kv_caches else (None, None)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
             x, h = layer(x, h, next_norm, cs, ctx, kc, vc, attn, ops)
+            if ctx.mid_event is not None and i == n // 2:
+                ctx.mid_event.record()
         return h[ctx.logits_idx]
