@@ -88,3 +88,33 @@ def test_launch_failure_fails_only_that_step(tmp_path, pipeline: bool) -> None: 
     assert all(out[g.request_id].error is None for g in good)
     np.testing.assert_allclose(out["g0"].token_id_logprobs, alone[0].token_id_logprobs, atol=1e-5)
     assert eng.blocks.num_used == 0
+
+
+def test_next_step_launches_after_the_current_one_is_half_done(tmp_path) -> None:  # noqa: ANN001
+    """The launch of step N+1 waits for step N's mid-forward event (on CUDA, a wait without
+    the GIL), so the GPU launch queue never holds more than half a step ahead."""
+    eng = engine(tmp_path, True)
+    events: list[str] = []
+    orig = eng.runner.launch
+
+    class Mid:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def synchronize(self) -> None:
+            events.append(f"half{self.n}")
+
+    def launch(hs):  # noqa: ANN001, ANN202
+        n = sum(1 for e in events if e.startswith("launch"))
+        events.append(f"launch{n}")
+        p = orig(hs)
+        p.mid = Mid(n)
+        return p
+
+    eng.runner.launch = launch
+    res = eng.run_to_completion(requests(2))
+    assert all(r.error is None for r in res)
+    launches = [e for e in events if e.startswith("launch")]
+    assert len(launches) > 3
+    for i in range(1, len(launches)):  # launch i comes after step i-1 reached its half
+        assert events.index(f"half{i - 1}") < events.index(f"launch{i}")
