@@ -282,7 +282,9 @@ qkv_rope_kernel(const uint16_t* __restrict__ qkv, int64_t qkv_stride, const floa
   for (int j = 0; j < E; ++j) {
     const int i = (lane * E + j) % kHalf;  // frequency index
     const float c = row[i], s = row[kHalf + i];
-    out.x[j] = C::from_float(low ? x[j] * c - other[j] * s : x[j] * c + other[j] * s);
+    // Each product rounded on its own, as eager torch does (no FMA contraction).
+    const float a = __fmul_rn(x[j], c), b = __fmul_rn(other[j], s);
+    out.x[j] = C::from_float(low ? __fsub_rn(a, b) : __fadd_rn(a, b));
   }
   if (is_q) {
     store_lanes<E>(q_out + (t * hq + h) * D + lane * E, out);

@@ -157,3 +157,23 @@ def test_padding_is_a_view_into_slack_and_garbage_queries_stay_out() -> None:
     got = Counting(16)(*slacked, ctx, 0.25, None)
     assert copies and not any(copies)  # every padded operand was a view
     assert torch.isfinite(got).all() and (got - ref).abs().max().item() < 1e-5
+
+
+def test_out_of_memory_is_raised_and_leaves_cudnn_on() -> None:
+    """Only a refused shape switches cuDNN off; running out of memory fails the step (the
+    engine fails that step's requests) and the next step still uses cuDNN."""
+    class Oom(CpuCudnn):
+        def _sdpa(self, *a):  # noqa: ANN002, ANN202
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
+    be = Oom(16)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        be(*tensors, ctx, 0.25, None)
+    assert be.enabled
+
+
+def test_warm_up_below_the_cudnn_minimum_is_a_no_op() -> None:
+    be = CpuCudnn(256)
+    assert be.warm_up(192, 4, 2, 16, torch.device("cpu"), torch.float32) == 0.0
+    assert be.enabled and not be.shapes

@@ -225,6 +225,10 @@ class _PathFailed(Exception):
         self.path, self.reason = path, " ".join(str(err).split())[:200]
 
 
+def _not_a_shape_problem(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA error" in str(e)
+
+
 def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     """[B, Hkv, L, D] -> [B, Hkv * groups, L, D] (query head h reads kv head h // groups)."""
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -316,6 +320,8 @@ class CudnnBackend(TorchVarlenBackend):
                 self._prefixed(q[it.t0:it.t0 + it.c], kp[it.k0:it.k0 + it.p + it.c], vp[it.k0:it.k0 + it.p + it.c],
                                it.p, scale, out[it.t0:it.t0 + it.c])
         except RuntimeError as e:
+            if _not_a_shape_problem(e):  # out of memory / a broken context: not cuDNN's refusal
+                raise
             raise _PathFailed("cudnn", e) from e
 
     def _sdpa(self, q, k, v, causal: bool, lse: bool, scale: float):  # noqa: ANN001, ANN202
@@ -382,14 +388,19 @@ class CudnnBackend(TorchVarlenBackend):
         while n <= bucket(max_len):
             sizes.append(bucket(n))
             n = bucket(n) + 1
-        big = sizes[-1]
-        q = torch.randn(big, hq, d, device=device, dtype=dtype)
-        k = torch.randn(big, hkv, d, device=device, dtype=dtype)
+        if not sizes:  # max_len below the cuDNN minimum: every sequence takes varlen
+            return 0.0
+        n = sizes[0]
         try:
+            q = torch.randn(sizes[-1], hq, d, device=device, dtype=dtype)
+            k = torch.randn(sizes[-1], hkv, d, device=device, dtype=dtype)
             for n in sizes:
                 for lse in (False, True):
                     self._sdpa(q[:n], k[:n], k[:n], True, lse, d ** -0.5)
             torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:  # the larger shapes build their plans on first use
+            log.warning("cuDNN attention warm-up stopped at length %d (out of memory)", n)
+            torch.cuda.empty_cache()
         except RuntimeError as e:
             log.warning("cuDNN attention warm-up failed (%s); using varlen", " ".join(str(e).split())[:200])
             self.enabled = False
