@@ -165,6 +165,8 @@ def test_metrics_names(demo_server) -> None:  # noqa: ANN001
                  "teacher_server_request_failures_total", "teacher_server_requests_total"):
         assert name in m, name
     assert metric(m, "teacher_server_prefix_cache_hits_total") >= 32
+    assert metric(m, "teacher_server_engine_stage_seconds_total", stage="launch") > 0
+    assert metric(m, "teacher_server_engine_stage_seconds_total", stage="prepare") > 0
     assert metric(m, "teacher_server_request_failures_total", reason="validation") >= 1
 
 

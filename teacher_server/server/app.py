@@ -32,7 +32,7 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
-from teacher_server.server.metrics import Metrics
+from teacher_server.server.metrics import STAGES, Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
 from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
 
@@ -351,6 +351,12 @@ def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
         m.labels(m.prefix_queries).inc(dq)
     if dh:
         m.labels(m.prefix_hits).inc(dh)
+    last = getattr(m, "_last_timing", None) or dict.fromkeys(engine.timing, 0)
+    for stage in STAGES:
+        d = engine.timing[stage + "_s"] - last[stage + "_s"]
+        if d > 0:
+            m.labels(m.stage_seconds, stage=stage).inc(d)
+    m._last_timing = dict(engine.timing)
     _refresh_gauges(m, engine)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+STAGES = ("schedule", "prepare", "launch", "wait", "scatter")
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
 
@@ -32,12 +33,18 @@ class Metrics:
         self.inference_time = Histogram(p + "request_inference_time_seconds", "First scheduled step to finish.",
                                         lab, buckets=_LAT, registry=r)
         self.steps = Counter(p + "engine_steps", "Forward steps run.", lab, registry=r)
+        self.stage_seconds = Counter(p + "engine_stage_seconds",
+                                     "Engine-thread time per step stage: schedule, prepare, launch (queueing GPU "
+                                     "work), wait (for the GPU), scatter (results to requests).",
+                                     lab + ["stage"], registry=r)
         self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", lab, registry=r)
         self.model_name = model_name
         for m in (self.waiting, self.running, self.kv_usage, self.prompt_tokens, self.computed_tokens,
                   self.scored_rows, self.prefix_queries, self.prefix_hits, self.e2e, self.queue_time,
                   self.inference_time, self.steps, self.healthy):
             m.labels(model_name=model_name)  # export every series from the start
+        for stage in STAGES:
+            self.stage_seconds.labels(model_name=model_name, stage=stage)
 
     def labels(self, metric, **kw):  # noqa: ANN001, ANN201
         return metric.labels(model_name=self.model_name, **kw)
