@@ -272,6 +272,18 @@ class _Base:
     def _encode(self, req: TeacherRequest) -> bytes:
         return json.dumps(build_body(req, self.model), separators=(",", ":")).encode()
 
+    def _outcome(self, attempt: int, resp: httpx.Response | None, err: Exception | None) -> ScoreOutput | None:
+        """One attempt's outcome: the parsed output on 200; raises when the failure is not to
+        be retried (or retries are used up); None to retry."""
+        if resp is not None and resp.status_code == 200:
+            return parse_output(resp.json())
+        if not self._retryable(attempt, resp):
+            if resp is None:
+                raise TeacherServerError(f"{type(err).__name__}: {err}", type=type(err).__name__,
+                                         attempts=attempt) from err
+            raise error_from_response(resp, attempt)
+        return None
+
     def _retryable(self, attempt: int, resp: httpx.Response | None) -> bool:
         return attempt <= self._retry.max_retries and (resp is None or resp.status_code in RETRY_STATUSES)
 
@@ -366,20 +378,16 @@ class TeacherClient(_Base):
         attempt = 0
         while True:
             attempt += 1
-            resp = None
+            resp = err = None
             try:
                 with self._slots:
                     resp = self._http.post(GENERATE_PATH, content=content,
                                            headers={"content-type": "application/json"})
             except _RETRY_EXCEPTIONS as e:
-                if not self._retryable(attempt, None):
-                    raise TeacherServerError(f"{type(e).__name__}: {e}", type=type(e).__name__,
-                                             attempts=attempt) from e
-            if resp is not None:
-                if resp.status_code == 200:
-                    return parse_output(resp.json())
-                if not self._retryable(attempt, resp):
-                    raise error_from_response(resp, attempt)
+                err = e
+            out = self._outcome(attempt, resp, err)
+            if out is not None:
+                return out
             time.sleep(self._retry.delay(attempt, resp))
 
 
@@ -451,18 +459,14 @@ class AsyncTeacherClient(_Base):
         attempt = 0
         while True:
             attempt += 1
-            resp = None
+            resp = err = None
             try:
                 async with self._slots:
                     resp = await self._http.post(GENERATE_PATH, content=content,
                                                  headers={"content-type": "application/json"})
             except _RETRY_EXCEPTIONS as e:
-                if not self._retryable(attempt, None):
-                    raise TeacherServerError(f"{type(e).__name__}: {e}", type=type(e).__name__,
-                                             attempts=attempt) from e
-            if resp is not None:
-                if resp.status_code == 200:
-                    return parse_output(resp.json())
-                if not self._retryable(attempt, resp):
-                    raise error_from_response(resp, attempt)
+                err = e
+            out = self._outcome(attempt, resp, err)
+            if out is not None:
+                return out
             await asyncio.sleep(self._retry.delay(attempt, resp))

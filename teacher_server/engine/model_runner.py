@@ -193,20 +193,20 @@ class ModelRunner:
             layout.append((c, r_off, nr, p_off, a_off))
             q_off += n
             r_off += nr
+        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
+        write_src, write_slots = cat(wsrc), cat(wslot)
         tok_slots = np.full(q_off, -1, dtype=np.int64)
-        if wsrc:
-            tok_slots[np.concatenate(wsrc)] = np.concatenate(wslot)
+        tok_slots[write_src] = write_slots
         cand = np.full((r_off, kmax), -1, dtype=np.int64)
         for off, n, block in cand_blocks:
             cand[off:off + n, :block.shape[-1]] = block
-        cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
         ints = {
             "input_ids": cat(ids).astype(np.int64, copy=False),
             "positions": cat(pos),
             "cu_q": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64),
             "cu_k": np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int64),
-            "write_src": cat(wsrc),
-            "write_slots": cat(wslot),
+            "write_src": write_src,
+            "write_slots": write_slots,
             "tok_slots": tok_slots,
             "new_pos": cat(newpos),
             "prefix_pos": cat(ppos),
