@@ -102,20 +102,26 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     return out
 
 
-def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int) -> dict:
+def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
     """The same workload with one optimisation taken away at a time (same process, same
     weights): what each is worth."""
     from teacher_server.model.attention import make_backend
 
     out = {}
     attn, budget = engine.runner.attn, engine.scheduler.cfg.max_num_batched_tokens
+    streams = getattr(attn, "concurrent_streams", 0)
+    in_gemm = engine.runner.ops.residual_in_gemm
     variants = {
         "as_configured": lambda: None,
         "varlen_attention": lambda: setattr(engine.runner, "attn", make_backend("varlen", engine.device)),
+        "one_attention_stream": lambda: setattr(attn, "concurrent_streams", 0),
+        "residual_add_outside_gemm": lambda: setattr(engine.runner.ops, "residual_in_gemm", False),
         "no_pipeline": lambda: setattr(engine.cfg, "pipeline", False),
         "budget_x2": lambda: setattr(engine.scheduler.cfg, "max_num_batched_tokens", 2 * budget),
     }
     for v, apply in variants.items():
+        if only and v not in only:
+            continue
         apply()
         try:
             out[v] = bench_engine(engine, cfg, f"{name}-{v}", reqs, repeats)
@@ -124,7 +130,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int) 
             out[v] = {"error": str(e)[:200]}
             torch.cuda.empty_cache()
         finally:
-            engine.runner.attn, engine.cfg.pipeline = attn, True
+            engine.runner.attn, engine.cfg.pipeline, attn.concurrent_streams = attn, True, streams
+            engine.runner.ops.residual_in_gemm = in_gemm
             engine.scheduler.cfg.max_num_batched_tokens = budget
     return out
 
@@ -167,6 +174,18 @@ async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, 
         return time.perf_counter() - t0, lat
 
 
+def server_stages(url: str) -> dict[str, float]:
+    """The server's engine-thread seconds per step stage, from /metrics."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("teacher_server_engine_stage_seconds_total{"):
+            stage = line.split('stage="', 1)[1].split('"', 1)[0]
+            out[stage + "_s"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req]) -> dict:
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -190,8 +209,11 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency))  # warm-up
         runs = []
         for _ in range(args.repeats):
+            before = server_stages(url)
             dt, lat = asyncio.run(http_run(url, reqs, args.concurrency))
             runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
+            after = server_stages(url)
+            runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
         best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         best["runs_seconds"] = [r["seconds"] for r in runs]
         best["concurrency"] = args.concurrency
@@ -217,6 +239,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
+    ap.add_argument("--ablate-only", default="", help="variants of --ablate to run (default: all)")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -263,7 +286,8 @@ def main() -> None:
         else:
             results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             print(n, json.dumps(results["engine"][n]), flush=True)
-    results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], 1)
+    only = [v for v in args.ablate_only.split(",") if v]
+    results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], args.repeats, only)
                            for n in args.ablate.split(",") if n}
     if args.profile:
         results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),

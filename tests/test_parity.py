@@ -62,6 +62,18 @@ def test_parity_cpu(family: str, checkpoints) -> None:  # noqa: ANN001
     check(path, reqs, eng.run_to_completion(reqs))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_parity_cpu_residual_add_in_gemm(family: str, checkpoints) -> None:  # noqa: ANN001
+    """The residual add done inside the o/down projection (in place, the CUDA default) gives
+    the same results as the separate add."""
+    path = checkpoints[family]
+    eng = Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=32, block_size=8,
+                        num_kv_blocks=256, max_model_len=512))
+    eng.runner.ops.residual_in_gemm = True
+    reqs = make_requests(np.random.default_rng(11))
+    check(path, reqs, eng.run_to_completion(reqs))
+
+
 def test_sliding_window_mistral(tmp_path) -> None:  # noqa: ANN001
     """Mistral with a sliding window shorter than the sequence, across chunk boundaries."""
     import transformers as tf

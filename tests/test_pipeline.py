@@ -118,3 +118,49 @@ def test_next_step_launches_after_the_current_one_is_half_done(tmp_path) -> None
     assert len(launches) > 3
     for i in range(1, len(launches)):  # launch i comes after step i-1 reached its half
         assert events.index(f"half{i - 1}") < events.index(f"launch{i}")
+
+
+def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Within a forward the host waits for layer i - ahead before launching layer i, so at
+    most ``ahead`` layers are ever queued past the last one known finished; results equal
+    the unpaced forward. (Events are stand-ins: the pacing logic is the same on CUDA.)"""
+    import torch
+
+    from teacher_server.model import context
+
+    log: list[tuple[str, int]] = []
+
+    class FakeEvent:
+        made = 0
+
+        def __init__(self) -> None:
+            self.i = FakeEvent.made
+            FakeEvent.made += 1
+
+        def record(self) -> None:
+            log.append(("record", self.i))
+
+        def synchronize(self) -> None:
+            log.append(("sync", self.i))
+
+    monkeypatch.setattr(context.torch.cuda, "Event", FakeEvent)
+    eng = engine(tmp_path, False)
+    runner = eng.runner
+    n_layers = runner.spec.num_layers
+    assert n_layers >= 3
+    ahead = 2
+    reqs = requests(3)[:3]
+    for r in reqs:
+        eng.add_request(r)
+    hs = runner.prepare(eng.scheduler.schedule())
+    pacer = context.LaunchPacer(ahead)
+    paced = runner.execute(hs, pacer)
+    plain = runner.execute(hs)
+    torch.testing.assert_close(paced.scores, plain.scores, rtol=0, atol=0)
+    assert [e for e in log if e[0] == "record"] == [("record", i) for i in range(n_layers)]
+    assert [e for e in log if e[0] == "sync"] == [("sync", i) for i in range(n_layers - ahead)]
+    for pos, (kind, i) in enumerate(log):  # layer i + ahead is launched only after layer i's wait
+        if kind == "sync":
+            assert ("record", i + ahead) not in log[:pos]
+            assert ("record", i + ahead - 1) in log[:pos]
+    assert pacer.mid is pacer.events[n_layers // 2]

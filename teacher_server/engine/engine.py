@@ -167,7 +167,8 @@ class Engine:
         previous call, and once it is half done this call schedules, prepares and launches the
         next one, so the host work of step N+1 overlaps the GPU work of step N. (Launching it
         earlier would fill the GPU's launch queue and block inside kernel launches, holding
-        the GIL that the server's event loop needs; half a step ahead is ample.) The
+        the GIL that the server's event loop needs; half a step ahead is ample. Within a
+        forward, ``LaunchPacer`` keeps the host a few layers ahead for the same reason.) The
         scheduler's bookkeeping for a step (progress, prefix-cache blocks, freed blocks) is
         done at launch: the GPU runs steps in launch order on one stream, so a later step
         may reuse blocks or cached KV of an earlier one that has not finished yet."""
@@ -204,7 +205,8 @@ class Engine:
             return None
         t3 = time.perf_counter()
         tm["prepare_s"] += t2 - t1
-        tm["launch_s"] += t3 - t2
+        tm["launch_s"] += t3 - t2 - pending.paced_s  # waits for the GPU inside the launch count as wait
+        tm["wait_s"] += pending.paced_s
         tm["steps"] += 1
         tm["tokens"] += self.last_step_tokens
         done = self.scheduler.finish_step(chunks)

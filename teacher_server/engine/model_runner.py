@@ -14,7 +14,7 @@ import torch
 from teacher_server.engine.scoring import ScoringOutput, ScoringPlan, score_rows
 from teacher_server.engine.sequence import Chunk
 from teacher_server.model.attention import AttentionBackend
-from teacher_server.model.context import StepContext
+from teacher_server.model.context import LaunchPacer, StepContext
 from teacher_server.model.decoder import DecoderModel
 from teacher_server.model.fused import FusedOps
 from teacher_server.model.rope import cos_sin_table
@@ -47,6 +47,7 @@ class PendingOutput:
     out: ScoringOutput
     done: torch.cuda.Event | None  # None: already complete (CPU)
     mid: torch.cuda.Event | None = None  # recorded half-way through the forward
+    paced_s: float = 0.0  # host time the launch spent waiting on its own earlier layers
 
     def wait_half(self) -> None:
         """Block (without the GIL) until the step's forward is half done."""
@@ -65,6 +66,7 @@ class ModelRunner:
         self.block_size = block_size
         self.logits_mode = logits_mode
         self.chunk_rows = logits_chunk_rows
+        self.run_ahead = 6  # layers the host may queue ahead of the GPU within a forward
         dtype = model.embed.dtype
         self.cos_sin = cos_sin_table(self.spec, max_model_len + 1, device)  # [len, D] float32
         slots = num_blocks * block_size
@@ -221,7 +223,7 @@ class ModelRunner:
                         ints["plp_rows"], ints["argmax_rows"])
 
     # --- execute ---------------------------------------------------------------------
-    def execute(self, hs: HostStep, mid_event: torch.cuda.Event | None = None) -> ScoringOutput:
+    def execute(self, hs: HostStep, pacer: LaunchPacer | None = None) -> ScoringOutput:
         names = list(hs.ints)
         sizes = [hs.ints[n].size for n in names]
         flat = torch.from_numpy(np.concatenate([hs.ints[n] for n in names]))
@@ -239,7 +241,8 @@ class ModelRunner:
             prefix_pos=parts["prefix_pos"] if hs.n_prefixed else None,
             prefix_slots=parts["prefix_slots"] if hs.n_prefixed else None,
             total_k=hs.total_k, logits_idx=parts["logits_idx"],
-            n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]), mid_event=mid_event,
+            n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]),
+            pacer=pacer,
         )
         hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn, self.ops)  # [R, H]
         plan = ScoringPlan(
@@ -256,10 +259,10 @@ class ModelRunner:
     def launch(self, hs: HostStep) -> PendingOutput:
         """Run the step and queue the copies of its results to pinned host memory; on CUDA
         this returns as soon as the work is queued (``collect`` waits for it)."""
-        mid = torch.cuda.Event() if self.device.type == "cuda" else None
-        out = self.execute(hs, mid)
         if self.device.type != "cuda":
-            return PendingOutput(out, None)
+            return PendingOutput(self.execute(hs), None)
+        pacer = LaunchPacer(self.run_ahead)
+        out = self.execute(hs, pacer)
         host = {}
         for name in ScoringOutput.__dataclass_fields__:
             t = getattr(out, name)
@@ -270,7 +273,7 @@ class ModelRunner:
             host[name] = t
         done = torch.cuda.Event()
         done.record()
-        return PendingOutput(ScoringOutput(**host), done, mid)
+        return PendingOutput(ScoringOutput(**host), done, pacer.mid, pacer.wait_s)
 
     @staticmethod
     def collect(p: PendingOutput) -> ScoringOutput:

@@ -172,12 +172,45 @@ class _PackedBackend:
         if len(plan.items) == 1 and isinstance(plan.items[0], _Varlen) and plan.items[0].t1 - plan.items[0].t0 == q.shape[0]:
             return self._run_varlen(plan.items[0], q, k, v, kp, vp, scale, window)
         out = torch.empty_like(q)
-        for it in plan.items:
-            if isinstance(it, _Varlen):
-                out[it.t0:it.t1] = self._run_varlen(it, q, k, v, kp, vp, scale, window)
-            else:
-                self._run_special(it, q, k, v, kp, vp, scale, out)
+        side = self._side_streams(q) if len(plan.items) > 1 else None
+        if side is None:
+            for it in plan.items:
+                self._run_item(it, q, k, v, kp, vp, scale, window, out)
+            return out
+        # Items are independent (disjoint output rows), so they run on side streams at once:
+        # one sequence's attention leaves SMs idle in its last wave, which the next fills.
+        # Every tensor here outlives the join below, and later work on the main stream is
+        # ordered after it, so no allocation is reused early.
+        main = torch.cuda.current_stream(q.device)
+        used = side[:len(plan.items)]
+        for s in used:
+            s.wait_stream(main)
+        try:
+            for i, it in enumerate(plan.items):
+                with torch.cuda.stream(used[i % len(used)]):
+                    self._run_item(it, q, k, v, kp, vp, scale, window, out)
+        finally:
+            for s in used:
+                main.wait_stream(s)
         return out
+
+    concurrent_streams = 3  # side streams for a step's attention items on CUDA (0: one stream)
+
+    def _side_streams(self, q: torch.Tensor) -> list | None:
+        if not q.is_cuda or self.concurrent_streams < 2:
+            return None
+        key = q.device.index
+        streams = getattr(self, "_streams", {})
+        if key not in streams:
+            streams[key] = [torch.cuda.Stream(q.device) for _ in range(self.concurrent_streams)]
+            self._streams = streams
+        return streams[key]
+
+    def _run_item(self, it, q, k, v, kp, vp, scale, window, out) -> None:  # noqa: ANN001
+        if isinstance(it, _Varlen):
+            out[it.t0:it.t1] = self._run_varlen(it, q, k, v, kp, vp, scale, window)
+        else:
+            self._run_special(it, q, k, v, kp, vp, scale, out)
 
     def _run_varlen(self, it: _Varlen, q, k, v, kp, vp, scale, window):  # noqa: ANN001, ANN202
         kk, vv = (kp, vp) if it.prefixed else (k, v)

@@ -8,10 +8,40 @@ longest first. Attention backends rely on it: each part is one contiguous token 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+
+class LaunchPacer:
+    """Bounded run-ahead within a forward on CUDA: an event is recorded after each layer,
+    and before launching layer i the host waits, without the GIL, for layer i - ``ahead``.
+    Without it the host fills the GPU's launch queue and then blocks inside a kernel launch
+    holding the GIL, which starves the server's event loop and request parsing. ``ahead``
+    layers stay queued, so the GPU does not idle."""
+
+    def __init__(self, ahead: int) -> None:
+        self.ahead = ahead
+        self.events: list[torch.cuda.Event] = []
+        self.wait_s = 0.0  # host time spent waiting here
+
+    def before_layer(self, i: int) -> None:
+        if i >= self.ahead:
+            t = time.perf_counter()
+            self.events[i - self.ahead].synchronize()
+            self.wait_s += time.perf_counter() - t
+
+    def after_layer(self) -> None:
+        ev = torch.cuda.Event()
+        ev.record()
+        self.events.append(ev)
+
+    @property
+    def mid(self) -> torch.cuda.Event | None:
+        """The event after the middle layer: when the forward is half done."""
+        return self.events[len(self.events) // 2] if self.events else None
 
 
 @dataclass
@@ -39,7 +69,7 @@ class StepContext:
     n_prefixed: int = 0  # leading sequences that are prefixed
     tok_prefixed: int = 0  # their query tokens: q[:tok_prefixed]
     tok_slots: torch.Tensor | None = None  # [T] int64: the pool slot of each token's KV, -1 = not written
-    mid_event: Any = None  # a CUDA event the forward records half-way through its layers
+    pacer: LaunchPacer | None = None  # CUDA: bounds how far the host runs ahead of the GPU
     # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
     attn_plan: Any = field(default=None, repr=False)
 

@@ -59,10 +59,21 @@ class DecoderLayer(nn.Module):
             kp[ctx.prefix_pos] = k_cache[ctx.prefix_slots]
             vp[ctx.prefix_pos] = v_cache[ctx.prefix_slots]
         o = attn(q, k, v, kp, vp, ctx, d ** -0.5, spec.sliding_window)  # [T, Hq, D]
-        x, h = ops.add_rms_norm(x, F.linear(o.reshape(t, spec.q_size), self.o_proj), self.post_attn_norm, eps)
+        x, h = self._residual(x, o.reshape(t, spec.q_size), self.o_proj, self.post_attn_norm, eps, ops)
         # --- MLP ---
-        mlp = F.linear(ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj)
-        return ops.add_rms_norm(x, mlp, next_norm, eps)
+        return self._residual(x, ops.silu_mul(F.linear(h, self.gate_up_proj)), self.down_proj, next_norm, eps, ops)
+
+    @staticmethod
+    def _residual(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, norm: torch.Tensor, eps: float,
+                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + a @ w.T (the new residual stream) and its RMSNorm. With ``residual_in_gemm`` the
+        sum is made in the GEMM's epilogue, in place (x is this step's own activation), and
+        rounded once, instead of rounding a @ w.T and then the sum; it saves a full pass over
+        [T, hidden] per call."""
+        if ops.residual_in_gemm:
+            x = x.addmm_(a, w.t())
+            return x, ops.rms_norm(x, norm, eps)
+        return ops.add_rms_norm(x, F.linear(a, w), norm, eps)
 
 
 class DecoderModel(nn.Module):
@@ -86,10 +97,13 @@ class DecoderModel(nn.Module):
         cs = cos_sin[ctx.positions]  # [T, D] float32: cos | sin halves
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         n = len(self.layers)
+        pacer = ctx.pacer
         for i, layer in enumerate(self.layers):
+            if pacer is not None:
+                pacer.before_layer(i)
             kc, vc = kv_caches[i] if kv_caches else (None, None)
             next_norm = self.layers[i + 1].input_norm if i + 1 < n else self.norm
             x, h = layer(x, h, next_norm, cs, ctx, kc, vc, attn, ops)
-            if ctx.mid_event is not None and i == n // 2:
-                ctx.mid_event.record()
+            if pacer is not None:
+                pacer.after_layer()
         return h[ctx.logits_idx]

@@ -86,6 +86,7 @@ class FusedOps:
         self.qkv_prep: Callable = qkv_prep
         self.rms_norm: Callable = rms_norm
         self.qkv_kernel = enable_compile  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
+        self.residual_in_gemm = enable_compile  # residual add in the o/down GEMM epilogue (decoder)
         self.compiled = False
         if enable_compile:
             try:
