@@ -175,7 +175,7 @@ async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, 
 
 
 def server_stages(url: str) -> dict[str, float]:
-    """The server's engine-thread seconds per step stage, from /metrics."""
+    """The server's engine-thread seconds per step stage and its step count, from /metrics."""
     import httpx
 
     out = {}
@@ -183,6 +183,11 @@ def server_stages(url: str) -> dict[str, float]:
         if line.startswith("teacher_server_engine_stage_seconds_total{"):
             stage = line.split('stage="', 1)[1].split('"', 1)[0]
             out[stage + "_s"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("teacher_server_engine_gpu_seconds_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            out["gpu_s" if kind == "busy" else "gpu_idle_s"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("teacher_server_engine_steps_total{"):
+            out["steps"] = float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -15,6 +15,7 @@ for step in ${STEPS:-tests}; do
   echo "=== $step ($(date +%T))"
   case $step in
     tests)   python3 -m pytest -q -rP -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    pytest)  python3 -m pytest -q -rP -m gpu ${PYTEST_ARGS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.log" | tail -25 ;;
     alltests) python3 -m pytest -q -x tests -p no:cacheprovider --ignore=tests/test_deploy.py 2>&1 | tee "$OUT/all_tests.log" | tail -25 ;;
     kernel)  python3 bench/bench_kernel.py --out "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/kernel.log" | tail -30 ;;
     engine8b) python3 bench/bench_engine.py ${ENGINE_ARGS:-} --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;

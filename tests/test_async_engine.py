@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import numpy as np
+import pytest
 
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
@@ -64,9 +65,56 @@ def test_fatal_error_answers_queued_requests(tmp_path) -> None:  # noqa: ANN001
         results = await asyncio.wait_for(asyncio.gather(a, *others, return_exceptions=True), 10)
         for r in results:
             assert isinstance(r, Exception) or r.error is not None, r
-        assert ae.in_flight == 0 and not ae.alive and fired
+        assert ae.in_flight == 0 and not ae.alive
+        for _ in range(200):  # on_fatal runs in the engine thread right after the answers
+            if fired:
+                break
+            await asyncio.sleep(0.01)
+        assert fired
 
     try:
         asyncio.run(main())
     finally:
         ae.shutdown()
+
+
+def test_build_makes_the_engine_in_its_own_thread(tmp_path) -> None:  # noqa: ANN001
+    """``AsyncEngine.build`` runs the factory in the engine thread, the thread that then runs
+    every step (per-thread GPU state from start-up, such as cuDNN plans, is reused)."""
+    import threading
+
+    seen: dict[str, int] = {}
+
+    def factory():  # noqa: ANN202
+        seen["built"] = threading.get_ident()
+        eng = slow_engine(tmp_path)
+        step = eng.step
+
+        def tracked_step():  # noqa: ANN202
+            seen["step"] = threading.get_ident()
+            return step()
+
+        eng.step = tracked_step
+        return eng
+
+    async def main() -> None:
+        ae = await AsyncEngine.build(factory, 100, 10 ** 6)
+        try:
+            res = await asyncio.wait_for(ae.score(req("a", 10)), 30)
+            assert res.error is None
+        finally:
+            ae.shutdown()
+        assert seen["built"] == seen["step"] != threading.get_ident()
+
+    asyncio.run(main())
+
+
+def test_build_raises_what_the_factory_raised() -> None:
+    def factory():  # noqa: ANN202
+        raise ValueError("no such model")
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="no such model"):
+            await AsyncEngine.build(factory, 100, 10 ** 6)
+
+    asyncio.run(main())

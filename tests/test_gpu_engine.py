@@ -54,6 +54,24 @@ def test_cudnn_paths_are_taken() -> None:
     assert all(s in warmed for s in attn.shapes if s[2]), attn.shapes - warmed
 
 
+def test_attention_items_on_side_streams_equal_one_stream() -> None:
+    """A step's attention items run on side streams at once; each writes only its own rows,
+    so the result is bitwise the one-stream result, also when the step runs on a non-default
+    stream and is read right after."""
+    attn = _backend("cudnn")
+    tensors, ctx, _ = make_step(MIXED, 8, 2, 128, "cuda", torch.bfloat16)
+    attn.concurrent_streams = 0
+    one = attn(*tensors, ctx, 128 ** -0.5, None).clone()
+    attn.concurrent_streams = 3
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            many = attn(*tensors, ctx, 128 ** -0.5, None)
+            assert torch.equal(many, one)
+    assert len(ctx.attn_plan.items) > 3
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 333, 4096])
 def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:  # noqa: ANN001

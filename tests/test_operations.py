@@ -162,11 +162,14 @@ def test_metrics_names(demo_server) -> None:  # noqa: ANN001
                  "teacher_server_e2e_request_latency_seconds_bucket", "teacher_server_request_queue_time_seconds_bucket",
                  "teacher_server_request_inference_time_seconds_bucket", "teacher_server_kv_cache_usage_perc",
                  "teacher_server_prefix_cache_queries_total", "teacher_server_prefix_cache_hits_total",
-                 "teacher_server_request_failures_total", "teacher_server_requests_total"):
+                 "teacher_server_request_failures_total", "teacher_server_requests_total",
+                 "teacher_server_engine_gpu_seconds_total"):
         assert name in m, name
     assert metric(m, "teacher_server_prefix_cache_hits_total") >= 32
     assert metric(m, "teacher_server_engine_stage_seconds_total", stage="launch") > 0
     assert metric(m, "teacher_server_engine_stage_seconds_total", stage="prepare") > 0
+    assert metric(m, "teacher_server_engine_gpu_seconds_total", kind="busy") == 0  # CPU: no GPU timeline
+    assert metric(m, "teacher_server_engine_gpu_seconds_total", kind="idle") == 0
     assert metric(m, "teacher_server_request_failures_total", reason="validation") >= 1
 
 

@@ -175,6 +175,8 @@ def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:  # n
                         block_size=16, num_kv_blocks=512, max_model_len=2048))
     reqs = make_requests(np.random.default_rng(11)) if shape == "short" else long_requests(np.random.default_rng(5))
     results = eng.run_to_completion(reqs)
+    # the engine's GPU timeline: every step has a measured span; gaps are never negative
+    assert eng.timing["gpu_s"] > 0 and eng.timing["gpu_idle_s"] >= 0 and eng.timing["steps"] > 1
     import transformers as tf
 
     hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()

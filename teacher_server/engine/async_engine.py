@@ -1,5 +1,9 @@
 """AsyncEngine: runs the Engine in one dedicated thread and exposes ``await score(req)``.
 
+The engine is best built in that same thread (``AsyncEngine.build``): per-thread GPU
+state made at start-up, such as cuDNN's execution-plan cache that the attention warm-up
+fills, is then the state the steps use.
+
 The event loop never runs GPU work. Requests and aborts cross into the engine thread
 through a queue; results come back through ``loop.call_soon_threadsafe``. Admission
 control (bounded queue of requests and tokens) happens here, at the edge.
@@ -37,10 +41,18 @@ class _Pending:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue_requests: int, max_queue_tokens: int,
+    def __init__(self, engine: Engine | None, max_queue_requests: int, max_queue_tokens: int,
                  on_step: Callable[[Engine, list[ScoreResult]], None] | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 factory: Callable[[], Engine] | None = None) -> None:
+        """Give either an engine, or a ``factory`` that the engine thread calls first (see
+        ``build``)."""
+        if (engine is None) == (factory is None):
+            raise ValueError("give an engine or a factory")
         self.engine = engine
+        self._factory = factory
+        self._built = threading.Event()
+        self._build_error: BaseException | None = None
         self.max_queue_requests = max_queue_requests
         self.max_queue_tokens = max_queue_tokens
         self.on_step = on_step
@@ -57,6 +69,18 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="teacher-engine", daemon=True)
 
     # --- lifecycle ---------------------------------------------------------------------
+    @classmethod
+    async def build(cls, factory: Callable[[], Engine], *args, **kw) -> AsyncEngine:  # noqa: ANN002, ANN003
+        """Start the engine thread, build the engine in it and return once it is built
+        (raising what the factory raised)."""
+        ae = cls(None, *args, factory=factory, **kw)
+        ae.start()
+        await asyncio.to_thread(ae._built.wait)
+        if ae._build_error is not None:
+            ae._thread.join(timeout=5)
+            raise ae._build_error
+        return ae
+
     def start(self) -> None:
         self._thread.start()
 
@@ -168,6 +192,15 @@ class AsyncEngine:
                     self._deliver(res)
 
     def _run(self) -> None:
+        if self.engine is None:
+            try:
+                self.engine = self._factory()
+            except BaseException as e:  # noqa: BLE001 - handed to build()'s caller
+                self._build_error, self.alive = e, False
+                return
+            finally:
+                self._built.set()
+        self._built.set()
         try:
             self._loop()
         except BaseException as e:  # fatal: the step already failed its own requests

@@ -91,8 +91,10 @@ class Engine:
         self._inflight: _InFlight | None = None  # launched, not yet completed (pipelined)
         self._failed: list[ScoreResult] = []  # results of a step that failed at launch
         # Host time per stage, summed (seconds), and work done: where a step's time goes.
+        # On CUDA also the GPU's view: gpu_s, each step's span from its first kernel to its
+        # results on the host; gpu_idle_s, gaps between a step and the one launched behind it.
         self.timing = dict.fromkeys(("schedule_s", "prepare_s", "launch_s", "wait_s", "scatter_s", "steps",
-                                     "tokens"), 0)
+                                     "tokens", "gpu_s", "gpu_idle_s"), 0)
         if self.device.type == "cuda":  # build / load the CUDA kernel now, not inside a request
             from teacher_server.ops.gather_logprob import kernel_available
 
@@ -180,14 +182,15 @@ class Engine:
                 t0 = time.perf_counter()
                 cur.pending.wait_half()
                 self.timing["wait_s"] += time.perf_counter() - t0
-                self._inflight = self._launch()
+                self._inflight = self._launch(after=cur.pending.done)
             results += self._complete(cur)
         results += self._failed
         self._failed = []
         return results
 
-    def _launch(self) -> _InFlight | None:
-        """Schedule, prepare and launch one step (asynchronous on CUDA)."""
+    def _launch(self, after: torch.cuda.Event | None = None) -> _InFlight | None:
+        """Schedule, prepare and launch one step (asynchronous on CUDA); ``after``: the end of
+        the step still in flight, if any (for the GPU idle time between them)."""
         tm = self.timing
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
@@ -210,7 +213,7 @@ class Engine:
         tm["steps"] += 1
         tm["tokens"] += self.last_step_tokens
         done = self.scheduler.finish_step(chunks)
-        return _InFlight(chunks, hs, pending, done)
+        return _InFlight(chunks, hs, pending, done, after)
 
     def _complete(self, cur: _InFlight) -> list[ScoreResult]:
         """Wait for a launched step and copy its results into the requests' arrays."""
@@ -225,6 +228,11 @@ class Engine:
         t2 = time.perf_counter()
         self.timing["wait_s"] += t1 - t0
         self.timing["scatter_s"] += t2 - t1
+        p = cur.pending
+        if p.start is not None and p.done is not None:  # both complete now
+            self.timing["gpu_s"] += p.start.elapsed_time(p.done) / 1e3
+            if cur.after is not None:
+                self.timing["gpu_idle_s"] += max(0.0, cur.after.elapsed_time(p.start) / 1e3)
         now = time.monotonic()
         results = []
         for seq in cur.done:
@@ -269,6 +277,7 @@ class _InFlight:
     hs: HostStep
     pending: PendingOutput
     done: list[Sequence]  # sequences this step completes (their bookkeeping is done)
+    after: torch.cuda.Event | None = None  # end of the step that was in flight at launch
 
 
 def _is_fatal(e: Exception) -> bool:

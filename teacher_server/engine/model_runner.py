@@ -48,6 +48,7 @@ class PendingOutput:
     done: torch.cuda.Event | None  # None: already complete (CPU)
     mid: torch.cuda.Event | None = None  # recorded half-way through the forward
     paced_s: float = 0.0  # host time the launch spent waiting on its own earlier layers
+    start: torch.cuda.Event | None = None  # recorded before the step's first kernel (timing)
 
     def wait_half(self) -> None:
         """Block (without the GIL) until the step's forward is half done."""
@@ -261,6 +262,8 @@ class ModelRunner:
         this returns as soon as the work is queued (``collect`` waits for it)."""
         if self.device.type != "cuda":
             return PendingOutput(self.execute(hs), None)
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
         pacer = LaunchPacer(self.run_ahead)
         out = self.execute(hs, pacer)
         host = {}
@@ -271,9 +274,9 @@ class ModelRunner:
                 h.copy_(t, non_blocking=True)
                 t = h
             host[name] = t
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=True)
         done.record()
-        return PendingOutput(ScoringOutput(**host), done, pacer.mid, pacer.wait_s)
+        return PendingOutput(ScoringOutput(**host), done, pacer.mid, pacer.wait_s, start)
 
     @staticmethod
     def collect(p: PendingOutput) -> ScoringOutput:

@@ -77,15 +77,17 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        engine = await asyncio.to_thread(engine_factory, cfg)
+        # Built in the engine thread itself: per-thread GPU state made at start-up (cuDNN's
+        # plan cache, filled by the attention warm-up) is then the one the steps use.
+        ae = await AsyncEngine.build(lambda: engine_factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
+                                     on_step=lambda e, results: _on_step(app.state.metrics, e, results),
+                                     on_fatal=lambda exc: _on_fatal(app, exc, on_fatal))
+        engine = ae.engine
         metrics = Metrics(engine.served_model_name)
         app.state.engine = engine
         app.state.metrics = metrics
         app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k)
-        app.state.aengine = AsyncEngine(engine, cfg.max_queue_requests, cfg.max_queue_tokens,
-                                        on_step=lambda e, results: _on_step(metrics, e, results),
-                                        on_fatal=lambda exc: _on_fatal(app, exc, on_fatal))
-        app.state.aengine.start()
+        app.state.aengine = ae
         app.state.started = int(time.time())
         metrics.labels(metrics.healthy).set(1)
         try:
@@ -356,6 +358,10 @@ def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
         d = engine.timing[stage + "_s"] - last[stage + "_s"]
         if d > 0:
             m.labels(m.stage_seconds, stage=stage).inc(d)
+    for kind, key in (("busy", "gpu_s"), ("idle", "gpu_idle_s")):
+        d = engine.timing[key] - last[key]
+        if d > 0:
+            m.labels(m.gpu_seconds, kind=kind).inc(d)
     m._last_timing = dict(engine.timing)
     _refresh_gauges(m, engine)
 

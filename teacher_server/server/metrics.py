@@ -37,6 +37,10 @@ class Metrics:
                                      "Engine-thread time per step stage: schedule, prepare, launch (queueing GPU "
                                      "work), wait (for the GPU), scatter (results to requests).",
                                      lab + ["stage"], registry=r)
+        self.gpu_seconds = Counter(p + "engine_gpu_seconds",
+                                   "GPU time seen by the engine (CUDA): busy, each step from its first kernel to "
+                                   "its results on the host; idle, gaps between a step and the next one already "
+                                   "launched behind it (the host was late).", lab + ["kind"], registry=r)
         self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", lab, registry=r)
         self.model_name = model_name
         for m in (self.waiting, self.running, self.kv_usage, self.prompt_tokens, self.computed_tokens,
@@ -45,6 +49,8 @@ class Metrics:
             m.labels(model_name=model_name)  # export every series from the start
         for stage in STAGES:
             self.stage_seconds.labels(model_name=model_name, stage=stage)
+        for kind in ("busy", "idle"):
+            self.gpu_seconds.labels(model_name=model_name, kind=kind)
 
     def labels(self, metric, **kw):  # noqa: ANN001, ANN201
         return metric.labels(model_name=self.model_name, **kw)
