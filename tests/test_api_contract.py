@@ -212,3 +212,27 @@ def test_large_body_parsed_off_the_loop(client, good_result) -> None:  # noqa: A
     assert r.status_code == 200 and r.json()["request_id"] == big["request_id"]
     np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
     assert_error(client.post(GEN, json={**big, "model": "nope"}), 404, "model")
+
+
+def test_large_bodies_use_one_io_thread(client, monkeypatch) -> None:  # noqa: ANN001
+    """Concurrent large bodies are parsed on the server's single io thread, not on a pool of
+    threads that would compete with the engine thread for the GIL."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from teacher_server.server import app as app_mod
+
+    names: list[str] = []
+    orig = app_mod._parse_request
+
+    def spy(*a):  # noqa: ANN002, ANN202
+        names.append(threading.current_thread().name)
+        return orig(*a)
+
+    monkeypatch.setattr(app_mod, "_parse_request", spy)
+    big = {**GOOD, "request_id": "y" * 300_000}
+    with ThreadPoolExecutor(6) as pool:
+        codes = list(pool.map(lambda i: client.post(GEN, json={**big, "request_id": f"{i}" * 300_000}).status_code,
+                              range(6)))
+    assert codes == [200] * 6
+    assert len(names) == 6 and len(set(names)) == 1 and names[0].startswith("teacher-io"), names

@@ -15,6 +15,7 @@ import math
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -88,6 +89,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         app.state.metrics = metrics
         app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k)
         app.state.aengine = ae
+        app.state.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
         app.state.started = int(time.time())
         metrics.labels(metrics.healthy).set(1)
         try:
@@ -101,6 +103,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
                 if not drained:
                     log.warning("shutdown timeout: %d request(s) still in flight", ae.in_flight)
             ae.shutdown()
+            app.state.io_pool.shutdown(wait=False)
 
     app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan,
                   description="Teacher log-probs of student candidates for on-policy distillation "
@@ -222,8 +225,8 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
         raw = await _read_body(request, cfg.max_body_bytes)
         # Parsing and validating a large body takes a while: keep it off the event loop.
         args = (raw, app.state.limits, engine.served_model_name)
-        body, req = await asyncio.to_thread(_parse_request, *args) if len(raw) > _INLINE_BYTES \
-            else _parse_request(*args)
+        body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, _parse_request, *args) \
+            if len(raw) > _INLINE_BYTES else _parse_request(*args)
         request.state.request_id = req.request_id
         if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
@@ -261,11 +264,16 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
     big = req.rows * max(req.k, 1) > _INLINE_BYTES // 4 or req.prompt_logprobs is not None
     build = lambda: orjson.dumps(_response_body(body, req, res, engine.served_model_name))  # noqa: E731
-    content = await asyncio.to_thread(build) if big else build()
+    content = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, build) if big else build()
     return Response(content, media_type="application/json")
 
 
 _INLINE_BYTES = 256 * 1024  # bodies and results above this are (de)serialised in a worker thread
+# Threads for that work. It holds the GIL (orjson, base64, numpy on small arrays), so more
+# threads parse no faster, and each runnable one takes a share of the GIL from the engine
+# thread, whose kernel launches must keep the GPU fed: with asyncio's default pool (up to 32
+# threads) a burst of large requests starved the GPU for seconds.
+_IO_THREADS = 1
 
 
 def _parse_request(raw: bytes, limits: Limits, served_model_name: str):  # noqa: ANN202
