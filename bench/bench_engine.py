@@ -195,7 +195,10 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
-           "--host", "127.0.0.1", "--max-num-batched-tokens", str(args.budget), "--log-level", "warning"]
+           "--host", "127.0.0.1", "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
+           # The in-process runs reset the prefix cache between runs; the server cannot, and
+           # repeats of the same requests would hit it. Off, both sides do the same work.
+           "--no-enable-prefix-caching"]
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         import httpx
@@ -222,6 +225,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         best["runs_seconds"] = [r["seconds"] for r in runs]
         best["concurrency"] = args.concurrency
+        best["prefix_caching"] = False
         return best
     finally:
         proc.terminate()

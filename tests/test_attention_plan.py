@@ -28,9 +28,10 @@ class CpuCudnn(A.CudnnBackend):
     """The cuDNN backend (plan, bucketed padding, prefix split, merge) with the device
     attention call replaced by float32 math."""
 
-    def __init__(self, min_len: int) -> None:
+    def __init__(self, min_len: int, new_plans_per_step: int | None = None) -> None:
         super().__init__(min_len)
         self.calls: list[str] = []
+        self.new_plans_per_step = new_plans_per_step  # None: every cuDNN shape runs at once
 
     def _varlen_fn(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN202
         self.calls.append("varlen")
@@ -43,6 +44,7 @@ class CpuCudnn(A.CudnnBackend):
     def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
         assert not causal or q.shape[0] == k.shape[0]  # causal calls are square
         self.calls.append(f"{'causal' if causal else 'full'}{q.shape[0]}x{k.shape[0]}")
+        self.shapes.add((q.shape[0], k.shape[0], causal, lse))
         o, l = _partial(q, k, v, scale, causal)
         return o, (l if lse else None)
 
@@ -177,3 +179,24 @@ def test_warm_up_below_the_cudnn_minimum_is_a_no_op() -> None:
     be = CpuCudnn(256)
     assert be.warm_up(192, 4, 2, 16, torch.device("cpu"), torch.float32) == 0.0
     assert be.enabled and not be.shapes
+
+
+def test_a_step_builds_at_most_one_new_prefix_shape() -> None:
+    """Three prefixed chunks whose non-causal cuDNN shapes have no plan yet: the first step
+    takes the cuDNN split for one (building its plan) and varlen for the others; each later
+    step adds one more, until all run on cuDNN. Every step equals the reference."""
+    lens = [(300, 900), (400, 1500), (350, 2400), (512, 512)]
+    be = CpuCudnn(16, new_plans_per_step=1)
+    n_prefixed = []
+    for _ in range(4):
+        tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
+        got = be(*tensors, ctx, 0.25, None)
+        assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+        kinds = [type(it).__name__ for it in ctx.attn_plan.items]
+        n_prefixed.append(kinds.count("_Prefixed"))
+        assert kinds.count("_Fresh") == 1  # fresh squares are built at start-up: never held back
+    assert n_prefixed == [1, 2, 3, 3], n_prefixed
+    be = CpuCudnn(16, new_plans_per_step=None)  # deterministic mode: build on first use
+    tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
+    be(*tensors, ctx, 0.25, None)
+    assert [type(it).__name__ for it in ctx.attn_plan.items].count("_Prefixed") == 3

@@ -170,6 +170,8 @@ def test_metrics_names(demo_server) -> None:  # noqa: ANN001
     assert metric(m, "teacher_server_engine_stage_seconds_total", stage="prepare") > 0
     assert metric(m, "teacher_server_engine_gpu_seconds_total", kind="busy") == 0  # CPU: no GPU timeline
     assert metric(m, "teacher_server_engine_gpu_seconds_total", kind="idle") == 0
+    # every token the engine ran is counted once (all requests have been answered)
+    assert metric(m, "teacher_server_computed_tokens_total") == demo_server.app.state.engine.timing["tokens"] > 0
     assert metric(m, "teacher_server_request_failures_total", reason="validation") >= 1
 
 

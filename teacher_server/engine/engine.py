@@ -71,6 +71,8 @@ class Engine:
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, cfg.load_format, cfg.seed)
         self.attn = make_backend(cfg.attention_backend, self.device, self.dtype)
+        if cfg.deterministic and hasattr(self.attn, "new_plans_per_step"):
+            self.attn.new_plans_per_step = None  # a sequence's attention path must not depend on history
         budget = cfg.max_num_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.max_num_batched_tokens = budget
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(budget)

@@ -328,12 +328,36 @@ class CudnnBackend(TorchVarlenBackend):
                 p = ctx.k_lens[j] - c
                 s = bucket_floor(p)
                 cost = (bucket(c) * s + bucket(p - s + c) ** 2 / 2) / _CUDNN_SPEEDUP
-                if cost < c * p + c * c / 2:
+                if cost < c * p + c * c / 2 and self._plan_ready(bucket(c), s):
                     items.append(_Prefixed(cq[j], c, ck[j], p))
                 else:
                     items.append(self._varlen_item(ctx, j, j + 1, True, cq, ck))
             j += 1
         return j
+
+    # Building a cuDNN plan for a new shape holds up the launching thread for ~20 ms, while
+    # the GPU runs dry. Square shapes are all built at start-up; the non-causal prefix shapes
+    # (chunk bucket x prefix bucket) are too many for that, so a step builds at most this many
+    # new ones and sends other prefixed chunks with unbuilt shapes to varlen until their turn.
+    # None: build every shape on first use (deterministic mode: a sequence's path must not
+    # depend on what ran before).
+    new_plans_per_step: int | None = 1
+
+    def _plan(self, ctx, window):  # noqa: ANN001, ANN202
+        self._may_build, self._building = self.new_plans_per_step, set()
+        return super()._plan(ctx, window)
+
+    def _plan_ready(self, cb: int, s: int) -> bool:
+        """May a prefixed chunk take the cuDNN split with a non-causal (cb queries x s keys)
+        call in this step: no such call, its plan exists, or the step may build it."""
+        shape = (cb, s, False, True)
+        if s == 0 or self._may_build is None or shape in self.shapes or shape in self._building:
+            return True
+        if self._may_build > 0:
+            self._may_build -= 1
+            self._building.add(shape)
+            return True
+        return False
 
     def __call__(self, q, k, v, kp, vp, ctx, scale, window):  # noqa: ANN001, ANN204
         try:

@@ -353,7 +353,6 @@ def _refresh_gauges(m: Metrics, engine: Engine) -> None:
 
 def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
     m.labels(m.steps).inc()
-    m.labels(m.computed_tokens).inc(engine.last_step_tokens)
     bm = engine.blocks
     dq, dh = bm.query_tokens - getattr(m, "_last_q", 0), bm.hit_tokens - getattr(m, "_last_h", 0)
     m._last_q, m._last_h = bm.query_tokens, bm.hit_tokens
@@ -370,6 +369,9 @@ def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
         d = engine.timing[key] - last[key]
         if d > 0:
             m.labels(m.gpu_seconds, kind=kind).inc(d)
+    d = engine.timing["tokens"] - last["tokens"]  # tokens of the steps launched since the last call
+    if d > 0:
+        m.labels(m.computed_tokens).inc(d)
     m._last_timing = dict(engine.timing)
     _refresh_gauges(m, engine)
 
