@@ -90,9 +90,9 @@ def test_build_makes_the_engine_in_its_own_thread(tmp_path) -> None:  # noqa: AN
         eng = slow_engine(tmp_path)
         step = eng.step
 
-        def tracked_step():  # noqa: ANN202
+        def tracked_step(**kw):  # noqa: ANN003, ANN202
             seen["step"] = threading.get_ident()
-            return step()
+            return step(**kw)
 
         eng.step = tracked_step
         return eng

@@ -104,10 +104,10 @@ def test_next_step_launches_after_the_current_one_is_half_done(tmp_path) -> None
         def synchronize(self) -> None:
             events.append(f"half{self.n}")
 
-    def launch(hs):  # noqa: ANN001, ANN202
+    def launch(hs, on_first_wait=None):  # noqa: ANN001, ANN202
         n = sum(1 for e in events if e.startswith("launch"))
         events.append(f"launch{n}")
-        p = orig(hs)
+        p = orig(hs, on_first_wait)
         p.mid = Mid(n)
         return p
 
@@ -133,7 +133,7 @@ def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path, monke
     class FakeEvent:
         made = 0
 
-        def __init__(self) -> None:
+        def __init__(self, enable_timing: bool = False) -> None:
             self.i = FakeEvent.made
             FakeEvent.made += 1
 
@@ -142,6 +142,9 @@ def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path, monke
 
         def synchronize(self) -> None:
             log.append(("sync", self.i))
+
+        def query(self) -> bool:  # the GPU is always behind here: no idle gaps
+            return False
 
     monkeypatch.setattr(context.torch.cuda, "Event", FakeEvent)
     eng = engine(tmp_path, False)
@@ -153,14 +156,98 @@ def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path, monke
     for r in reqs:
         eng.add_request(r)
     hs = runner.prepare(eng.scheduler.schedule())
-    pacer = context.LaunchPacer(ahead)
+    pacer = context.LaunchPacer(ahead, on_first_wait=lambda: log.append(("hook", -1)))
     paced = runner.execute(hs, pacer)
     plain = runner.execute(hs)
     torch.testing.assert_close(paced.scores, plain.scores, rtol=0, atol=0)
     assert [e for e in log if e[0] == "record"] == [("record", i) for i in range(n_layers)]
     assert [e for e in log if e[0] == "sync"] == [("sync", i) for i in range(n_layers - ahead)]
+    hook = log.index(("hook", -1))  # once, right before the first wait, after `ahead` layers were queued
+    assert log.count(("hook", -1)) == 1 and log[hook + 1] == ("sync", 0) and ("record", ahead - 1) in log[:hook]
+    assert pacer.idle_gaps == []
     for pos, (kind, i) in enumerate(log):  # layer i + ahead is launched only after layer i's wait
         if kind == "sync":
             assert ("record", i + ahead) not in log[:pos]
             assert ("record", i + ahead - 1) in log[:pos]
     assert pacer.mid is pacer.events[n_layers // 2]
+
+
+def test_pacer_notes_when_the_gpu_ran_dry(monkeypatch) -> None:  # noqa: ANN001
+    """Before a layer, an already finished last event means nothing is queued: the pacer
+    records a mark there, and the (last event, mark) pair is the GPU's idle gap."""
+    from teacher_server.model import context
+
+    class Ev:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.done = False
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            self.done = True
+
+        def query(self) -> bool:
+            return self.done
+
+    monkeypatch.setattr(context.torch.cuda, "Event", Ev)
+    pacer = context.LaunchPacer(ahead=2)
+    for i in range(5):
+        pacer.before_layer(i)
+        pacer.after_layer()
+        if i == 1:
+            pacer.events[-1].done = True  # the GPU caught up with the host after layer 1
+    # before layer 2: layer 1 already done (a gap); before layers 3, 4: waits make earlier layers
+    # done, but the last recorded one (2, 3) is still running: no gap
+    assert len(pacer.idle_gaps) == 1 and pacer.idle_gaps[0][0] is pacer.events[1]
+
+
+def test_previous_step_completes_inside_the_next_launch(tmp_path) -> None:  # noqa: ANN001
+    """Pipelined: step N is completed (and, with ``deliver``, its results handed over) when
+    the launch of N+1 first waits for the GPU, not after that launch returns. An error in
+    ``deliver`` comes out of ``step`` and does not fail the step being launched."""
+    order: list[str] = []
+
+    def paced(eng: Engine) -> Engine:
+        orig_launch, orig_complete = eng.runner.launch, eng._complete
+
+        def launch(hs, on_first_wait=None):  # noqa: ANN001, ANN202
+            order.append("launch-start")
+            if on_first_wait is not None:
+                on_first_wait()  # what LaunchPacer does before its first wait on CUDA
+            p = orig_launch(hs)
+            order.append("launch-end")
+            return p
+
+        def complete(cur):  # noqa: ANN001, ANN202
+            order.append("complete")
+            return orig_complete(cur)
+
+        eng.runner.launch, eng._complete = launch, complete
+        return eng
+
+    eng = paced(engine(tmp_path, True))
+    delivered: list[str] = []
+    reqs = requests(4)
+    for r in reqs:
+        eng.add_request(r)
+    returned: list[str] = []
+    while eng.has_unfinished():
+        returned += [r.request_id for r in eng.step(deliver=lambda rs: delivered.extend(x.request_id for x in rs))]
+    assert sorted(delivered + returned) == sorted(r.request_id for r in reqs) and delivered
+    # after the first launch, every launch-start is followed by the completion of the step before
+    for i, e in enumerate(order[:-1]):
+        if e == "launch-start" and i > 0:
+            assert order[i + 1] == "complete", order
+
+    eng2 = paced(engine(tmp_path, True))
+    for r in requests(5):
+        eng2.add_request(r)
+
+    def bad(rs):  # noqa: ANN001, ANN202
+        raise RuntimeError("deliver failed")
+
+    with pytest.raises(RuntimeError, match="deliver failed"):
+        while eng2.has_unfinished():
+            eng2.step(deliver=bad)
+    assert eng2._inflight is not None and not eng2._failed  # the step launched meanwhile is fine

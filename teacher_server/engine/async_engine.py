@@ -138,6 +138,10 @@ class AsyncEngine:
             self._queued_requests -= 1
             self._queued_tokens -= req.length
 
+    def _deliver_all(self, results: list[ScoreResult]) -> None:
+        for res in results:
+            self._deliver(res)
+
     def _deliver(self, res: ScoreResult) -> None:
         p = self._pending.pop(res.request_id, None)
         if p is None:
@@ -222,11 +226,10 @@ class AsyncEngine:
             self._expire()
             if not self.engine.has_unfinished():
                 continue
-            results = self.engine.step()
+            results = self.engine.step(deliver=self._deliver_all)  # a step's results may come early
             if self.on_step is not None:
                 self.on_step(self.engine, results)
-            for res in results:
-                self._deliver(res)
+            self._deliver_all(results)
 
     def _die(self, e: BaseException) -> None:
         """The engine cannot go on: answer every request it holds or that is still queued."""

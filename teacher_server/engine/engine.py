@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,8 +94,10 @@ class Engine:
         self._inflight: _InFlight | None = None  # launched, not yet completed (pipelined)
         self._failed: list[ScoreResult] = []  # results of a step that failed at launch
         # Host time per stage, summed (seconds), and work done: where a step's time goes.
-        # On CUDA also the GPU's view: gpu_s, each step's span from its first kernel to its
-        # results on the host; gpu_idle_s, gaps between a step and the one launched behind it.
+        # On CUDA also the GPU's view (CUDA events): gpu_idle_s, time the GPU had run out of
+        # queued work while the host was still launching (inside a step, or between a step and
+        # the one launched behind it); gpu_s, the rest of each step's span, first kernel to
+        # results on the host.
         self.timing = dict.fromkeys(("schedule_s", "prepare_s", "launch_s", "wait_s", "scatter_s", "steps",
                                      "tokens", "gpu_s", "gpu_idle_s"), 0)
         if self.device.type == "cuda":  # build / load the CUDA kernel now, not inside a request
@@ -164,7 +167,7 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None or bool(self._failed)
 
     # --- stepping ----------------------------------------------------------------------
-    def step(self) -> list[ScoreResult]:
+    def step(self, deliver: Callable[[list[ScoreResult]], None] | None = None) -> list[ScoreResult]:
         """Complete one forward step; return the results of requests that finished (or failed).
 
         Pipelined (``pipeline``, the default): the step completed here was launched by the
@@ -172,10 +175,12 @@ class Engine:
         next one, so the host work of step N+1 overlaps the GPU work of step N. (Launching it
         earlier would fill the GPU's launch queue and block inside kernel launches, holding
         the GIL that the server's event loop needs; half a step ahead is ample. Within a
-        forward, ``LaunchPacer`` keeps the host a few layers ahead for the same reason.) The
-        scheduler's bookkeeping for a step (progress, prefix-cache blocks, freed blocks) is
-        done at launch: the GPU runs steps in launch order on one stream, so a later step
-        may reuse blocks or cached KV of an earlier one that has not finished yet."""
+        forward, ``LaunchPacer`` keeps the host a few layers ahead for the same reason.) Step
+        N is completed inside that launch, when it first waits for the GPU: N's results are
+        ready by then. With ``deliver``, they are handed to it right there; the rest are
+        returned. The scheduler's bookkeeping for a step (progress, prefix-cache blocks,
+        freed blocks) is done at launch: the GPU runs steps in launch order on one stream, so
+        a later step may reuse blocks or cached KV of an earlier one that has not finished."""
         results, self._failed = self._failed, []
         cur = self._inflight if self._inflight is not None else self._launch()
         self._inflight = None
@@ -184,15 +189,37 @@ class Engine:
                 t0 = time.perf_counter()
                 cur.pending.wait_half()
                 self.timing["wait_s"] += time.perf_counter() - t0
-                self._inflight = self._launch(after=cur.pending.done)
-            results += self._complete(cur)
+                done: list[list[ScoreResult]] = []
+                err: list[BaseException] = []
+
+                def complete_cur() -> None:  # runs inside the next launch (or right after it)
+                    res: list[ScoreResult] = []
+                    try:  # an error here must not be taken for a failure of the launch around it
+                        res = self._complete(cur)
+                        if deliver is not None:
+                            deliver(res)
+                            res = []
+                    except BaseException as e:  # noqa: BLE001 - re-raised below, outside the launch
+                        err.append(e)
+                    done.append(res)
+
+                self._inflight = self._launch(after=cur.pending.done, on_first_wait=complete_cur)
+                if not done:  # the launch never waited (CPU, a short forward, nothing to launch)
+                    complete_cur()
+                if err:
+                    raise err[0]
+                results += done[0]
+            else:
+                results += self._complete(cur)
         results += self._failed
         self._failed = []
         return results
 
-    def _launch(self, after: torch.cuda.Event | None = None) -> _InFlight | None:
+    def _launch(self, after: torch.cuda.Event | None = None,
+                on_first_wait: Callable[[], None] | None = None) -> _InFlight | None:
         """Schedule, prepare and launch one step (asynchronous on CUDA); ``after``: the end of
-        the step still in flight, if any (for the GPU idle time between them)."""
+        the step still in flight, if any (for the GPU idle time between them);
+        ``on_first_wait``: see ``ModelRunner.launch``."""
         tm = self.timing
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
@@ -204,13 +231,15 @@ class Engine:
         try:
             hs = self.runner.prepare(chunks)
             t2 = time.perf_counter()
-            pending = self.runner.launch(hs)
+            pending = self.runner.launch(hs, on_first_wait)
         except Exception as e:
             self._fail_step(chunks, e)
             return None
         t3 = time.perf_counter()
         tm["prepare_s"] += t2 - t1
-        tm["launch_s"] += t3 - t2 - pending.paced_s  # waits for the GPU inside the launch count as wait
+        # waits for the GPU inside the launch count as wait; completing the previous step
+        # there counts as its own wait and scatter (``_complete``)
+        tm["launch_s"] += t3 - t2 - pending.paced_s - pending.hook_s
         tm["wait_s"] += pending.paced_s
         tm["steps"] += 1
         tm["tokens"] += self.last_step_tokens
@@ -231,8 +260,10 @@ class Engine:
         self.timing["wait_s"] += t1 - t0
         self.timing["scatter_s"] += t2 - t1
         p = cur.pending
-        if p.start is not None and p.done is not None:  # both complete now
-            self.timing["gpu_s"] += p.start.elapsed_time(p.done) / 1e3
+        if p.start is not None and p.done is not None:  # all its events are complete now
+            inside = sum(a.elapsed_time(b) for a, b in p.idle_gaps) / 1e3
+            self.timing["gpu_s"] += p.start.elapsed_time(p.done) / 1e3 - inside
+            self.timing["gpu_idle_s"] += inside
             if cur.after is not None:
                 self.timing["gpu_idle_s"] += max(0.0, cur.after.elapsed_time(p.start) / 1e3)
         now = time.monotonic()

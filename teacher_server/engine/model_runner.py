@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -49,6 +50,8 @@ class PendingOutput:
     mid: torch.cuda.Event | None = None  # recorded half-way through the forward
     paced_s: float = 0.0  # host time the launch spent waiting on its own earlier layers
     start: torch.cuda.Event | None = None  # recorded before the step's first kernel (timing)
+    hook_s: float = 0.0  # host time in the launch's on_first_wait (completing the previous step)
+    idle_gaps: list = field(default_factory=list)  # (from, to) events: the GPU waited for the host
 
     def wait_half(self) -> None:
         """Block (without the GIL) until the step's forward is half done."""
@@ -257,14 +260,16 @@ class ModelRunner:
         )
         return score_rows(hidden, self.model.lm_head, plan, self.logits_mode, self.chunk_rows)
 
-    def launch(self, hs: HostStep) -> PendingOutput:
+    def launch(self, hs: HostStep, on_first_wait: Callable[[], None] | None = None) -> PendingOutput:
         """Run the step and queue the copies of its results to pinned host memory; on CUDA
-        this returns as soon as the work is queued (``collect`` waits for it)."""
+        this returns as soon as the work is queued (``collect`` waits for it). On CUDA,
+        ``on_first_wait`` runs when the launch first has to wait for the GPU (``LaunchPacer``);
+        it may never run."""
         if self.device.type != "cuda":
             return PendingOutput(self.execute(hs), None)
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        pacer = LaunchPacer(self.run_ahead)
+        pacer = LaunchPacer(self.run_ahead, on_first_wait)
         out = self.execute(hs, pacer)
         host = {}
         for name in ScoringOutput.__dataclass_fields__:
@@ -276,7 +281,8 @@ class ModelRunner:
             host[name] = t
         done = torch.cuda.Event(enable_timing=True)
         done.record()
-        return PendingOutput(ScoringOutput(**host), done, pacer.mid, pacer.wait_s, start)
+        return PendingOutput(ScoringOutput(**host), done, pacer.mid, pacer.wait_s, start, pacer.hook_s,
+                             pacer.idle_gaps)
 
     @staticmethod
     def collect(p: PendingOutput) -> ScoringOutput:

@@ -387,9 +387,9 @@ class CudnnBackend(TorchVarlenBackend):
         qd, kd, vd = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))  # [1, H, n, D] views
         if g > 1 and not self.native_gqa:
             kd, vd = kd.repeat_interleave(g, dim=1), vd.repeat_interleave(g, dim=1)
-        self.shapes.add((q.shape[0], k.shape[0], causal, lse))
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(qd, kd, vd, None, lse, 0.0, causal, False,
                                                                   scale=scale)
+        self.shapes.add((q.shape[0], k.shape[0], causal, lse))  # its plan exists now
         return res[0][0].transpose(0, 1), (res[1].reshape(q.shape[1], q.shape[0]) if lse else None)
 
     @staticmethod

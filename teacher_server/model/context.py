@@ -9,6 +9,7 @@ longest first. Attention backends rely on it: each part is one contiguous token 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,21 +21,39 @@ class LaunchPacer:
     and before launching layer i the host waits, without the GIL, for layer i - ``ahead``.
     Without it the host fills the GPU's launch queue and then blocks inside a kernel launch
     holding the GIL, which starves the server's event loop and request parsing. ``ahead``
-    layers stay queued, so the GPU does not idle."""
+    layers stay queued, so the GPU does not idle.
 
-    def __init__(self, ahead: int) -> None:
+    ``on_first_wait`` runs once, just before the first wait: the engine completes the
+    previous step there (its results are ready by then), so they are not held back until
+    this launch returns. Before each layer the pacer also notes whether the GPU has already
+    run out of queued work (the host was late): ``idle_gaps`` holds those (last layer's
+    end, next layer's start) event pairs."""
+
+    def __init__(self, ahead: int, on_first_wait: Callable[[], None] | None = None) -> None:
         self.ahead = ahead
+        self.on_first_wait = on_first_wait
         self.events: list[torch.cuda.Event] = []
+        self.idle_gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.wait_s = 0.0  # host time spent waiting here
+        self.hook_s = 0.0  # host time spent in on_first_wait
 
     def before_layer(self, i: int) -> None:
         if i >= self.ahead:
+            if self.on_first_wait is not None:
+                hook, self.on_first_wait = self.on_first_wait, None
+                t = time.perf_counter()
+                hook()
+                self.hook_s += time.perf_counter() - t
             t = time.perf_counter()
             self.events[i - self.ahead].synchronize()
             self.wait_s += time.perf_counter() - t
+        if self.events and self.events[-1].query():  # nothing queued: the GPU waits for us
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+            self.idle_gaps.append((self.events[-1], mark))
 
     def after_layer(self) -> None:
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(enable_timing=True)
         ev.record()
         self.events.append(ev)
 

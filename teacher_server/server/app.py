@@ -83,19 +83,19 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         ae = await AsyncEngine.build(lambda: engine_factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
                                      on_step=lambda e, results: _on_step(app.state.metrics, e, results),
                                      on_fatal=lambda exc: _on_fatal(app, exc, on_fatal))
-        engine = ae.engine
-        metrics = Metrics(engine.served_model_name)
-        app.state.engine = engine
-        app.state.metrics = metrics
-        app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k)
         app.state.aengine = ae
         app.state.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
-        app.state.started = int(time.time())
-        metrics.labels(metrics.healthy).set(1)
         try:
+            engine = ae.engine
+            metrics = Metrics(engine.served_model_name)
+            app.state.engine = engine
+            app.state.metrics = metrics
+            app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs,
+                                      cfg.max_rows_x_k)
+            app.state.started = int(time.time())
+            metrics.labels(metrics.healthy).set(1)
             yield
         finally:
-            ae: AsyncEngine = app.state.aengine
             ae.stop_accepting()
             if ae.in_flight:
                 log.info("draining %d in-flight request(s) (timeout %.0fs)", ae.in_flight, cfg.shutdown_timeout_s)

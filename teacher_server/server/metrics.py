@@ -38,9 +38,10 @@ class Metrics:
                                      "work), wait (for the GPU), scatter (results to requests).",
                                      lab + ["stage"], registry=r)
         self.gpu_seconds = Counter(p + "engine_gpu_seconds",
-                                   "GPU time seen by the engine (CUDA): busy, each step from its first kernel to "
-                                   "its results on the host; idle, gaps between a step and the next one already "
-                                   "launched behind it (the host was late).", lab + ["kind"], registry=r)
+                                   "GPU time seen by the engine (CUDA events): idle, when the GPU had run out of "
+                                   "queued work while the engine was still launching (inside a step or between "
+                                   "two back-to-back steps: the host was late); busy, the rest of each step from "
+                                   "its first kernel to its results on the host.", lab + ["kind"], registry=r)
         self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", lab, registry=r)
         self.model_name = model_name
         for m in (self.waiting, self.running, self.kv_usage, self.prompt_tokens, self.computed_tokens,
