@@ -201,9 +201,8 @@ class AsyncEngine:
                 self.engine = self._factory()
             except BaseException as e:  # noqa: BLE001 - handed to build()'s caller
                 self._build_error, self.alive = e, False
-                return
-            finally:
                 self._built.set()
+                return
         self._built.set()
         try:
             self._loop()

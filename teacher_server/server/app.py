@@ -360,18 +360,15 @@ def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
         m.labels(m.prefix_queries).inc(dq)
     if dh:
         m.labels(m.prefix_hits).inc(dh)
+    # Counters fed from the engine's own running totals (tokens: of the steps launched).
     last = getattr(m, "_last_timing", None) or dict.fromkeys(engine.timing, 0)
-    for stage in STAGES:
-        d = engine.timing[stage + "_s"] - last[stage + "_s"]
-        if d > 0:
-            m.labels(m.stage_seconds, stage=stage).inc(d)
-    for kind, key in (("busy", "gpu_s"), ("idle", "gpu_idle_s")):
+    fed = [(m.labels(m.stage_seconds, stage=stage), stage + "_s") for stage in STAGES] + [
+        (m.labels(m.gpu_seconds, kind="busy"), "gpu_s"), (m.labels(m.gpu_seconds, kind="idle"), "gpu_idle_s"),
+        (m.labels(m.computed_tokens), "tokens")]
+    for counter, key in fed:
         d = engine.timing[key] - last[key]
         if d > 0:
-            m.labels(m.gpu_seconds, kind=kind).inc(d)
-    d = engine.timing["tokens"] - last["tokens"]  # tokens of the steps launched since the last call
-    if d > 0:
-        m.labels(m.computed_tokens).inc(d)
+            counter.inc(d)
     m._last_timing = dict(engine.timing)
     _refresh_gauges(m, engine)
 
