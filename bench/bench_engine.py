@@ -111,11 +111,13 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     attn, budget = engine.runner.attn, engine.scheduler.cfg.max_num_batched_tokens
     streams = getattr(attn, "concurrent_streams", 0)
     in_gemm = engine.runner.ops.residual_in_gemm
+    grouped = getattr(attn, "group_prefixes", False)
     variants = {
         "as_configured": lambda: None,
         "varlen_attention": lambda: setattr(engine.runner, "attn", make_backend("varlen", engine.device)),
         "one_attention_stream": lambda: setattr(attn, "concurrent_streams", 0),
         "residual_add_outside_gemm": lambda: setattr(engine.runner.ops, "residual_in_gemm", False),
+        "no_prefix_groups": lambda: setattr(attn, "group_prefixes", False),
         "no_pipeline": lambda: setattr(engine.cfg, "pipeline", False),
         "budget_x2": lambda: setattr(engine.scheduler.cfg, "max_num_batched_tokens", 2 * budget),
     }
@@ -132,6 +134,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         finally:
             engine.runner.attn, engine.cfg.pipeline, attn.concurrent_streams = attn, True, streams
             engine.runner.ops.residual_in_gemm = in_gemm
+            if hasattr(attn, "group_prefixes"):
+                attn.group_prefixes = grouped
             engine.scheduler.cfg.max_num_batched_tokens = budget
     return out
 

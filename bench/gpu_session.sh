@@ -17,6 +17,7 @@ for step in ${STEPS:-tests}; do
     tests)   python3 -m pytest -q -rP -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     pytest)  python3 -m pytest -q -rP -m gpu ${PYTEST_ARGS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.log" | tail -25 ;;
     alltests) python3 -m pytest -q -x tests -p no:cacheprovider --ignore=tests/test_deploy.py 2>&1 | tee "$OUT/all_tests.log" | tail -25 ;;
+    attention) python3 bench/bench_attention.py --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log" | tail -20 ;;
     kernel)  python3 bench/bench_kernel.py --out "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/kernel.log" | tail -30 ;;
     engine8b) python3 bench/bench_engine.py ${ENGINE_ARGS:-} --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;

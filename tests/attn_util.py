@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import torch
 
+from teacher_server.model import attention as A
 from teacher_server.model.context import StepContext
 
 
 def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str, dtype: torch.dtype,
-              seed: int = 0) -> tuple[tuple, StepContext, list[tuple[int, int]]]:
+              seed: int = 0, shared: list[int] | None = None) -> tuple[tuple, StepContext, list[tuple[int, int]]]:
     """lens: (q_len, k_len) per sequence (k_len > q_len: prefixed). Returns
-    ((q, k, v, kp, vp), ctx, ordered lens)."""
-    order = sorted(lens, key=lambda t: (t[1] == t[0], -t[0]))
+    ((q, k, v, kp, vp), ctx, ordered lens). With ``shared`` (per prefixed sequence, leading
+    keys equal to the previous one's: ``StepContext.prefix_shared``) lens are taken in the
+    given order, prefixed first."""
+    order = list(lens) if shared is not None else sorted(lens, key=lambda t: (t[1] == t[0], -t[0]))
     npf = sum(1 for lq, lk in order if lk > lq)
+    assert all(lk > lq for lq, lk in order[:npf])
     g = torch.Generator().manual_seed(seed)
     qs, ks, vs, kps, vps = [], [], [], [], []
     for i, (lq, lk) in enumerate(order):
@@ -24,12 +28,14 @@ def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str
         if i < npf:
             kps.append(torch.cat([torch.randn(lk - lq, hk, d, generator=g), k]))
             vps.append(torch.cat([torch.randn(lk - lq, hk, d, generator=g), v]))
+            if shared is not None and shared[i]:
+                kps[i][:shared[i]], vps[i][:shared[i]] = kps[i - 1][:shared[i]], vps[i - 1][:shared[i]]
     cat = lambda xs: torch.cat(xs).to(device, dtype) if xs else None  # noqa: E731
     q_lens, k_lens = [t[0] for t in order], [t[1] for t in order]
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=device)  # noqa: E731
     z = torch.zeros(0, dtype=torch.int64, device=device)
     ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
-                      None, sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]))
+                      None, sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]), prefix_shared=shared)
     return (cat(qs), cat(ks), cat(vs), cat(kps), cat(vps)), ctx, order
 
 
@@ -42,3 +48,39 @@ def reference(tensors: tuple, ctx: StepContext, scale: float, window: int | None
                     ctx.max_q, ctx.max_k, ctx.q_lens, ctx.k_lens, None, None, None, None, None, ctx.total_k,
                     ctx.logits_idx, ctx.n_prefixed, ctx.tok_prefixed)
     return SdpaBackend()(*cpu, c, scale, window)
+
+
+def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):  # noqa: ANN202
+    """[c, Hq, D] x [n, Hkv, D] -> (out [c, Hq, D], lse [Hq, c]); causal: top-left square."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.einsum("chd,nhd->hcn", q.float(), k.float().repeat_interleave(g, dim=1)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.einsum("hcn,nhd->chd", torch.softmax(s, dim=-1), v.float().repeat_interleave(g, dim=1))
+    return o.to(q.dtype), lse
+
+
+class CpuCudnn(A.CudnnBackend):
+    """The cuDNN backend (plan, bucketed padding, prefix split, merge) with the device
+    attention call replaced by float32 math."""
+
+    def __init__(self, min_len: int, new_plans_per_step: int | None = None) -> None:
+        super().__init__(min_len)
+        self.calls: list[str] = []
+        self.new_plans_per_step = new_plans_per_step  # None: every cuDNN shape runs at once
+
+    def _varlen_fn(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN202
+        self.calls.append("varlen")
+        cq, ck = cu_q.tolist(), cu_k.tolist()
+        assert cq[0] == 0 and ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
+        assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
+        return torch.cat([A._sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
+                          for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
+
+    def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
+        assert not causal or q.shape[0] == k.shape[0]  # causal calls are square
+        self.calls.append(f"{'causal' if causal else 'full'}{q.shape[0]}x{k.shape[0]}")
+        self.shapes.add((q.shape[0], k.shape[0], causal, lse))
+        o, l = partial(q, k, v, scale, causal)
+        return o, (l if lse else None)

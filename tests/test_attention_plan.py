@@ -8,46 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attn_util import make_step, reference
+from attn_util import CpuCudnn, partial, make_step, reference
 from teacher_server.model import attention as A
 from teacher_server.ops.elementwise import merge_attn
-
-
-def _partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):  # noqa: ANN202
-    """[c, Hq, D] x [n, Hkv, D] -> (out [c, Hq, D], lse [Hq, c]); causal: top-left square."""
-    g = q.shape[1] // k.shape[1]
-    s = torch.einsum("chd,nhd->hcn", q.float(), k.float().repeat_interleave(g, dim=1)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    o = torch.einsum("hcn,nhd->chd", torch.softmax(s, dim=-1), v.float().repeat_interleave(g, dim=1))
-    return o.to(q.dtype), lse
-
-
-class CpuCudnn(A.CudnnBackend):
-    """The cuDNN backend (plan, bucketed padding, prefix split, merge) with the device
-    attention call replaced by float32 math."""
-
-    def __init__(self, min_len: int, new_plans_per_step: int | None = None) -> None:
-        super().__init__(min_len)
-        self.calls: list[str] = []
-        self.new_plans_per_step = new_plans_per_step  # None: every cuDNN shape runs at once
-
-    def _varlen_fn(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN202
-        self.calls.append("varlen")
-        cq, ck = cu_q.tolist(), cu_k.tolist()
-        assert cq[0] == 0 and ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
-        assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
-        return torch.cat([A._sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
-                          for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
-
-    def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
-        assert not causal or q.shape[0] == k.shape[0]  # causal calls are square
-        self.calls.append(f"{'causal' if causal else 'full'}{q.shape[0]}x{k.shape[0]}")
-        self.shapes.add((q.shape[0], k.shape[0], causal, lse))
-        o, l = _partial(q, k, v, scale, causal)
-        return o, (l if lse else None)
-
 
 CASES = {
     "mixed": [(40, 200), (300, 900), (8, 8), (64, 64), (64, 64), (100, 100), (3, 50)],
@@ -81,6 +44,57 @@ def test_prefix_split_and_padding() -> None:
     got = be(*tensors, ctx, 0.25, None)
     assert be.calls == ["full320x576", "causal384x384", "causal256x256"], be.calls
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+
+
+# Step order as the runner packs it: three responses after one 600-token prompt (the
+# last too short for cuDNN), a lone prefixed sequence, a fresh one.
+GROUP = [(300, 900), (280, 880), (100, 700), (200, 1100), (300, 300)]
+GROUP_SHARED = [0, 600, 600, 0]
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_prefix_group_takes_one_call_for_all_its_queries(grouped: bool) -> None:
+    """Sequences sharing their first 576 keys (the prompt's bucket floor): one full call of
+    their 580 queries (padded to 640) against those keys, a causal square each, merged;
+    the short one goes to varlen. Without sharing known, one full call per sequence."""
+    tensors, ctx, _ = make_step(GROUP, 4, 2, 16, "cpu", torch.float32, shared=GROUP_SHARED if grouped else None)
+    be = CpuCudnn(150)
+    got = be(*tensors, ctx, 0.25, None)
+    assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+    kinds = [type(it).__name__ for it in ctx.attn_plan.items]
+    if grouped:
+        assert be.calls[:3] == ["full640x576", "causal384x384", "causal320x320"], be.calls
+        assert kinds == ["_Group", "_Varlen", "_Prefixed", "_Fresh"], kinds
+    else:
+        assert "full640x576" not in be.calls and be.calls.count("full320x576") == 2, be.calls
+        assert "_Group" not in kinds
+
+
+def test_prefix_group_members_need_the_same_prefix_bucket() -> None:
+    """A neighbour sharing fewer keys than the bucket floor, or with another floor, is not
+    grouped; every result still equals the reference."""
+    lens = [(300, 900), (280, 880), (260, 1400), (270, 1400)]
+    tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32, shared=[0, 500, 600, 1100])
+    be = CpuCudnn(150)
+    got = be(*tensors, ctx, 0.25, None)
+    assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+    items = ctx.attn_plan.items
+    assert [type(it).__name__ for it in items] == ["_Prefixed", "_Prefixed", "_Group"], items
+    assert items[2].s == A.bucket_floor(1130) and items[2].cs == [260, 270]
+
+
+def test_prefix_group_waits_for_its_plan_like_any_new_shape() -> None:
+    """Under the one-new-plan-per-step limit an unbuilt group shape takes its turn: until
+    then its members run one by one (or on varlen). Every step equals the reference."""
+    be = CpuCudnn(150, new_plans_per_step=1)
+    seen = []
+    for _ in range(3):
+        tensors, ctx, _ = make_step(GROUP, 4, 2, 16, "cpu", torch.float32, shared=GROUP_SHARED)
+        got = be(*tensors, ctx, 0.25, None)
+        assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+        seen.append([type(it).__name__ for it in ctx.attn_plan.items])
+    assert seen[0] == ["_Group", "_Varlen", "_Fresh"], seen  # the group built its plan; the lone one waits
+    assert seen[1] == ["_Group", "_Varlen", "_Prefixed", "_Fresh"], seen
 
 
 def test_short_chunk_after_long_prefix_goes_to_varlen() -> None:
@@ -123,9 +137,9 @@ def test_refused_shape_switches_to_varlen() -> None:
 def test_merge_reference_equals_full_softmax() -> None:
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(30, 4, 8, generator=g), torch.randn(50, 2, 8, generator=g), torch.randn(50, 2, 8, generator=g)
-    o1, l1 = _partial(q, k[:20], v[:20], 0.3, False)
-    o2, l2 = _partial(q, k[20:], v[20:], 0.3, False)
-    full, _ = _partial(q, k, v, 0.3, False)
+    o1, l1 = partial(q, k[:20], v[:20], 0.3, False)
+    o2, l2 = partial(q, k[20:], v[20:], 0.3, False)
+    full, _ = partial(q, k, v, 0.3, False)
     out = torch.empty_like(q)
     merge_attn(o1, l1, o2, l2, out)
     assert (out - full).abs().max().item() < 1e-5

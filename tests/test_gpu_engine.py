@@ -54,6 +54,27 @@ def test_cudnn_paths_are_taken() -> None:
     assert all(s in warmed for s in attn.shapes if s[2]), attn.shapes - warmed
 
 
+def test_cudnn_prefix_group_matches_reference() -> None:
+    """Three responses after one cached 2000-token prompt (one non-causal call for their
+    queries against its first 1920 keys, a causal square each), a lone prefixed sequence
+    and a fresh one: equal to the float32 reference, grouped or not."""
+    attn = _backend("cudnn")
+    lens = [(700, 2700), (650, 2650), (300, 2300), (400, 1400), (512, 512)]
+    tensors, ctx, _ = make_step(lens, 8, 2, 128, "cuda", torch.bfloat16, shared=[0, 2000, 2000, 0])
+    limit, attn.new_plans_per_step = attn.new_plans_per_step, None
+    try:
+        for grouped in (True, False):
+            attn.group_prefixes, ctx.attn_plan = grouped, None
+            got = attn(*tensors, ctx, 128 ** -0.5, None).float().cpu()
+            err = (got - reference(tensors, ctx, 128 ** -0.5, None)).abs().max().item()
+            kinds = [type(it).__name__ for it in ctx.attn_plan.items]
+            assert err < 2e-2, (grouped, err)
+            assert kinds == (["_Group", "_Prefixed", "_Fresh"] if grouped else ["_Prefixed"] * 4 + ["_Fresh"]), kinds
+    finally:
+        attn.new_plans_per_step, attn.group_prefixes = limit, True
+    assert attn.enabled
+
+
 def test_attention_items_on_side_streams_equal_one_stream() -> None:
     """A step's attention items run on side streams at once; each writes only its own rows,
     so the result is bitwise the one-stream result, also when the step runs on a non-default

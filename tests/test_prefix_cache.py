@@ -70,6 +70,37 @@ def test_group_arriving_together_shares_prompt(checkpoints) -> None:  # noqa: AN
     assert sorted(cached) == [0] * 3 + [56] * 9  # one computes each prompt, its siblings reuse it
 
 
+def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints) -> None:  # noqa: ANN001
+    """Two GRPO groups through the engine with the cuDNN backend's planning (float32 math
+    in place of cuDNN): each step puts a group's responses side by side with how many
+    prompt keys they share, the backend scores their queries against the prompt in one
+    call, and the results equal the engine without cache."""
+    from attn_util import CpuCudnn
+
+    path = checkpoints["qwen3"]
+    rng = np.random.default_rng(4)
+    reqs = [r for g in range(2) for r in group(rng, 150, 4, 40 + 9 * g, per_row=g == 1, tag=f"g{g}-")]
+    cold = engine(path, cache=False, budget=1024).run_to_completion(reqs)
+    eng = engine(path, cache=True, budget=1024)
+    be = CpuCudnn(8)
+    steps = []
+    plan = be._plan
+
+    def spy(ctx, window):  # noqa: ANN001, ANN202
+        out = plan(ctx, window)
+        steps.append((list(ctx.prefix_shared or []), out.items))
+        return out
+
+    be._plan = spy
+    eng.runner.attn = be
+    warm = eng.run_to_completion(reqs)
+    assert_same(warm, cold)
+    assert sorted(w.cached_tokens for w in warm) == [0] * 2 + [144] * 6
+    grouped = [it for _, items in steps for it in items if type(it).__name__ == "_Group"]
+    assert sorted(len(it.cs) for it in grouped) == [3, 3] and all(it.s == 128 for it in grouped)
+    assert [144, 144] in [shared[1:3] for shared, _ in steps]
+
+
 def test_salts_never_share(checkpoints) -> None:  # noqa: ANN001
     path = checkpoints["qwen2"]
     rng = np.random.default_rng(1)

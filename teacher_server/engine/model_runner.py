@@ -39,6 +39,19 @@ class HostStep:
     layout: list[tuple[Chunk, int, int, int, int]]
     plp_rows: np.ndarray
     argmax_rows: np.ndarray
+    prefix_shared: list[int] | None = None  # see StepContext
+
+
+def shared_keys(a: Chunk, b: Chunk, block_size: int) -> int:
+    """Leading keys two prefixed chunks read from the very same pool blocks (a cache hit
+    on one prompt), at most both their prefixes."""
+    n = min(a.start, b.start)
+    ta, tb = a.seq.block_table, b.seq.block_table
+    m = 0
+    nb = -(-n // block_size)
+    while m < nb and ta[m] == tb[m]:
+        m += 1
+    return min(m * block_size, n)
 
 
 @dataclass
@@ -159,9 +172,24 @@ class ModelRunner:
         q_lens, k_lens, layout = [], [], []
         q_off = k_off = r_off = 0
         kmax = plp_k = 0
-        # Prefixed sequences first, then fresh ones; each part longest first (see StepContext).
-        chunks = sorted(chunks, key=lambda c: (c.start == 0, -(c.end - c.start)))
+        # Prefixed sequences first, then fresh ones; each part longest first, except that
+        # prefixed ones starting in the same pool block (one cached prompt) stay together,
+        # groups ordered by their longest member (see StepContext).
+        longest: dict[int, int] = {}
+        for c in chunks:
+            if c.start > 0:
+                b = c.seq.block_table[0]
+                longest[b] = max(longest.get(b, 0), c.end - c.start)
+
+        def order(c: Chunk) -> tuple[int, int, int, int]:
+            if c.start == 0:
+                return (1, 0, 0, c.start - c.end)
+            b = c.seq.block_table[0]
+            return (0, -longest[b], b, c.start - c.end)
+
+        chunks = sorted(chunks, key=order)
         n_prefixed = sum(1 for c in chunks if c.start > 0)
+        shared = [0] + [shared_keys(a, b, self.block_size) for a, b in zip(chunks[:n_prefixed - 1], chunks[1:n_prefixed])]
         for c in chunks:
             seq, req = c.seq, c.seq.req
             toks = req.token_ids
@@ -224,7 +252,7 @@ class ModelRunner:
             "argmax_rows": np.asarray(arg_rows, dtype=np.int64),
         }
         return HostStep(ints, q_lens, k_lens, k_off, n_prefixed, bool(wsrc), kmax, plp_k, layout,
-                        ints["plp_rows"], ints["argmax_rows"])
+                        ints["plp_rows"], ints["argmax_rows"], shared if n_prefixed else None)
 
     # --- execute ---------------------------------------------------------------------
     def execute(self, hs: HostStep, pacer: LaunchPacer | None = None) -> ScoringOutput:
@@ -246,7 +274,7 @@ class ModelRunner:
             prefix_slots=parts["prefix_slots"] if hs.n_prefixed else None,
             total_k=hs.total_k, logits_idx=parts["logits_idx"],
             n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]),
-            pacer=pacer,
+            prefix_shared=hs.prefix_shared, pacer=pacer,
         )
         hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn, self.ops)  # [R, H]
         plan = ScoringPlan(

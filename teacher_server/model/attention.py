@@ -115,6 +115,20 @@ class _Prefixed:
 
 
 @dataclass
+class _Group:
+    """cuDNN attention of neighbouring prefixed sequences whose first s keys are the same
+    pool entries: one non-causal call for all their queries (q[t0 : t0 + sum(cs)]) against
+    those s keys, then per sequence i a causal square over its keys kp[k0s[i] + s :
+    k0s[i] + ps[i] + cs[i]], merged by log-sum-exp."""
+
+    t0: int
+    cs: list[int]
+    k0s: list[int]
+    ps: list[int]
+    s: int
+
+
+@dataclass
 class _Plan:
     owner: object
     items: list = field(default_factory=list)
@@ -319,21 +333,57 @@ class CudnnBackend(TorchVarlenBackend):
     def _route(self, ctx, window, lo, hi, prefixed, items, cq, ck):  # noqa: ANN001, ANN202
         if window is not None or not self.enabled:
             return lo
+        if prefixed:
+            return self._route_prefixed(ctx, lo, hi, items, cq, ck)
         j = lo
         while j < hi and ctx.q_lens[j] >= self.min_len:
-            c = ctx.q_lens[j]
-            if not prefixed:
-                items.append(_Fresh(cq[j], c))
-            else:
-                p = ctx.k_lens[j] - c
-                s = bucket_floor(p)
-                cost = (bucket(c) * s + bucket(p - s + c) ** 2 / 2) / _CUDNN_SPEEDUP
-                if cost < c * p + c * c / 2 and self._plan_ready(bucket(c), s):
-                    items.append(_Prefixed(cq[j], c, ck[j], p))
-                else:
-                    items.append(self._varlen_item(ctx, j, j + 1, True, cq, ck))
+            items.append(_Fresh(cq[j], ctx.q_lens[j]))
             j += 1
         return j
+
+    def _split_pays(self, ctx: StepContext, j: int) -> bool:
+        """Is the cuDNN prefix split cheaper than varlen for prefixed sequence j?"""
+        c = ctx.q_lens[j]
+        p = ctx.k_lens[j] - c
+        s = bucket_floor(p)
+        return c >= self.min_len and (bucket(c) * s + bucket(p - s + c) ** 2 / 2) / _CUDNN_SPEEDUP < c * p + c * c / 2
+
+    group_prefixes = True  # one non-causal call for the queries of sequences sharing a prefix
+
+    def _route_prefixed(self, ctx, lo, hi, items, cq, ck):  # noqa: ANN001, ANN202
+        """Prefixed sequences [lo, hi): a run of neighbours that share their first s keys
+        (``ctx.prefix_shared``; s = the bucket floor of each one's prefix) takes one
+        non-causal call for all their queries against those keys (``_Group``); others take
+        the split one by one (``_Prefixed``); the rest go to varlen, one call per run of
+        neighbours. Returns hi (every sequence placed)."""
+        shared = ctx.prefix_shared if self.group_prefixes else None
+        run = None  # first sequence of the current varlen run
+        j = lo
+        while j < hi:
+            e, item = j + 1, None
+            if self._split_pays(ctx, j):
+                s = bucket_floor(ctx.k_lens[j] - ctx.q_lens[j])
+                if shared is not None and s:
+                    while (e < hi and shared[e] >= s and self._split_pays(ctx, e)
+                           and bucket_floor(ctx.k_lens[e] - ctx.q_lens[e]) == s):
+                        e += 1
+                if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
+                    item = _Group(cq[j], ctx.q_lens[j:e], ck[j:e], [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])], s)
+                else:
+                    e = j + 1
+                    if self._plan_ready(bucket(ctx.q_lens[j]), s):
+                        item = _Prefixed(cq[j], ctx.q_lens[j], ck[j], ctx.k_lens[j] - ctx.q_lens[j])
+            if item is None:
+                run = j if run is None else run
+            else:
+                if run is not None:
+                    items.append(self._varlen_item(ctx, run, j, True, cq, ck))
+                    run = None
+                items.append(item)
+            j = e
+        if run is not None:
+            items.append(self._varlen_item(ctx, run, hi, True, cq, ck))
+        return hi
 
     # Building a cuDNN plan for a new shape holds up the launching thread for ~20 ms, while
     # the GPU runs dry. Square shapes are all built at start-up; the non-causal prefix shapes
@@ -373,6 +423,8 @@ class CudnnBackend(TorchVarlenBackend):
             if isinstance(it, _Fresh):
                 t1 = it.t0 + it.n
                 out[it.t0:t1] = self._square(q[it.t0:t1], k[it.t0:t1], v[it.t0:t1], 0, scale, False)[0]
+            elif isinstance(it, _Group):
+                self._group(it, q, kp, vp, scale, out)
             else:
                 self._prefixed(q[it.t0:it.t0 + it.c], kp[it.k0:it.k0 + it.p + it.c], vp[it.k0:it.k0 + it.p + it.c],
                                it.p, scale, out[it.t0:it.t0 + it.c])
@@ -433,6 +485,20 @@ class CudnnBackend(TorchVarlenBackend):
         o2, l2 = self._square(q, k[s:], v[s:], p - s, scale, True)
         merge_attn(o1[:c], l1[:, :c], o2, l2, out)
 
+    def _group(self, it: _Group, q, kp, vp, scale: float, out: torch.Tensor) -> None:  # noqa: ANN001
+        from teacher_server.ops.elementwise import merge_attn
+
+        n, s = sum(it.cs), it.s
+        qg = q[it.t0:it.t0 + n]
+        o1, l1 = self._sdpa(self._padded(qg, 0, bucket(n)), kp[it.k0s[0]:it.k0s[0] + s], vp[it.k0s[0]:it.k0s[0] + s],
+                            False, True, scale)
+        t = 0
+        for c, k0, p in zip(it.cs, it.k0s, it.ps):
+            a, b = it.t0 + t, it.t0 + t + c
+            o2, l2 = self._square(q[a:b], kp[k0 + s:k0 + p + c], vp[k0 + s:k0 + p + c], p - s, scale, True)
+            merge_attn(o1[t:t + c], l1[:, t:t + c], o2, l2, out[a:b])
+            t += c
+
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype) -> float:
         """Run every square bucket up to max_len once, so their cuDNN plans exist before
         the first request. Returns the seconds it took."""
@@ -465,21 +531,28 @@ class CudnnBackend(TorchVarlenBackend):
 
 
 def self_check(backend: CudnnBackend, device: torch.device, dtype: torch.dtype) -> None:
-    """Run one small mixed step (prefixed with and without a prefix split, fresh at and off
-    a bucket length, short ones) through the backend and the float32 sdpa reference. cuDNN
-    with native GQA is tried first, then with expanded kv heads; if neither agrees the
-    backend runs varlen only (``enabled`` off)."""
+    """Run one small mixed step (prefixed with and without a prefix split, two sharing a
+    prefix, fresh at and off a bucket length, short ones) through the backend, every shape
+    on cuDNN, and through the float32 sdpa reference. cuDNN with native GQA is tried first,
+    then with expanded kv heads; if neither agrees the backend runs varlen only (``enabled``
+    off)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    lens = [(320, 900), (260, 300), (512, 512), (300, 300), (40, 40)]  # (q, k): prefixed first
-    q_lens, k_lens, npf = [a for a, _ in lens], [b for _, b in lens], 2
+    # (q, k): prefixed first; the last two prefixed share their first 800 keys (a group)
+    lens = [(320, 900), (260, 300), (300, 1100), (280, 1100), (512, 512), (300, 300), (40, 40)]
+    q_lens, k_lens, npf = [a for a, _ in lens], [b for _, b in lens], 4
+    shared = [0, 0, 0, 800]
     hq, hk, d = 4, 2, 128
     t = sum(q_lens)
     q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (hq, hk, hk))
     kp, vp = (torch.randn(sum(k_lens[:npf]), hk, d, generator=g).to(device, dtype) for _ in range(2))
     qo = ko = 0
-    for lq, lk in lens[:npf]:  # each prefixed sequence's own keys end its packed keys
+    for i, (lq, lk) in enumerate(lens[:npf]):  # each prefixed sequence's own keys end its packed keys
         kp[ko + lk - lq:ko + lk] = k[qo:qo + lq]
         vp[ko + lk - lq:ko + lk] = v[qo:qo + lq]
+        if shared[i]:
+            pk = ko - k_lens[i - 1]
+            kp[ko:ko + shared[i]] = kp[pk:pk + shared[i]]
+            vp[ko:ko + shared[i]] = vp[pk:pk + shared[i]]
         qo, ko = qo + lq, ko + lk
 
     def ctx_on(dev: torch.device) -> StepContext:
@@ -487,25 +560,32 @@ def self_check(backend: CudnnBackend, device: torch.device, dtype: torch.dtype) 
         cq = torch.tensor(_cums(q_lens), dtype=torch.int32, device=dev)
         ck = torch.tensor(_cums(k_lens), dtype=torch.int32, device=dev)
         return StepContext(z, z, cq, ck, max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None, None,
-                           sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]))
+                           sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]), prefix_shared=shared)
 
     cpu = torch.device("cpu")
     ref = SdpaBackend()(*(x.float().to(cpu) for x in (q, k, v, kp, vp)), ctx_on(cpu), d ** -0.5, None)
-    for native in (True, False):
-        backend.native_gqa, backend.enabled = native, True
-        try:
-            c = ctx_on(device)
-            got = backend(q, k, v, kp, vp, c, d ** -0.5, None).float().cpu()
-        except Exception as e:  # noqa: BLE001 - any failure: try the next variant
-            log.info("cuDNN attention self-check (native GQA %s) raised: %s", native, e)
-            continue
-        took = backend.enabled and any(isinstance(it, (_Fresh, _Prefixed)) for it in c.attn_plan.items)
-        err = (got - ref).abs().max().item()
-        if took and err < 2e-2:
-            return
-        log.info("cuDNN attention self-check (native GQA %s): error %.3g, cuDNN used %s", native, err, took)
-    log.warning("cuDNN attention failed its self-check; using varlen")
-    backend.enabled = False
+    limit, backend.new_plans_per_step = backend.new_plans_per_step, None
+    try:
+        for native in (True, False):
+            backend.native_gqa, backend.enabled = native, True
+            try:
+                c = ctx_on(device)
+                got = backend(q, k, v, kp, vp, c, d ** -0.5, None).float().cpu()
+            except Exception as e:  # noqa: BLE001 - any failure: try the next variant
+                log.info("cuDNN attention self-check (native GQA %s) raised: %s", native, e)
+                continue
+            kinds = {type(it) for it in c.attn_plan.items}
+            want = {_Fresh, _Prefixed} | ({_Group} if backend.group_prefixes else set())
+            took = backend.enabled and want <= kinds
+            err = (got - ref).abs().max().item()
+            if took and err < 2e-2:
+                return
+            log.info("cuDNN attention self-check (native GQA %s): error %.3g, cuDNN paths used %s", native, err,
+                     sorted(t.__name__ for t in kinds))
+        log.warning("cuDNN attention failed its self-check; using varlen")
+        backend.enabled = False
+    finally:
+        backend.new_plans_per_step = limit
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> AttentionBackend:

@@ -4,6 +4,8 @@ copied to the device in one transfer).
 Sequence order in a step: sequences whose queries follow earlier keys (a cached prefix or
 earlier chunks: "prefixed") come first, then "fresh" sequences (keys = their own queries),
 longest first. Attention backends rely on it: each part is one contiguous token range.
+Prefixed sequences that share leading KV blocks (a GRPO group's responses after their
+cached prompt) sit next to each other, longest first within a group (``prefix_shared``).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class StepContext:
     n_prefixed: int = 0  # leading sequences that are prefixed
     tok_prefixed: int = 0  # their query tokens: q[:tok_prefixed]
     tok_slots: torch.Tensor | None = None  # [T] int64: the pool slot of each token's KV, -1 = not written
+    # Per prefixed sequence: how many of its leading keys are the very same pool entries as
+    # the previous prefixed sequence's (0 for the first). None: no sharing known.
+    prefix_shared: list[int] | None = None
     pacer: LaunchPacer | None = None  # CUDA: bounds how far the host runs ahead of the GPU
     # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
     attn_plan: Any = field(default=None, repr=False)

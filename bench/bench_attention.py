@@ -1,0 +1,142 @@
+"""Bench one layer's attention of typical steps through the attention backends, as the
+model runner packs them (Qwen3-8B heads: 32 query, 8 kv, head dim 128, bf16):
+
+- ``w2_on``: a W2 step with the prefix cache on: 7 responses after one cached 2032-token
+  prompt, beside a leader's last chunk and another group's first response;
+- ``w2_off``: a W2 step with the cache off (4 whole sequences of 4095 tokens);
+- ``grpo16``: 16 responses of 300..3000 tokens after one cached 1024-token prompt.
+
+Variants: the cuDNN backend as configured (one call for a group's queries against their
+shared prompt), without grouping, without grouping on one stream, and torch varlen.
+Also the gather of the prefixed sequences' cached keys from the pool. Reports milliseconds
+per layer (median of CUDA-event timings) and useful TFLOP/s (causal work only).
+
+    python bench/bench_attention.py [--out bench/results/attention_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from teacher_server.model import attention as A  # noqa: E402
+from teacher_server.model.context import StepContext  # noqa: E402
+from teacher_server.ops.elementwise import alloc_with_slack  # noqa: E402
+
+HQ, HK, D = 32, 8, 128
+
+
+def scenarios() -> dict[str, tuple[list[tuple[int, int]], list[int] | None]]:
+    """name -> ((q_len, k_len) per sequence in step order, prefix_shared of the prefixed)."""
+    w2 = [(85, 4095)] + [(2063, 4095)] * 7 + [(1858, 3890)]
+    g = torch.Generator().manual_seed(0)
+    resp = sorted((torch.randint(300, 3001, (16,), generator=g)).tolist(), reverse=True)
+    return {
+        "w2_on": (w2, [0, 0] + [2032] * 6 + [0]),
+        "w2_off": ([(4095, 4095)] * 4 + [(4, 4)], None),
+        "grpo16": ([(r, 1024 + r) for r in resp], [0] + [1024] * 15),
+    }
+
+
+def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[tuple, StepContext, float]:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    npf = sum(1 for q, k in lens if k > q)
+    q_lens, k_lens = [q for q, _ in lens], [k for _, k in lens]
+    t, tk = sum(q_lens), sum(k_lens[:npf])
+    like = torch.empty(0, device=dev, dtype=dt)
+    q = alloc_with_slack(like, t, HQ, D, front=True).normal_()
+    k, v = (alloc_with_slack(like, t, HK, D).normal_() for _ in range(2))
+    kp, vp = (alloc_with_slack(like, tk, HK, D).normal_() for _ in range(2)) if npf else (None, None)
+    cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=dev)  # noqa: E731
+    z = torch.zeros(0, dtype=torch.int64, device=dev)
+    ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
+                      None, tk, z, npf, sum(q_lens[:npf]), prefix_shared=shared)
+    pairs = sum(c * (kl - c) + c * (c + 1) / 2 for c, kl in lens)
+    return (q, k, v, kp, vp), ctx, 4 * D * HQ * pairs
+
+
+def time_ms(fn, iters: int = 30, warmup: int = 5) -> float:  # noqa: ANN001
+    for _ in range(warmup):
+        fn()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def gather_ms(lens: list[tuple[int, int]]) -> float:
+    """kp[prefix_pos] = k_cache[prefix_slots] (and v) for the prefixed sequences' cached keys."""
+    dev = torch.device("cuda")
+    pool = torch.randn(200_000, HK, D, device=dev, dtype=torch.bfloat16)
+    pos, slots, off = [], [], 0
+    for c, kl in lens:
+        if kl > c:
+            pos.append(torch.arange(off, off + kl - c))
+            slots.append(torch.randperm(200_000)[:kl - c])
+            off += kl
+    if not pos:
+        return 0.0
+    pos_d, slots_d = torch.cat(pos).to(dev), torch.cat(slots).to(dev)
+    kp = torch.empty(off, HK, D, device=dev, dtype=torch.bfloat16)
+
+    def run() -> None:
+        kp[pos_d] = pool[slots_d]
+        kp[pos_d] = pool[slots_d]
+
+    return time_ms(run)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/attention_h200.json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    cud = A.make_backend("cudnn", dev)
+    cud.new_plans_per_step = None  # every shape on cuDNN (plans built in the warm-up runs)
+    var = A.make_backend("varlen", dev)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": [HQ, HK, D],
+                     "scenarios": {}}
+    variants = {
+        "cudnn": (cud, True, 3),
+        "cudnn_ungrouped": (cud, False, 3),
+        "cudnn_ungrouped_one_stream": (cud, False, 0),
+        "varlen": (var, True, 3),
+    }
+    for name, (lens, shared) in scenarios().items():
+        tensors, ctx, flop = make(lens, shared)
+        row = {"lens": lens, "gather_kv_ms": gather_ms(lens)}
+        ref = None
+        for v, (be, grouped, streams) in variants.items():
+            be.group_prefixes, be.concurrent_streams = grouped, streams
+
+            def call() -> torch.Tensor:  # the plan is made by the first call, as by a step's first layer
+                return be(*tensors, ctx, D ** -0.5, None)
+
+            ctx.attn_plan = None
+            out = call()
+            err = 0.0 if ref is None else (out.float() - ref).abs().max().item()
+            ref = out.float() if ref is None else ref
+            ms = time_ms(call)
+            kinds = sorted({type(it).__name__ for it in ctx.attn_plan.items})
+            row[v] = {"ms": ms, "tflops": flop / ms / 1e9, "items": kinds, "max_abs_diff_vs_cudnn": err}
+            print(f"{name:8s} {v:28s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s  diff {err:.3g}  {kinds}", flush=True)
+        print(f"{name:8s} {'gather cached k+v':28s} {row['gather_kv_ms']:7.3f} ms", flush=True)
+        results["scenarios"][name] = row
+    cud.group_prefixes, cud.concurrent_streams = True, 3
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
