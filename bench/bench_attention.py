@@ -55,6 +55,12 @@ def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[tuple, 
     q = alloc_with_slack(like, t, HQ, D, front=True).normal_()
     k, v = (alloc_with_slack(like, t, HK, D).normal_() for _ in range(2))
     kp, vp = (alloc_with_slack(like, tk, HK, D).normal_() for _ in range(2)) if npf else (None, None)
+    off = 0
+    for i in range(npf):  # shared leading keys are the same values, as pool entries are
+        if shared is not None and shared[i]:
+            prev = off - k_lens[i - 1]
+            kp[off:off + shared[i]], vp[off:off + shared[i]] = kp[prev:prev + shared[i]], vp[prev:prev + shared[i]]
+        off += k_lens[i]
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=dev)  # noqa: E731
     z = torch.zeros(0, dtype=torch.int64, device=dev)
     ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
