@@ -9,7 +9,8 @@ model runner packs them (Qwen3-8B heads: 32 query, 8 kv, head dim 128, bf16):
 Variants: the cuDNN backend as configured (one call for a group's queries against their
 shared prompt), without grouping, without grouping on one stream, and torch varlen.
 Also the gather of the prefixed sequences' cached keys from the pool. Reports milliseconds
-per layer (median of CUDA-event timings) and useful TFLOP/s (causal work only).
+per layer (median over interleaved rounds of each variant's median CUDA-event timing) and
+useful TFLOP/s (causal work only).
 
     python bench/bench_attention.py [--out bench/results/attention_h200.json]
 """
@@ -32,6 +33,7 @@ from teacher_server.model.context import StepContext  # noqa: E402
 from teacher_server.ops.elementwise import alloc_with_slack  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
+ROUNDS = 9
 
 
 def scenarios() -> dict[str, tuple[list[tuple[int, int]], list[int] | None]]:
@@ -122,21 +124,27 @@ def main() -> None:
     for name, (lens, shared) in scenarios().items():
         tensors, ctx, flop = make(lens, shared)
         row = {"lens": lens, "gather_kv_ms": gather_ms(lens)}
-        ref = None
-        for v, (be, grouped, streams) in variants.items():
+        plans, ref = {}, None
+        for v, (be, grouped, streams) in variants.items():  # each variant's plan and output
             be.group_prefixes, be.concurrent_streams = grouped, streams
-
-            def call() -> torch.Tensor:  # the plan is made by the first call, as by a step's first layer
-                return be(*tensors, ctx, D ** -0.5, None)
-
             ctx.attn_plan = None
-            out = call()
-            err = 0.0 if ref is None else (out.float() - ref).abs().max().item()
-            ref = out.float() if ref is None else ref
-            ms = time_ms(call)
-            kinds = sorted({type(it).__name__ for it in ctx.attn_plan.items})
-            row[v] = {"ms": ms, "tflops": flop / ms / 1e9, "items": kinds, "max_abs_diff_vs_cudnn": err}
-            print(f"{name:8s} {v:28s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s  diff {err:.3g}  {kinds}", flush=True)
+            out = be(*tensors, ctx, D ** -0.5, None).float()
+            ref = out if ref is None else ref
+            plans[v] = ctx.attn_plan
+            row[v] = {"items": sorted({type(it).__name__ for it in ctx.attn_plan.items}),
+                      "max_abs_diff_vs_first": (out - ref).abs().max().item(), "round_ms": []}
+        names = list(variants)
+        for r in range(ROUNDS):  # interleaved rounds, the order rotated: clocks and caches drift alike
+            for v in names[r % len(names):] + names[:r % len(names)]:
+                be, grouped, streams = variants[v]
+                be.group_prefixes, be.concurrent_streams = grouped, streams
+                ctx.attn_plan = plans[v]
+                row[v]["round_ms"].append(time_ms(lambda be=be, t=tensors, c=ctx: be(*t, c, D ** -0.5, None), 10, 2))
+        for v in names:
+            ms = statistics.median(row[v]["round_ms"])
+            row[v].update(ms=ms, tflops=flop / ms / 1e9)
+            print(f"{name:8s} {v:28s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s  "
+                  f"diff {row[v]['max_abs_diff_vs_first']:.3g}  {row[v]['items']}", flush=True)
         print(f"{name:8s} {'gather cached k+v':28s} {row['gather_kv_ms']:7.3f} ms", flush=True)
         results["scenarios"][name] = row
     cud.group_prefixes, cud.concurrent_streams = True, 3

@@ -121,9 +121,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_pipeline": lambda: setattr(engine.cfg, "pipeline", False),
         "budget_x2": lambda: setattr(engine.scheduler.cfg, "max_num_batched_tokens", 2 * budget),
     }
-    for v, apply in variants.items():
-        if only and v not in only:
-            continue
+    for v in only or list(variants):  # in the order asked for
+        apply = variants[v]
         apply()
         try:
             out[v] = bench_engine(engine, cfg, f"{name}-{v}", reqs, repeats)
@@ -252,7 +251,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
-    ap.add_argument("--ablate-only", default="", help="variants of --ablate to run (default: all)")
+    ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
