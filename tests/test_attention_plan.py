@@ -94,7 +94,7 @@ def test_prefix_group_waits_for_its_plan_like_any_new_shape() -> None:
         assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
         seen.append([type(it).__name__ for it in ctx.attn_plan.items])
     assert seen[0] == ["_Group", "_Varlen", "_Fresh"], seen  # the group built its plan; the lone one waits
-    assert seen[1] == ["_Group", "_Varlen", "_Prefixed", "_Fresh"], seen
+    assert seen[1] == seen[2] == ["_Group", "_Varlen", "_Prefixed", "_Fresh"], seen  # settled
 
 
 def test_short_chunk_after_long_prefix_goes_to_varlen() -> None:
@@ -214,3 +214,46 @@ def test_a_step_builds_at_most_one_new_prefix_shape() -> None:
     tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
     be(*tensors, ctx, 0.25, None)
     assert [type(it).__name__ for it in ctx.attn_plan.items].count("_Prefixed") == 3
+
+
+def test_self_check_takes_every_cudnn_path() -> None:
+    be = CpuCudnn(256, new_plans_per_step=1)
+    A.self_check(be, torch.device("cpu"), torch.float32)
+    assert be.enabled and be.group_prefixes and be.native_gqa and be.new_plans_per_step == 1
+    assert any(c.startswith("full") for c in be.calls) and "varlen" in be.calls
+
+
+def test_self_check_turns_off_only_the_groups_when_they_fail() -> None:
+    class BadGroups(CpuCudnn):
+        def _group(self, it, q, kp, vp, scale, out):  # noqa: ANN001, ANN202
+            super()._group(it, q, kp, vp, scale, out)
+            out.add_(1.0)  # a wrong result, not a refusal
+
+    be = BadGroups(256)
+    A.self_check(be, torch.device("cpu"), torch.float32)
+    assert be.enabled and be.native_gqa and not be.group_prefixes
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_steps_with_prefix_groups_match_reference(seed: int) -> None:
+    """Random steps: groups of prefixed sequences sharing a random number of leading keys,
+    lone prefixed ones, fresh ones, random cuDNN minimum and plan limit."""
+    g = torch.Generator().manual_seed(seed)
+    ri = lambda a, b: int(torch.randint(a, b, (1,), generator=g))  # noqa: E731
+    lens, shared = [], []
+    for _ in range(ri(1, 4)):
+        p = ri(40, 700)
+        for m in range(ri(1, 5)):
+            c = ri(1, 400)
+            extra = max(ri(-3, 3), 0) * 40  # a continuation chunk reads some of its own keys too
+            lens.append((c, p + extra + c))
+            shared.append(0 if m == 0 else p if ri(0, 3) else ri(p // 2, p + 1))
+    shared[0] = 0
+    lens += [(ri(1, 500), 0) for _ in range(ri(0, 3))]
+    lens = [(q, k if k else q) for q, k in lens]
+    tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32, shared=shared)
+    be = CpuCudnn(ri(8, 120), new_plans_per_step=ri(0, 3) or None)
+    for _ in range(2):
+        ctx.attn_plan = None
+        got = be(*tensors, ctx, 0.25, None)
+        assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5

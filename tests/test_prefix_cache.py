@@ -101,6 +101,49 @@ def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints)
     assert [144, 144] in [shared[1:3] for shared, _ in steps]
 
 
+def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None:  # noqa: ANN001
+    """Two cached prompts with the same first 16 tokens (two blocks), and responses of
+    interleaved lengths from both in one step: the runner puts each prompt's responses side
+    by side (ordered by the blocks they read, not by length), so each group takes one call
+    over its own 144 prompt keys; results equal the engine without cache."""
+    from attn_util import CpuCudnn
+
+    path = checkpoints["qwen3"]
+    rng = np.random.default_rng(5)
+    common = rng.integers(0, 512, 16)
+    prompts = [np.concatenate([common, rng.integers(0, 512, 134)]) for _ in range(2)]
+    lens = [[40, 30, 20], [35, 25, 15]]
+
+    def req(g: int, i: int, n: int, tag: str) -> ScoreRequest:
+        toks = np.concatenate([prompts[g], np.random.default_rng(10 * g + i).integers(0, 512, n)])
+        return ScoreRequest(f"{tag}{g}-{i}", toks, 149, np.arange(5) * 7, max_tokens=1)
+
+    leaders = [req(g, 0, 5, "lead") for g in range(2)]
+    reqs = [req(g, i, n, "r") for g in range(2) for i, n in enumerate(lens[g])]
+    cold = engine(path, cache=False, budget=1024).run_to_completion(reqs)
+    eng = engine(path, cache=True, budget=1024)
+    eng.run_to_completion(leaders)  # both prompts cached
+    be = CpuCudnn(8)
+    steps = []
+    plan = be._plan
+
+    def spy(ctx, window):  # noqa: ANN001, ANN202
+        out = plan(ctx, window)
+        steps.append((list(ctx.prefix_shared or []), out.items))
+        return out
+
+    be._plan = spy
+    eng.runner.attn = be
+    warm = eng.run_to_completion(reqs)
+    assert_same(warm, cold)
+    assert [w.cached_tokens for w in warm] == [144] * 6
+    assert len(steps) == 1
+    shared, items = steps[0]
+    assert shared == [0, 144, 144, 16, 144, 144], shared
+    groups = [it for it in items if type(it).__name__ == "_Group"]
+    assert [len(it.cs) for it in groups] == [3, 3] and all(it.s == 128 for it in groups), items
+
+
 def test_salts_never_share(checkpoints) -> None:  # noqa: ANN001
     path = checkpoints["qwen2"]
     rng = np.random.default_rng(1)

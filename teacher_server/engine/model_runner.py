@@ -172,20 +172,13 @@ class ModelRunner:
         q_lens, k_lens, layout = [], [], []
         q_off = k_off = r_off = 0
         kmax = plp_k = 0
-        # Prefixed sequences first, then fresh ones; each part longest first, except that
-        # prefixed ones starting in the same pool block (one cached prompt) stay together,
-        # groups ordered by their longest member (see StepContext).
-        longest: dict[int, int] = {}
-        for c in chunks:
-            if c.start > 0:
-                b = c.seq.block_table[0]
-                longest[b] = max(longest.get(b, 0), c.end - c.start)
-
-        def order(c: Chunk) -> tuple[int, int, int, int]:
+        # Prefixed sequences first, in the order of the pool blocks they read (longest first
+        # among equals), so the responses of one cached prompt sit side by side even when
+        # prompts share their first blocks; then fresh ones, longest first (see StepContext).
+        def order(c: Chunk) -> tuple:
             if c.start == 0:
-                return (1, 0, 0, c.start - c.end)
-            b = c.seq.block_table[0]
-            return (0, -longest[b], b, c.start - c.end)
+                return (1, (), c.start - c.end)
+            return (0, tuple(c.seq.block_table[:c.start // self.block_size]), c.start - c.end)
 
         chunks = sorted(chunks, key=order)
         n_prefixed = sum(1 for c in chunks if c.start > 0)

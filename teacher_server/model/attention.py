@@ -341,38 +341,60 @@ class CudnnBackend(TorchVarlenBackend):
             j += 1
         return j
 
+    @staticmethod
+    def _varlen_cost(c: int, p: int) -> float:
+        """Work of c queries after p prefix keys on varlen (in query-key pairs)."""
+        return c * p + c * c / 2
+
+    @staticmethod
+    def _square_cost(c: int, p: int, s: int) -> float:
+        """cuDNN work of the causal square over the keys after the first s, in varlen pairs."""
+        return bucket(p - s + c) ** 2 / 2 / _CUDNN_SPEEDUP
+
     def _split_pays(self, ctx: StepContext, j: int) -> bool:
         """Is the cuDNN prefix split cheaper than varlen for prefixed sequence j?"""
         c = ctx.q_lens[j]
         p = ctx.k_lens[j] - c
         s = bucket_floor(p)
-        return c >= self.min_len and (bucket(c) * s + bucket(p - s + c) ** 2 / 2) / _CUDNN_SPEEDUP < c * p + c * c / 2
+        return c >= self.min_len and bucket(c) * s / _CUDNN_SPEEDUP + self._square_cost(c, p, s) < self._varlen_cost(c, p)
 
     group_prefixes = True  # one non-causal call for the queries of sequences sharing a prefix
+
+    def _group_end(self, ctx: StepContext, j: int, hi: int, cq: list[int]) -> tuple[int, int]:
+        """(e, s): sequences [j, e) share their first s keys (s = the bucket floor of each
+        one's prefix), each has at least ``min_len`` queries, and one non-causal call for all
+        their queries plus a causal square each is cheaper than varlen for them together.
+        e = j + 1 when there is no such group of two or more."""
+        shared, q, k = ctx.prefix_shared, ctx.q_lens, ctx.k_lens
+        s = bucket_floor(k[j] - q[j])
+        if not self.group_prefixes or shared is None or not s or q[j] < self.min_len:
+            return j + 1, s
+        e = j + 1
+        while e < hi and shared[e] >= s and q[e] >= self.min_len and bucket_floor(k[e] - q[e]) == s:
+            e += 1
+        members = [(q[i], k[i] - q[i]) for i in range(j, e)]
+        cost = bucket(cq[e] - cq[j]) * s / _CUDNN_SPEEDUP + sum(self._square_cost(c, p, s) for c, p in members)
+        if e - j < 2 or cost >= sum(self._varlen_cost(c, p) for c, p in members):
+            return j + 1, s
+        return e, s
 
     def _route_prefixed(self, ctx, lo, hi, items, cq, ck):  # noqa: ANN001, ANN202
         """Prefixed sequences [lo, hi): a run of neighbours that share their first s keys
         (``ctx.prefix_shared``; s = the bucket floor of each one's prefix) takes one
         non-causal call for all their queries against those keys (``_Group``); others take
-        the split one by one (``_Prefixed``); the rest go to varlen, one call per run of
-        neighbours. Returns hi (every sequence placed)."""
-        shared = ctx.prefix_shared if self.group_prefixes else None
+        the split one by one (``_Prefixed``) where it pays; the rest go to varlen, one call
+        per run of neighbours. Returns hi (every sequence placed)."""
         run = None  # first sequence of the current varlen run
         j = lo
         while j < hi:
-            e, item = j + 1, None
-            if self._split_pays(ctx, j):
-                s = bucket_floor(ctx.k_lens[j] - ctx.q_lens[j])
-                if shared is not None and s:
-                    while (e < hi and shared[e] >= s and self._split_pays(ctx, e)
-                           and bucket_floor(ctx.k_lens[e] - ctx.q_lens[e]) == s):
-                        e += 1
-                if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
-                    item = _Group(cq[j], ctx.q_lens[j:e], ck[j:e], [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])], s)
-                else:
-                    e = j + 1
-                    if self._plan_ready(bucket(ctx.q_lens[j]), s):
-                        item = _Prefixed(cq[j], ctx.q_lens[j], ck[j], ctx.k_lens[j] - ctx.q_lens[j])
+            e, s = self._group_end(ctx, j, hi, cq)
+            item = None
+            if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
+                item = _Group(cq[j], ctx.q_lens[j:e], ck[j:e], [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])], s)
+            else:
+                e = j + 1
+                if self._split_pays(ctx, j) and self._plan_ready(bucket(ctx.q_lens[j]), s):
+                    item = _Prefixed(cq[j], ctx.q_lens[j], ck[j], ctx.k_lens[j] - ctx.q_lens[j])
             if item is None:
                 run = j if run is None else run
             else:
@@ -534,8 +556,8 @@ def self_check(backend: CudnnBackend, device: torch.device, dtype: torch.dtype) 
     """Run one small mixed step (prefixed with and without a prefix split, two sharing a
     prefix, fresh at and off a bucket length, short ones) through the backend, every shape
     on cuDNN, and through the float32 sdpa reference. cuDNN with native GQA is tried first,
-    then with expanded kv heads; if neither agrees the backend runs varlen only (``enabled``
-    off)."""
+    then with expanded kv heads, each with prefix groups and without; if none agrees the
+    backend runs varlen only (``enabled`` off)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     # (q, k): prefixed first; the last two prefixed share their first 800 keys (a group)
     lens = [(320, 900), (260, 300), (300, 1100), (280, 1100), (512, 512), (300, 300), (40, 40)]
@@ -566,22 +588,25 @@ def self_check(backend: CudnnBackend, device: torch.device, dtype: torch.dtype) 
     ref = SdpaBackend()(*(x.float().to(cpu) for x in (q, k, v, kp, vp)), ctx_on(cpu), d ** -0.5, None)
     limit, backend.new_plans_per_step = backend.new_plans_per_step, None
     try:
-        for native in (True, False):
-            backend.native_gqa, backend.enabled = native, True
+        # Native GQA before expanded kv heads; prefix groups on, then off (a group path that
+        # fails costs the groups only, not cuDNN).
+        for native, grouped in ((True, True), (True, False), (False, True), (False, False)):
+            backend.native_gqa, backend.group_prefixes, backend.enabled = native, grouped, True
             try:
                 c = ctx_on(device)
                 got = backend(q, k, v, kp, vp, c, d ** -0.5, None).float().cpu()
             except Exception as e:  # noqa: BLE001 - any failure: try the next variant
-                log.info("cuDNN attention self-check (native GQA %s) raised: %s", native, e)
+                log.info("cuDNN attention self-check (native GQA %s, groups %s) raised: %s", native, grouped, e)
                 continue
             kinds = {type(it) for it in c.attn_plan.items}
-            want = {_Fresh, _Prefixed} | ({_Group} if backend.group_prefixes else set())
-            took = backend.enabled and want <= kinds
+            took = backend.enabled and {_Fresh, _Prefixed} | ({_Group} if grouped else set()) <= kinds
             err = (got - ref).abs().max().item()
             if took and err < 2e-2:
+                if not grouped:
+                    log.warning("cuDNN attention: prefix groups failed the self-check; each prefixed sequence runs alone")
                 return
-            log.info("cuDNN attention self-check (native GQA %s): error %.3g, cuDNN paths used %s", native, err,
-                     sorted(t.__name__ for t in kinds))
+            log.info("cuDNN attention self-check (native GQA %s, groups %s): error %.3g, cuDNN paths used %s", native,
+                     grouped, err, sorted(t.__name__ for t in kinds))
         log.warning("cuDNN attention failed its self-check; using varlen")
         backend.enabled = False
     finally:

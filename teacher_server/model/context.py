@@ -4,8 +4,9 @@ copied to the device in one transfer).
 Sequence order in a step: sequences whose queries follow earlier keys (a cached prefix or
 earlier chunks: "prefixed") come first, then "fresh" sequences (keys = their own queries),
 longest first. Attention backends rely on it: each part is one contiguous token range.
-Prefixed sequences that share leading KV blocks (a GRPO group's responses after their
-cached prompt) sit next to each other, longest first within a group (``prefix_shared``).
+Prefixed sequences are ordered by the pool blocks they read, so those sharing leading KV
+blocks (a GRPO group's responses after their cached prompt) sit next to each other,
+longest first among equals (``prefix_shared``).
 """
 
 from __future__ import annotations
