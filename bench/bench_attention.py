@@ -27,7 +27,9 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
+sys.path.insert(0, str(REPO / "bench"))
 
+from bench_kernel import time_ms  # noqa: E402
 from teacher_server.model import attention as A  # noqa: E402
 from teacher_server.model.context import StepContext  # noqa: E402
 from teacher_server.ops.elementwise import alloc_with_slack  # noqa: E402
@@ -71,18 +73,6 @@ def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[tuple, 
     return (q, k, v, kp, vp), ctx, 4 * D * HQ * pairs
 
 
-def time_ms(fn, iters: int = 30, warmup: int = 5) -> float:  # noqa: ANN001
-    for _ in range(warmup):
-        fn()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
-
-
 def gather_ms(lens: list[tuple[int, int]]) -> float:
     """kp[prefix_pos] = k_cache[prefix_slots] (and v) for the prefixed sequences' cached keys."""
     dev = torch.device("cuda")
@@ -102,7 +92,7 @@ def gather_ms(lens: list[tuple[int, int]]) -> float:
         kp[pos_d] = pool[slots_d]
         kp[pos_d] = pool[slots_d]
 
-    return time_ms(run)
+    return time_ms(run, 30, 5)
 
 
 def main() -> None:

@@ -132,9 +132,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
             torch.cuda.empty_cache()
         finally:
             engine.runner.attn, engine.cfg.pipeline, attn.concurrent_streams = attn, True, streams
-            engine.runner.ops.residual_in_gemm = in_gemm
-            if hasattr(attn, "group_prefixes"):
-                attn.group_prefixes = grouped
+            engine.runner.ops.residual_in_gemm, attn.group_prefixes = in_gemm, grouped
             engine.scheduler.cfg.max_num_batched_tokens = budget
     return out
 

@@ -63,12 +63,19 @@ def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 class CpuCudnn(A.CudnnBackend):
     """The cuDNN backend (plan, bucketed padding, prefix split, merge) with the device
-    attention call replaced by float32 math."""
+    attention call replaced by float32 math. ``plans`` records each step's
+    (prefix_shared, plan items)."""
 
     def __init__(self, min_len: int, new_plans_per_step: int | None = None) -> None:
         super().__init__(min_len)
         self.calls: list[str] = []
+        self.plans: list[tuple[list[int], list]] = []
         self.new_plans_per_step = new_plans_per_step  # None: every cuDNN shape runs at once
+
+    def _plan(self, ctx, window):  # noqa: ANN001, ANN202
+        plan = super()._plan(ctx, window)
+        self.plans.append((list(ctx.prefix_shared or []), plan.items))
+        return plan
 
     def _varlen_fn(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN202
         self.calls.append("varlen")

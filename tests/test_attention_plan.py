@@ -225,9 +225,10 @@ def test_self_check_takes_every_cudnn_path() -> None:
 
 def test_self_check_turns_off_only_the_groups_when_they_fail() -> None:
     class BadGroups(CpuCudnn):
-        def _group(self, it, q, kp, vp, scale, out):  # noqa: ANN001, ANN202
-            super()._group(it, q, kp, vp, scale, out)
-            out.add_(1.0)  # a wrong result, not a refusal
+        def _split(self, q, kp, vp, t0, cs, k0s, ps, s, scale, out):  # noqa: ANN001, ANN202
+            super()._split(q, kp, vp, t0, cs, k0s, ps, s, scale, out)
+            if len(cs) > 1:  # a group: a wrong result, not a refusal
+                out.add_(1.0)
 
     be = BadGroups(256)
     A.self_check(be, torch.device("cpu"), torch.float32)

@@ -83,22 +83,13 @@ def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints)
     cold = engine(path, cache=False, budget=1024).run_to_completion(reqs)
     eng = engine(path, cache=True, budget=1024)
     be = CpuCudnn(8)
-    steps = []
-    plan = be._plan
-
-    def spy(ctx, window):  # noqa: ANN001, ANN202
-        out = plan(ctx, window)
-        steps.append((list(ctx.prefix_shared or []), out.items))
-        return out
-
-    be._plan = spy
     eng.runner.attn = be
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert sorted(w.cached_tokens for w in warm) == [0] * 2 + [144] * 6
-    grouped = [it for _, items in steps for it in items if type(it).__name__ == "_Group"]
+    grouped = [it for _, items in be.plans for it in items if type(it).__name__ == "_Group"]
     assert sorted(len(it.cs) for it in grouped) == [3, 3] and all(it.s == 128 for it in grouped)
-    assert [144, 144] in [shared[1:3] for shared, _ in steps]
+    assert [144, 144] in [shared[1:3] for shared, _ in be.plans]
 
 
 def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None:  # noqa: ANN001
@@ -124,21 +115,12 @@ def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None
     eng = engine(path, cache=True, budget=1024)
     eng.run_to_completion(leaders)  # both prompts cached
     be = CpuCudnn(8)
-    steps = []
-    plan = be._plan
-
-    def spy(ctx, window):  # noqa: ANN001, ANN202
-        out = plan(ctx, window)
-        steps.append((list(ctx.prefix_shared or []), out.items))
-        return out
-
-    be._plan = spy
     eng.runner.attn = be
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert [w.cached_tokens for w in warm] == [144] * 6
-    assert len(steps) == 1
-    shared, items = steps[0]
+    assert len(be.plans) == 1
+    shared, items = be.plans[0]
     assert shared == [0, 144, 144, 16, 144, 144], shared
     groups = [it for it in items if type(it).__name__ == "_Group"]
     assert [len(it.cs) for it in groups] == [3, 3] and all(it.s == 128 for it in groups), items

@@ -342,29 +342,19 @@ class CudnnBackend(TorchVarlenBackend):
         return j
 
     @staticmethod
-    def _varlen_cost(c: int, p: int) -> float:
-        """Work of c queries after p prefix keys on varlen (in query-key pairs)."""
-        return c * p + c * c / 2
-
-    @staticmethod
-    def _square_cost(c: int, p: int, s: int) -> float:
-        """cuDNN work of the causal square over the keys after the first s, in varlen pairs."""
-        return bucket(p - s + c) ** 2 / 2 / _CUDNN_SPEEDUP
-
-    def _split_pays(self, ctx: StepContext, j: int) -> bool:
-        """Is the cuDNN prefix split cheaper than varlen for prefixed sequence j?"""
-        c = ctx.q_lens[j]
-        p = ctx.k_lens[j] - c
-        s = bucket_floor(p)
-        return c >= self.min_len and bucket(c) * s / _CUDNN_SPEEDUP + self._square_cost(c, p, s) < self._varlen_cost(c, p)
+    def _split_pays(members: list[tuple[int, int]], s: int) -> bool:
+        """Is the cuDNN split cheaper than varlen for these (queries, prefix keys) sequences
+        sharing their first s keys: one non-causal call for all their queries over those
+        keys, a causal square each over the rest (work in varlen query-key pairs)?"""
+        split = (bucket(sum(c for c, _ in members)) * s + sum(bucket(p - s + c) ** 2 / 2 for c, p in members))
+        return split / _CUDNN_SPEEDUP < sum(c * p + c * c / 2 for c, p in members)
 
     group_prefixes = True  # one non-causal call for the queries of sequences sharing a prefix
 
-    def _group_end(self, ctx: StepContext, j: int, hi: int, cq: list[int]) -> tuple[int, int]:
+    def _group_end(self, ctx: StepContext, j: int, hi: int) -> tuple[int, int]:
         """(e, s): sequences [j, e) share their first s keys (s = the bucket floor of each
-        one's prefix), each has at least ``min_len`` queries, and one non-causal call for all
-        their queries plus a causal square each is cheaper than varlen for them together.
-        e = j + 1 when there is no such group of two or more."""
+        one's prefix), each has at least ``min_len`` queries, and the split for them together
+        pays. e = j + 1 when there is no such group of two or more."""
         shared, q, k = ctx.prefix_shared, ctx.q_lens, ctx.k_lens
         s = bucket_floor(k[j] - q[j])
         if not self.group_prefixes or shared is None or not s or q[j] < self.min_len:
@@ -372,9 +362,7 @@ class CudnnBackend(TorchVarlenBackend):
         e = j + 1
         while e < hi and shared[e] >= s and q[e] >= self.min_len and bucket_floor(k[e] - q[e]) == s:
             e += 1
-        members = [(q[i], k[i] - q[i]) for i in range(j, e)]
-        cost = bucket(cq[e] - cq[j]) * s / _CUDNN_SPEEDUP + sum(self._square_cost(c, p, s) for c, p in members)
-        if e - j < 2 or cost >= sum(self._varlen_cost(c, p) for c, p in members):
+        if e - j < 2 or not self._split_pays([(q[i], k[i] - q[i]) for i in range(j, e)], s):
             return j + 1, s
         return e, s
 
@@ -387,14 +375,14 @@ class CudnnBackend(TorchVarlenBackend):
         run = None  # first sequence of the current varlen run
         j = lo
         while j < hi:
-            e, s = self._group_end(ctx, j, hi, cq)
+            e, s = self._group_end(ctx, j, hi)
             item = None
             if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
                 item = _Group(cq[j], ctx.q_lens[j:e], ck[j:e], [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])], s)
             else:
-                e = j + 1
-                if self._split_pays(ctx, j) and self._plan_ready(bucket(ctx.q_lens[j]), s):
-                    item = _Prefixed(cq[j], ctx.q_lens[j], ck[j], ctx.k_lens[j] - ctx.q_lens[j])
+                e, c, p = j + 1, ctx.q_lens[j], ctx.k_lens[j] - ctx.q_lens[j]
+                if c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s):
+                    item = _Prefixed(cq[j], c, ck[j], p)
             if item is None:
                 run = j if run is None else run
             else:
@@ -446,10 +434,9 @@ class CudnnBackend(TorchVarlenBackend):
                 t1 = it.t0 + it.n
                 out[it.t0:t1] = self._square(q[it.t0:t1], k[it.t0:t1], v[it.t0:t1], 0, scale, False)[0]
             elif isinstance(it, _Group):
-                self._group(it, q, kp, vp, scale, out)
+                self._split(q, kp, vp, it.t0, it.cs, it.k0s, it.ps, it.s, scale, out)
             else:
-                self._prefixed(q[it.t0:it.t0 + it.c], kp[it.k0:it.k0 + it.p + it.c], vp[it.k0:it.k0 + it.p + it.c],
-                               it.p, scale, out[it.t0:it.t0 + it.c])
+                self._split(q, kp, vp, it.t0, [it.c], [it.k0], [it.p], bucket_floor(it.p), scale, out)
         except RuntimeError as e:
             if _not_a_shape_problem(e):  # out of memory / a broken context: not cuDNN's refusal
                 raise
@@ -494,31 +481,26 @@ class CudnnBackend(TorchVarlenBackend):
         o, l = self._sdpa(self._padded(q, front, n), self._padded(k, 0, n), self._padded(v, 0, n), True, lse, scale)
         return o[front:front + c], (l[:, front:front + c] if lse else None)
 
-    def _prefixed(self, q, k, v, p: int, scale: float, out: torch.Tensor) -> None:  # noqa: ANN001
-        """q: [c] queries after p prefix keys; k, v: [p + c]. Writes out [c, Hq, D]."""
+    def _split(self, q, kp, vp, t0: int, cs: list[int], k0s: list[int], ps: list[int], s: int, scale: float,
+               out: torch.Tensor) -> None:  # noqa: ANN001
+        """Queries q[t0 : t0 + sum(cs)] of prefixed sequences whose first s keys are the same
+        (sequence i: cs[i] queries after ps[i] prefix keys, its packed keys at kp[k0s[i]:]):
+        one non-causal call for all the queries over those s keys, then a causal square each
+        over its other keys, merged by log-sum-exp into out. s == 0: the squares alone."""
         from teacher_server.ops.elementwise import merge_attn
 
-        c = q.shape[0]
-        s = bucket_floor(p)
-        if s == 0:
-            out.copy_(self._square(q, k, v, p, scale, False)[0])
-            return
-        o1, l1 = self._sdpa(self._padded(q, 0, bucket(c)), k[:s], v[:s], False, True, scale)
-        o2, l2 = self._square(q, k[s:], v[s:], p - s, scale, True)
-        merge_attn(o1[:c], l1[:, :c], o2, l2, out)
-
-    def _group(self, it: _Group, q, kp, vp, scale: float, out: torch.Tensor) -> None:  # noqa: ANN001
-        from teacher_server.ops.elementwise import merge_attn
-
-        n, s = sum(it.cs), it.s
-        qg = q[it.t0:it.t0 + n]
-        o1, l1 = self._sdpa(self._padded(qg, 0, bucket(n)), kp[it.k0s[0]:it.k0s[0] + s], vp[it.k0s[0]:it.k0s[0] + s],
-                            False, True, scale)
+        n = sum(cs)
+        if s:
+            o1, l1 = self._sdpa(self._padded(q[t0:t0 + n], 0, bucket(n)), kp[k0s[0]:k0s[0] + s],
+                                vp[k0s[0]:k0s[0] + s], False, True, scale)
         t = 0
-        for c, k0, p in zip(it.cs, it.k0s, it.ps):
-            a, b = it.t0 + t, it.t0 + t + c
-            o2, l2 = self._square(q[a:b], kp[k0 + s:k0 + p + c], vp[k0 + s:k0 + p + c], p - s, scale, True)
-            merge_attn(o1[t:t + c], l1[:, t:t + c], o2, l2, out[a:b])
+        for c, k0, p in zip(cs, k0s, ps):
+            a, b = t0 + t, t0 + t + c
+            o2, l2 = self._square(q[a:b], kp[k0 + s:k0 + p + c], vp[k0 + s:k0 + p + c], p - s, scale, s > 0)
+            if s:
+                merge_attn(o1[t:t + c], l1[:, t:t + c], o2, l2, out[a:b])
+            else:
+                out[a:b] = o2
             t += c
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype) -> float:
