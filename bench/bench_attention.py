@@ -30,9 +30,9 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 sys.path.insert(0, str(REPO / "bench"))
 
 from bench_kernel import time_ms  # noqa: E402
-from teacher_server.model import attention as A  # noqa: E402
+from teacher_server.attention import AttentionInputs, make_backend  # noqa: E402
 from teacher_server.model.context import StepContext  # noqa: E402
-from teacher_server.ops.elementwise import alloc_with_slack  # noqa: E402
+from teacher_server.ops.slack import alloc_with_slack  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
 ROUNDS = 9
@@ -50,7 +50,7 @@ def scenarios() -> dict[str, tuple[list[tuple[int, int]], list[int] | None]]:
     }
 
 
-def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[tuple, StepContext, float]:
+def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[AttentionInputs, StepContext, float]:
     dev, dt = torch.device("cuda"), torch.bfloat16
     npf = sum(1 for q, k in lens if k > q)
     q_lens, k_lens = [q for q, _ in lens], [k for _, k in lens]
@@ -67,10 +67,12 @@ def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[tuple, 
         off += k_lens[i]
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=dev)  # noqa: E731
     z = torch.zeros(0, dtype=torch.int64, device=dev)
-    ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
-                      None, tk, z, npf, sum(q_lens[:npf]), prefix_shared=shared)
+    ctx = StepContext(input_ids=z, positions=z, cu_q=cu(q_lens), cu_k=cu(k_lens), max_q=max(q_lens),
+                      max_k=max(k_lens), q_lens=q_lens, k_lens=k_lens, write_src=None, write_slots=None, new_pos=None,
+                      prefix_pos=None, prefix_slots=None, total_k=tk, logits_idx=z, n_prefixed=npf,
+                      tok_prefixed=sum(q_lens[:npf]), prefix_shared=shared)
     pairs = sum(c * (kl - c) + c * (c + 1) / 2 for c, kl in lens)
-    return (q, k, v, kp, vp), ctx, 4 * D * HQ * pairs
+    return AttentionInputs(q, k, v, kp, vp), ctx, 4 * D * HQ * pairs
 
 
 def gather_ms(lens: list[tuple[int, int]]) -> float:
@@ -100,9 +102,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/attention_h200.json")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    cud = A.make_backend("cudnn", dev)
-    cud.new_plans_per_step = None  # every shape on cuDNN (plans built in the warm-up runs)
-    var = A.make_backend("varlen", dev)
+    # deterministic: every shape on cuDNN (plans built in the warm-up runs)
+    cud = make_backend("cudnn", dev, deterministic=True)
+    var = make_backend("varlen", dev)
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": [HQ, HK, D],
                      "scenarios": {}}
     variants = {
@@ -118,7 +120,7 @@ def main() -> None:
         for v, (be, grouped, streams) in variants.items():  # each variant's plan and output
             be.group_prefixes, be.concurrent_streams = grouped, streams
             ctx.attn_plan = None
-            out = be(*tensors, ctx, D ** -0.5, None).float()
+            out = be(tensors, ctx, D ** -0.5, None).float()
             ref = out if ref is None else ref
             plans[v] = ctx.attn_plan
             row[v] = {"items": sorted({type(it).__name__ for it in ctx.attn_plan.items}),
@@ -129,7 +131,7 @@ def main() -> None:
                 be, grouped, streams = variants[v]
                 be.group_prefixes, be.concurrent_streams = grouped, streams
                 ctx.attn_plan = plans[v]
-                row[v]["round_ms"].append(time_ms(lambda be=be, t=tensors, c=ctx: be(*t, c, D ** -0.5, None), 10, 2))
+                row[v]["round_ms"].append(time_ms(lambda be=be, t=tensors, c=ctx: be(t, c, D ** -0.5, None), 10, 2))
         for v in names:
             ms = statistics.median(row[v]["round_ms"])
             row[v].update(ms=ms, tflops=flop / ms / 1e9)

@@ -105,7 +105,7 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
     """The same workload with one optimisation taken away at a time (same process, same
     weights): what each is worth."""
-    from teacher_server.model.attention import make_backend
+    from teacher_server.attention import make_backend
 
     out = {}
     attn, budget = engine.runner.attn, engine.scheduler.cfg.max_num_batched_tokens
@@ -280,7 +280,7 @@ def main() -> None:
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
     results["attention_backend"] = engine.attn.name
-    results["kv_pool_gib"] = engine.runner.kv.numel() * engine.runner.kv.element_size() / 2**30
+    results["kv_pool_gib"] = engine.runner.kv.nbytes / 2**30
     results["fused_stages_compiled"] = engine.runner.ops.compiled
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.attn.name}", flush=True)
     cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]

@@ -22,6 +22,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from teacher_server.ops import extension  # noqa: E402
 from teacher_server.ops import gather_logprob as glp  # noqa: E402
 
 
@@ -156,9 +157,9 @@ def main() -> int:
         print("bench_kernel: needs a CUDA device", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    lib = glp.build()  # raises with the compiler's message if the kernel cannot be built
+    lib = extension.build()  # raises with the compiler's message if the kernel cannot be built
     build_s = time.perf_counter() - t0
-    assert glp.kernel_available()
+    assert extension.available()
     torch.manual_seed(0)
 
     copy = bench_copy(args.copy_gib, 2 * args.iters, args.warmup)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from teacher_server.model import attention as A
+from teacher_server.attention.base import AttentionInputs
+from teacher_server.attention.cudnn import CudnnBackend
+from teacher_server.attention.sdpa import SdpaBackend, sdpa_one
 from teacher_server.model.context import StepContext
 
 
 def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str, dtype: torch.dtype,
-              seed: int = 0, shared: list[int] | None = None) -> tuple[tuple, StepContext, list[tuple[int, int]]]:
+              seed: int = 0, shared: list[int] | None = None) -> tuple[AttentionInputs, StepContext, list[tuple[int, int]]]:
     """lens: (q_len, k_len) per sequence (k_len > q_len: prefixed). Returns
-    ((q, k, v, kp, vp), ctx, ordered lens). With ``shared`` (per prefixed sequence, leading
+    (inputs, ctx, ordered lens). With ``shared`` (per prefixed sequence, leading
     keys equal to the previous one's: ``StepContext.prefix_shared``) lens are taken in the
     given order, prefixed first."""
     order = list(lens) if shared is not None else sorted(lens, key=lambda t: (t[1] == t[0], -t[0]))
@@ -33,21 +35,25 @@ def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str
     cat = lambda xs: torch.cat(xs).to(device, dtype) if xs else None  # noqa: E731
     q_lens, k_lens = [t[0] for t in order], [t[1] for t in order]
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=device)  # noqa: E731
-    z = torch.zeros(0, dtype=torch.int64, device=device)
-    ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
-                      None, sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]), prefix_shared=shared)
-    return (cat(qs), cat(ks), cat(vs), cat(kps), cat(vps)), ctx, order
+    ctx = step_context(cu(q_lens), cu(k_lens), q_lens, k_lens, npf, shared)
+    return AttentionInputs(cat(qs), cat(ks), cat(vs), cat(kps), cat(vps)), ctx, order
 
 
-def reference(tensors: tuple, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+def step_context(cu_q: torch.Tensor, cu_k: torch.Tensor, q_lens: list[int], k_lens: list[int], npf: int,
+                 shared: list[int] | None = None) -> StepContext:
+    """The attention part of a StepContext (no token ids, KV writes or scored rows)."""
+    z = torch.zeros(0, dtype=torch.int64, device=cu_q.device)
+    return StepContext(input_ids=z, positions=z, cu_q=cu_q, cu_k=cu_k, max_q=max(q_lens), max_k=max(k_lens),
+                       q_lens=q_lens, k_lens=k_lens, write_src=None, write_slots=None, new_pos=None, prefix_pos=None,
+                       prefix_slots=None, total_k=sum(k_lens[:npf]), logits_idx=z, n_prefixed=npf,
+                       tok_prefixed=sum(q_lens[:npf]), prefix_shared=shared)
+
+
+def reference(x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
     """The sdpa backend in float32 on the CPU, on the same step."""
-    from teacher_server.model.attention import SdpaBackend
-
-    cpu = tuple(None if t is None else t.float().cpu() for t in tensors)
-    c = StepContext(*(getattr(ctx, f) for f in ("input_ids", "positions")), ctx.cu_q.cpu(), ctx.cu_k.cpu(),
-                    ctx.max_q, ctx.max_k, ctx.q_lens, ctx.k_lens, None, None, None, None, None, ctx.total_k,
-                    ctx.logits_idx, ctx.n_prefixed, ctx.tok_prefixed)
-    return SdpaBackend()(*cpu, c, scale, window)
+    cpu = AttentionInputs(*(None if t is None else t.float().cpu() for t in (x.q, x.k, x.v, x.kp, x.vp)))
+    c = step_context(ctx.cu_q.cpu(), ctx.cu_k.cpu(), ctx.q_lens, ctx.k_lens, ctx.n_prefixed)
+    return SdpaBackend()(cpu, c, scale, window)
 
 
 def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):  # noqa: ANN202
@@ -61,28 +67,28 @@ def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
     return o.to(q.dtype), lse
 
 
-class CpuCudnn(A.CudnnBackend):
+class CpuCudnn(CudnnBackend):
     """The cuDNN backend (plan, bucketed padding, prefix split, merge) with the device
     attention call replaced by float32 math. ``plans`` records each step's
-    (prefix_shared, plan items)."""
+    (prefix_shared, plan items). new_plans_per_step None (the default here): every cuDNN
+    shape runs at once."""
 
-    def __init__(self, min_len: int, new_plans_per_step: int | None = None) -> None:
-        super().__init__(min_len)
+    def __init__(self, min_len: int, new_plans_per_step: int | None = None, **settings) -> None:  # noqa: ANN003
+        super().__init__(min_len, new_plans_per_step=new_plans_per_step, **settings)
         self.calls: list[str] = []
         self.plans: list[tuple[list[int], list]] = []
-        self.new_plans_per_step = new_plans_per_step  # None: every cuDNN shape runs at once
 
     def _plan(self, ctx, window):  # noqa: ANN001, ANN202
         plan = super()._plan(ctx, window)
         self.plans.append((list(ctx.prefix_shared or []), plan.items))
         return plan
 
-    def _varlen_fn(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN202
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN201
         self.calls.append("varlen")
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert cq[0] == 0 and ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
         assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
-        return torch.cat([A._sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
+        return torch.cat([sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
                           for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
 
     def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202

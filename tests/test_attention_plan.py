@@ -9,8 +9,12 @@ import pytest
 import torch
 
 from attn_util import CpuCudnn, partial, make_step, reference
-from teacher_server.model import attention as A
-from teacher_server.ops.elementwise import merge_attn
+from teacher_server.attention.base import AttentionInputs
+from teacher_server.attention.buckets import bucket, bucket_floor
+from teacher_server.attention.cudnn import CudnnBackend
+from teacher_server.attention.cudnn_check import CudnnPaths, self_check
+from teacher_server.ops.merge_attn import merge_attn
+from teacher_server.ops.slack import slack_rows
 
 CASES = {
     "mixed": [(40, 200), (300, 900), (8, 8), (64, 64), (64, 64), (100, 100), (3, 50)],
@@ -26,13 +30,13 @@ CASES = {
 def test_cudnn_plan_matches_reference(case: str, min_len: int) -> None:
     tensors, ctx, order = make_step(CASES[case], 4, 2, 16, "cpu", torch.float32)
     be = CpuCudnn(min_len)
-    got = be(*tensors, ctx, 0.25, None)
+    got = be(tensors, ctx, 0.25, None)
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
     if min_len > 1000:
         assert set(be.calls) == {"varlen"}
     else:
         fresh = [lq for lq, lk in order if lq == lk and lq >= min_len]
-        assert all(f"causal{A.bucket(n)}x{A.bucket(n)}" in be.calls for n in fresh)
+        assert all(f"causal{bucket(n)}x{bucket(n)}" in be.calls for n in fresh)
 
 
 def test_prefix_split_and_padding() -> None:
@@ -41,7 +45,7 @@ def test_prefix_split_and_padding() -> None:
     384; a prefix under 64: one square over prefix + queries (250, padded to 256)."""
     tensors, ctx, _ = make_step([(300, 900), (200, 250)], 4, 2, 16, "cpu", torch.float32)
     be = CpuCudnn(16)
-    got = be(*tensors, ctx, 0.25, None)
+    got = be(tensors, ctx, 0.25, None)
     assert be.calls == ["full320x576", "causal384x384", "causal256x256"], be.calls
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
 
@@ -59,15 +63,15 @@ def test_prefix_group_takes_one_call_for_all_its_queries(grouped: bool) -> None:
     the short one goes to varlen. Without sharing known, one full call per sequence."""
     tensors, ctx, _ = make_step(GROUP, 4, 2, 16, "cpu", torch.float32, shared=GROUP_SHARED if grouped else None)
     be = CpuCudnn(150)
-    got = be(*tensors, ctx, 0.25, None)
+    got = be(tensors, ctx, 0.25, None)
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
     kinds = [type(it).__name__ for it in ctx.attn_plan.items]
     if grouped:
         assert be.calls[:3] == ["full640x576", "causal384x384", "causal320x320"], be.calls
-        assert kinds == ["_Group", "_Varlen", "_Prefixed", "_Fresh"], kinds
+        assert kinds == ["Group", "Varlen", "Prefixed", "Fresh"], kinds
     else:
         assert "full640x576" not in be.calls and be.calls.count("full320x576") == 2, be.calls
-        assert "_Group" not in kinds
+        assert "Group" not in kinds
 
 
 def test_prefix_group_members_need_the_same_prefix_bucket() -> None:
@@ -76,11 +80,11 @@ def test_prefix_group_members_need_the_same_prefix_bucket() -> None:
     lens = [(300, 900), (280, 880), (260, 1400), (270, 1400)]
     tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32, shared=[0, 500, 600, 1100])
     be = CpuCudnn(150)
-    got = be(*tensors, ctx, 0.25, None)
+    got = be(tensors, ctx, 0.25, None)
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
     items = ctx.attn_plan.items
-    assert [type(it).__name__ for it in items] == ["_Prefixed", "_Prefixed", "_Group"], items
-    assert items[2].s == A.bucket_floor(1130) and items[2].cs == [260, 270]
+    assert [type(it).__name__ for it in items] == ["Prefixed", "Prefixed", "Group"], items
+    assert items[2].s == bucket_floor(1130) and items[2].cs == [260, 270]
 
 
 def test_prefix_group_waits_for_its_plan_like_any_new_shape() -> None:
@@ -90,34 +94,34 @@ def test_prefix_group_waits_for_its_plan_like_any_new_shape() -> None:
     seen = []
     for _ in range(3):
         tensors, ctx, _ = make_step(GROUP, 4, 2, 16, "cpu", torch.float32, shared=GROUP_SHARED)
-        got = be(*tensors, ctx, 0.25, None)
+        got = be(tensors, ctx, 0.25, None)
         assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
         seen.append([type(it).__name__ for it in ctx.attn_plan.items])
-    assert seen[0] == ["_Group", "_Varlen", "_Fresh"], seen  # the group built its plan; the lone one waits
-    assert seen[1] == seen[2] == ["_Group", "_Varlen", "_Prefixed", "_Fresh"], seen  # settled
+    assert seen[0] == ["Group", "Varlen", "Fresh"], seen  # the group built its plan; the lone one waits
+    assert seen[1] == seen[2] == ["Group", "Varlen", "Prefixed", "Fresh"], seen  # settled
 
 
 def test_short_chunk_after_long_prefix_goes_to_varlen() -> None:
     tensors, ctx, _ = make_step([(20, 20 + 5000), (300, 300)], 4, 2, 16, "cpu", torch.float32)
     be = CpuCudnn(16)
-    got = be(*tensors, ctx, 0.25, None)
+    got = be(tensors, ctx, 0.25, None)
     assert be.calls == ["varlen", "causal320x320"], be.calls  # 20 queries over 5000 keys: cheaper on varlen
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 1024, 1025, 3000, 4097, 40000, 131072])
 def test_buckets(n: int) -> None:
-    b = A.bucket(n)
-    assert n <= b < n + max(64, n // 16) and A.bucket(b) == b
-    f = A.bucket_floor(n)
+    b = bucket(n)
+    assert n <= b < n + max(64, n // 16) and bucket(b) == b
+    f = bucket_floor(n)
     assert f <= n and (f == 0) == (n < 64)
-    assert f == 0 or (A.bucket_floor(f) == f and f > n - max(64, n // 8))
+    assert f == 0 or (bucket_floor(f) == f and f > n - max(64, n // 8))
 
 
 def test_sliding_window_stays_on_varlen() -> None:
     tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
     be = CpuCudnn(16)
-    got = be(*tensors, ctx, 0.25, 24)
+    got = be(tensors, ctx, 0.25, 24)
     assert set(be.calls) == {"varlen"}
     assert (got - reference(tensors, ctx, 0.25, 24)).abs().max().item() < 1e-5
 
@@ -129,7 +133,7 @@ def test_refused_shape_switches_to_varlen() -> None:
 
     tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
     be = Refusing(16)
-    got = be(*tensors, ctx, 0.25, None)
+    got = be(tensors, ctx, 0.25, None)
     assert not be.enabled and set(be.calls) == {"varlen"}
     assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
 
@@ -156,8 +160,8 @@ def test_padding_is_a_view_into_slack_and_garbage_queries_stay_out() -> None:
     tensors, ctx, _ = make_step([(300, 900), (200, 250), (100, 100), (90, 90)], 4, 2, 16, "cpu", torch.float32)
     ref = reference(tensors, ctx, 0.25, None)
     slacked = []
-    for i, t in enumerate(tensors):
-        sl = A.slack_rows(t.shape[0])
+    for i, t in enumerate((tensors.q, tensors.k, tensors.v, tensors.kp, tensors.vp)):
+        sl = slack_rows(t.shape[0])
         buf = torch.full((sl + t.shape[0] + sl, *t.shape[1:]), float("nan") if i == 0 else 0.0)
         buf[sl:sl + t.shape[0]] = t
         slacked.append(buf[sl:sl + t.shape[0]])
@@ -166,11 +170,11 @@ def test_padding_is_a_view_into_slack_and_garbage_queries_stay_out() -> None:
     class Counting(CpuCudnn):
         @staticmethod
         def _padded(x, front, n):  # noqa: ANN001, ANN205
-            y = A.CudnnBackend._padded(x, front, n)
+            y = CudnnBackend._padded(x, front, n)
             copies.append(y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
             return y
 
-    got = Counting(16)(*slacked, ctx, 0.25, None)
+    got = Counting(16)(AttentionInputs(*slacked), ctx, 0.25, None)
     assert copies and not any(copies)  # every padded operand was a view
     assert torch.isfinite(got).all() and (got - ref).abs().max().item() < 1e-5
 
@@ -185,7 +189,7 @@ def test_out_of_memory_is_raised_and_leaves_cudnn_on() -> None:
     tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
     be = Oom(16)
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        be(*tensors, ctx, 0.25, None)
+        be(tensors, ctx, 0.25, None)
     assert be.enabled
 
 
@@ -204,35 +208,49 @@ def test_a_step_builds_at_most_one_new_prefix_shape() -> None:
     n_prefixed = []
     for _ in range(4):
         tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
-        got = be(*tensors, ctx, 0.25, None)
+        got = be(tensors, ctx, 0.25, None)
         assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
         kinds = [type(it).__name__ for it in ctx.attn_plan.items]
-        n_prefixed.append(kinds.count("_Prefixed"))
-        assert kinds.count("_Fresh") == 1  # fresh squares are built at start-up: never held back
+        n_prefixed.append(kinds.count("Prefixed"))
+        assert kinds.count("Fresh") == 1  # fresh squares are built at start-up: never held back
     assert n_prefixed == [1, 2, 3, 3], n_prefixed
     be = CpuCudnn(16, new_plans_per_step=None)  # deterministic mode: build on first use
     tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
-    be(*tensors, ctx, 0.25, None)
-    assert [type(it).__name__ for it in ctx.attn_plan.items].count("_Prefixed") == 3
+    be(tensors, ctx, 0.25, None)
+    assert [type(it).__name__ for it in ctx.attn_plan.items].count("Prefixed") == 3
 
 
 def test_self_check_takes_every_cudnn_path() -> None:
-    be = CpuCudnn(256, new_plans_per_step=1)
-    A.self_check(be, torch.device("cpu"), torch.float32)
-    assert be.enabled and be.group_prefixes and be.native_gqa and be.new_plans_per_step == 1
+    made: list[CpuCudnn] = []
+
+    def make(**settings) -> CpuCudnn:  # noqa: ANN003
+        made.append(CpuCudnn(256, **settings))
+        return made[-1]
+
+    assert self_check(make, torch.device("cpu"), torch.float32) == CudnnPaths(native_gqa=True, group_prefixes=True)
+    (be,) = made  # the first variant passed
+    assert be.enabled and be.new_plans_per_step is None  # the check builds every shape it runs
     assert any(c.startswith("full") for c in be.calls) and "varlen" in be.calls
 
 
 def test_self_check_turns_off_only_the_groups_when_they_fail() -> None:
     class BadGroups(CpuCudnn):
-        def _split(self, q, kp, vp, t0, cs, k0s, ps, s, scale, out):  # noqa: ANN001, ANN202
-            super()._split(q, kp, vp, t0, cs, k0s, ps, s, scale, out)
+        def _split(self, x, t0, cs, k0s, ps, s, scale, out):  # noqa: ANN001, ANN202
+            super()._split(x, t0, cs, k0s, ps, s, scale, out)
             if len(cs) > 1:  # a group: a wrong result, not a refusal
                 out.add_(1.0)
 
-    be = BadGroups(256)
-    A.self_check(be, torch.device("cpu"), torch.float32)
-    assert be.enabled and be.native_gqa and not be.group_prefixes
+    paths = self_check(lambda **kw: BadGroups(256, **kw), torch.device("cpu"), torch.float32)
+    assert paths == CudnnPaths(native_gqa=True, group_prefixes=False)
+
+
+def test_self_check_fails_when_no_variant_agrees() -> None:
+    class Wrong(CpuCudnn):
+        def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
+            o, l = super()._sdpa(q, k, v, causal, lse, scale)
+            return o + 1.0, l
+
+    assert self_check(lambda **kw: Wrong(256, **kw), torch.device("cpu"), torch.float32) is None
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -256,5 +274,5 @@ def test_random_steps_with_prefix_groups_match_reference(seed: int) -> None:
     be = CpuCudnn(ri(8, 120), new_plans_per_step=ri(0, 3) or None)
     for _ in range(2):
         ctx.attn_plan = None
-        got = be(*tensors, ctx, 0.25, None)
+        got = be(tensors, ctx, 0.25, None)
         assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5

@@ -56,7 +56,7 @@ def test_unsupported_architecture_is_refused(tmp_path) -> None:  # noqa: ANN001
     import json
 
     from teacher_server.engine.engine import Engine
-    from teacher_server.model.spec import UnsupportedModelError
+    from teacher_server.models.spec import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="Qwen3ForCausalLM"):

@@ -12,8 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from teacher_server.ops import extension
 from teacher_server.ops import gather_logprob as glp
-from teacher_server.ops.gather_logprob import gather_logprobs, gather_logprobs_reference, kernel_available
+from teacher_server.ops.gather_logprob import gather_logprobs, gather_logprobs_reference
+
+kernel_available = extension.available
 
 REPO = Path(__file__).resolve().parent.parent
 # float32 outputs: ~1e-7 relative rounding plus the float32 sum of exps (~1e-7).
@@ -135,25 +138,37 @@ def test_kernel_sources_layout() -> None:
     kdir = REPO / "kernels"
     assert (kdir / "gather_logprob.cu").is_file()
     assert not list(kdir.glob("*.py"))
-    assert (glp._SRC_DIR / "gather_logprob.cu").is_file()
-    assert glp._SRC_DIR.resolve() == kdir.resolve()
+    src = extension.source_dir()
+    assert all((src / s).is_file() for s in extension.SOURCES)
+    assert src.resolve() == kdir.resolve()
+
+
+def test_installed_package_ships_every_kernel_source() -> None:
+    """The wheel carries kernels/ as teacher_server/csrc (package data): its globs must
+    cover every source the extension builds from."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    globs = data["teacher_server"]
+    for name in extension.SOURCES:
+        assert any(fnmatch.fnmatch(f"csrc/{name}", g) for g in globs), (name, globs)
+    assert (REPO / "teacher_server" / "csrc" / extension.SOURCES[0]).is_file()  # the link to kernels/
 
 
 def test_fallback_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     def broken(verbose: bool) -> None:
         raise RuntimeError("nvcc exploded\n" + "noise " * 500)
 
-    monkeypatch.setattr(glp, "_build_extension", broken)
-    monkeypatch.setattr(glp.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(glp, "_tried", False)
-    monkeypatch.setattr(glp, "_ext", None)
-    monkeypatch.setattr(glp, "_ext_error", None)
-    with caplog.at_level(logging.WARNING, logger=glp.__name__):
-        assert kernel_available() is False
-        assert kernel_available() is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    lib = extension.KernelLibrary(builder=broken)
+    with caplog.at_level(logging.WARNING, logger=extension.__name__):
+        assert lib.load() is None
+        assert lib.load() is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "nvcc exploded" in warnings[0].getMessage() and len(warnings[0].getMessage()) < 500
+    assert "nvcc exploded" in lib.error
 
 
 # ---------------------------------------------------------------- CUDA kernel
@@ -162,7 +177,7 @@ def test_fallback_logs_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogC
 @pytest.fixture
 def kernel_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the reference raise, so a passing GPU test proves the kernel ran."""
-    assert kernel_available(), f"CUDA kernel failed to build/load: {glp._ext_error}"
+    assert kernel_available(), f"CUDA kernel failed to build/load: {extension.library.error}"
 
     def no_reference(*args, **kwargs):
         raise AssertionError("the torch reference ran on CUDA instead of the kernel")

@@ -9,7 +9,8 @@ import torch
 
 from attn_util import make_step, reference
 
-from teacher_server.model.attention import CudnnBackend, make_backend
+from teacher_server.attention import make_backend
+from teacher_server.attention.cudnn import CudnnBackend
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,7 @@ def test_backend_matches_reference(backend: str, window, heads) -> None:  # noqa
     GQA and MHA: every backend equals the float32 sdpa reference within bf16 rounding."""
     attn = _backend(backend)
     tensors, ctx, _ = make_step(MIXED, *heads, 128, "cuda", torch.bfloat16)
-    got = attn(*tensors, ctx, 128 ** -0.5, window).float().cpu()
+    got = attn(tensors, ctx, 128 ** -0.5, window).float().cpu()
     err = (got - reference(tensors, ctx, 128 ** -0.5, window)).abs().max().item()
     assert err < 2e-2, err
 
@@ -46,10 +47,10 @@ def test_cudnn_paths_are_taken() -> None:
     warmed = set(attn.shapes)
     print(f"cuDNN warm-up to 4096: {len(warmed)} shapes in {secs:.2f}s, native GQA {attn.native_gqa}")
     tensors, ctx, _ = make_step(MIXED, 8, 2, 128, "cuda", torch.bfloat16)
-    attn(*tensors, ctx, 128 ** -0.5, None)
+    attn(tensors, ctx, 128 ** -0.5, None)
     kinds = [type(it).__name__ for it in ctx.attn_plan.items]
     # prefixed: 400 after 1000 (cuDNN), then 128 and 7 (varlen); fresh: 1000, 512 x 2, 300 (cuDNN), 40, 1 (varlen)
-    assert kinds.count("_Prefixed") == 1 and kinds.count("_Fresh") == 4 and kinds.count("_Varlen") == 2, kinds
+    assert kinds.count("Prefixed") == 1 and kinds.count("Fresh") == 4 and kinds.count("Varlen") == 2, kinds
     assert attn.enabled
     assert all(s in warmed for s in attn.shapes if s[2]), attn.shapes - warmed
 
@@ -65,11 +66,11 @@ def test_cudnn_prefix_group_matches_reference() -> None:
     try:
         for grouped in (True, False):
             attn.group_prefixes, ctx.attn_plan = grouped, None
-            got = attn(*tensors, ctx, 128 ** -0.5, None).float().cpu()
+            got = attn(tensors, ctx, 128 ** -0.5, None).float().cpu()
             err = (got - reference(tensors, ctx, 128 ** -0.5, None)).abs().max().item()
             kinds = [type(it).__name__ for it in ctx.attn_plan.items]
             assert err < 2e-2, (grouped, err)
-            assert kinds == (["_Group", "_Prefixed", "_Fresh"] if grouped else ["_Prefixed"] * 4 + ["_Fresh"]), kinds
+            assert kinds == (["Group", "Prefixed", "Fresh"] if grouped else ["Prefixed"] * 4 + ["Fresh"]), kinds
     finally:
         attn.new_plans_per_step, attn.group_prefixes = limit, True
     assert attn.enabled
@@ -82,13 +83,13 @@ def test_attention_items_on_side_streams_equal_one_stream() -> None:
     attn = _backend("cudnn")
     tensors, ctx, _ = make_step(MIXED, 8, 2, 128, "cuda", torch.bfloat16)
     attn.concurrent_streams = 0
-    one = attn(*tensors, ctx, 128 ** -0.5, None).clone()
+    one = attn(tensors, ctx, 128 ** -0.5, None).clone()
     attn.concurrent_streams = 3
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
-            many = attn(*tensors, ctx, 128 ** -0.5, None)
+            many = attn(tensors, ctx, 128 ** -0.5, None)
             assert torch.equal(many, one)
     assert len(ctx.attn_plan.items) > 3
 
@@ -96,10 +97,10 @@ def test_attention_items_on_side_streams_equal_one_stream() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 333, 4096])
 def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:  # noqa: ANN001
-    from teacher_server.ops.elementwise import silu_mul, silu_mul_reference
-    from teacher_server.ops.gather_logprob import kernel_available
+    from teacher_server.ops import extension
+    from teacher_server.ops.silu_mul import silu_mul, silu_mul_reference
 
-    assert kernel_available()
+    assert extension.available()
     x = torch.randn(rows, 2 * 1536, device="cuda", dtype=dtype) * 4
     got, ref = silu_mul(x), silu_mul_reference(x)
     assert got.dtype == dtype and got.shape == (rows, 1536)
@@ -108,7 +109,7 @@ def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:  # noqa: ANN00
 
 
 def test_merge_attn_kernel_matches_reference() -> None:
-    from teacher_server.ops.elementwise import merge_attn, merge_attn_reference
+    from teacher_server.ops.merge_attn import merge_attn, merge_attn_reference
 
     c, h, d = 300, 8, 128
     o1 = torch.randn(1, h, c, d, device="cuda", dtype=torch.bfloat16)[0].transpose(0, 1)  # [c, H, D] strided
@@ -126,8 +127,7 @@ def test_merge_attn_kernel_matches_reference() -> None:
 @pytest.mark.parametrize("d,norm", [(128, True), (128, False), (64, True), (256, False)])
 def test_qkv_rope_kernel_matches_torch(d: int, norm: bool) -> None:
     """Split + per-head norm + rotary + pool write in one kernel equals the torch stages."""
-    from teacher_server.model.fused import qkv_prep
-    from teacher_server.ops.elementwise import qkv_rope
+    from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep, qkv_rope
 
     torch.manual_seed(3)
     t, hq, hkv, dt = 777, 8, 2, torch.bfloat16
@@ -141,7 +141,7 @@ def test_qkv_rope_kernel_matches_torch(d: int, norm: bool) -> None:
     slots = torch.randperm(2 * t, device="cuda")[:t]
     slots[::5] = -1
     kc, vc = (torch.zeros(2 * t, hkv, d, device="cuda", dtype=dt) for _ in range(2))
-    got = qkv_rope(qkv, cs, qn, kn, 1e-6, hq, hkv, d, kc, vc, slots)
+    got = qkv_rope(qkv, cs, qn, kn, HeadLayout(hq, hkv, d, 1e-6), kc, vc, slots)
     assert got is not None
     # The reference runs on the CPU: there rms_norm is the transformers formula (round the
     # normed value to bf16, then multiply by the weight), which the kernel follows.

@@ -13,7 +13,7 @@ from reference import reference_scores
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreRequest
-from teacher_server.model.loader import checkpoint_files
+from teacher_server.models.loader import checkpoint_files
 
 
 def score(path, **kw):  # noqa: ANN001, ANN003, ANN201

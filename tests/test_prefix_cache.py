@@ -87,7 +87,7 @@ def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints)
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert sorted(w.cached_tokens for w in warm) == [0] * 2 + [144] * 6
-    grouped = [it for _, items in be.plans for it in items if type(it).__name__ == "_Group"]
+    grouped = [it for _, items in be.plans for it in items if type(it).__name__ == "Group"]
     assert sorted(len(it.cs) for it in grouped) == [3, 3] and all(it.s == 128 for it in grouped)
     assert [144, 144] in [shared[1:3] for shared, _ in be.plans]
 
@@ -122,7 +122,7 @@ def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None
     assert len(be.plans) == 1
     shared, items = be.plans[0]
     assert shared == [0, 144, 144, 16, 144, 144], shared
-    groups = [it for it in items if type(it).__name__ == "_Group"]
+    groups = [it for it in items if type(it).__name__ == "Group"]
     assert [len(it.cs) for it in groups] == [3, 3] and all(it.s == 128 for it in groups), items
 
 

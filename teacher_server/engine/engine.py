@@ -22,9 +22,9 @@ from teacher_server.engine.model_runner import HostStep, ModelRunner, PendingOut
 from teacher_server.engine.request import ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
-from teacher_server.model.attention import make_backend
-from teacher_server.model.loader import load_model
-from teacher_server.model.spec import ModelSpec
+from teacher_server.attention import make_backend
+from teacher_server.models.loader import load_model
+from teacher_server.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,8 @@ class Engine:
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
         torch.manual_seed(cfg.seed)
         self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, cfg.load_format, cfg.seed)
-        self.attn = make_backend(cfg.attention_backend, self.device, self.dtype)
-        if cfg.deterministic and hasattr(self.attn, "new_plans_per_step"):
-            self.attn.new_plans_per_step = None  # a sequence's attention path must not depend on history
+        # deterministic: a sequence's attention path must not depend on what ran before
+        self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, deterministic=cfg.deterministic)
         budget = cfg.max_num_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
         self.max_num_batched_tokens = budget
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(budget)
@@ -101,9 +100,9 @@ class Engine:
         self.timing = dict.fromkeys(("schedule_s", "prepare_s", "launch_s", "wait_s", "scatter_s", "steps",
                                      "tokens", "gpu_s", "gpu_idle_s"), 0)
         if self.device.type == "cuda":  # build / load the CUDA kernel now, not inside a request
-            from teacher_server.ops.gather_logprob import kernel_available
+            from teacher_server.ops import extension
 
-            kernel_available()
+            extension.available()
         log.info("engine ready: %s (%s) on %s, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
                  "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device,
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,

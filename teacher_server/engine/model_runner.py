@@ -5,20 +5,21 @@ scoring stage, and copies results back into each request's result arrays."""
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from torch import nn
 
 from teacher_server.engine.scoring import ScoringOutput, ScoringPlan, score_rows
 from teacher_server.engine.sequence import Chunk
-from teacher_server.model.attention import AttentionBackend
+from teacher_server.attention.base import AttentionBackend
+from teacher_server.kv_pool import KVPool
+from teacher_server.layers.rotary import RotaryEmbedding
+from teacher_server.layers.runtime import Runtime
 from teacher_server.model.context import LaunchPacer, StepContext
-from teacher_server.model.decoder import DecoderModel
-from teacher_server.model.fused import FusedOps
-from teacher_server.model.rope import cos_sin_table
+from teacher_server.ops.fused import FusedOps
 
 log = logging.getLogger(__name__)
 
@@ -73,96 +74,38 @@ class PendingOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, attn: AttentionBackend, num_blocks: int, block_size: int,
+    def __init__(self, model: nn.Module, attn: AttentionBackend, num_blocks: int, block_size: int,
                  max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int,
                  compile_ops: bool = True) -> None:
         self.model = model
-        self.spec = model.spec
-        self.attn = attn
+        self.spec = spec = model.spec
         self.device = device
         self.block_size = block_size
         self.logits_mode = logits_mode
         self.chunk_rows = logits_chunk_rows
         self.run_ahead = 6  # layers the host may queue ahead of the GPU within a forward
-        dtype = model.embed.dtype
-        self.cos_sin = cos_sin_table(self.spec, max_model_len + 1, device)  # [len, D] float32
-        slots = num_blocks * block_size
-        # One allocation: [layers, 2 (k/v), slots, kv_heads, head_dim]
-        self.kv = torch.empty(self.spec.num_layers, 2, slots, self.spec.num_kv_heads, self.spec.head_dim,
-                              dtype=dtype, device=device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(self.spec.num_layers)]
-        if hasattr(attn, "warm_up") and device.type == "cuda":  # cuDNN plans for every bucketed length
-            secs = attn.warm_up(max_model_len, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim,
-                                device, dtype)
-            log.info("attention warm-up: %d cuDNN shapes in %.1fs", len(attn.shapes), secs)
-        self.ops = FusedOps(enable_compile=compile_ops and device.type == "cuda")
-        if self.ops.compiled:
-            self._warm_up()
+        dtype, cuda = model.dtype, device.type == "cuda"
+        self.kv = KVPool(spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
+                               max_model_len + 1, device)
+        if cuda:  # cuDNN plans for every bucketed length
+            attn.warm_up(max_model_len, spec.num_heads, spec.num_kv_heads, spec.head_dim, device, dtype)
+        # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
+        self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
+        if cuda:
+            attn0 = model.layers[0].self_attn
+            self.ops.warm_up(attn0.heads, spec.hidden_size, spec.intermediate_size, *attn0.qk_norm_weights(),
+                             rope.table, device, dtype)
+        model.bind(Runtime(attn, self.ops, self.kv, rope))
 
-    def _warm_up(self) -> None:
-        """Compile the fused stages now (two token counts: a static then a dynamic graph) and
-        check each against its eager version on random inputs; fall back to eager on failure."""
-        t0 = time.perf_counter()
-        s, dt, dev = self.spec, self.model.embed.dtype, self.device
-        eager = FusedOps(False)
-        try:
-            for n in (16, 40):
-                x = torch.randn(n, s.hidden_size, device=dev, dtype=dt)
-                w = 1 + 0.1 * torch.randn(s.hidden_size, device=dev, dtype=dt)
-                gu = torch.randn(n, 2 * s.intermediate_size, device=dev, dtype=dt)
-                qkv = torch.randn(n, s.q_size + 2 * s.kv_size, device=dev, dtype=dt)
-                cs = self.cos_sin[(torch.arange(n, device=dev) * 37) % self.cos_sin.shape[0]]
-                half = s.head_dim // 2
-                cos, sin = cs[:, None, :half], cs[:, None, half:]
-                qn = self.model.layers[0].q_norm
-                kn = self.model.layers[0].k_norm
-                args = {
-                    "rms_norm": (x, w, s.rms_norm_eps),
-                    "add_rms_norm": (x, x.flip(0), w, s.rms_norm_eps),
-                    "silu_mul": (gu,),
-                    "qkv_prep": (qkv, cos, sin, qn, kn, s.num_heads, s.num_kv_heads, s.head_dim, s.rms_norm_eps),
-                }
-                for name, a in args.items():
-                    got, ref = getattr(self.ops, name)(*a), getattr(eager, name)(*a)
-                    for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
-                        err = (g.float() - r.float()).abs().max().item()
-                        bound = 1e-2 * r.float().abs().max().item() + 1e-3
-                        if not err <= bound:
-                            raise RuntimeError(f"compiled {name} differs from eager by {err:.3g} (bound {bound:.3g})")
-            log.info("compiled fused elementwise stages in %.1fs", time.perf_counter() - t0)
-        except Exception as e:
-            self.ops.fallback(e)
-            return
-        try:
-            self._check_qkv_kernel(eager)
-        except Exception as e:  # the torch stages are correct, only slower
-            log.warning("fused QKV kernel disabled: %s", e)
-            self.ops.qkv_kernel = False
+    @property
+    def attn(self) -> AttentionBackend:
+        """The attention backend the model runs (assigning it switches every layer's)."""
+        return self.model.rt.attn
 
-    def _check_qkv_kernel(self, eager: FusedOps) -> None:
-        """The fused QKV/rotary/KV-write kernel against the torch stages, pool writes included."""
-        from types import SimpleNamespace
-
-        s, dt, dev = self.spec, self.model.embed.dtype, self.device
-        n = 40
-        qkv = torch.randn(n, s.q_size + 2 * s.kv_size, device=dev, dtype=dt)
-        cs = self.cos_sin[(torch.arange(n, device=dev) * 37) % self.cos_sin.shape[0]]
-        slots = torch.arange(n, device=dev) * 2
-        slots[::3] = -1  # some tokens are not written
-        keep = slots >= 0
-        ctx = SimpleNamespace(tok_slots=slots, write_slots=slots[keep], write_src=torch.arange(n, device=dev)[keep])
-        layer = self.model.layers[0]
-        res = []
-        for ops in (self.ops, eager):
-            kc = torch.zeros(2 * n, s.num_kv_heads, s.head_dim, device=dev, dtype=dt)
-            vc = torch.zeros_like(kc)
-            q, k, v = ops.qkv_store(qkv, cs, layer.q_norm, layer.k_norm, s.num_heads, s.num_kv_heads, s.head_dim,
-                                    s.rms_norm_eps, kc, vc, ctx)
-            res.append((q, k, v, kc, vc))
-        for name, g, r in zip(("q", "k", "v", "k_cache", "v_cache"), *res):
-            err = (g.float() - r.float()).abs().max().item()
-            if not err <= 1e-2 * r.float().abs().max().item() + 1e-3:
-                raise RuntimeError(f"{name} differs from the torch stages by {err:.3g}")
+    @attn.setter
+    def attn(self, backend: AttentionBackend) -> None:
+        self.model.rt.attn = backend
 
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
@@ -269,7 +212,7 @@ class ModelRunner:
             n_prefixed=hs.n_prefixed, tok_prefixed=sum(hs.q_lens[:hs.n_prefixed]),
             prefix_shared=hs.prefix_shared, pacer=pacer,
         )
-        hidden = self.model(ctx, self.cos_sin, self.kv_caches, self.attn, self.ops)  # [R, H]
+        hidden = self.model(ctx, pacer)  # [R, H]
         plan = ScoringPlan(
             cand=parts["cand"].view(-1, hs.kmax) if hs.kmax else parts["cand"].view(0, 0),
             kmax=hs.kmax,

@@ -11,13 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# architecture name in config.json -> family
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from teacher_server.models.registry import ARCHITECTURES
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -64,16 +59,17 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
         archs = d.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             model_type = d.get("model_type")
-            by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+            by_type = {v.family: k for k, v in ARCHITECTURES.items()}
             arch = by_type.get(model_type) if model_type else None
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or d.get('model_type')!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES))
-        family = SUPPORTED_ARCHITECTURES[arch]
+                + ", ".join(ARCHITECTURES))
+        entry = ARCHITECTURES[arch]
+        family = entry.family
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // num_heads
@@ -88,10 +84,10 @@ class ModelSpec:
                 f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         merged["rope_type"] = rope_type
         sliding = None
-        if family == "mistral":
+        if entry.sliding_window:
             sliding = d.get("sliding_window")
-        elif family in ("qwen2", "qwen3") and d.get("use_sliding_window"):
-            raise UnsupportedModelError("Qwen sliding-window attention (use_sliding_window=true) is not supported")
+        elif entry.refuse_sliding_window and d.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{arch} sliding-window attention (use_sliding_window=true) is not supported")
         return cls(
             family=family,
             architecture=arch,
@@ -107,8 +103,8 @@ class ModelSpec:
             rope_scaling=merged,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=d.get("tie_word_embeddings"),
-            attention_bias=bool(d.get("attention_bias", family == "qwen2")),
-            qk_norm=family == "qwen3",
+            attention_bias=bool(d.get("attention_bias", entry.attention_bias)),
+            qk_norm=entry.qk_norm,
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
         )

@@ -4,17 +4,16 @@ cos/sin table indexed by absolute position (so chunked prefill needs no per-chun
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-from teacher_server.model.spec import ModelSpec
 
-
-def inv_freq_and_scale(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """Return ([head_dim // 2] float32 inverse frequencies, attention scaling of cos/sin)."""
-    dim = spec.head_dim
-    base = spec.rope_theta
-    rs = spec.rope_scaling
+def inv_freq_and_scale(head_dim: int, base: float, rs: dict[str, Any],
+                       max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Return ([head_dim // 2] float32 inverse frequencies, attention scaling of cos/sin) for
+    rope scaling ``rs`` (``rope_type`` default, linear, llama3 or yarn, with its keys)."""
+    dim = head_dim
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     kind = rs.get("rope_type", "default")
     if kind == "default":
@@ -33,15 +32,14 @@ def inv_freq_and_scale(spec: ModelSpec) -> tuple[torch.Tensor, float]:
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
     if kind == "yarn":
-        return _yarn(spec, inv_freq)
+        return _yarn(dim, base, rs, max_position_embeddings, inv_freq)
     raise ValueError(f"unsupported rope type {kind!r}")
 
 
-def _yarn(spec: ModelSpec, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
-    rs = spec.rope_scaling
-    dim, base = spec.head_dim, spec.rope_theta
+def _yarn(dim: int, base: float, rs: dict[str, Any], max_pos: int,
+          inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]:
     factor = float(rs["factor"])
-    orig = rs.get("original_max_position_embeddings") or spec.max_position_embeddings
+    orig = rs.get("original_max_position_embeddings") or max_pos
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -68,9 +66,18 @@ def _yarn(spec: ModelSpec, inv_freq: torch.Tensor) -> tuple[torch.Tensor, float]
     return interp * (1 - extra_factor) + inv_freq * extra_factor, float(attn)
 
 
-def cos_sin_table(spec: ModelSpec, max_len: int, device: torch.device) -> torch.Tensor:
-    """[max_len, head_dim] float32: first half cos, second half sin (already scaled)."""
-    inv_freq, scale = inv_freq_and_scale(spec)
-    pos = torch.arange(max_len, dtype=torch.float32)
-    freqs = pos[:, None] * inv_freq[None, :]  # [max_len, head_dim // 2]
-    return torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
+class RotaryEmbedding:
+    """The cos/sin table of every position up to max_len: ``table`` [max_len, head_dim]
+    float32, first half cos, second half sin (already scaled). Calling it with a step's
+    positions gives that step's rows, which the QKV stage rotates q and k by."""
+
+    def __init__(self, head_dim: int, base: float, rope_scaling: dict[str, Any], max_position_embeddings: int,
+                 max_len: int, device: torch.device) -> None:
+        inv_freq, scale = inv_freq_and_scale(head_dim, base, rope_scaling, max_position_embeddings)
+        pos = torch.arange(max_len, dtype=torch.float32)
+        freqs = pos[:, None] * inv_freq[None, :]  # [max_len, head_dim // 2]
+        self.table = torch.cat([freqs.cos() * scale, freqs.sin() * scale], dim=-1).to(device)
+
+    def __call__(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T] int64 absolute positions -> [T, head_dim] float32 cos | sin."""
+        return self.table[positions]

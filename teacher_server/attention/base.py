@@ -1,0 +1,46 @@
+"""The attention backend interface: packed causal attention over a step's sequences, where
+a sequence's queries may follow earlier keys (a cached prefix or earlier chunks; causal
+alignment is bottom-right).
+
+A step holds "prefixed" sequences first, then "fresh" ones (keys = their own queries),
+each part longest first (``StepContext``). Every backend gets the step's q, k, v and the
+packed ``[prefix | chunk]`` keys of the prefixed sequences (kp, vp).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from teacher_server.model.context import StepContext
+
+
+@dataclass(slots=True)
+class AttentionInputs:
+    """One layer's attention operands for a step."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    kp: torch.Tensor | None = None  # [ctx.total_k, Hkv, D] packed keys of the prefixed sequences; None: none
+    vp: torch.Tensor | None = None  # [ctx.total_k, Hkv, D]
+
+
+class AttentionBackend(ABC):
+    """A backend is built once (its settings are constructor arguments) and called by every
+    attention layer of every step. It may keep a per-step plan in ``ctx.attn_plan`` (made by
+    the first layer, reused by the others)."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+        """Causal attention of x.q over each sequence's keys; window: sliding-window length
+        (keys at most window - 1 positions back) or None. Returns [T, Hq, D]."""
+
+    def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype) -> float:
+        """Prepare whatever the backend builds per shape for sequences up to max_len, before
+        the first request. Returns the seconds it took (nothing to do by default)."""
+        return 0.0

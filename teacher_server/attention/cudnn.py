@@ -1,0 +1,299 @@
+"""The cudnn backend: cuDNN attention for sequences of at least ``min_len`` queries, at
+bucketed lengths, torch varlen for the short rest and for sliding-window models. On the
+H200 cuDNN runs ~613 TFLOP/s where varlen FA2 runs ~334."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from teacher_server.attention.base import AttentionInputs
+from teacher_server.attention.buckets import bucket, bucket_floor
+from teacher_server.attention.packed import Plan
+from teacher_server.attention.varlen import TorchVarlenBackend
+from teacher_server.model.context import StepContext
+from teacher_server.ops.merge_attn import merge_attn
+
+log = logging.getLogger(__name__)
+
+# Measured on the H200 (bf16, head dim 128): cuDNN ~613 TFLOP/s, varlen FA2 ~334.
+_CUDNN_SPEEDUP = 1.8
+
+
+@dataclass
+class Fresh:
+    """cuDNN causal attention of one fresh sequence: tokens [t0, t0 + n)."""
+
+    t0: int
+    n: int
+
+
+@dataclass
+class Prefixed:
+    """cuDNN attention of one prefixed sequence: queries q[t0:t0+c], keys kp[k0:k0+p+c]
+    (p of them before the queries)."""
+
+    t0: int
+    c: int
+    k0: int
+    p: int
+
+
+@dataclass
+class Group:
+    """cuDNN attention of neighbouring prefixed sequences whose first s keys are the same
+    pool entries: one non-causal call for all their queries (q[t0 : t0 + sum(cs)]) against
+    those s keys, then per sequence i a causal square over its keys kp[k0s[i] + s :
+    k0s[i] + ps[i] + cs[i]], merged by log-sum-exp."""
+
+    t0: int
+    cs: list[int]
+    k0s: list[int]
+    ps: list[int]
+    s: int
+
+
+class PathFailed(Exception):
+    """cuDNN refused a shape (not out of memory, not a broken context)."""
+
+    def __init__(self, path: str, err: Exception) -> None:
+        super().__init__(path)
+        self.path, self.reason = path, " ".join(str(err).split())[:200]
+
+
+def _not_a_shape_problem(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA error" in str(e)
+
+
+class CudnnBackend(TorchVarlenBackend):
+    """Every cuDNN call is a square causal attention at a bucketed length (``bucket``), or,
+    for a prefixed sequence, a non-causal one over the first ``bucket_floor(p)`` prefix keys
+    plus a square causal one over the remaining keys (queries placed at their offset, zero
+    rows before and after), merged by log-sum-exp. Padding rows are zeros and are never
+    read back; causal masking keeps them out of every real row. A prefixed sequence goes to
+    varlen instead when that is cheaper (a short chunk after a long prefix).
+
+    Settings: ``min_len``, the fewest queries a sequence takes cuDNN with;
+    ``new_plans_per_step`` (below); ``group_prefixes``, one non-causal call for the queries
+    of neighbours sharing a prefix; ``native_gqa``, whether cuDNN takes fewer kv heads than
+    q heads. ``enabled`` turns off for good (one log line) if cuDNN refuses a shape."""
+
+    name = "cudnn"
+
+    def __init__(self, min_len: int = 256, new_plans_per_step: int | None = 1, group_prefixes: bool = True,
+                 native_gqa: bool = True, concurrent_streams: int = 3) -> None:
+        super().__init__(concurrent_streams)
+        self.min_len = min_len
+        # Building a cuDNN plan for a new shape holds up the launching thread for ~20 ms, while
+        # the GPU runs dry. Square shapes are all built at start-up; the non-causal prefix
+        # shapes (chunk bucket x prefix bucket) are too many for that, so a step builds at most
+        # this many new ones and sends other prefixed chunks with unbuilt shapes to varlen until
+        # their turn. None: build every shape on first use (deterministic mode: a sequence's
+        # path must not depend on what ran before).
+        self.new_plans_per_step = new_plans_per_step
+        self.group_prefixes = group_prefixes
+        self.native_gqa = native_gqa
+        self.enabled = True
+        self.shapes: set[tuple] = set()  # cuDNN shapes run so far (each built a plan once)
+        self._may_build: int | None = new_plans_per_step
+        self._building: set[tuple] = set()
+
+    # --- planning ----------------------------------------------------------------------
+    def _route(self, ctx: StepContext, window: int | None, lo: int, hi: int, prefixed: bool, items: list,
+               cq: list[int], ck: list[int]) -> int:
+        if window is not None or not self.enabled:
+            return lo
+        if prefixed:
+            return self._route_prefixed(ctx, lo, hi, items, cq, ck)
+        j = lo
+        while j < hi and ctx.q_lens[j] >= self.min_len:
+            items.append(Fresh(cq[j], ctx.q_lens[j]))
+            j += 1
+        return j
+
+    @staticmethod
+    def _split_pays(members: list[tuple[int, int]], s: int) -> bool:
+        """Is the cuDNN split cheaper than varlen for these (queries, prefix keys) sequences
+        sharing their first s keys: one non-causal call for all their queries over those
+        keys, a causal square each over the rest (work in varlen query-key pairs)?"""
+        split = (bucket(sum(c for c, _ in members)) * s + sum(bucket(p - s + c) ** 2 / 2 for c, p in members))
+        return split / _CUDNN_SPEEDUP < sum(c * p + c * c / 2 for c, p in members)
+
+    def _group_end(self, ctx: StepContext, j: int, hi: int) -> tuple[int, int]:
+        """(e, s): sequences [j, e) share their first s keys (s = the bucket floor of each
+        one's prefix), each has at least ``min_len`` queries, and the split for them together
+        pays. e = j + 1 when there is no such group of two or more."""
+        shared, q, k = ctx.prefix_shared, ctx.q_lens, ctx.k_lens
+        s = bucket_floor(k[j] - q[j])
+        if not self.group_prefixes or shared is None or not s or q[j] < self.min_len:
+            return j + 1, s
+        e = j + 1
+        while e < hi and shared[e] >= s and q[e] >= self.min_len and bucket_floor(k[e] - q[e]) == s:
+            e += 1
+        if e - j < 2 or not self._split_pays([(q[i], k[i] - q[i]) for i in range(j, e)], s):
+            return j + 1, s
+        return e, s
+
+    def _route_prefixed(self, ctx: StepContext, lo: int, hi: int, items: list, cq: list[int], ck: list[int]) -> int:
+        """Prefixed sequences [lo, hi): a run of neighbours that share their first s keys
+        (``ctx.prefix_shared``; s = the bucket floor of each one's prefix) takes one
+        non-causal call for all their queries against those keys (``Group``); others take
+        the split one by one (``Prefixed``) where it pays; the rest go to varlen, one call
+        per run of neighbours. Returns hi (every sequence placed)."""
+        run = None  # first sequence of the current varlen run
+        j = lo
+        while j < hi:
+            e, s = self._group_end(ctx, j, hi)
+            item = None
+            if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
+                item = Group(cq[j], ctx.q_lens[j:e], ck[j:e], [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])], s)
+            else:
+                e, c, p = j + 1, ctx.q_lens[j], ctx.k_lens[j] - ctx.q_lens[j]
+                if c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s):
+                    item = Prefixed(cq[j], c, ck[j], p)
+            if item is None:
+                run = j if run is None else run
+            else:
+                if run is not None:
+                    items.append(self._varlen_item(ctx, run, j, True, cq, ck))
+                    run = None
+                items.append(item)
+            j = e
+        if run is not None:
+            items.append(self._varlen_item(ctx, run, hi, True, cq, ck))
+        return hi
+
+    def _plan(self, ctx: StepContext, window: int | None) -> Plan:
+        self._may_build, self._building = self.new_plans_per_step, set()
+        return super()._plan(ctx, window)
+
+    def _plan_ready(self, cb: int, s: int) -> bool:
+        """May a prefixed chunk take the cuDNN split with a non-causal (cb queries x s keys)
+        call in this step: no such call, its plan exists, or the step may build it."""
+        shape = (cb, s, False, True)
+        if s == 0 or self._may_build is None or shape in self.shapes or shape in self._building:
+            return True
+        if self._may_build > 0:
+            self._may_build -= 1
+            self._building.add(shape)
+            return True
+        return False
+
+    # --- running -----------------------------------------------------------------------
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+        try:
+            return super().__call__(x, ctx, scale, window)
+        except PathFailed as e:  # cuDNN refused a shape: varlen from now on, replan this step
+            log.warning("cuDNN attention unavailable (%s); using varlen", e.reason)
+            self.enabled = False
+            ctx.attn_plan = None
+            return super().__call__(x, ctx, scale, window)
+
+    def _run_special(self, it: object, x: AttentionInputs, scale: float, out: torch.Tensor) -> None:
+        try:
+            if isinstance(it, Fresh):
+                t1 = it.t0 + it.n
+                out[it.t0:t1] = self._square(x.q[it.t0:t1], x.k[it.t0:t1], x.v[it.t0:t1], 0, scale, False)[0]
+            elif isinstance(it, Group):
+                self._split(x, it.t0, it.cs, it.k0s, it.ps, it.s, scale, out)
+            else:
+                self._split(x, it.t0, [it.c], [it.k0], [it.p], bucket_floor(it.p), scale, out)
+        except RuntimeError as e:
+            if _not_a_shape_problem(e):  # out of memory / a broken context: not cuDNN's refusal
+                raise
+            raise PathFailed("cudnn", e) from e
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, lse: bool,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """cuDNN attention: q [n, Hq, D], k, v [m, Hkv, D] -> ([n, Hq, D], lse [Hq, n] | None)."""
+        g = q.shape[1] // k.shape[1]
+        qd, kd, vd = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))  # [1, H, n, D] views
+        if g > 1 and not self.native_gqa:
+            kd, vd = kd.repeat_interleave(g, dim=1), vd.repeat_interleave(g, dim=1)
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(qd, kd, vd, None, lse, 0.0, causal, False,
+                                                                  scale=scale)
+        self.shapes.add((q.shape[0], k.shape[0], causal, lse))  # its plan exists now
+        return res[0][0].transpose(0, 1), (res[1].reshape(q.shape[1], q.shape[0]) if lse else None)
+
+    @staticmethod
+    def _padded(x: torch.Tensor, front: int, n: int) -> torch.Tensor:
+        """n rows with x at rows [front, front + len). When x's storage has the rows around it
+        (the step's q/k/v and packed keys are allocated with slack: ``ops.slack``), this is
+        a view, no copy: padding query rows may hold anything (their outputs are dropped and
+        never mix into other rows); padding key/value rows lie after x, where the buffers hold
+        later sequences' keys or zeroed slack, so they are finite (a zero softmax weight
+        times a NaN value would be NaN). Otherwise a zero-padded copy."""
+        if front == 0 and x.shape[0] == n:
+            return x
+        r = x.stride(0)
+        off = x.storage_offset() - front * r
+        if x.is_contiguous() and off >= 0 and off + n * r <= x.untyped_storage().nbytes() // x.element_size():
+            return x.as_strided((n, *x.shape[1:]), x.stride(), off)
+        buf = x.new_empty(n, *x.shape[1:])
+        buf[:front].zero_()
+        buf[front:front + x.shape[0]] = x
+        buf[front + x.shape[0]:].zero_()
+        return buf
+
+    def _square(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, front: int, scale: float,
+                lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Causal attention of queries at key positions [front, front + c) over keys k, v
+        ([front + c] rows), run at the bucketed length. Returns (out [c], lse [Hq, c] | None)."""
+        c, m = q.shape[0], k.shape[0]
+        n = bucket(m)
+        o, l = self._sdpa(self._padded(q, front, n), self._padded(k, 0, n), self._padded(v, 0, n), True, lse, scale)
+        return o[front:front + c], (l[:, front:front + c] if lse else None)
+
+    def _split(self, x: AttentionInputs, t0: int, cs: list[int], k0s: list[int], ps: list[int], s: int, scale: float,
+               out: torch.Tensor) -> None:
+        """Queries q[t0 : t0 + sum(cs)] of prefixed sequences whose first s keys are the same
+        (sequence i: cs[i] queries after ps[i] prefix keys, its packed keys at kp[k0s[i]:]):
+        one non-causal call for all the queries over those s keys, then a causal square each
+        over its other keys, merged by log-sum-exp into out. s == 0: the squares alone."""
+        q, kp, vp = x.q, x.kp, x.vp
+        n = sum(cs)
+        if s:
+            o1, l1 = self._sdpa(self._padded(q[t0:t0 + n], 0, bucket(n)), kp[k0s[0]:k0s[0] + s],
+                                vp[k0s[0]:k0s[0] + s], False, True, scale)
+        t = 0
+        for c, k0, p in zip(cs, k0s, ps):
+            a, b = t0 + t, t0 + t + c
+            o2, l2 = self._square(q[a:b], kp[k0 + s:k0 + p + c], vp[k0 + s:k0 + p + c], p - s, scale, s > 0)
+            if s:
+                merge_attn(o1[t:t + c], l1[:, t:t + c], o2, l2, out[a:b])
+            else:
+                out[a:b] = o2
+            t += c
+
+    def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype) -> float:
+        """Run every square bucket up to max_len once, so their cuDNN plans exist before
+        the first request. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        if not self.enabled:
+            return 0.0
+        sizes, n = [], self.min_len
+        while n <= bucket(max_len):
+            sizes.append(bucket(n))
+            n = bucket(n) + 1
+        if not sizes:  # max_len below the cuDNN minimum: every sequence takes varlen
+            return 0.0
+        n = sizes[0]
+        try:
+            q = torch.randn(sizes[-1], hq, d, device=device, dtype=dtype)
+            k = torch.randn(sizes[-1], hkv, d, device=device, dtype=dtype)
+            for n in sizes:
+                for lse in (False, True):
+                    self._sdpa(q[:n], k[:n], k[:n], True, lse, d ** -0.5)
+            torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:  # the larger shapes build their plans on first use
+            log.warning("cuDNN attention warm-up stopped at length %d (out of memory)", n)
+            torch.cuda.empty_cache()
+        except RuntimeError as e:
+            log.warning("cuDNN attention warm-up failed (%s); using varlen", " ".join(str(e).split())[:200])
+            self.enabled = False
+        secs = time.perf_counter() - t0
+        log.info("attention warm-up: %d cuDNN shapes in %.1fs", len(self.shapes), secs)
+        return secs

@@ -1,0 +1,47 @@
+"""The sdpa backend: per-sequence ``scaled_dot_product_attention`` (CPU, float32; the
+reference every other backend is checked against)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from teacher_server.attention.base import AttentionBackend, AttentionInputs
+from teacher_server.model.context import StepContext
+
+
+def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    """One sequence, [lq, Hq, D] x [lk, Hkv, D] -> [lq, Hq, D]; bottom-right causal."""
+    lq, lk = q.shape[0], k.shape[0]
+    groups = q.shape[1] // k.shape[1]
+    qi, ki, vi = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if groups > 1:
+        ki = ki.repeat_interleave(groups, dim=0)
+        vi = vi.repeat_interleave(groups, dim=0)
+    if lq == lk and window is None:
+        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+    else:
+        qpos = torch.arange(lk - lq, lk, device=q.device)[:, None]
+        kpos = torch.arange(lk, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+    return o.transpose(0, 1)
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+        out = torch.empty_like(x.q)
+        qs = ks = 0
+        for i, (lq, lk) in enumerate(zip(ctx.q_lens, ctx.k_lens)):
+            if i < ctx.n_prefixed:
+                ki, vi = x.kp[ks:ks + lk], x.vp[ks:ks + lk]
+                ks += lk
+            else:
+                ki, vi = x.k[qs:qs + lq], x.v[qs:qs + lq]
+            out[qs:qs + lq] = sdpa_one(x.q[qs:qs + lq], ki, vi, scale, window)
+            qs += lq
+        return out

@@ -1,0 +1,26 @@
+"""RMSNorm: the weight of one norm and its eps, applied through the bound ``FusedOps``
+(compiled or eager; ``residual_norm`` in a model fuses it with the residual add)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from teacher_server.layers.linear import copy_checked
+from teacher_server.layers.runtime import RuntimeModule
+
+
+class RMSNorm(RuntimeModule):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rt.ops.rms_norm(x, self.weight, self.eps)
+
+    def shards(self, param: str) -> int:
+        return 1
+
+    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
+        copy_checked(self.weight.data, loaded, name)  # replicated on every rank

@@ -1,0 +1,176 @@
+"""The Llama decoder, also serving Mistral (sliding window) and Qwen2 (QKV bias).
+
+Weights are fused (QKV, gate/up). The forward takes a step's packed varlen tokens and its
+StepContext; the KV of the step's tokens goes to the paged pool where the scheduler asked
+for it, and keys of earlier chunks / cached prefixes are gathered from it. Only the hidden
+rows listed in ``ctx.logits_idx`` are returned (final-normed).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from teacher_server.attention.base import AttentionInputs
+from teacher_server.layers.activation import SiluAndMul
+from teacher_server.layers.embedding import LMHead, VocabEmbedding
+from teacher_server.layers.linear import MergedColumnLinear, RowLinear
+from teacher_server.layers.norm import RMSNorm
+from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.runtime import RuntimeModule
+from teacher_server.model.context import StepContext
+from teacher_server.models.base import LayerPacer
+from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.qkv_rope import HeadLayout
+
+
+class LlamaAttention(RuntimeModule):
+    """Fused QKV projection, rotary (and the KV-pool write), attention over the step's and
+    the pool's keys. Returns the attention output [T, q heads * head_dim]; the o projection is
+    applied by the decoder layer (fused with the residual add)."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        d = spec.head_dim
+        # Tensor parallel splits heads; with more ranks than KV heads they would be replicated.
+        self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.split(spec.num_kv_heads, "kv heads"), d,
+                                spec.rms_norm_eps)
+        self.layer_id = layer_id
+        self.scale = d ** -0.5
+        self.window = spec.sliding_window
+        self.qkv_proj = MergedColumnLinear(spec.hidden_size, {"q": spec.q_size, "k": spec.kv_size, "v": spec.kv_size},
+                                           spec.attention_bias, dtype, device, tp)
+        self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
+
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Per-head RMSNorm weights of q and k ([head_dim] each), None when the family has none."""
+        return None, None
+
+    def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h: normed input [T, hidden]; cs: the step's rotary rows [T, head_dim]."""
+        rt = self.rt
+        qkv = self.qkv_proj(h)  # [T, (n_q + 2 n_kv) d]
+        q, k, v = rt.ops.qkv_store(qkv, cs, self.heads, *self.qk_norm_weights(), rt.kv, self.layer_id, ctx)
+        kp = vp = None
+        if ctx.has_prefix:  # packed [cached prefix | chunk] keys of the prefixed sequences
+            kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
+        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, self.scale, self.window)  # [T, Hq, D]
+        return o.reshape(o.shape[0], -1)
+
+
+class LlamaMLP(RuntimeModule):
+    """Fused gate/up projection and SiLU-mul: [T, hidden] -> [T, intermediate]; the down
+    projection is applied by the decoder layer (fused with the residual add)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        i = spec.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"gate": i, "up": i}, False, dtype, device, tp)
+        self.act = SiluAndMul()
+        self.down_proj = RowLinear(i, spec.hidden_size, dtype, device, tp)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.act(self.gate_up_proj(h))
+
+
+def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm,
+                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + proj(a) (the new residual stream) and its RMSNorm with ``norm``. With
+    ``residual_in_gemm`` the sum is made in the GEMM's epilogue, in place, and rounded once,
+    instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden]."""
+    if ops.residual_in_gemm:
+        x = proj.add_into(x, a)
+        return x, ops.rms_norm(x, norm.weight, norm.eps)
+    return ops.add_rms_norm(x, proj(a), norm.weight, norm.eps)
+
+
+class LlamaDecoderLayer(RuntimeModule):
+    def __init__(self, spec: ModelSpec, layer_id: int, attention: type[LlamaAttention], dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = attention(spec, layer_id, dtype, device, tp)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = LlamaMLP(spec, dtype, device, tp)
+        self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
+        residual stream and the next layer's normed input (normed with ``next_norm``)."""
+        ops = self.rt.ops
+        x, h = residual_norm(x, self.self_attn(h, cs, ctx), self.self_attn.o_proj, self.post_attention_layernorm, ops)
+        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
+
+
+class LlamaForCausalLM(RuntimeModule):
+    """The decoder: embedding, layers, final norm, LM head (tied to the embedding or not).
+    Built with random-free empty weights; ``loader`` fills them, ``bind`` attaches the
+    collaborators, then ``model(ctx, pacer)`` runs a step."""
+
+    attention: type[LlamaAttention] = LlamaAttention
+    # Checkpoint names (after "model.") whose tensors are parts of our fused projections.
+    stacked: tuple[tuple[str, str, str], ...] = (
+        (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", "gate"), (".up_proj.", ".gate_up_proj.", "up"),
+    )
+    ignored = re.compile(r"rotary_emb\.inv_freq$")
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tied: bool,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.spec = spec
+        self.tied = tied
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, self.attention, dtype, device, tp)
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp)
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, norm in zip(self.layers, nexts):
+            # A reference, not a child: the norm belongs to the next layer (or the model).
+            object.__setattr__(layer, "next_norm", norm)
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        """The LM head weight [V, hidden] (the embedding's when tied)."""
+        return (self.embed_tokens if self.head is None else self.head).weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
+        """Where a checkpoint tensor goes: (module path, parameter, fused part or None), or None
+        when it is not loaded (rotary buffers; the LM head of a tied model)."""
+        if self.ignored.search(hf_name):
+            return None
+        if hf_name == "lm_head.weight":
+            return None if self.head is None else ("head", "weight", None)
+        name, part = hf_name.removeprefix("model."), None
+        for theirs, ours, p in self.stacked:
+            if theirs in name:
+                name, part = name.replace(theirs, ours), p
+                break
+        module, _, param = name.rpartition(".")
+        return module, param, part
+
+    @torch.inference_mode()
+    def forward(self, ctx: StepContext, pacer: LayerPacer | None = None) -> torch.Tensor:
+        """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden]."""
+        rt = self.rt
+        assert rt is not None, "bind() the model's collaborators before its first forward"
+        x = self.embed_tokens(ctx.input_ids)  # [T, hidden]
+        cs = rt.rope(ctx.positions)  # [T, D] float32: cos | sin halves
+        h = self.layers[0].input_layernorm(x)
+        for i, layer in enumerate(self.layers):
+            if pacer is not None:
+                pacer.before_layer(i)
+            x, h = layer(x, h, cs, ctx)
+            if pacer is not None:
+                pacer.after_layer()
+        return h[ctx.logits_idx]

@@ -1,0 +1,95 @@
+"""Load an HF checkpoint directory (config.json + safetensors, sharded or not, with or
+without an index file) into the model class of its architecture, each tensor into its
+place (the fused QKV and gate/up parts included) through the owning layer's
+``load_weight``; or make random weights in place (``dummy`` load format)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from teacher_server.models.registry import model_class
+from teacher_server.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return files
+
+
+def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """The model of ``spec.architecture`` with its weights (unbound: see ``bind``)."""
+    path = Path(path)
+    cls = model_class(spec.architecture)
+    if load_format == "dummy":
+        model = cls(spec, dtype, device, tied=bool(spec.tie_word_embeddings))
+        init_dummy(model, seed)
+        return model
+    files = checkpoint_files(path)
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            names.update(sf.keys())
+    tied = spec.tie_word_embeddings is True or "lm_head.weight" not in names
+    model = cls(spec, dtype, device, tied=tied)
+    filled: dict[str, int] = {}  # our parameter name -> count of parts written
+    dev = "cpu" if device.type == "cpu" else str(device)
+    t_all = time.perf_counter()
+    for i, f in enumerate(files, 1):
+        t0 = time.perf_counter()
+        with safe_open(str(f), framework="pt", device=dev) as sf:
+            for hf_name in sf.keys():
+                place = model.checkpoint_param(hf_name)
+                if place is None:
+                    continue
+                module, param, part = place
+                try:
+                    owner = model.get_submodule(module)
+                except AttributeError:
+                    owner = None
+                if owner is None or not hasattr(owner, "load_weight") or getattr(owner, param, None) is None:
+                    raise ValueError(f"checkpoint tensor {hf_name} has no place in {spec.architecture} "
+                                     f"(config/weights mismatch)")
+                owner.load_weight(param, sf.get_tensor(hf_name), part, hf_name)
+                key = f"{module}.{param}"
+                filled[key] = filled.get(key, 0) + 1
+        log.info("loaded checkpoint file %d/%d (%s, %.2f GB) in %.1fs", i, len(files), f.name,
+                 f.stat().st_size / 1e9, time.perf_counter() - t0)
+    missing = []
+    for name, _ in model.named_parameters():
+        module, _, param = name.rpartition(".")
+        if filled.get(name, 0) != model.get_submodule(module).shards(param):
+            missing.append(name)
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing weights for: {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+    log.info("loaded %d checkpoint file(s) in %.1fs", len(files), time.perf_counter() - t_all)
+    return model
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, seed: int) -> None:
+    """Random weights made in place (like vLLM's --load-format dummy): norms at 1,
+    matrices N(0, 0.02) so activations stay in a realistic range."""
+    params = list(model.named_parameters())
+    gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
+    for name, p in params:
+        if p.dim() == 1 and "bias" not in name:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)

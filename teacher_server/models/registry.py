@@ -1,0 +1,37 @@
+"""Supported ``architectures`` of config.json: each names its family, the class that builds
+it (imported on first use) and the family facts config.json leaves implicit. A new dense
+family is one file in this package and one line here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass(frozen=True)
+class Architecture:
+    family: str
+    model: str  # "module:Class" in teacher_server.models
+    qk_norm: bool = False  # per-head RMSNorm of q and k
+    attention_bias: bool = False  # QKV bias when config.json does not say
+    sliding_window: bool = False  # config.json's sliding_window applies
+    refuse_sliding_window: bool = False  # use_sliding_window: true is not supported
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", "llama:LlamaForCausalLM"),
+    "MistralForCausalLM": Architecture("mistral", "llama:LlamaForCausalLM", sliding_window=True),
+    "Qwen2ForCausalLM": Architecture("qwen2", "llama:LlamaForCausalLM", attention_bias=True,
+                                     refuse_sliding_window=True),
+    "Qwen3ForCausalLM": Architecture("qwen3", "qwen3:Qwen3ForCausalLM", qk_norm=True, refuse_sliding_window=True),
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    """The class that builds ``architecture`` (a key of ``ARCHITECTURES``)."""
+    module, cls = ARCHITECTURES[architecture].model.split(":")
+    return getattr(importlib.import_module(f"teacher_server.models.{module}"), cls)

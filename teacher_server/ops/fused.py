@@ -1,0 +1,154 @@
+"""FusedOps: the per-layer stages of the forward and the two independent switches that pick
+how they run.
+
+- ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel) and the
+  residual add inside the o/down GEMM. None of them needs ``torch.compile``.
+- ``compile``: RMSNorm, add + RMSNorm and the torch QKV stages through ``torch.compile``
+  (dynamic shapes: one graph for every token count), each one or two fused kernels instead
+  of a chain of full-size passes.
+
+A compile that fails (when built, in the start-up check, or at run time) turns off the
+compiled stages alone, which then run eagerly; a kernel that fails its start-up check turns
+off that kernel alone. The CPU runs everything eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from teacher_server.ops import extension
+from teacher_server.ops.checks import assert_close
+from teacher_server.ops.norm import add_rms_norm, rms_norm
+from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
+from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
+
+if TYPE_CHECKING:
+    from teacher_server.kv_pool import KVPool
+    from teacher_server.model.context import StepContext
+
+log = logging.getLogger(__name__)
+
+
+class _Guarded:
+    """A compiled stage that falls back to its eager version for good the first time
+    compilation fails at run time (for example a recompile limit); results stay correct."""
+
+    def __init__(self, compiled: Callable, eager: Callable) -> None:
+        self.compiled, self.eager, self.ok = compiled, eager, True
+
+    def __call__(self, *args):  # noqa: ANN002, ANN204
+        if self.ok:
+            try:
+                return self.compiled(*args)
+            except Exception as e:
+                if not isinstance(e, torch._dynamo.exc.TorchDynamoException) and "inductor" not in type(e).__module__:
+                    raise
+                log.warning("compiled %s failed at run time (%s); using eager", self.eager.__name__, type(e).__name__)
+                self.ok = False
+        return self.eager(*args)
+
+
+_STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep}
+
+
+class FusedOps:
+    """The stage functions a layer calls (``rms_norm``, ``add_rms_norm``, ``silu_mul``,
+    ``qkv_store``) and the switches behind them. ``kernels_available`` says whether the CUDA
+    library loads (injectable, so the switches can be exercised on the CPU, where every op
+    still takes its torch reference)."""
+
+    def __init__(self, kernels: bool, compile: bool,
+                 kernels_available: Callable[[], bool] = extension.available) -> None:
+        self.rms_norm: Callable = rms_norm
+        self.add_rms_norm: Callable = add_rms_norm
+        self.qkv_prep: Callable = qkv_prep
+        loaded = kernels and kernels_available()
+        self.silu_kernel = loaded  # SiLU-mul CUDA kernel
+        self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
+        self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
+        self.compiled = False
+        if compile:
+            try:
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                staged = {n: _Guarded(torch.compile(f, fullgraph=True), f) for n, f in _STAGES.items()}
+            except Exception as e:  # no triton / inductor: the eager stages are correct, only slower
+                log.warning("torch.compile unavailable (%s); the elementwise stages run eagerly", e)
+            else:
+                self.rms_norm, self.add_rms_norm, self.qkv_prep = (staged[n] for n in _STAGES)
+                self.compiled = True
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] -> [T, I]: silu(gate) * up."""
+        return silu_mul(gate_up) if self.silu_kernel else silu_mul_reference(gate_up)
+
+    def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, heads: HeadLayout, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, kv: KVPool, layer: int,
+                  ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, n_q, d], k, v [T, n_kv, d] from the fused QKV output [T, width] and the
+        step's rotary rows cs [T, d]; this step's k and v go into the KV pool where the
+        scheduler asked for it: one CUDA kernel when it can, else the torch stages."""
+        if self.qkv_kernel:
+            out = qkv_rope(qkv, cs, q_norm, k_norm, heads, *kv.store_target(layer, ctx))
+            if out is not None:
+                return out
+        half = heads.d // 2
+        q, k, v = self.qkv_prep(qkv, cs[:, None, :half], cs[:, None, half:], q_norm, k_norm, heads.n_q, heads.n_kv,
+                                heads.d, heads.eps)
+        kv.store(layer, k, v, ctx)
+        return q, k, v
+
+    def warm_up(self, heads: HeadLayout, hidden: int, intermediate: int, q_norm: torch.Tensor | None,
+                k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
+        """Compile the stages now (two token counts: a static then a dynamic graph) and check
+        every switched-on stage against its reference at the model's shapes; a compiled stage
+        that fails turns the compiled stages off, a kernel that fails turns that kernel off."""
+        if self.compiled:
+            t0 = time.perf_counter()
+            try:
+                self._check_compiled(heads, hidden, q_norm, k_norm, cos_sin, device, dtype)
+                log.info("compiled fused elementwise stages in %.1fs", time.perf_counter() - t0)
+            except Exception as e:
+                self.eager_stages(e)
+        if self.silu_kernel:
+            try:
+                check_silu_mul(intermediate, device, dtype)
+            except Exception as e:  # the reference is correct, only slower
+                log.warning("SiLU-mul kernel disabled: %s", e)
+                self.silu_kernel = False
+        if self.qkv_kernel:
+            try:
+                check_qkv_rope(heads, q_norm, k_norm, cos_sin, device, dtype)
+            except Exception as e:  # the torch stages are correct, only slower
+                log.warning("fused QKV kernel disabled: %s", e)
+                self.qkv_kernel = False
+
+    def eager_stages(self, err: Exception) -> None:
+        """Run the compiled stages eagerly from now on (the kernels are not affected)."""
+        log.warning("compiled elementwise stages failed (%s: %s); running them eagerly", type(err).__name__, err)
+        self.rms_norm, self.add_rms_norm, self.qkv_prep = rms_norm, add_rms_norm, qkv_prep
+        self.compiled = False
+
+    def _check_compiled(self, heads: HeadLayout, hidden: int, q_norm: torch.Tensor | None,
+                        k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device,
+                        dtype: torch.dtype) -> None:
+        half = heads.d // 2
+        for n in (16, 40):
+            x = torch.randn(n, hidden, device=device, dtype=dtype)
+            w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=dtype)
+            qkv = torch.randn(n, heads.width, device=device, dtype=dtype)
+            cs = cos_sin[(torch.arange(n, device=device) * 37) % cos_sin.shape[0]]
+            args = {
+                "rms_norm": (x, w, heads.eps),
+                "add_rms_norm": (x, x.flip(0), w, heads.eps),
+                "qkv_prep": (qkv, cs[:, None, :half], cs[:, None, half:], q_norm, k_norm, heads.n_q, heads.n_kv,
+                             heads.d, heads.eps),
+            }
+            for name, a in args.items():
+                got, ref = getattr(self, name)(*a), _STAGES[name](*a)
+                for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
+                    assert_close(f"compiled {name}", g, r)
