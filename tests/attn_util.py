@@ -12,7 +12,8 @@ from teacher_server.model.context import StepContext
 
 
 def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str, dtype: torch.dtype,
-              seed: int = 0, shared: list[int] | None = None) -> tuple[AttentionInputs, StepContext, list[tuple[int, int]]]:
+              seed: int = 0,
+              shared: list[int] | None = None) -> tuple[AttentionInputs, StepContext, list[tuple[int, int]]]:
     """lens: (q_len, k_len) per sequence (k_len > q_len: prefixed). Returns
     (inputs, ctx, ordered lens). With ``shared`` (per prefixed sequence, leading
     keys equal to the previous one's: ``StepContext.prefix_shared``) lens are taken in the

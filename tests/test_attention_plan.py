@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attn_util import CpuCudnn, make_step, partial, reference
 
-from attn_util import CpuCudnn, partial, make_step, reference
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket, bucket_floor
 from teacher_server.attention.cudnn import CudnnBackend

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attn_util import make_step, reference
 
 from teacher_server.attention import make_backend

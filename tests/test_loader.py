@@ -66,3 +66,34 @@ def test_dummy_load_format(tmp_path, checkpoints) -> None:  # noqa: ANN001
     (tmp_path / "config.json").write_text((checkpoints["qwen3"] / "config.json").read_text())
     got, _ = score(tmp_path, load_format="dummy")  # no safetensors needed
     assert got.shape == (46, 3) and np.isfinite(got).all() and (got < 0).all()
+
+
+def test_loading_logs_progress_per_file(tmp_path, caplog) -> None:  # noqa: ANN001
+    """One INFO line per safetensors file: its number of all, its size and the seconds taken."""
+    import logging
+
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path, max_shard_size="100KB")
+    n = len(checkpoint_files(tmp_path))
+    assert n > 1
+    with caplog.at_level(logging.INFO, logger="teacher_server.models.loader"):
+        score(tmp_path)
+    lines = [r.getMessage() for r in caplog.records if r.name == "teacher_server.models.loader"]
+    per_file = [m for m in lines if m.startswith("loaded checkpoint file ")]
+    assert [m.split()[3] for m in per_file] == [f"{i}/{n}" for i in range(1, n + 1)], lines
+    assert all(" GB) in " in m and m.endswith("s") for m in per_file), per_file
+
+
+def test_registry_maps_each_architecture_to_its_family_class() -> None:
+    from teacher_server.models.llama import LlamaForCausalLM
+    from teacher_server.models.qwen3 import Qwen3ForCausalLM
+    from teacher_server.models.registry import ARCHITECTURES, model_class
+
+    assert model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+        assert model_class(arch) is LlamaForCausalLM
+    assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3"}

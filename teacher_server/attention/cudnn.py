@@ -149,7 +149,8 @@ class CudnnBackend(TorchVarlenBackend):
             e, s = self._group_end(ctx, j, hi)
             item = None
             if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
-                item = Group(cq[j], ctx.q_lens[j:e], ck[j:e], [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])], s)
+                prefixes = [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])]
+                item = Group(cq[j], ctx.q_lens[j:e], ck[j:e], prefixes, s)
             else:
                 e, c, p = j + 1, ctx.q_lens[j], ctx.k_lens[j] - ctx.q_lens[j]
                 if c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s):

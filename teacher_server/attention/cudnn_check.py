@@ -31,7 +31,8 @@ class CudnnPaths:
 _VARIANTS = (CudnnPaths(True, True), CudnnPaths(True, False), CudnnPaths(False, True), CudnnPaths(False, False))
 
 
-def _check_step(device: torch.device, dtype: torch.dtype) -> tuple[AttentionInputs, Callable[[torch.device], StepContext]]:
+def _check_step(device: torch.device,
+                dtype: torch.dtype) -> tuple[AttentionInputs, Callable[[torch.device], StepContext]]:
     """Prefixed sequences with and without a prefix split, two sharing a prefix, fresh ones
     at and off a bucket length, short ones; every shape fit for cuDNN."""
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from teacher_server.attention.base import AttentionBackend
 from teacher_server.engine.scoring import ScoringOutput, ScoringPlan, score_rows
 from teacher_server.engine.sequence import Chunk
-from teacher_server.attention.base import AttentionBackend
 from teacher_server.kv_pool import KVPool
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import Runtime

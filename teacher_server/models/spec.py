@@ -57,7 +57,7 @@ class ModelSpec:
         return self.num_layers * (attn + mlp)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         archs = d.get("architectures") or []
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -110,7 +110,7 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelSpec":
+    def from_dir(cls, path: str | Path) -> ModelSpec:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")

@@ -80,7 +80,8 @@ def _validate(logits: torch.Tensor, cand: torch.Tensor, out: torch.Tensor | None
     if vocab == 0:
         raise ValueError("gather_logprobs: logits have an empty vocab dimension")
     if vocab > 1 and logits.stride(1) != 1:
-        raise ValueError(f"gather_logprobs: logits last dim must be contiguous (stride 1), got strides {logits.stride()}")
+        raise ValueError(f"gather_logprobs: logits last dim must be contiguous (stride 1), "
+                         f"got strides {logits.stride()}")
     if cand.dtype not in _CAND_DTYPES:
         raise ValueError(f"gather_logprobs: candidates must be int32 or int64, got {cand.dtype}")
     if cand.dim() not in (1, 2):

@@ -21,7 +21,8 @@ def merge_attn_reference(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
 
 
-def merge_attn(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def merge_attn(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
     """Write the merged attention into out ([c, H, D]) and return it."""
     ok = all(t.is_cuda and t.dtype in HALF and t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
              and aligned(t) for t in (o1, o2, out)) and o1.shape[-1] % 8 == 0
