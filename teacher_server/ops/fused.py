@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,10 +28,18 @@ from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qk
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
 
 if TYPE_CHECKING:
-    from teacher_server.kv_pool import KVPool
     from teacher_server.model.context import StepContext
 
 log = logging.getLogger(__name__)
+
+
+class KVStore(Protocol):
+    """What the QKV stage needs of the KV pool (``kv_pool.KVPool``)."""
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None: ...
+
+    def store_target(self, layer: int,
+                     ctx: StepContext) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
 
 
 class _Guarded:
@@ -87,7 +95,7 @@ class FusedOps:
         return silu_mul(gate_up) if self.silu_kernel else silu_mul_reference(gate_up)
 
     def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, heads: HeadLayout, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, kv: KVPool, layer: int,
+                  k_norm: torch.Tensor | None, kv: KVStore, layer: int,
                   ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, n_q, d], k, v [T, n_kv, d] from the fused QKV output [T, width] and the
         step's rotary rows cs [T, d]; this step's k and v go into the KV pool where the
