@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from teacher_server.attention import make_backend
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.model_runner import HostStep, ModelRunner, PendingOutput
 from teacher_server.engine.request import ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
-from teacher_server.attention import make_backend
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
 
