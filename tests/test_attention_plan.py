@@ -276,3 +276,16 @@ def test_random_steps_with_prefix_groups_match_reference(seed: int) -> None:
         ctx.attn_plan = None
         got = be(tensors, ctx, 0.25, None)
         assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+
+
+def test_registry_picks_sdpa_off_cuda_and_names_the_choices() -> None:
+    from teacher_server.attention import make_backend
+
+    cpu = torch.device("cpu")
+    assert make_backend("auto", cpu).name == "sdpa"
+    assert make_backend("sdpa", cpu, torch.float32).warm_up(4096, 4, 2, 16, cpu, torch.float32) == 0.0
+    for name in ("varlen", "cudnn", "flash_attn"):
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            make_backend(name, cpu)
+    with pytest.raises(ValueError, match="choose auto, sdpa, varlen, flash_attn, cudnn"):
+        make_backend("nope", cpu)
