@@ -150,3 +150,23 @@ def test_pool_gathers_prefix_and_chunk_keys() -> None:
     slack = kp.untyped_storage().nbytes() // kp.element_size() - kp.numel()
     assert slack > 0 and torch.equal(kp.as_strided((slack,), (1,), kp.numel()), torch.zeros(slack))
     assert pool.nbytes == 2 * 2 * 16 * 2 * 4 * 4
+
+
+def test_model_checks_ops_at_its_own_shapes(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A Qwen3 model (q/k norms) runs the start-up checks at its shapes; a failing compile
+    leaves the kernel switches on."""
+    from teacher_server.models.loader import load_model
+    from teacher_server.models.spec import ModelSpec
+
+    def no_compile(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("no inductor here")
+
+    monkeypatch.setattr(torch, "compile", no_compile)
+    path = checkpoints["qwen3"]
+    spec = ModelSpec.from_dir(path)
+    model = load_model(path, spec, torch.float32, torch.device("cpu"))
+    ops = FusedOps(kernels=True, compile=True, kernels_available=lambda: True)
+    rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 64,
+                           torch.device("cpu"))
+    model.warm_up_ops(ops, rope)
+    assert not ops.compiled and kernels_on(ops)

@@ -93,9 +93,7 @@ class ModelRunner:
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
         if cuda:
-            attn0 = model.layers[0].self_attn
-            self.ops.warm_up(attn0.heads, spec.hidden_size, spec.intermediate_size, *attn0.qk_norm_weights(),
-                             rope.table, device, dtype)
+            model.warm_up_ops(self.ops, rope)
         model.bind(Runtime(attn, self.ops, self.kv, rope))
 
     @property

@@ -19,6 +19,7 @@ from teacher_server.layers.embedding import LMHead, VocabEmbedding
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
 from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.model.context import StepContext
 from teacher_server.models.base import LayerPacer
@@ -158,6 +159,12 @@ class LlamaForCausalLM(RuntimeModule):
                 break
         module, _, param = name.rpartition(".")
         return module, param, part
+
+    def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
+        """Compile and check ``ops``' stages at this model's shapes and q/k-norm weights."""
+        attn = self.layers[0].self_attn
+        ops.warm_up(attn.heads, self.spec.hidden_size, self.spec.intermediate_size, *attn.qk_norm_weights(),
+                    rope.table, rope.table.device, self.dtype)
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, pacer: LayerPacer | None = None) -> torch.Tensor:
