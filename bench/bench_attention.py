@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_kernel import time_ms  # noqa: E402
 from teacher_server.model import attention as A  # noqa: E402
-from teacher_server.model.context import StepContext  # noqa: E402
+from teacher_server.step_context import StepContext  # noqa: E402
 from teacher_server.ops.elementwise import alloc_with_slack  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
@@ -67,8 +67,9 @@ def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[tuple, 
         off += k_lens[i]
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=dev)  # noqa: E731
     z = torch.zeros(0, dtype=torch.int64, device=dev)
-    ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
-                      None, tk, z, npf, sum(q_lens[:npf]), prefix_shared=shared)
+    ctx = StepContext(input_ids=z, positions=z, cu_q=cu(q_lens), cu_k=cu(k_lens), max_q=max(q_lens),
+                      max_k=max(k_lens), q_lens=q_lens, k_lens=k_lens, logits_idx=z, total_k=tk, n_prefixed=npf,
+                      tok_prefixed=sum(q_lens[:npf]), prefix_shared=shared)
     pairs = sum(c * (kl - c) + c * (c + 1) / 2 for c, kl in lens)
     return (q, k, v, kp, vp), ctx, 4 * D * HQ * pairs
 

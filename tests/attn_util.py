@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from teacher_server.model import attention as A
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 
 def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str, dtype: torch.dtype,
@@ -34,8 +34,9 @@ def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str
     q_lens, k_lens = [t[0] for t in order], [t[1] for t in order]
     cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=device)  # noqa: E731
     z = torch.zeros(0, dtype=torch.int64, device=device)
-    ctx = StepContext(z, z, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None,
-                      None, sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]), prefix_shared=shared)
+    ctx = StepContext(input_ids=z, positions=z, cu_q=cu(q_lens), cu_k=cu(k_lens), max_q=max(q_lens),
+                      max_k=max(k_lens), q_lens=q_lens, k_lens=k_lens, logits_idx=z, total_k=sum(k_lens[:npf]),
+                      n_prefixed=npf, tok_prefixed=sum(q_lens[:npf]), prefix_shared=shared)
     return (cat(qs), cat(ks), cat(vs), cat(kps), cat(vps)), ctx, order
 
 
@@ -44,9 +45,10 @@ def reference(tensors: tuple, ctx: StepContext, scale: float, window: int | None
     from teacher_server.model.attention import SdpaBackend
 
     cpu = tuple(None if t is None else t.float().cpu() for t in tensors)
-    c = StepContext(*(getattr(ctx, f) for f in ("input_ids", "positions")), ctx.cu_q.cpu(), ctx.cu_k.cpu(),
-                    ctx.max_q, ctx.max_k, ctx.q_lens, ctx.k_lens, None, None, None, None, None, ctx.total_k,
-                    ctx.logits_idx, ctx.n_prefixed, ctx.tok_prefixed)
+    c = StepContext(input_ids=ctx.input_ids, positions=ctx.positions, cu_q=ctx.cu_q.cpu(), cu_k=ctx.cu_k.cpu(),
+                    max_q=ctx.max_q, max_k=ctx.max_k, q_lens=ctx.q_lens, k_lens=ctx.k_lens,
+                    logits_idx=ctx.logits_idx, total_k=ctx.total_k, n_prefixed=ctx.n_prefixed,
+                    tok_prefixed=ctx.tok_prefixed)
     return SdpaBackend()(*cpu, c, scale, window)
 
 

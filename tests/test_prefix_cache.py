@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -83,7 +85,7 @@ def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints)
     cold = engine(path, cache=False, budget=1024).run_to_completion(reqs)
     eng = engine(path, cache=True, budget=1024)
     be = CpuCudnn(8)
-    eng.runner.attn = be
+    eng.tuning = replace(eng.tuning, attention=be)
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert sorted(w.cached_tokens for w in warm) == [0] * 2 + [144] * 6
@@ -115,7 +117,7 @@ def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None
     eng = engine(path, cache=True, budget=1024)
     eng.run_to_completion(leaders)  # both prompts cached
     be = CpuCudnn(8)
-    eng.runner.attn = be
+    eng.tuning = replace(eng.tuning, attention=be)
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert [w.cached_tokens for w in warm] == [144] * 6
@@ -152,8 +154,9 @@ def test_eviction_under_pressure(checkpoints) -> None:  # noqa: ANN001
         warm = eng.run_to_completion([ScoreRequest(r.request_id + f"-{_}", r.token_ids, r.start, r.candidates,
                                                    max_tokens=1) for r in reqs])
         assert_same(warm, cold)
-    assert eng.blocks.num_free == eng.blocks.num_blocks  # nothing leaked
-    assert eng.blocks.hit_tokens > 0
+    stats = eng.stats()
+    assert stats.kv_blocks_used == 0 and stats.active_requests == 0  # nothing leaked
+    assert stats.prefix_hit_tokens > 0
 
 
 def test_cache_can_be_turned_off(checkpoints) -> None:  # noqa: ANN001

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
 
@@ -563,8 +563,9 @@ def self_check(backend: CudnnBackend, device: torch.device, dtype: torch.dtype) 
         z = torch.zeros(0, dtype=torch.int64, device=dev)
         cq = torch.tensor(_cums(q_lens), dtype=torch.int32, device=dev)
         ck = torch.tensor(_cums(k_lens), dtype=torch.int32, device=dev)
-        return StepContext(z, z, cq, ck, max(q_lens), max(k_lens), q_lens, k_lens, None, None, None, None, None,
-                           sum(k_lens[:npf]), z, npf, sum(q_lens[:npf]), prefix_shared=shared)
+        return StepContext(input_ids=z, positions=z, cu_q=cq, cu_k=ck, max_q=max(q_lens), max_k=max(k_lens),
+                           q_lens=q_lens, k_lens=k_lens, logits_idx=z, total_k=sum(k_lens[:npf]), n_prefixed=npf,
+                           tok_prefixed=sum(q_lens[:npf]), prefix_shared=shared)
 
     cpu = torch.device("cpu")
     ref = SdpaBackend()(*(x.float().to(cpu) for x in (q, k, v, kp, vp)), ctx_on(cpu), d ** -0.5, None)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.model.attention import AttentionBackend
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import LayerPacer, StepContext
 from teacher_server.model.fused import FusedOps
 from teacher_server.model.spec import ModelSpec
 from teacher_server.ops.elementwise import alloc_with_slack
@@ -90,14 +90,14 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, cos_sin: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
-                attn: AttentionBackend, ops: FusedOps) -> torch.Tensor:
-        """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden]."""
+                attn: AttentionBackend, ops: FusedOps, pacer: LayerPacer | None = None) -> torch.Tensor:
+        """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden].
+        ``pacer`` (CUDA) is told before and after each layer."""
         eps = self.spec.rms_norm_eps
         x = F.embedding(ctx.input_ids, self.embed)  # [T, hidden]
         cs = cos_sin[ctx.positions]  # [T, D] float32: cos | sin halves
         h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         n = len(self.layers)
-        pacer = ctx.pacer
         for i, layer in enumerate(self.layers):
             if pacer is not None:
                 pacer.before_layer(i)
