@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from teacher_server.config import Config
@@ -134,25 +133,13 @@ class Engine:
         """Queue a validated request. Returns its result at once if it needs no forward."""
         assert req.uid not in self._seqs, f"request uid {req.uid} added twice"
         seq = Sequence(req, self._blocks.block_size, self._prefix_caching)
-        seq.result = self._new_result(req)
+        seq.result = ScoreResult.empty_for(req)
         if seq.num_tokens == 0:
             seq.result.finished_at = time.monotonic()
             return seq.result
         self._seqs[req.uid] = seq
         self._scheduler.add(seq)
         return None
-
-    def _new_result(self, req: ScoreRequest) -> ScoreResult:
-        res = ScoreResult(request_id=req.request_id, uid=req.uid, prompt_tokens=req.length)
-        if req.candidates is not None:
-            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
-        if req.prompt_logprobs is not None:
-            n = max(req.length - 1, 0)
-            res.plp_token_logprob = np.zeros(n, dtype=np.float32)
-            res.plp_token_rank = np.zeros(n, dtype=np.int64)
-            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
-            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
-        return res
 
     def abort_request(self, uid: int, kind: ErrorKind = ErrorKind.CANCELLED,
                       message: str = "request cancelled") -> ScoreResult | None:
@@ -182,6 +169,12 @@ class Engine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block no request holds."""
         self._blocks.reset_prefix_cache()
+
+    @property
+    def fused_stages_compiled(self) -> bool:
+        """Whether the fused elementwise stages run compiled (False: eager; the CPU, or a
+        compile that failed its start-up check)."""
+        return self.runner.ops.compiled
 
     @property
     def tuning(self) -> Tuning:

@@ -99,6 +99,20 @@ class ScoreResult:
     finished_at: float = 0.0
 
     @classmethod
+    def empty_for(cls, req: ScoreRequest) -> ScoreResult:
+        """The result arrays a request's steps fill in."""
+        res = cls(req.request_id, req.uid, req.length)
+        if req.candidates is not None:
+            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
+        if req.prompt_logprobs is not None:
+            n = max(req.length - 1, 0)
+            res.plp_token_logprob = np.zeros(n, dtype=np.float32)
+            res.plp_token_rank = np.zeros(n, dtype=np.int64)
+            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
+            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
+        return res
+
+    @classmethod
     def failed(cls, req: ScoreRequest, kind: ErrorKind, message: str) -> ScoreResult:
         return cls(req.request_id, req.uid, req.length, error=message, error_kind=kind,
                    finished_at=time.monotonic())
