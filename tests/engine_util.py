@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from teacher_server.engine.engine import Engine
 from teacher_server.step_context import StepContext
 
@@ -14,7 +16,7 @@ def around_forward(eng: Engine, before: Callable[[StepContext], None] | None = N
     """Call ``before(ctx)`` / ``after(ctx)`` around every forward of the engine's model."""
     orig = eng.model.forward
 
-    def forward(ctx: StepContext, *args, **kw):  # noqa: ANN002, ANN003, ANN202
+    def forward(ctx: StepContext, *args: object, **kw: object) -> torch.Tensor:
         if before is not None:
             before(ctx)
         out = orig(ctx, *args, **kw)

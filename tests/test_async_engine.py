@@ -4,6 +4,7 @@ request left hanging when the engine dies."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ def test_cancelling_a_duplicate_id_does_not_cancel_the_original(tmp_path) -> Non
         ae.shutdown()
 
 
-def test_same_request_id_from_two_callers(tmp_path) -> None:  # noqa: ANN001
+def test_same_request_id_from_two_callers(tmp_path: Path) -> None:
     """Two callers in flight at once with the same request_id (two trainers both counting
     `rollout-0`, ...): both succeed, each with its own result and its id echoed."""
     eng = slow_engine(tmp_path)

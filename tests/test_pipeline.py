@@ -6,6 +6,7 @@ of the previous step at the first wait, and the half-step launch order are the C
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind, ScoreRequest
 
 
-def engine(tmp_path, pipeline: bool, **kw) -> Engine:  # noqa: ANN001
+def engine(tmp_path: Path, pipeline: bool, **kw: object) -> Engine:
     return Engine(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=64,
                          num_kv_blocks=256, max_model_len=2048, pipeline=pipeline, **kw))
 
@@ -33,7 +34,7 @@ def requests(seed: int = 0) -> list[ScoreRequest]:
     return out
 
 
-def paced(tmp_path, monkeypatch, pipeline: bool, ahead: int) -> tuple[Engine, list]:  # noqa: ANN001
+def paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline: bool, ahead: int) -> tuple[Engine, list]:
     """An engine whose forwards are paced as on CUDA, with stand-in events; the log holds
     ("record" | "sync", event) and ("fwd_start" | "fwd_end", None) in order."""
     log: list = []
@@ -53,7 +54,7 @@ def forwards(log: list) -> list[tuple[int, int, list]]:
     return [(a, b, [e for k, e in log[a:b] if k == "record"]) for a, b in zip(starts, ends)]
 
 
-def test_pipelined_equals_sequential(tmp_path) -> None:  # noqa: ANN001
+def test_pipelined_equals_sequential(tmp_path: Path) -> None:
     seq = engine(tmp_path, False).run_to_completion(requests())
     eng = engine(tmp_path, True)
     pip = eng.run_to_completion(requests())
@@ -67,7 +68,7 @@ def test_pipelined_equals_sequential(tmp_path) -> None:  # noqa: ANN001
     assert stats.kv_blocks_used == 0 and stats.active_requests == 0 and not eng.has_unfinished()
 
 
-def test_abort_while_last_step_in_flight(tmp_path) -> None:  # noqa: ANN001
+def test_abort_while_last_step_in_flight(tmp_path: Path) -> None:
     eng = engine(tmp_path, True)
     reqs = requests(1)
     for r in reqs:
@@ -90,7 +91,7 @@ def test_abort_while_last_step_in_flight(tmp_path) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("pipeline", [True, False])
-def test_launch_failure_fails_only_that_step(tmp_path, pipeline: bool) -> None:  # noqa: ANN001
+def test_launch_failure_fails_only_that_step(tmp_path: Path, pipeline: bool) -> None:
     eng = engine(tmp_path, pipeline, max_num_seqs=1)
     poison = 4095
     fail_on_token(eng, poison, lambda: RuntimeError("injected step failure"))
@@ -110,7 +111,7 @@ def test_launch_failure_fails_only_that_step(tmp_path, pipeline: bool) -> None: 
     assert eng.stats().kv_blocks_used == 0
 
 
-def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Within a forward the host waits for layer i - ahead before launching layer i, so at
     most ``ahead`` layers are ever queued past the last one known finished; results equal
     the unpaced engine's."""
@@ -134,7 +135,7 @@ def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path, monke
             assert ("record", layers[i + ahead]) not in log[a:pos]
 
 
-def test_next_step_launches_after_the_current_one_is_half_done(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_next_step_launches_after_the_current_one_is_half_done(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch of step N+1 waits for step N's mid-forward event (on CUDA, a wait without
     the GIL), so the GPU launch queue never holds more than half a step ahead."""
     eng, log = paced(tmp_path, monkeypatch, True, ahead=2)
@@ -148,7 +149,7 @@ def test_next_step_launches_after_the_current_one_is_half_done(tmp_path, monkeyp
         assert ("sync", mid) in log[b0:a1]  # the engine does, before launching the next step
 
 
-def test_previous_step_completes_inside_the_next_launch(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_previous_step_completes_inside_the_next_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipelined: step N is completed (and, with ``deliver``, its results handed over) when
     the launch of N+1 first waits for the GPU, not after that launch returns. An error in
     ``deliver`` comes out of ``step`` and does not fail the step being launched."""
@@ -193,7 +194,7 @@ def test_previous_step_completes_inside_the_next_launch(tmp_path, monkeypatch) -
     assert sorted([r.uid for r in done] + lost) == sorted(r.uid for r in reqs2)
 
 
-def test_pacer_notes_when_the_gpu_ran_dry(monkeypatch) -> None:  # noqa: ANN001
+def test_pacer_notes_when_the_gpu_ran_dry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Before a layer, an already finished last event means nothing is queued: the pacer
     records a mark there, and the (last event, mark) pair is the GPU's idle gap."""
 
@@ -222,7 +223,7 @@ def test_pacer_notes_when_the_gpu_ran_dry(monkeypatch) -> None:  # noqa: ANN001
     assert len(pacer.idle_gaps) == 1 and pacer.idle_gaps[0][0] is pacer.events[1]
 
 
-def test_gpu_timeline_of_a_paced_step(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_gpu_timeline_of_a_paced_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The pacer's events feed the engine's GPU time: each step's span (1 ms per stand-in
     event pair) counts as busy, the gap to the step launched behind it as idle."""
     eng, _ = paced(tmp_path, monkeypatch, True, ahead=2)

@@ -9,11 +9,12 @@ import asyncio
 import httpx
 import numpy as np
 from apiutil import body, decode
+from conftest import LiveServer
 
 GEN = "/inference/v1/generate"
 
 
-def test_same_request_id_in_flight_twice(demo_server) -> None:  # noqa: ANN001
+def test_same_request_id_in_flight_twice(demo_server: LiveServer) -> None:
     rng = np.random.default_rng(7)
     bodies = [{**body(rng.integers(0, 4096, n), [3, 5, 7], start=10), "request_id": "rollout-8"}
               for n in (700, 400)]  # long enough to be in flight together

@@ -11,7 +11,6 @@ from enum import StrEnum
 
 import numpy as np
 
-
 _uids = itertools.count()
 
 
