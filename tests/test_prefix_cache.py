@@ -173,3 +173,24 @@ def test_no_salt_and_empty_salt_hash_apart() -> None:
 
     t = np.arange(32)
     assert block_hashes(t, 2, 16, None) != block_hashes(t, 2, 16, "")
+
+
+def test_tuning_switches_the_cache_and_the_budget(checkpoints) -> None:  # noqa: ANN001
+    """The switches a built engine takes (the benchmark's ablations): with the cache off
+    and a 16-token budget nothing is reused and steps hold at most 16 tokens; restored,
+    the cache serves the group's prompt again and the scores agree."""
+    path = checkpoints["qwen3"]
+    reqs = group(np.random.default_rng(6), 50, 3, 10, per_row=False)
+    eng = engine(path, cache=True)
+    saved = eng.tuning
+    eng.tuning = replace(saved, prefix_caching=False, token_budget=16)
+    off = eng.run_to_completion(reqs)
+    assert all(r.cached_tokens == 0 for r in off)
+    assert eng.stats().steps >= -(-sum(len(r.token_ids) - 1 for r in reqs) // 16)
+    eng.tuning = saved
+    assert eng.tuning == saved
+    on = eng.run_to_completion([ScoreRequest(r.request_id + "x", r.token_ids, r.start, r.candidates, max_tokens=1)
+                                for r in reqs])
+    # nothing was cached while off: one computes the prompt, its siblings reuse its 6 blocks
+    assert sorted(r.cached_tokens for r in on) == [0, 48, 48]
+    assert_same(on, off)

@@ -20,5 +20,5 @@ class Tuning:
     token_budget: int  # max tokens of one step (the scheduler's budget)
     prefix_caching: bool  # reuse cached prompt KV (applies to requests added afterwards)
     residual_in_gemm: bool  # the residual add in the o/down GEMM epilogue (FusedOps)
-    run_ahead: int | None  # layers the host may queue ahead of the GPU in a forward; None: unpaced
+    run_ahead: int | None  # layers the host may queue ahead of the GPU in a forward; None: unpaced (CPU)
     attention: AttentionBackend  # the attention backend the forward uses
