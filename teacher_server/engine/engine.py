@@ -131,7 +131,8 @@ class Engine:
     # --- requests ----------------------------------------------------------------------
     def add_request(self, req: ScoreRequest) -> ScoreResult | None:
         """Queue a validated request. Returns its result at once if it needs no forward."""
-        assert req.uid not in self._seqs, f"request uid {req.uid} added twice"
+        if req.uid in self._seqs:  # the same ScoreRequest object twice (ids may repeat, uids never)
+            raise ValueError(f"request {req.request_id[:100]!r} (uid {req.uid}) is already queued")
         seq = Sequence(req, self._blocks.block_size, self._prefix_caching)
         seq.result = ScoreResult.empty_for(req)
         if seq.num_tokens == 0:
