@@ -22,6 +22,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -77,11 +78,11 @@ def summarize(name: str, cfg: dict, reqs: list[Req], seconds: float, lat: list[f
 
 def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int) -> dict:
     run_engine(engine, reqs[: max(2, len(reqs) // 8)], f"warm-{name}")  # warm-up: kernels, allocator
-    engine.blocks.reset_prefix_cache()
+    engine.reset_prefix_cache()
     runs = []
     for k in range(repeats if len(reqs) > 1 else min(repeats, 2)):  # one long request: two runs
         runs.append(timed_run(engine, cfg, name, reqs, k))
-        engine.blocks.reset_prefix_cache()
+        engine.reset_prefix_cache()
     best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     best["runs_seconds"] = [r["seconds"] for r in runs]
     best["host_stages_s"] = best.pop("_timing")
@@ -91,14 +92,16 @@ def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats:
 def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> dict:
     """One run, with the engine's per-stage host time over it (wait_s: the host waiting
     for the GPU; the rest is host work, overlapped with the GPU when pipelined)."""
-    before = dict(engine.timing)
+    before = engine.stats()
     torch.cuda.reset_peak_memory_stats()
     dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
     assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
     assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
     assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
     out = summarize(name, cfg, reqs, dt, lat, torch.cuda.max_memory_allocated())
-    out["_timing"] = {k: round(engine.timing[k] - before[k], 4) for k in engine.timing}
+    after = engine.stats()
+    out["_timing"] = {k: round(v, 4) for k, v in asdict(after.timing.minus(before.timing)).items()}
+    out["_timing"] |= {"steps": after.steps - before.steps, "tokens": after.computed_tokens - before.computed_tokens}
     return out
 
 
@@ -108,18 +111,22 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     from teacher_server.attention import make_backend
 
     out = {}
-    attn, budget = engine.runner.attn, engine.scheduler.cfg.max_num_batched_tokens
+    saved = engine.tuning
+    attn = saved.attention
     streams = getattr(attn, "concurrent_streams", 0)
-    in_gemm = engine.runner.ops.residual_in_gemm
     grouped = getattr(attn, "group_prefixes", False)
+
+    def tune(**kw) -> None:  # noqa: ANN003
+        engine.tuning = replace(saved, **kw)
+
     variants = {
         "as_configured": lambda: None,
-        "varlen_attention": lambda: setattr(engine.runner, "attn", make_backend("varlen", engine.device)),
+        "varlen_attention": lambda: tune(attention=make_backend("varlen", engine.device)),
         "one_attention_stream": lambda: setattr(attn, "concurrent_streams", 0),
-        "residual_add_outside_gemm": lambda: setattr(engine.runner.ops, "residual_in_gemm", False),
+        "residual_add_outside_gemm": lambda: tune(residual_in_gemm=False),
         "no_prefix_groups": lambda: setattr(attn, "group_prefixes", False),
-        "no_pipeline": lambda: setattr(engine.cfg, "pipeline", False),
-        "budget_x2": lambda: setattr(engine.scheduler.cfg, "max_num_batched_tokens", 2 * budget),
+        "no_pipeline": lambda: tune(pipeline=False),
+        "budget_x2": lambda: tune(token_budget=2 * saved.token_budget),
     }
     for v in only or list(variants):  # in the order asked for
         apply = variants[v]
@@ -131,9 +138,12 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
             out[v] = {"error": str(e)[:200]}
             torch.cuda.empty_cache()
         finally:
-            engine.runner.attn, engine.cfg.pipeline, attn.concurrent_streams = attn, True, streams
-            engine.runner.ops.residual_in_gemm, attn.group_prefixes = in_gemm, grouped
-            engine.scheduler.cfg.max_num_batched_tokens = budget
+            # the backend's own switches are its attributes (not part of the engine's tuning)
+            engine.tuning = saved
+            if hasattr(attn, "concurrent_streams"):
+                attn.concurrent_streams = streams
+            if hasattr(attn, "group_prefixes"):
+                attn.group_prefixes = grouped
     return out
 
 
@@ -279,16 +289,18 @@ def main() -> None:
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
-    results["attention_backend"] = engine.attn.name
-    results["kv_pool_gib"] = engine.runner.kv.nbytes / 2**30
-    results["fused_stages_compiled"] = engine.runner.ops.compiled
-    print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.attn.name}", flush=True)
+    results["attention_backend"] = engine.tuning.attention.name
+    spec, blocks = engine.spec, engine.stats().kv_blocks_total
+    kv_bytes = blocks * ecfg.block_size * 2 * spec.num_layers * spec.kv_size * torch.finfo(engine.dtype).bits // 8
+    results["kv_pool_gib"] = kv_bytes / 2**30
+    results["fused_stages_compiled"] = engine.fused_stages_compiled
+    print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)
     cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
     for n in names + [w for w in cmp_names if w not in names]:
         if n in cmp_names:
-            engine.prefix_caching = engine.blocks.enable_prefix_caching = False
+            engine.tuning = replace(engine.tuning, prefix_caching=False)
             off = bench_engine(engine, cfg, n, workloads[n], args.repeats)
-            engine.prefix_caching = engine.blocks.enable_prefix_caching = True
+            engine.tuning = replace(engine.tuning, prefix_caching=True)
             on = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             results["prefix_cache"][n] = {"off": off, "on": on, "speedup": off["seconds"] / on["seconds"]}
             print(n, "cache off", f"{off['tokens_per_s']:.0f} tok/s", "on", f"{on['tokens_per_s']:.0f} tok/s",
@@ -343,7 +355,7 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
     run_engine(engine, sub[:4], "prof-warm")
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         dt, _, _ = run_engine(engine, sub, "prof")
-    engine.blocks.reset_prefix_cache()
+    engine.reset_prefix_cache()
     ka = prof.key_averages()
     table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import torch
 from teacher_server.ops.slack import alloc_with_slack
 
 if TYPE_CHECKING:
-    from teacher_server.model.context import StepContext
+    from teacher_server.step_context import StepContext
 
 
 class KVPool:

@@ -8,7 +8,7 @@ import torch
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.cudnn import CudnnBackend
 from teacher_server.attention.sdpa import SdpaBackend, sdpa_one
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 
 def make_step(lens: list[tuple[int, int]], hq: int, hk: int, d: int, device: str, dtype: torch.dtype,

@@ -1,12 +1,14 @@
-"""AsyncEngine: cancellation by identity, and no request left hanging when the engine dies."""
+"""AsyncEngine: cancellation by identity, request ids scoped to their caller, and no
+request left hanging when the engine dies."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_util import fail_on_token
 
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
@@ -17,15 +19,9 @@ from teacher_server.engine.request import ScoreRequest
 def slow_engine(tmp_path, fatal_token: int | None = None) -> Engine:  # noqa: ANN001
     eng = Engine(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=32,
                         num_kv_blocks=512, max_model_len=4096))
-    orig = eng.runner.execute
-
-    def execute(hs, *rest):  # noqa: ANN001, ANN002, ANN202
-        time.sleep(0.05)  # long steps, so messages pile up in the inbox meanwhile
-        if fatal_token is not None and fatal_token in hs.ints["input_ids"].tolist():
-            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
-        return orig(hs, *rest)
-
-    eng.runner.execute = execute
+    # long steps, so messages pile up in the inbox meanwhile
+    fail_on_token(eng, -1 if fatal_token is None else fatal_token,
+                  lambda: RuntimeError("CUDA error: an illegal memory access was encountered (injected)"), 0.05)
     return eng
 
 
@@ -46,6 +42,28 @@ def test_cancelling_a_duplicate_id_does_not_cancel_the_original(tmp_path) -> Non
         b.cancel()
         res = await a
         assert res.error is None and res.token_id_logprobs.shape == (199, 2)
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
+def test_same_request_id_from_two_callers(tmp_path: Path) -> None:
+    """Two callers in flight at once with the same request_id (two trainers both counting
+    `rollout-0`, ...): both succeed, each with its own result and its id echoed."""
+    eng = slow_engine(tmp_path)
+    a, b = req("rollout-0", 120, first=1), req("rollout-0", 90, first=500)
+    alone = eng.run_to_completion([req("a", 120, first=1), req("b", 90, first=500)])
+    ae = AsyncEngine(eng, 100, 10 ** 6)
+    ae.start()
+
+    async def main() -> None:
+        ra, rb = await asyncio.wait_for(asyncio.gather(ae.score(a), ae.score(b)), 60)
+        for got, want in ((ra, alone[0]), (rb, alone[1])):
+            assert got.error is None and got.request_id == "rollout-0"
+            np.testing.assert_allclose(got.token_id_logprobs, want.token_id_logprobs, atol=1e-5)
+        assert ra.token_id_logprobs.shape == (119, 2) and rb.token_id_logprobs.shape == (89, 2)
 
     try:
         asyncio.run(main())

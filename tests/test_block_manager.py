@@ -125,3 +125,39 @@ def test_no_deadlock_when_pool_is_tight() -> None:
         assert chunks, "no progress"
         s.finish_step(chunks)
     assert not s.has_work()
+
+
+def test_host_step_parts_agree() -> None:
+    """One step's host arrays (a chunked sequence continuing after 20 tokens, and a fresh
+    one whose first two blocks are cacheable): prefixed chunks first; the KV plan writes
+    each token's KV where ``tok_slots`` says and gathers the prefix into the packed keys
+    before the chunk's own; every logit row maps back to its request, with its candidates."""
+    from teacher_server.engine.host_step import build_host_step
+
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=8), bm)
+    a = seq(29, 0)
+    b = Sequence(ScoreRequest("b", np.arange(13) + 50, 10, np.array([[7, 8], [9, 10]])), 4, True)
+    s.add(a)
+    s.finish_step(s.schedule())  # a[0:20)
+    s.add(b)
+    chunks = s.schedule()  # b fresh [0, 12) (KV of [0, 8) cached), a continues [20, 28)
+    hs = build_host_step(chunks, bm.block_size)
+    tok, kv, sc = hs.tokens, hs.kv, hs.scoring
+    assert [sp.chunk.seq for sp in sc.spans] == [a, b]  # prefixed first
+    assert tok.q_lens == [8, 12] and tok.k_lens == [28, 12] and tok.cu_q.tolist() == [0, 8, 20]
+    np.testing.assert_array_equal(tok.input_ids, np.concatenate([np.arange(20, 28), np.arange(50, 62)]))
+    np.testing.assert_array_equal(tok.positions, np.concatenate([np.arange(20, 28), np.arange(12)]))
+    assert kv.n_prefixed == 1 and kv.total_k == 28 and kv.prefix_shared == [0]
+    np.testing.assert_array_equal(kv.prefix_pos, np.arange(20))
+    np.testing.assert_array_equal(kv.new_pos, np.arange(20, 28))
+    np.testing.assert_array_equal(kv.prefix_slots, a.slots(0, 20))
+    np.testing.assert_array_equal(kv.write_src, 8 + np.arange(8))
+    np.testing.assert_array_equal(kv.write_slots, b.slots(0, 8))
+    np.testing.assert_array_equal(kv.tok_slots, np.concatenate([[-1] * 8, b.slots(0, 8), [-1] * 4]))
+    # a's rows: positions 20..27; b's: 10 and 11 (start 10, L-1 = 12)
+    assert [(sp.rows_at, sp.n_rows) for sp in sc.spans] == [(0, 8), (8, 2)]
+    np.testing.assert_array_equal(sc.logits_idx, np.concatenate([np.arange(8), [18, 19]]))
+    assert sc.kmax == 2
+    np.testing.assert_array_equal(sc.cand, [[1, -1]] * 8 + [[7, 8], [9, 10]])
+    assert sc.plp_rows.size == 0 and sc.argmax_rows.size == 0

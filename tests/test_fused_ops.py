@@ -10,7 +10,7 @@ import torch
 
 from teacher_server.kv_pool import KVPool
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep

@@ -20,6 +20,7 @@ import pytest
 import torch
 from apiutil import assert_error, body, decode
 from conftest import LiveServer, free_port
+from engine_util import fail_on_token
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -135,9 +136,10 @@ def test_disconnect_frees_the_request(tmp_path_factory) -> None:  # noqa: ANN001
             assert metric(m, "teacher_server_request_failures_total", reason="disconnected") == 1
             engine: Engine = s.app.state.engine
             deadline = time.time() + 10
-            while time.time() < deadline and (engine.seqs or engine.blocks.num_used):
+            while time.time() < deadline and (engine.stats().active_requests or engine.stats().kv_blocks_used):
                 time.sleep(0.05)
-            assert not engine.seqs and engine.blocks.num_used == 0  # removed and its KV freed
+            stats = engine.stats()
+            assert stats.active_requests == 0 and stats.kv_blocks_used == 0  # removed and its KV freed
             assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
 
 
@@ -146,7 +148,7 @@ def test_deadline(tmp_path_factory) -> None:  # noqa: ANN001
     with LiveServer(cfg) as s, s.client() as c:
         assert_error(c.post(GEN, json=long_body(8000)), 504, contains="deadline")
         assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
-        assert s.app.state.engine.blocks.num_used == 0
+        assert s.app.state.engine.stats().kv_blocks_used == 0
 
 
 # --- metrics ----------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ def test_metrics_names(demo_server) -> None:  # noqa: ANN001
     assert metric(m, "teacher_server_engine_gpu_seconds_total", kind="busy") == 0  # CPU: no GPU timeline
     assert metric(m, "teacher_server_engine_gpu_seconds_total", kind="idle") == 0
     # every token the engine ran is counted once (all requests have been answered)
-    assert metric(m, "teacher_server_computed_tokens_total") == demo_server.app.state.engine.timing["tokens"] > 0
+    assert metric(m, "teacher_server_computed_tokens_total") == demo_server.app.state.engine.stats().computed_tokens > 0
     assert metric(m, "teacher_server_request_failures_total", reason="validation") >= 1
 
 
@@ -183,14 +185,7 @@ POISON = 4095
 def faulty_engine(exc_factory):  # noqa: ANN001, ANN201
     def factory(cfg: Config) -> Engine:
         eng = Engine(cfg)
-        orig = eng.runner.execute
-
-        def execute(hs, *rest):  # noqa: ANN001, ANN002, ANN202
-            if POISON in hs.ints["input_ids"].tolist():
-                raise exc_factory()
-            return orig(hs, *rest)
-
-        eng.runner.execute = execute
+        fail_on_token(eng, POISON, exc_factory)
         return eng
     return factory
 
@@ -206,7 +201,7 @@ def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:  # no
         assert_error(r, 500, contains="inference failed")
         assert c.get("/health").status_code == 200
         assert c.post(GEN, json=good).json()["prompt_token_id_logprobs"] == before
-        assert s.app.state.engine.blocks.num_used == 0
+        assert s.app.state.engine.stats().kv_blocks_used == 0
 
 
 def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:  # noqa: ANN001

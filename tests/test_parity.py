@@ -3,6 +3,8 @@ for every supported family, both candidate forms, edge starts, and chunked seque
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -69,7 +71,7 @@ def test_parity_cpu_residual_add_in_gemm(family: str, checkpoints) -> None:  # n
     path = checkpoints[family]
     eng = Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=32, block_size=8,
                         num_kv_blocks=256, max_model_len=512))
-    eng.runner.ops.residual_in_gemm = True
+    eng.tuning = replace(eng.tuning, residual_in_gemm=True)
     reqs = make_requests(np.random.default_rng(11))
     check(path, reqs, eng.run_to_completion(reqs))
 
@@ -176,7 +178,8 @@ def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:  # n
     reqs = make_requests(np.random.default_rng(11)) if shape == "short" else long_requests(np.random.default_rng(5))
     results = eng.run_to_completion(reqs)
     # the engine's GPU timeline: every step has a measured span; gaps are never negative
-    assert eng.timing["gpu_s"] > 0 and eng.timing["gpu_idle_s"] >= 0 and eng.timing["steps"] > 1
+    s = eng.stats()
+    assert s.timing.gpu_s > 0 and s.timing.gpu_idle_s >= 0 and s.steps > 1
     import transformers as tf
 
     hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
@@ -212,7 +215,7 @@ def test_gpu_pipelined_delivery_equals_sequential(checkpoints) -> None:  # noqa:
     reqs = long_requests(np.random.default_rng(21))
     seq = {r.request_id: r for r in Engine(Config(**cfg, pipeline=False)).run_to_completion(reqs)}
     eng = Engine(Config(**cfg, pipeline=True))
-    eng.runner.run_ahead = 1  # the test model has 2 layers: make the launch wait (and run its hook)
+    eng.tuning = replace(eng.tuning, run_ahead=1)  # the test model has 2 layers: make the launch wait (and hand off)
     for q in reqs:
         eng.add_request(q)
     got: dict[str, list] = {}
@@ -227,10 +230,10 @@ def test_gpu_pipelined_delivery_equals_sequential(checkpoints) -> None:  # noqa:
         returned = eng.step(deliver=take)
         early += sum(map(len, got.values())) - before
         take(returned)
-    assert eng.timing["steps"] > 3 and early > 0
+    assert eng.stats().steps > 3 and early > 0
     assert sorted(got) == sorted(seq) and all(len(v) == 1 for v in got.values())
     for rid, (r,) in got.items():
         assert r.error is None
         np.testing.assert_allclose(r.token_id_logprobs, seq[rid].token_id_logprobs, atol=2e-2)
-    t = eng.timing
-    assert t["gpu_s"] > 0 and t["gpu_idle_s"] >= 0 and t["launch_s"] >= 0 and t["wait_s"] > 0
+    t = eng.stats().timing
+    assert t.gpu_s > 0 and t.gpu_idle_s >= 0 and t.launch_s >= 0 and t.wait_s > 0

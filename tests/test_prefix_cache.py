@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -83,7 +85,7 @@ def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints)
     cold = engine(path, cache=False, budget=1024).run_to_completion(reqs)
     eng = engine(path, cache=True, budget=1024)
     be = CpuCudnn(8)
-    eng.runner.attn = be
+    eng.tuning = replace(eng.tuning, attention=be)
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert sorted(w.cached_tokens for w in warm) == [0] * 2 + [144] * 6
@@ -115,7 +117,7 @@ def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None
     eng = engine(path, cache=True, budget=1024)
     eng.run_to_completion(leaders)  # both prompts cached
     be = CpuCudnn(8)
-    eng.runner.attn = be
+    eng.tuning = replace(eng.tuning, attention=be)
     warm = eng.run_to_completion(reqs)
     assert_same(warm, cold)
     assert [w.cached_tokens for w in warm] == [144] * 6
@@ -152,8 +154,9 @@ def test_eviction_under_pressure(checkpoints) -> None:  # noqa: ANN001
         warm = eng.run_to_completion([ScoreRequest(r.request_id + f"-{_}", r.token_ids, r.start, r.candidates,
                                                    max_tokens=1) for r in reqs])
         assert_same(warm, cold)
-    assert eng.blocks.num_free == eng.blocks.num_blocks  # nothing leaked
-    assert eng.blocks.hit_tokens > 0
+    stats = eng.stats()
+    assert stats.kv_blocks_used == 0 and stats.active_requests == 0  # nothing leaked
+    assert stats.prefix_hit_tokens > 0
 
 
 def test_cache_can_be_turned_off(checkpoints) -> None:  # noqa: ANN001
@@ -170,3 +173,24 @@ def test_no_salt_and_empty_salt_hash_apart() -> None:
 
     t = np.arange(32)
     assert block_hashes(t, 2, 16, None) != block_hashes(t, 2, 16, "")
+
+
+def test_tuning_switches_the_cache_and_the_budget(checkpoints) -> None:  # noqa: ANN001
+    """The switches a built engine takes (the benchmark's ablations): with the cache off
+    and a 16-token budget nothing is reused and steps hold at most 16 tokens; restored,
+    the cache serves the group's prompt again and the scores agree."""
+    path = checkpoints["qwen3"]
+    reqs = group(np.random.default_rng(6), 50, 3, 10, per_row=False)
+    eng = engine(path, cache=True)
+    saved = eng.tuning
+    eng.tuning = replace(saved, prefix_caching=False, token_budget=16)
+    off = eng.run_to_completion(reqs)
+    assert all(r.cached_tokens == 0 for r in off)
+    assert eng.stats().steps >= -(-sum(len(r.token_ids) - 1 for r in reqs) // 16)
+    eng.tuning = saved
+    assert eng.tuning == saved
+    on = eng.run_to_completion([ScoreRequest(r.request_id + "x", r.token_ids, r.start, r.candidates, max_tokens=1)
+                                for r in reqs])
+    # nothing was cached while off: one computes the prompt, its siblings reuse its 6 blocks
+    assert sorted(r.cached_tokens for r in on) == [0, 48, 48]
+    assert_same(on, off)

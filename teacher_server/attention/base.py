@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket, bucket_floor
 from teacher_server.attention.packed import Plan
 from teacher_server.attention.varlen import TorchVarlenBackend
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 from teacher_server.ops.merge_attn import merge_attn
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.cudnn import CudnnBackend, Fresh, Group, Prefixed
 from teacher_server.attention.packed import cums
 from teacher_server.attention.sdpa import SdpaBackend
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from teacher_server.attention.base import AttentionBackend, AttentionInputs
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 
 @dataclass

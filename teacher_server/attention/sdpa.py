@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from teacher_server.attention.base import AttentionBackend, AttentionInputs
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 
 
 def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:

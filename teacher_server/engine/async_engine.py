@@ -4,9 +4,11 @@ The engine is best built in that same thread (``AsyncEngine.build``): per-thread
 state made at start-up, such as cuDNN's execution-plan cache that the attention warm-up
 fills, is then the state the steps use.
 
-The event loop never runs GPU work. Requests and aborts cross into the engine thread
-through a queue; results come back through ``loop.call_soon_threadsafe``. Admission
-control (bounded queue of requests and tokens) happens here, at the edge.
+The event loop never runs GPU work. Requests and cancellations cross into the engine
+thread as typed messages through a queue; results come back through
+``loop.call_soon_threadsafe``. Admission control (bounded queue of requests and tokens)
+happens here, at the edge. Requests are keyed by ``ScoreRequest.uid``: callers may use
+the same ``request_id``.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +30,13 @@ log = logging.getLogger(__name__)
 class EngineOverloaded(Exception):
     """The queue is full (requests or tokens); the client should retry later."""
 
+    kind = ErrorKind.OVERLOADED
+
 
 class EngineUnavailable(Exception):
     """The engine is draining for shutdown or has died."""
+
+    kind = ErrorKind.UNAVAILABLE
 
 
 @dataclass
@@ -38,6 +44,29 @@ class _Pending:
     req: ScoreRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+
+
+# --- messages to the engine thread ---------------------------------------------------------
+@dataclass
+class AddMsg:
+    """Admit a request (already counted against the queue limits)."""
+
+    pending: _Pending
+
+
+@dataclass
+class CancelMsg:
+    """Its waiter was cancelled: abort the request, free its KV."""
+
+    pending: _Pending
+
+
+@dataclass
+class ExitMsg:
+    """Wake the thread to stop (``shutdown``)."""
+
+
+Msg = AddMsg | CancelMsg | ExitMsg
 
 
 class AsyncEngine:
@@ -57,8 +86,8 @@ class AsyncEngine:
         self.max_queue_tokens = max_queue_tokens
         self.on_step = on_step
         self.on_fatal = on_fatal
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[str, _Pending] = {}  # engine-thread owned after admission
+        self._inbox: queue.SimpleQueue[Msg] = queue.SimpleQueue()
+        self._pending: dict[int, _Pending] = {}  # by ScoreRequest.uid; engine-thread owned after admission
         self._lock = threading.Lock()
         self._queued_requests = 0  # admitted and not finished (guarded by _lock)
         self._queued_tokens = 0
@@ -101,7 +130,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._inbox.put(None)
+        self._inbox.put(ExitMsg())
         if self._thread.is_alive():
             self._thread.join(timeout=30)
 
@@ -122,15 +151,12 @@ class AsyncEngine:
                                        f"{self._queued_tokens} tokens)")
             self._queued_requests += 1
             self._queued_tokens += req.length
-            self._inbox.put(("add", pending))
+            self._inbox.put(AddMsg(pending))
         try:
             return await pending.future
         except asyncio.CancelledError:
-            self._inbox.put(("abort", pending))  # by identity: never another request with this id
+            self._inbox.put(CancelMsg(pending))
             raise
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
 
     # --- engine thread -----------------------------------------------------------------
     def _release(self, req: ScoreRequest) -> None:
@@ -143,7 +169,7 @@ class AsyncEngine:
             self._deliver(res)
 
     def _deliver(self, res: ScoreResult) -> None:
-        p = self._pending.pop(res.request_id, None)
+        p = self._pending.pop(res.uid, None)
         if p is None:
             return
         self._release(p.req)
@@ -156,42 +182,29 @@ class AsyncEngine:
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    def _handle(self, msg: tuple) -> None:
-        kind, arg = msg
-        if kind == "add":
-            p: _Pending = arg
-            rid = p.req.request_id
-            if rid in self._pending:
-                res = ScoreResult(rid, p.req.length, error=f"duplicate request_id {rid[:100]!r} in flight",
-                                  error_kind="conflict")
-                self._release(p.req)
+    def _handle(self, msg: Msg) -> None:
+        match msg:
+            case AddMsg(pending=p):
+                self._pending[p.req.uid] = p
                 try:
-                    p.loop.call_soon_threadsafe(lambda: p.future.done() or p.future.set_result(res))
-                except RuntimeError:  # the loop is closed
-                    pass
-                return
-            self._pending[rid] = p
-            try:
-                immediate = self.engine.add_request(p.req)
-            except Exception as e:  # a request the engine refuses must not stop the thread
-                log.exception("request %s rejected by the engine", rid)
-                immediate = ScoreResult(rid, p.req.length, error=str(e), error_kind="internal")
-            if immediate is not None:
-                self._deliver(immediate)
-        elif kind == "abort":
-            if isinstance(arg, _Pending):  # a cancelled waiter: abort only if it is still the owner of its id
-                if self._pending.get(arg.req.request_id) is not arg:
-                    return
-                arg = arg.req.request_id
-            res = self.engine.abort_request(arg)
-            if res is not None:
-                self._deliver(res)
+                    immediate = self.engine.add_request(p.req)
+                except Exception as e:  # a request the engine refuses must not stop the thread
+                    log.exception("request %s rejected by the engine", p.req.request_id[:100])
+                    immediate = ScoreResult.failed(p.req, ErrorKind.INTERNAL, str(e))
+                if immediate is not None:
+                    self._deliver(immediate)
+            case CancelMsg(pending=p):
+                res = self.engine.abort_request(p.req.uid)
+                if res is not None:
+                    self._deliver(res)
+            case ExitMsg():
+                pass
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for rid, p in list(self._pending.items()):
+        for uid, p in list(self._pending.items()):
             if p.req.deadline is not None and now > p.req.deadline:
-                res = self.engine.abort_request(rid, "timeout", "request deadline exceeded")
+                res = self.engine.abort_request(uid, ErrorKind.TIMEOUT, "request deadline exceeded")
                 if res is not None:
                     self._deliver(res)
 
@@ -213,13 +226,9 @@ class AsyncEngine:
         while not self._stop.is_set():
             try:
                 block = not self.engine.has_unfinished()
-                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-                if msg is not None:
-                    self._handle(msg)
+                self._handle(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
                 while True:  # take everything queued before the next step
-                    msg = self._inbox.get_nowait()
-                    if msg is not None:
-                        self._handle(msg)
+                    self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             self._expire()
@@ -241,10 +250,9 @@ class AsyncEngine:
                     msg = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if msg is not None and msg[0] == "add":
-                    self._pending.setdefault(msg[1].req.request_id, msg[1])
-        for rid in list(self._pending):
-            p = self._pending[rid]
-            self._deliver(ScoreResult(rid, p.req.length, error=self.fatal_error, error_kind="internal"))
+                if isinstance(msg, AddMsg):
+                    self._pending[msg.pending.req.uid] = msg.pending
+        for p in list(self._pending.values()):
+            self._deliver(ScoreResult.failed(p.req, ErrorKind.INTERNAL, self.fatal_error))
         if self.on_fatal is not None:
             self.on_fatal(e)

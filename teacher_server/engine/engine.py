@@ -10,19 +10,21 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from teacher_server.attention import make_backend
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
-from teacher_server.engine.model_runner import HostStep, ModelRunner, PendingOutput
-from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.engine.inflight import Handoff, InFlightStep
+from teacher_server.engine.model_runner import ModelRunner
+from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
+from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
+from teacher_server.engine.stats import EngineStats, StepTiming
+from teacher_server.engine.tuning import Tuning
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
 
@@ -48,6 +50,9 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
 
 
 class Engine:
+    """Load a model, admit requests, run steps, hand back results. ``stats()`` reports,
+    ``tuning`` switches optimisations of the built engine."""
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         t0 = time.perf_counter()
@@ -58,10 +63,8 @@ class Engine:
             model_dir = ensure_demo_model(cfg.demo_model_dir)
             log.warning("no model given: serving the built-in demo model at %s; its weights are RANDOM, "
                         "its scores are meaningless", model_dir)
-            self.is_demo = True
         else:
             model_dir = Path(cfg.model)
-            self.is_demo = False
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")
@@ -74,7 +77,6 @@ class Engine:
         # deterministic: a sequence's attention path must not depend on what ran before
         self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, deterministic=cfg.deterministic)
         budget = cfg.max_num_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
-        self.max_num_batched_tokens = budget
         num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(budget)
         need = -(-self.max_model_len // cfg.block_size)
         if num_blocks < need:
@@ -82,23 +84,21 @@ class Engine:
                                f"sequence of max_model_len={self.max_model_len}; lower max_model_len or "
                                f"raise num_kv_blocks / gpu_memory_utilization")
         prefix = cfg.enable_prefix_caching and not cfg.deterministic
-        self.blocks = BlockManager(num_blocks, cfg.block_size, prefix)
-        self.scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self.blocks)
+        self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
+        self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self._blocks)
         self.runner = ModelRunner(self.model, self.attn, num_blocks, cfg.block_size, self.max_model_len,
                                   self.device, cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows,
                                   cfg.compile)
-        self.prefix_caching = prefix
-        self.seqs: dict[str, Sequence] = {}
-        self.last_step_tokens = 0
-        self._inflight: _InFlight | None = None  # launched, not yet completed (pipelined)
+        self._prefix_caching = prefix
+        self._pipeline = cfg.pipeline
+        # Layers the host may queue ahead of the GPU within a forward (CUDA; see LaunchPacer).
+        self._run_ahead: int | None = 6 if self.device.type == "cuda" else None
+        self._seqs: dict[int, Sequence] = {}  # by ScoreRequest.uid
+        self._inflight: InFlightStep | None = None  # launched, not yet completed (pipelined)
         self._failed: list[ScoreResult] = []  # results of a step that failed at launch
-        # Host time per stage, summed (seconds), and work done: where a step's time goes.
-        # On CUDA also the GPU's view (CUDA events): gpu_idle_s, time the GPU had run out of
-        # queued work while the host was still launching (inside a step, or between a step and
-        # the one launched behind it); gpu_s, the rest of each step's span, first kernel to
-        # results on the host.
-        self.timing = dict.fromkeys(("schedule_s", "prepare_s", "launch_s", "wait_s", "scatter_s", "steps",
-                                     "tokens", "gpu_s", "gpu_idle_s"), 0)
+        self._timing = StepTiming()
+        self._steps = 0
+        self._tokens = 0  # computed by the steps launched
         if self.device.type == "cuda":  # build / load the CUDA kernel now, not inside a request
             from teacher_server.ops import extension
 
@@ -130,40 +130,72 @@ class Engine:
     # --- requests ----------------------------------------------------------------------
     def add_request(self, req: ScoreRequest) -> ScoreResult | None:
         """Queue a validated request. Returns its result at once if it needs no forward."""
-        if req.request_id in self.seqs:
-            raise ValueError(f"duplicate request_id {req.request_id!r}")
-        seq = Sequence(req, self.blocks.block_size, self.prefix_caching)
-        seq.result = self._new_result(req)
+        if req.uid in self._seqs:  # the same ScoreRequest object twice (ids may repeat, uids never)
+            raise ValueError(f"request {req.request_id[:100]!r} (uid {req.uid}) is already queued")
+        seq = Sequence(req, self._blocks.block_size, self._prefix_caching)
+        seq.result = ScoreResult.empty_for(req)
         if seq.num_tokens == 0:
             seq.result.finished_at = time.monotonic()
             return seq.result
-        self.seqs[req.request_id] = seq
-        self.scheduler.add(seq)
+        self._seqs[req.uid] = seq
+        self._scheduler.add(seq)
         return None
 
-    def _new_result(self, req: ScoreRequest) -> ScoreResult:
-        res = ScoreResult(request_id=req.request_id, prompt_tokens=req.length)
-        if req.candidates is not None:
-            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
-        if req.prompt_logprobs is not None:
-            n = max(req.length - 1, 0)
-            res.plp_token_logprob = np.zeros(n, dtype=np.float32)
-            res.plp_token_rank = np.zeros(n, dtype=np.int64)
-            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
-            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
-        return res
-
-    def abort_request(self, request_id: str, kind: str = "cancelled", message: str = "request cancelled") -> ScoreResult | None:
-        seq = self.seqs.pop(request_id, None)
+    def abort_request(self, uid: int, kind: ErrorKind = ErrorKind.CANCELLED,
+                      message: str = "request cancelled") -> ScoreResult | None:
+        """Drop a request (by ``ScoreRequest.uid``) and free its blocks; its failed result,
+        or None when it is not held (already answered)."""
+        seq = self._seqs.pop(uid, None)
         if seq is None:
             return None
-        self.scheduler.abort(seq)
+        self._scheduler.abort(seq)
         seq.result.error, seq.result.error_kind = message, kind
         seq.result.finished_at = time.monotonic()
         return seq.result
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None or bool(self._failed)
+        return self._scheduler.has_work() or self._inflight is not None or bool(self._failed)
+
+    # --- reporting and switches ----------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and queues."""
+        bm = self._blocks
+        return EngineStats(timing=self._timing.copy(), steps=self._steps, computed_tokens=self._tokens,
+                           waiting=self._scheduler.num_waiting, running=self._scheduler.num_running,
+                           active_requests=len(self._seqs), kv_blocks_used=bm.num_used,
+                           kv_blocks_total=bm.num_blocks, prefix_query_tokens=bm.query_tokens,
+                           prefix_hit_tokens=bm.hit_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block no request holds."""
+        self._blocks.reset_prefix_cache()
+
+    @property
+    def fused_stages_compiled(self) -> bool:
+        """Whether the fused elementwise stages run compiled (False: eager; the CPU, or a
+        compile that failed its start-up check)."""
+        return self.runner.ops.compiled
+
+    @property
+    def tuning(self) -> Tuning:
+        """The engine's switches now (see ``Tuning``); assign a changed copy to change them."""
+        return Tuning(pipeline=self._pipeline, token_budget=self._scheduler.cfg.max_num_batched_tokens,
+                      prefix_caching=self._prefix_caching, residual_in_gemm=self.runner.ops.residual_in_gemm,
+                      run_ahead=self._run_ahead, attention=self.runner.attn)
+
+    @tuning.setter
+    def tuning(self, t: Tuning) -> None:
+        assert t.token_budget > 0 and (t.run_ahead is None or t.run_ahead >= 1), t
+        if t.prefix_caching and self.cfg.deterministic:
+            raise ValueError("deterministic mode runs without the prefix cache")
+        if t.run_ahead is None and self.device.type == "cuda":  # its events say when results are on the host
+            raise ValueError("launches on CUDA are paced (a run_ahead of the layer count never waits)")
+        self._pipeline = t.pipeline
+        self._scheduler.cfg.max_num_batched_tokens = t.token_budget
+        self._prefix_caching = self._blocks.enable_prefix_caching = t.prefix_caching
+        self.runner.ops.residual_in_gemm = t.residual_in_gemm
+        self._run_ahead = t.run_ahead
+        self.runner.attn = self.attn = t.attention
 
     # --- stepping ----------------------------------------------------------------------
     def step(self, deliver: Callable[[list[ScoreResult]], None] | None = None) -> list[ScoreResult]:
@@ -176,105 +208,102 @@ class Engine:
         the GIL that the server's event loop needs; half a step ahead is ample. Within a
         forward, ``LaunchPacer`` keeps the host a few layers ahead for the same reason.) Step
         N is completed inside that launch, when it first waits for the GPU: N's results are
-        ready by then. With ``deliver``, they are handed to it right there; the rest are
-        returned. The scheduler's bookkeeping for a step (progress, prefix-cache blocks,
-        freed blocks) is done at launch: the GPU runs steps in launch order on one stream, so
-        a later step may reuse blocks or cached KV of an earlier one that has not finished."""
+        ready by then (``Handoff``). With ``deliver``, they are handed to it right there; the
+        rest are returned. The scheduler's bookkeeping for a step (progress, prefix-cache
+        blocks, freed blocks) is done at launch: the GPU runs steps in launch order on one
+        stream, so a later step may reuse blocks or cached KV of an earlier one that has not
+        finished."""
         results, self._failed = self._failed, []
-        cur = self._inflight if self._inflight is not None else self._launch()
+        cur = self._inflight if self._inflight is not None else self.launch()
         self._inflight = None
         if cur is not None:
-            if self.cfg.pipeline:
+            if self._pipeline:
                 t0 = time.perf_counter()
-                cur.pending.wait_half()
-                self.timing["wait_s"] += time.perf_counter() - t0
-                done: list[list[ScoreResult]] = []
-                err: list[BaseException] = []
-
-                def complete_cur() -> None:  # runs inside the next launch (or right after it)
-                    res: list[ScoreResult] = []
-                    try:  # an error here must not be taken for a failure of the launch around it
-                        res = self._complete(cur)
-                        if deliver is not None:
-                            deliver(res)
-                            res = []
-                    except BaseException as e:  # noqa: BLE001 - re-raised below, outside the launch
-                        err.append(e)
-                    done.append(res)
-
-                self._inflight = self._launch(after=cur.pending.done, on_first_wait=complete_cur)
-                if not done:  # the launch never waited (CPU, a short forward, nothing to launch)
-                    complete_cur()
-                if err:
-                    raise err[0]
-                results += done[0]
+                cur.pending.pacer.wait_half()
+                self._timing.wait_s += time.perf_counter() - t0
+                handoff = Handoff(cur, self.complete, deliver)
+                self._inflight = self.launch(handoff)
+                results += self._finish(handoff)
             else:
-                results += self._complete(cur)
+                results += self.complete(cur)
         results += self._failed
         self._failed = []
         return results
 
-    def _launch(self, after: torch.cuda.Event | None = None,
-                on_first_wait: Callable[[], None] | None = None) -> _InFlight | None:
-        """Schedule, prepare and launch one step (asynchronous on CUDA); ``after``: the end of
-        the step still in flight, if any (for the GPU idle time between them);
-        ``on_first_wait``: see ``ModelRunner.launch``."""
-        tm = self.timing
+    def launch(self, handoff: Handoff | None = None) -> InFlightStep | None:
+        """Schedule, prepare and launch one step (asynchronous on CUDA); None when there is
+        nothing to run or the step failed at launch (its requests failed, see ``step``).
+        ``handoff``: the step in flight, completed at this launch's first wait for the GPU
+        (by ``_finish`` after it when the launch never waits)."""
+        tm = self._timing
         t0 = time.perf_counter()
-        chunks = self.scheduler.schedule()
+        chunks = self._scheduler.schedule()
         t1 = time.perf_counter()
-        tm["schedule_s"] += t1 - t0
+        tm.schedule_s += t1 - t0
         if not chunks:
             return None
-        self.last_step_tokens = sum(c.end - c.start for c in chunks)
+        tokens = sum(c.end - c.start for c in chunks)
+        pacer = self._pacer(handoff)
         try:
             hs = self.runner.prepare(chunks)
             t2 = time.perf_counter()
-            pending = self.runner.launch(hs, on_first_wait)
+            pending = self.runner.launch(hs, pacer)
         except Exception as e:
             self._fail_step(chunks, e)
             return None
         t3 = time.perf_counter()
-        tm["prepare_s"] += t2 - t1
+        tm.prepare_s += t2 - t1
         # waits for the GPU inside the launch count as wait; completing the previous step
-        # there counts as its own wait and scatter (``_complete``)
-        tm["launch_s"] += t3 - t2 - pending.paced_s - pending.hook_s
-        tm["wait_s"] += pending.paced_s
-        tm["steps"] += 1
-        tm["tokens"] += self.last_step_tokens
-        done = self.scheduler.finish_step(chunks)
-        return _InFlight(chunks, hs, pending, done, after)
+        # there counts as its own wait and scatter (``complete``)
+        tm.launch_s += t3 - t2 - pacer.wait_s - pacer.first_wait_s
+        tm.wait_s += pacer.wait_s
+        self._steps += 1
+        self._tokens += tokens
+        done = self._scheduler.finish_step(chunks)
+        after = handoff.step.pending.pacer.done if handoff is not None else None
+        return InFlightStep(chunks, hs, pending, done, after)
 
-    def _complete(self, cur: _InFlight) -> list[ScoreResult]:
-        """Wait for a launched step and copy its results into the requests' arrays."""
+    def _pacer(self, handoff: Handoff | None) -> Pacer:
+        if self._run_ahead is None:
+            return Unpaced()
+        return LaunchPacer(self._run_ahead, handoff.run if handoff is not None else None)
+
+    def complete(self, step: InFlightStep) -> list[ScoreResult]:
+        """Wait for a launched step and copy its results into the requests' arrays; the
+        results of the requests it finished."""
         t0 = time.perf_counter()
         try:
-            out = self.runner.collect(cur.pending)
+            out = self.runner.collect(step.pending)
             t1 = time.perf_counter()
-            self.runner.scatter_results(cur.hs, out)
+            self.runner.scatter_results(step.hs.scoring, out)
         except Exception as e:
-            self._fail_step(cur.chunks, e)
+            self._fail_step(step.chunks, e)
             return []
         t2 = time.perf_counter()
-        self.timing["wait_s"] += t1 - t0
-        self.timing["scatter_s"] += t2 - t1
-        p = cur.pending
-        if p.start is not None and p.done is not None:  # all its events are complete now
-            inside = sum(a.elapsed_time(b) for a, b in p.idle_gaps) / 1e3
-            self.timing["gpu_s"] += p.start.elapsed_time(p.done) / 1e3 - inside
-            self.timing["gpu_idle_s"] += inside
-            if cur.after is not None:
-                self.timing["gpu_idle_s"] += max(0.0, cur.after.elapsed_time(p.start) / 1e3)
+        self._timing.wait_s += t1 - t0
+        self._timing.scatter_s += t2 - t1
+        busy, idle = step.pending.pacer.gpu_seconds(step.after)  # all its events are complete now
+        self._timing.gpu_s += busy
+        self._timing.gpu_idle_s += idle
         now = time.monotonic()
         results = []
-        for seq in cur.done:
+        for seq in step.done:
             if seq.result.error is not None:  # aborted while its last step ran: already answered
                 continue
-            self.seqs.pop(seq.request_id, None)
+            self._seqs.pop(seq.req.uid, None)
             seq.result.cached_tokens = seq.num_cached
             seq.result.finished_at = now
             results.append(seq.result)
         return results
+
+    def _finish(self, handoff: Handoff) -> list[ScoreResult]:
+        """After a launch: complete the handed-off step if the launch did not (CPU, a short
+        forward, nothing launched), and raise what completing it raised."""
+        if not handoff.ran:
+            handoff.run()
+        if handoff.error is not None:
+            raise handoff.error
+        return handoff.results
 
     def _fail_step(self, chunks: list[Chunk], e: Exception) -> None:
         """Fail only this step's requests; the engine goes on serving (unless CUDA is gone)."""
@@ -282,9 +311,9 @@ class Engine:
         if isinstance(e, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
         for c in chunks:
-            self.scheduler.abort(c.seq)  # also frees blocks of a sequence already finished at launch
-            if self.seqs.get(c.seq.request_id) is c.seq:
-                r = self.abort_request(c.seq.request_id, "internal", f"inference failed: {type(e).__name__}")
+            self._scheduler.abort(c.seq)  # also frees blocks of a sequence already finished at launch
+            if self._seqs.get(c.seq.req.uid) is c.seq:
+                r = self.abort_request(c.seq.req.uid, ErrorKind.INTERNAL, f"inference failed: {type(e).__name__}")
                 if r is not None:
                     self._failed.append(r)
         if _is_fatal(e):
@@ -292,24 +321,15 @@ class Engine:
 
     def run_to_completion(self, reqs: list[ScoreRequest]) -> list[ScoreResult]:
         """Score a batch synchronously (the in-process API)."""
-        results: dict[str, ScoreResult] = {}
+        results: dict[int, ScoreResult] = {}
         for r in reqs:
             immediate = self.add_request(r)
             if immediate is not None:
-                results[r.request_id] = immediate
+                results[r.uid] = immediate
         while self.has_unfinished():
             for res in self.step():
-                results[res.request_id] = res
-        return [results[r.request_id] for r in reqs]
-
-
-@dataclass
-class _InFlight:
-    chunks: list[Chunk]
-    hs: HostStep
-    pending: PendingOutput
-    done: list[Sequence]  # sequences this step completes (their bookkeeping is done)
-    after: torch.cuda.Event | None = None  # end of the step that was in flight at launch
+                results[res.uid] = res
+        return [results[r.uid] for r in reqs]
 
 
 def _is_fatal(e: Exception) -> bool:

@@ -4,10 +4,25 @@ Plain Python + numpy: no torch here."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
+
+_uids = itertools.count()
+
+
+class ErrorKind(StrEnum):
+    """Why a request failed (``ScoreResult.error_kind``; the async engine's exceptions
+    carry OVERLOADED and UNAVAILABLE). The server maps each to an HTTP status."""
+
+    TIMEOUT = "timeout"  # its deadline passed before it finished
+    CANCELLED = "cancelled"  # its caller stopped waiting (client disconnect)
+    INTERNAL = "internal"  # the step running it failed, or the engine died
+    OVERLOADED = "overloaded"  # not admitted: the queue is full
+    UNAVAILABLE = "unavailable"  # not admitted: draining for shutdown, or the engine is down
 
 
 @dataclass
@@ -16,6 +31,9 @@ class ScoreRequest:
 
     Row ``i`` of the candidate matrix scores token ``start + i + 1`` given
     ``token_ids[: start + i + 1]``; ``rows = max(len(token_ids) - 1 - start, 0)``.
+
+    ``request_id`` is the caller's (echoed back; two callers may use the same one);
+    the engine keys requests by ``uid``, unique in the process.
     """
 
     request_id: str
@@ -28,6 +46,7 @@ class ScoreRequest:
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() value
+    uid: int = field(default_factory=lambda: next(_uids), init=False)
 
     @property
     def length(self) -> int:
@@ -62,7 +81,8 @@ class ScoreRequest:
 
 @dataclass
 class ScoreResult:
-    request_id: str
+    request_id: str  # the caller's
+    uid: int  # the request's ScoreRequest.uid
     prompt_tokens: int
     token_id_logprobs: np.ndarray | None = None  # [rows, K] float32
     # classic prompt_logprobs for positions 1..L-1 (entry j scores token j)
@@ -73,9 +93,28 @@ class ScoreResult:
     next_token: int | None = None
     cached_tokens: int = 0
     error: str | None = None
-    error_kind: str | None = None  # "timeout", "cancelled", "internal", "overloaded"
+    error_kind: ErrorKind | None = None
     scheduled_at: float = 0.0  # first step that computed it (time.monotonic())
     finished_at: float = 0.0
+
+    @classmethod
+    def empty_for(cls, req: ScoreRequest) -> ScoreResult:
+        """The result arrays a request's steps fill in."""
+        res = cls(req.request_id, req.uid, req.length)
+        if req.candidates is not None:
+            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
+        if req.prompt_logprobs is not None:
+            n = max(req.length - 1, 0)
+            res.plp_token_logprob = np.zeros(n, dtype=np.float32)
+            res.plp_token_rank = np.zeros(n, dtype=np.int64)
+            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
+            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
+        return res
+
+    @classmethod
+    def failed(cls, req: ScoreRequest, kind: ErrorKind, message: str) -> ScoreResult:
+        return cls(req.request_id, req.uid, req.length, error=message, error_kind=kind,
+                   finished_at=time.monotonic())
 
 
 def prompt_logprob_entries(token_ids: np.ndarray, res: ScoreResult) -> list[list[tuple[int, float, int]] | None]:

@@ -24,7 +24,6 @@ class Sequence:
     num_registered: int = 0  # cacheable blocks already registered in the prefix cache
     block_table: list[int] = field(default_factory=list)
     result: ScoreResult | None = None
-    cancelled: bool = False
 
     def __post_init__(self) -> None:
         self.logit_lo, self.logit_hi = self.req.logit_range()

@@ -21,7 +21,7 @@ from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
-from teacher_server.model.context import StepContext
+from teacher_server.step_context import StepContext
 from teacher_server.models.base import LayerPacer
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps

@@ -28,7 +28,7 @@ from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qk
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
 
 if TYPE_CHECKING:
-    from teacher_server.model.context import StepContext
+    from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,9 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
-from teacher_server.server.metrics import STAGES, Metrics
+from teacher_server.engine.stats import EngineStats
+from teacher_server.server.errors import HTTP_STATUS, http_status
+from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
 from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
 
@@ -249,14 +251,13 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
         return error_response(e.status, e.message, e.param)
     except EngineOverloaded as e:
         m.labels(m.failures, reason="overloaded").inc()
-        return error_response(429, str(e), headers={"Retry-After": "1"})
+        return error_response(HTTP_STATUS[e.kind], str(e), headers={"Retry-After": "1"})
     except EngineUnavailable as e:
         m.labels(m.failures, reason="unavailable").inc()
-        return error_response(503, str(e), headers={"Retry-After": "5"})
+        return error_response(HTTP_STATUS[e.kind], str(e), headers={"Retry-After": "5"})
     if res.error is not None:
-        status = {"timeout": 504, "cancelled": 499, "conflict": 409}.get(res.error_kind, 500)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
-        return error_response(status, res.error)
+        return error_response(http_status(res.error_kind), res.error)
     m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
     if res.scheduled_at:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
@@ -344,33 +345,33 @@ def _pydantic_message(errors: list) -> tuple[str, str | None]:
     return f"{where}: {msg}"[:500], param
 
 
-def _refresh_gauges(m: Metrics, engine: Engine) -> None:
-    s, bm = engine.scheduler, engine.blocks
-    m.labels(m.waiting).set(s.num_waiting)
-    m.labels(m.running).set(s.num_running)
-    m.labels(m.kv_usage).set(bm.num_used / bm.num_blocks)
+def _refresh_gauges(m: Metrics, engine: Engine, s: EngineStats | None = None) -> None:
+    s = s or engine.stats()
+    m.labels(m.waiting).set(s.waiting)
+    m.labels(m.running).set(s.running)
+    m.labels(m.kv_usage).set(s.kv_usage)
+
+
+def _totals(s: EngineStats, m: Metrics) -> list[tuple[object, float]]:
+    """(counter, the engine's running total that feeds it)."""
+    t = s.timing
+    return [(m.labels(m.stage_seconds, stage=stage), v) for stage, v in t.stages().items()] + [
+        (m.labels(m.gpu_seconds, kind="busy"), t.gpu_s), (m.labels(m.gpu_seconds, kind="idle"), t.gpu_idle_s),
+        (m.labels(m.computed_tokens), s.computed_tokens), (m.labels(m.prefix_queries), s.prefix_query_tokens),
+        (m.labels(m.prefix_hits), s.prefix_hit_tokens)]
 
 
 def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
     m.labels(m.steps).inc()
-    bm = engine.blocks
-    dq, dh = bm.query_tokens - getattr(m, "_last_q", 0), bm.hit_tokens - getattr(m, "_last_h", 0)
-    m._last_q, m._last_h = bm.query_tokens, bm.hit_tokens
-    if dq:
-        m.labels(m.prefix_queries).inc(dq)
-    if dh:
-        m.labels(m.prefix_hits).inc(dh)
-    # Counters fed from the engine's own running totals (tokens: of the steps launched).
-    last = getattr(m, "_last_timing", None) or dict.fromkeys(engine.timing, 0)
-    fed = [(m.labels(m.stage_seconds, stage=stage), stage + "_s") for stage in STAGES] + [
-        (m.labels(m.gpu_seconds, kind="busy"), "gpu_s"), (m.labels(m.gpu_seconds, kind="idle"), "gpu_idle_s"),
-        (m.labels(m.computed_tokens), "tokens")]
-    for counter, key in fed:
-        d = engine.timing[key] - last[key]
+    s = engine.stats()
+    last = getattr(m, "_last_totals", None)
+    now = _totals(s, m)
+    for i, (counter, total) in enumerate(now):  # counters fed from the engine's running totals
+        d = total - (last[i] if last else 0)
         if d > 0:
             counter.inc(d)
-    m._last_timing = dict(engine.timing)
-    _refresh_gauges(m, engine)
+    m._last_totals = [v for _, v in now]
+    _refresh_gauges(m, engine, s)
 
 
 def _on_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None) -> None:

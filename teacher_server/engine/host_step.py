@@ -1,0 +1,198 @@
+"""HostStep: one step's chunks turned into host arrays, before the single transfer to the
+device. Built in three parts from the same ordered chunks: the packed query tokens
+(``pack_tokens``), the KV pool's writes and prefix gathers (``plan_kv``) and which rows
+are scored how (``plan_scoring``). No torch here.
+
+Chunk order (see ``StepContext``): prefixed chunks first, ordered by the pool blocks they
+read (longest first among equals), so the responses of one cached prompt sit side by side
+even when prompts share their first blocks; then fresh ones, longest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from teacher_server.engine.sequence import Chunk
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _cat(xs: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(xs).astype(np.int64, copy=False) if xs else _EMPTY
+
+
+def _cumsum(xs: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(xs)]).astype(np.int64)
+
+
+@dataclass
+class PackedTokens:
+    """The step's query tokens, sequence after sequence."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64 absolute positions
+    cu_q: np.ndarray  # [B+1] int64 cumulative query lengths
+    cu_k: np.ndarray  # [B+1] int64 cumulative key lengths (prefix + chunk)
+    q_lens: list[int]
+    k_lens: list[int]
+
+
+@dataclass
+class KvPlan:
+    """Where the step's KV goes in the pool, and what earlier KV the prefixed chunks read."""
+
+    write_src: np.ndarray  # [W] int64 token indices (into T) whose KV is written
+    write_slots: np.ndarray  # [W] int64 pool slots they go to
+    tok_slots: np.ndarray  # [T] int64 pool slot of each token's KV, -1 = not written
+    new_pos: np.ndarray  # [Tp] int64 where each prefixed chunk token sits in the packed keys
+    prefix_pos: np.ndarray  # [P] int64 where each gathered prefix token sits in them
+    prefix_slots: np.ndarray  # [P] int64 pool slots to gather
+    total_k: int  # packed keys of the prefixed chunks
+    n_prefixed: int  # leading chunks with earlier keys
+    prefix_shared: list[int] | None  # see StepContext; None without prefixed chunks
+
+    @property
+    def has_writes(self) -> bool:
+        return self.write_src.size > 0
+
+
+@dataclass
+class RowSpan:
+    """One chunk's logit rows: [rows_at, rows_at + n_rows) of the step's R rows; its rows
+    needing classic prompt_logprobs start at ``plp_at`` of those, its greedy next token is
+    entry ``argmax_at`` of the argmax rows."""
+
+    chunk: Chunk
+    rows_at: int
+    n_rows: int
+    plp_at: int
+    argmax_at: int
+
+
+@dataclass
+class ScoringLayout:
+    """Which hidden rows reach the LM head and what each is scored for; ``spans`` maps the
+    results back to the requests (``ModelRunner.scatter_results``)."""
+
+    logits_idx: np.ndarray  # [R] int64 token indices (into T)
+    cand: np.ndarray  # [R, kmax] int64, -1 = no candidate
+    plp_rows: np.ndarray  # [Rp] int64 ascending rows (into R) needing classic prompt_logprobs
+    plp_actual: np.ndarray  # [Rp] int64 the actual next token of each
+    plp_k: int  # top-k width of those rows (max over requests)
+    argmax_rows: np.ndarray  # [Ra] int64 ascending rows needing the greedy next token
+    spans: list[RowSpan]
+
+    @property
+    def kmax(self) -> int:
+        return self.cand.shape[1]
+
+
+@dataclass
+class HostStep:
+    """Host-side arrays of one step, before the single transfer to the device."""
+
+    tokens: PackedTokens
+    kv: KvPlan
+    scoring: ScoringLayout
+
+
+def order_chunks(chunks: list[Chunk], block_size: int) -> list[Chunk]:
+    def key(c: Chunk) -> tuple:
+        if c.start == 0:
+            return (1, (), c.start - c.end)
+        return (0, tuple(c.seq.block_table[:c.start // block_size]), c.start - c.end)
+
+    return sorted(chunks, key=key)
+
+
+def shared_keys(a: Chunk, b: Chunk, block_size: int) -> int:
+    """Leading keys two prefixed chunks read from the very same pool blocks (a cache hit
+    on one prompt), at most both their prefixes."""
+    n = min(a.start, b.start)
+    ta, tb = a.seq.block_table, b.seq.block_table
+    m = 0
+    nb = -(-n // block_size)
+    while m < nb and ta[m] == tb[m]:
+        m += 1
+    return min(m * block_size, n)
+
+
+def pack_tokens(chunks: list[Chunk]) -> PackedTokens:
+    q_lens = [c.end - c.start for c in chunks]
+    k_lens = [c.end for c in chunks]
+    return PackedTokens(
+        input_ids=_cat([c.seq.req.token_ids[c.start:c.end] for c in chunks]),
+        positions=_cat([np.arange(c.start, c.end, dtype=np.int64) for c in chunks]),
+        cu_q=_cumsum(q_lens), cu_k=_cumsum(k_lens), q_lens=q_lens, k_lens=k_lens)
+
+
+def plan_kv(chunks: list[Chunk], cu_q: np.ndarray, block_size: int) -> KvPlan:
+    """``cu_q``: the packed tokens' offsets (``PackedTokens.cu_q``)."""
+    wsrc, wslot, newpos, ppos, pslot = [], [], [], [], []
+    k_off = 0  # into the packed keys of the prefixed chunks
+    for c, q_off in zip(chunks, cu_q.tolist()):
+        if c.write_end > c.start:
+            wsrc.append(np.arange(q_off, q_off + c.write_end - c.start, dtype=np.int64))
+            wslot.append(c.seq.slots(c.start, c.write_end))
+        if c.start > 0:
+            newpos.append(np.arange(k_off + c.start, k_off + c.end, dtype=np.int64))
+            ppos.append(np.arange(k_off, k_off + c.start, dtype=np.int64))
+            pslot.append(c.seq.slots(0, c.start))
+            k_off += c.end
+    write_src, write_slots = _cat(wsrc), _cat(wslot)
+    tok_slots = np.full(int(cu_q[-1]), -1, dtype=np.int64)
+    tok_slots[write_src] = write_slots
+    n_prefixed = sum(1 for c in chunks if c.start > 0)  # the leading ones (order_chunks)
+    pre = chunks[:n_prefixed]
+    shared = [0] + [shared_keys(a, b, block_size) for a, b in zip(pre, pre[1:])] if n_prefixed else None
+    return KvPlan(write_src=write_src, write_slots=write_slots, tok_slots=tok_slots, new_pos=_cat(newpos),
+                  prefix_pos=_cat(ppos), prefix_slots=_cat(pslot), total_k=k_off, n_prefixed=n_prefixed,
+                  prefix_shared=shared)
+
+
+def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
+    """Rows of a chunk: its logit positions [logit_lo, logit_hi), in chunk order; each may be
+    scored against candidates, for classic prompt_logprobs, and (the last position) for
+    the greedy next token (see ``Chunk``)."""
+    lidx, plp_act = [], []
+    cand_blocks: list[tuple[int, int, np.ndarray]] = []  # (row offset, n rows, [n, K] or [K])
+    plp_rows: list[int] = []
+    arg_rows: list[int] = []
+    spans = []
+    r_off = kmax = plp_k = 0
+    for c, q_off in zip(chunks, cu_q.tolist()):
+        req = c.seq.req
+        lo, hi = c.logit_lo, c.logit_hi
+        nr = max(hi - lo, 0)
+        spans.append(RowSpan(c, r_off, nr, len(plp_rows), len(arg_rows)))
+        if not nr:
+            continue
+        lidx.append(np.arange(q_off + lo - c.start, q_off + hi - c.start, dtype=np.int64))
+        if req.candidates is not None:
+            kmax = max(kmax, req.k)
+        a, b = c.cand_positions()
+        if b > a:
+            block = req.candidates[a - req.start:b - req.start] if req.per_row else req.candidates
+            cand_blocks.append((r_off + a - lo, b - a, block))
+        a, b = c.plp_positions()
+        if b > a:
+            plp_k = max(plp_k, req.prompt_logprobs)
+            plp_rows.extend(range(r_off, r_off + b - a))
+            plp_act.append(req.token_ids[a + 1:b + 1])
+        if c.has_next_token:
+            arg_rows.append(r_off + hi - 1 - lo)
+        r_off += nr
+    cand = np.full((r_off, kmax), -1, dtype=np.int64)
+    for off, n, block in cand_blocks:
+        cand[off:off + n, :block.shape[-1]] = block
+    return ScoringLayout(logits_idx=_cat(lidx), cand=cand, plp_rows=np.asarray(plp_rows, dtype=np.int64),
+                         plp_actual=_cat(plp_act), plp_k=plp_k, argmax_rows=np.asarray(arg_rows, dtype=np.int64),
+                         spans=spans)
+
+
+def build_host_step(chunks: list[Chunk], block_size: int) -> HostStep:
+    chunks = order_chunks(chunks, block_size)
+    tokens = pack_tokens(chunks)
+    return HostStep(tokens, plan_kv(chunks, tokens.cu_q, block_size), plan_scoring(chunks, tokens.cu_q))

@@ -1,0 +1,57 @@
+"""What the engine reports about itself: per-stage time (``StepTiming``) and one snapshot
+of its counters and queues (``EngineStats``), read by the metrics and the benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+
+@dataclass
+class StepTiming:
+    """Engine-thread time per stage of the steps, summed (seconds). The host stages:
+    schedule, prepare, launch (queueing GPU work), wait (for the GPU), scatter (results to
+    requests). On CUDA also the GPU's view (CUDA events): ``gpu_idle_s``, time the GPU had
+    run out of queued work while the host was still launching (inside a step, or between a
+    step and the one launched behind it); ``gpu_s``, the rest of each step's span, first
+    kernel to results on the host."""
+
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    launch_s: float = 0.0
+    wait_s: float = 0.0
+    scatter_s: float = 0.0
+    gpu_s: float = 0.0
+    gpu_idle_s: float = 0.0
+
+    def stages(self) -> dict[str, float]:
+        """The host stages by name (the ``stage`` label of the metrics): seconds."""
+        return {"schedule": self.schedule_s, "prepare": self.prepare_s, "launch": self.launch_s,
+                "wait": self.wait_s, "scatter": self.scatter_s}
+
+    def minus(self, earlier: StepTiming) -> StepTiming:
+        """The time spent since ``earlier`` (a copy taken before)."""
+        return StepTiming(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def copy(self) -> StepTiming:
+        return replace(self)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (``Engine.stats()``); counters are totals since start."""
+
+    timing: StepTiming
+    steps: int  # forward steps launched
+    computed_tokens: int  # tokens run through the model (cache hits excluded)
+    waiting: int  # requests queued, not yet scheduled
+    running: int  # requests part-way through a chunked prefill
+    active_requests: int  # admitted and not yet answered (waiting, running, in a step in flight)
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_query_tokens: int  # cacheable prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # of which served from it
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV pool in use (0-1)."""
+        return self.kv_blocks_used / self.kv_blocks_total

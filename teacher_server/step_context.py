@@ -1,0 +1,55 @@
+"""StepContext: the per-step metadata every layer reads (built once by the model runner,
+copied to the device in one transfer).
+
+Sequence order in a step: sequences whose queries follow earlier keys (a cached prefix or
+earlier chunks: "prefixed") come first, then "fresh" sequences (keys = their own queries),
+longest first. Attention backends rely on it: each part is one contiguous token range.
+Prefixed sequences are ordered by the pool blocks they read, so those sharing leading KV
+blocks (a GRPO group's responses after their cached prompt) sit next to each other,
+longest first among equals (``prefix_shared``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(kw_only=True)
+class StepContext:
+    # Packed query tokens of all sequences in the step.
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute positions
+    cu_q: torch.Tensor  # [B+1] int32, cumulative query lengths
+    cu_k: torch.Tensor  # [B+1] int32, cumulative key lengths (prefix + chunk; = query length when fresh)
+    max_q: int
+    max_k: int
+    q_lens: list[int]  # host copies: attention plans are made on the host, no device sync
+    k_lens: list[int]
+    # Rows whose hidden state reaches the LM head.
+    logits_idx: torch.Tensor  # [R] int64 indices into T
+    # KV writes into the paged pool: chunk tokens write_src -> pool slots write_slots.
+    # None when the step writes nothing.
+    write_src: torch.Tensor | None = None  # [W] int64 indices into T
+    write_slots: torch.Tensor | None = None  # [W] int64 slot ids
+    tok_slots: torch.Tensor | None = None  # [T] int64: the pool slot of each token's KV, -1 = not written
+    # Packed keys of the prefixed sequences ([prefix | chunk] each, in cu_k order), gathered
+    # from the pool and this step's keys. None when no sequence in the step is prefixed.
+    new_pos: torch.Tensor | None = None  # [Tp] int64, where each prefixed chunk token sits in the packed keys
+    prefix_pos: torch.Tensor | None = None  # [P] int64, where each gathered prefix token sits
+    prefix_slots: torch.Tensor | None = None  # [P] int64 pool slots to gather
+    total_k: int = 0  # packed keys of the prefixed sequences: cu_k[n_prefixed]
+    n_prefixed: int = 0  # leading sequences that are prefixed
+    tok_prefixed: int = 0  # their query tokens: q[:tok_prefixed]
+    # Per prefixed sequence: how many of its leading keys are the very same pool entries as
+    # the previous prefixed sequence's (0 for the first). None: no sharing known.
+    prefix_shared: list[int] | None = None
+    # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
+    attn_plan: Any = field(default=None, repr=False)
+
+    @property
+    def has_prefix(self) -> bool:
+        return self.n_prefixed > 0
+
