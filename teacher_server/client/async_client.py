@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,6 +25,17 @@ class _LoopState:
 
     http: httpx.AsyncClient
     slots: asyncio.Semaphore
+    closer: AsyncGenerator[None, None]
+
+
+async def _closer(http: httpx.AsyncClient) -> AsyncGenerator[None, None]:
+    """Started once per loop and left suspended: ``asyncio.run`` closes a loop's unfinished
+    async generators before it closes the loop, which closes that loop's connections while
+    they can still be closed (a loop ended without ``aclose()`` leaks no sockets)."""
+    try:
+        yield
+    finally:
+        await http.aclose()
 
 
 class AsyncTeacherClient(ClientBase):
@@ -33,8 +44,8 @@ class AsyncTeacherClient(ClientBase):
     Connections and the concurrency limit belong to an event loop, so they are made on first
     use in each loop, not at construction: one client serves successive ``asyncio.run`` calls
     (or loops in several threads). At most ``max_concurrency`` requests are in flight at once
-    per loop. ``aclose()`` (or ``async with``) closes the current loop's connections; those of
-    a loop that has closed are dropped. ``transport`` takes an ``httpx.AsyncBaseTransport``,
+    per loop. ``aclose()`` (or ``async with``) closes the current loop's connections, and
+    ``asyncio.run`` closes them when its loop ends. ``transport`` takes an ``httpx.AsyncBaseTransport``,
     shared by every loop's connection pool.
     """
 
@@ -47,16 +58,18 @@ class AsyncTeacherClient(ClientBase):
         self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
         self._lock = threading.Lock()  # loops in several threads may share the client
 
-    def _state(self) -> _LoopState:
+    async def _state(self) -> _LoopState:
         loop = asyncio.get_running_loop()
         with self._lock:
             for dead in [lp for lp in self._loops if lp.is_closed()]:
-                del self._loops[dead]  # its connections died with it
+                del self._loops[dead]  # closed with its loop (see _closer)
             st = self._loops.get(loop)
-            if st is None:
-                st = self._loops[loop] = _LoopState(httpx.AsyncClient(transport=self._transport, **self._client_kw),
-                                                    asyncio.Semaphore(self.max_concurrency))
-            return st
+            if st is not None:
+                return st
+            http = httpx.AsyncClient(transport=self._transport, **self._client_kw)
+            st = self._loops[loop] = _LoopState(http, asyncio.Semaphore(self.max_concurrency), _closer(http))
+        await st.closer.__anext__()  # runs to its yield: now the loop tracks it
+        return st
 
     async def __aenter__(self) -> AsyncTeacherClient:
         return self
@@ -69,7 +82,7 @@ class AsyncTeacherClient(ClientBase):
         with self._lock:
             st = self._loops.pop(asyncio.get_running_loop(), None)
         if st is not None:
-            await st.http.aclose()
+            await st.closer.aclose()  # its finally closes the connections
 
     async def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
                     cache_salt: str | None = None, request_id: str | None = None,
@@ -117,7 +130,7 @@ class AsyncTeacherClient(ClientBase):
 
     async def _send(self, req: TeacherRequest) -> ScoreOutput:
         content = self._encode(req)
-        st = self._state()
+        st = await self._state()
         attempt = 0
         while True:
             attempt += 1
