@@ -1,8 +1,9 @@
 """teacher-server: teacher log-probs of student candidates, for on-policy distillation.
 
 ``from teacher_server import LLM, SamplingParams, TokensPrompt`` is the in-process API
-(vLLM-shaped); ``teacher_server.client`` talks to a running server. Imports are lazy so
-the client does not pull in torch.
+(vLLM-shaped; needs the ``server`` extra); ``teacher_server.client`` talks to a running server
+and needs only the core install (numpy, httpx). Imports are lazy so the client does not pull
+in torch.
 """
 
 from __future__ import annotations
