@@ -6,7 +6,7 @@ import asyncio
 import threading
 from collections.abc import AsyncGenerator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import httpx
 import numpy as np
@@ -126,7 +126,8 @@ class AsyncTeacherClient(ClientBase):
                                  progress: bool = False) -> PaddedScores:
         """See ``TeacherClient.score_batch_padded``."""
         results = await self.score_batch(requests, progress=progress)
-        return pad_scores(results, length=length, fill=fill, return_tensors=return_tensors)  # type: ignore[arg-type]
+        # without return_exceptions every entry is a matrix
+        return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
 
     async def _send(self, req: TeacherRequest) -> ScoreOutput:
         content = self._encode(req)

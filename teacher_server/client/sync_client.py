@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Literal
+from typing import Literal, cast
 
 import httpx
 import numpy as np
@@ -17,6 +17,7 @@ from teacher_server.client.progress import Progress
 from teacher_server.client.protocol import (GENERATE_PATH, Candidates, RequestLike, ScoreOutput, TeacherRequest,
                                             as_request)
 from teacher_server.client.retry import RETRY_EXCEPTIONS
+
 
 class TeacherClient(ClientBase):
     """Synchronous client (thread-safe; ``score_batch`` runs requests on a thread pool).
@@ -115,7 +116,8 @@ class TeacherClient(ClientBase):
         """``score_batch`` as one ``[B, T, K]`` array and its ``[B, T]`` row mask (see
         ``pad_scores``); ``return_tensors="pt"`` gives torch tensors. Raises on the first failure."""
         results = self.score_batch(requests, progress=progress)
-        return pad_scores(results, length=length, fill=fill, return_tensors=return_tensors)  # type: ignore[arg-type]
+        # without return_exceptions every entry is a matrix
+        return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
 
     def _send(self, req: TeacherRequest) -> ScoreOutput:
         content = self._encode(req)
