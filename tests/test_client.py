@@ -134,7 +134,8 @@ def _server_only_modules() -> list[str]:
 
 def test_client_imports_without_server_dependencies() -> None:
     """``pip install teacher-server[client]`` is enough: with every server-only package made
-    unimportable, the client imports and encodes a request."""
+    unimportable, the client imports and encodes a request, and the ``teacher-server`` command
+    says which extra the server needs."""
     blocked = _server_only_modules()
     code = textwrap.dedent(f"""
         import sys
@@ -142,7 +143,7 @@ def test_client_imports_without_server_dependencies() -> None:
         class Block:
             def find_spec(self, name, path=None, target=None):
                 if name.split(".")[0] in {blocked!r}:
-                    raise ImportError(f"{{name}} is not installed")
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)  # as if absent
                 return None
 
         sys.meta_path.insert(0, Block())
@@ -156,10 +157,11 @@ def test_client_imports_without_server_dependencies() -> None:
         c.build_body(c.TeacherRequest([1, 2, 3], [[4, 5], [6, -1]], 0))
         c.pad_scores([])
         print("ok", sorted(m for m in {blocked!r} if m in sys.modules))
+        teacher_server.main()  # the command says what to install
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == "ok []"
+    assert r.stdout.strip() == "ok []", r.stderr[-2000:]
+    assert r.returncode == 1 and 'pip install "teacher-server[server]"' in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("form", ["shared", "per_row", "per_row_padded"])
