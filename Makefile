@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    start the service (built-in demo model when MODEL is unset; CPU when there is no GPU)
 #   make test   run the test suite (GPU tests are skipped where there is no GPU)
+# `make run` installs the server only; `make test` adds the test tools.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,26 +12,40 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test setup lint clean bench-kernel bench-engine
+.PHONY: run test setup setup-run setup-test lint clean bench-kernel bench-engine
 
-$(VENV)/.installed: pyproject.toml
+# Stamps: the venv with torch; the server installed; the test tools added. `make run` stops at
+# the second, so serving never installs pytest, transformers or the deployment checkers.
+$(VENV)/.torch:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-setup: $(VENV)/.installed
+$(VENV)/.server: pyproject.toml $(VENV)/.torch
+	$(PY) -m pip install -q -e ".[server]"
+	touch $@
 
-run: setup
+$(VENV)/.test: pyproject.toml $(VENV)/.server
+	$(PY) -m pip install -q -e ".[server,test]"
+	touch $@
+
+setup-run: $(VENV)/.server
+
+setup-test: $(VENV)/.test
+
+setup: setup-test
+
+run: setup-run
 	$(PY) -m teacher_server serve --port $(PORT) $(if $(MODEL),--model $(MODEL)) $(ARGS)
 
-test: setup
+test: setup-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-bench-kernel: setup
+# The benchmarks' baseline runs transformers, which comes with the test tools.
+bench-kernel: setup-test
 	$(PY) bench/bench_kernel.py
 
-bench-engine: setup
+bench-engine: setup-test
 	$(PY) bench/bench_engine.py
 
 clean:

@@ -1,4 +1,4 @@
-"""Engine benchmark on the canonical workloads (DESIGN.md section 6), side by side with
+"""Engine benchmark on the canonical workloads (docs/design.md, section 3), side by side with
 the transformers baseline on the same requests in the same run.
 
   python bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --baseline W1,W1f,W3

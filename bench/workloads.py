@@ -1,4 +1,4 @@
-"""Canonical workloads (DESIGN.md section 6), model shapes, FLOP counts, and the random
+"""Canonical workloads (docs/design.md, section 3), model shapes, FLOP counts, and the random
 checkpoints the benchmarks load."""
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def make_workload(name: str, vocab: int, k: int = 64, seed: int = 0) -> list[Req
 
 
 def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[int] | None = None) -> float:
-    """DESIGN.md: 2 x non-embedding params + 2 x layers x context x attn_dim per token
+    """docs/design.md, section 4: 2 x non-embedding params + 2 x layers x context x attn_dim per token
     (causal average) + 2 x hidden x vocab per scored row."""
     h, i, n_l = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]

@@ -18,10 +18,13 @@ from typing import Any, TypedDict
 
 import numpy as np
 
+from teacher_server.client.protocol import candidates_array
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
-from teacher_server.validation import Limits, build_request
+from teacher_server.validation import BadRequest, Limits, build_request
+
+_CANDIDATES = "sampling_params.prompt_logprob_token_ids"
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -37,7 +40,8 @@ class SamplingParams:
                  prompt_logprob_start: int | None = None, prompt_logprobs: int | None = None,
                  **ignored: Any) -> None:
         self.max_tokens = max_tokens
-        self.prompt_logprob_token_ids = prompt_logprob_token_ids  # [K], [rows, K] (-1 pads), or base64 .npy
+        # [K] or [rows, K] (-1 pads): lists or numpy integer arrays, or a base64 .npy string
+        self.prompt_logprob_token_ids = prompt_logprob_token_ids
         self.prompt_logprob_start = prompt_logprob_start
         self.prompt_logprobs = prompt_logprobs
         self.extra = ignored
@@ -96,7 +100,7 @@ class LLM:
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts and {len(sps)} sampling params")
         reqs = [build_request(token_ids=p["prompt_token_ids"], limits=self.limits,
-                              candidates=sp.prompt_logprob_token_ids, start=sp.prompt_logprob_start,
+                              candidates=_candidates(sp.prompt_logprob_token_ids), start=sp.prompt_logprob_start,
                               prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
                               request_id=str(next(self._ids)), cache_salt=p.get("cache_salt"))
                 for p, sp in zip(prompts, sps)]
@@ -104,7 +108,8 @@ class LLM:
         return [self._output(r, res) for r, res in zip(reqs, results)]
 
     def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Any, start: int = 0) -> np.ndarray:
-        """Convenience: the [rows, K] float32 matrix for one sequence."""
+        """Convenience: the [rows, K] float32 matrix for one sequence. ``candidates`` is
+        ``[K]`` or ``[rows, K]`` (lists or a numpy integer array, -1 pads), K >= 1."""
         out = self.generate({"prompt_token_ids": list(np.asarray(token_ids).tolist())},
                             SamplingParams(max_tokens=0, prompt_logprob_token_ids=candidates,
                                            prompt_logprob_start=start))
@@ -121,3 +126,14 @@ class LLM:
         nxt = [res.next_token] if req.max_tokens and res.next_token is not None else []
         return RequestOutput(req.request_id, req.token_ids.tolist(), [CompletionOutput(0, nxt)],
                              res.token_id_logprobs, plp, res.cached_tokens)
+
+
+def _candidates(value: Any) -> Any:
+    """Candidates under the client's rule (K >= 1, equal rows, integer ids) as an array;
+    base64 ``.npy`` strings and None pass through to the shared validation."""
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        return candidates_array(value)
+    except (ValueError, TypeError) as e:
+        raise BadRequest(str(e), _CANDIDATES) from None

@@ -79,6 +79,11 @@ def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.nd
     if isinstance(value, str):
         arr = decode_npy(value, param)
         per_row = arr.ndim == 2
+    elif isinstance(value, np.ndarray):  # the in-process API's arrays: checked as the binary form is
+        arr = _as_int_array(value, param)
+        if arr.ndim not in (1, 2):
+            raise BadRequest(f"{param} must have shape [K] or [rows, K], got {list(arr.shape)}", param)
+        per_row = arr.ndim == 2
     elif isinstance(value, (list, tuple)):
         per_row = len(value) > 0 and isinstance(value[0], (list, tuple))
         if per_row:

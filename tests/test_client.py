@@ -1,12 +1,15 @@
 """The trainer client against the live demo server: both clients, both candidate forms,
-batching, errors, and retries through transports that inject 429/503 or count requests."""
+batching, padding, errors, and retries through transports that inject 429/502/503/504 or
+count requests; the client installs and imports without the server's dependencies."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from email.utils import formatdate
@@ -18,8 +21,8 @@ import pytest
 from apiutil import body, decode, npy_b64
 from conftest import free_port
 
-from teacher_server.client import (AsyncTeacherClient, ScoreOutput, TeacherClient, TeacherRequest,
-                                   TeacherServerError, retry_after_seconds)
+from teacher_server.client import (AsyncTeacherClient, PaddedScores, ScoreOutput, TeacherClient, TeacherRequest,
+                                   TeacherServerError, pad_scores, retry_after_seconds)
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = "/inference/v1/generate"
@@ -108,9 +111,58 @@ class AsyncCountingTransport(_Counting, httpx.AsyncBaseTransport):
 
 # --- results ------------------------------------------------------------------------------
 
-def test_imports_without_torch() -> None:
-    code = "import sys, teacher_server.client; assert 'torch' not in sys.modules, 'torch was imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+# Import names of the distributions that only the server needs.
+_MODULES = {"pyyaml": "yaml", "prometheus-client": "prometheus_client"}
+
+
+def _server_only_modules() -> list[str]:
+    """The import names of the ``server`` extra's packages that the ``client`` extra lacks."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def names(reqs: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].strip().lower() for r in reqs}
+
+    extras = project["optional-dependencies"]
+    client = names(project["dependencies"]) | names(extras["client"])
+    # the client's install is numpy and httpx; every server package belongs in [server]
+    assert client == {"numpy", "httpx"}, client
+    server = names(extras["server"]) - client
+    assert {"torch", "fastapi", "uvicorn"} <= server, server
+    return sorted(_MODULES.get(n, n.replace("-", "_")) for n in server)
+
+
+def test_client_imports_without_server_dependencies() -> None:
+    """``pip install teacher-server[client]`` is enough: with every server-only package made
+    unimportable, the client imports and encodes a request, and the ``teacher-server`` command
+    says which extra the server needs."""
+    blocked = _server_only_modules()
+    code = textwrap.dedent(f"""
+        import sys
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in {blocked!r}:
+                    raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)  # as if absent
+                return None
+
+        sys.meta_path.insert(0, Block())
+        try:
+            import torch
+        except ImportError:
+            pass
+        else:
+            raise SystemExit("the block does not work")
+        import teacher_server, teacher_server.client as c
+        c.build_body(c.TeacherRequest([1, 2, 3], [[4, 5], [6, -1]], 0))
+        c.pad_scores([])
+        print("ok", sorted(m for m in {blocked!r} if m in sys.modules))
+        teacher_server.main()  # the command says what to install
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "ok []", r.stderr[-2000:]
+    assert r.returncode == 1 and 'pip install "teacher-server[server]"' in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("form", ["shared", "per_row", "per_row_padded"])
@@ -207,28 +259,51 @@ def test_candidates_are_sent_in_binary_form_with_auth() -> None:
         [[1, 2], [3, -1], [5, 6]]
 
 
-def test_error_without_the_error_shape_is_not_retried() -> None:
+@pytest.mark.parametrize("status,retried", [(502, True), (504, True), (403, False)])
+def test_error_without_the_error_shape(status: int, retried: bool) -> None:
+    """A proxy's page is reported as it came; an ingress's 502/504 is retried, a 403 is not."""
     calls: list[int] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
         calls.append(1)
-        return httpx.Response(502, text="<html>bad gateway</html>")
+        return httpx.Response(status, text=f"<html>proxy says {status}</html>")
 
-    with TeacherClient("http://teacher.invalid", backoff=0.01, transport=httpx.MockTransport(handler)) as c:
+    with TeacherClient("http://teacher.invalid", max_retries=2, backoff=0.01,
+                       transport=httpx.MockTransport(handler)) as c:
         with pytest.raises(TeacherServerError) as ei:
             c.score([1, 2, 3], [1, 2])
-    assert ei.value.status == 502 and ei.value.type is None and "bad gateway" in ei.value.message
-    assert len(calls) == 1
+    e = ei.value
+    assert e.status == status and e.type is None and f"proxy says {status}" in e.message
+    assert len(calls) == e.attempts == (3 if retried else 1)
 
 
-def test_local_input_errors() -> None:
-    with TeacherClient("http://teacher.invalid") as c:
-        with pytest.raises(TypeError):
-            c.score([1, 2, 3], [1.5, 2.0])
-        with pytest.raises(ValueError):
-            c.score([1, 2, 3], np.zeros((1, 2, 2), np.int32))
-        with pytest.raises(ValueError):
-            c.score([1, 2, 3], [2 ** 40])
+def _never_called(request: httpx.Request) -> httpx.Response:
+    raise AssertionError("nothing may be sent for input that cannot be valid")
+
+
+@pytest.mark.parametrize("cands,error,match", [
+    ([1.5, 2.0], TypeError, "integer"),
+    (np.zeros((1, 2, 2), np.int32), ValueError, r"\[K\] or \[rows, K\]"),
+    ([2 ** 40], ValueError, "int32"),
+    ([], ValueError, "K must be at least 1"),  # K == 0: the server's 400, before sending
+    (np.zeros(0, np.int32), ValueError, "K must be at least 1"),
+    (np.zeros((2, 0), np.int64), ValueError, "K must be at least 1"),
+    ([[1, 2], [3, 4, 5]], ValueError, "row 0 has 2, row 1 has 3"),  # ragged rows
+    ([[1, 2], [3]], ValueError, "pad with -1"),
+    ([[1, 2], 3], ValueError, "a mix of ids and rows"),
+])
+def test_local_input_errors(cands, error, match) -> None:  # noqa: ANN001
+    """Input the server would refuse is refused before sending, by both clients."""
+    with TeacherClient("http://teacher.invalid", transport=httpx.MockTransport(_never_called)) as c:
+        with pytest.raises(error, match=match):
+            c.score([1, 2, 3], cands, start=1)
+
+    async def go() -> None:
+        async with AsyncTeacherClient("http://teacher.invalid", transport=httpx.MockTransport(_never_called)) as c:
+            await c.score([1, 2, 3], cands, start=1)
+
+    with pytest.raises(error, match=match):
+        asyncio.run(go())
 
 
 # --- batches ------------------------------------------------------------------------------
@@ -285,7 +360,7 @@ def test_progress_without_tqdm(demo_server, monkeypatch, capsys) -> None:  # noq
 
 def test_score_batch_raises_first_failure(demo_server) -> None:  # noqa: ANN001
     reqs, _ = _batch(4)
-    reqs[2] = TeacherRequest(seq(10), [3, 3])  # duplicate ids: 400
+    reqs[2] = TeacherRequest(seq(10), [3, VOCAB])  # an id outside the vocabulary: 400
     with TeacherClient(demo_server.url, max_concurrency=2) as client, pytest.raises(TeacherServerError) as ei:
         client.score_batch(reqs)
     assert ei.value.status == 400
@@ -299,17 +374,102 @@ def test_score_batch_raises_first_failure(demo_server) -> None:  # noqa: ANN001
     assert ei.value.status == 400
 
 
+def test_score_batch_return_exceptions(demo_server) -> None:  # noqa: ANN001
+    """Every request runs; failed ones hold their error in place, the others their result."""
+    reqs, rows = _batch(5)
+    reqs[1] = TeacherRequest(seq(10), [3, VOCAB])  # the server's 400
+    reqs[3] = TeacherRequest(seq(10), [])  # refused before sending
+    with TeacherClient(demo_server.url, max_concurrency=2) as client:
+        sync = client.score_batch(reqs, return_exceptions=True)
+
+    async def go() -> list:
+        async with AsyncTeacherClient(demo_server.url, max_concurrency=2) as client:
+            return await client.score_batch(reqs, return_exceptions=True)
+
+    for results in (sync, asyncio.run(go())):
+        assert isinstance(results[1], TeacherServerError) and results[1].status == 400
+        assert isinstance(results[3], ValueError) and "K must be at least 1" in str(results[3])
+        for i in (0, 2, 4):
+            assert isinstance(results[i], np.ndarray) and results[i].shape == (rows[i], 3)
+    for i in (0, 2, 4):
+        np.testing.assert_allclose(sync[i], results[i], rtol=0, atol=1e-5)
+
+
+def test_pad_scores() -> None:
+    a = np.arange(6, dtype=np.float32).reshape(3, 2)
+    b = np.array([[-np.inf, 7.0]], np.float32)
+    out = pad_scores([a, b, np.zeros((0, 2), np.float32)])
+    assert isinstance(out, PaddedScores) and out.scores.shape == (3, 3, 2) and out.scores.dtype == np.float32
+    np.testing.assert_array_equal(out.mask, [[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    np.testing.assert_array_equal(out.scores[0], a)
+    np.testing.assert_array_equal(out.scores[1], [[-np.inf, 7.0], [0, 0], [0, 0]])  # -1 padding kept, rows filled
+    assert not out.scores[2].any()
+    wide = pad_scores([a, b], length=5, fill=-1.0)
+    assert wide.scores.shape == (2, 5, 2) and wide.mask.sum() == 4 and (wide.scores[1, 1:] == -1.0).all()
+    with pytest.raises(ValueError, match="shorter"):
+        pad_scores([a], length=2)
+    with pytest.raises(ValueError, match="different K"):
+        pad_scores([a, np.zeros((1, 3), np.float32)])
+    with pytest.raises(ValueError, match="return_tensors"):
+        pad_scores([a], return_tensors="tf")  # type: ignore[arg-type]
+    assert pad_scores([]).scores.shape == (0, 0, 0)
+
+
+def test_score_batch_padded(demo_server) -> None:  # noqa: ANN001
+    import torch
+
+    reqs, rows = _batch(4)
+    with TeacherClient(demo_server.url) as client:
+        singles = client.score_batch(reqs)
+        out = client.score_batch_padded(reqs)
+
+    async def go() -> PaddedScores:
+        async with AsyncTeacherClient(demo_server.url) as client:
+            return await client.score_batch_padded(reqs, length=max(rows) + 2, return_tensors="pt")
+
+    pt = asyncio.run(go())
+    assert out.scores.shape == (4, max(rows), 3) and out.mask.shape == (4, max(rows))
+    assert isinstance(pt.scores, torch.Tensor) and pt.scores.dtype == torch.float32 and pt.mask.dtype == torch.bool
+    assert tuple(pt.scores.shape) == (4, max(rows) + 2, 3)
+    for b, (n, one) in enumerate(zip(rows, singles)):
+        assert out.mask[b].sum() == n and pt.mask[b].sum().item() == n
+        np.testing.assert_allclose(out.scores[b, :n], one, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(pt.scores[b, :n].numpy(), one, rtol=0, atol=1e-5)
+        assert not out.scores[b, n:].any()
+
+
+def test_async_client_across_event_loops(demo_server) -> None:  # noqa: ANN001
+    """One client, built outside any loop, serves successive asyncio.run calls."""
+    toks, cands = seq(20), [1, 2, 3]
+    client = AsyncTeacherClient(demo_server.url, max_concurrency=2)
+
+    async def go() -> list[np.ndarray]:
+        return list(await asyncio.gather(*(client.score(toks, cands, 4) for _ in range(3))))
+
+    first = asyncio.run(go())  # no aclose: this loop's connections are dropped with it
+    second = asyncio.run(go())
+
+    async def last() -> np.ndarray:
+        async with client:
+            return (await client.score_batch([(toks, cands, 4)]))[0]
+
+    third = asyncio.run(last())
+    for m in first + second + [third]:
+        assert m.shape == (15, 3)
+        np.testing.assert_allclose(m, first[0], rtol=0, atol=1e-5)
+
+
 # --- errors and retries -------------------------------------------------------------------
 
 def test_bad_request_is_not_retried(demo_server) -> None:  # noqa: ANN001
     transport = CountingTransport()
     with TeacherClient(demo_server.url, max_retries=5, backoff=0.01, transport=transport) as client:
         with pytest.raises(TeacherServerError) as ei:
-            client.score(seq(10), [[1, 1], [2, 3]], start=7)
+            client.score(seq(10), [[1, VOCAB], [2, 3]], start=7)
     e = ei.value
     assert (e.status, e.type, e.code, e.param) == (400, "BadRequestError", 400,
                                                    "sampling_params.prompt_logprob_token_ids")
-    assert "duplicate" in e.message and e.attempts == 1 and transport.count == 1
+    assert "outside" in e.message and e.attempts == 1 and transport.count == 1
 
     async_transport = AsyncCountingTransport()
 
@@ -351,6 +511,25 @@ def test_retry_after_503_then_success_async(demo_server) -> None:  # noqa: ANN00
             return await c.score(seq(12), [1, 2], 3)
 
     assert asyncio.run(go()).shape == (8, 2) and transport.count == 3
+
+
+@pytest.mark.parametrize("status", [502, 504])
+def test_ingress_errors_are_retried(demo_server, status: int) -> None:  # noqa: ANN001
+    """An ingress in front of the server answers 502/504 when it loses the upstream."""
+    toks, cands = seq(14), [4, 5]
+    transport = CountingTransport(fail=2, status=status)
+    with TeacherClient(demo_server.url, max_retries=2, backoff=0.01, transport=transport) as client:
+        got = client.score(toks, cands, 3)
+    assert transport.count == 3
+    np.testing.assert_allclose(got, raw_scores(demo_server, toks, cands, 3), rtol=0, atol=1e-5)
+
+    async_transport = AsyncCountingTransport(fail=1, status=status)
+
+    async def go() -> np.ndarray:
+        async with AsyncTeacherClient(demo_server.url, max_retries=1, backoff=0.01, transport=async_transport) as c:
+            return await c.score(toks, cands, 3)
+
+    assert asyncio.run(go()).shape == (10, 2) and async_transport.count == 2
 
 
 def test_retries_exhausted_raise_last_status(demo_server) -> None:  # noqa: ANN001

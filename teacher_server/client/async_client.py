@@ -1,0 +1,147 @@
+"""``AsyncTeacherClient``: the asyncio client, usable from any number of event loops."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import httpx
+import numpy as np
+
+from teacher_server.client.base import JSON_HEADERS, ClientBase
+from teacher_server.client.padding import PaddedScores, pad_scores
+from teacher_server.client.progress import Progress
+from teacher_server.client.protocol import (GENERATE_PATH, Candidates, RequestLike, ScoreOutput, TeacherRequest,
+                                            as_request)
+from teacher_server.client.retry import RETRY_EXCEPTIONS
+
+
+@dataclass
+class _LoopState:
+    """What belongs to one event loop: pooled connections and the concurrency limit."""
+
+    http: httpx.AsyncClient
+    slots: asyncio.Semaphore
+    closer: AsyncGenerator[None, None]
+
+
+async def _closer(http: httpx.AsyncClient) -> AsyncGenerator[None, None]:
+    """Started once per loop and left suspended: ``asyncio.run`` closes a loop's unfinished
+    async generators before it closes the loop, which closes that loop's connections while
+    they can still be closed (a loop ended without ``aclose()`` leaks no sockets)."""
+    try:
+        yield
+    finally:
+        await http.aclose()
+
+
+class AsyncTeacherClient(ClientBase):
+    """Asyncio client with ``TeacherClient``'s surface (``await client.score(...)``).
+
+    Connections and the concurrency limit belong to an event loop, so they are made on first
+    use in each loop, not at construction: one client serves successive ``asyncio.run`` calls
+    (or loops in several threads). At most ``max_concurrency`` requests are in flight at once
+    per loop. ``aclose()`` (or ``async with``) closes the current loop's connections, and
+    ``asyncio.run`` closes them when its loop ends. ``transport`` takes an ``httpx.AsyncBaseTransport``,
+    shared by every loop's connection pool.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | httpx.Timeout = 600.0,
+                 max_retries: int = 5, backoff: float = 0.5, max_concurrency: int = 16, *,
+                 max_backoff: float = 30.0, model: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model)
+        self._transport = transport
+        self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
+        self._lock = threading.Lock()  # loops in several threads may share the client
+
+    async def _state(self) -> _LoopState:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for dead in [lp for lp in self._loops if lp.is_closed()]:
+                del self._loops[dead]  # closed with its loop (see _closer)
+            st = self._loops.get(loop)
+            if st is not None:
+                return st
+            http = httpx.AsyncClient(transport=self._transport, **self._client_kw)
+            st = self._loops[loop] = _LoopState(http, asyncio.Semaphore(self.max_concurrency), _closer(http))
+        await st.closer.__anext__()  # runs to its yield: now the loop tracks it
+        return st
+
+    async def __aenter__(self) -> AsyncTeacherClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close this event loop's pooled connections (the client stays usable)."""
+        with self._lock:
+            st = self._loops.pop(asyncio.get_running_loop(), None)
+        if st is not None:
+            await st.closer.aclose()  # its finally closes the connections
+
+    async def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
+                    cache_salt: str | None = None, request_id: str | None = None,
+                    prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0) -> np.ndarray:
+        """See ``TeacherClient.score``."""
+        out = await self.score_full(token_ids, candidates, start, cache_salt=cache_salt, request_id=request_id,
+                                    prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority)
+        return out.scores
+
+    async def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
+                         cache_salt: str | None = None, request_id: str | None = None,
+                         prompt_logprobs: int | None = None, max_tokens: int = 0,
+                         priority: int = 0) -> ScoreOutput:
+        """See ``TeacherClient.score_full``."""
+        return await self._send(TeacherRequest(token_ids, candidates, start, cache_salt, request_id,
+                                               prompt_logprobs, max_tokens, priority))
+
+    async def score_batch(self, requests: Iterable[RequestLike], *, progress: bool = False,
+                          return_exceptions: bool = False) -> list[np.ndarray | Exception]:
+        """See ``TeacherClient.score_batch``."""
+        outs = await self.score_batch_full(requests, progress=progress, return_exceptions=return_exceptions)
+        return [o if isinstance(o, Exception) else o.scores for o in outs]
+
+    async def score_batch_full(self, requests: Iterable[RequestLike], *, progress: bool = False,
+                               return_exceptions: bool = False) -> list[ScoreOutput | Exception]:
+        """See ``TeacherClient.score_batch_full``."""
+        reqs = [as_request(r) for r in requests]
+        bar = Progress(len(reqs), progress)
+        tasks = [asyncio.ensure_future(self._send(r)) for r in reqs]
+        for t in tasks:
+            t.add_done_callback(lambda t: t.cancelled() or bar.update())
+        try:
+            return list(await asyncio.gather(*tasks, return_exceptions=return_exceptions))
+        finally:
+            for t in tasks:  # after a failure: do not leave the others running
+                t.cancel()
+            bar.close()
+
+    async def score_batch_padded(self, requests: Iterable[RequestLike], *, length: int | None = None,
+                                 fill: float = 0.0, return_tensors: Literal["np", "pt"] = "np",
+                                 progress: bool = False) -> PaddedScores:
+        """See ``TeacherClient.score_batch_padded``."""
+        results = await self.score_batch(requests, progress=progress)
+        # without return_exceptions every entry is a matrix
+        return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
+
+    async def _send(self, req: TeacherRequest) -> ScoreOutput:
+        content = self._encode(req)
+        st = await self._state()
+        attempt = 0
+        while True:
+            attempt += 1
+            resp = err = None
+            try:
+                async with st.slots:
+                    resp = await st.http.post(GENERATE_PATH, content=content, headers=JSON_HEADERS)
+            except RETRY_EXCEPTIONS as e:
+                err = e
+            out = self.retry.outcome(attempt, resp, err)
+            if out is not None:
+                return out
+            await asyncio.sleep(self.retry.delay(attempt, resp))

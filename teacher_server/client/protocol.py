@@ -1,0 +1,163 @@
+"""The wire format of ``POST /inference/v1/generate`` as the clients speak it: requests,
+candidates in binary form, decoded results and errors. numpy and httpx only (no torch), so
+the in-process API can share the candidate rules without pulling in the HTTP stack's peers."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+GENERATE_PATH = "/inference/v1/generate"
+_INT32 = np.iinfo(np.int32)
+
+Candidates = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
+
+
+class TeacherServerError(Exception):
+    """A request that failed for good.
+
+    ``status`` is the HTTP status (None when no response came back, e.g. connection refused
+    after every retry); ``type``, ``message``, ``param`` and ``code`` come from the server's
+    ``{"error": {...}}`` body; ``attempts`` counts the requests sent.
+    """
+
+    def __init__(self, message: str, *, status: int | None = None, type: str | None = None,
+                 param: str | None = None, code: int | None = None, attempts: int = 1) -> None:
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+        self.attempts = attempts
+        where = f" (param: {param})" if param else ""
+        head = f"{status} {type or 'error'}" if status is not None else (type or "error")
+        super().__init__(f"{head}: {message}{where} [after {attempts} attempt(s)]")
+
+
+@dataclass(frozen=True)
+class TeacherRequest:
+    """One scoring request for ``score_batch``; the fields are ``score``'s arguments.
+
+    ``score_batch`` also takes plain dicts with these keys, or tuples in this order.
+    """
+
+    token_ids: Sequence[int] | np.ndarray
+    candidates: Candidates
+    start: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    prompt_logprobs: int | None = None
+    max_tokens: int = 0
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class ScoreOutput:
+    """A scored request: the matrix plus what the server reported about it."""
+
+    scores: np.ndarray  # [rows, K] float32 teacher log-probs (logits in raw_logits mode)
+    request_id: str
+    model: str
+    next_token: int | None  # greedy next token when max_tokens=1
+    prompt_tokens: int
+    cached_tokens: int  # tokens whose KV came from the prefix cache
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None  # vLLM's classic layout, when asked
+
+
+RequestLike = TeacherRequest | Mapping[str, Any] | Sequence[Any]
+
+
+def as_request(item: RequestLike) -> TeacherRequest:
+    """A ``TeacherRequest`` from itself, a dict of its fields or a tuple in field order."""
+    if isinstance(item, TeacherRequest):
+        return item
+    if isinstance(item, Mapping):
+        return TeacherRequest(**item)
+    return TeacherRequest(*item)
+
+
+def candidates_array(candidates: Candidates) -> np.ndarray:
+    """Candidates as an integer array of shape ``[K]`` (shared by every scored row) or
+    ``[rows, K]`` (one row per scored position, ``-1`` pads), checked before anything is sent.
+
+    One rule for the client and the in-process ``LLM``: K must be at least 1 (the server
+    answers 400 to K == 0 in every form), rows must all hold K ids, ids must be integers.
+    Raises ``ValueError`` (``TypeError`` for non-integer ids).
+    """
+    if not isinstance(candidates, np.ndarray):
+        _check_rows(candidates)
+    arr = np.asarray(candidates)
+    if arr.ndim not in (1, 2):
+        raise ValueError(f"candidates must have shape [K] or [rows, K], got {list(arr.shape)}")
+    if arr.shape[-1] == 0:
+        raise ValueError(f"candidates: K must be at least 1, got shape {list(arr.shape)}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"candidates must be integer ids, got dtype {arr.dtype}")
+    return arr
+
+
+def _check_rows(candidates: Any) -> None:
+    """Ragged rows would become an object array (or numpy's 'inhomogeneous shape' error):
+    say which row differs instead."""
+    if not isinstance(candidates, Sequence) or isinstance(candidates, (str, bytes)) or not candidates:
+        return
+    nested = [isinstance(r, (Sequence, np.ndarray)) and not isinstance(r, (str, bytes)) for r in candidates]
+    if any(nested) and not all(nested):
+        raise ValueError("candidates: a mix of ids and rows; give a flat list of K ids or a list of rows")
+    if not nested[0]:
+        return
+    k0 = len(candidates[0])
+    for i, row in enumerate(candidates):
+        if len(row) != k0:
+            raise ValueError(f"candidates: every row must hold the same number of ids (pad with -1); "
+                             f"row 0 has {k0}, row {i} has {len(row)}")
+
+
+def encode_candidates(candidates: Candidates) -> str:
+    """Candidates ([K] shared or [rows, K] per row, -1 pads) -> base64 ``.npy`` int32."""
+    arr = candidates_array(candidates)
+    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+        raise ValueError("candidate ids must fit in int32")
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr, dtype="<i4"), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
+    """The JSON body of ``POST /inference/v1/generate`` for one request."""
+    toks = np.asarray(req.token_ids)
+    if toks.ndim != 1:
+        raise ValueError(f"token_ids must be a flat sequence of ids, got shape {list(toks.shape)}")
+    if toks.size and toks.dtype.kind not in "iu":
+        raise TypeError(f"token_ids must be integer ids, got dtype {toks.dtype}")
+    sp: dict[str, Any] = {"prompt_logprob_token_ids": encode_candidates(req.candidates),
+                          "prompt_logprob_start": int(req.start), "max_tokens": int(req.max_tokens)}
+    if req.prompt_logprobs is not None:
+        sp["prompt_logprobs"] = int(req.prompt_logprobs)
+    body: dict[str, Any] = {"token_ids": toks.astype(np.int64).tolist(), "sampling_params": sp}
+    if req.priority:
+        body["priority"] = int(req.priority)
+    for key, value in (("request_id", req.request_id), ("cache_salt", req.cache_salt), ("model", model)):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+def parse_output(data: Mapping[str, Any]) -> ScoreOutput:
+    """A 200 response body -> ``ScoreOutput`` (the matrix decoded without unpickling)."""
+    raw = data.get("prompt_token_id_logprobs")
+    if raw is None:
+        raise TeacherServerError("response has no prompt_token_id_logprobs", status=200)
+    scores = np.load(io.BytesIO(base64.b64decode(raw)), allow_pickle=False).astype(np.float32, copy=False)
+    toks = (data.get("choices") or [{}])[0].get("token_ids") or []
+    usage = data.get("usage") or {}
+    return ScoreOutput(scores=scores, request_id=data.get("request_id", ""), model=data.get("model", ""),
+                       next_token=int(toks[0]) if toks else None,
+                       prompt_tokens=int(usage.get("prompt_tokens", 0)),
+                       cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
+                       prompt_logprobs=data.get("prompt_logprobs"))

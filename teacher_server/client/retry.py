@@ -1,0 +1,85 @@
+"""When a failed attempt is sent again, and how long the client waits first.
+
+Retried: 429 and 503 (the server is overloaded or draining and says when to come back with
+``Retry-After``), 502 and 504 (an ingress or load balancer in front of the server lost the
+upstream or timed out), and connection errors and timeouts. Scoring is idempotent, so sending
+a request again is always safe. Every other status fails at once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from email.utils import parsedate_to_datetime
+
+import httpx
+
+from teacher_server.client.protocol import ScoreOutput, TeacherServerError, parse_output
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# Failures where the request may not have reached the engine, or its answer was lost.
+RETRY_EXCEPTIONS = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+
+
+def retry_after_seconds(resp: httpx.Response) -> float | None:
+    """``Retry-After`` as seconds (delta-seconds or an HTTP date), None when absent or unreadable."""
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
+    except (TypeError, ValueError):
+        return None
+
+
+def error_from_response(resp: httpx.Response, attempts: int) -> TeacherServerError:
+    """A non-200 response -> ``TeacherServerError`` from vLLM's error shape (or the raw text)."""
+    try:
+        err = resp.json().get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if not isinstance(err, dict):  # not our error shape: a proxy page, an empty body, ...
+        return TeacherServerError(resp.text[:300] or resp.reason_phrase, status=resp.status_code, attempts=attempts)
+    code = err.get("code")
+    return TeacherServerError(str(err.get("message", "")), status=resp.status_code, type=err.get("type"),
+                              param=err.get("param"), code=code if isinstance(code, int) else None,
+                              attempts=attempts)
+
+
+class RetryPolicy:
+    """One outcome rule per attempt, shared by the sync and async clients."""
+
+    def __init__(self, max_retries: int, backoff: float, max_backoff: float) -> None:
+        assert max_retries >= 0 and backoff >= 0 and max_backoff >= 0, (max_retries, backoff, max_backoff)
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._rng = random.Random()
+
+    def outcome(self, attempt: int, resp: httpx.Response | None, err: Exception | None) -> ScoreOutput | None:
+        """Attempt number ``attempt`` (1-based) gave ``resp`` or failed with ``err``: the parsed
+        output on 200; None to try again; raises when the failure is final."""
+        if resp is not None and resp.status_code == 200:
+            return parse_output(resp.json())
+        retryable = resp is None or resp.status_code in RETRY_STATUSES
+        if retryable and attempt <= self.max_retries:
+            return None
+        if resp is None:
+            raise TeacherServerError(f"{type(err).__name__}: {err}", type=type(err).__name__,
+                                     attempts=attempt) from err
+        raise error_from_response(resp, attempt)
+
+    def delay(self, attempt: int, resp: httpx.Response | None) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        if resp is not None:
+            hinted = retry_after_seconds(resp)
+            if hinted is not None:
+                return min(hinted, self.max_backoff)
+        # Exponential backoff with "equal jitter": half fixed, half random, so clients that
+        # failed together do not come back together.
+        d = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
+        return d / 2 + self._rng.uniform(0, d / 2)

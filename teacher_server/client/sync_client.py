@@ -1,0 +1,136 @@
+"""``TeacherClient``: the synchronous client (requests of a batch run on a thread pool)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Literal, cast
+
+import httpx
+import numpy as np
+
+from teacher_server.client.base import JSON_HEADERS, ClientBase
+from teacher_server.client.padding import PaddedScores, pad_scores
+from teacher_server.client.progress import Progress
+from teacher_server.client.protocol import (GENERATE_PATH, Candidates, RequestLike, ScoreOutput, TeacherRequest,
+                                            as_request)
+from teacher_server.client.retry import RETRY_EXCEPTIONS
+
+
+class TeacherClient(ClientBase):
+    """Synchronous client (thread-safe; ``score_batch`` runs requests on a thread pool).
+
+    Args:
+        base_url: the server, e.g. ``http://127.0.0.1:8000``.
+        api_key: sent as ``Authorization: Bearer <key>`` when given.
+        timeout: seconds per attempt (connect capped at 10 s), or an ``httpx.Timeout``.
+        max_retries: retries after the first attempt on 429/502/503/504, connection errors and timeouts.
+        backoff: first backoff in seconds; doubles per retry, with jitter, up to ``max_backoff``.
+            A ``Retry-After`` header replaces the computed wait.
+        max_concurrency: requests in flight at once (threads of ``score_batch``, pooled connections).
+        model: sent as ``model``; the server answers 404 when it serves another one.
+        transport: a custom ``httpx.BaseTransport`` (TLS settings, proxies, tests).
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | httpx.Timeout = 600.0,
+                 max_retries: int = 5, backoff: float = 0.5, max_concurrency: int = 16, *,
+                 max_backoff: float = 30.0, model: str | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model)
+        self._http = httpx.Client(transport=transport, **self._client_kw)
+        self._slots = threading.BoundedSemaphore(max_concurrency)
+
+    def __enter__(self) -> TeacherClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the pooled connections."""
+        self._http.close()
+
+    def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
+              cache_salt: str | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
+              max_tokens: int = 0, priority: int = 0) -> np.ndarray:
+        """Teacher log-probs of ``candidates``: a ``[rows, K]`` float32 matrix,
+        ``rows = max(len(token_ids) - 1 - start, 0)``; row i scores token ``start + i + 1``.
+
+        ``candidates`` is ``[K]`` (shared by every row) or ``[rows, K]`` (one row per scored
+        position, ``-1`` pads and scores ``-inf``), K >= 1. Raises ``TeacherServerError``, or
+        ``ValueError``/``TypeError`` before sending for input that cannot be valid (K == 0,
+        ragged rows, non-integer ids).
+        """
+        return self.score_full(token_ids, candidates, start, cache_salt=cache_salt, request_id=request_id,
+                               prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority).scores
+
+    def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
+                   cache_salt: str | None = None, request_id: str | None = None,
+                   prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0) -> ScoreOutput:
+        """As ``score``, returning a ``ScoreOutput`` (matrix, next token, usage, prompt_logprobs, request id)."""
+        return self._send(TeacherRequest(token_ids, candidates, start, cache_salt, request_id, prompt_logprobs,
+                                         max_tokens, priority))
+
+    def score_batch(self, requests: Iterable[RequestLike], *, progress: bool = False,
+                    return_exceptions: bool = False) -> list[np.ndarray | Exception]:
+        """Score many requests, at most ``max_concurrency`` at once; results in input order.
+
+        Each request is a ``TeacherRequest``, a dict of its fields, or a tuple in its field
+        order. By default the first failure cancels the requests not yet started and is
+        raised; with ``return_exceptions=True`` every request runs and a failed one's place in
+        the list holds its exception. ``progress`` shows a tqdm bar when tqdm is installed,
+        else a counter on stderr.
+        """
+        outs = self.score_batch_full(requests, progress=progress, return_exceptions=return_exceptions)
+        return [o if isinstance(o, Exception) else o.scores for o in outs]
+
+    def score_batch_full(self, requests: Iterable[RequestLike], *, progress: bool = False,
+                         return_exceptions: bool = False) -> list[ScoreOutput | Exception]:
+        """As ``score_batch``, returning ``ScoreOutput``s."""
+        reqs = [as_request(r) for r in requests]
+        bar = Progress(len(reqs), progress)
+        try:
+            with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(reqs), 1)),
+                                    thread_name_prefix="teacher-client") as pool:
+                futures = [pool.submit(self._send, r) for r in reqs]
+                for f in futures:
+                    f.add_done_callback(lambda f: f.cancelled() or bar.update())
+                if return_exceptions:
+                    wait(futures)
+                    return [f.exception() or f.result() for f in futures]
+                _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+                failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
+                if failed is not None:
+                    for f in pending:
+                        f.cancel()
+                    raise failed.exception()  # type: ignore[misc]
+                return [f.result() for f in futures]
+        finally:
+            bar.close()
+
+    def score_batch_padded(self, requests: Iterable[RequestLike], *, length: int | None = None,
+                           fill: float = 0.0, return_tensors: Literal["np", "pt"] = "np",
+                           progress: bool = False) -> PaddedScores:
+        """``score_batch`` as one ``[B, T, K]`` array and its ``[B, T]`` row mask (see
+        ``pad_scores``); ``return_tensors="pt"`` gives torch tensors. Raises on the first failure."""
+        results = self.score_batch(requests, progress=progress)
+        # without return_exceptions every entry is a matrix
+        return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
+
+    def _send(self, req: TeacherRequest) -> ScoreOutput:
+        content = self._encode(req)
+        attempt = 0
+        while True:
+            attempt += 1
+            resp = err = None
+            try:
+                with self._slots:
+                    resp = self._http.post(GENERATE_PATH, content=content, headers=JSON_HEADERS)
+            except RETRY_EXCEPTIONS as e:
+                err = e
+            out = self.retry.outcome(attempt, resp, err)
+            if out is not None:
+                return out
+            time.sleep(self.retry.delay(attempt, resp))
