@@ -22,6 +22,7 @@ from teacher_server.engine.model_runner import HostStep, ModelRunner, PendingOut
 from teacher_server.engine.request import ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
+from teacher_server.hub import resolve_model
 from teacher_server.model.attention import make_backend
 from teacher_server.model.loader import load_model
 from teacher_server.model.spec import ModelSpec
@@ -60,7 +61,7 @@ class Engine:
                         "its scores are meaningless", model_dir)
             self.is_demo = True
         else:
-            model_dir = Path(cfg.model)
+            model_dir = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir, weights=cfg.load_format != "dummy")
             self.is_demo = False
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_dir(self.model_dir)
