@@ -4,7 +4,6 @@ symlinked to blobs), with HF_HUB_OFFLINE=1 so nothing here touches the network."
 
 from __future__ import annotations
 
-import hashlib
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hubutil import add_snapshot
 from teacher_server import LLM
 from teacher_server.hub import ModelNotFoundError, resolve_model
 
@@ -20,27 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 REPO = "acme/tiny-qwen3"
 SHA_MAIN = "1" * 40
 SHA_V2 = "2" * 40
-
-
-def add_snapshot(cache: Path, repo_id: str, src: Path, sha: str, refs: tuple[str, ...] = ("main",),
-                 skip: tuple[str, ...] = ()) -> Path:
-    """Put the files of `src` (minus `skip`) into the hub cache as commit `sha`, pointed to
-    by `refs`; returns the snapshot directory."""
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / sha
-    snap.mkdir(parents=True)
-    (repo / "blobs").mkdir(exist_ok=True)
-    for f in sorted(src.iterdir()):
-        if not f.is_file() or f.name in skip:
-            continue
-        data = f.read_bytes()
-        blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
-        blob.write_bytes(data)
-        (snap / f.name).symlink_to(os.path.relpath(blob, snap))
-    for ref in refs:
-        (repo / "refs").mkdir(exist_ok=True)
-        (repo / "refs" / ref).write_text(sha)
-    return snap
 
 
 @pytest.fixture(scope="module")
