@@ -113,10 +113,11 @@ LABEL org.opencontainers.image.title="teacher-server" \
 
 # gcc + libc6-dev + python3.12-dev: torch.compile's Triton kernels are launched through a
 # small C extension that Triton compiles on first use (cc -shared ... -I<Python.h dir>
-# -lcuda). See the note in the build stage on apt pinning.
+# -lcuda); g++ for inductor's C++ code paths (host-side kernels of a compiled graph).
+# See the note in the build stage on apt pinning.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-dev gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3.12 python3.12-dev gcc g++ libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # Fixed numeric UID/GID so Kubernetes' runAsNonRoot can verify it and volume

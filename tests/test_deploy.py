@@ -900,3 +900,25 @@ def test_readme_helm_command_renders(helm: ModuleType, kube: ModuleType, kube_ve
     assert env["TEACHER_SERVER_MODEL"]["value"] == "/models/Qwen3-32B"
     assert env["TEACHER_SERVER_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "teacher-api-key"
     validate_k8s(kube, kube_versions, docs)
+
+
+def test_readme_helm_examples_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                      tmp_path: Path) -> None:
+    """Every `helm install` in the README (existing claim, hub fetch, object-store fetch)
+    renders into a release that passes every check."""
+    readme = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    commands = [line for line in readme.splitlines() if line.strip().startswith("helm install teacher ")]
+    assert len(commands) >= 3, commands
+    fetched = set()
+    for cmd in commands:
+        values: dict[str, Any] = {}
+        for item in re.findall(r"--set (\S+)", cmd):
+            key, val = item.split("=", 1)
+            node = values
+            *path, last = key.split(".")
+            for p in path:
+                node = node.setdefault(p, {})
+            node[last] = int(val) if val.isdigit() else val
+        check_release(helm, kube, kube_versions, values, tmp_path)
+        fetched.add(values["model"].get("fetch", {}).get("from", "none"))
+    assert fetched == {"none", "hub", "objectStore"}, fetched
