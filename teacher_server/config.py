@@ -30,7 +30,9 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     # --- model -------------------------------------------------------------------------
-    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors). None: built-in demo model.")
+    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors) or hub id (org/name). None: built-in demo model.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub id `model`; default main.")
+    download_dir: str | None = Field(None, description="Hub cache for hub id models; default HF_HUB_CACHE (~/.cache/huggingface/hub).")
     served_model_name: str | None = Field(None, description="Name clients use in `model`; defaults to the directory name.")
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"

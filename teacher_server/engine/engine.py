@@ -25,6 +25,7 @@ from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
 from teacher_server.engine.stats import EngineStats, StepTiming
 from teacher_server.engine.tuning import Tuning
+from teacher_server.hub import resolve_model
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
 
@@ -64,7 +65,8 @@ class Engine:
             log.warning("no model given: serving the built-in demo model at %s; its weights are RANDOM, "
                         "its scores are meaningless", model_dir)
         else:
-            model_dir = Path(cfg.model)
+            model_dir = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir,
+                                      weights=cfg.load_format != "dummy")
         self.model_dir = Path(model_dir)
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")

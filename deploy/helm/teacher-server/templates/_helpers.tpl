@@ -67,13 +67,39 @@ api-key
 {{- end -}}
 
 {{/*
+terminationGracePeriodSeconds: the value when given, else preStop sleep + drain + exit
+margin. The kubelet counts it from the start of deletion, preStop included.
+*/}}
+{{- define "teacher-server.terminationGracePeriod" -}}
+{{- $s := .Values.shutdown -}}
+{{- if kindIs "invalid" $s.terminationGracePeriodSeconds -}}
+{{- add $s.preStopSleepSeconds $s.drainTimeoutSeconds $s.exitMarginSeconds -}}
+{{- else -}}
+{{- $s.terminationGracePeriodSeconds | int -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The rclone source for model.fetch.objectStore.url: s3:// and gs:// URLs become rclone
+on-the-fly remotes that take credentials from the environment; anything else is already
+an rclone path.
+*/}}
+{{- define "teacher-server.objectStoreSource" -}}
+{{- $url := .Values.model.fetch.objectStore.url -}}
+{{- $url = regexReplaceAll "^s3://" $url ":s3,env_auth=true:" -}}
+{{- $url = regexReplaceAll "^gs://" $url ":gcs,env_auth=true:" -}}
+{{- $url -}}
+{{- end -}}
+
+{{/*
 Checks that span several values, which values.schema.json cannot express. A failure
 stops the render with a message naming the values.
 */}}
 {{- define "teacher-server.validate" -}}
 {{- $s := .Values.shutdown -}}
-{{- if le (int $s.terminationGracePeriodSeconds) (add $s.preStopSleepSeconds $s.drainTimeoutSeconds | int) -}}
-{{- fail (printf "shutdown.terminationGracePeriodSeconds (%v) must exceed shutdown.preStopSleepSeconds + shutdown.drainTimeoutSeconds (%v + %v), or the kubelet kills requests that are still draining" $s.terminationGracePeriodSeconds $s.preStopSleepSeconds $s.drainTimeoutSeconds) -}}
+{{- $need := add $s.preStopSleepSeconds $s.drainTimeoutSeconds $s.exitMarginSeconds | int -}}
+{{- if lt (include "teacher-server.terminationGracePeriod" . | int) $need -}}
+{{- fail (printf "shutdown.terminationGracePeriodSeconds (%v) must be at least shutdown.preStopSleepSeconds + shutdown.drainTimeoutSeconds + shutdown.exitMarginSeconds (%v + %v + %v), or the kubelet kills requests that are still draining; leave it null to derive it" $s.terminationGracePeriodSeconds $s.preStopSleepSeconds $s.drainTimeoutSeconds $s.exitMarginSeconds) -}}
 {{- end -}}
 {{- if and .Values.apiKey.existingSecret .Values.apiKey.create -}}
 {{- fail "apiKey: set either existingSecret or create, not both" -}}
