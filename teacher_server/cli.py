@@ -7,20 +7,13 @@ the environment and the config file."""
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import threading
-import time
 import typing
 
-import uvicorn
 from pydantic.fields import FieldInfo
 
 from teacher_server import __version__
 from teacher_server.config import Config, ConfigError
-
-log = logging.getLogger("teacher_server.server")
-
 
 def build_parser() -> argparse.ArgumentParser:
     """`teacher-server serve` with one flag per Config field (plus `--config FILE`)."""
@@ -89,39 +82,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     from teacher_server.logging_setup import setup_logging
     from teacher_server.server.app import create_app
+    from teacher_server.server.http import uvicorn_config
+    from teacher_server.server.lifecycle import DrainingServer
 
     setup_logging(cfg.log_level, cfg.log_json)
     app = create_app(cfg)
-    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=int(cfg.shutdown_timeout_s) + 5))
-    server.drain_timeout = cfg.shutdown_timeout_s
+    # The drain itself is bounded by shutdown_timeout_s (DrainingServer); uvicorn's own
+    # graceful wait then only covers writing the last responses.
+    server = DrainingServer(uvicorn_config(app, cfg, timeout_graceful_shutdown=3), app, cfg.shutdown_timeout_s)
     server.run()
     raise SystemExit(getattr(app.state, "exit_code", 0))
-
-
-class DrainingServer(uvicorn.Server):
-    """On the first SIGTERM/SIGINT: stop admitting (new requests get 503 and /health turns
-    503, so load balancers move away) while in-flight requests finish, for at most
-    ``drain_timeout`` seconds; then shut down as uvicorn does. A second signal exits now."""
-
-    drain_timeout: float = 30.0
-    _draining = False
-
-    def handle_exit(self, sig: int, frame: object) -> None:
-        ae = getattr(getattr(self.config.app, "state", None), "aengine", None)
-        if self._draining or ae is None:
-            return super().handle_exit(sig, frame)
-        self._draining = True
-        ae.stop_accepting()
-        log.info("signal %s: draining %d in-flight request(s), at most %.0fs", sig, ae.in_flight, self.drain_timeout)
-
-        def wait_then_exit() -> None:
-            deadline = time.monotonic() + self.drain_timeout
-            while ae.in_flight and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self.should_exit = True
-
-        threading.Thread(target=wait_then_exit, daemon=True).start()
 
 
 if __name__ == "__main__":
