@@ -69,8 +69,9 @@ class LiveServer:
             if not self.thread.is_alive():
                 raise RuntimeError("server failed to start")
             if self.server.started:
+                auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
                 try:
-                    status = httpx.get(self.url + "/health", timeout=5).json().get("status")
+                    status = httpx.get(self.url + "/health", headers=auth, timeout=5).json().get("status")
                 except httpx.HTTPError:
                     status = None
                 if status == "ready":
