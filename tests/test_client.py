@@ -285,7 +285,7 @@ def test_progress_without_tqdm(demo_server, monkeypatch, capsys) -> None:  # noq
 
 def test_score_batch_raises_first_failure(demo_server) -> None:  # noqa: ANN001
     reqs, _ = _batch(4)
-    reqs[2] = TeacherRequest(seq(10), [3, 3])  # duplicate ids: 400
+    reqs[2] = TeacherRequest(seq(10), [3, VOCAB])  # an id outside the vocabulary: 400
     with TeacherClient(demo_server.url, max_concurrency=2) as client, pytest.raises(TeacherServerError) as ei:
         client.score_batch(reqs)
     assert ei.value.status == 400
@@ -305,11 +305,11 @@ def test_bad_request_is_not_retried(demo_server) -> None:  # noqa: ANN001
     transport = CountingTransport()
     with TeacherClient(demo_server.url, max_retries=5, backoff=0.01, transport=transport) as client:
         with pytest.raises(TeacherServerError) as ei:
-            client.score(seq(10), [[1, 1], [2, 3]], start=7)
+            client.score(seq(10), [[1, VOCAB], [2, 3]], start=7)
     e = ei.value
     assert (e.status, e.type, e.code, e.param) == (400, "BadRequestError", 400,
                                                    "sampling_params.prompt_logprob_token_ids")
-    assert "duplicate" in e.message and e.attempts == 1 and transport.count == 1
+    assert "outside" in e.message and e.attempts == 1 and transport.count == 1
 
     async_transport = AsyncCountingTransport()
 

@@ -56,6 +56,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         st.loop = asyncio.get_running_loop()
         st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
         st.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
+        # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
+        # own thread, so one of them does not hold up the parsing of every other request
+        st.plp_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher-plp")
         start_engine(app, cfg, engine_factory, on_step=lambda e, results: _on_step(st.metrics, e, results),
                      on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
         try:
@@ -63,6 +66,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         finally:
             await stop_engine(app, cfg)
             st.io_pool.shutdown(wait=False)
+            st.plp_pool.shutdown(wait=False)
 
     app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan,
                   description="Teacher log-probs of student candidates for on-policy distillation "
@@ -264,9 +268,10 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
-    big = req.rows * max(req.k, 1) > _INLINE_BYTES // 4 or req.prompt_logprobs is not None
     build = lambda: generate_body(req, res, engine.served_model_name, bool(body.return_token_ids))  # noqa: E731
-    content = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, build) if big else build()
+    pool = app.state.plp_pool if req.prompt_logprobs is not None else \
+        app.state.io_pool if req.rows * max(req.k, 1) > _INLINE_BYTES // 4 else None
+    content = await asyncio.get_running_loop().run_in_executor(pool, build) if pool is not None else build()
     return Response(content, media_type="application/json")
 
 
