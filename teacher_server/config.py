@@ -34,17 +34,23 @@ class Config(BaseModel):
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub id `model`; default main.")
     download_dir: str | None = Field(None, description="Hub cache for hub id models; default HF_HUB_CACHE (~/.cache/huggingface/hub).")
     served_model_name: str | None = Field(None, description="Name clients use in `model`; defaults to the directory name.")
-    load_format: Literal["auto", "safetensors", "dummy"] = "auto"
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    load_format: Literal["auto", "safetensors", "dummy"] = Field(
+        "auto", description="dummy: random weights made in place from config.json (benchmarks).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
+        "auto", description="Weight dtype; auto: bf16 on GPU, fp32 on CPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when there is a GPU.")
+    seed: int = Field(0, description="Seed of dummy weights.")
     demo_model_dir: str | None = Field(None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
     max_logprobs: int = Field(256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
-    logprobs_mode: LogprobsMode = "raw_logprobs"
+    logprobs_mode: LogprobsMode = Field("raw_logprobs", description="raw_logits: the matrix holds logits.")
     max_rows_x_k: int = Field(64 * 1024 * 1024, ge=1, description="Cap on rows*K of one result matrix.")
+    max_prompt_logprobs_entries: int = Field(
+        512 * 1024, ge=1, description="Cap on the entries of classic prompt_logprobs in one response, "
+                                       "(len(token_ids) - 1) * (prompt_logprobs + 1), each about 70 bytes of JSON; "
+                                       "400 beyond.")
 
     # --- engine ------------------------------------------------------------------------
     max_num_batched_tokens: int | None = Field(None, ge=16, description="Token budget of one forward step; default 16384 on GPU, 2048 on CPU.")
@@ -52,31 +58,43 @@ class Config(BaseModel):
     logits_chunk_rows: int = Field(4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
     block_size: int = Field(16, ge=1, description="Tokens per paged-KV block.")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; default sized from free memory.")
-    gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0)
-    enable_prefix_caching: bool = True
-    attention_backend: AttentionBackend = "auto"
+    gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0, description="Share of GPU memory the process may use.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompts (rows before the start).")
+    attention_backend: AttentionBackend = Field("auto", description="auto: cudnn on GPU, sdpa on CPU.")
     compile: bool = Field(True, description="Fuse elementwise stages with torch.compile and CUDA kernels on CUDA.")
     pipeline: bool = Field(True, description="Schedule and launch step N+1 while step N runs on the GPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
     # --- server ------------------------------------------------------------------------
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     api_key: str | None = Field(None, description="Require `Authorization: Bearer KEY`; also TEACHER_SERVER_API_KEY.")
-    auth_exempt_health: bool = True
-    auth_exempt_metrics: bool = True
-    max_body_bytes: int = Field(256 * 1024 * 1024, ge=1024)
-    max_queue_requests: int = Field(4096, ge=1)
-    max_queue_tokens: int = Field(64 * 1024 * 1024, ge=1)
-    request_timeout_s: float | None = Field(None, gt=0, description="Per-request deadline; None waits forever.")
-    shutdown_timeout_s: float = Field(30.0, ge=0)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
-    log_json: bool = False
+    auth_exempt_health: bool = Field(True, description="/health answers without the API key.")
+    auth_exempt_metrics: bool = Field(True, description="/metrics answers without the API key.")
+    max_body_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Time a connection has to send a request's line and headers; then it is closed.")
+    body_timeout_s: float = Field(60.0, gt=0, description="Time to receive a whole request body; 408 beyond.")
+    max_queue_requests: int = Field(4096, ge=1, description="Admitted-but-unfinished requests; 429 beyond.")
+    max_queue_tokens: int = Field(64 * 1024 * 1024, ge=1, description="Admitted-but-unfinished tokens; 429 beyond.")
+    request_timeout_s: float | None = Field(None, gt=0, description="Per-request deadline (504); None waits forever.")
+    shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: 503 for new work; in-flight work finishes for at most this long, "
+                                "the rest gets 503; then the process exits.")
+    vllm_metric_names: bool = Field(
+        True, description="Also export the vllm:* names that vLLM dashboards and autoscalers read.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_json: bool = Field(False, description="One JSON object per log line.")
 
     @field_validator("model", "served_model_name", "api_key", "demo_model_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and v.strip() == "" else v
+
+    @property
+    def served_name(self) -> str:
+        """The name clients pass as ``model`` (known before the engine is built)."""
+        return self.served_model_name or (self.model if self.model else "teacher-server-demo")
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -103,7 +121,7 @@ class Config(BaseModel):
             key = ENV_PREFIX + name.upper()
             if key in env:
                 values[name] = env[key]
-        for k, v in (overrides or {}).items():
+        for k, v in (overrides or {}).items():  # None: not given
             if v is not None:
                 values[k] = v
         unknown = sorted(set(values) - set(cls.model_fields))

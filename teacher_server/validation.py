@@ -27,6 +27,7 @@ class BadRequest(ValueError):
         self.message = message
         self.param = param
         self.status = status
+        self.request_id: str | None = None  # the request's id when known (logged with the error)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class Limits:
     max_model_len: int
     max_logprobs: int
     max_rows_x_k: int
+    # Cap on (len(token_ids) - 1) * (prompt_logprobs + 1), the entries of the classic JSON
+    # prompt_logprobs (the HTTP response's largest part); None: no cap (in-process API).
+    max_prompt_logprobs_entries: int | None = None
 
 
 def decode_npy(b64: str, param: str) -> np.ndarray:
@@ -96,13 +100,12 @@ def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.nd
         elif any(isinstance(r, (list, tuple)) for r in value):
             raise BadRequest(f"{param}: mix of ids and lists; use a flat list or a list of rows", param)
         arr = _as_int_array(value, param)
-        if len(value) == 0 and rows == 0:
-            return np.zeros((0, 0), dtype=np.int64)  # per-row form with zero rows
     else:
         raise BadRequest(f"{param} must be a list of ids, a list of rows, or a base64 .npy string", param)
     k = arr.shape[-1]
     if k == 0:
-        raise BadRequest(f"{param}: K must be at least 1", param)
+        raise BadRequest(f"{param}: K must be at least 1 in every form (a flat list, rows of ids, or a .npy array); "
+                         "zero rows with K candidates are a flat list of K ids or a [0, K] array", param)
     if k > limits.max_logprobs:
         raise BadRequest(f"{param}: K={k} exceeds max_logprobs={limits.max_logprobs}", param)
     if per_row:
@@ -113,19 +116,11 @@ def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.nd
         if bad.any():
             v = int(arr[bad][0])
             raise BadRequest(f"{param}: id {v} is outside [0, {limits.vocab_size}) (-1 pads)", param)
-        if k > 1 and arr.size:
-            s = np.sort(arr, axis=1)
-            dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-            if dup.any():
-                r = int(np.nonzero(dup.any(axis=1))[0][0])
-                raise BadRequest(f"{param}: duplicate candidate ids in row {r}", param)
     else:
         bad = (arr < 0) | (arr >= limits.vocab_size)
         if bad.any():
             v = int(arr[bad][0])
             raise BadRequest(f"{param}: id {v} is outside [0, {limits.vocab_size})", param)
-        if len(np.unique(arr)) != k:
-            raise BadRequest(f"{param}: duplicate candidate ids", param)
     if rows * k > limits.max_rows_x_k:
         raise BadRequest(f"{param}: rows*K={rows * k} exceeds the limit {limits.max_rows_x_k}", param)
     return np.ascontiguousarray(arr)
@@ -168,6 +163,11 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
         cap = min(limits.max_logprobs, limits.vocab_size)
         if prompt_logprobs < 0 or prompt_logprobs > cap:
             raise BadRequest(f"prompt_logprobs must be in [0, {cap}], got {prompt_logprobs}", sp + "prompt_logprobs")
+        entries = (int(toks.size) - 1) * (prompt_logprobs + 1)
+        if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
+            raise BadRequest(f"prompt_logprobs={prompt_logprobs} on {toks.size} tokens makes {entries} entries, more "
+                             f"than max_prompt_logprobs_entries={limits.max_prompt_logprobs_entries}; ask for fewer, "
+                             "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
     return ScoreRequest(
         request_id=request_id or f"score-{uuid.uuid4().hex}",
         token_ids=toks, start=s, candidates=cand, prompt_logprobs=prompt_logprobs, max_tokens=mt,

@@ -52,23 +52,33 @@ class LiveServer:
         import uvicorn
 
         from teacher_server.server.app import create_app
+        from teacher_server.server.http import uvicorn_config
 
         self.cfg = cfg
         self.app = create_app(cfg, **app_kw)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_config=None,
-                                                    access_log=False, lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, cfg, host="127.0.0.1", port=self.port, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
+        """Start, and return once /health says the engine is ready (the port answers before)."""
         self.thread.start()
-        deadline = time.time() + 120
+        deadline = time.time() + 180
         while time.time() < deadline:
-            if self.server.started:
-                return self
             if not self.thread.is_alive():
                 raise RuntimeError("server failed to start")
+            if self.server.started:
+                auth = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+                try:
+                    status = httpx.get(self.url + "/health", headers=auth, timeout=5).json().get("status")
+                except httpx.HTTPError:
+                    status = None
+                if status == "ready":
+                    return self
+                if status == "failed":
+                    self.__exit__()
+                    raise RuntimeError("engine failed to start")
             time.sleep(0.05)
         raise RuntimeError("server did not start in time")
 

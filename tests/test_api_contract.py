@@ -41,14 +41,22 @@ BAD = [
      "prompt_logprob_token_ids are not available when stream=true."),
     ("unknown sampling field", body(TOKS, bogus_field=1), 400, "sampling_params.bogus_field", "unknown field"),
     ("unknown top-level field", {"token_ids": [1, 2], "prompt": "hi"}, 400, "prompt", "unknown field"),
+    ("unknown field beside vLLM's", {"token_ids": [1, 2], "kv_transfer_params": {}, "lora_request": {}}, 400,
+     "lora_request", "unknown field"),
     ("max_tokens 2", body(TOKS, max_tokens=2), 400, "sampling_params.max_tokens", None),
-    ("duplicate in row", body(TOKS, [[1, 1], [2, 3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", "duplicate"),
-    ("duplicate flat", body(TOKS, [4, 4]), 400, "sampling_params.prompt_logprob_token_ids", "duplicate"),
     ("-1 in flat form", body(TOKS, [4, -1]), 400, "sampling_params.prompt_logprob_token_ids", None),
     ("-2 in per-row", body(TOKS, [[1, -2], [2, 3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
     ("cand >= vocab", body(TOKS, [[1, 4096], [2, 3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
     ("K == 0 flat", body(TOKS, []), 400, "sampling_params.prompt_logprob_token_ids", "at least 1"),
     ("K == 0 rows", body(TOKS, [[], []], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
+    # K == 0 is refused in every form, also with zero rows (`[]` is not "zero rows of unknown K")
+    ("K == 0 flat, zero rows", body(TOKS, [], start=9), 400, "sampling_params.prompt_logprob_token_ids", "at least 1"),
+    ("K == 0 npy [0]", body(TOKS, npy_b64(np.zeros(0, np.int32))), 400, "sampling_params.prompt_logprob_token_ids",
+     "at least 1"),
+    ("K == 0 npy [rows, 0]", body(TOKS, npy_b64(np.zeros((2, 0), np.int32)), start=7), 400,
+     "sampling_params.prompt_logprob_token_ids", "at least 1"),
+    ("K == 0 npy [0, 0]", body(TOKS, npy_b64(np.zeros((0, 0), np.int32)), start=9), 400,
+     "sampling_params.prompt_logprob_token_ids", "at least 1"),
     ("K > max_logprobs", body(TOKS, list(range(65))), 400, "sampling_params.prompt_logprob_token_ids", "max_logprobs"),
     ("negative start", body(TOKS, [1, 2], start=-1), 400, "sampling_params.prompt_logprob_start", None),
     ("row count mismatch", body(TOKS, [[1, 2]] * 3, start=5), 400, "sampling_params.prompt_logprob_token_ids", "rows"),
@@ -122,9 +130,9 @@ def test_zero_rows_is_empty_matrix(client, start) -> None:  # noqa: ANN001
     assert r.status_code == 200
     m = decode(r.json()["prompt_token_id_logprobs"])
     assert m.shape == (0, 3) and m.dtype == np.float32
-    r = client.post(GEN, json=body(TOKS, [], start=start))  # per-row form with zero rows
+    r = client.post(GEN, json=body(TOKS, npy_b64(np.zeros((0, 3), np.int32)), start=start))  # per-row, zero rows
     assert r.status_code == 200
-    assert decode(r.json()["prompt_token_id_logprobs"]).shape[0] == 0
+    assert decode(r.json()["prompt_token_id_logprobs"]).shape == (0, 3)
 
 
 def test_padding_scores_minus_inf(client, good_result) -> None:  # noqa: ANN001
@@ -220,19 +228,90 @@ def test_large_bodies_use_one_io_thread(client, monkeypatch) -> None:  # noqa: A
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from teacher_server.server import app as app_mod
+    from teacher_server.server import parsing
 
     names: list[str] = []
-    orig = app_mod._parse_request
+    orig = parsing.parse_request
 
     def spy(*a):  # noqa: ANN002, ANN202
         names.append(threading.current_thread().name)
         return orig(*a)
 
-    monkeypatch.setattr(app_mod, "_parse_request", spy)
+    monkeypatch.setattr(parsing, "parse_request", spy)
     big = {**GOOD, "request_id": "y" * 300_000}
     with ThreadPoolExecutor(6) as pool:
         codes = list(pool.map(lambda i: client.post(GEN, json={**big, "request_id": f"{i}" * 300_000}).status_code,
                               range(6)))
     assert codes == [200] * 6
     assert len(names) == 6 and len(set(names)) == 1 and names[0].startswith("teacher-io"), names
+
+
+def test_duplicate_candidates_are_scored_like_any_column(client) -> None:  # noqa: ANN001
+    """A trainer appending the sampled token to the student's top-K may repeat an id."""
+    toks = list(range(200, 230))
+    start, rows = 20, 9
+    uniq = client.post(GEN, json=body(toks, [7, 8, 9], start=start)).json()
+    flat = client.post(GEN, json=body(toks, [7, 8, 7, 9, 9], start=start))
+    assert flat.status_code == 200, flat.text
+    u, f = decode(uniq["prompt_token_id_logprobs"]), decode(flat.json()["prompt_token_id_logprobs"])
+    np.testing.assert_allclose(f, u[:, [0, 1, 0, 2, 2]], rtol=0, atol=1e-5)
+    per_row = [[7, 7, 8], [9, 8, 9]] + [[7, 8, 9]] * (rows - 2)
+    r = client.post(GEN, json=body(toks, per_row, start=start))
+    assert r.status_code == 200, r.text
+    m = decode(r.json()["prompt_token_id_logprobs"])
+    np.testing.assert_allclose(m[0], u[0, [0, 0, 1]], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(m[1], u[1, [2, 1, 2]], rtol=0, atol=1e-5)
+
+
+def test_vllm_generate_fields_are_accepted_and_ignored(client, good_result) -> None:  # noqa: ANN001
+    extra = {"features": None, "kv_transfer_params": {"do_remote_prefill": False}, "stream_options": {
+        "include_usage": True}, "assistant_tokens_mask": [1] * len(TOKS), "token_offsets": None}
+    sp = dict(GOOD["sampling_params"], skip_reading_prefix_cache=True)
+    r = client.post(GEN, json={**GOOD, **extra, "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+
+
+def test_x_request_id_is_read_and_echoed(client) -> None:  # noqa: ANN001
+    r = client.post(GEN, json=GOOD, headers={"X-Request-Id": "trace-77"})
+    assert r.status_code == 200 and r.json()["request_id"] == "trace-77"
+    assert r.headers["x-request-id"] == "trace-77"
+    r = client.post(GEN, json={**GOOD, "request_id": "body-1"}, headers={"X-Request-Id": "trace-78"})
+    assert r.json()["request_id"] == "body-1" and r.headers["x-request-id"] == "body-1"  # the body's id wins
+    r = client.post(GEN, json=GOOD)
+    assert r.headers["x-request-id"] == r.json()["request_id"]  # a generated id is returned too
+    r = client.post(GEN, json={**GOOD, "request_id": "two\nlines"})
+    assert r.status_code == 200 and r.json()["request_id"] == "two\nlines"
+    assert "\n" not in r.headers["x-request-id"]  # a header value stays one header
+    bad = client.post(GEN, json={"token_ids": [], "request_id": "bad-9"}, headers={"X-Request-Id": "t"})
+    assert_error(bad, 400)
+    assert bad.headers["x-request-id"] == "bad-9"
+
+
+def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:  # noqa: ANN001
+    from conftest import LiveServer
+
+    from teacher_server.config import Config
+
+    cfg = Config(demo_model_dir=str(tmp_path_factory.mktemp("demo") / "m"), device="cpu", max_num_batched_tokens=512,
+                 num_kv_blocks=1024, max_model_len=4096, max_logprobs=64, max_prompt_logprobs_entries=1000)
+    with LiveServer(cfg) as s, s.client() as c:
+        ok = c.post(GEN, json=body(range(1, 101), prompt_logprobs=9))  # 99 * 10 = 990 entries
+        assert ok.status_code == 200 and len(ok.json()["prompt_logprobs"]) == 100
+        assert_error(c.post(GEN, json=body(range(1, 101), prompt_logprobs=10)), 400,  # 99 * 11 entries
+                     "sampling_params.prompt_logprobs", "max_prompt_logprobs_entries")
+        assert c.post(GEN, json=body(range(1, 1001), [1, 2], start=900)).status_code == 200  # candidates: no cap
+
+
+def test_chunked_body_ignores_a_bogus_content_length(demo_server) -> None:  # noqa: ANN001
+    """Chunked framing overrides Content-Length: the size limit applies to what arrives."""
+    import json
+    import socket
+
+    payload = json.dumps(GOOD).encode()
+    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=60) as sock:
+        sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\nContent-Length: 999999999999\r\n\r\n"
+                     + f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n")
+        head = sock.recv(65536).split(b"\r\n", 1)[0]
+    assert head.startswith(b"HTTP/1.1 200"), head

@@ -61,3 +61,33 @@ def test_unsupported_architecture_is_refused(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="Qwen3ForCausalLM"):
         Engine(Config(model=str(tmp_path), device="cpu"))
+
+
+def test_every_setting_has_a_flag_with_help_and_default(capsys) -> None:  # noqa: ANN001
+    """Flags are generated from Config: each field has `--name-with-dashes` with its description
+    as help text and its default, as `serve --help` shows them."""
+    with pytest.raises(SystemExit):
+        config_from_args(["serve", "--help"])
+    squeezed = "".join(capsys.readouterr().out.split())  # help is wrapped at any width
+    for name, field in Config.model_fields.items():
+        assert field.description, f"{name} has no description (it is the flag's help)"
+        flag = "--" + name.replace("_", "-")
+        entry = "".join(f"{field.description} (default: {field.default})".split())
+        assert flag in squeezed and entry in squeezed, name
+
+
+def test_generated_flags_parse_to_typed_values(tmp_path) -> None:  # noqa: ANN001
+    f = tmp_path / "c.yaml"
+    f.write_text("max_model_len: 512\nrequest_timeout_s: 3\n")
+    cfg = config_from_args(["serve", "--config", str(f), "--max-model-len", "none", "--header-timeout-s", "2.5",
+                            "--max-prompt-logprobs-entries", "1000", "--no-vllm-metric-names", "--compile",
+                            "--body-timeout-s", "7"])
+    assert cfg.max_model_len is None and cfg.request_timeout_s == 3.0  # `none` resets what the file set
+    assert (cfg.header_timeout_s, cfg.body_timeout_s, cfg.max_prompt_logprobs_entries) == (2.5, 7.0, 1000)
+    assert cfg.vllm_metric_names is False and cfg.compile is True
+    with pytest.raises(SystemExit):
+        config_from_args(["serve", "--max-num-seqs", "many"])
+    with pytest.raises(SystemExit):
+        config_from_args(["serve", "--attention-backend", "magic"])
+    with pytest.raises(ConfigError, match="header_timeout_s"):
+        config_from_args(["serve", "--header-timeout-s", "0"])

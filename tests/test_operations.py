@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -217,48 +218,174 @@ def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:  # noq
 
 # --- SIGTERM drain ---------------------------------------------------------------------------
 
-def test_sigterm_drains_in_flight_work(tmp_path) -> None:  # noqa: ANN001
-    port = free_port()
-    env = dict(os.environ, TEACHER_SERVER_DEMO_MODEL_DIR=str(tmp_path / "m"), TEACHER_SERVER_DEVICE="cpu",
-               TEACHER_SERVER_MAX_NUM_BATCHED_TOKENS="64", TEACHER_SERVER_SHUTDOWN_TIMEOUT_S="60",
-               TEACHER_SERVER_LOG_JSON="true")
-    proc = subprocess.Popen([sys.executable, "-m", "teacher_server", "serve", "--host", "127.0.0.1",
-                             "--port", str(port)], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
+class ServeProcess:
+    """`python -m teacher_server serve` on a free port, as the container runs it."""
+
+    def __init__(self, tmp_path: Path, **settings: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, TEACHER_SERVER_DEMO_MODEL_DIR=str(tmp_path / "m"), TEACHER_SERVER_LOG_JSON="true",
+                   **{"TEACHER_SERVER_" + k.upper(): v for k, v in settings.items()})
+        self.proc = subprocess.Popen([sys.executable, "-m", "teacher_server", "serve", "--device", "cpu",
+                                      "--host", "127.0.0.1", "--port", str(self.port)],
+                                     env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
         while True:
             try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
-            assert time.time() < deadline and proc.poll() is None, "server did not start"
-            time.sleep(0.2)
-        result: dict = {}
+            assert time.time() < deadline and self.proc.poll() is None, "server did not start"
+            time.sleep(0.1)
 
-        def slow() -> None:
-            result["r"] = httpx.post(url + GEN, json=long_body(6000), timeout=120)
+    def in_flight(self, c: httpx.Client) -> float:
+        m = c.get("/metrics").text
+        return metric(m, "teacher_server_num_requests_running") + metric(m, "teacher_server_num_requests_waiting")
 
-        t = threading.Thread(target=slow)
+    def log_lines(self) -> list[dict]:
+        return [json.loads(x) for x in self.proc.stderr.read().splitlines() if x.startswith("{")]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def post_in_threads(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], dict[int, httpx.Response]]:
+    out: dict[int, httpx.Response] = {}
+
+    def post(i: int, b: dict) -> None:
+        out[i] = httpx.post(url + GEN, json=b, timeout=300)
+
+    threads = [threading.Thread(target=post, args=(i, b)) for i, b in enumerate(bodies)]
+    for t in threads:
         t.start()
-        with httpx.Client(base_url=url) as c:
-            while metric(c.get("/metrics").text, "teacher_server_num_requests_running") + \
-                    metric(c.get("/metrics").text, "teacher_server_num_requests_waiting") < 1:
+    return threads, out
+
+
+def test_sigterm_drains_in_flight_work(tmp_path) -> None:  # noqa: ANN001
+    s = ServeProcess(tmp_path, max_num_batched_tokens="64", shutdown_timeout_s="300")
+    try:
+        s.wait_ready()
+        threads, out = post_in_threads(s.url, [long_body(2000)])
+        with httpx.Client(base_url=s.url) as c:
+            while s.in_flight(c) < 1:
                 time.sleep(0.02)
-            proc.send_signal(signal.SIGTERM)
+            s.proc.send_signal(signal.SIGTERM)
             time.sleep(0.3)
             assert_error(c.post(GEN, json=body([1, 2, 3], [4])), 503)  # draining: not admitted
             assert_error(c.get("/health"), 503)
-        t.join(120)
-        assert result["r"].status_code == 200  # in-flight work finished
-        assert decode(result["r"].json()["prompt_token_id_logprobs"]).shape == (5989, 3)
-        assert proc.wait(60) == 0
-        lines = [json.loads(x) for x in proc.stderr.read().splitlines() if x.startswith("{")]
-        assert any("draining" in x["msg"] for x in lines)  # structured (JSON) logs
+        threads[0].join(300)
+        assert out[0].status_code == 200, out[0].text  # in-flight work finished
+        assert decode(out[0].json()["prompt_token_id_logprobs"]).shape == (1989, 3)
+        assert s.proc.wait(60) == 0
+        assert any("draining" in x["msg"] for x in s.log_lines())  # structured (JSON) logs
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        s.kill()
+
+
+def test_shutdown_takes_about_the_drain_timeout(tmp_path) -> None:  # noqa: ANN001
+    """SIGTERM with long requests in flight: exit about T after the signal (not 3T + 5), and
+    the requests cut off at T get a JSON 503 with Retry-After."""
+    drain_s = 3.0
+    # a 16-token step budget: 4 x 8000 tokens take hundreds of steps, far longer than T
+    s = ServeProcess(tmp_path, max_num_batched_tokens="16", shutdown_timeout_s=str(drain_s))
+    try:
+        s.wait_ready()
+        threads, out = post_in_threads(s.url, [long_body(8000, seed=i) for i in range(4)])
+        with httpx.Client(base_url=s.url) as c:
+            while s.in_flight(c) < 4:
+                time.sleep(0.02)
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        code = s.proc.wait(60)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(30)
+        assert code == 0
+        assert drain_s - 0.5 <= elapsed <= drain_s + 6, elapsed  # was about 3T + 5 = 14 s
+        for r in out.values():
+            assert_error(r, 503, contains="shut down")
+            assert int(r.headers["Retry-After"]) >= 1
+        assert len(out) == 4
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_second_signal_exits_at_once(tmp_path, second) -> None:  # noqa: ANN001
+    s = ServeProcess(tmp_path, max_num_batched_tokens="16", shutdown_timeout_s="120")
+    try:
+        s.wait_ready()
+        threads, _ = post_in_threads(s.url, [long_body(8000)])
+        with httpx.Client(base_url=s.url) as c:
+            while s.in_flight(c) < 1:
+                time.sleep(0.02)
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        s.proc.send_signal(second)
+        s.proc.wait(60)
+        assert time.monotonic() - t0 < 10  # not the 120 s drain
+        threads[0].join(30)
+    finally:
+        s.kill()
+
+
+def test_port_answers_while_the_engine_loads(tmp_path) -> None:  # noqa: ANN001
+    """The port binds at once; /health is 503 {"status": "loading"} until the engine is ready."""
+    loading = threading.Event()
+    release = threading.Event()
+
+    def slow_factory(cfg: Config) -> Engine:
+        loading.set()
+        assert release.wait(60)
+        return Engine(cfg)
+
+    from conftest import LiveServer as Live
+
+    server = Live(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_model_len=1024),
+                  engine_factory=slow_factory)
+    server.thread.start()
+    try:
+        assert loading.wait(60)
+        deadline = time.time() + 60
+        while not server.server.started:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        with server.client() as c:
+            r = c.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "loading"
+            assert_error(r, 503)
+            assert_error(c.post(GEN, json=body([1, 2, 3], [4])), 503)
+            assert int(c.post(GEN, json=body([1, 2, 3], [4])).headers["Retry-After"]) >= 1
+            assert c.get("/metrics").status_code == 200
+            release.set()
+            while c.get("/health").status_code != 200:
+                assert time.time() < deadline
+                time.sleep(0.05)
+            assert c.get("/health").json() == {"status": "ready"}
+            assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
+    finally:
+        release.set()
+        server.__exit__()
+
+
+def test_engine_that_fails_to_start_reports_failed(tmp_path) -> None:  # noqa: ANN001
+    fired = threading.Event()
+
+    def broken(cfg: Config) -> Engine:
+        raise RuntimeError("no such checkpoint")
+
+    from conftest import LiveServer as Live
+
+    server = Live(Config(demo_model_dir=str(tmp_path / "m"), device="cpu"), engine_factory=broken, on_fatal=fired.set)
+    with pytest.raises(RuntimeError, match="failed to start"):
+        server.__enter__()
+    assert fired.wait(10)  # the process would now exit so the orchestrator restarts it
 
 
 def test_json_log_carries_request_id() -> None:
@@ -275,3 +402,117 @@ def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:  # 
     with LiveServer(demo_cfg(tmp_path_factory, max_queue_tokens=100)) as s, s.client() as c:
         assert_error(c.post(GEN, json=body(range(1, 200), [1])), 400, "token_ids", "max_queue_tokens")
         assert c.post(GEN, json=body(range(1, 50), [1])).status_code == 200
+
+
+# --- hostile clients ---------------------------------------------------------------------------
+
+def raw_request(port: int, head: bytes, timeout: float = 30) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    sock.sendall(head)
+    return sock
+
+
+def test_mid_body_disconnect_is_counted_not_a_500(demo_server, caplog) -> None:  # noqa: ANN001
+    with demo_server.client() as c:
+        before = c.get("/metrics").text
+        for _ in range(3):
+            sock = raw_request(demo_server.port, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                               b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n" + b"[1," * 300)
+            sock.close()  # gone with most of the body unsent
+        deadline = time.time() + 30
+        while True:
+            m = c.get("/metrics").text
+            if metric(m, "teacher_server_request_failures_total", reason="disconnected") - \
+                    metric(before, "teacher_server_request_failures_total", reason="disconnected") >= 3:
+                break
+            assert time.time() < deadline, "disconnects not counted"
+            time.sleep(0.05)
+        assert metric(m, "teacher_server_requests_total", status="500") == \
+            metric(before, "teacher_server_requests_total", status="500")
+        assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path_factory) -> None:  # noqa: ANN001
+    """A byte every 0.2 s: the headers must be complete within header_timeout_s (then the
+    connection is closed) and the body within body_timeout_s (then 408)."""
+    cfg = demo_cfg(tmp_path_factory, header_timeout_s=1.0, body_timeout_s=1.5)
+    with LiveServer(cfg) as s:
+        def trickle(sock: socket.socket, data: bytes, limit_s: float) -> tuple[bytes, float]:
+            t0 = time.monotonic()
+            sock.settimeout(0.2)
+            for i in range(len(data)):
+                try:
+                    sock.sendall(data[i:i + 1])
+                    got = sock.recv(65536)
+                except socket.timeout:
+                    continue
+                except OSError:  # reset: closed by the server
+                    return b"", time.monotonic() - t0
+                return got, time.monotonic() - t0
+            raise AssertionError(f"still open after {time.monotonic() - t0:.1f}s (limit {limit_s}s)")
+
+        sock = raw_request(s.port, b"")
+        got, dt = trickle(sock, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200, 1.0)
+        assert got == b"" and dt < 6, (got, dt)  # closed, no response
+        sock.close()
+
+        payload = json.dumps(body([1, 2, 3], [4])).encode() + b" " * 100
+        sock = raw_request(s.port, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                           b"\r\nContent-Length: " + str(len(payload)).encode() + b"\r\n\r\n")
+        got, dt = trickle(sock, payload, 1.5)
+        sock.close()
+        assert got.startswith(b"HTTP/1.1 408") and b"body_timeout_s" in got and dt < 8, (got[:200], dt)
+        with s.client() as c:  # the server is fine, and says why it cut those off
+            assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
+            assert metric(c.get("/metrics").text, "teacher_server_request_failures_total", reason="body_timeout") == 1
+
+
+def test_oversized_token_ids_are_refused_before_the_rest_is_parsed(demo_server) -> None:  # noqa: ANN001
+    """The length of token_ids is read off the raw body first: with an invalid field as well,
+    the error is about the length (a full parse would have reported the other field)."""
+    ids = b"1234," * 20_000 + b"1"  # 20001 ids > max_model_len 8192, a 100 kB body
+    with demo_server.client() as c:
+        for extra in (b',"sampling_params":{"bogus":1}', b',"stream":"yes"', b',"nope":1'):
+            r = c.post(GEN, content=b'{"request_id":"big-1","token_ids":[' + ids + b"]" + extra + b"}",
+                       headers={"content-type": "application/json"})
+            assert_error(r, 400, "token_ids", "max_model_len")
+        # a nested key of that name (met first) is not the request's token_ids: parsed as usual
+        nested = b'{"sampling_params":{"extra_args":{"token_ids":[' + ids + b']}},"token_ids":[1,2,3]}'
+        assert c.post(GEN, content=nested, headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_request_ids_cannot_forge_log_lines(demo_server, caplog) -> None:  # noqa: ANN001
+    from teacher_server.logging_setup import TextFormatter
+
+    forged = "r-1\n2026-01-01 00:00:00,000 INFO teacher_server.server: forged\r\x1b[2J\u2028"
+    caplog.set_level(logging.INFO, logger="teacher_server")
+    with demo_server.client() as c:
+        assert c.post(GEN, json={**body([1, 2, 3], [4]), "request_id": forged}).status_code == 200
+        assert_error(c.post(GEN, json={"token_ids": [], "request_id": forged}), 400)
+    lines = [r for r in caplog.records if r.name == "teacher_server.access" and r.request_id == forged[:128]]
+    assert len(lines) == 2
+    fmt = TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for rec in lines:
+        text = fmt.format(rec)
+        assert "\n" not in text and "\r" not in text and "\x1b" not in text and "\u2028" not in text, text
+        assert "\\n2026-01-01" in text  # written as an escape, still readable
+
+
+def test_access_line_and_vllm_metric_names(demo_server, caplog) -> None:  # noqa: ANN001
+    caplog.set_level(logging.INFO, logger="teacher_server")
+    with demo_server.client() as c:
+        assert c.post(GEN, json={**body(range(1, 41), [1, 2], start=30), "request_id": "acc-1"}).status_code == 200
+        assert_error(c.post(GEN, json={**body([1, 2], [9999]), "request_id": "acc-bad"}), 400)
+        m = c.get("/metrics").text
+    access = {r.request_id: r for r in caplog.records if r.name == "teacher_server.access"}
+    ok, bad = access["acc-1"], access["acc-bad"]  # a 400 is logged under the body's id
+    assert (ok.levelno, ok.status, ok.tokens, ok.rows) == (logging.INFO, 200, 40, 9) and ok.latency_s > 0
+    assert "acc-1" in ok.getMessage() and "200" in ok.getMessage()
+    assert (bad.levelno, bad.status) == (logging.INFO, 400)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket", "vllm:prefix_cache_queries_total"):
+        assert name + "{" in m, name
+    assert metric(m, "vllm:prompt_tokens_total") == metric(m, "teacher_server_prompt_tokens_total") > 0
+    assert "_created" not in m

@@ -7,105 +7,68 @@ in ``app.state``. Validation errors are 400 in vLLM's error shape (never FastAPI
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
-import io
 import logging
-import math
 import os
-import signal
+import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from teacher_server import __version__
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
+from teacher_server.engine.request import ScoreResult
 from teacher_server.engine.stats import EngineStats
+from teacher_server.server import parsing
 from teacher_server.server.errors import HTTP_STATUS, http_status
+from teacher_server.server.http import ClientGone, read_body
+from teacher_server.server.lifecycle import start_engine, stop_engine, terminate_self
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
-from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
+from teacher_server.server.responses import error_body, error_response, generate_body
+from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
-
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                405: "MethodNotAllowed", 409: "ConflictError", 413: "RequestEntityTooLarge",
-                429: "RateLimitError", 499: "ClientClosedRequest", 500: "InternalServerError",
-                503: "ServiceUnavailableError", 504: "TimeoutError"}
-NEG_INF_JSON = -9999.0  # JSON has no infinity; vLLM clients expect this value
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "Error"), "param": param,
-                      "code": status}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
-
-
-def encode_npy(arr: np.ndarray) -> str:
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _finite(x: float) -> float:
-    return NEG_INF_JSON if not math.isfinite(x) else x
-
-
-def format_prompt_logprobs(req_tokens: np.ndarray, res: ScoreResult) -> list:
-    """JSON form: ``{token id: {logprob, rank, decoded_token}}`` per entry, -inf as -9999.0."""
-    return [None if e is None else {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": None}
-                                    for t, v, r in e}
-            for e in prompt_logprob_entries(req_tokens, res)]
+access_log = logging.getLogger("teacher_server.access")
 
 
 def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
                on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """Build the service. The engine is made in the lifespan (startup), not at import.
-    ``on_fatal`` runs when the engine cannot recover (default: SIGTERM to this process, so
-    the orchestrator restarts it)."""
+    """Build the service. The engine is built in the background once the app starts, so the
+    port answers at once (`/health` is 503 `{"status": "loading"}` until the engine is ready).
+    ``on_fatal`` runs when the engine cannot start or cannot recover (default: SIGTERM to this
+    process, so the orchestrator restarts it)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
-        # Built in the engine thread itself: per-thread GPU state made at start-up (cuDNN's
-        # plan cache, filled by the attention warm-up) is then the one the steps use.
-        ae = await AsyncEngine.build(lambda: engine_factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
-                                     on_step=lambda e, results: _on_step(app.state.metrics, e, results),
-                                     on_fatal=lambda exc: _on_fatal(app, exc, on_fatal))
-        app.state.aengine = ae
-        app.state.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
+        st = app.state
+        st.metrics = Metrics(cfg.served_name, vllm_names=cfg.vllm_metric_names)
+        st.aengine, st.engine, st.status, st.started = None, None, "loading", int(time.time())
+        st.loop = asyncio.get_running_loop()
+        st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
+        st.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
+        # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
+        # own thread, so one of them does not hold up the parsing of every other request
+        st.plp_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher-plp")
+        start_engine(app, cfg, engine_factory, on_step=lambda e, results: _on_step(st.metrics, e, results),
+                     on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
         try:
-            engine = ae.engine
-            metrics = Metrics(engine.served_model_name)
-            app.state.engine = engine
-            app.state.metrics = metrics
-            app.state.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs,
-                                      cfg.max_rows_x_k)
-            app.state.started = int(time.time())
-            metrics.labels(metrics.healthy).set(1)
             yield
         finally:
-            ae.stop_accepting()
-            if ae.in_flight:
-                log.info("draining %d in-flight request(s) (timeout %.0fs)", ae.in_flight, cfg.shutdown_timeout_s)
-                drained = await ae.drain(cfg.shutdown_timeout_s)
-                if not drained:
-                    log.warning("shutdown timeout: %d request(s) still in flight", ae.in_flight)
-            ae.shutdown()
-            app.state.io_pool.shutdown(wait=False)
+            await stop_engine(app, cfg)
+            st.io_pool.shutdown(wait=False)
+            st.plp_pool.shutdown(wait=False)
 
     app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan,
                   description="Teacher log-probs of student candidates for on-policy distillation "
@@ -114,7 +77,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     # --- errors --------------------------------------------------------------------------
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return _pydantic_error(exc.errors())
+        return error_response(400, *parsing.pydantic_message(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
@@ -137,52 +100,101 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
-        """200 when the engine can serve, 503 otherwise (starting, draining or failed)."""
-        ae: AsyncEngine | None = getattr(request.app.state, "aengine", None)
-        if ae is None or not ae.alive or not ae.accepting:
-            return error_response(503, "engine is not ready" if ae is None or ae.alive else ae.fatal_error or "down")
-        return Response(status_code=200)
+        """200 `{"status": "ready"}` when the engine can serve; 503 with `status` "loading",
+        "draining" or "failed" (and the error shape) otherwise."""
+        st = request.app.state
+        ae: AsyncEngine | None = st.aengine
+        if ae is not None and ae.alive and ae.accepting:
+            return Response(b'{"status":"ready"}', media_type="application/json")
+        status = st.status if ae is None else ("failed" if not ae.alive else "draining")
+        message = {"loading": "engine is loading", "draining": "server is shutting down"}.get(
+            status, (ae.fatal_error if ae is not None else None) or "engine failed to start")
+        return _json(503, {"status": status, **error_body(503, message)})
 
     @app.get("/version")
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict:
-        e: Engine = request.app.state.engine
-        return {"object": "list", "data": [{
+    @app.get("/v1/models", responses={503: {"model": ErrorResponse}})
+    async def models(request: Request) -> Response:
+        e: Engine | None = request.app.state.engine
+        if e is None:
+            return error_response(503, "engine is loading", headers={"Retry-After": "5"})
+        return _json(200, {"object": "list", "data": [{
             "id": e.served_model_name, "object": "model", "created": request.app.state.started,
-            "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len}]}
+            "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len}]})
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         m: Metrics = request.app.state.metrics
-        _refresh_gauges(m, request.app.state.engine)
+        if request.app.state.engine is not None:
+            _refresh_gauges(m, request.app.state.engine)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/inference/v1/generate", response_model=GenerateResponse,
               responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
-                         404: {"model": ErrorResponse}, 413: {"model": ErrorResponse},
-                         429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+                         404: {"model": ErrorResponse}, 408: {"model": ErrorResponse},
+                         413: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+                         503: {"model": ErrorResponse}, 504: {"model": ErrorResponse}},
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": GenerateRequest.model_json_schema(ref_template="#/components/schemas/{model}")}}}})
     async def generate(request: Request) -> Response:
         """Score `token_ids`: one prefill, no sampling. Returns the teacher's log-probs of the
-        candidates as a base64 `.npy` float32 [rows, K] matrix, rows = len(token_ids) - 1 - start."""
+        candidates as a base64 `.npy` float32 [rows, K] matrix, rows = len(token_ids) - 1 - start.
+        `X-Request-Id` names the request when the body has no `request_id`; the response
+        carries the request's id in `X-Request-Id`."""
         t0 = time.monotonic()
-        m: Metrics = request.app.state.metrics
-        resp = await _generate(request, cfg, t0)
+        st = request.app.state
+        m: Metrics = st.metrics
+        info = _RequestInfo(request.headers.get("x-request-id"))
+        work = asyncio.ensure_future(_generate(request, cfg, t0, info))
+        cutoff = asyncio.ensure_future(st.cutoff.wait())
+        try:
+            await asyncio.wait({work, cutoff}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cutoff.cancel()
+        if work.done():
+            resp = work.result()
+        else:  # shutdown stopped waiting: drop the work (frees its KV) and say so
+            work.cancel()
+            m.labels(m.failures, reason="shutdown").inc()
+            resp = error_response(503, "server shut down before the request finished; retry on another replica",
+                                  headers={"Retry-After": "5"})
         dt = time.monotonic() - t0
         m.labels(m.requests, status=str(resp.status_code)).inc()
         m.labels(m.e2e).observe(dt)
-        rid = str(getattr(request.state, "request_id", None))[:128]
-        level = logging.DEBUG if resp.status_code < 400 else (logging.WARNING if resp.status_code >= 500 else logging.INFO)
-        log.log(level, "generate %s -> %d in %.3fs", rid, resp.status_code, dt,
-                extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4)})
+        if info.request_id is not None:
+            resp.headers["X-Request-Id"] = _header_safe(info.request_id)
+        rid = (info.request_id or "-")[:128]
+        access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs", rid, resp.status_code, info.tokens, info.rows,
+                        dt, extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
+                                   "tokens": info.tokens, "rows": info.rows})
         return resp
 
     _register_schemas(app)
     return app
+
+
+class _RequestInfo:
+    """What the access line reports about a request, filled in as it is learnt."""
+
+    def __init__(self, header_request_id: str | None) -> None:
+        self.header_request_id = header_request_id
+        self.request_id = header_request_id
+        self.tokens = 0
+        self.rows = 0
+
+
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]([\x20-\x7e]{0,254}[\x21-\x7e])?")
+
+
+def _header_safe(rid: str) -> str:
+    """A request id as a header value: as is when it is printable ASCII, else percent-encoded."""
+    return rid if _HEADER_SAFE.fullmatch(rid) else urllib.parse.quote(rid[:256], safe="")
+
+
+def _json(status: int, obj: dict) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
 
 class ApiKeyMiddleware:
@@ -203,33 +215,22 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
-    chunks, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
-        chunks.append(part)
-    return b"".join(chunks)
-
-
-async def _generate(request: Request, cfg: Config, t0: float) -> Response:
+async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo) -> Response:
     app = request.app
     m: Metrics = app.state.metrics
-    engine: Engine = app.state.engine
-    ae: AsyncEngine = app.state.aengine
+    engine: Engine | None = app.state.engine
+    ae: AsyncEngine | None = app.state.aengine
     try:
+        if ae is None:
+            raise EngineUnavailable("engine is loading")
         if not ae.accepting or not ae.alive:
             raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
-        raw = await _read_body(request, cfg.max_body_bytes)
+        raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s)
         # Parsing and validating a large body takes a while: keep it off the event loop.
-        args = (raw, app.state.limits, engine.served_model_name)
-        body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, _parse_request, *args) \
-            if len(raw) > _INLINE_BYTES else _parse_request(*args)
-        request.state.request_id = req.request_id
+        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id)
+        body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
+            if len(raw) > _INLINE_BYTES else parsing.parse_request(*args)
+        info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows
         if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
                              f"(max_queue_tokens={cfg.max_queue_tokens})", "token_ids")
@@ -241,14 +242,19 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
+            if not task.done():  # cancelled from outside (shutdown) or the client went away
+                task.cancel()
         if task not in done:  # the client went away: drop its work and free its KV
-            task.cancel()
-            m.labels(m.failures, reason="disconnected").inc()
-            return error_response(499, "client disconnected")
+            raise ClientGone("client disconnected")
         res = task.result()
     except BadRequest as e:
-        m.labels(m.failures, reason={400: "validation", 404: "unknown_model"}.get(e.status, "too_large")).inc()
+        info.request_id = e.request_id or info.request_id
+        m.labels(m.failures, reason={400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(
+            e.status, "too_large")).inc()
         return error_response(e.status, e.message, e.param)
+    except ClientGone as e:
+        m.labels(m.failures, reason="disconnected").inc()
+        return error_response(499, str(e))  # nobody reads it; the access line records it
     except EngineOverloaded as e:
         m.labels(m.failures, reason="overloaded").inc()
         return error_response(HTTP_STATUS[e.kind], str(e), headers={"Retry-After": "1"})
@@ -263,9 +269,10 @@ async def _generate(request: Request, cfg: Config, t0: float) -> Response:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
-    big = req.rows * max(req.k, 1) > _INLINE_BYTES // 4 or req.prompt_logprobs is not None
-    build = lambda: orjson.dumps(_response_body(body, req, res, engine.served_model_name))  # noqa: E731
-    content = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, build) if big else build()
+    build = lambda: generate_body(req, res, engine.served_model_name, bool(body.return_token_ids))  # noqa: E731
+    pool = app.state.plp_pool if req.prompt_logprobs is not None else \
+        app.state.io_pool if req.rows * max(req.k, 1) > _INLINE_BYTES // 4 else None
+    content = await asyncio.get_running_loop().run_in_executor(pool, build) if pool is not None else build()
     return Response(content, media_type="application/json")
 
 
@@ -277,72 +284,9 @@ _INLINE_BYTES = 256 * 1024  # bodies and results above this are (de)serialised i
 _IO_THREADS = 1
 
 
-def _parse_request(raw: bytes, limits: Limits, served_model_name: str):  # noqa: ANN202
-    """JSON bytes -> (GenerateRequest, ScoreRequest); BadRequest (400/404) otherwise."""
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        body = GenerateRequest.model_validate(obj)
-    except ValidationError as e:
-        raise BadRequest(*_pydantic_message(e.errors())) from None
-    if body.model is not None and body.model != served_model_name:
-        raise BadRequest(f"model {body.model[:200]!r} does not exist; this server serves {served_model_name!r}",
-                         "model", status=404)
-    if body.stream:
-        raise BadRequest(STREAM_MESSAGE, "stream")
-    sp = body.sampling_params
-    req = build_request(
-        token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,
-        start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
-        request_id=body.request_id, cache_salt=body.cache_salt, priority=body.priority,
-        truncate_prompt_tokens=sp.truncate_prompt_tokens)
-    return body, req
-
-
-def _response_body(body: GenerateRequest, req, res: ScoreResult, model_name: str) -> dict:  # noqa: ANN001
-    mt = req.max_tokens
-    out = {
-        "request_id": req.request_id,
-        "model": model_name,
-        "created": int(time.time()),
-        "choices": [{"index": 0, "token_ids": [res.next_token] if mt and res.next_token is not None else [],
-                     "finish_reason": "length", "logprobs": None}],
-        "usage": {"prompt_tokens": req.length, "completion_tokens": mt, "total_tokens": req.length + mt,
-                  "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
-        "prompt_logprobs": format_prompt_logprobs(req.token_ids, res) if req.prompt_logprobs is not None else None,
-        "prompt_token_id_logprobs": encode_npy(res.token_id_logprobs) if res.token_id_logprobs is not None else None,
-    }
-    if body.return_token_ids:
-        out["prompt_token_ids"] = req.token_ids.tolist()
-    return out
-
-
 async def _wait_disconnect(request: Request) -> None:
     while not await request.is_disconnected():
         await asyncio.sleep(0.25)
-
-
-def _pydantic_error(errors: list) -> Response:
-    return error_response(400, *_pydantic_message(errors))
-
-
-def _pydantic_message(errors: list) -> tuple[str, str | None]:
-    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
-    # Drop union-branch markers pydantic adds (e.g. 'list[int]'), keep field names and indices.
-    loc = [p for p in loc if not ("[" in p or p in ("str", "int", "bool", "float"))]
-    param = ".".join(p for p in loc if not p.isdigit()) or None
-    where = ".".join(loc) or "body"
-    msg = str(e.get("msg", "invalid value"))
-    if e.get("type") == "extra_forbidden":
-        msg = "unknown field"
-    elif e.get("type") == "missing":
-        msg = "field required"
-    return f"{where}: {msg}"[:500], param
 
 
 def _refresh_gauges(m: Metrics, engine: Engine, s: EngineStats | None = None) -> None:
@@ -381,10 +325,7 @@ def _on_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None)
     m.labels(m.healthy).set(0)
     app.state.exit_code = 3
     log.critical("engine failed (%s); exiting", exc)
-    if hook is not None:
-        hook()
-    else:
-        os.kill(os.getpid(), signal.SIGTERM)
+    (hook or terminate_self)()
 
 
 def _register_schemas(app: FastAPI) -> None:

@@ -1,16 +1,26 @@
-"""Prometheus metrics, named in vLLM's style under the ``teacher_server_`` prefix.
-Each app has its own registry (several apps can live in one process, as in tests)."""
+"""Prometheus metrics, named in vLLM's style under the ``teacher_server_`` prefix, and
+optionally also under vLLM's own ``vllm:`` names (the ones vLLM dashboards and autoscalers
+read). Each app has its own registry (several apps can live in one process, as in tests)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
+
+# No `<name>_created` series: they double the series count and dashboards do not read them.
+disable_created_metrics()
 
 STAGES = ("schedule", "prepare", "launch", "wait", "scatter")
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
 
 class Metrics:
-    def __init__(self, model_name: str) -> None:
+    """The service's metrics; ``labels(metric, **kw)`` fills in the model name."""
+
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
         self.registry = CollectorRegistry()
         r, p = self.registry, "teacher_server_"
         lab = ["model_name"]
@@ -52,6 +62,30 @@ class Metrics:
             self.stage_seconds.labels(model_name=model_name, stage=stage)
         for kind in ("busy", "idle"):
             self.gpu_seconds.labels(model_name=model_name, kind=kind)
+        if vllm_names:
+            r.register(VllmNames([
+                (self.waiting, "vllm:num_requests_waiting"), (self.running, "vllm:num_requests_running"),
+                (self.kv_usage, "vllm:kv_cache_usage_perc"), (self.kv_usage, "vllm:gpu_cache_usage_perc"),
+                (self.prompt_tokens, "vllm:prompt_tokens"), (self.e2e, "vllm:e2e_request_latency_seconds"),
+                (self.queue_time, "vllm:request_queue_time_seconds"),
+                (self.inference_time, "vllm:request_inference_time_seconds"),
+                (self.prefix_queries, "vllm:prefix_cache_queries"), (self.prefix_hits, "vllm:prefix_cache_hits")]))
 
     def labels(self, metric, **kw):  # noqa: ANN001, ANN201
         return metric.labels(model_name=self.model_name, **kw)
+
+
+class VllmNames:
+    """A collector that re-exports metrics under other names at scrape time (one source of
+    truth: nothing is counted twice)."""
+
+    def __init__(self, aliases: list[tuple[MetricWrapperBase, str]]) -> None:
+        self.aliases = aliases
+
+    def collect(self) -> Iterator[Metric]:
+        for metric, alias in self.aliases:
+            for family in metric.collect():
+                out = Metric(alias, family.documentation, family.type, family.unit)
+                # samples are the family name plus a suffix (_total, _bucket, _sum, _count)
+                out.samples = [s._replace(name=alias + s.name[len(family.name):]) for s in family.samples]
+                yield out

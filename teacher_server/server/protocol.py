@@ -7,7 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 class SamplingParams(BaseModel):
-    """vLLM sampling parameters. Only the scoring fields change the result."""
+    """vLLM sampling parameters. Only the scoring fields change the result; the others are
+    accepted and ignored (vLLM's prompt scores ignore them too); unknown fields are 400."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -50,6 +51,8 @@ class SamplingParams(BaseModel):
     best_of: int | None = None
     flat_logprobs: bool | None = None
     logits_processors: Any = None
+    skip_reading_prefix_cache: bool | None = None
+    skip_clone: bool | None = None
 
 
 class GenerateRequest(BaseModel):
@@ -65,6 +68,13 @@ class GenerateRequest(BaseModel):
     cache_salt: StrictStr | None = Field(None, description="Isolates prefix-cache entries between tenants.")
     priority: StrictInt = Field(0, description="Lower values are scheduled earlier.")
     return_token_ids: StrictBool | None = Field(None, description="Echo `prompt_token_ids`.")
+    # Fields of vLLM's generate request that do not apply to scoring: accepted and ignored, so
+    # requests built for vLLM work unchanged. Fields no vLLM request has are still rejected.
+    features: Any = Field(None, description="vLLM multimodal features: accepted and ignored.")
+    stream_options: Any = Field(None, description="vLLM streaming options: accepted and ignored (no streaming).")
+    kv_transfer_params: Any = Field(None, description="vLLM disaggregated-serving parameters: accepted and ignored.")
+    assistant_tokens_mask: Any = Field(None, description="vLLM render metadata: accepted and ignored.")
+    token_offsets: Any = Field(None, description="vLLM render metadata: accepted and ignored.")
 
 
 class Choice(BaseModel):

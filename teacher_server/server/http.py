@@ -1,0 +1,100 @@
+"""The HTTP edge: uvicorn's settings, a bound on the time to send headers, and reading a
+request body under the size limit and the body deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from teacher_server.config import Config
+from teacher_server.validation import BadRequest
+
+log = logging.getLogger("teacher_server.server")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its request was answered."""
+
+
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on receiving a request's line and headers
+    (slow-header clients would otherwise hold a connection forever): the timer starts when
+    the connection opens or, on a kept-alive connection, when the next request's first bytes
+    arrive, and stops when the headers are complete. On expiry the connection is closed."""
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._waiting_for_headers() and not self.transport.is_closing():
+            log.info("closing a connection that sent no complete request headers within %.0fs",
+                     self.header_timeout_s)
+            self.transport.close()
+
+    def _waiting_for_headers(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for_headers():
+            self._arm_header_timer()  # the first bytes of a request on a kept-alive connection
+        super().data_received(data)
+        if not self._waiting_for_headers():  # a new request cycle started: headers are complete
+            self._disarm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+
+def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int | None = None,
+                   **kw: object) -> uvicorn.Config:
+    """uvicorn settings of the service (the CLI and the tests serve through this)."""
+    protocol = type("TeacherHTTPProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": cfg.header_timeout_s})
+    return uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port, http=protocol,
+                          log_config=None, access_log=False, **kw)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, at most ``limit`` bytes (413) and within ``timeout_s`` (408); a client
+    that goes away meanwhile raises ClientGone. A declared Content-Length above the limit is
+    refused before reading, unless Transfer-Encoding is present (chunked framing overrides
+    Content-Length, so the size is then enforced while reading)."""
+    declared = request.headers.get("content-length")
+    chunked = "transfer-encoding" in request.headers
+    if not chunked and declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+
+    async def receive_all() -> bytes:
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+            chunks.append(part)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(receive_all(), timeout_s)
+    except ClientDisconnect:
+        raise ClientGone("client disconnected while sending the body") from None
+    except asyncio.TimeoutError:
+        raise BadRequest(f"request body not received within {timeout_s:g}s (body_timeout_s)", status=408) from None

@@ -1,0 +1,101 @@
+"""JSON bytes -> validated request, with an early length check on ``token_ids``."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+import orjson
+from pydantic import ValidationError
+
+from teacher_server.engine.request import ScoreRequest
+from teacher_server.server.protocol import GenerateRequest
+from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
+
+# `"token_ids": [` as a key: inside a JSON string every `"` is escaped, so this only
+# matches a key (the top-level one, or a key of some nested object; see below).
+_TOKEN_IDS_KEY = re.compile(rb'"token_ids"\s*:\s*\[')
+PRECHECK_BYTES = 64 * 1024  # bodies below this are parsed at once (counting would gain nothing)
+
+
+def count_token_ids(raw: bytes) -> int | None:
+    """The number of elements of the top-level ``token_ids`` array, counted on the bytes
+    (C-speed ``find``/``count``, no Python objects per id), or None when it cannot be told
+    that way. A body of 20M ids is then refused in milliseconds instead of being parsed
+    into 20M Python ints (seconds and gigabytes) first.
+
+    The first ``"token_ids": [`` key is taken; its array runs to the first ``]`` (a valid
+    one is flat). That it is the top-level member is verified by parsing the body with
+    the array replaced by a marker string: only the top-level member then reads as it."""
+    m = _TOKEN_IDS_KEY.search(raw)
+    if m is None:
+        return None
+    end = raw.find(b"]", m.end())
+    if end < 0:
+        return None
+    n = raw.count(b",", m.end(), end) + 1  # elements of a non-empty flat array
+    marker = "slot-" + uuid.uuid4().hex
+    try:
+        rest = orjson.loads(raw[:m.end() - 1] + b'"' + marker.encode() + b'"' + raw[end + 1:])
+    except orjson.JSONDecodeError:
+        return None
+    return n if isinstance(rest, dict) and rest.get("token_ids") == marker else None
+
+
+def _body_request_id(obj: object) -> str | None:
+    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def parse_request(raw: bytes, limits: Limits, served_model_name: str,
+                  header_request_id: str | None = None) -> tuple[GenerateRequest, ScoreRequest]:
+    """JSON bytes -> (GenerateRequest, ScoreRequest); BadRequest (400/404) otherwise, with
+    ``request_id`` set to the body's id when it could be read (for the log line).
+    ``header_request_id`` (X-Request-Id) names the request when the body does not."""
+    if len(raw) > PRECHECK_BYTES:
+        n = count_token_ids(raw)
+        if n is not None and n > limits.max_model_len:
+            raise BadRequest(f"token_ids has {n} tokens, more than max_model_len={limits.max_model_len}",
+                             "token_ids")
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        try:
+            body = GenerateRequest.model_validate(obj)
+        except ValidationError as e:
+            raise BadRequest(*pydantic_message(e.errors())) from None
+        if body.model is not None and body.model != served_model_name:
+            raise BadRequest(f"model {body.model[:200]!r} does not exist; this server serves {served_model_name!r}",
+                             "model", status=404)
+        if body.stream:
+            raise BadRequest(STREAM_MESSAGE, "stream")
+        sp = body.sampling_params
+        req = build_request(
+            token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,
+            start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
+            request_id=body.request_id or header_request_id, cache_salt=body.cache_salt, priority=body.priority,
+            truncate_prompt_tokens=sp.truncate_prompt_tokens)
+    except BadRequest as e:
+        e.request_id = _body_request_id(obj) or header_request_id
+        raise
+    return body, req
+
+
+def pydantic_message(errors: list) -> tuple[str, str | None]:
+    """(message, param) of the first pydantic error, naming the field."""
+    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
+    # Drop union-branch markers pydantic adds (e.g. 'list[int]'), keep field names and indices.
+    loc = [p for p in loc if not ("[" in p or p in ("str", "int", "bool", "float"))]
+    param = ".".join(p for p in loc if not p.isdigit()) or None
+    where = ".".join(loc) or "body"
+    msg = str(e.get("msg", "invalid value"))
+    if e.get("type") == "extra_forbidden":
+        msg = "unknown field"
+    elif e.get("type") == "missing":
+        msg = "field required"
+    return f"{where}: {msg}"[:500], param

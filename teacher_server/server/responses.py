@@ -1,0 +1,94 @@
+"""Response bodies: vLLM's error shape, the base64 `.npy` matrix, and the generate response,
+whose classic ``prompt_logprobs`` part is serialised in slices (bounded memory, and the GIL
+is given up between slices so the engine thread and the event loop keep running)."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import math
+import time
+
+import numpy as np
+import orjson
+from fastapi.responses import Response
+
+from teacher_server.engine.request import ScoreRequest, ScoreResult, prompt_logprob_entries
+
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               405: "MethodNotAllowed", 408: "RequestTimeoutError", 409: "ConflictError",
+               413: "RequestEntityTooLarge", 429: "RateLimitError", 499: "ClientClosedRequest",
+               500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
+NEG_INF_JSON = -9999.0  # JSON has no infinity; vLLM clients expect this value
+PLP_SLICE = 512  # positions of prompt_logprobs serialised at a time (~ 512 * (k+1) entries)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response:
+    """``{"error": {message, type, param, code}}`` with ``status``."""
+    return Response(orjson.dumps(error_body(status, message, param)), status_code=status,
+                    media_type="application/json", headers=headers)
+
+
+def encode_npy(arr: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _finite(x: float) -> float:
+    return NEG_INF_JSON if not math.isfinite(x) else x
+
+
+def format_prompt_logprobs(req_tokens: np.ndarray, res: ScoreResult) -> list:
+    """JSON form: ``{token id: {logprob, rank, decoded_token}}`` per entry, -inf as -9999.0."""
+    return [None if e is None else {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": None}
+                                    for t, v, r in e}
+            for e in prompt_logprob_entries(req_tokens, res)]
+
+
+def prompt_logprobs_json(req_tokens: np.ndarray, res: ScoreResult) -> bytes:
+    """``format_prompt_logprobs`` as JSON bytes, built ``PLP_SLICE`` positions at a time: the
+    Python objects of one slice exist at once (not the whole response's, ~0.5 KB per entry),
+    and the thread sleeps between slices so other threads get the GIL."""
+    n = len(req_tokens)
+    parts = [b"[null"]
+    for a in range(1, n, PLP_SLICE):
+        b = min(a + PLP_SLICE, n)
+        # entries a..b-1 read rows a-1..b-2 of the per-position arrays ([L-1] and [L-1, k])
+        rows = slice(a - 1, b - 1)
+        sub = dataclasses.replace(res, plp_token_logprob=res.plp_token_logprob[rows],
+                                  plp_token_rank=res.plp_token_rank[rows], plp_topk_ids=res.plp_topk_ids[rows],
+                                  plp_topk_logprobs=res.plp_topk_logprobs[rows])
+        chunk = orjson.dumps(format_prompt_logprobs(req_tokens[a - 1:b], sub)[1:])
+        parts.append(b"," + chunk[1:-1])
+        time.sleep(0)  # let the engine thread and the event loop run
+    parts.append(b"]")
+    return b"".join(parts)
+
+
+def generate_body(req: ScoreRequest, res: ScoreResult, model_name: str, return_token_ids: bool) -> bytes:
+    """The JSON bytes of a successful generate response."""
+    mt = req.max_tokens
+    out = {
+        "request_id": req.request_id,
+        "model": model_name,
+        "created": int(time.time()),
+        "choices": [{"index": 0, "token_ids": [res.next_token] if mt and res.next_token is not None else [],
+                     "finish_reason": "length", "logprobs": None}],
+        "usage": {"prompt_tokens": req.length, "completion_tokens": mt, "total_tokens": req.length + mt,
+                  "prompt_tokens_details": {"cached_tokens": res.cached_tokens}},
+        "prompt_token_id_logprobs": encode_npy(res.token_id_logprobs) if res.token_id_logprobs is not None else None,
+    }
+    if return_token_ids:
+        out["prompt_token_ids"] = req.token_ids.tolist()
+    if req.prompt_logprobs is None:
+        out["prompt_logprobs"] = None
+        return orjson.dumps(out)
+    # the (large) prompt_logprobs list is spliced in as the last member
+    return orjson.dumps(out)[:-1] + b',"prompt_logprobs":' + prompt_logprobs_json(req.token_ids, res) + b"}"
