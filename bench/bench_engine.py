@@ -30,7 +30,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hf_baseline  # noqa: E402
 from workloads import H200_PEAK, QWEN3_8B, QWEN3_32B, Req, flops, make_workload, write_config, \
     write_random_checkpoint  # noqa: E402
 
@@ -245,6 +244,18 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
 
 # --- main -----------------------------------------------------------------------------------
 
+
+def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dict:
+    """The transformers baseline in a fresh process (``hf_baseline.main``), before the engine
+    exists: in one process after the engine it ran 12% slower."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "hf_baseline.py"), "--ckpt", str(ckpt),
+               "--workloads", ",".join(names), "--repeats", str(repeats), "--out", f.name] + (["--dummy"] if dummy else [])
+        subprocess.run(cmd, check=True)
+        return json.loads(Path(f.name).read_text())
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", choices=["8b", "32b"], default="8b")
@@ -284,6 +295,7 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                      "model": f"Qwen3-{args.model_size.upper()} shape, random bf16 weights ({load_format} load)",
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
+    base_runs = run_baseline(ckpt, base_names, args.repeats, load_format == "dummy") if base_names else {}
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention)
@@ -320,26 +332,11 @@ def main() -> None:
     for n in http_names:
         results["http"][n] = bench_http(ckpt, args, cfg, n, workloads[n])
         print(n, "http", json.dumps(results["http"][n]), flush=True)
-    if base_names:
-        import transformers as tf
-
-        t = time.perf_counter()
-        if load_format == "dummy":
-            hcfg = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-            with torch.device("cuda"):
-                model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-        else:
-            model = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                            device_map="cuda")
-        model.eval()
-        results["baseline_load_s"] = time.perf_counter() - t
-        for n in base_names:
-            reqs = workloads[n]
-            hf_baseline.run(model, reqs[:2])  # warm-up
-            torch.cuda.reset_peak_memory_stats()
-            dt, _, fin = hf_baseline.run(model, reqs)
-            results["baseline"][n] = summarize(n + "-transformers", cfg, reqs, dt, fin, torch.cuda.max_memory_allocated())
-            print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
+    for n, b in base_runs.items():
+        results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[n], b["seconds"], b["finish"],
+                                           b["peak_bytes"])
+        results["baseline"][n]["runs_seconds"] = b["runs_seconds"]
+        print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
     out = Path(args.out or f"bench/results/engine_{args.model_size}_h200.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

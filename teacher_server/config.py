@@ -61,7 +61,7 @@ class Config(BaseModel):
     gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0, description="Share of GPU memory the process may use.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompts (rows before the start).")
     attention_backend: AttentionBackend = Field("auto", description="auto: cudnn on GPU, sdpa on CPU.")
-    compile: bool = Field(True, description="Fuse elementwise stages with torch.compile and CUDA kernels on CUDA.")
+    compile: bool = Field(True, description="torch.compile the norm/rotary stages on CUDA; our CUDA kernels run either way (a failed compile falls back for the compiled stages alone).")
     pipeline: bool = Field(True, description="Schedule and launch step N+1 while step N runs on the GPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
