@@ -41,6 +41,10 @@ run: setup-run
 test: setup-test
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: setup-test
+	$(PY) -m ruff check teacher_server tests bench examples
+
 # The benchmarks' baseline runs transformers, which comes with the test tools.
 bench-kernel: setup-test
 	$(PY) bench/bench_kernel.py

@@ -32,8 +32,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_kernel import time_ms  # noqa: E402
 
 from teacher_server.attention import AttentionInputs, make_backend  # noqa: E402
-from teacher_server.step_context import StepContext  # noqa: E402
 from teacher_server.ops.slack import alloc_with_slack  # noqa: E402
+from teacher_server.step_context import StepContext  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
 ROUNDS = 9

@@ -30,12 +30,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workloads import H200_PEAK, QWEN3_8B, QWEN3_32B, Req, flops, make_workload, write_config, \
-    write_random_checkpoint  # noqa: E402
+from workloads import (
+    H200_PEAK,
+    QWEN3_8B,
+    QWEN3_32B,
+    Req,
+    flops,
+    make_workload,
+    write_config,
+    write_random_checkpoint,
+)
 
-from teacher_server.config import Config  # noqa: E402
-from teacher_server.engine.engine import Engine  # noqa: E402
-from teacher_server.engine.request import ScoreRequest  # noqa: E402
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -15,6 +15,7 @@ from pydantic.fields import FieldInfo
 from teacher_server import __version__
 from teacher_server.config import Config, ConfigError
 
+
 def build_parser() -> argparse.ArgumentParser:
     """`teacher-server serve` with one flag per Config field (plus `--config FILE`)."""
     p = argparse.ArgumentParser(prog="teacher-server", description=__doc__)

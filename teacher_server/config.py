@@ -30,21 +30,29 @@ class Config(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     # --- model -------------------------------------------------------------------------
-    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors) or hub id (org/name). None: built-in demo model.")
-    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of a hub id `model`; default main.")
-    download_dir: str | None = Field(None, description="Hub cache for hub id models; default HF_HUB_CACHE (~/.cache/huggingface/hub).")
-    served_model_name: str | None = Field(None, description="Name clients use in `model`; defaults to the directory name.")
+    model: str | None = Field(
+        None, description="HF checkpoint directory (config.json + safetensors) or hub id (org/name). None: built-in "
+                          "demo model.")
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of a hub id `model`; default main.")
+    download_dir: str | None = Field(
+        None, description="Hub cache for hub id models; default HF_HUB_CACHE (~/.cache/huggingface/hub).")
+    served_model_name: str | None = Field(
+        None, description="Name clients use in `model`; defaults to the directory name.")
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         "auto", description="dummy: random weights made in place from config.json (benchmarks).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
         "auto", description="Weight dtype; auto: bf16 on GPU, fp32 on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when there is a GPU.")
     seed: int = Field(0, description="Seed of dummy weights.")
-    demo_model_dir: str | None = Field(None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
+    demo_model_dir: str | None = Field(
+        None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
 
     # --- scoring contract --------------------------------------------------------------
-    max_model_len: int | None = Field(None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
-    max_logprobs: int = Field(256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
+    max_logprobs: int = Field(
+        256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
     logprobs_mode: LogprobsMode = Field("raw_logprobs", description="raw_logits: the matrix holds logits.")
     max_rows_x_k: int = Field(64 * 1024 * 1024, ge=1, description="Cap on rows*K of one result matrix.")
     max_prompt_logprobs_entries: int = Field(
@@ -53,15 +61,19 @@ class Config(BaseModel):
                                        "400 beyond.")
 
     # --- engine ------------------------------------------------------------------------
-    max_num_batched_tokens: int | None = Field(None, ge=16, description="Token budget of one forward step; default 16384 on GPU, 2048 on CPU.")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="Token budget of one forward step; default 16384 on GPU, 2048 on CPU.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
-    logits_chunk_rows: int = Field(4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
+    logits_chunk_rows: int = Field(
+        4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
     block_size: int = Field(16, ge=1, description="Tokens per paged-KV block.")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV pool size in blocks; default sized from free memory.")
     gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0, description="Share of GPU memory the process may use.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompts (rows before the start).")
     attention_backend: AttentionBackend = Field("auto", description="auto: cudnn on GPU, sdpa on CPU.")
-    compile: bool = Field(True, description="torch.compile the norm/rotary stages on CUDA; our CUDA kernels run either way (a failed compile falls back for the compiled stages alone).")
+    compile: bool = Field(
+        True, description="torch.compile the norm/rotary stages on CUDA; our CUDA kernels run either way (a failed "
+                          "compile falls back for the compiled stages alone).")
     pipeline: bool = Field(True, description="Schedule and launch step N+1 while step N runs on the GPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
@@ -97,7 +109,7 @@ class Config(BaseModel):
         return self.served_model_name or (self.model if self.model else "teacher-server-demo")
 
     @model_validator(mode="after")
-    def _check(self) -> "Config":
+    def _check(self) -> Config:
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         return self
@@ -105,7 +117,7 @@ class Config(BaseModel):
     # ---------------------------------------------------------------------------------
     @classmethod
     def load(cls, file: str | os.PathLike | None = None, env: dict[str, str] | None = None,
-             overrides: dict[str, Any] | None = None) -> "Config":
+             overrides: dict[str, Any] | None = None) -> Config:
         """Merge defaults < YAML file < environment < overrides (CLI flags) and validate."""
         values: dict[str, Any] = {}
         if file is not None:

@@ -52,7 +52,8 @@ def demo_weights(cfg: dict, seed: int = 1234) -> dict[str, torch.Tensor]:
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g)
 
-    out = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": norm(h), "lm_head.weight": w(v, h, std=0.2)}
+    out = {"model.embed_tokens.weight": w(v, h, std=1.0), "model.norm.weight": norm(h),
+           "lm_head.weight": w(v, h, std=0.2)}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         out |= {

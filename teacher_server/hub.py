@@ -100,9 +100,11 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None, weig
     except errors.LocalEntryNotFoundError as e:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
         raise ModelNotFoundError(f"model {repo_id!r}: no such directory; {why} and the hub cache {where} has no "
-                                 f"complete snapshot of it (revision {revision or 'main'}) ({_first_line(e)})") from None
+                                 f"complete snapshot of it (revision {revision or 'main'}) "
+                                 f"({_first_line(e)})") from None
     except errors.HFValidationError as e:
-        raise ModelNotFoundError(f"model {repo_id!r}: no such directory, and not a valid hub id ({_first_line(e)})") from None
+        raise ModelNotFoundError(f"model {repo_id!r}: no such directory, and not a valid hub id "
+                                 f"({_first_line(e)})") from None
     except errors.HfHubHTTPError as e:
         raise ModelNotFoundError(f"model {repo_id!r}: hub request failed: {_first_line(e)}") from None
     _check_complete(repo_id, snap, weights)

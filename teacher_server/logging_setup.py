@@ -37,7 +37,7 @@ class JsonFormatter(logging.Formatter):
 class TextFormatter(logging.Formatter):
     """The classic text line, its message escaped (a traceback still follows on its own lines)."""
 
-    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 (logging's name)
+    def formatMessage(self, record: logging.LogRecord) -> str:
         record.message = escape_control(record.message)
         return super().formatMessage(record)
 

@@ -18,7 +18,7 @@ def decode(s: str) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(s)))
 
 
-def body(token_ids, cands=None, start=None, **sp) -> dict:  # noqa: ANN001, ANN003
+def body(token_ids, cands=None, start=None, **sp) -> dict:
     params = dict(sp)
     if cands is not None:
         params["prompt_logprob_token_ids"] = cands.tolist() if isinstance(cands, np.ndarray) else cands
@@ -27,7 +27,7 @@ def body(token_ids, cands=None, start=None, **sp) -> dict:  # noqa: ANN001, ANN0
     return {"token_ids": list(map(int, token_ids)), "sampling_params": params}
 
 
-def assert_error(resp, status: int, param: str | None = None, contains: str | None = None) -> dict:  # noqa: ANN001
+def assert_error(resp, status: int, param: str | None = None, contains: str | None = None) -> dict:
     assert resp.status_code == status, (resp.status_code, resp.text[:500])
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}, err

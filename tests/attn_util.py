@@ -57,7 +57,7 @@ def reference(x: AttentionInputs, ctx: StepContext, scale: float, window: int | 
     return SdpaBackend()(cpu, c, scale, window)
 
 
-def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):  # noqa: ANN202
+def partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool):
     """[c, Hq, D] x [n, Hkv, D] -> (out [c, Hq, D], lse [Hq, c]); causal: top-left square."""
     g = q.shape[1] // k.shape[1]
     s = torch.einsum("chd,nhd->hcn", q.float(), k.float().repeat_interleave(g, dim=1)) * scale
@@ -74,17 +74,17 @@ class CpuCudnn(CudnnBackend):
     (prefix_shared, plan items). new_plans_per_step None (the default here): every cuDNN
     shape runs at once."""
 
-    def __init__(self, min_len: int, new_plans_per_step: int | None = None, **settings) -> None:  # noqa: ANN003
+    def __init__(self, min_len: int, new_plans_per_step: int | None = None, **settings) -> None:
         super().__init__(min_len, new_plans_per_step=new_plans_per_step, **settings)
         self.calls: list[str] = []
         self.plans: list[tuple[list[int], list]] = []
 
-    def _plan(self, ctx, window):  # noqa: ANN001, ANN202
+    def _plan(self, ctx, window):
         plan = super()._plan(ctx, window)
         self.plans.append((list(ctx.prefix_shared or []), plan.items))
         return plan
 
-    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):  # noqa: ANN001, ANN201
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
         self.calls.append("varlen")
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert cq[0] == 0 and ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
@@ -92,9 +92,9 @@ class CpuCudnn(CudnnBackend):
         return torch.cat([sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
                           for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
 
-    def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
+    def _sdpa(self, q, k, v, causal, lse, scale):
         assert not causal or q.shape[0] == k.shape[0]  # causal calls are square
         self.calls.append(f"{'causal' if causal else 'full'}{q.shape[0]}x{k.shape[0]}")
         self.shapes.add((q.shape[0], k.shape[0], causal, lse))
-        o, l = partial(q, k, v, scale, causal)
-        return o, (l if lse else None)
+        o, lse_ = partial(q, k, v, scale, causal)
+        return o, (lse_ if lse else None)

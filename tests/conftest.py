@@ -13,10 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import make_checkpoint  # noqa: E402
+from reference import make_checkpoint
 
 
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001
+def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (runs on the GPU machine)")
@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):  # noqa: ANN001
 
 
 @pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory) -> dict[str, Path]:  # noqa: ANN001
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """family -> directory, made lazily on first use."""
     root = tmp_path_factory.mktemp("ckpt")
 
@@ -48,7 +48,7 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a background thread."""
 
-    def __init__(self, cfg, **app_kw) -> None:  # noqa: ANN001, ANN003
+    def __init__(self, cfg, **app_kw) -> None:
         import uvicorn
 
         from teacher_server.server.app import create_app
@@ -61,7 +61,7 @@ class LiveServer:
         self.server = uvicorn.Server(uvicorn_config(self.app, cfg, host="127.0.0.1", port=self.port, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         """Start, and return once /health says the engine is ready (the port answers before)."""
         self.thread.start()
         deadline = time.time() + 180
@@ -82,16 +82,16 @@ class LiveServer:
             time.sleep(0.05)
         raise RuntimeError("server did not start in time")
 
-    def __exit__(self, *exc) -> None:  # noqa: ANN002
+    def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
 
-    def client(self, **kw) -> httpx.Client:  # noqa: ANN003
+    def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=120, **kw)
 
 
 @pytest.fixture(scope="session")
-def demo_server(tmp_path_factory):  # noqa: ANN001, ANN201
+def demo_server(tmp_path_factory):
     """The built-in demo model served on CPU (its own cache dir)."""
     from teacher_server.config import Config
 
@@ -102,7 +102,7 @@ def demo_server(tmp_path_factory):  # noqa: ANN001, ANN201
 
 
 @pytest.fixture(scope="session")
-def qwen3_server(checkpoints):  # noqa: ANN001, ANN201
+def qwen3_server(checkpoints):
     """A tiny Qwen3 checkpoint served with a small budget, so long sequences are chunked."""
     from teacher_server.config import Config
 

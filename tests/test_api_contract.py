@@ -16,13 +16,13 @@ GOOD = body(TOKS, [[1, 2], [3, -1], [4, 5], [6, 7]], start=5)
 
 
 @pytest.fixture(scope="module")
-def client(demo_server):  # noqa: ANN001, ANN201
+def client(demo_server):
     with demo_server.client() as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def good_result(client):  # noqa: ANN001, ANN201
+def good_result(client):
     r = client.post(GEN, json=GOOD)
     assert r.status_code == 200, r.text
     return decode(r.json()["prompt_token_id_logprobs"])
@@ -82,7 +82,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("name,payload,status,param,contains", BAD, ids=[b[0] for b in BAD])
-def test_rejects(client, good_result, name, payload, status, param, contains) -> None:  # noqa: ANN001
+def test_rejects(client, good_result, name, payload, status, param, contains) -> None:
     assert_error(client.post(GEN, json=payload), status, param, contains)
     # the server still answers, and correctly
     r = client.post(GEN, json=GOOD)
@@ -90,24 +90,24 @@ def test_rejects(client, good_result, name, payload, status, param, contains) ->
     np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
 
 
-def test_unknown_model_is_404(client) -> None:  # noqa: ANN001
+def test_unknown_model_is_404(client) -> None:
     assert_error(client.post(GEN, json={**GOOD, "model": "no-such-model"}), 404, "model")
     served = client.get("/v1/models").json()["data"][0]["id"]
     assert client.post(GEN, json={**GOOD, "model": served}).status_code == 200
 
 
-def test_invalid_json_and_non_object(client) -> None:  # noqa: ANN001
+def test_invalid_json_and_non_object(client) -> None:
     assert_error(client.post(GEN, content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert_error(client.post(GEN, json=[1, 2, 3]), 400)
     assert_error(client.post(GEN, content=b"", headers={"content-type": "application/json"}), 400)
 
 
-def test_never_422(client) -> None:  # noqa: ANN001
+def test_never_422(client) -> None:
     for payload in ({}, {"token_ids": None}, {"token_ids": [[1]]}, {"token_ids": [1], "priority": "high"}):
         assert client.post(GEN, json=payload).status_code == 400
 
 
-def test_candidate_forms_agree(client) -> None:  # noqa: ANN001
+def test_candidate_forms_agree(client) -> None:
     """Flat list, per-row list, and base64 .npy (int32 and int64, [K] and [rows, K])."""
     toks = list(range(100, 140))
     start = 30
@@ -125,7 +125,7 @@ def test_candidate_forms_agree(client) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("start", [9, 10, 50])
-def test_zero_rows_is_empty_matrix(client, start) -> None:  # noqa: ANN001
+def test_zero_rows_is_empty_matrix(client, start) -> None:
     r = client.post(GEN, json=body(TOKS, [1, 2, 3], start=start))
     assert r.status_code == 200
     m = decode(r.json()["prompt_token_id_logprobs"])
@@ -135,14 +135,14 @@ def test_zero_rows_is_empty_matrix(client, start) -> None:  # noqa: ANN001
     assert decode(r.json()["prompt_token_id_logprobs"]).shape == (0, 3)
 
 
-def test_padding_scores_minus_inf(client, good_result) -> None:  # noqa: ANN001
+def test_padding_scores_minus_inf(client, good_result) -> None:
     assert good_result.shape == (4, 2)
     assert good_result[1, 1] == -np.inf
     assert np.isfinite(np.delete(good_result.ravel(), 3)).all()
     assert (good_result < 0).all()
 
 
-def test_response_fields(client) -> None:  # noqa: ANN001
+def test_response_fields(client) -> None:
     r = client.post(GEN, json={**GOOD, "request_id": "abc-1", "return_token_ids": True,
                                "cache_salt": "tenant-a", "priority": 3},
                     headers={"Authorization": "Bearer EMPTY"})
@@ -164,7 +164,7 @@ def test_response_fields(client) -> None:  # noqa: ANN001
     assert j2["prompt_token_id_logprobs"] is None
 
 
-def test_sampling_fields_do_not_change_scores(client, good_result) -> None:  # noqa: ANN001
+def test_sampling_fields_do_not_change_scores(client, good_result) -> None:
     sp = dict(GOOD["sampling_params"], temperature=0.7, top_p=0.9, top_k=50, seed=3, stop=["x"],
               skip_special_tokens=True, repetition_penalty=1.1, n=1, logprobs=1)
     r = client.post(GEN, json={**GOOD, "sampling_params": sp})
@@ -172,7 +172,7 @@ def test_sampling_fields_do_not_change_scores(client, good_result) -> None:  # n
     np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
 
 
-def test_prompt_logprobs_layout(client) -> None:  # noqa: ANN001
+def test_prompt_logprobs_layout(client) -> None:
     r = client.post(GEN, json=body(TOKS, [[t] for t in TOKS[5:]], start=4, prompt_logprobs=3))
     j = r.json()
     plp = j["prompt_logprobs"]
@@ -189,7 +189,7 @@ def test_prompt_logprobs_layout(client) -> None:  # noqa: ANN001
             assert abs(entry[first_key]["logprob"] - float(m[pos - 5, 0])) < 1e-6
 
 
-def test_other_endpoints(client) -> None:  # noqa: ANN001
+def test_other_endpoints(client) -> None:
     assert client.get("/health").status_code == 200
     assert client.get("/version").json()["version"]
     models = client.get("/v1/models").json()
@@ -202,18 +202,18 @@ def test_other_endpoints(client) -> None:  # noqa: ANN001
     assert_error(client.get(GEN), 405)
 
 
-def test_uint64_ids_never_wrap(client) -> None:  # noqa: ANN001
+def test_uint64_ids_never_wrap(client) -> None:
     """2**64 - 1 would wrap to -1 (padding) in int64: it must be refused instead."""
     assert_error(client.post(GEN, json=body(TOKS, [[2 ** 64 - 1, 1]] * 4, start=5)), 400)
     arr = np.array([[2 ** 64 - 1, 1]] * 4, dtype=np.uint64)
     assert_error(client.post(GEN, json=body(TOKS, npy_b64(arr), start=5)), 400)
 
 
-def test_empty_cache_salt_is_rejected(client) -> None:  # noqa: ANN001
+def test_empty_cache_salt_is_rejected(client) -> None:
     assert_error(client.post(GEN, json={**GOOD, "cache_salt": ""}), 400, "cache_salt")
 
 
-def test_large_body_parsed_off_the_loop(client, good_result) -> None:  # noqa: ANN001
+def test_large_body_parsed_off_the_loop(client, good_result) -> None:
     """A body above the inline threshold (parsed in a worker thread) gives the same answer."""
     big = {**GOOD, "request_id": "x" * 300_000}
     r = client.post(GEN, json=big)
@@ -222,7 +222,7 @@ def test_large_body_parsed_off_the_loop(client, good_result) -> None:  # noqa: A
     assert_error(client.post(GEN, json={**big, "model": "nope"}), 404, "model")
 
 
-def test_large_bodies_use_one_io_thread(client, monkeypatch) -> None:  # noqa: ANN001
+def test_large_bodies_use_one_io_thread(client, monkeypatch) -> None:
     """Concurrent large bodies are parsed on the server's single io thread, not on a pool of
     threads that would compete with the engine thread for the GIL."""
     import threading
@@ -233,7 +233,7 @@ def test_large_bodies_use_one_io_thread(client, monkeypatch) -> None:  # noqa: A
     names: list[str] = []
     orig = parsing.parse_request
 
-    def spy(*a):  # noqa: ANN002, ANN202
+    def spy(*a):
         names.append(threading.current_thread().name)
         return orig(*a)
 
@@ -246,7 +246,7 @@ def test_large_bodies_use_one_io_thread(client, monkeypatch) -> None:  # noqa: A
     assert len(names) == 6 and len(set(names)) == 1 and names[0].startswith("teacher-io"), names
 
 
-def test_duplicate_candidates_are_scored_like_any_column(client) -> None:  # noqa: ANN001
+def test_duplicate_candidates_are_scored_like_any_column(client) -> None:
     """A trainer appending the sampled token to the student's top-K may repeat an id."""
     toks = list(range(200, 230))
     start, rows = 20, 9
@@ -263,7 +263,7 @@ def test_duplicate_candidates_are_scored_like_any_column(client) -> None:  # noq
     np.testing.assert_allclose(m[1], u[1, [2, 1, 2]], rtol=0, atol=1e-5)
 
 
-def test_vllm_generate_fields_are_accepted_and_ignored(client, good_result) -> None:  # noqa: ANN001
+def test_vllm_generate_fields_are_accepted_and_ignored(client, good_result) -> None:
     extra = {"features": None, "kv_transfer_params": {"do_remote_prefill": False}, "stream_options": {
         "include_usage": True}, "assistant_tokens_mask": [1] * len(TOKS), "token_offsets": None}
     sp = dict(GOOD["sampling_params"], skip_reading_prefix_cache=True)
@@ -272,7 +272,7 @@ def test_vllm_generate_fields_are_accepted_and_ignored(client, good_result) -> N
     np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
 
 
-def test_x_request_id_is_read_and_echoed(client) -> None:  # noqa: ANN001
+def test_x_request_id_is_read_and_echoed(client) -> None:
     r = client.post(GEN, json=GOOD, headers={"X-Request-Id": "trace-77"})
     assert r.status_code == 200 and r.json()["request_id"] == "trace-77"
     assert r.headers["x-request-id"] == "trace-77"
@@ -288,7 +288,7 @@ def test_x_request_id_is_read_and_echoed(client) -> None:  # noqa: ANN001
     assert bad.headers["x-request-id"] == "bad-9"
 
 
-def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:  # noqa: ANN001
+def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:
     from conftest import LiveServer
 
     from teacher_server.config import Config
@@ -303,7 +303,7 @@ def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:  # noqa: AN
         assert c.post(GEN, json=body(range(1, 1001), [1, 2], start=900)).status_code == 200  # candidates: no cap
 
 
-def test_chunked_body_ignores_a_bogus_content_length(demo_server) -> None:  # noqa: ANN001
+def test_chunked_body_ignores_a_bogus_content_length(demo_server) -> None:
     """Chunked framing overrides Content-Length: the size limit applies to what arrives."""
     import json
     import socket

@@ -16,7 +16,7 @@ from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreRequest
 
 
-def slow_engine(tmp_path, fatal_token: int | None = None) -> Engine:  # noqa: ANN001
+def slow_engine(tmp_path, fatal_token: int | None = None) -> Engine:
     eng = Engine(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=32,
                         num_kv_blocks=512, max_model_len=4096))
     # long steps, so messages pile up in the inbox meanwhile
@@ -30,7 +30,7 @@ def req(rid: str, n: int, first: int = 1) -> ScoreRequest:
     return ScoreRequest(rid, toks, 0, np.array([1, 2]))
 
 
-def test_cancelling_a_duplicate_id_does_not_cancel_the_original(tmp_path) -> None:  # noqa: ANN001
+def test_cancelling_a_duplicate_id_does_not_cancel_the_original(tmp_path) -> None:
     ae = AsyncEngine(slow_engine(tmp_path), 100, 10 ** 6)
     ae.start()
 
@@ -71,7 +71,7 @@ def test_same_request_id_from_two_callers(tmp_path: Path) -> None:
         ae.shutdown()
 
 
-def test_fatal_error_answers_queued_requests(tmp_path) -> None:  # noqa: ANN001
+def test_fatal_error_answers_queued_requests(tmp_path) -> None:
     fired = []
     ae = AsyncEngine(slow_engine(tmp_path, fatal_token=3999), 100, 10 ** 6, on_fatal=fired.append)
     ae.start()
@@ -96,19 +96,19 @@ def test_fatal_error_answers_queued_requests(tmp_path) -> None:  # noqa: ANN001
         ae.shutdown()
 
 
-def test_build_makes_the_engine_in_its_own_thread(tmp_path) -> None:  # noqa: ANN001
+def test_build_makes_the_engine_in_its_own_thread(tmp_path) -> None:
     """``AsyncEngine.build`` runs the factory in the engine thread, the thread that then runs
     every step (per-thread GPU state from start-up, such as cuDNN plans, is reused)."""
     import threading
 
     seen: dict[str, int] = {}
 
-    def factory():  # noqa: ANN202
+    def factory():
         seen["built"] = threading.get_ident()
         eng = slow_engine(tmp_path)
         step = eng.step
 
-        def tracked_step(**kw):  # noqa: ANN003, ANN202
+        def tracked_step(**kw):
             seen["step"] = threading.get_ident()
             return step(**kw)
 
@@ -128,7 +128,7 @@ def test_build_makes_the_engine_in_its_own_thread(tmp_path) -> None:  # noqa: AN
 
 
 def test_build_raises_what_the_factory_raised() -> None:
-    def factory():  # noqa: ANN202
+    def factory():
         raise ValueError("no such model")
 
     async def main() -> None:

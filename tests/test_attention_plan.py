@@ -128,7 +128,7 @@ def test_sliding_window_stays_on_varlen() -> None:
 
 def test_refused_shape_switches_to_varlen() -> None:
     class Refusing(CpuCudnn):
-        def _sdpa(self, *a):  # noqa: ANN002, ANN202
+        def _sdpa(self, *a):
             raise RuntimeError("cuDNN: no engine for these shapes")
 
     tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
@@ -169,7 +169,7 @@ def test_padding_is_a_view_into_slack_and_garbage_queries_stay_out() -> None:
 
     class Counting(CpuCudnn):
         @staticmethod
-        def _padded(x, front, n):  # noqa: ANN001, ANN205
+        def _padded(x, front, n):
             y = CudnnBackend._padded(x, front, n)
             copies.append(y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr())
             return y
@@ -183,7 +183,7 @@ def test_out_of_memory_is_raised_and_leaves_cudnn_on() -> None:
     """Only a refused shape switches cuDNN off; running out of memory fails the step (the
     engine fails that step's requests) and the next step still uses cuDNN."""
     class Oom(CpuCudnn):
-        def _sdpa(self, *a):  # noqa: ANN002, ANN202
+        def _sdpa(self, *a):
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
 
     tensors, ctx, _ = make_step(CASES["mixed"], 4, 2, 16, "cpu", torch.float32)
@@ -223,7 +223,7 @@ def test_a_step_builds_at_most_one_new_prefix_shape() -> None:
 def test_self_check_takes_every_cudnn_path() -> None:
     made: list[CpuCudnn] = []
 
-    def make(**settings) -> CpuCudnn:  # noqa: ANN003
+    def make(**settings) -> CpuCudnn:
         made.append(CpuCudnn(256, **settings))
         return made[-1]
 
@@ -235,7 +235,7 @@ def test_self_check_takes_every_cudnn_path() -> None:
 
 def test_self_check_turns_off_only_the_groups_when_they_fail() -> None:
     class BadGroups(CpuCudnn):
-        def _split(self, x, t0, cs, k0s, ps, s, scale, out):  # noqa: ANN001, ANN202
+        def _split(self, x, t0, cs, k0s, ps, s, scale, out):
             super()._split(x, t0, cs, k0s, ps, s, scale, out)
             if len(cs) > 1:  # a group: a wrong result, not a refusal
                 out.add_(1.0)
@@ -246,9 +246,9 @@ def test_self_check_turns_off_only_the_groups_when_they_fail() -> None:
 
 def test_self_check_fails_when_no_variant_agrees() -> None:
     class Wrong(CpuCudnn):
-        def _sdpa(self, q, k, v, causal, lse, scale):  # noqa: ANN001, ANN202
-            o, l = super()._sdpa(q, k, v, causal, lse, scale)
-            return o + 1.0, l
+        def _sdpa(self, q, k, v, causal, lse, scale):
+            o, lse_ = super()._sdpa(q, k, v, causal, lse, scale)
+            return o + 1.0, lse_
 
     assert self_check(lambda **kw: Wrong(256, **kw), torch.device("cpu"), torch.float32) is None
 

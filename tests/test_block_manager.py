@@ -47,7 +47,7 @@ def test_refcount_lru_eviction() -> None:
         bm.release(y)
 
 
-def seq(n: int, start: int, bs: int = 4, salt: str | None = None, prio: int = 0, toks=None) -> Sequence:  # noqa: ANN001
+def seq(n: int, start: int, bs: int = 4, salt: str | None = None, prio: int = 0, toks=None) -> Sequence:
     toks = np.arange(n) if toks is None else toks
     return Sequence(ScoreRequest(f"s{n}-{start}-{salt}", toks, start, np.array([1]), priority=prio, cache_salt=salt), bs, True)
 

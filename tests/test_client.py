@@ -21,8 +21,16 @@ import pytest
 from apiutil import body, decode, npy_b64
 from conftest import free_port
 
-from teacher_server.client import (AsyncTeacherClient, PaddedScores, ScoreOutput, TeacherClient, TeacherRequest,
-                                   TeacherServerError, pad_scores, retry_after_seconds)
+from teacher_server.client import (
+    AsyncTeacherClient,
+    PaddedScores,
+    ScoreOutput,
+    TeacherClient,
+    TeacherRequest,
+    TeacherServerError,
+    pad_scores,
+    retry_after_seconds,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = "/inference/v1/generate"
@@ -39,7 +47,7 @@ def per_row(rows: int, k: int) -> np.ndarray:
     return np.stack([RNG.choice(VOCAB, k, replace=False) for _ in range(rows)]).astype(np.int32)
 
 
-def raw_scores(server, token_ids: list[int], cands, start: int) -> np.ndarray:  # noqa: ANN001
+def raw_scores(server, token_ids: list[int], cands, start: int) -> np.ndarray:
     """What a plain httpx post with JSON-list candidates returns."""
     with server.client() as c:
         r = c.post(GEN, json=body(token_ids, cands, start=start, max_tokens=0))
@@ -76,7 +84,7 @@ class _Counting:
 
 
 class CountingTransport(_Counting, httpx.BaseTransport):
-    def __init__(self, **kw) -> None:  # noqa: ANN003
+    def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.inner = httpx.HTTPTransport()
 
@@ -93,7 +101,7 @@ class CountingTransport(_Counting, httpx.BaseTransport):
 
 
 class AsyncCountingTransport(_Counting, httpx.AsyncBaseTransport):
-    def __init__(self, **kw) -> None:  # noqa: ANN003
+    def __init__(self, **kw) -> None:
         super().__init__(**kw)
         self.inner = httpx.AsyncHTTPTransport()
 
@@ -166,7 +174,7 @@ def test_client_imports_without_server_dependencies() -> None:
 
 
 @pytest.mark.parametrize("form", ["shared", "per_row", "per_row_padded"])
-def test_sync_matches_raw_post(demo_server, form: str) -> None:  # noqa: ANN001
+def test_sync_matches_raw_post(demo_server, form: str) -> None:
     toks, start = seq(40), 9
     rows = len(toks) - 1 - start
     if form == "shared":
@@ -185,7 +193,7 @@ def test_sync_matches_raw_post(demo_server, form: str) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("form", ["shared", "per_row"])
-def test_async_matches_sync(demo_server, form: str) -> None:  # noqa: ANN001
+def test_async_matches_sync(demo_server, form: str) -> None:
     toks, start = seq(33), 4
     cands = [5, 17, 99, 3000] if form == "shared" else per_row(len(toks) - 1 - start, 4).tolist()
 
@@ -200,7 +208,7 @@ def test_async_matches_sync(demo_server, form: str) -> None:  # noqa: ANN001
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
 
 
-def test_zero_rows(demo_server) -> None:  # noqa: ANN001
+def test_zero_rows(demo_server) -> None:
     toks = seq(6)
 
     async def go() -> list[np.ndarray]:
@@ -216,7 +224,7 @@ def test_zero_rows(demo_server) -> None:  # noqa: ANN001
         assert r.dtype == np.float32 and r.shape[0] == 0 and r.shape[1] in (1, 3)
 
 
-def test_score_full(demo_server) -> None:  # noqa: ANN001
+def test_score_full(demo_server) -> None:
     toks = seq(20)
     with TeacherClient(demo_server.url) as client:
         out = client.score_full(toks, [1, 2], 3, request_id="req-full-1", prompt_logprobs=2, max_tokens=1,
@@ -292,7 +300,7 @@ def _never_called(request: httpx.Request) -> httpx.Response:
     ([[1, 2], [3]], ValueError, "pad with -1"),
     ([[1, 2], 3], ValueError, "a mix of ids and rows"),
 ])
-def test_local_input_errors(cands, error, match) -> None:  # noqa: ANN001
+def test_local_input_errors(cands, error, match) -> None:
     """Input the server would refuse is refused before sending, by both clients."""
     with TeacherClient("http://teacher.invalid", transport=httpx.MockTransport(_never_called)) as c:
         with pytest.raises(error, match=match):
@@ -322,7 +330,7 @@ def _batch(n: int) -> tuple[list, list[int]]:
     return reqs, rows
 
 
-def test_score_batch_order_and_concurrency(demo_server) -> None:  # noqa: ANN001
+def test_score_batch_order_and_concurrency(demo_server) -> None:
     reqs, rows = _batch(12)
     transport = CountingTransport(delay=0.05)
     with TeacherClient(demo_server.url, max_concurrency=3, transport=transport) as client:
@@ -337,7 +345,7 @@ def test_score_batch_order_and_concurrency(demo_server) -> None:  # noqa: ANN001
         assert client.score_batch([]) == []
 
 
-def test_async_score_batch_order_and_concurrency(demo_server) -> None:  # noqa: ANN001
+def test_async_score_batch_order_and_concurrency(demo_server) -> None:
     reqs, rows = _batch(10)
     transport = AsyncCountingTransport(delay=0.05)
 
@@ -350,7 +358,7 @@ def test_async_score_batch_order_and_concurrency(demo_server) -> None:  # noqa: 
     assert transport.count == 10 and 2 <= transport.peak <= 4, transport.peak
 
 
-def test_progress_without_tqdm(demo_server, monkeypatch, capsys) -> None:  # noqa: ANN001
+def test_progress_without_tqdm(demo_server, monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails: the stderr counter is used
     reqs, _ = _batch(3)
     with TeacherClient(demo_server.url) as client:
@@ -358,7 +366,7 @@ def test_progress_without_tqdm(demo_server, monkeypatch, capsys) -> None:  # noq
     assert "3/3" in capsys.readouterr().err
 
 
-def test_score_batch_raises_first_failure(demo_server) -> None:  # noqa: ANN001
+def test_score_batch_raises_first_failure(demo_server) -> None:
     reqs, _ = _batch(4)
     reqs[2] = TeacherRequest(seq(10), [3, VOCAB])  # an id outside the vocabulary: 400
     with TeacherClient(demo_server.url, max_concurrency=2) as client, pytest.raises(TeacherServerError) as ei:
@@ -374,7 +382,7 @@ def test_score_batch_raises_first_failure(demo_server) -> None:  # noqa: ANN001
     assert ei.value.status == 400
 
 
-def test_score_batch_return_exceptions(demo_server) -> None:  # noqa: ANN001
+def test_score_batch_return_exceptions(demo_server) -> None:
     """Every request runs; failed ones hold their error in place, the others their result."""
     reqs, rows = _batch(5)
     reqs[1] = TeacherRequest(seq(10), [3, VOCAB])  # the server's 400
@@ -415,7 +423,7 @@ def test_pad_scores() -> None:
     assert pad_scores([]).scores.shape == (0, 0, 0)
 
 
-def test_score_batch_padded(demo_server) -> None:  # noqa: ANN001
+def test_score_batch_padded(demo_server) -> None:
     import torch
 
     reqs, rows = _batch(4)
@@ -438,7 +446,7 @@ def test_score_batch_padded(demo_server) -> None:  # noqa: ANN001
         assert not out.scores[b, n:].any()
 
 
-def test_async_client_across_event_loops(demo_server) -> None:  # noqa: ANN001
+def test_async_client_across_event_loops(demo_server) -> None:
     """One client, built outside any loop, serves successive asyncio.run calls."""
     toks, cands = seq(20), [1, 2, 3]
     client = AsyncTeacherClient(demo_server.url, max_concurrency=2)
@@ -461,7 +469,7 @@ def test_async_client_across_event_loops(demo_server) -> None:  # noqa: ANN001
 
 # --- errors and retries -------------------------------------------------------------------
 
-def test_bad_request_is_not_retried(demo_server) -> None:  # noqa: ANN001
+def test_bad_request_is_not_retried(demo_server) -> None:
     transport = CountingTransport()
     with TeacherClient(demo_server.url, max_retries=5, backoff=0.01, transport=transport) as client:
         with pytest.raises(TeacherServerError) as ei:
@@ -483,7 +491,7 @@ def test_bad_request_is_not_retried(demo_server) -> None:  # noqa: ANN001
     assert ei.value.status == 400 and ei.value.param == "token_ids" and async_transport.count == 1
 
 
-def test_wrong_model_is_404_not_retried(demo_server) -> None:  # noqa: ANN001
+def test_wrong_model_is_404_not_retried(demo_server) -> None:
     transport = CountingTransport()
     with TeacherClient(demo_server.url, model="no-such-model", transport=transport) as client:
         with pytest.raises(TeacherServerError) as ei:
@@ -491,7 +499,7 @@ def test_wrong_model_is_404_not_retried(demo_server) -> None:  # noqa: ANN001
     assert ei.value.status == 404 and ei.value.type == "NotFoundError" and transport.count == 1
 
 
-def test_retry_after_429_honours_retry_after(demo_server) -> None:  # noqa: ANN001
+def test_retry_after_429_honours_retry_after(demo_server) -> None:
     toks, cands = seq(25), [4, 5, 6]
     transport = CountingTransport(fail=3, status=429, headers={"Retry-After": "0"})
     t0 = time.monotonic()
@@ -503,7 +511,7 @@ def test_retry_after_429_honours_retry_after(demo_server) -> None:  # noqa: ANN0
     np.testing.assert_allclose(got, raw_scores(demo_server, toks, cands, 2), rtol=0, atol=1e-5)
 
 
-def test_retry_after_503_then_success_async(demo_server) -> None:  # noqa: ANN001
+def test_retry_after_503_then_success_async(demo_server) -> None:
     transport = AsyncCountingTransport(fail=2, status=503)  # no Retry-After: exponential backoff
 
     async def go() -> np.ndarray:
@@ -514,7 +522,7 @@ def test_retry_after_503_then_success_async(demo_server) -> None:  # noqa: ANN00
 
 
 @pytest.mark.parametrize("status", [502, 504])
-def test_ingress_errors_are_retried(demo_server, status: int) -> None:  # noqa: ANN001
+def test_ingress_errors_are_retried(demo_server, status: int) -> None:
     """An ingress in front of the server answers 502/504 when it loses the upstream."""
     toks, cands = seq(14), [4, 5]
     transport = CountingTransport(fail=2, status=status)
@@ -532,7 +540,7 @@ def test_ingress_errors_are_retried(demo_server, status: int) -> None:  # noqa: 
     assert asyncio.run(go()).shape == (10, 2) and async_transport.count == 2
 
 
-def test_retries_exhausted_raise_last_status(demo_server) -> None:  # noqa: ANN001
+def test_retries_exhausted_raise_last_status(demo_server) -> None:
     transport = CountingTransport(fail=10, status=503, headers={"Retry-After": "0"})
     with TeacherClient(demo_server.url, max_retries=2, transport=transport) as client:
         with pytest.raises(TeacherServerError) as ei:
@@ -571,7 +579,7 @@ def test_retry_after_parsing() -> None:
 
 # --- the example --------------------------------------------------------------------------
 
-def test_distill_step_example(demo_server, tmp_path) -> None:  # noqa: ANN001
+def test_distill_step_example(demo_server, tmp_path) -> None:
     script = ROOT / "examples" / "distill_step.py"
     r = subprocess.run([sys.executable, str(script), "--url", demo_server.url, "--prompts", "2", "--group", "3",
                         "--prompt-len", "40", "--response-len", "24", "-k", "8"],

@@ -19,7 +19,7 @@ def test_config_yaml_documents_every_setting() -> None:
     Config.load(ROOT / "config.yaml", env={})  # and it loads as is
 
 
-def test_precedence(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_precedence(tmp_path, monkeypatch) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("port: 1111\nmax_logprobs: 10\nlog_level: warning\n")
     monkeypatch.setenv("TEACHER_SERVER_PORT", "2222")
@@ -30,7 +30,7 @@ def test_precedence(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     assert Config.load(env={}).port == 8000
 
 
-def test_invalid_values_name_the_field(tmp_path) -> None:  # noqa: ANN001
+def test_invalid_values_name_the_field(tmp_path) -> None:
     with pytest.raises(ConfigError, match="max_logprobs"):
         Config.load(env={"TEACHER_SERVER_MAX_LOGPROBS": "0"})
     with pytest.raises(ConfigError, match="logprobs_mode"):
@@ -52,7 +52,7 @@ def test_cli_flags_map_to_fields() -> None:
     assert cfg.enable_prefix_caching is False and cfg.deterministic is True
 
 
-def test_unsupported_architecture_is_refused(tmp_path) -> None:  # noqa: ANN001
+def test_unsupported_architecture_is_refused(tmp_path) -> None:
     import json
 
     from teacher_server.engine.engine import Engine
@@ -63,7 +63,7 @@ def test_unsupported_architecture_is_refused(tmp_path) -> None:  # noqa: ANN001
         Engine(Config(model=str(tmp_path), device="cpu"))
 
 
-def test_every_setting_has_a_flag_with_help_and_default(capsys) -> None:  # noqa: ANN001
+def test_every_setting_has_a_flag_with_help_and_default(capsys) -> None:
     """Flags are generated from Config: each field has `--name-with-dashes` with its description
     as help text and its default, as `serve --help` shows them."""
     with pytest.raises(SystemExit):
@@ -76,7 +76,7 @@ def test_every_setting_has_a_flag_with_help_and_default(capsys) -> None:  # noqa
         assert flag in squeezed and entry in squeezed, name
 
 
-def test_generated_flags_parse_to_typed_values(tmp_path) -> None:  # noqa: ANN001
+def test_generated_flags_parse_to_typed_values(tmp_path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("max_model_len: 512\nrequest_timeout_s: 3\n")
     cfg = config_from_args(["serve", "--config", str(f), "--max-model-len", "none", "--header-timeout-s", "2.5",

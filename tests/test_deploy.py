@@ -97,7 +97,7 @@ def helm() -> ModuleType:
         return importlib.import_module("helm_python")
     except (ImportError, OSError) as e:  # OSError: the bundled native library failed to load
         _missing_tool("helm-python-sdk", _helm_installable(), e)
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable") from e
 
 
 @pytest.fixture(scope="session")
@@ -536,7 +536,7 @@ def test_hub_fetch_release(helm: ModuleType, kube: ModuleType, kube_versions: li
     assert init["args"][-1] == "--config-only"
 
 
-def test_hub_fetch_commands_work_together(helm: ModuleType, checkpoints, tmp_path: Path) -> None:  # noqa: ANN001
+def test_hub_fetch_commands_work_together(helm: ModuleType, checkpoints, tmp_path: Path) -> None:
     """The init container's command, run here offline against a hub cache standing in for
     the volume, prints the snapshot; the server's rendered environment resolves the same one."""
     from hubutil import add_snapshot

@@ -10,11 +10,11 @@ import torch
 
 from teacher_server.kv_pool import KVPool
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.step_context import StepContext
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep
 from teacher_server.ops.silu_mul import silu_mul_reference
+from teacher_server.step_context import StepContext
 
 HEADS = HeadLayout(n_q=4, n_kv=2, d=16, eps=1e-6)
 HIDDEN, INTER, T = 32, 48, 10
@@ -72,7 +72,7 @@ def kernels_on(ops: FusedOps) -> bool:
 
 
 def test_compile_failing_at_build_keeps_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_compile(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+    def no_compile(*a, **kw):
         raise RuntimeError("no inductor here")
 
     monkeypatch.setattr(torch, "compile", no_compile)
@@ -97,8 +97,8 @@ def test_compiled_stage_failing_its_check_keeps_the_kernels(monkeypatch: pytest.
 def test_compile_failing_at_run_time_falls_back_per_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
-    def flaky(f, **kw):  # noqa: ANN001, ANN003, ANN202
-        def run(*a):  # noqa: ANN002, ANN202
+    def flaky(f, **kw):
+        def run(*a):
             calls.append(f.__name__)
             if len(calls) > 6:  # after the start-up check: a recompile that fails
                 raise torch._dynamo.exc.TorchDynamoException("recompile limit")
@@ -152,13 +152,13 @@ def test_pool_gathers_prefix_and_chunk_keys() -> None:
     assert pool.nbytes == 2 * 2 * 16 * 2 * 4 * 4
 
 
-def test_model_checks_ops_at_its_own_shapes(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+def test_model_checks_ops_at_its_own_shapes(checkpoints, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Qwen3 model (q/k norms) runs the start-up checks at its shapes; a failing compile
     leaves the kernel switches on."""
     from teacher_server.models.loader import load_model
     from teacher_server.models.spec import ModelSpec
 
-    def no_compile(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+    def no_compile(*a, **kw):
         raise RuntimeError("no inductor here")
 
     monkeypatch.setattr(torch, "compile", no_compile)

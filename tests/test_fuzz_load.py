@@ -68,7 +68,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
 
 
 @pytest.fixture(scope="module")
-def fuzz(demo_server):  # noqa: ANN001, ANN201
+def fuzz(demo_server):
     with demo_server.client() as c:
         seen: dict[int, int] = {}
 
@@ -88,7 +88,7 @@ def fuzz(demo_server):  # noqa: ANN001, ANN201
         yield c, post, seen
 
 
-def test_fuzz_from_openapi_schema(fuzz) -> None:  # noqa: ANN001
+def test_fuzz_from_openapi_schema(fuzz) -> None:
     c, post, seen = fuzz
     schema = request_schema(c)
 
@@ -100,7 +100,7 @@ def test_fuzz_from_openapi_schema(fuzz) -> None:  # noqa: ANN001
     run()
 
 
-def test_fuzz_arbitrary_json(fuzz) -> None:  # noqa: ANN001
+def test_fuzz_arbitrary_json(fuzz) -> None:
     _, post, _ = fuzz
 
     @FUZZ
@@ -111,7 +111,7 @@ def test_fuzz_arbitrary_json(fuzz) -> None:  # noqa: ANN001
     run()
 
 
-def test_fuzz_mutated_valid_requests(fuzz) -> None:  # noqa: ANN001
+def test_fuzz_mutated_valid_requests(fuzz) -> None:
     """A valid request with one field (top-level or sampling) replaced by arbitrary JSON."""
     _, post, seen = fuzz
     base = body([5, 17, 99, 3, 250, 1000, 7], [[1, 2], [3, -1], [4, 5]], start=3, prompt_logprobs=2)
@@ -136,7 +136,7 @@ def test_fuzz_mutated_valid_requests(fuzz) -> None:  # noqa: ANN001
     assert r.status_code == 200  # healthy after thousands of hostile requests
 
 
-def test_hostile_inputs(demo_server) -> None:  # noqa: ANN001
+def test_hostile_inputs(demo_server) -> None:
     import base64
     import io
 
@@ -166,7 +166,7 @@ def test_hostile_inputs(demo_server) -> None:  # noqa: ANN001
         assert c.get("/health").status_code == 200
 
 
-def test_bounded_load_run(demo_server) -> None:  # noqa: ANN001
+def test_bounded_load_run(demo_server) -> None:
     """2000 requests at concurrency 64 (200 distinct bodies, each sent 10 times): no
     errors, every result equal to the same request run alone."""
     rng = np.random.default_rng(42)

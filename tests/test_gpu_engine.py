@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 MIXED = [(1, 1), (7, 50), (300, 300), (128, 1000), (1000, 1000), (400, 1400), (512, 512), (512, 512), (40, 40)]
 
 
-def _backend(name: str):  # noqa: ANN202
+def _backend(name: str):
     try:
         return make_backend(name, torch.device("cuda"))
     except Exception as e:  # flash-attn is optional (the Docker image has it)
@@ -27,7 +27,7 @@ def _backend(name: str):  # noqa: ANN202
 @pytest.mark.parametrize("backend", ["varlen", "flash_attn", "cudnn"])
 @pytest.mark.parametrize("window", [None, 64])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
-def test_backend_matches_reference(backend: str, window, heads) -> None:  # noqa: ANN001
+def test_backend_matches_reference(backend: str, window, heads) -> None:
     """Prefixed (queries shorter than keys) and fresh sequences, equal and unequal lengths,
     GQA and MHA: every backend equals the float32 sdpa reference within bf16 rounding."""
     attn = _backend(backend)
@@ -95,7 +95,7 @@ def test_attention_items_on_side_streams_equal_one_stream() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 333, 4096])
-def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:  # noqa: ANN001
+def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:
     from teacher_server.ops import extension
     from teacher_server.ops.silu_mul import silu_mul, silu_mul_reference
 

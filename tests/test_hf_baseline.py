@@ -11,8 +11,8 @@ import pytest
 from reference import hf_model, reference_scores
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import hf_baseline  # noqa: E402
-from workloads import Req  # noqa: E402
+import hf_baseline
+from workloads import Req
 
 VOCAB = 512  # the tiny checkpoints' vocabulary
 
@@ -41,7 +41,7 @@ def test_batches_respect_the_budget() -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_matches_the_float32_reference(checkpoints, family: str) -> None:  # noqa: ANN001
+def test_matches_the_float32_reference(checkpoints, family: str) -> None:
     path = checkpoints[family]
     reqs = _requests(1)
     seconds, results, finish = hf_baseline.run(hf_model(path), reqs, keep_results=True, max_padded=64)

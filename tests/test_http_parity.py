@@ -15,7 +15,7 @@ GEN = "/inference/v1/generate"
     (300, 100, True, False), (300, 0, False, False), (257, 255, True, True), (64, 62, False, True),
     (500, 450, True, True), (2, 0, False, False),
 ])
-def test_http_matches_reference(qwen3_server, checkpoints, n, start, per_row, binary) -> None:  # noqa: ANN001
+def test_http_matches_reference(qwen3_server, checkpoints, n, start, per_row, binary) -> None:
     rng = np.random.default_rng(n + start)
     toks = rng.integers(0, 512, n)
     rows = max(n - 1 - start, 0)

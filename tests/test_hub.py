@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from hubutil import add_snapshot
+
 from teacher_server import LLM
 from teacher_server.hub import ModelNotFoundError, resolve_model
 
@@ -23,7 +23,7 @@ SHA_V2 = "2" * 40
 
 
 @pytest.fixture(scope="module")
-def sharded(checkpoints, tmp_path_factory) -> Path:  # noqa: ANN001
+def sharded(checkpoints, tmp_path_factory) -> Path:
     """The qwen3 test checkpoint saved again in several shards with an index file."""
     import transformers as tf
 
@@ -43,7 +43,7 @@ def offline_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return cache
 
 
-def test_local_directory_is_used_as_is(checkpoints) -> None:  # noqa: ANN001
+def test_local_directory_is_used_as_is(checkpoints) -> None:
     d = checkpoints["qwen3"]
     assert resolve_model(str(d)) == d
 
@@ -81,7 +81,7 @@ def test_unresolvable_models_fail_clearly(offline_cache: Path, sharded: Path, tm
         resolve_model(REPO, revision="no-such-tag")
 
 
-def test_config_only_snapshot_serves_dummy_weights(offline_cache: Path, checkpoints) -> None:  # noqa: ANN001
+def test_config_only_snapshot_serves_dummy_weights(offline_cache: Path, checkpoints) -> None:
     only_config = tuple(p.name for p in checkpoints["qwen3"].iterdir() if p.name != "config.json")
     snap = add_snapshot(offline_cache, REPO, checkpoints["qwen3"], SHA_MAIN, skip=only_config)
     with pytest.raises(ModelNotFoundError, match="no \\*.safetensors"):
@@ -92,7 +92,7 @@ def test_config_only_snapshot_serves_dummy_weights(offline_cache: Path, checkpoi
     assert scores.shape == (4, 2) and np.isfinite(scores).all()
 
 
-def test_llm_by_hub_id_scores_like_the_directory(offline_cache: Path, sharded: Path, checkpoints) -> None:  # noqa: ANN001
+def test_llm_by_hub_id_scores_like_the_directory(offline_cache: Path, sharded: Path, checkpoints) -> None:
     """The same weights by id (sharded, from the cache) and by directory (one file): the
     same scores, and the id is the served name, as vLLM names a hub model."""
     add_snapshot(offline_cache, REPO, sharded, SHA_MAIN)

@@ -69,7 +69,7 @@ def close(a: dict, b: dict, tol: float) -> None:
     assert a == b  # ids, usage, greedy token, request_id
 
 
-def burst_then_alone(server, bodies: list[dict]) -> list[tuple[dict, dict]]:  # noqa: ANN001
+def burst_then_alone(server, bodies: list[dict]) -> list[tuple[dict, dict]]:
     async def burst() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=300) as c:
             return await asyncio.gather(*(c.post(GEN, json=b) for b in bodies))
@@ -82,12 +82,12 @@ def burst_then_alone(server, bodies: list[dict]) -> list[tuple[dict, dict]]:  # 
     return [(t.json(), a.json()) for t, a in zip(together, alone)]
 
 
-def test_concurrent_equals_alone(demo_server) -> None:  # noqa: ANN001
+def test_concurrent_equals_alone(demo_server) -> None:
     for t, a in burst_then_alone(demo_server, make_bodies(64)):
         close(t, a, tol=2e-5)
 
 
-def test_concurrent_equals_alone_bitwise_in_deterministic_mode(tmp_path) -> None:  # noqa: ANN001
+def test_concurrent_equals_alone_bitwise_in_deterministic_mode(tmp_path) -> None:
     from conftest import LiveServer
 
     from teacher_server.config import Config

@@ -15,7 +15,7 @@ PARAM = "sampling_params.prompt_logprob_token_ids"
 
 
 @pytest.fixture(scope="module")
-def llm(checkpoints) -> LLM:  # noqa: ANN001
+def llm(checkpoints) -> LLM:
     return LLM(str(checkpoints["qwen3"]), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8)
 
 
@@ -51,7 +51,7 @@ def test_numpy_candidates_match_lists(llm: LLM) -> None:
     (np.array([1.0, 2.0]), 5, "integer"),
     (np.zeros((4, 2, 1), np.int32), 5, r"\[K\] or \[rows, K\]"),
 ])
-def test_invalid_candidates_are_a_value_error(llm: LLM, cands, start: int, match: str) -> None:  # noqa: ANN001
+def test_invalid_candidates_are_a_value_error(llm: LLM, cands, start: int, match: str) -> None:
     with pytest.raises(ValueError, match=match) as ei:
         llm.score(list(range(10)), cands, start)
     assert getattr(ei.value, "param", None) == PARAM

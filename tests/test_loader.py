@@ -16,14 +16,14 @@ from teacher_server.engine.request import ScoreRequest
 from teacher_server.models.loader import checkpoint_files
 
 
-def score(path, **kw):  # noqa: ANN001, ANN003, ANN201
+def score(path, **kw):
     eng = Engine(Config(model=str(path), device="cpu", num_kv_blocks=64, block_size=16, max_model_len=256, **kw))
     toks = np.arange(3, 60)
     return eng.run_to_completion([ScoreRequest("x", toks, 10, np.array([1, 2, 3]))])[0].token_id_logprobs, toks
 
 
 @pytest.mark.parametrize("keep_index", [True, False])
-def test_sharded(tmp_path, keep_index) -> None:  # noqa: ANN001
+def test_sharded(tmp_path, keep_index) -> None:
     import transformers as tf
 
     cfg = tf.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -38,7 +38,7 @@ def test_sharded(tmp_path, keep_index) -> None:  # noqa: ANN001
     assert np.abs(got - ref).max() < 1e-4
 
 
-def test_missing_weight_is_refused(tmp_path, checkpoints) -> None:  # noqa: ANN001
+def test_missing_weight_is_refused(tmp_path, checkpoints) -> None:
     from safetensors.torch import load_file, save_file
 
     src = checkpoints["llama"]
@@ -51,7 +51,7 @@ def test_missing_weight_is_refused(tmp_path, checkpoints) -> None:  # noqa: ANN0
         score(tmp_path)
 
 
-def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:  # noqa: ANN001
+def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:
     src = checkpoints["llama"]
     for f in src.iterdir():
         shutil.copy(f, tmp_path / f.name)
@@ -62,13 +62,13 @@ def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:  # noqa: ANN0
         score(tmp_path)
 
 
-def test_dummy_load_format(tmp_path, checkpoints) -> None:  # noqa: ANN001
+def test_dummy_load_format(tmp_path, checkpoints) -> None:
     (tmp_path / "config.json").write_text((checkpoints["qwen3"] / "config.json").read_text())
     got, _ = score(tmp_path, load_format="dummy")  # no safetensors needed
     assert got.shape == (46, 3) and np.isfinite(got).all() and (got < 0).all()
 
 
-def test_loading_logs_progress_per_file(tmp_path, caplog) -> None:  # noqa: ANN001
+def test_loading_logs_progress_per_file(tmp_path, caplog) -> None:
     """One INFO line per safetensors file: its number of all, its size and the seconds taken."""
     import logging
 

@@ -30,7 +30,7 @@ GEN = "/inference/v1/generate"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def demo_cfg(tmp_path_factory, **kw) -> Config:  # noqa: ANN001, ANN003
+def demo_cfg(tmp_path_factory, **kw) -> Config:
     base = dict(demo_model_dir=str(tmp_path_factory.mktemp("demo") / "m"), device="cpu",
                 max_num_batched_tokens=256, num_kv_blocks=2048, max_model_len=8192, max_logprobs=64)
     return Config(**(base | kw))
@@ -53,7 +53,7 @@ def long_body(n: int = 6000, seed: int = 0) -> dict:
 
 # --- auth ---------------------------------------------------------------------------------
 
-def test_api_key(tmp_path_factory) -> None:  # noqa: ANN001
+def test_api_key(tmp_path_factory) -> None:
     with LiveServer(demo_cfg(tmp_path_factory, api_key="s3cret")) as s, s.client() as c:
         good = body([1, 2, 3, 4], [5, 6])
         assert_error(c.post(GEN, json=good), 401)
@@ -72,7 +72,7 @@ def test_api_key(tmp_path_factory) -> None:  # noqa: ANN001
 
 # --- limits --------------------------------------------------------------------------------
 
-def test_body_limit_and_rows_x_k(tmp_path_factory) -> None:  # noqa: ANN001
+def test_body_limit_and_rows_x_k(tmp_path_factory) -> None:
     with LiveServer(demo_cfg(tmp_path_factory, max_body_bytes=1 << 20, max_rows_x_k=1000)) as s, s.client() as c:
         big = body(list(range(1, 4000)) * 60)  # ~ 1.3 MB
         assert_error(c.post(GEN, json=big), 413, contains="exceeds")
@@ -85,7 +85,7 @@ def test_body_limit_and_rows_x_k(tmp_path_factory) -> None:  # noqa: ANN001
         assert c.post(GEN, json=body(range(100), [1, 2, 3])).status_code == 200
 
 
-def test_hundred_megabyte_body(demo_server) -> None:  # noqa: ANN001
+def test_hundred_megabyte_body(demo_server) -> None:
     payload = b'{"token_ids": [' + b"1234," * (20 * 1024 * 1024) + b"1]}"  # 100 MB
     with demo_server.client() as c:
         r = c.post(GEN, content=payload, headers={"content-type": "application/json"})
@@ -96,7 +96,7 @@ def test_hundred_megabyte_body(demo_server) -> None:  # noqa: ANN001
 
 # --- backpressure ---------------------------------------------------------------------------
 
-def test_overload_gets_429_and_accepted_requests_complete(tmp_path_factory) -> None:  # noqa: ANN001
+def test_overload_gets_429_and_accepted_requests_complete(tmp_path_factory) -> None:
     cfg = demo_cfg(tmp_path_factory, max_queue_requests=3, max_num_batched_tokens=128)
     bodies = [long_body(800, seed=i) for i in range(24)]
     with LiveServer(cfg) as s:
@@ -122,7 +122,7 @@ def test_overload_gets_429_and_accepted_requests_complete(tmp_path_factory) -> N
 
 # --- cancellation and deadlines ---------------------------------------------------------------
 
-def test_disconnect_frees_the_request(tmp_path_factory) -> None:  # noqa: ANN001
+def test_disconnect_frees_the_request(tmp_path_factory) -> None:
     cfg = demo_cfg(tmp_path_factory, max_num_batched_tokens=64, enable_prefix_caching=False)
     with LiveServer(cfg) as s:
         with httpx.Client(base_url=s.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
@@ -144,7 +144,7 @@ def test_disconnect_frees_the_request(tmp_path_factory) -> None:  # noqa: ANN001
             assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
 
 
-def test_deadline(tmp_path_factory) -> None:  # noqa: ANN001
+def test_deadline(tmp_path_factory) -> None:
     cfg = demo_cfg(tmp_path_factory, request_timeout_s=0.3, max_num_batched_tokens=64)
     with LiveServer(cfg) as s, s.client() as c:
         assert_error(c.post(GEN, json=long_body(8000)), 504, contains="deadline")
@@ -154,7 +154,7 @@ def test_deadline(tmp_path_factory) -> None:  # noqa: ANN001
 
 # --- metrics ----------------------------------------------------------------------------------
 
-def test_metrics_names(demo_server) -> None:  # noqa: ANN001
+def test_metrics_names(demo_server) -> None:
     with demo_server.client() as c:
         for _ in range(2):
             assert c.post(GEN, json={**body(list(range(1, 60)), [1, 2], start=40), "cache_salt": "m"}).status_code == 200
@@ -183,7 +183,7 @@ def test_metrics_names(demo_server) -> None:  # noqa: ANN001
 POISON = 4095
 
 
-def faulty_engine(exc_factory):  # noqa: ANN001, ANN201
+def faulty_engine(exc_factory):
     def factory(cfg: Config) -> Engine:
         eng = Engine(cfg)
         fail_on_token(eng, POISON, exc_factory)
@@ -193,7 +193,7 @@ def faulty_engine(exc_factory):  # noqa: ANN001, ANN201
 
 @pytest.mark.parametrize("exc", [lambda: RuntimeError("injected step failure"),
                                  lambda: torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")])
-def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:  # noqa: ANN001
+def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:
     cfg = demo_cfg(tmp_path_factory)
     with LiveServer(cfg, engine_factory=faulty_engine(exc)) as s, s.client() as c:
         good = body([1, 2, 3, 4, 5], [7, 8], start=1)
@@ -205,7 +205,7 @@ def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:  # no
         assert s.app.state.engine.stats().kv_blocks_used == 0
 
 
-def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:  # noqa: ANN001
+def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:
     fired = threading.Event()
     cfg = demo_cfg(tmp_path_factory)
     factory = faulty_engine(lambda: RuntimeError("CUDA error: an illegal memory access was encountered"))
@@ -266,7 +266,7 @@ def post_in_threads(url: str, bodies: list[dict]) -> tuple[list[threading.Thread
     return threads, out
 
 
-def test_sigterm_drains_in_flight_work(tmp_path) -> None:  # noqa: ANN001
+def test_sigterm_drains_in_flight_work(tmp_path) -> None:
     s = ServeProcess(tmp_path, max_num_batched_tokens="64", shutdown_timeout_s="300")
     try:
         s.wait_ready()
@@ -287,7 +287,7 @@ def test_sigterm_drains_in_flight_work(tmp_path) -> None:  # noqa: ANN001
         s.kill()
 
 
-def test_shutdown_takes_about_the_drain_timeout(tmp_path) -> None:  # noqa: ANN001
+def test_shutdown_takes_about_the_drain_timeout(tmp_path) -> None:
     """SIGTERM with long requests in flight: exit about T after the signal (not 3T + 5), and
     the requests cut off at T get a JSON 503 with Retry-After."""
     drain_s = 3.0
@@ -316,7 +316,7 @@ def test_shutdown_takes_about_the_drain_timeout(tmp_path) -> None:  # noqa: ANN0
 
 
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
-def test_second_signal_exits_at_once(tmp_path, second) -> None:  # noqa: ANN001
+def test_second_signal_exits_at_once(tmp_path, second) -> None:
     s = ServeProcess(tmp_path, max_num_batched_tokens="16", shutdown_timeout_s="120")
     try:
         s.wait_ready()
@@ -335,7 +335,7 @@ def test_second_signal_exits_at_once(tmp_path, second) -> None:  # noqa: ANN001
         s.kill()
 
 
-def test_port_answers_while_the_engine_loads(tmp_path) -> None:  # noqa: ANN001
+def test_port_answers_while_the_engine_loads(tmp_path) -> None:
     """The port binds at once; /health is 503 {"status": "loading"} until the engine is ready."""
     loading = threading.Event()
     release = threading.Event()
@@ -374,7 +374,7 @@ def test_port_answers_while_the_engine_loads(tmp_path) -> None:  # noqa: ANN001
         server.__exit__()
 
 
-def test_engine_that_fails_to_start_reports_failed(tmp_path) -> None:  # noqa: ANN001
+def test_engine_that_fails_to_start_reports_failed(tmp_path) -> None:
     fired = threading.Event()
 
     def broken(cfg: Config) -> Engine:
@@ -398,7 +398,7 @@ def test_json_log_carries_request_id() -> None:
     assert out["request_id"] == "r-1" and out["status"] == 500 and out["level"] == "warning"
 
 
-def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:  # noqa: ANN001
+def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:
     with LiveServer(demo_cfg(tmp_path_factory, max_queue_tokens=100)) as s, s.client() as c:
         assert_error(c.post(GEN, json=body(range(1, 200), [1])), 400, "token_ids", "max_queue_tokens")
         assert c.post(GEN, json=body(range(1, 50), [1])).status_code == 200
@@ -412,7 +412,7 @@ def raw_request(port: int, head: bytes, timeout: float = 30) -> socket.socket:
     return sock
 
 
-def test_mid_body_disconnect_is_counted_not_a_500(demo_server, caplog) -> None:  # noqa: ANN001
+def test_mid_body_disconnect_is_counted_not_a_500(demo_server, caplog) -> None:
     with demo_server.client() as c:
         before = c.get("/metrics").text
         for _ in range(3):
@@ -433,7 +433,7 @@ def test_mid_body_disconnect_is_counted_not_a_500(demo_server, caplog) -> None: 
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
 
 
-def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path_factory) -> None:  # noqa: ANN001
+def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path_factory) -> None:
     """A byte every 0.2 s: the headers must be complete within header_timeout_s (then the
     connection is closed) and the body within body_timeout_s (then 408)."""
     cfg = demo_cfg(tmp_path_factory, header_timeout_s=1.0, body_timeout_s=1.5)
@@ -445,7 +445,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path_factory) -> None:  # 
                 try:
                     sock.sendall(data[i:i + 1])
                     got = sock.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError:  # reset: closed by the server
                     return b"", time.monotonic() - t0
@@ -468,7 +468,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tmp_path_factory) -> None:  # 
             assert metric(c.get("/metrics").text, "teacher_server_request_failures_total", reason="body_timeout") == 1
 
 
-def test_oversized_token_ids_are_refused_before_the_rest_is_parsed(demo_server) -> None:  # noqa: ANN001
+def test_oversized_token_ids_are_refused_before_the_rest_is_parsed(demo_server) -> None:
     """The length of token_ids is read off the raw body first: with an invalid field as well,
     the error is about the length (a full parse would have reported the other field)."""
     ids = b"1234," * 20_000 + b"1"  # 20001 ids > max_model_len 8192, a 100 kB body
@@ -482,7 +482,7 @@ def test_oversized_token_ids_are_refused_before_the_rest_is_parsed(demo_server) 
         assert c.post(GEN, content=nested, headers={"content-type": "application/json"}).status_code == 200
 
 
-def test_request_ids_cannot_forge_log_lines(demo_server, caplog) -> None:  # noqa: ANN001
+def test_request_ids_cannot_forge_log_lines(demo_server, caplog) -> None:
     from teacher_server.logging_setup import TextFormatter
 
     forged = "r-1\n2026-01-01 00:00:00,000 INFO teacher_server.server: forged\r\x1b[2J\u2028"
@@ -499,7 +499,7 @@ def test_request_ids_cannot_forge_log_lines(demo_server, caplog) -> None:  # noq
         assert "\\n2026-01-01" in text  # written as an escape, still readable
 
 
-def test_access_line_and_vllm_metric_names(demo_server, caplog) -> None:  # noqa: ANN001
+def test_access_line_and_vllm_metric_names(demo_server, caplog) -> None:
     caplog.set_level(logging.INFO, logger="teacher_server")
     with demo_server.client() as c:
         assert c.post(GEN, json={**body(range(1, 41), [1, 2], start=30), "request_id": "acc-1"}).status_code == 200

@@ -36,7 +36,7 @@ def make_requests(rng: np.random.Generator, k: int = 6) -> list[ScoreRequest]:
     return reqs
 
 
-def check(path, reqs, results, tol: float = TOL, logits_mode: bool = False) -> float:  # noqa: ANN001
+def check(path, reqs, results, tol: float = TOL, logits_mode: bool = False) -> float:
     worst = 0.0
     for q, r in zip(reqs, results):
         assert r.error is None, r.error
@@ -56,7 +56,7 @@ def check(path, reqs, results, tol: float = TOL, logits_mode: bool = False) -> f
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_parity_cpu(family: str, checkpoints) -> None:  # noqa: ANN001
+def test_parity_cpu(family: str, checkpoints) -> None:
     path = checkpoints[family]
     eng = Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=32, block_size=8,
                         num_kv_blocks=256, max_model_len=512))
@@ -65,7 +65,7 @@ def test_parity_cpu(family: str, checkpoints) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-def test_parity_cpu_residual_add_in_gemm(family: str, checkpoints) -> None:  # noqa: ANN001
+def test_parity_cpu_residual_add_in_gemm(family: str, checkpoints) -> None:
     """The residual add done inside the o/down projection (in place, the CUDA default) gives
     the same results as the separate add."""
     path = checkpoints[family]
@@ -76,7 +76,7 @@ def test_parity_cpu_residual_add_in_gemm(family: str, checkpoints) -> None:  # n
     check(path, reqs, eng.run_to_completion(reqs))
 
 
-def test_sliding_window_mistral(tmp_path) -> None:  # noqa: ANN001
+def test_sliding_window_mistral(tmp_path) -> None:
     """Mistral with a sliding window shorter than the sequence, across chunk boundaries."""
     import transformers as tf
 
@@ -93,7 +93,7 @@ def test_sliding_window_mistral(tmp_path) -> None:  # noqa: ANN001
     check(tmp_path, reqs, eng.run_to_completion(reqs))
 
 
-def test_logits_mode(checkpoints) -> None:  # noqa: ANN001
+def test_logits_mode(checkpoints) -> None:
     path = checkpoints["qwen3"]
     eng = Engine(Config(model=str(path), device="cpu", logprobs_mode="raw_logits", max_num_batched_tokens=64,
                         num_kv_blocks=128, block_size=8, max_model_len=512))
@@ -101,7 +101,7 @@ def test_logits_mode(checkpoints) -> None:  # noqa: ANN001
     check(path, reqs, eng.run_to_completion(reqs), logits_mode=True)
 
 
-def test_prompt_logprobs_and_candidates_agree(checkpoints) -> None:  # noqa: ANN001
+def test_prompt_logprobs_and_candidates_agree(checkpoints) -> None:
     path = checkpoints["llama"]
     eng = Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=16, num_kv_blocks=128,
                         block_size=8, max_model_len=512))
@@ -124,7 +124,7 @@ def test_prompt_logprobs_and_candidates_agree(checkpoints) -> None:  # noqa: ANN
     assert res.next_token is None
 
 
-def test_batch_composition_does_not_change_results(checkpoints) -> None:  # noqa: ANN001
+def test_batch_composition_does_not_change_results(checkpoints) -> None:
     """Deterministic mode: the same request gives the same bits alone and in a batch."""
     path = checkpoints["qwen2"]
     cfg = Config(model=str(path), device="cpu", deterministic=True, max_num_batched_tokens=48,
@@ -142,7 +142,7 @@ def test_batch_composition_does_not_change_results(checkpoints) -> None:  # noqa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_parity_gpu_float32(family: str, checkpoints) -> None:  # noqa: ANN001
+def test_parity_gpu_float32(family: str, checkpoints) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     path = checkpoints[family]
     eng = Engine(Config(model=str(path), device="cuda", dtype="float32", max_num_batched_tokens=32,
@@ -165,7 +165,7 @@ def long_requests(rng: np.random.Generator, k: int = 16) -> list[ScoreRequest]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("family,shape", [("qwen3", "short"), ("llama", "short"), ("qwen2", "short"),
                                           ("qwen3hd128", "short"), ("qwen3hd128", "long")])
-def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:  # noqa: ANN001
+def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:
     """bf16 weights vs the float32 reference: our mean abs error is no larger than that of
     transformers' own bf16 forward on the same weights (bf16 rounding of weights and
     activations is the floor; our fp32 logits + fp32 log-softmax must not add to it, and
@@ -204,7 +204,7 @@ def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:  # n
 
 
 @pytest.mark.gpu
-def test_gpu_pipelined_delivery_equals_sequential(checkpoints) -> None:  # noqa: ANN001
+def test_gpu_pipelined_delivery_equals_sequential(checkpoints) -> None:
     """On the GPU (real events: the launch pacer, its first-wait hook, idle gaps), the
     pipelined engine hands each result over exactly once, early through ``deliver`` or
     returned, equal to the sequential engine's; long requests make several paced steps with
@@ -220,7 +220,7 @@ def test_gpu_pipelined_delivery_equals_sequential(checkpoints) -> None:  # noqa:
         eng.add_request(q)
     got: dict[str, list] = {}
 
-    def take(rs) -> None:  # noqa: ANN001
+    def take(rs) -> None:
         for r in rs:
             got.setdefault(r.request_id, []).append(r)
 

@@ -14,12 +14,12 @@ from teacher_server.engine.request import ScoreRequest
 BS = 8
 
 
-def engine(path, cache: bool, blocks: int = 256, budget: int = 64) -> Engine:  # noqa: ANN001
+def engine(path, cache: bool, blocks: int = 256, budget: int = 64) -> Engine:
     return Engine(Config(model=str(path), device="cpu", enable_prefix_caching=cache, block_size=BS,
                          num_kv_blocks=blocks, max_num_batched_tokens=budget, max_model_len=512))
 
 
-def group(rng, prompt_len: int, n: int, resp_len: int, per_row: bool, salt: str | None = None,  # noqa: ANN001
+def group(rng, prompt_len: int, n: int, resp_len: int, per_row: bool, salt: str | None = None,
           tag: str = "") -> list[ScoreRequest]:
     prompt = rng.integers(0, 512, prompt_len)
     out = []
@@ -33,7 +33,7 @@ def group(rng, prompt_len: int, n: int, resp_len: int, per_row: bool, salt: str 
     return out
 
 
-def assert_same(a, b, tol: float = 2e-5) -> None:  # noqa: ANN001
+def assert_same(a, b, tol: float = 2e-5) -> None:
     for x, y in zip(a, b):
         assert x.error is None and y.error is None
         fin = np.isfinite(y.token_id_logprobs)
@@ -44,7 +44,7 @@ def assert_same(a, b, tol: float = 2e-5) -> None:  # noqa: ANN001
 
 @pytest.mark.parametrize("prompt_len", [BS * 4 - 1, BS * 4, BS * 4 + 1, BS * 4 + 5, 3])
 @pytest.mark.parametrize("per_row", [False, True])
-def test_hits_equal_no_cache(checkpoints, prompt_len, per_row) -> None:  # noqa: ANN001
+def test_hits_equal_no_cache(checkpoints, prompt_len, per_row) -> None:
     """start (= prompt_len - 1) inside, at, and past a block boundary."""
     path = checkpoints["qwen3"]
     reqs = group(np.random.default_rng(prompt_len), prompt_len, 4, 20, per_row)
@@ -60,7 +60,7 @@ def test_hits_equal_no_cache(checkpoints, prompt_len, per_row) -> None:  # noqa:
     assert all(c.cached_tokens == 0 for c in cold)
 
 
-def test_group_arriving_together_shares_prompt(checkpoints) -> None:  # noqa: ANN001
+def test_group_arriving_together_shares_prompt(checkpoints) -> None:
     path = checkpoints["llama"]
     rng = np.random.default_rng(0)
     reqs = [r for g in range(3) for r in group(rng, 60, 4, 15, per_row=g % 2 == 0, tag=f"g{g}-")]
@@ -72,7 +72,7 @@ def test_group_arriving_together_shares_prompt(checkpoints) -> None:  # noqa: AN
     assert sorted(cached) == [0] * 3 + [56] * 9  # one computes each prompt, its siblings reuse it
 
 
-def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints) -> None:  # noqa: ANN001
+def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints) -> None:
     """Two GRPO groups through the engine with the cuDNN backend's planning (float32 math
     in place of cuDNN): each step puts a group's responses side by side with how many
     prompt keys they share, the backend scores their queries against the prompt in one
@@ -94,7 +94,7 @@ def test_group_responses_share_one_attention_call_over_their_prompt(checkpoints)
     assert [144, 144] in [shared[1:3] for shared, _ in be.plans]
 
 
-def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None:  # noqa: ANN001
+def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None:
     """Two cached prompts with the same first 16 tokens (two blocks), and responses of
     interleaved lengths from both in one step: the runner puts each prompt's responses side
     by side (ordered by the blocks they read, not by length), so each group takes one call
@@ -128,7 +128,7 @@ def test_groups_whose_prompts_share_first_blocks_stay_apart(checkpoints) -> None
     assert [len(it.cs) for it in groups] == [3, 3] and all(it.s == 128 for it in groups), items
 
 
-def test_salts_never_share(checkpoints) -> None:  # noqa: ANN001
+def test_salts_never_share(checkpoints) -> None:
     path = checkpoints["qwen2"]
     rng = np.random.default_rng(1)
     base = group(rng, 40, 1, 10, per_row=False)[0]
@@ -140,7 +140,7 @@ def test_salts_never_share(checkpoints) -> None:  # noqa: ANN001
     assert_same([b, c, d], [a, a, a])
 
 
-def test_eviction_under_pressure(checkpoints) -> None:  # noqa: ANN001
+def test_eviction_under_pressure(checkpoints) -> None:
     """A pool of 70 blocks (560 tokens) and many distinct groups with long, chunked
     sequences: cached blocks are evicted while others run; no result is corrupted."""
     path = checkpoints["mistral"]
@@ -159,7 +159,7 @@ def test_eviction_under_pressure(checkpoints) -> None:  # noqa: ANN001
     assert stats.prefix_hit_tokens > 0
 
 
-def test_cache_can_be_turned_off(checkpoints) -> None:  # noqa: ANN001
+def test_cache_can_be_turned_off(checkpoints) -> None:
     path = checkpoints["qwen3"]
     reqs = group(np.random.default_rng(3), 50, 3, 10, per_row=False)
     eng = engine(path, cache=False)
@@ -175,7 +175,7 @@ def test_no_salt_and_empty_salt_hash_apart() -> None:
     assert block_hashes(t, 2, 16, None) != block_hashes(t, 2, 16, "")
 
 
-def test_tuning_switches_the_cache_and_the_budget(checkpoints) -> None:  # noqa: ANN001
+def test_tuning_switches_the_cache_and_the_budget(checkpoints) -> None:
     """The switches a built engine takes (the benchmark's ablations): with the cache off
     and a 16-token budget nothing is reused and steps hold at most 16 tokens; restored,
     the cache serves the group's prompt again and the scores agree."""

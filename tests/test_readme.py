@@ -22,7 +22,7 @@ def test_readme_has_the_two_commands() -> None:
     assert "make test" in ci
 
 
-def test_quick_start_in_process(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+def test_quick_start_in_process(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the demo model is written here
     block = next(b for b in python_blocks() if "from teacher_server import LLM" in b)
     ns: dict = {}
@@ -30,14 +30,14 @@ def test_quick_start_in_process(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     assert ns["scores"].shape == (4, 3)
 
 
-def test_quick_start_http(demo_server) -> None:  # noqa: ANN001
+def test_quick_start_http(demo_server) -> None:
     block = next(b for b in python_blocks() if "BASE_URL" in b and "httpx.post" in b)
     ns: dict = {"BASE_URL": demo_server.url}
     exec(compile(block, "README.md:http", "exec"), ns)
     assert ns["m"].shape == (4, 2)
 
 
-def test_quick_start_client(demo_server) -> None:  # noqa: ANN001
+def test_quick_start_client(demo_server) -> None:
     block = next(b for b in python_blocks() if "TeacherClient" in b)
     ns: dict = {"BASE_URL": demo_server.url}
     exec(compile(block, "README.md:client", "exec"), ns)
@@ -86,7 +86,7 @@ def _make_dry_run(target: str, tmp_path: Path) -> str:
     return r.stdout
 
 
-def test_make_run_installs_the_server_only(tmp_path) -> None:  # noqa: ANN001
+def test_make_run_installs_the_server_only(tmp_path) -> None:
     def extras(target: str) -> set[str]:
         """The extras of every ``pip install -e ".[...]"`` that ``make TARGET`` runs."""
         found = re.findall(r'pip install -q -e "\.\[([\w,]+)\]"', _make_dry_run(target, tmp_path))

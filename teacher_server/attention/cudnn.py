@@ -14,8 +14,8 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket, bucket_floor
 from teacher_server.attention.packed import Plan
 from teacher_server.attention.varlen import TorchVarlenBackend
-from teacher_server.step_context import StepContext
 from teacher_server.ops.merge_attn import merge_attn
+from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
 
@@ -245,8 +245,8 @@ class CudnnBackend(TorchVarlenBackend):
         ([front + c] rows), run at the bucketed length. Returns (out [c], lse [Hq, c] | None)."""
         c, m = q.shape[0], k.shape[0]
         n = bucket(m)
-        o, l = self._sdpa(self._padded(q, front, n), self._padded(k, 0, n), self._padded(v, 0, n), True, lse, scale)
-        return o[front:front + c], (l[:, front:front + c] if lse else None)
+        o, lse_ = self._sdpa(self._padded(q, front, n), self._padded(k, 0, n), self._padded(v, 0, n), True, lse, scale)
+        return o[front:front + c], (lse_[:, front:front + c] if lse else None)
 
     def _split(self, x: AttentionInputs, t0: int, cs: list[int], k0s: list[int], ps: list[int], s: int, scale: float,
                out: torch.Tensor) -> None:

@@ -80,7 +80,7 @@ def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: t
         try:
             c = ctx_on(device)
             got = backend(x, c, d ** -0.5, None).float().cpu()
-        except Exception as e:  # noqa: BLE001 - any failure: try the next variant
+        except Exception as e:
             log.info("cuDNN attention self-check (native GQA %s, groups %s) raised: %s", paths.native_gqa,
                      paths.group_prefixes, e)
             continue

@@ -15,8 +15,16 @@ torch, FastAPI or uvicorn.
 
 from teacher_server.client.async_client import AsyncTeacherClient
 from teacher_server.client.padding import PaddedScores, pad_scores
-from teacher_server.client.protocol import (GENERATE_PATH, ScoreOutput, TeacherRequest, TeacherServerError,
-                                            build_body, candidates_array, encode_candidates, parse_output)
+from teacher_server.client.protocol import (
+                                            GENERATE_PATH,
+                                            ScoreOutput,
+                                            TeacherRequest,
+                                            TeacherServerError,
+                                            build_body,
+                                            candidates_array,
+                                            encode_candidates,
+                                            parse_output,
+)
 from teacher_server.client.retry import RETRY_STATUSES, error_from_response, retry_after_seconds
 from teacher_server.client.sync_client import TeacherClient
 

@@ -14,8 +14,14 @@ import numpy as np
 from teacher_server.client.base import JSON_HEADERS, ClientBase
 from teacher_server.client.padding import PaddedScores, pad_scores
 from teacher_server.client.progress import Progress
-from teacher_server.client.protocol import (GENERATE_PATH, Candidates, RequestLike, ScoreOutput, TeacherRequest,
-                                            as_request)
+from teacher_server.client.protocol import (
+    GENERATE_PATH,
+    Candidates,
+    RequestLike,
+    ScoreOutput,
+    TeacherRequest,
+    as_request,
+)
 from teacher_server.client.retry import RETRY_EXCEPTIONS
 
 

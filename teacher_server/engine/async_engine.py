@@ -212,7 +212,7 @@ class AsyncEngine:
         if self.engine is None:
             try:
                 self.engine = self._factory()
-            except BaseException as e:  # noqa: BLE001 - handed to build()'s caller
+            except BaseException as e:
                 self._build_error, self.alive = e, False
                 self._built.set()
                 return

@@ -51,5 +51,5 @@ class Handoff:
                 self.deliver(res)
                 res = []
             self.results = res
-        except BaseException as e:  # noqa: BLE001 - raised by Engine.step, outside the launch
+        except BaseException as e:
             self.error = e

@@ -21,11 +21,11 @@ from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
-from teacher_server.step_context import StepContext
 from teacher_server.models.base import LayerPacer
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.qkv_rope import HeadLayout
+from teacher_server.step_context import StepContext
 
 
 class LlamaAttention(RuntimeModule):

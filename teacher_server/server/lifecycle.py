@@ -59,7 +59,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
             ae = asyncio.run(AsyncEngine.build(
                 lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
                 on_step=on_step, on_fatal=on_fatal))
-        except BaseException as e:  # noqa: BLE001 - reported to the app
+        except BaseException as e:
             _call_soon(st.loop, failed, e)
             return
         _call_soon(st.loop, ready, ae)

@@ -71,7 +71,7 @@ class Metrics:
                 (self.inference_time, "vllm:request_inference_time_seconds"),
                 (self.prefix_queries, "vllm:prefix_cache_queries"), (self.prefix_hits, "vllm:prefix_cache_hits")]))
 
-    def labels(self, metric, **kw):  # noqa: ANN001, ANN201
+    def labels(self, metric: MetricWrapperBase, **kw: str) -> MetricWrapperBase:
         return metric.labels(model_name=self.model_name, **kw)
 
 

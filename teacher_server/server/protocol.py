@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+
 class SamplingParams(BaseModel):
     """vLLM sampling parameters. Only the scoring fields change the result; the others are
     accepted and ignored (vLLM's prompt scores ignore them too); unknown fields are 400."""
