@@ -25,7 +25,6 @@ from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 
 log = logging.getLogger(__name__)
-WORKER_EXIT_S = 30.0  # after a tensor-parallel worker died: the process exits by then at the latest
 
 
 class EngineOverloaded(Exception):
@@ -218,7 +217,7 @@ class AsyncEngine:
                 self._built.set()
                 return
         # Tensor parallel: a dead worker fails the engine at once, even mid-collective.
-        self.engine.watch_workers(self._die, exit_after_s=WORKER_EXIT_S)
+        self.engine.watch_workers(self._die)
         self._built.set()
         try:
             self._loop()

@@ -128,13 +128,16 @@ class Engine:
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,
                  self.max_model_len, time.perf_counter() - t0)
 
-    def watch_workers(self, hook: Callable[[BaseException], None], exit_after_s: float | None = None) -> None:
+    def watch_workers(self, hook: Callable[[BaseException], None]) -> None:
         """Call ``hook`` when a tensor-parallel worker dies (from a watchdog thread, at once,
-        even while this engine's thread is blocked in a collective); with ``exit_after_s``
-        the process then exits (code 3) that long after, if it has not already (a collective
-        that never returns must not keep it alive). No-op at size 1."""
+        even while this engine's thread is blocked in a collective); no-op at size 1."""
         if self._workers is not None:
-            self._workers.on_failure(hook, exit_after_s)
+            self._workers.on_failure(hook)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel workers (ranks 1..N-1; none at size 1)."""
+        return [] if self._workers is None else [p.pid for p in self._workers.procs]
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (none at size 1). The engine cannot step after."""

@@ -88,7 +88,6 @@ class TPWorkers:
         self.port = _free_port()
         self._closing = False
         self._hook: Callable[[BaseException], None] | None = None
-        self._exit_after: float | None = None
         self.failure: str | None = None
         ctx = mp.get_context("spawn")
         self.procs: list[mp.process.BaseProcess] = []
@@ -150,22 +149,11 @@ class TPWorkers:
             raise TensorParallelError(f"a tensor-parallel rank is gone: {e}") from None
 
     # --- faults and shutdown ---------------------------------------------------------------
-    def on_failure(self, hook: Callable[[BaseException], None], exit_after_s: float | None = None) -> None:
-        """Call ``hook`` (from the watchdog thread) when a worker dies; then, with
-        ``exit_after_s``, end this process that long after (see ``Engine.watch_workers``)."""
-        self._hook, self._exit_after = hook, exit_after_s
+    def on_failure(self, hook: Callable[[BaseException], None]) -> None:
+        """Call ``hook`` (from the watchdog thread) when a worker dies."""
+        self._hook = hook
         if self.failure is not None:
-            self._fail()
-
-    def _fail(self) -> None:
-        if self._exit_after is not None:
-            def hard_exit(after: float = self._exit_after) -> None:
-                time.sleep(after)
-                log.critical("still running %.0fs after a tensor-parallel rank failed: exiting", after)
-                os._exit(3)
-            threading.Thread(target=hard_exit, name="teacher-tp-exit", daemon=True).start()
-        if self._hook is not None:
-            self._hook(TensorParallelError(self.failure))
+            hook(TensorParallelError(self.failure))
 
     def _watch(self) -> None:
         alive = {p.sentinel: p for p in self.procs}
@@ -177,7 +165,8 @@ class TPWorkers:
                 self.failure = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
                 log.critical("%s; stopping the other ranks", self.failure)
                 self._kill()
-                self._fail()
+                if self._hook is not None:
+                    self._hook(TensorParallelError(self.failure))
                 return
 
     def _kill(self) -> None:
