@@ -94,8 +94,9 @@ def requests(vocab: int, seed: int) -> list[ScoreRequest]:
 def run(path: Path, size: int, seed: int = 0, **settings: object) -> tuple[list[ScoreResult], int]:
     """Results of the requests scored in two waves (the second hits the prompt cached by the
     first), and the prefix-cache hit tokens."""
-    cfg = Config(model=str(path), device="cpu", tensor_parallel_size=size, max_num_batched_tokens=64,
-                 block_size=8, num_kv_blocks=256, **settings)
+    settings = {"device": "cpu", **settings}
+    cfg = Config(model=str(path), tensor_parallel_size=size, max_num_batched_tokens=64, block_size=8,
+                 num_kv_blocks=256, **settings)
     engine = Engine(cfg)
     try:
         reqs = requests(engine.spec.vocab_size, seed)
@@ -276,3 +277,36 @@ def test_killed_worker_makes_health_503(odd_vocab: Path) -> None:
         assert fired.wait(30)
         assert_error(c.get("/health"), 503)
         assert_error(c.post(GEN, json=body(range(20), [1, 2])), 503)
+
+
+# --- GPU (two GPUs: NCCL, the CUDA kernels, cuDNN attention) -----------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize(("family", "dtype", "tol"), [("qwen3hd128", "float32", 1e-4), ("qwen3hd128", "bfloat16", None)])
+def test_gpu_tp2_equals_tp1(family: str, dtype: str, tol: float | None, checkpoints) -> None:  # noqa: ANN001
+    """TP=2 on two GPUs against TP=1 on one, same requests: float32 (sdpa, no fused kernels)
+    within 1e-4; bfloat16 (the served path) within bf16 rounding of the partial sums."""
+    one, _ = run(checkpoints[family], 1, device="cuda", dtype=dtype, max_model_len=1024)
+    two, _ = run(checkpoints[family], 2, device="cuda", dtype=dtype, max_model_len=1024)
+    if tol is not None:
+        assert_same_within(one, two, tol)
+        return
+    diffs = [np.abs(x.token_id_logprobs - y.token_id_logprobs)[np.isfinite(x.token_id_logprobs)]
+             for x, y in zip(one, two, strict=True)]
+    d = np.concatenate(diffs)
+    print(f"bf16 TP2 vs TP1: mean abs {d.mean():.2e}, max {d.max():.2e}")
+    assert d.mean() < 2e-2 and d.max() < 0.25, (d.mean(), d.max())
+
+
+def assert_same_within(a: list[ScoreResult], b: list[ScoreResult], tol: float) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        fin = np.isfinite(x.token_id_logprobs)
+        np.testing.assert_array_equal(fin, np.isfinite(y.token_id_logprobs))
+        np.testing.assert_allclose(y.token_id_logprobs[fin], x.token_id_logprobs[fin], rtol=0, atol=tol)
+        if x.plp_topk_logprobs is not None:
+            np.testing.assert_allclose(y.plp_topk_logprobs, x.plp_topk_logprobs, rtol=0, atol=tol)
