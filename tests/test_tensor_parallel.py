@@ -246,11 +246,36 @@ def test_http_service_at_tp2(odd_vocab: Path) -> None:
             assert c.get("/v1/models").status_code == 200
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0
-        deadline = time.time() + 20
-        while any(Path(f"/proc/{p}").exists() for p in workers) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not any(Path(f"/proc/{p}/cmdline").exists() and Path(f"/proc/{p}/cmdline").read_bytes()
-                       for p in workers), "a worker outlived the server"
+        assert wait_gone(workers, 20), "a worker outlived the server"
+    finally:
+        s.stop()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has an empty cmdline)."""
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while any(running(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    return not any(running(p) for p in pids)
+
+
+def test_workers_exit_when_the_server_is_killed(odd_vocab: Path) -> None:
+    """No orphans: SIGKILL to the server (no shutdown code runs) and its worker still exits."""
+    s = Serve(odd_vocab)
+    try:
+        s.wait_ready()
+        workers = s.workers()
+        assert workers
+        s.proc.kill()
+        s.proc.wait()
+        assert wait_gone(workers, 20), "a worker outlived the killed server"
     finally:
         s.stop()
 
