@@ -18,7 +18,8 @@ from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import Handoff, InFlightStep
 from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
-from teacher_server.engine.rank_setup import auto_num_blocks, load_rank, make_runner, token_budget
+from teacher_server.engine.rank_setup import (auto_num_blocks, load_rank, make_runner, resolve_device,
+                                               resolve_dtype, token_budget)
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
@@ -30,25 +31,6 @@ from teacher_server.layers.parallel import TensorParallel
 from teacher_server.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # bf16 matmuls are slow on CPU, and float32 is the exact path
-    return torch.float16 if str(spec.torch_dtype).replace("torch.", "") == "float16" else torch.bfloat16
-
 
 class Engine:
     """Load a model, admit requests, run steps, hand back results. ``stats()`` reports,

@@ -20,6 +20,24 @@ from teacher_server.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slow on CPU, and float32 is the exact path
+    return torch.float16 if str(spec.torch_dtype).replace("torch.", "") == "float16" else torch.bfloat16
+
 
 def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
               tp: TensorParallel) -> tuple[nn.Module, AttentionBackend]:

@@ -210,9 +210,8 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
                         format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
     code = 0
     try:
-        from teacher_server.engine.engine import resolve_dtype
         from teacher_server.engine.pacer import Unpaced
-        from teacher_server.engine.rank_setup import auto_num_blocks, load_rank, make_runner
+        from teacher_server.engine.rank_setup import auto_num_blocks, load_rank, make_runner, resolve_dtype
         from teacher_server.layers.parallel import TensorParallel
         from teacher_server.models.spec import ModelSpec
 
