@@ -188,6 +188,8 @@ class Engine:
         assert t.token_budget > 0 and (t.run_ahead is None or t.run_ahead >= 1), t
         if t.prefix_caching and self.cfg.deterministic:
             raise ValueError("deterministic mode runs without the prefix cache")
+        if self._workers is not None and t.residual_in_gemm != self.runner.ops.residual_in_gemm:
+            raise ValueError("residual_in_gemm is fixed under tensor parallel (every rank must add alike)")
         if t.run_ahead is None and self.device.type == "cuda":  # its events say when results are on the host
             raise ValueError("launches on CUDA are paced (a run_ahead of the layer count never waits)")
         self._pipeline = t.pipeline
