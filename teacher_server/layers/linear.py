@@ -70,9 +70,9 @@ class MergedColumnLinear(nn.Module):
         return len(self.parts)
 
     def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
-        """The rows of part ``part`` of the HF tensor this rank holds."""
+        """The rows of part ``part`` of the HF tensor this rank holds (None: all of it)."""
         start, n = self.sources[part]
-        return 0, start, n
+        return (0, start, n) if self.tp.size > 1 else None
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         """Copy this rank's rows of part ``part`` (the whole HF tensor, or just those rows)."""
