@@ -3,10 +3,12 @@ the transformers baseline on the same requests in the same run.
 
   python bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --baseline W1,W1f,W3
   python bench/bench_engine.py --model-size 32b --workloads W4 --baseline W4
+  python bench/bench_engine.py --model-size 30b-a3b --workloads W1,W1f --baseline W1,W1f
   python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
 
 Qwen3-8B is written as safetensors (random bf16 weights) and loaded through the real
-loader; Qwen3-32B uses the dummy load format (random weights made in place). Writes a
+loader; Qwen3-32B and the Qwen3-30B-A3B MoE (W5: 128 experts, top-8; MFU counts active
+parameters) use the dummy load format (random weights made in place). Writes a
 JSON results file and prints a table last.
 """
 
@@ -30,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from workloads import H200_PEAK, QWEN3_8B, QWEN3_32B, Req, flops, make_workload, write_config, \
+from workloads import H200_PEAK, QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, Req, flops, make_workload, write_config, \
     write_random_checkpoint  # noqa: E402
 
 from teacher_server.config import Config  # noqa: E402
@@ -258,7 +260,7 @@ def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-size", choices=["8b", "32b"], default="8b")
+    ap.add_argument("--model-size", choices=["8b", "32b", "30b-a3b"], default="8b")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
@@ -274,7 +276,7 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = QWEN3_8B if args.model_size == "8b" else QWEN3_32B
+    cfg = {"8b": QWEN3_8B, "32b": QWEN3_32B, "30b-a3b": QWEN3_30B_A3B}[args.model_size]
     names = [w for w in args.workloads.split(",") if w]
     base_names = [w for w in args.baseline.split(",") if w]
     http_names = [w for w in args.http.split(",") if w]

@@ -140,13 +140,15 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool) -
     import transformers as tf
     from workloads import make_workload
 
+    # MoE: transformers' grouped-GEMM experts (its fastest; the default on CUDA where it has them)
+    kw = {"experts_implementation": "grouped_mm"} if cfg.get("num_experts") else {}
     if dummy:
         hcfg = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
         with torch.device("cuda"):
-            model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation="sdpa")
+            model = tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation="sdpa", **kw)
     else:
         model = tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                        device_map="cuda")
+                                                        device_map="cuda", **kw)
     model.eval()
     out = {}
     for n in names:

@@ -60,13 +60,19 @@ class ReplicatedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
 
+    # Whether this torch has CUDA mm(out_dtype=float32) for half inputs (tried once per process).
+    mm_out_dtype: bool | None = None
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, out] float32 (bf16 products accumulated in float32, not rounded)."""
-        if h.is_cuda and h.dtype != torch.float32:
+        if h.is_cuda and h.dtype != torch.float32 and ReplicatedLinear.mm_out_dtype is not False:
             try:
-                return torch.mm(h, self.weight.t(), out_dtype=torch.float32)
-            except (TypeError, RuntimeError):  # a torch without mm(out_dtype=)
-                pass
+                out = torch.mm(h, self.weight.t(), out_dtype=torch.float32)
+            except (TypeError, RuntimeError, NotImplementedError):  # a torch without it: upcast instead
+                ReplicatedLinear.mm_out_dtype = False
+            else:
+                ReplicatedLinear.mm_out_dtype = True
+                return out
         return F.linear(h.float(), self.weight.float())
 
     def shards(self, param: str) -> int:
