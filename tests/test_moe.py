@@ -21,8 +21,13 @@ from teacher_server.layers.runtime import Runtime
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
-from teacher_server.ops.grouped_mm import (GroupedGemm, check_grouped_mm, grouped_mm, grouped_mm_reference,
-                                           padded_grouped_mm)
+from teacher_server.ops.grouped_mm import (
+    GroupedGemm,
+    check_grouped_mm,
+    grouped_mm,
+    grouped_mm_reference,
+    padded_grouped_mm,
+)
 
 
 def engine(path, budget: int = 32, **kw) -> Engine:  # noqa: ANN001

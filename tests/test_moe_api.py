@@ -9,9 +9,17 @@ import pytest
 from apiutil import body, decode
 from conftest import LiveServer
 from reference import reference_scores
-from test_api_contract import (GEN, test_candidate_forms_agree, test_duplicate_candidates_are_scored_like_any_column,
-                               test_other_endpoints, test_padding_scores_minus_inf, test_prompt_logprobs_layout,
-                               test_rejects, test_response_fields, test_zero_rows_is_empty_matrix)
+from test_api_contract import (
+    GEN,
+    test_candidate_forms_agree,
+    test_duplicate_candidates_are_scored_like_any_column,
+    test_other_endpoints,
+    test_padding_scores_minus_inf,
+    test_prompt_logprobs_layout,
+    test_rejects,
+    test_response_fields,
+    test_zero_rows_is_empty_matrix,
+)
 
 from teacher_server.config import Config
 
