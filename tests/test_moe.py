@@ -206,14 +206,18 @@ def test_spec_moe_facts_and_active_params() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_grouped_mm_matches_reference(dtype: torch.dtype) -> None:
-    """torch's grouped GEMM at the 30B-A3B expert shapes (2048 -> 1536, 768 -> 2048) with
-    uneven and empty groups, and which path the layer takes (bf16 on Hopper: torch's)."""
+    """At the 30B-A3B expert shapes (2048 -> 1536, 768 -> 2048), uneven and empty groups: the
+    padded fallback always matches the reference; torch's grouped GEMM is taken in bf16 on
+    Hopper (and then matches), elsewhere only where it passed its check."""
     dev = torch.device("cuda")
-    for k, n in ((2048, 1536), (768, 2048)):
-        check_grouped_mm(grouped_mm, k, n, dev, dtype)
-        check_grouped_mm(padded_grouped_mm, k, n, dev, dtype)
+    shapes = ((2048, 1536), (768, 2048))
+    fast = GroupedGemm().use_torch(dev, dtype, shapes)
     if dtype == torch.bfloat16 and torch.cuda.get_device_capability()[0] == 9:
-        assert GroupedGemm().use_torch(dev, dtype, ((2048, 1536), (768, 2048)))
+        assert fast
+    for k, n in shapes:
+        check_grouped_mm(padded_grouped_mm, k, n, dev, dtype)
+        if fast:
+            check_grouped_mm(grouped_mm, k, n, dev, dtype)
 
 
 @pytest.mark.gpu

@@ -147,6 +147,8 @@ class SharedExpert(RuntimeModule):
         """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32); returns out."""
         a = self.rt.ops.silu_mul(self.gate_up_proj(h))  # [T, I_s]
         a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
+        # With tp > 1 ``out`` holds the routed experts' partial sums and this adds the shared
+        # expert's: the block's one all-reduce must come after (not also inside add_into).
         return self.down_proj.add_into(out, a)
 
 
