@@ -3,15 +3,17 @@ the transformers baseline on the same requests in the same run.
 
   python bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --baseline W1,W1f,W3
   python bench/bench_engine.py --model-size 32b --workloads W4 --baseline W4
+  python bench/bench_engine.py --model-size 30b-a3b --workloads W1,W1f --baseline W1,W1f
   python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
   python bench/bench_engine.py --model-size 32b --workloads W4 --tensor-parallel-size 2
   python bench/bench_engine.py --model-size 70b --workloads W1f --tensor-parallel-size 2
 
 Qwen3-8B is written as safetensors (random bf16 weights) and loaded through the real
-loader; Qwen3-32B and Llama-3.3-70B use the dummy load format (random weights made in place,
-per shard under tensor parallel). With ``--tensor-parallel-size N`` throughput is also given
-per GPU and MFU is per GPU (the achieved FLOP/s over N GPUs' peak). Writes a JSON results
-file and prints a table last.
+loader; Qwen3-32B, Llama-3.3-70B and the Qwen3-30B-A3B MoE (W5: 128 experts, top-8; MFU counts
+active parameters) use the dummy load format (random weights made in place, per shard under
+tensor parallel). With ``--tensor-parallel-size N`` throughput is also given per GPU and MFU is
+per GPU (the achieved FLOP/s over N GPUs' peak). Writes a JSON results file and prints a table
+last.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from workloads import (
     H200_PEAK,
     LLAMA33_70B,
     QWEN3_8B,
+    QWEN3_30B_A3B,
     QWEN3_32B,
     Req,
     flops,
@@ -278,7 +281,7 @@ def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-size", choices=["8b", "32b", "70b"], default="8b")
+    ap.add_argument("--model-size", choices=["8b", "32b", "70b", "30b-a3b"], default="8b")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
@@ -297,7 +300,7 @@ def main() -> None:
     args = ap.parse_args()
     global GPUS
     GPUS = args.tensor_parallel_size
-    cfg = {"8b": QWEN3_8B, "32b": QWEN3_32B, "70b": LLAMA33_70B}[args.model_size]
+    cfg = {"8b": QWEN3_8B, "32b": QWEN3_32B, "70b": LLAMA33_70B, "30b-a3b": QWEN3_30B_A3B}[args.model_size]
     family = "llama3.3" if args.model_size == "70b" else "qwen3"
     names = [w for w in args.workloads.split(",") if w]
     base_names = [w for w in args.baseline.split(",") if w]

@@ -114,6 +114,7 @@ class LlamaForCausalLM(RuntimeModule):
     collaborators, then ``model(ctx, pacer)`` runs a step."""
 
     attention: type[LlamaAttention] = LlamaAttention
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (spec, layer_id, attention, dtype, device, tp)
     # Checkpoint names (after "model.") whose tensors are parts of our fused projections.
     stacked: tuple[tuple[str, str, str], ...] = (
         (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
@@ -128,7 +129,7 @@ class LlamaForCausalLM(RuntimeModule):
         self.tied = tied
         self.tp = tp
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, self.attention, dtype, device, tp)
+        self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp)
