@@ -73,7 +73,8 @@ class ModelSpec:
         total = 0
         for layer in range(self.num_layers):
             if self.is_moe_layer(layer):
-                shared = 3 * h * self.shared_expert_intermediate_size + (h if self.shared_expert_intermediate_size else 0)
+                si = self.shared_expert_intermediate_size  # the shared expert and its sigmoid gate
+                shared = 3 * h * si + (h if si else 0)
                 mlp = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts_per_tok + shared
             else:
                 mlp = 3 * h * i
