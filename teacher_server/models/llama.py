@@ -170,7 +170,10 @@ class LlamaForCausalLM(RuntimeModule):
     def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
         """Compile and check ``ops``' stages at this model's shapes and q/k-norm weights."""
         attn = self.layers[0].self_attn
-        inter = self.layers[0].mlp.gate_up_proj.parts["gate"][1]  # this rank's share
+        # a dense MLP's width, this rank's share (an MoE model may have none: its experts are
+        # checked at their own width by the MoE warm-up)
+        dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
+        inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         ops.warm_up(attn.heads, self.spec.hidden_size, inter, *attn.qk_norm_weights(),
                     rope.table, rope.table.device, self.dtype)
 
