@@ -87,7 +87,14 @@ def test_rejects(client, good_result, name, payload, status, param, contains) ->
     # the server still answers, and correctly
     r = client.post(GEN, json=GOOD)
     assert r.status_code == 200
-    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+    assert_scores_close(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+
+
+def assert_scores_close(got: np.ndarray, want: np.ndarray) -> None:
+    """Same scores within 1e-5 (float32 on CPU; -inf where the other has -inf): requests that
+    differ in batch company or cache hits run other shapes, and only deterministic mode
+    promises the same bits."""
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
 def test_unknown_model_is_404(client) -> None:
@@ -121,7 +128,7 @@ def test_candidate_forms_agree(client) -> None:
         outs.append(decode(r.json()["prompt_token_id_logprobs"]))
     for o in outs:
         assert o.shape == (rows, 4) and o.dtype == np.float32
-        np.testing.assert_array_equal(o, outs[0])
+        assert_scores_close(o, outs[0])
 
 
 @pytest.mark.parametrize("start", [9, 10, 50])
@@ -169,7 +176,7 @@ def test_sampling_fields_do_not_change_scores(client, good_result) -> None:
               skip_special_tokens=True, repetition_penalty=1.1, n=1, logprobs=1)
     r = client.post(GEN, json={**GOOD, "sampling_params": sp})
     assert r.status_code == 200
-    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+    assert_scores_close(decode(r.json()["prompt_token_id_logprobs"]), good_result)
 
 
 def test_prompt_logprobs_layout(client) -> None:
@@ -218,7 +225,7 @@ def test_large_body_parsed_off_the_loop(client, good_result) -> None:
     big = {**GOOD, "request_id": "x" * 300_000}
     r = client.post(GEN, json=big)
     assert r.status_code == 200 and r.json()["request_id"] == big["request_id"]
-    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+    assert_scores_close(decode(r.json()["prompt_token_id_logprobs"]), good_result)
     assert_error(client.post(GEN, json={**big, "model": "nope"}), 404, "model")
 
 
@@ -269,7 +276,7 @@ def test_vllm_generate_fields_are_accepted_and_ignored(client, good_result) -> N
     sp = dict(GOOD["sampling_params"], skip_reading_prefix_cache=True)
     r = client.post(GEN, json={**GOOD, **extra, "sampling_params": sp})
     assert r.status_code == 200, r.text
-    np.testing.assert_array_equal(decode(r.json()["prompt_token_id_logprobs"]), good_result)
+    assert_scores_close(decode(r.json()["prompt_token_id_logprobs"]), good_result)
 
 
 def test_x_request_id_is_read_and_echoed(client) -> None:

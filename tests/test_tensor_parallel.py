@@ -235,7 +235,7 @@ def test_http_service_at_tp2(odd_vocab: Path) -> None:
             flat = c.post(GEN, json=body(toks, [0, 150, 151, 300], 10)).json()
             got = decode(as_list["prompt_token_id_logprobs"])
             np.testing.assert_allclose(got, ref.token_id_logprobs, rtol=0, atol=TOL)
-            np.testing.assert_array_equal(decode(as_npy.json()["prompt_token_id_logprobs"]), got)
+            np.testing.assert_allclose(decode(as_npy.json()["prompt_token_id_logprobs"]), got, rtol=0, atol=TOL)  # the second hits the cache
             assert decode(flat["prompt_token_id_logprobs"]).shape == (49, 4)
             assert as_list["choices"][0]["token_ids"] == [ref.next_token]
             plp = as_list["prompt_logprobs"]
