@@ -6,8 +6,9 @@ least outstanding tokens), among those with room in their own queue (``max_queue
 and ``max_queue_tokens`` hold per replica). A replica that goes down hands back what it held
 unanswered, and each of those requests is sent to another replica: scoring is idempotent and
 a lost request was not scored, so no row is lost or doubled. The pool is then unhealthy
-(``alive`` False, ``fatal_error`` names the replica) and ``on_fatal`` runs, as when the single
-engine dies: the process drains what the other replicas hold and exits non-zero.
+(``/health`` 503, ``fatal_error`` names the replica; ``alive`` stays True while another replica
+serves) and ``on_fatal`` runs, as when the single engine dies: by default the process drains
+what the other replicas hold and exits non-zero, so the orchestrator restarts it whole.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class ReplicaPool:
 
     @property
     def alive(self) -> bool:
-        """Every replica can serve."""
-        return all(r.state == "ready" for r in self.replicas)
+        """Some replica can serve (requests are admitted); ``fatal_error`` says when one cannot."""
+        return any(r.state == "ready" for r in self.replicas)
 
     @property
     def fatal_error(self) -> str | None:
@@ -166,7 +167,7 @@ class ReplicaPool:
             case ReadyMsg(info=info):
                 rep.state, self.info = "ready", self.info or info
                 log.info("replica %d ready (pid %s)", rep.index, rep.pid)
-                if self.alive and not self._started.done():
+                if all(r.state == "ready" for r in self.replicas) and not self._started.done():
                     self._started.set_result(info)
             case StartFailedMsg(error=err):
                 rep.error = err

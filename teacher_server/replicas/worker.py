@@ -10,10 +10,12 @@ start or dies, and when the front process is gone.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -60,6 +62,7 @@ def run_replica(index: int, cfg: Config, factory: Callable[[Config], object], de
     from teacher_server.logging_setup import setup_logging
 
     setup_logging(cfg.log_level, cfg.log_json)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
     if devices is None:
         import torch
 

@@ -102,13 +102,15 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
-        """200 `{"status": "ready"}` when the engine can serve; 503 with `status` "loading",
-        "draining" or "failed" (and the error shape) otherwise."""
+        """200 `{"status": "ready"}` when the engine (every replica) can serve; 503 with `status`
+        "loading", "draining" or "failed" (and the error shape, naming a replica that is down)
+        otherwise."""
         st = request.app.state
         ae: AsyncEngine | None = st.aengine
-        if ae is not None and ae.alive and ae.accepting:
+        # (a replica pool stays `alive` while one replica serves; a down replica sets fatal_error)
+        if ae is not None and ae.alive and ae.accepting and ae.fatal_error is None:
             return Response(b'{"status":"ready"}', media_type="application/json")
-        status = st.status if ae is None else ("failed" if not ae.alive else "draining")
+        status = st.status if ae is None else ("failed" if not ae.alive or ae.fatal_error else "draining")
         message = {"loading": "engine is loading", "draining": "server is shutting down"}.get(
             status, (ae.fatal_error if ae is not None else None) or "engine failed to start")
         return _json(503, {"status": status, **error_body(503, message)})
@@ -295,7 +297,8 @@ def _on_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None)
     """The engine cannot recover: report unhealthy and ask the process to exit so the
     orchestrator restarts it."""
     m: Metrics = app.state.metrics
-    m.set_healthy(False)
+    if m.replicas == 1:  # a replica that went down has already marked its own series
+        m.set_healthy(False)
     app.state.exit_code = 3
     log.critical("engine failed (%s); exiting", exc)
     (hook or terminate_self)()
