@@ -238,10 +238,11 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
 
     # selectors really pick the pods
     assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    svc = one(docs, "Service")
-    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    one([d for d in docs if not d["metadata"]["name"].endswith("-headless")], "Service")  # exactly one ordinary
     (http,) = [p for p in c["ports"] if p["name"] == "http"]
-    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
+    for s in (d for d in docs if d["kind"] == "Service"):  # the Service, and the headless one when on
+        assert s["spec"]["selector"].items() <= pod_labels.items()
+        assert [p["targetPort"] for p in s["spec"]["ports"]] == ["http"]
     assert env["TEACHER_SERVER_PORT"]["value"] == str(http["containerPort"])
     assert env["TEACHER_SERVER_HOST"]["value"] == "0.0.0.0"
 
@@ -363,8 +364,28 @@ PRODUCTION: dict[str, Any] = {
 AUTOSCALED = merged(PRODUCTION, {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 12}})
 
 
+HEADLESS = merged(PRODUCTION, {"service": {"headless": {"enabled": True}}})
+
+
+def test_headless_service_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                  tmp_path: Path) -> None:
+    """The headless Service for client-side routing: every Ready pod by one DNS name, on the
+    pods' own port (clients connect to the pods), next to the ordinary Service."""
+    docs = check_release(helm, kube, kube_versions, HEADLESS, tmp_path)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert set(services) == {RELEASE, RELEASE + "-headless"}
+    headless = services[RELEASE + "-headless"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
+    assert headless["selector"] == services[RELEASE]["spec"]["selector"]
+    (http,) = [p for p in server_container(one(docs, "Deployment"))["ports"] if p["name"] == "http"]
+    assert [p["port"] for p in headless["ports"]] == [http["containerPort"]]
+    notes = render(helm, HEADLESS)["teacher-server/templates/NOTES.txt"]
+    assert f'"http://{RELEASE}-headless.{NAMESPACE}.svc:{http["containerPort"]}", resolve=True' in notes
+    assert "-headless" not in render(helm, PRODUCTION)["teacher-server/templates/NOTES.txt"]
+
+
 def test_chart_lints_clean(helm: ModuleType) -> None:
-    for values in (None, PRODUCTION, AUTOSCALED):
+    for values in (None, PRODUCTION, AUTOSCALED, HEADLESS):
         report = helm.lint(str(CHART), values, strict=True)
         problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
         assert not problems and not report["errors"], report
