@@ -9,11 +9,14 @@ where the prompt's KV is cached, and adding or removing a replica moves only the
 replica wins or held.
 
 Spill: the preferred replica is skipped when it is overloaded, that is when its outstanding
-tokens (sent, not yet answered) exceed ``SPILL_RATIO`` x the least-loaded replica's plus
-``spill_tokens`` (default ``SPILL_TOKENS``, 131072: several steps of work for one GPU, more
-than one GRPO group of 16 x 8k tokens, so one group never spills on its own); the request then
-goes to the least-loaded replica. Requests with no full reusable block go to the least-loaded
-replica. ``round_robin`` ignores prefixes and load (a comparison for benchmarks).
+tokens (sent, not yet answered) exceed ``SPILL_RATIO`` (1.25) x the least-loaded replica's plus
+``spill_tokens`` (default ``SPILL_TOKENS``, 32768: two steps of the default GPU token budget);
+the request then goes to the least-loaded replica. A group split so costs one more prefill of
+its prompt (its later members find it cached on the replica they spilled to, which stays the
+least loaded for a while), while an idle replica costs throughput; the ratio keeps replicas
+with long queues from trading groups over differences that even out. Requests with no full
+reusable block go to the least-loaded replica. ``round_robin`` ignores prefixes and load (a
+comparison for benchmarks).
 
 Plain Python + numpy: the client imports it without torch.
 """
@@ -31,8 +34,8 @@ import numpy as np
 Routing = Literal["affinity", "round_robin"]
 BLOCK_SIZE = 16  # the server's default block_size (Config.block_size)
 ROUTE_BLOCKS = 16  # the key covers at most this many leading blocks (256 tokens by default)
-SPILL_TOKENS = 131072
-SPILL_RATIO = 2.0
+SPILL_TOKENS = 32768
+SPILL_RATIO = 1.25
 
 
 def reusable_tokens(start: int, prompt_logprobs: int | None = None) -> int:
