@@ -44,7 +44,8 @@ class ClientBase:
     def __init__(self, base_url: str | Sequence[str], api_key: str | None, timeout: float | httpx.Timeout,
                  max_retries: int, backoff: float, max_backoff: float, max_concurrency: int, model: str | None,
                  *, resolve: bool = False, routing: Routing = "affinity", block_size: int = BLOCK_SIZE,
-                 spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0) -> None:
+                 spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0,
+                 probe_transport: httpx.BaseTransport | None = None) -> None:
         assert max_concurrency >= 1, f"max_concurrency must be >= 1, got {max_concurrency}"
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         assert urls, "give at least one base URL"
@@ -58,7 +59,7 @@ class ClientBase:
         if len(urls) > 1 or resolve:
             self.endpoints = Endpoints(urls, resolve=resolve, routing=routing, block_size=block_size,
                                        spill_tokens=spill_tokens, health_interval=health_interval,
-                                       headers=_headers(api_key))
+                                       headers=_headers(api_key), probe_transport=probe_transport)
         else:
             self._client_kw["base_url"] = self.base_url
 

@@ -47,11 +47,12 @@ def resolve_urls(url: str) -> list[str]:
 
 
 class Endpoints:
-    """The servers of a client, their health and their outstanding tokens."""
+    """The servers of a client, their health and their outstanding tokens. ``probe_transport``:
+    the ``httpx`` transport of the health probes (TLS settings, tests)."""
 
     def __init__(self, base_urls: Sequence[str], *, resolve: bool, routing: Routing = "affinity",
                  block_size: int = BLOCK_SIZE, spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0,
-                 headers: dict[str, str] | None = None, verify: object = True) -> None:
+                 headers: dict[str, str] | None = None, probe_transport: httpx.BaseTransport | None = None) -> None:
         assert base_urls, "give at least one base URL"
         self.seeds = [u.rstrip("/") for u in base_urls]
         self.resolve = resolve
@@ -61,7 +62,7 @@ class Endpoints:
         self._load: dict[str, int] = {}  # url -> outstanding tokens (this client's)
         self._down: set[str] = set()
         self._set_urls(self._discover())
-        self._probe_http = httpx.Client(headers=headers, timeout=httpx.Timeout(5.0), verify=verify)
+        self._probe_http = httpx.Client(headers=headers, timeout=httpx.Timeout(5.0), transport=probe_transport)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="teacher-client-health", daemon=True)
         self._thread.start()

@@ -60,7 +60,7 @@ class TeacherClient(ClientBase):
                  health_interval: float = 5.0) -> None:
         super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model,
                          resolve=resolve, routing=routing, block_size=block_size, spill_tokens=spill_tokens,
-                         health_interval=health_interval)
+                         health_interval=health_interval, probe_transport=transport)
         self._http = httpx.Client(transport=transport, **self._client_kw)
         self._slots = threading.BoundedSemaphore(max_concurrency)
 

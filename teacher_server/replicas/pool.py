@@ -44,12 +44,16 @@ class ReplicaPool:
 
     def __init__(self, cfg: Config, factory: Callable[[Config], object],
                  on_stats: Callable[[int, EngineStats], None] | None = None,
-                 on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int = 1) -> None:
+                 on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int | None = None) -> None:
         self.cfg = cfg
         self.max_queue_requests, self.max_queue_tokens = cfg.max_queue_requests, cfg.max_queue_tokens
         self.router = Router(cfg.routing, cfg.block_size, cfg.routing_spill_tokens)
         self.on_stats, self.on_down = on_stats, on_down
         ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or threads
+        # A replica is a whole engine: one GPU, or a tensor-parallel group of them (its own
+        # worker processes start inside the replica process, on the GPUs it was given).
+        if gpus_per_replica is None:
+            gpus_per_replica = getattr(cfg, "tensor_parallel_size", 1)
         gpu = _uses_gpu(cfg)
         visible = _visible_devices() if gpu else None
         self.replicas = [Replica(i, ctx, cfg, factory, replica_devices(i, gpus_per_replica, visible) if gpu else None)
