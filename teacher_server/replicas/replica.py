@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
+import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.context import SpawnContext
 
@@ -117,6 +120,9 @@ class Replica:
     def join(self, timeout: float) -> None:
         self.process.join(timeout)
         if self.process.is_alive():
-            log.warning("replica %d did not exit in %.0fs; killing it", self.index, timeout)
+            log.warning("replica %d did not exit in %.0fs; killing it (its threads' stacks follow)", self.index,
+                        timeout)
+            os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
+            time.sleep(0.5)
             self.process.kill()
             self.process.join(5)
