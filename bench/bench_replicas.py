@@ -2,6 +2,7 @@
 (``--data-parallel-size`` 1 and 2, prefix-affinity and round-robin routing), same requests.
 
   python bench/bench_replicas.py --runs dp1,dp2,dp2-rr --workloads W1,G1
+  python bench/bench_replicas.py --runs dp2,dp2-rr --dp1-from out/replicas_dp1.json  # in two calls
 
 Each setting is a fresh ``teacher-server serve`` process (prefix cache on, as in service).
 A warm-up on other requests (seed 99) precedes the measured runs; run r uses the workload
@@ -103,6 +104,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dp1-from", default=None, help="results file of an earlier call whose dp1 run the ratios use")
     args = ap.parse_args()
     ckpt = Path(args.ckpt_dir) / "qwen3-8b"
     write_random_checkpoint(ckpt, QWEN3_8B)
@@ -112,6 +114,8 @@ def main() -> None:
     for name in [r for r in args.runs.split(",") if r]:
         results["runs"][name] = bench_setting(ckpt, name, args, workloads)
     base = results["runs"].get("dp1")
+    if base is None and args.dp1_from:
+        base = json.loads(Path(args.dp1_from).read_text())["runs"]["dp1"]
     print(f"{'setting':<10}{'workload':<10}{'tok/s':>10}{'x dp1':>8}{'hit rate':>10}")
     for name, res in results["runs"].items():
         for w in workloads:
