@@ -3,11 +3,17 @@ the transformers baseline on the same requests in the same run.
 
   python bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --baseline W1,W1f,W3
   python bench/bench_engine.py --model-size 32b --workloads W4 --baseline W4
+  python bench/bench_engine.py --model-size 30b-a3b --workloads W1,W1f --baseline W1,W1f
   python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
+  python bench/bench_engine.py --model-size 32b --workloads W4 --tensor-parallel-size 2
+  python bench/bench_engine.py --model-size 70b --workloads W1f --tensor-parallel-size 2
 
 Qwen3-8B is written as safetensors (random bf16 weights) and loaded through the real
-loader; Qwen3-32B uses the dummy load format (random weights made in place). Writes a
-JSON results file and prints a table last.
+loader; Qwen3-32B, Llama-3.3-70B and the Qwen3-30B-A3B MoE (W5: 128 experts, top-8; MFU counts
+active parameters) use the dummy load format (random weights made in place, per shard under
+tensor parallel). With ``--tensor-parallel-size N`` throughput is also given per GPU and MFU is
+per GPU (the achieved FLOP/s over N GPUs' peak). Writes a JSON results file and prints a table
+last.
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from workloads import (
     H200_PEAK,
+    LLAMA33_70B,
     QWEN3_8B,
+    QWEN3_30B_A3B,
     QWEN3_32B,
     Req,
     flops,
@@ -72,14 +80,20 @@ def run_engine(engine: Engine, reqs: list[Req], tag: str) -> tuple[float, list[f
     return dt, [done[r.request_id] for r in srs], [results[r.request_id] for r in srs]
 
 
+GPUS = 1  # tensor-parallel size of the run (set by main)
+
+
 def summarize(name: str, cfg: dict, reqs: list[Req], seconds: float, lat: list[float], peak: float,
-              cached: list[int] | None = None) -> dict:
+              cached: list[int] | None = None, gpus: int | None = None) -> dict:
+    """MFU is per GPU: achieved FLOP/s over the peak of the GPUs used."""
+    gpus = GPUS if gpus is None else gpus
     tokens = sum(len(r.tokens) for r in reqs)
     rows = sum(r.rows for r in reqs)
     f = flops(cfg, reqs, computed_only=cached is not None, cached=cached)
-    return {"workload": name, "seconds": seconds, "tokens": tokens, "scored_rows": rows,
+    return {"workload": name, "seconds": seconds, "tokens": tokens, "scored_rows": rows, "gpus": gpus,
             "tokens_per_s": tokens / seconds, "scored_tokens_per_s": rows / seconds,
-            "mfu": f / seconds / H200_PEAK, "peak_gib": peak / 2**30,
+            "tokens_per_s_per_gpu": tokens / seconds / gpus,
+            "mfu": f / seconds / (H200_PEAK * gpus), "peak_gib": peak / 2**30,
             "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
 
 
@@ -216,7 +230,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            "--host", "127.0.0.1", "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
            # The in-process runs reset the prefix cache between runs; the server cannot, and
            # repeats of the same requests would hit it. Off, both sides do the same work.
-           "--no-enable-prefix-caching"]
+           "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
+           "--load-format", "dummy" if args.model_size != "8b" else "auto"]
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         import httpx
@@ -266,7 +281,8 @@ def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-size", choices=["8b", "32b"], default="8b")
+    ap.add_argument("--model-size", choices=["8b", "32b", "70b", "30b-a3b"], default="8b")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
@@ -282,11 +298,14 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cfg = QWEN3_8B if args.model_size == "8b" else QWEN3_32B
+    global GPUS
+    GPUS = args.tensor_parallel_size
+    cfg = {"8b": QWEN3_8B, "32b": QWEN3_32B, "70b": LLAMA33_70B, "30b-a3b": QWEN3_30B_A3B}[args.model_size]
+    family = "llama3.3" if args.model_size == "70b" else "qwen3"
     names = [w for w in args.workloads.split(",") if w]
     base_names = [w for w in args.baseline.split(",") if w]
     http_names = [w for w in args.http.split(",") if w]
-    ckpt = Path(args.ckpt_dir) / f"qwen3-{args.model_size}"
+    ckpt = Path(args.ckpt_dir) / f"{family}-{args.model_size}"
     t = time.perf_counter()
     if args.model_size == "8b":
         write_random_checkpoint(ckpt, cfg)
@@ -301,18 +320,23 @@ def main() -> None:
                  for n in set(names + base_names + http_names + abl_names + cmp_names)}
     max_len = max([args.max_model_len] + [len(r.tokens) for w in workloads.values() for r in w])
     results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "model": f"Qwen3-{args.model_size.upper()} shape, random bf16 weights ({load_format} load)",
+                     "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
+                              f"({load_format} load)", "tensor_parallel_size": GPUS,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     base_runs = run_baseline(ckpt, base_names, args.repeats, load_format == "dummy") if base_names else {}
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
-                  max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention)
+                  max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
+                  tensor_parallel_size=GPUS)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
     results["attention_backend"] = engine.tuning.attention.name
     spec, blocks = engine.spec, engine.stats().kv_blocks_total
-    kv_bytes = blocks * ecfg.block_size * 2 * spec.num_layers * spec.kv_size * torch.finfo(engine.dtype).bits // 8
-    results["kv_pool_gib"] = kv_bytes / 2**30
+    kv_heads = max(spec.num_kv_heads // GPUS, 1)  # per rank (replicated past the KV head count)
+    kv_bytes = blocks * ecfg.block_size * 2 * spec.num_layers * kv_heads * spec.head_dim * torch.finfo(engine.dtype).bits // 8
+    results["kv_pool_gib_per_gpu"] = kv_bytes / 2**30
+    results["kv_pool_tokens"] = blocks * ecfg.block_size
+    print(f"KV pool per GPU: {kv_bytes / 2**30:.1f} GiB, {blocks * ecfg.block_size} tokens", flush=True)
     results["fused_stages_compiled"] = engine.fused_stages_compiled
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)
     cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
@@ -334,6 +358,7 @@ def main() -> None:
     if args.profile:
         results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),
                                      Path(args.out or "bench/results/x.json").with_suffix(".profile.txt"))
+    engine.close()  # the tensor-parallel workers free their GPUs
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -342,10 +367,11 @@ def main() -> None:
         print(n, "http", json.dumps(results["http"][n]), flush=True)
     for n, b in base_runs.items():
         results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[n], b["seconds"], b["finish"],
-                                           b["peak_bytes"])
+                                           b["peak_bytes"], gpus=1)
         results["baseline"][n]["runs_seconds"] = b["runs_seconds"]
         print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
-    out = Path(args.out or f"bench/results/engine_{args.model_size}_h200.json")
+    tp = f"_tp{GPUS}" if GPUS > 1 else ""
+    out = Path(args.out or f"bench/results/engine_{args.model_size}{tp}_h200.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
@@ -377,7 +403,8 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'workload':<22}{'tok/s':>10}{'scored/s':>10}{'MFU':>7}{'x base':>8}{'peak GiB':>9}{'p50 s':>8}{'p99 s':>8}")
+    print(f"\n{'workload':<22}{'tok/s':>10}{'tok/s/GPU':>10}{'scored/s':>10}{'MFU/GPU':>8}{'x base':>8}{'peak GiB':>9}"
+          f"{'p50 s':>8}{'p99 s':>8}")
     rows = [(k, v) for k, v in results["engine"].items()] + [(k + "-http", v) for k, v in results["http"].items()] + \
         [(k + "-transformers", v) for k, v in results["baseline"].items()]
     for k, d in results["prefix_cache"].items():
@@ -385,7 +412,8 @@ def print_table(results: dict) -> None:
     for name, r in rows:
         base = results["baseline"].get(name.split("-")[0])
         ratio = f"{base['seconds'] / r['seconds']:.2f}" if base and not name.endswith("transformers") else ""
-        print(f"{name:<22}{r['tokens_per_s']:>10.0f}{r['scored_tokens_per_s']:>10.0f}{r['mfu']:>7.3f}{ratio:>8}"
+        per_gpu = r.get("tokens_per_s_per_gpu", r["tokens_per_s"])
+        print(f"{name:<22}{r['tokens_per_s']:>10.0f}{per_gpu:>10.0f}{r['scored_tokens_per_s']:>10.0f}{r['mfu']:>8.3f}{ratio:>8}"
               f"{r['peak_gib']:>9.1f}{r['latency_p50_s']:>8.2f}{r['latency_p99_s']:>8.2f}")
 
 

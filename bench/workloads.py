@@ -17,6 +17,20 @@ QWEN3_8B = {
 }
 QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
                  num_attention_heads=64, num_key_value_heads=8)
+# Llama-3.3-70B's shape (dummy weights: 140 GB does not fit the GPU machine's disk); TP2.
+LLAMA33_70B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
+    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+}
+# W5: Qwen3-30B-A3B (its config.json's shape; every layer routed, 128 experts, top-8).
+QWEN3_30B_A3B = dict(QWEN3_8B, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                     intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960)
 H200_PEAK = 989e12  # dense bf16 FLOP/s
 
 
@@ -80,11 +94,16 @@ def make_workload(name: str, vocab: int, k: int = 64, seed: int = 0) -> list[Req
 
 def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[int] | None = None) -> float:
     """docs/design.md, section 4: 2 x non-embedding params + 2 x layers x context x attn_dim per token
-    (causal average) + 2 x hidden x vocab per scored row."""
+    (causal average) + 2 x hidden x vocab per scored row. For MoE models the params are the
+    active ones (the experts a token is routed to), as MFU counts them."""
     h, i, n_l = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     q = cfg["num_attention_heads"] * cfg["head_dim"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
     params = n_l * (h * (q + 2 * kv) + q * h + 3 * h * i)
+    if cfg.get("num_experts"):  # MoE: the active parameters (router, top-k experts, shared expert)
+        from teacher_server.models.spec import ModelSpec
+
+        params = ModelSpec.from_dict(cfg).non_embedding_params()
     total = 0.0
     for j, r in enumerate(reqs):
         length = len(r.tokens)

@@ -5,6 +5,9 @@
 
 void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
                          bool logits_mode);
+void gather_logprobs_partial_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
+                                 const at::Tensor& stats_m, const at::Tensor& stats_s, int64_t vocab_start,
+                                 bool logits_mode);
 void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out);
 void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::optional<at::Tensor>& q_w,
                   const c10::optional<at::Tensor>& k_w, double eps, const at::Tensor& q, const at::Tensor& k,
@@ -18,6 +21,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[r, j] = log_softmax(logits[r])[cand[r, j]] (or the logit in logits mode); "
         "cand < 0 gives -inf",
         py::arg("logits"), py::arg("cand"), py::arg("out"), py::arg("logits_mode"));
+  m.def("gather_logprobs_partial_out", &gather_logprobs_partial_out,
+        "one vocab shard's share: out[r, j] = the logit of cand[r, j] when in the shard, else 0; "
+        "stats_m / stats_s = the rows' max and sum exp(x - max)",
+        py::arg("logits"), py::arg("cand"), py::arg("out"), py::arg("stats_m"), py::arg("stats_s"),
+        py::arg("vocab_start"), py::arg("logits_mode"));
   m.def("silu_mul_out", &silu_mul_out, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("gate_up"),
         py::arg("out"));
   m.def("qkv_rope_out", &qkv_rope_out,

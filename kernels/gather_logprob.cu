@@ -10,6 +10,11 @@
 // x - (m + log s): at |logits| ~ 1e4 the sum m + log s would round at ulp(1e4) ~ 1e-3.
 // No fast-math: exp2f/logf are the accurate (<= 2 ulp) versions.
 //
+// Partial mode (vocab-parallel scoring, one vocab shard of ids [vocab_start, vocab_start + V)):
+// out[r, j] = logits[r, c - vocab_start] when c is in the shard, else 0 (padding too: the
+// shards' outputs are summed), and the row's (max m, sum exp(x - m) s) are written to
+// stats_m / stats_s for the cross-shard merge (zeros in logits mode, where no pass is made).
+//
 // Memory: the row is streamed once with 16-byte loads (scalar head/tail where the row
 // pointer is not 16-byte aligned), then K scattered loads for the candidates (L2 hits).
 
@@ -157,16 +162,20 @@ __device__ __forceinline__ void thread_stats(const typename E::Storage* row, int
   }
 }
 
-// Write out_row[0, K) from the row statistics (m, lse = log s).
+// Write out_row[0, K) from the row statistics (m, lse = log s); partial: the shard's logits.
 template <typename E, typename Idx>
 __device__ __forceinline__ void gather_row(const typename E::Storage* row, int V,
                                            const Idx* cand_row, int K, float* out_row,
                                            int tid, int nthreads, float m, float lse,
-                                           bool logits_mode) {
+                                           bool logits_mode, bool partial, int64_t vocab_start) {
   for (int j = tid; j < K; j += nthreads) {
     const int64_t c = static_cast<int64_t>(cand_row[j]);
     float v;
-    if (c < 0) {
+    if (partial) {
+      const int64_t local = c - vocab_start;
+      // Padding and ids of other shards contribute nothing to the sum over shards.
+      v = (c < 0 || local < 0 || local >= V) ? 0.f : E::to_float(__ldg(row + local));
+    } else if (c < 0) {
       v = -INFINITY;  // padding
     } else if (c >= V) {
       v = NAN;  // invalid id: visible, never an out-of-bounds read
@@ -184,7 +193,8 @@ __global__ void __launch_bounds__(kThreads)
     gather_logprob_block_kernel(const typename E::Storage* __restrict__ logits,
                                 int64_t row_stride, int V, const Idx* __restrict__ cand,
                                 int64_t cand_stride, int K, float* __restrict__ out,
-                                bool logits_mode) {
+                                bool logits_mode, int64_t vocab_start,
+                                float* __restrict__ stats_m, float* __restrict__ stats_s) {
   constexpr int kWarps = kThreads / 32;
   __shared__ float sm_m[kWarps];
   __shared__ float sm_s[kWarps];
@@ -217,9 +227,16 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     m = sm_m[0];
     lse = logf(sm_s[0]);
+    if (stats_m != nullptr && tid == 0) {
+      stats_m[r] = m;
+      stats_s[r] = sm_s[0];
+    }
+  } else if (stats_m != nullptr && tid == 0) {
+    stats_m[r] = 0.f;
+    stats_s[r] = 0.f;
   }
   gather_row<E, Idx>(row, V, cand + r * cand_stride, K, out + r * K, tid, kThreads, m, lse,
-                     logits_mode);
+                     logits_mode, stats_m != nullptr, vocab_start);
 }
 
 // Small V: one warp per row, kWarpRowsPerBlock rows per block, no shared memory.
@@ -228,7 +245,8 @@ __global__ void __launch_bounds__(32 * kWarpRowsPerBlock)
     gather_logprob_warp_kernel(const typename E::Storage* __restrict__ logits, int64_t rows,
                                int64_t row_stride, int V, const Idx* __restrict__ cand,
                                int64_t cand_stride, int K, float* __restrict__ out,
-                               bool logits_mode) {
+                               bool logits_mode, int64_t vocab_start,
+                               float* __restrict__ stats_m, float* __restrict__ stats_s) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * kWarpRowsPerBlock + threadIdx.x / 32;
   if (r >= rows) return;  // whole warp leaves together: no block-level sync below
   const int lane = threadIdx.x % 32;
@@ -239,16 +257,24 @@ __global__ void __launch_bounds__(32 * kWarpRowsPerBlock)
     float s = 0.f;
     m = -INFINITY;
     thread_stats<E>(row, V, lane, 32, m, s);
-    warp_merge(m, s);
+    warp_merge(m, s);  // every lane holds the row's (m, s) after the butterfly
     lse = logf(s);
+    if (stats_m != nullptr && lane == 0) {
+      stats_m[r] = m;
+      stats_s[r] = s;
+    }
+  } else if (stats_m != nullptr && lane == 0) {
+    stats_m[r] = 0.f;
+    stats_s[r] = 0.f;
   }
   gather_row<E, Idx>(row, V, cand + r * cand_stride, K, out + r * K, lane, 32, m, lse,
-                     logits_mode);
+                     logits_mode, stats_m != nullptr, vocab_start);
 }
 
 template <typename E, typename Idx>
 void launch(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
-            bool logits_mode, cudaStream_t stream) {
+            bool logits_mode, int64_t vocab_start, float* stats_m, float* stats_s,
+            cudaStream_t stream) {
   using S = typename E::Storage;
   const int64_t rows = logits.size(0);
   const int V = static_cast<int>(logits.size(1));
@@ -262,24 +288,25 @@ void launch(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& 
   if (V <= 4096) {
     const auto blocks = static_cast<unsigned>((rows + kWarpRowsPerBlock - 1) / kWarpRowsPerBlock);
     gather_logprob_warp_kernel<E, Idx><<<blocks, 32 * kWarpRowsPerBlock, 0, stream>>>(
-        lp, rows, row_stride, V, cp, cand_stride, K, op, logits_mode);
+        lp, rows, row_stride, V, cp, cand_stride, K, op, logits_mode, vocab_start, stats_m, stats_s);
   } else if (V <= 32768) {
     gather_logprob_block_kernel<E, Idx, 256><<<static_cast<unsigned>(rows), 256, 0, stream>>>(
-        lp, row_stride, V, cp, cand_stride, K, op, logits_mode);
+        lp, row_stride, V, cp, cand_stride, K, op, logits_mode, vocab_start, stats_m, stats_s);
   } else {
     gather_logprob_block_kernel<E, Idx, 512><<<static_cast<unsigned>(rows), 512, 0, stream>>>(
-        lp, row_stride, V, cp, cand_stride, K, op, logits_mode);
+        lp, row_stride, V, cp, cand_stride, K, op, logits_mode, vocab_start, stats_m, stats_s);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename E>
 void dispatch_index(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
-                    bool logits_mode, cudaStream_t stream) {
+                    bool logits_mode, int64_t vocab_start, float* stats_m, float* stats_s,
+                    cudaStream_t stream) {
   if (cand.scalar_type() == at::kInt) {
-    launch<E, int32_t>(logits, cand, out, logits_mode, stream);
+    launch<E, int32_t>(logits, cand, out, logits_mode, vocab_start, stats_m, stats_s, stream);
   } else {
-    launch<E, int64_t>(logits, cand, out, logits_mode, stream);
+    launch<E, int64_t>(logits, cand, out, logits_mode, vocab_start, stats_m, stats_s, stream);
   }
 }
 
@@ -287,8 +314,7 @@ void dispatch_index(const at::Tensor& logits, const at::Tensor& cand, const at::
 
 // logits [R, V] float32/bfloat16/float16 (last dim contiguous, any row stride);
 // cand [K] or [R, K] int32/int64 (last dim contiguous); out [R, K] float32 contiguous.
-void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
-                         bool logits_mode) {
+static void check_inputs(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out) {
   TORCH_CHECK(logits.is_cuda(), "gather_logprobs: logits must be a CUDA tensor");
   TORCH_CHECK(logits.dim() == 2, "gather_logprobs: logits must be [R, V], got ", logits.sizes());
   const int64_t rows = logits.size(0);
@@ -311,22 +337,52 @@ void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const
                   out.dim() == 2 && out.size(0) == rows && out.size(1) == K && out.is_contiguous(),
               "gather_logprobs: out must be a contiguous [", rows, ", ", K,
               "] float32 tensor on the logits device");
-  if (rows == 0 || K == 0) return;
+}
 
+// Run the kernel for one dtype of logits; stats_m == nullptr: full mode.
+static void run(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out, bool logits_mode,
+                int64_t vocab_start, float* stats_m, float* stats_s) {
   const c10::cuda::CUDAGuard guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.get_device()).stream();
   switch (logits.scalar_type()) {
     case at::kFloat:
-      dispatch_index<F32>(logits, cand, out, logits_mode, stream);
+      dispatch_index<F32>(logits, cand, out, logits_mode, vocab_start, stats_m, stats_s, stream);
       break;
     case at::kBFloat16:
-      dispatch_index<BF16>(logits, cand, out, logits_mode, stream);
+      dispatch_index<BF16>(logits, cand, out, logits_mode, vocab_start, stats_m, stats_s, stream);
       break;
     case at::kHalf:
-      dispatch_index<F16>(logits, cand, out, logits_mode, stream);
+      dispatch_index<F16>(logits, cand, out, logits_mode, vocab_start, stats_m, stats_s, stream);
       break;
     default:
       TORCH_CHECK(false, "gather_logprobs: logits must be float32, bfloat16 or float16, got ",
                   logits.scalar_type());
   }
+}
+
+// logits [R, V] float32/bfloat16/float16 (last dim contiguous, any row stride);
+// cand [K] or [R, K] int32/int64 (last dim contiguous); out [R, K] float32 contiguous.
+void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
+                         bool logits_mode) {
+  check_inputs(logits, cand, out);
+  if (logits.size(0) == 0 || cand.size(-1) == 0) return;
+  run(logits, cand, out, logits_mode, 0, nullptr, nullptr);
+}
+
+// Partial mode for one vocab shard (ids [vocab_start, vocab_start + V)): as above, plus
+// stats_m / stats_s [R] float32 contiguous: the rows' max and sum exp(x - max).
+void gather_logprobs_partial_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
+                                 const at::Tensor& stats_m, const at::Tensor& stats_s, int64_t vocab_start,
+                                 bool logits_mode) {
+  check_inputs(logits, cand, out);
+  const int64_t rows = logits.size(0);
+  for (const at::Tensor* t : {&stats_m, &stats_s}) {
+    TORCH_CHECK(t->device() == logits.device() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
+                    t->size(0) == rows && t->is_contiguous(),
+                "gather_logprobs_partial: stats must be contiguous [", rows,
+                "] float32 tensors on the logits device");
+  }
+  TORCH_CHECK(vocab_start >= 0, "gather_logprobs_partial: vocab_start must be >= 0, got ", vocab_start);
+  if (rows == 0) return;  // K == 0 still writes the stats
+  run(logits, cand, out, logits_mode, vocab_start, stats_m.data_ptr<float>(), stats_s.data_ptr<float>());
 }

@@ -45,6 +45,9 @@ class Config(BaseModel):
         "auto", description="Weight dtype; auto: bf16 on GPU, fp32 on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when there is a GPU.")
     seed: int = Field(0, description="Seed of dummy weights.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Split the model over this many GPUs of one host (one worker process per GPU); "
+                             "it must divide the attention heads. On the CPU: gloo processes (tests).")
     demo_model_dir: str | None = Field(
         None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
 

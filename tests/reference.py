@@ -9,11 +9,17 @@ import numpy as np
 import torch
 
 FAMILIES = ("llama", "llama3rope", "qwen2", "qwen3", "mistral", "qwen3tied", "qwen2yarn")
+# Mixture-of-experts families (make_moe_checkpoint); "qwen3moe_stacked" is saved in the stacked
+# [E, ...] expert layout, the others as save_pretrained writes them (one tensor per expert).
+MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "qwen3moe_stacked")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096) -> Path:
     """Save a tiny random model of ``family`` to ``path`` (float32 safetensors)."""
     import transformers as tf
+
+    if family.split(":")[0] in MOE_FAMILIES:
+        return make_moe_checkpoint(family, path, seed)
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -56,6 +62,52 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
             elif p.dim() == 2:
                 p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_moe_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+    """A tiny random MoE of ``family`` ("name" or "name:vocab"). The router weights are large
+    (std 1 logits per unit input) so the top-k choices sit far from the decision boundary and
+    float32 rounding cannot flip them; dense layers are mixed in where the family has them."""
+    import transformers as tf
+    from safetensors.torch import save_file
+
+    name, _, vocab = family.partition(":")
+    common = dict(vocab_size=int(vocab or 512), hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6)
+    if name in ("qwen3moe", "qwen3moe_stacked"):
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1])
+        cls = tf.Qwen3MoeForCausalLM
+    elif name == "qwen2moe":
+        cfg = tf.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                num_experts_per_tok=2, norm_topk_prob=False, shared_expert_intermediate_size=48,
+                                decoder_sparse_step=2)  # layers 1 routed, 0 and 2 dense
+        cls = tf.Qwen2MoeForCausalLM
+    elif name == "mixtral":
+        cfg = tf.MixtralConfig(**common, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                               sliding_window=None)
+        cls = tf.MixtralForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif pname.endswith("mlp.gate.weight"):  # the router
+                p.copy_(torch.randn_like(p) * 1.0)
+            elif p.dim() >= 2:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in pname else 0.1))
+    if name.endswith("_stacked"):
+        path.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
+    else:
+        model.save_pretrained(path, safe_serialization=True)
     return path
 
 

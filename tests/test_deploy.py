@@ -52,7 +52,7 @@ CONFIG_FILE = "/etc/teacher-server/config.yaml"
 NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
 # Config fields the chart sets from dedicated values (environment), never from `config`.
 CHART_OWNED_FIELDS = {"model", "revision", "download_dir", "served_model_name", "host", "port", "api_key",
-                      "shutdown_timeout_s"}
+                      "shutdown_timeout_s", "tensor_parallel_size"}
 # Seconds the chart must leave between the end of the drain and the kubelet's SIGKILL, for
 # the process to answer cut-off requests, stop the engine and exit.
 MIN_EXIT_MARGIN_S = 5
@@ -316,7 +316,8 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
             assert field in Config.model_fields, f"{name} is not a setting of the server"
 
     # the ConfigMap is what --config reads, and the server accepts it with this environment
-    assert c["args"] == ["--config", CONFIG_FILE]
+    assert c["args"][:2] == ["--config", CONFIG_FILE]
+    assert not c["args"][2:] or c["args"][2:] == ["--tensor-parallel-size", str(values.get("tensorParallelSize"))]
     cm = one(docs, "ConfigMap")
     config_mount = mount_at(c, str(Path(CONFIG_FILE).parent))
     assert config_mount["readOnly"] is True
@@ -499,6 +500,20 @@ def test_new_claim_and_chart_secret(helm: ModuleType, kube: ModuleType, kube_ver
     ref = env_of(server_container(deploy))["TEACHER_SERVER_API_KEY"]["valueFrom"]["secretKeyRef"]
     assert ref["name"] == secret["metadata"]["name"]
     assert base64.b64decode(secret["data"][ref["key"]]).decode() == "s3cret-token"
+
+
+def test_tensor_parallel_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                 tmp_path: Path) -> None:
+    """tensorParallelSize: 2 asks for two GPUs, passes the flag, and keeps /dev/shm in memory."""
+    docs = check_release(helm, kube, kube_versions, {"tensorParallelSize": 2}, tmp_path)
+    deploy = one(docs, "Deployment")
+    c = server_container(deploy)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert c["args"][-2:] == ["--tensor-parallel-size", "2"]
+    shm = volumes_of(deploy)[mount_at(c, "/dev/shm")["name"]]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    default = server_container(one(check_release(helm, kube, kube_versions, None, tmp_path), "Deployment"))
+    assert "--tensor-parallel-size" not in default["args"]
 
 
 def test_shutdown_timings_are_consistent(helm: ModuleType) -> None:

@@ -311,3 +311,70 @@ def test_kernel_rejects_mixed_devices() -> None:
     logits = make_logits(2, 10, device="cuda")
     with pytest.raises(ValueError, match="candidates on cpu"):
         gather_logprobs(logits, torch.zeros(3, dtype=torch.long))
+
+
+# --- partial mode (vocab-parallel scoring) ---------------------------------------------------
+
+def shard_partials(logits: torch.Tensor, cand: torch.Tensor, ranks: int, logits_mode: bool,
+                   fn=glp.gather_logprobs_partial_reference) -> torch.Tensor:
+    """Split the vocab into ``ranks`` uneven shards, take each shard's partials with ``fn``
+    and merge them: [R, K]."""
+    vocab = logits.shape[1]
+    bounds = torch.linspace(0, vocab, ranks + 1).round().long().tolist()
+    ms, ss, vs = [], [], []
+    for a, b in zip(bounds, bounds[1:]):
+        m, s, v = fn(logits[:, a:b], cand, a, logits_mode)
+        ms.append(m), ss.append(s), vs.append(v)
+    return glp.merge_partials(torch.stack(ms), torch.stack(ss), torch.stack(vs), cand, logits_mode)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 8])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("logits_mode", [False, True])
+def test_partial_reference_merges_to_the_full_one(ranks: int, per_row: bool, logits_mode: bool) -> None:
+    """Shards of a vocab not divisible by the rank count, merged, give the full result
+    (padding -inf, candidates on every shard, both edges of each shard)."""
+    vocab = 1001
+    logits = make_logits(9, vocab, seed=ranks)
+    cand = make_cand(9, vocab, 16, per_row=per_row, seed=ranks + 1)
+    cand[..., 0], cand[..., 1] = 0, vocab - 1
+    got = shard_partials(logits, cand, ranks, logits_mode)
+    assert_matches(got, ref64(logits, cand, logits_mode))
+    torch.testing.assert_close(got, gather_logprobs_reference(logits, cand, logits_mode), rtol=1e-6, atol=1e-6)
+
+
+def test_partial_reference_shard_outputs() -> None:
+    """A shard's candidate logits are 0 outside it (and at padding); m, s are its own."""
+    logits = make_logits(3, 10, seed=4)
+    cand = torch.tensor([[2, 5, 7, -1], [9, 4, 5, 6], [0, 1, 5, 9]])
+    m, s, v = glp.gather_logprobs_partial_reference(logits[:, 5:], cand, 5)
+    torch.testing.assert_close(m, logits[:, 5:].amax(-1))
+    torch.testing.assert_close(s, torch.exp(logits[:, 5:] - m[:, None]).sum(-1))
+    inside = (cand >= 5)
+    torch.testing.assert_close(v[inside], logits.gather(1, cand.clamp(min=0))[inside])
+    assert (v[~inside] == 0).all()
+
+
+@pytest.mark.gpu
+@cuda_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("vocab", [7, 4096, 32003, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("logits_mode", [False, True])
+def test_kernel_partial_matches_reference(vocab: int, dtype: torch.dtype, per_row: bool, logits_mode: bool) -> None:
+    """The kernel's partial mode on one shard (small-V warp and block kernels, a misaligned
+    shard start) equals the torch reference, and merged over 2 shards the full result."""
+    assert hasattr(extension.load(), "gather_logprobs_partial_out"), "the partial kernel is not built"
+    rows, k = 37, 64
+    logits = make_logits(rows, vocab, dtype=dtype, device="cuda", seed=vocab)
+    cand = make_cand(rows, vocab, k, per_row=per_row, device="cuda", seed=vocab + 1)
+    start = vocab // 2 + 1  # an odd offset: the shard's rows are not 16-byte aligned
+    shard = logits[:, start:]
+    m, s, v = glp.gather_logprobs_partial(shard, cand, start, logits_mode)
+    rm, rs, rv = glp.gather_logprobs_partial_reference(shard, cand, start, logits_mode)
+    torch.testing.assert_close(v, rv, rtol=0, atol=0)  # the logits themselves, widened exactly
+    torch.testing.assert_close(m, rm, rtol=0, atol=0)
+    torch.testing.assert_close(s, rs, rtol=RTOL, atol=ATOL)
+    got = shard_partials(logits, cand, 2, logits_mode, fn=glp.gather_logprobs_partial)
+    assert_matches(got, ref64(logits, cand, logits_mode))

@@ -40,7 +40,7 @@ def test_batches_respect_the_budget() -> None:
     assert len(got) > 2
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3moe"])
 def test_matches_the_float32_reference(checkpoints, family: str) -> None:
     path = checkpoints[family]
     reqs = _requests(1)

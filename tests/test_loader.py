@@ -96,4 +96,12 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
     assert model_class("Qwen3ForCausalLM") is Qwen3ForCausalLM
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
         assert model_class(arch) is LlamaForCausalLM
-    assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3"}
+    from teacher_server.models.mixtral import MixtralForCausalLM
+    from teacher_server.models.qwen2_moe import Qwen2MoeForCausalLM
+    from teacher_server.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    assert model_class("Qwen3MoeForCausalLM") is Qwen3MoeForCausalLM
+    assert model_class("Qwen2MoeForCausalLM") is Qwen2MoeForCausalLM
+    assert model_class("MixtralForCausalLM") is MixtralForCausalLM
+    assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
+                                                          "qwen2_moe", "mixtral"}

@@ -216,11 +216,15 @@ class AsyncEngine:
                 self._build_error, self.alive = e, False
                 self._built.set()
                 return
+        # Tensor parallel: a dead worker fails the engine at once, even mid-collective.
+        self.engine.watch_workers(self._die)
         self._built.set()
         try:
             self._loop()
         except BaseException as e:  # fatal: the step already failed its own requests
             self._die(e)
+            return
+        self.engine.close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -240,11 +244,15 @@ class AsyncEngine:
             self._deliver_all(results)
 
     def _die(self, e: BaseException) -> None:
-        """The engine cannot go on: answer every request it holds or that is still queued."""
+        """The engine cannot go on: answer every request it holds or that is still queued.
+        Runs once (the engine thread and a tensor-parallel watchdog may both get here)."""
+        with self._lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = f"engine failed: {type(e).__name__}"
         log.critical("engine cannot recover: %s", e)
         with self._lock:  # after this no request can be queued any more
             self.alive = False
-            self.fatal_error = f"engine failed: {type(e).__name__}"
             while True:
                 try:
                     msg = self._inbox.get_nowait()

@@ -14,41 +14,29 @@ from pathlib import Path
 
 import torch
 
-from teacher_server.attention import make_backend
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import Handoff, InFlightStep
-from teacher_server.engine.model_runner import ModelRunner
 from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
+from teacher_server.engine.rank_setup import (
+    auto_num_blocks,
+    load_rank,
+    make_runner,
+    resolve_device,
+    resolve_dtype,
+    token_budget,
+)
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
 from teacher_server.engine.stats import EngineStats, StepTiming
+from teacher_server.engine.tp_workers import TensorParallelError, TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
 from teacher_server.hub import resolve_model
-from teacher_server.models.loader import load_model
+from teacher_server.layers.parallel import TensorParallel
 from teacher_server.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # bf16 matmuls are slow on CPU, and float32 is the exact path
-    return torch.float16 if str(spec.torch_dtype).replace("torch.", "") == "float16" else torch.bfloat16
-
 
 class Engine:
     """Load a model, admit requests, run steps, hand back results. ``stats()`` reports,
@@ -74,12 +62,33 @@ class Engine:
         if cfg.deterministic and self.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
-        torch.manual_seed(cfg.seed)
-        self.model = load_model(self.model_dir, self.spec, self.dtype, self.device, cfg.load_format, cfg.seed)
-        # deterministic: a sequence's attention path must not depend on what ran before
-        self.attn = make_backend(cfg.attention_backend, self.device, self.dtype, deterministic=cfg.deterministic)
-        budget = cfg.max_num_batched_tokens or (16384 if self.device.type == "cuda" else 2048)
-        num_blocks = cfg.num_kv_blocks or self._auto_num_blocks(budget)
+        size = cfg.tensor_parallel_size
+        if self.spec.num_heads % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {self.spec.num_heads} "
+                             f"attention heads")
+        if size > 1 and self.spec.num_experts:  # the expert layer names its split, not yet wired
+            raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models run on one GPU for now")
+        # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
+        self._workers: TPWorkers | None = None
+        if size > 1:
+            self._workers = TPWorkers(cfg, self.model_dir, self.device, size)
+            try:
+                self._workers.wait_joined()
+                self.device = rank_device(self.device, 0)
+                init_group(self.device, 0, size, self._workers.port)
+            except BaseException:
+                self.close()
+                raise
+        tp = TensorParallel(size, 0)
+        try:
+            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
+            num_blocks = auto_num_blocks(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp)
+            if self._workers is not None:
+                num_blocks = self._workers.agree_blocks(num_blocks)
+        except BaseException:
+            self.close()
+            raise
+        budget = token_budget(cfg, self.device)
         need = -(-self.max_model_len // cfg.block_size)
         if num_blocks < need:
             raise RuntimeError(f"KV pool of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one "
@@ -88,9 +97,7 @@ class Engine:
         prefix = cfg.enable_prefix_caching and not cfg.deterministic
         self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
         self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self._blocks)
-        self.runner = ModelRunner(self.model, self.attn, num_blocks, cfg.block_size, self.max_model_len,
-                                  self.device, cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows,
-                                  cfg.compile)
+        self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device)
         self._prefix_caching = prefix
         self._pipeline = cfg.pipeline
         # Layers the host may queue ahead of the GPU within a forward (CUDA; see LaunchPacer).
@@ -105,29 +112,28 @@ class Engine:
             from teacher_server.ops import extension
 
             extension.available()
-        log.info("engine ready: %s (%s) on %s, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
-                 "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device,
+        self.num_kv_blocks = num_blocks  # per rank (each holds its share of the KV heads)
+        log.info("engine ready: %s (%s) on %s x %d, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
+                 "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device, size,
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,
                  self.max_model_len, time.perf_counter() - t0)
 
-    def _auto_num_blocks(self, budget: int) -> int:
-        s = self.spec
-        bytes_per_token = 2 * s.num_layers * s.kv_size * torch.finfo(self.dtype).bits // 8
-        min_tokens = max(self.max_model_len, 4 * budget)
-        if self.device.type != "cuda":
-            tokens = 2 * min_tokens
-        else:
-            free, total = torch.cuda.mem_get_info(self.device)
-            # Activations of one step: a generous per-token estimate plus one logits chunk.
-            act = budget * (s.q_size + 2 * s.kv_size + 3 * s.intermediate_size + 6 * s.hidden_size) * 4
-            act += 3 * self.cfg.logits_chunk_rows * s.vocab_size * 4
-            # Packed keys of a long chunked sequence (prefix gathered per layer).
-            act += 2 * self.max_model_len * s.kv_size * 2 * 2
-            avail = free - (1 - self.cfg.gpu_memory_utilization) * total - act - (1 << 30)
-            tokens = int(avail // bytes_per_token)
-            if tokens < min_tokens:
-                log.warning("only %d tokens of KV fit in GPU memory", max(tokens, 0))
-        return max(tokens // self.cfg.block_size, 1)
+    def watch_workers(self, hook: Callable[[BaseException], None]) -> None:
+        """Call ``hook`` when a tensor-parallel worker dies (from a watchdog thread, at once,
+        even while this engine's thread is blocked in a collective); no-op at size 1."""
+        if self._workers is not None:
+            self._workers.on_failure(hook)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the tensor-parallel workers (ranks 1..N-1; none at size 1)."""
+        return [] if self._workers is None else [p.pid for p in self._workers.procs]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (none at size 1). The engine cannot step after."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     # --- requests ----------------------------------------------------------------------
     def add_request(self, req: ScoreRequest) -> ScoreResult | None:
@@ -190,6 +196,8 @@ class Engine:
         assert t.token_budget > 0 and (t.run_ahead is None or t.run_ahead >= 1), t
         if t.prefix_caching and self.cfg.deterministic:
             raise ValueError("deterministic mode runs without the prefix cache")
+        if self._workers is not None and t.residual_in_gemm != self.runner.ops.residual_in_gemm:
+            raise ValueError("residual_in_gemm is fixed under tensor parallel (every rank must add alike)")
         if t.run_ahead is None and self.device.type == "cuda":  # its events say when results are on the host
             raise ValueError("launches on CUDA are paced (a run_ahead of the layer count never waits)")
         self._pipeline = t.pipeline
@@ -248,6 +256,8 @@ class Engine:
         pacer = self._pacer(handoff)
         try:
             hs = self.runner.prepare(chunks)
+            if self._workers is not None:
+                self._workers.send(hs)
             t2 = time.perf_counter()
             pending = self.runner.launch(hs, pacer)
         except Exception as e:
@@ -318,7 +328,7 @@ class Engine:
                 r = self.abort_request(c.seq.req.uid, ErrorKind.INTERNAL, f"inference failed: {type(e).__name__}")
                 if r is not None:
                     self._failed.append(r)
-        if _is_fatal(e):
+        if _is_fatal(e) or self._workers is not None:  # ranks may be out of step: no way on
             raise e
 
     def run_to_completion(self, reqs: list[ScoreRequest]) -> list[ScoreResult]:
@@ -338,5 +348,7 @@ def _is_fatal(e: Exception) -> bool:
     """CUDA errors other than out-of-memory leave the context unusable."""
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return False
+    if isinstance(e, TensorParallelError):
+        return True
     msg = str(e)
     return isinstance(e, RuntimeError) and ("CUDA error" in msg or "device-side assert" in msg)

@@ -52,11 +52,14 @@ class ModelRunner:
         self.logits_mode = logits_mode
         self.chunk_rows = logits_chunk_rows
         dtype, cuda = model.dtype, device.type == "cuda"
-        self.kv = KVPool(spec.num_layers, num_blocks * block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        self.tp = tp = model.tp
+        # This rank's heads (tensor parallel: its share; KV heads replicated past their count).
+        n_q, n_kv = tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1]
+        self.kv = KVPool(spec.num_layers, num_blocks * block_size, n_kv, spec.head_dim, dtype, device)
         rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
                                max_model_len + 1, device)
         if cuda:  # cuDNN plans for every bucketed length
-            attn.warm_up(max_model_len, spec.num_heads, spec.num_kv_heads, spec.head_dim, device, dtype)
+            attn.warm_up(max_model_len, n_q, n_kv, spec.head_dim, device, dtype)
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
         if cuda:
@@ -106,7 +109,8 @@ class ModelRunner:
             argmax_rows=argmax_rows if n_arg else None,
             plp_rows_host=sc.plp_rows, argmax_rows_host=sc.argmax_rows,
         )
-        return score_rows(hidden, self.model.lm_head, plan, self.logits_mode, self.chunk_rows)
+        return score_rows(hidden, self.model.lm_head, plan, self.logits_mode, self.chunk_rows, self.tp,
+                          self.model.lm_vocab_start)
 
     def launch(self, hs: HostStep, pacer: Pacer) -> PendingOutput:
         """Run the step and queue the copies of its results to pinned host memory; on CUDA

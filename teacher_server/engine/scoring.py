@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from teacher_server.engine import vocab_parallel as vp
+from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.ops.gather_logprob import gather_logprobs
 
 _MM_OUT_DTYPE: bool | None = None  # does torch.mm(..., out_dtype=float32) work here?
@@ -59,8 +61,11 @@ class ScoringOutput:
 
 
 def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
-               chunk_rows: int) -> ScoringOutput:
-    """hidden: [R, H] final-normed; lm_head: [V, H]."""
+               chunk_rows: int, tp: TensorParallel = SINGLE, vocab_start: int = 0) -> ScoringOutput:
+    """hidden: [R, H] final-normed; lm_head: [V, H] (with tp > 1 this rank's vocab shard
+    [Vr, H] of ids from ``vocab_start``: the shards are combined as ``vocab_parallel`` says)."""
+    if tp.size > 1:
+        return _score_rows_parallel(hidden, lm_head, plan, logits_mode, chunk_rows, tp, vocab_start)
     r = hidden.shape[0]
     dev = hidden.device
     scores = torch.empty(r, plan.kmax, dtype=torch.float32, device=dev) if plan.kmax else None
@@ -92,5 +97,43 @@ def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, l
             a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
             if b > a:
                 argmax[a:b] = logits[plan.argmax_rows[a:b] - r0].argmax(-1)
+        del logits
+    return ScoringOutput(scores, plp_actual, plp_rank, topv, topi, argmax)
+
+
+def _score_rows_parallel(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
+                         chunk_rows: int, tp: TensorParallel, start: int) -> ScoringOutput:
+    """``score_rows`` over vocab shards: the same chunks and outputs, collectives per chunk."""
+    r = hidden.shape[0]
+    dev = hidden.device
+    scores = torch.empty(r, plan.kmax, dtype=torch.float32, device=dev) if plan.kmax else None
+    n_p = 0 if plan.plp_rows is None else plan.plp_rows.numel()
+    n_a = 0 if plan.argmax_rows is None else plan.argmax_rows.numel()
+    plp_actual = torch.empty(n_p, dtype=torch.float32, device=dev) if n_p else None
+    plp_rank = torch.empty(n_p, dtype=torch.int64, device=dev) if n_p else None
+    topv = torch.empty(n_p, plan.plp_k, dtype=torch.float32, device=dev) if n_p else None
+    topi = torch.empty(n_p, plan.plp_k, dtype=torch.int64, device=dev) if n_p else None
+    argmax = torch.empty(n_a, dtype=torch.int64, device=dev) if n_a else None
+    for r0 in range(0, r, chunk_rows):
+        r1 = min(r0 + chunk_rows, r)
+        logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, Vr] float32: this rank's shard
+        if scores is not None:
+            scores[r0:r1] = vp.candidate_logprobs(logits, plan.cand[r0:r1], start, logits_mode)
+        if n_p:
+            a, b = np.searchsorted(plan.plp_rows_host, [r0, r1])
+            if b > a:
+                sub = logits[plan.plp_rows[a:b] - r0]  # [p, Vr]
+                act, rank = vp.actual_and_rank(sub, plan.plp_actual[a:b], start)
+                plp_rank[a:b] = rank
+                lse = 0.0 if logits_mode else vp.log_normalizer(sub)
+                plp_actual[a:b] = (act - lse).squeeze(1)
+                if plan.plp_k:
+                    v, i = vp.top_k(sub, plan.plp_k, start, tp)
+                    topv[a:b] = v - lse
+                    topi[a:b] = i
+        if n_a:
+            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
+            if b > a:
+                argmax[a:b] = vp.argmax(logits[plan.argmax_rows[a:b] - r0], start, tp)
         del logits
     return ScoringOutput(scores, plp_actual, plp_rank, topv, topi, argmax)

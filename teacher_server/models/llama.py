@@ -37,14 +37,14 @@ class LlamaAttention(RuntimeModule):
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         d = spec.head_dim
-        # Tensor parallel splits heads; with more ranks than KV heads they would be replicated.
-        self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.split(spec.num_kv_heads, "kv heads"), d,
+        # Tensor parallel splits heads; with more ranks than KV heads each is replicated.
+        self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1], d,
                                 spec.rms_norm_eps)
         self.layer_id = layer_id
         self.scale = d ** -0.5
         self.window = spec.sliding_window
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, {"q": spec.q_size, "k": spec.kv_size, "v": spec.kv_size},
-                                           spec.attention_bias, dtype, device, tp)
+                                           spec.attention_bias, dtype, device, tp, units={"q": d, "k": d, "v": d})
         self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -114,6 +114,7 @@ class LlamaForCausalLM(RuntimeModule):
     collaborators, then ``model(ctx, pacer)`` runs a step."""
 
     attention: type[LlamaAttention] = LlamaAttention
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (spec, layer_id, attention, dtype, device, tp)
     # Checkpoint names (after "model.") whose tensors are parts of our fused projections.
     stacked: tuple[tuple[str, str, str], ...] = (
         (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
@@ -126,8 +127,9 @@ class LlamaForCausalLM(RuntimeModule):
         super().__init__()
         self.spec = spec
         self.tied = tied
+        self.tp = tp
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, i, self.attention, dtype, device, tp)
+        self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp)
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp)
@@ -140,6 +142,11 @@ class LlamaForCausalLM(RuntimeModule):
     def lm_head(self) -> torch.Tensor:
         """The LM head weight [V, hidden] (the embedding's when tied)."""
         return (self.embed_tokens if self.head is None else self.head).weight
+
+    @property
+    def lm_vocab_start(self) -> int:
+        """The first vocabulary id of this rank's LM head rows (0 at tp 1)."""
+        return (self.embed_tokens if self.head is None else self.head).vocab_start
 
     @property
     def dtype(self) -> torch.dtype:
@@ -163,7 +170,8 @@ class LlamaForCausalLM(RuntimeModule):
     def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
         """Compile and check ``ops``' stages at this model's shapes and q/k-norm weights."""
         attn = self.layers[0].self_attn
-        ops.warm_up(attn.heads, self.spec.hidden_size, self.spec.intermediate_size, *attn.qk_norm_weights(),
+        inter = self.layers[0].mlp.gate_up_proj.parts["gate"][1]  # this rank's share
+        ops.warm_up(attn.heads, self.spec.hidden_size, inter, *attn.qk_norm_weights(),
                     rope.table, rope.table.device, self.dtype)
 
     @torch.inference_mode()

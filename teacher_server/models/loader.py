@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.models.registry import model_class
 from teacher_server.models.spec import ModelSpec
 
@@ -31,14 +32,29 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def read_slice(sf: object, name: str, sl: tuple[int, int, int] | None) -> torch.Tensor:
+    """Tensor ``name`` of an open safetensors file, only the slice ``sl`` (dim, start, length)
+    of it when given: a rank reads its shard, never the whole tensor."""
+    if sl is None:
+        return sf.get_tensor(name)
+    part = sf.get_slice(name)
+    dim, start, n = sl
+    if len(part.get_shape()) <= dim:
+        return sf.get_tensor(name)
+    index = (slice(None),) * dim + (slice(start, start + n),)
+    return part[index]
+
+
 def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> nn.Module:
-    """The model of ``spec.architecture`` with its weights (unbound: see ``bind``)."""
+               load_format: str = "auto", seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
+    """The model of ``spec.architecture`` with its weights (unbound: see ``bind``); with
+    tp > 1 this rank's shard of it, read from the checkpoint slice by slice (each layer's
+    ``checkpoint_slice``), or made at random per shard (``dummy``)."""
     path = Path(path)
     cls = model_class(spec.architecture)
     if load_format == "dummy":
-        model = cls(spec, dtype, device, tied=bool(spec.tie_word_embeddings))
-        init_dummy(model, seed)
+        model = cls(spec, dtype, device, tied=bool(spec.tie_word_embeddings), tp=tp)
+        init_dummy(model, seed + 1000 * tp.rank)
         return model
     files = checkpoint_files(path)
     names: set[str] = set()
@@ -46,7 +62,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         with safe_open(str(f), framework="pt") as sf:
             names.update(sf.keys())
     tied = spec.tie_word_embeddings is True or "lm_head.weight" not in names
-    model = cls(spec, dtype, device, tied=tied)
+    model = cls(spec, dtype, device, tied=tied, tp=tp)
     filled: dict[str, int] = {}  # our parameter name -> count of parts written
     dev = "cpu" if device.type == "cpu" else str(device)
     t_all = time.perf_counter()
@@ -65,7 +81,9 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                 if owner is None or not hasattr(owner, "load_weight") or getattr(owner, param, None) is None:
                     raise ValueError(f"checkpoint tensor {hf_name} has no place in {spec.architecture} "
                                      f"(config/weights mismatch)")
-                owner.load_weight(param, sf.get_tensor(hf_name), part, hf_name)
+                where = getattr(owner, "checkpoint_slice", None)
+                sl = where(param, part) if where is not None else None
+                owner.load_weight(param, read_slice(sf, hf_name, sl), part, hf_name)
                 key = f"{module}.{param}"
                 filled[key] = filled.get(key, 0) + 1
         log.info("loaded checkpoint file %d/%d (%s, %.2f GB) in %.1fs", i, len(files), f.name,

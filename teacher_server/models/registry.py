@@ -1,5 +1,5 @@
 """Supported ``architectures`` of config.json: each names its family, the class that builds
-it (imported on first use) and the family facts config.json leaves implicit. A new dense
+it (imported on first use) and the family facts config.json leaves implicit. A new
 family is one file in this package and one line here."""
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ class Architecture:
     attention_bias: bool = False  # QKV bias when config.json does not say
     sliding_window: bool = False  # config.json's sliding_window applies
     refuse_sliding_window: bool = False  # use_sliding_window: true is not supported
+    moe: bool = False  # routed experts (num_experts, num_experts_per_tok, ... in config.json)
+    always_norm_topk: bool = False  # top-k weights renormalised whatever config.json says (Mixtral)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -28,6 +30,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture("qwen2", "llama:LlamaForCausalLM", attention_bias=True,
                                      refuse_sliding_window=True),
     "Qwen3ForCausalLM": Architecture("qwen3", "qwen3:Qwen3ForCausalLM", qk_norm=True, refuse_sliding_window=True),
+    # Mixture-of-experts families (layers/moe.py holds the expert layer).
+    "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM", qk_norm=True,
+                                        refuse_sliding_window=True, moe=True),
+    "Qwen2MoeForCausalLM": Architecture("qwen2_moe", "qwen2_moe:Qwen2MoeForCausalLM", attention_bias=True,
+                                        refuse_sliding_window=True, moe=True),
+    "MixtralForCausalLM": Architecture("mixtral", "mixtral:MixtralForCausalLM", sliding_window=True, moe=True,
+                                       always_norm_topk=True),
 }
 
 

@@ -40,6 +40,16 @@ class ModelSpec:
     qk_norm: bool = False
     sliding_window: int | None = None
     torch_dtype: str | None = None
+    # Mixture of experts (num_experts == 0: a dense model). Layer i routes through experts
+    # when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0, as transformers
+    # decides; other layers are dense with intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # of each routed expert
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one, sigmoid-gated)
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -49,12 +59,27 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` routes through experts (else its MLP is dense)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
     def non_embedding_params(self) -> int:
-        """Parameters touched per token, excluding the embedding and LM head (for FLOP counts)."""
+        """Parameters touched per token, excluding the embedding and LM head (for FLOP counts).
+        In an expert layer that is the router, the top-k routed experts and the shared expert
+        (the active parameters), not all experts."""
         h, i = self.hidden_size, self.intermediate_size
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        mlp = 3 * h * i
-        return self.num_layers * (attn + mlp)
+        total = 0
+        for layer in range(self.num_layers):
+            if self.is_moe_layer(layer):
+                si = self.shared_expert_intermediate_size  # the shared expert and its sigmoid gate
+                shared = 3 * h * si + (h if si else 0)
+                mlp = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts_per_tok + shared
+            else:
+                mlp = 3 * h * i
+            total += attn + mlp
+        return total
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
@@ -103,10 +128,11 @@ class ModelSpec:
             rope_scaling=merged,
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=d.get("tie_word_embeddings"),
-            attention_bias=bool(d.get("attention_bias", entry.attention_bias)),
+            attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", entry.attention_bias))),
             qk_norm=entry.qk_norm,
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            **(moe_facts(d, entry.always_norm_topk) if entry.moe else {}),
         )
 
     @classmethod
@@ -115,3 +141,22 @@ class ModelSpec:
         if not cfg.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
         return cls.from_dict(json.loads(cfg.read_text()))
+
+
+def moe_facts(d: dict[str, Any], always_norm_topk: bool) -> dict[str, Any]:
+    """The expert facts of a MoE config.json (``num_experts`` is ``num_local_experts`` in
+    Mixtral's and in what newer transformers writes for Qwen3-MoE)."""
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    k = int(d.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < k <= experts:
+        raise UnsupportedModelError(f"mixture-of-experts config with num_experts={experts}, num_experts_per_tok={k}")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=k,
+        # Mixtral's experts are sized by intermediate_size (it has no dense layers).
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
+        shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        norm_topk_prob=always_norm_topk or bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()),
+    )

@@ -37,6 +37,69 @@ def gather_logprobs_reference(logits: torch.Tensor, cand: torch.Tensor, logits_m
     return vals.masked_fill(pad, float("-inf"))
 
 
+def gather_logprobs_partial_reference(logits: torch.Tensor, cand: torch.Tensor, vocab_start: int,
+                                      logits_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One vocab shard's share (``logits``: [R, Vr], ids [vocab_start, vocab_start + Vr)):
+    (row max m [R], sum exp(x - m) s [R], candidates' logits [R, K]) in float32; candidates
+    outside the shard and padding give 0 (they contribute nothing to a sum over shards). In
+    logits mode m and s are not computed (zeros)."""
+    x = logits.float()  # [R, Vr]
+    if cand.dim() == 1:
+        cand = cand.unsqueeze(0).expand(x.shape[0], -1)
+    local = cand.long() - vocab_start
+    inside = (cand >= 0) & (local >= 0) & (local < x.shape[1])
+    vals = x.gather(1, local.clamp(0, x.shape[1] - 1)).masked_fill(~inside, 0.0)  # [R, K]
+    if logits_mode:
+        z = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        return z, z.clone(), vals
+    m = x.amax(dim=-1)  # [R]
+    safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return m, torch.exp(x - safe[:, None]).sum(dim=-1), vals
+
+
+def finish_partials(mx: torch.Tensor, sumexp: torch.Tensor, vals: torch.Tensor, cand: torch.Tensor,
+                    logits_mode: bool = False) -> torch.Tensor:
+    """[R, K] log-probs from the merged shard statistics: mx [R] the max over shards,
+    sumexp [R] = sum_r exp(m_r - mx) s_r, vals [R, K] the candidates' logits summed over
+    shards. log p = (logit - mx) - log sumexp; padding (cand < 0) gives -inf."""
+    if cand.dim() == 1:
+        cand = cand.unsqueeze(0).expand(vals.shape[0], -1)
+    if not logits_mode:
+        mx = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+        vals = (vals - mx[:, None]) - torch.log(sumexp)[:, None]
+    return vals.masked_fill(cand < 0, float("-inf"))
+
+
+def merge_partials(ms: torch.Tensor, ss: torch.Tensor, vals: torch.Tensor, cand: torch.Tensor,
+                   logits_mode: bool = False) -> torch.Tensor:
+    """Combine N shards' partials held in one place (ms, ss [N, R]; vals [N, R, K]); the
+    tensor-parallel scoring does the same with collectives (``engine.vocab_parallel``)."""
+    mx = ms.amax(dim=0)  # [R]
+    safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
+    return finish_partials(mx, (torch.exp(ms - safe) * ss).sum(dim=0), vals.sum(dim=0), cand, logits_mode)
+
+
+def gather_logprobs_partial(logits: torch.Tensor, cand: torch.Tensor, vocab_start: int,
+                            logits_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The partial mode of ``gather_logprobs`` for a vocab shard (vocab-parallel scoring):
+    see ``gather_logprobs_partial_reference`` for the outputs. CUDA tensors go through the
+    kernel (one pass over the shard, as the full mode), others through the reference."""
+    _validate(logits, cand, None)
+    rows, k = logits.shape[0], cand.shape[-1]
+    if logits.is_cuda and rows > 0:
+        ext = extension.load()
+        if ext is not None and hasattr(ext, "gather_logprobs_partial_out"):
+            dev = logits.device
+            out = torch.empty((rows, k), dtype=torch.float32, device=dev)
+            mx = torch.empty(rows, dtype=torch.float32, device=dev)
+            se = torch.empty(rows, dtype=torch.float32, device=dev)
+            if k > 1 and cand.stride(-1) != 1:
+                cand = cand.contiguous()
+            ext.gather_logprobs_partial_out(logits, cand, out, mx, se, vocab_start, logits_mode)
+            return mx, se, out
+    return gather_logprobs_partial_reference(logits, cand, vocab_start, logits_mode)
+
+
 def gather_logprobs(
     logits: torch.Tensor,
     cand: torch.Tensor,

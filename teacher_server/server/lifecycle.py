@@ -100,7 +100,20 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
     ae.shutdown()
 
 
+FATAL_EXIT_S = 30.0  # after a fatal engine error the process is gone by then at the latest
+
+
 def terminate_self() -> None:
+    """Stop this process through the usual shutdown (SIGTERM); should that not finish (an
+    engine thread stuck in a collective of a dead tensor-parallel rank keeps the interpreter
+    from exiting), end it with code 3 after ``FATAL_EXIT_S``."""
+    def hard_exit() -> None:
+        time.sleep(FATAL_EXIT_S)
+        log.critical("still running %.0fs after a fatal engine error: exiting", FATAL_EXIT_S)
+        logging.shutdown()
+        os._exit(3)
+
+    threading.Thread(target=hard_exit, name="teacher-fatal-exit", daemon=True).start()
     os.kill(os.getpid(), signal.SIGTERM)
 
 

@@ -1,0 +1,85 @@
+"""What every tensor-parallel rank builds the same way (the engine's process for rank 0, a
+worker process for the others): its shard of the model, its attention backend, its KV pool
+size from its own free memory, and its model runner."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from teacher_server.attention import make_backend
+from teacher_server.attention.base import AttentionBackend
+from teacher_server.config import Config
+from teacher_server.engine.model_runner import ModelRunner
+from teacher_server.layers.parallel import TensorParallel
+from teacher_server.models.loader import load_model
+from teacher_server.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # bf16 matmuls are slow on CPU, and float32 is the exact path
+    return torch.float16 if str(spec.torch_dtype).replace("torch.", "") == "float16" else torch.bfloat16
+
+
+def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
+              tp: TensorParallel) -> tuple[nn.Module, AttentionBackend]:
+    """This rank's model shard and attention backend."""
+    torch.manual_seed(cfg.seed)
+    model = load_model(model_dir, spec, dtype, device, cfg.load_format, cfg.seed, tp)
+    # deterministic: a sequence's attention path must not depend on what ran before
+    return model, make_backend(cfg.attention_backend, device, dtype, deterministic=cfg.deterministic)
+
+
+def token_budget(cfg: Config, device: torch.device) -> int:
+    return cfg.max_num_batched_tokens or (16384 if device.type == "cuda" else 2048)
+
+
+def auto_num_blocks(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                    tp: TensorParallel) -> int:
+    """KV blocks that fit this rank's free memory (its KV heads, its activations)."""
+    if cfg.num_kv_blocks:
+        return cfg.num_kv_blocks
+    budget = token_budget(cfg, device)
+    kv_size = tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim  # this rank's
+    bytes_per_token = 2 * spec.num_layers * kv_size * torch.finfo(dtype).bits // 8
+    min_tokens = max(max_model_len, 4 * budget)
+    if device.type != "cuda":
+        tokens = 2 * min_tokens
+    else:
+        free, total = torch.cuda.mem_get_info(device)
+        # Activations of one step: a generous per-token estimate plus one logits chunk (this
+        # rank's shares of the heads, the MLP and the vocab; the residual stream is whole).
+        act = budget * ((spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size) // tp.size
+                        + 6 * spec.hidden_size) * 4
+        act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
+        # Packed keys of a long chunked sequence (prefix gathered per layer).
+        act += 2 * max_model_len * kv_size * 2 * 2
+        avail = free - (1 - cfg.gpu_memory_utilization) * total - act - (1 << 30)
+        tokens = int(avail // bytes_per_token)
+        if tokens < min_tokens:
+            log.warning("only %d tokens of KV fit in GPU memory (rank %d)", max(tokens, 0), tp.rank)
+    return max(tokens // cfg.block_size, 1)
+
+
+def make_runner(cfg: Config, model: nn.Module, attn: AttentionBackend, num_blocks: int, max_model_len: int,
+                device: torch.device) -> ModelRunner:
+    return ModelRunner(model, attn, num_blocks, cfg.block_size, max_model_len, device,
+                       cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile)

@@ -1,0 +1,244 @@
+"""Tensor-parallel worker processes: ranks 1..N-1 of a model split over N devices of one host.
+
+Design: rank 0 runs in the engine's own process (its ``ModelRunner``), so scheduling, the
+HTTP server, result assembly and rank 0's share of the forward stay where they are today.
+Each other rank is a spawned process holding its shard and its KV pool; it loops: receive
+a step's host plan -> run the same forward and scoring -> take part in the collectives. The
+plan (``HostStep``'s numpy arrays, the request bookkeeping stripped) is pickled once and
+sent down one pipe per worker, once per step, before rank 0 starts that step: the workers
+never see requests, and nothing per layer crosses processes except the all-reduces. Every
+rank's results are the same after the vocab-parallel combine; only rank 0's are used.
+
+Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a
+rank that is gone: each worker says it is loaded and how many KV blocks fit its memory; the
+engine takes the minimum (an all-reduce MIN done by hand) and sends it back. A watchdog
+thread waits on the workers' process sentinels: a worker that dies or raises (it exits
+non-zero) is noticed at once, even while rank 0 sits in a collective, and reported to the
+failure hook (the server's: unhealthy, then exit). Workers exit when the engine's process
+is gone (a thread polls the parent pid) and ignore SIGINT (the engine stops them).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import torch
+
+from teacher_server.config import Config
+from teacher_server.engine.host_step import HostStep
+
+log = logging.getLogger(__name__)
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a hung collective (not a dead rank) ends in an error
+START_TIMEOUT_S = 3600.0  # loading a large model's shards
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or is gone: the engine cannot go on."""
+
+
+def set_nccl_env() -> None:
+    # NVLink SHARP (multicast) is off on the machines this runs on; keep NCCL from trying it.
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def init_group(device: torch.device, rank: int, size: int, port: int) -> None:
+    """Join the process group: NCCL on CUDA, gloo on the CPU."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
+                            **({"device_id": torch.device("cuda", rank)} if device.type == "cuda" else {}))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TPWorkers:
+    """The worker processes of ranks 1..size-1, seen from the engine (rank 0)."""
+
+    def __init__(self, cfg: Config, model_dir: Path, device: torch.device, size: int) -> None:
+        set_nccl_env()
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise RuntimeError(f"tensor_parallel_size={size} needs {size} GPUs, this host has "
+                               f"{torch.cuda.device_count()} visible")
+        self.size, self.device = size, device
+        self.port = _free_port()
+        self._closing = False
+        self._hook: Callable[[BaseException], None] | None = None
+        self.failure: str | None = None
+        ctx = mp.get_context("spawn")
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        for rank in range(1, size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"teacher-tp{rank}", daemon=True,
+                            args=(rank, size, self.port, cfg.model_dump(), str(model_dir), str(device), child,
+                                  os.getpid()))
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        threading.Thread(target=self._watch, name="teacher-tp-watchdog", daemon=True).start()
+
+    # --- start-up ------------------------------------------------------------------------
+    def _recv(self, i: int, what: str, timeout: float) -> tuple:
+        conn, p = self.conns[i], self.procs[i]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if conn.poll(0.2):
+                try:
+                    msg = conn.recv()
+                except EOFError:
+                    msg = ("error", "its pipe closed")
+                if msg[0] == "error":
+                    raise TensorParallelError(f"tensor-parallel rank {i + 1} failed {what}: {msg[1]}")
+                return msg
+            if not p.is_alive():
+                raise TensorParallelError(f"tensor-parallel rank {i + 1} exited (code {p.exitcode}) {what}")
+        raise TensorParallelError(f"tensor-parallel rank {i + 1} did not answer {what} within {timeout:.0f}s")
+
+    def wait_joined(self) -> None:
+        """Every worker is up and about to join the process group."""
+        for i in range(len(self.procs)):
+            self._recv(i, "at start-up", 600.0)
+
+    def agree_blocks(self, own: int) -> int:
+        """The KV block count every rank can hold (the minimum over ranks); sent to all."""
+        counts = [own] + [self._recv(i, "while loading its shard", START_TIMEOUT_S)[1] for i in range(len(self.procs))]
+        n = min(counts)
+        for c in self.conns:
+            c.send(("blocks", n))
+        for i in range(len(self.procs)):
+            self._recv(i, "while building its KV pool", 600.0)
+        log.info("tensor parallel: %d ranks, KV blocks per rank %s -> %d", self.size, counts, n)
+        return n
+
+    # --- steps ---------------------------------------------------------------------------
+    def send(self, hs: HostStep) -> None:
+        """Hand a step's plan to every worker (before rank 0 runs it)."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        data = pickle.dumps(replace(hs, scoring=replace(hs.scoring, spans=[])), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for c in self.conns:
+                c.send_bytes(data)
+        except OSError as e:
+            raise TensorParallelError(f"a tensor-parallel rank is gone: {e}") from None
+
+    # --- faults and shutdown ---------------------------------------------------------------
+    def on_failure(self, hook: Callable[[BaseException], None]) -> None:
+        """Call ``hook`` (from the watchdog thread) when a worker dies."""
+        self._hook = hook
+        if self.failure is not None:
+            hook(TensorParallelError(self.failure))
+
+    def _watch(self) -> None:
+        alive = {p.sentinel: p for p in self.procs}
+        while alive and not self._closing:
+            for s in wait(list(alive), timeout=1.0):
+                p = alive.pop(s)
+                if self._closing:
+                    return
+                self.failure = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
+                log.critical("%s; stopping the other ranks", self.failure)
+                self._kill()
+                if self._hook is not None:
+                    self._hook(TensorParallelError(self.failure))
+                return
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker: ask, wait, then kill; leave the process group."""
+        self._closing = True
+        for c in self.conns:
+            try:
+                c.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+        for p in self.procs:
+            p.join(5.0)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _orphan_guard(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)  # the engine's process is gone: nobody will stop this one
+
+
+def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str, device_name: str,
+                conn: Connection, parent: int) -> None:
+    """A worker's life: join, load its shard, agree on the KV size, then run steps."""
+    set_nccl_env()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_orphan_guard, args=(parent,), daemon=True).start()
+    logging.basicConfig(level=cfg_dict.get("log_level", "info").upper(),
+                        format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")
+    code = 0
+    try:
+        from teacher_server.engine.pacer import Unpaced
+        from teacher_server.engine.rank_setup import auto_num_blocks, load_rank, make_runner, resolve_dtype
+        from teacher_server.layers.parallel import TensorParallel
+        from teacher_server.models.spec import ModelSpec
+
+        cfg = Config(**cfg_dict)
+        device = rank_device(torch.device(device_name), rank)
+        conn.send(("joining",))
+        init_group(device, rank, size, port)
+        spec = ModelSpec.from_dir(model_dir)
+        tp = TensorParallel(size, rank)
+        max_len = cfg.max_model_len or spec.max_position_embeddings
+        model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
+        conn.send(("loaded", auto_num_blocks(cfg, spec, model.dtype, device, max_len, tp)))
+        _, blocks = conn.recv()
+        runner = make_runner(cfg, model, attn, blocks, max_len, device)
+        conn.send(("built",))
+        while True:
+            data = conn.recv_bytes()
+            if not data:  # the engine stops us
+                break
+            runner.execute(pickle.loads(data), Unpaced())
+    except EOFError:
+        code = 1  # the engine's end of the pipe closed: it is gone
+    except BaseException as e:
+        traceback.print_exc()
+        code = 1
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}"[:2000]))
+        except OSError:
+            pass
+    os._exit(code)  # skip interpreter teardown (process-group destructors) after a failure

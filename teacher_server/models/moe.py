@@ -1,0 +1,99 @@
+"""What the mixture-of-experts families share: the decoder layer whose MLP is the expert
+layer (``layers.moe.SparseMoe``) or, where ``spec.is_moe_layer`` says no, the dense MLP; and
+``MoeModel``, the mixin that maps expert checkpoint names (per-expert or stacked) onto the
+stacked expert weights and checks the grouped GEMM at start-up."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from teacher_server.layers.moe import SparseMoe, expert_param
+from teacher_server.layers.norm import RMSNorm
+from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.rotary import RotaryEmbedding
+from teacher_server.layers.runtime import RuntimeModule
+from teacher_server.models.llama import LlamaAttention, LlamaMLP, residual_norm
+from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.grouped_mm import GroupedGemm
+from teacher_server.ops.silu_mul import check_silu_mul
+from teacher_server.step_context import StepContext
+
+log = logging.getLogger(__name__)
+
+# The grouped GEMM every expert layer of this process calls; its check result is a fact of
+# (torch, device, dtype), so one per process.
+GROUPED_GEMM = GroupedGemm()
+
+# "model.layers.N.<mlp | block_sparse_moe>.<rest>": Mixtral's hub checkpoints say block_sparse_moe.
+_MLP = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
+
+
+class MoeDecoderLayer(RuntimeModule):
+    """Attention then the expert layer (or the dense MLP in the model's dense layers)."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, attention: type[LlamaAttention], dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = attention(spec, layer_id, dtype, device, tp)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.sparse = spec.is_moe_layer(layer_id)
+        self.mlp: SparseMoe | LlamaMLP
+        if self.sparse:
+            self.mlp = SparseMoe(spec.hidden_size, spec.num_experts, spec.num_experts_per_tok,
+                                 spec.moe_intermediate_size, spec.norm_topk_prob,
+                                 spec.shared_expert_intermediate_size, GROUPED_GEMM, dtype, device, tp)
+        else:
+            self.mlp = LlamaMLP(spec, dtype, device, tp)
+        self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
+        residual stream and the next layer's normed input."""
+        ops = self.rt.ops
+        x, h = residual_norm(x, self.self_attn(h, cs, ctx), self.self_attn.o_proj, self.post_attention_layernorm, ops)
+        if self.sparse:  # the experts' output is combined already: a plain residual add
+            return ops.add_rms_norm(x, self.mlp(h), self.next_norm.weight, self.next_norm.eps)
+        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
+
+
+class MoeModel:
+    """Mixin (before a ``LlamaForCausalLM`` subclass in the bases) for the expert families."""
+
+    decoder_layer = MoeDecoderLayer
+
+    def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
+        """Expert weights go to ``layers.N.mlp.experts`` (see ``layers.moe.expert_param``);
+        ``block_sparse_moe`` is read as ``mlp``; everything else as the dense families."""
+        m = _MLP.match(hf_name)
+        if m:
+            layer, rest = m.groups()
+            if rest.startswith("experts."):
+                place = expert_param(rest.removeprefix("experts."))
+                if place is not None:
+                    return f"layers.{layer}.mlp.experts", *place
+            hf_name = f"model.layers.{layer}.mlp.{rest}"
+        return super().checkpoint_param(hf_name)  # type: ignore[misc]
+
+    def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
+        """The dense stages' checks, then SiLU-mul at the experts' width and the grouped GEMM
+        at both expert GEMM shapes (each falls back alone, with one log line)."""
+        super().warm_up_ops(ops, rope)  # type: ignore[misc]
+        spec: ModelSpec = self.spec  # type: ignore[attr-defined]
+        sparse = next((layer.mlp for layer in self.layers if layer.sparse), None)  # type: ignore[attr-defined]
+        if sparse is None:
+            return
+        i, h = sparse.experts.i_local, spec.hidden_size
+        device, dtype = rope.table.device, self.dtype  # type: ignore[attr-defined]
+        if ops.silu_kernel:
+            try:
+                check_silu_mul(i, device, dtype)
+            except Exception as e:  # the reference is correct, only slower
+                log.warning("SiLU-mul kernel disabled: %s", e)
+                ops.silu_kernel = False
+        GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))

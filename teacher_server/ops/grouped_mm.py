@@ -1,0 +1,112 @@
+"""grouped_mm: one GEMM over row groups, each with its own weight, for the expert layer.
+
+``a`` [M, K] holds rows sorted by group (expert); ``b`` [G, K, N] holds one weight per
+group; ``offs`` [G] int32 holds the cumulative row ends (group g owns rows
+[offs[g-1], offs[g]), empty groups allowed, offs[-1] == M). The result is [M, N].
+
+- ``grouped_mm``: torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``: CUTLASS on
+  Hopper for bf16; a loop in C++ elsewhere). Its constraints: ``offs`` int32 on a's device,
+  16-byte aligned data pointers, one unit stride per matrix and the other a multiple of 16
+  bytes (so K and N multiples of 8 in bf16). ``b`` may be a transposed view of a [G, N, K]
+  weight, which is how the expert weights are stored.
+- ``padded_grouped_mm``: the fallback: rows scattered into a zero-padded [G, capacity, K]
+  block and one batched GEMM. No Python loop over groups, but the capacity (the largest
+  group) is read back to the host: one sync per call, acceptable only as the fallback.
+- ``grouped_mm_reference``: a loop over groups, the definition (tests and the start-up
+  check only).
+
+``GroupedGemm`` picks one per (device, dtype) on first use with a start-up check against the
+reference and logs one line when it falls back.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from teacher_server.ops.checks import assert_close
+
+log = logging.getLogger(__name__)
+
+_TORCH_GROUPED = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_reference(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [G, K, N] by groups -> [M, N] (a Python loop over groups: the reference)."""
+    out = a.new_zeros(a.shape[0], b.shape[2])
+    ends = offs.tolist()
+    start = 0
+    for g, end in enumerate(ends):
+        if end > start:
+            out[start:end] = a[start:end] @ b[g]
+        start = end
+    return out
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [G, K, N] by groups -> [M, N] through torch's grouped GEMM."""
+    assert _TORCH_GROUPED is not None, "this torch has no grouped GEMM"
+    return _TORCH_GROUPED(a, b, offs=offs)
+
+
+def padded_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[M, K] x [G, K, N] by groups -> [M, N] as one bmm over a zero-padded [G, cap, K] block."""
+    m, g = a.shape[0], b.shape[0]
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    rows = torch.arange(m, device=a.device)
+    group = torch.searchsorted(ends, rows, right=True)  # [M] the group of each row
+    pos = rows - starts[group]  # [M] position inside its group
+    cap = int((ends - starts).max()) if g else 0  # host sync: the fallback only
+    padded = a.new_zeros(g, max(cap, 1), a.shape[1])
+    padded[group, pos] = a
+    return torch.bmm(padded, b)[group, pos]  # [M, N]
+
+
+class GroupedGemm:
+    """The grouped GEMM the expert layers of one model call (``self(a, b, offs)``): torch's
+    where it passes its check at (device, dtype), else the padded bmm."""
+
+    def __init__(self) -> None:
+        self._fast: dict[tuple[str, torch.dtype], bool] = {}
+
+    def use_torch(self, device: torch.device, dtype: torch.dtype,
+                  shapes: tuple[tuple[int, int], ...] = ((64, 48),)) -> bool:
+        """Whether torch's grouped GEMM is used at (device, dtype): checked once against the
+        reference at each width k -> n of ``shapes`` (the model's, when called at warm-up),
+        with empty groups."""
+        key = (device.type, dtype)
+        if key not in self._fast:
+            ok = _TORCH_GROUPED is not None
+            if ok:
+                try:
+                    for k, n in shapes:
+                        check_grouped_mm(grouped_mm, k, n, device, dtype)
+                except Exception as e:  # unsupported device/dtype/shape: the fallback is correct
+                    log.warning("torch grouped GEMM unavailable on %s %s (%s: %s); experts use a padded bmm",
+                                device.type, str(dtype).replace("torch.", ""), type(e).__name__,
+                                " ".join(str(e).split())[:200])
+                    ok = False
+            else:
+                log.warning("this torch has no grouped GEMM; experts use a padded bmm")
+            self._fast[key] = ok
+        return self._fast[key]
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if self.use_torch(a.device, a.dtype):
+            return grouped_mm(a, b, offs)
+        return padded_grouped_mm(a, b, offs)
+
+
+def check_grouped_mm(fn: object, k: int, n: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Start-up check: ``fn`` against the reference at width k -> n with uneven and empty
+    groups, b a transposed view as the experts pass it. Raises RuntimeError on a mismatch."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 19, 1, 0, 7]
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    a = torch.randn(sum(counts), k, generator=gen).to(device, dtype)
+    w = torch.randn(len(counts), n, k, generator=gen).to(device, dtype)  # stored [G, N, K]
+    b = w.transpose(1, 2)
+    assert_close("grouped_mm", fn(a, b, offs), grouped_mm_reference(a, b, offs))  # type: ignore[operator]

@@ -1,0 +1,337 @@
+"""Tensor parallel on the CPU (gloo, worker processes): TP=2 gives TP=1's results within
+1e-5 in float32 (flat, per-row and binary candidates, classic prompt_logprobs, greedy next
+token, prefix-cache hits, chunked sequences, raw_logits, deterministic mode), on a vocab not
+divisible by 2 and with fewer KV heads than ranks; sharded loading; the HTTP service at
+``--tensor-parallel-size 2``; a killed worker makes the service unhealthy and the process
+exit non-zero."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from apiutil import assert_error, body, decode, npy_b64
+from conftest import LiveServer, free_port
+
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.layers.parallel import TensorParallel
+from teacher_server.models.loader import load_model
+from teacher_server.models.spec import ModelSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5
+GEN = "/inference/v1/generate"
+
+
+def tiny_checkpoint(path: Path, family: str, vocab: int, heads: int, kv_heads: int) -> Path:
+    """A tiny float32 checkpoint (qwen2: QKV bias; qwen3: q/k norm and tied embeddings)."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, head_dim=16)
+    if family == "qwen2":
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common, rope_theta=10000.0))
+    else:
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, rope_theta=10000.0, tie_word_embeddings=True))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.dim() == 2:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    model.float().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def odd_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Vocab 301 (odd: uneven shards at TP2), one KV head (replicated at TP2), QKV bias."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("tp") / "odd", "qwen2", 301, 4, 1)
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3 with tied embeddings (the embedding's vocab shard is the LM head's), 2 KV heads."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("tp") / "tied", "qwen3", 256, 4, 2)
+
+
+def requests(vocab: int, seed: int) -> list[ScoreRequest]:
+    """Flat and per-row (padded) candidates, classic prompt_logprobs, greedy next token;
+    three responses to one 48-token prompt (prefix-cache hits), long ones (chunked)."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, vocab, 48)
+    out = []
+    for j, (n, start) in enumerate([(40, 0), (150, 17), (97, 64), (5, 3), (2, 0)]):
+        toks = rng.integers(0, vocab, n)
+        rows = max(n - 1 - start, 0)
+        if j % 2:
+            cand = rng.integers(0, vocab, (rows, 6))
+            cand[rng.random((rows, 6)) < 0.2] = -1
+        else:
+            cand = np.array([0, vocab - 1, vocab // 2, vocab // 2 - 1, vocab // 2 + 1, 7])  # both shards' edges
+        out.append(ScoreRequest(f"r{j}", toks, start, cand, prompt_logprobs=3 if j < 3 else None, max_tokens=1))
+    for j in range(3):
+        toks = np.concatenate([prompt, rng.integers(0, vocab, 30)])
+        out.append(ScoreRequest(f"g{j}", toks, 47, rng.integers(0, vocab, (30, 4)), max_tokens=1))
+    return out
+
+
+def run(path: Path, size: int, seed: int = 0, **settings: object) -> tuple[list[ScoreResult], int]:
+    """Results of the requests scored in two waves (the second hits the prompt cached by the
+    first), and the prefix-cache hit tokens."""
+    settings = {"device": "cpu", **settings}
+    cfg = Config(model=str(path), tensor_parallel_size=size, max_num_batched_tokens=64, block_size=8,
+                 num_kv_blocks=256, **settings)
+    engine = Engine(cfg)
+    try:
+        reqs = requests(engine.spec.vocab_size, seed)
+        first = engine.run_to_completion(reqs[:6])
+        rest = engine.run_to_completion(reqs[6:])
+        return first + rest, engine.stats().prefix_hit_tokens
+    finally:
+        engine.close()
+
+
+def assert_same(a: list[ScoreResult], b: list[ScoreResult]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        np.testing.assert_array_equal(np.isfinite(x.token_id_logprobs), np.isfinite(y.token_id_logprobs))
+        fin = np.isfinite(x.token_id_logprobs)
+        np.testing.assert_allclose(y.token_id_logprobs[fin], x.token_id_logprobs[fin], rtol=0, atol=TOL)
+        assert x.next_token == y.next_token
+        if x.plp_topk_ids is not None:
+            np.testing.assert_array_equal(y.plp_topk_ids, x.plp_topk_ids)
+            np.testing.assert_array_equal(y.plp_token_rank, x.plp_token_rank)
+            np.testing.assert_allclose(y.plp_topk_logprobs, x.plp_topk_logprobs, rtol=0, atol=TOL)
+            np.testing.assert_allclose(y.plp_token_logprob, x.plp_token_logprob, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize(("model", "settings"), [
+    ("odd_vocab", {}),
+    ("odd_vocab", {"logprobs_mode": "raw_logits"}),
+    ("tied", {"deterministic": True}),
+])
+def test_tp2_equals_tp1(model: str, settings: dict, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(model)
+    one, hits1 = run(path, 1, **settings)
+    two, hits2 = run(path, 2, **settings)
+    assert_same(one, two)
+    assert hits2 == hits1
+    if not settings.get("deterministic"):
+        assert hits2 > 0  # the second wave read the cached prompt
+
+
+def test_sharded_load_holds_each_ranks_slices(odd_vocab: Path) -> None:
+    """Each rank's parameters are its slices of the full model (uneven vocab shards, the one
+    KV head replicated, the o projection split by input columns)."""
+    spec = ModelSpec.from_dir(odd_vocab)
+    full = dict(load_model(odd_vocab, spec, torch.float32, torch.device("cpu")).named_parameters())
+    shards = [dict(load_model(odd_vocab, spec, torch.float32, torch.device("cpu"), tp=TensorParallel(2, r))
+                   .named_parameters()) for r in range(2)]
+    head = "head.weight"
+    assert [s[head].shape[0] for s in shards] == [151, 150]
+    torch.testing.assert_close(torch.cat([s[head] for s in shards]), full[head], rtol=0, atol=0)
+    o = "layers.0.self_attn.o_proj.weight"
+    torch.testing.assert_close(torch.cat([s[o] for s in shards], dim=1), full[o], rtol=0, atol=0)
+    qkv = "layers.1.self_attn.qkv_proj.weight"
+    q, d = spec.q_size, spec.head_dim
+    for r, s in enumerate(shards):
+        torch.testing.assert_close(s[qkv][:q // 2], full[qkv][r * q // 2:(r + 1) * q // 2], rtol=0, atol=0)
+        torch.testing.assert_close(s[qkv][q // 2:], full[qkv][q:], rtol=0, atol=0)  # the KV head, on both
+        assert s[qkv].shape[0] == q // 2 + 2 * d
+
+
+def test_heads_must_split(odd_vocab: Path) -> None:
+    with pytest.raises(ValueError, match="does not divide"):
+        Engine(Config(model=str(odd_vocab), device="cpu", tensor_parallel_size=3))
+
+
+@pytest.mark.slow
+def test_tp8(tmp_path: Path) -> None:
+    """Eight gloo ranks, eight heads, one KV head (replicated on all): TP=8 equals TP=1."""
+    path = tiny_checkpoint(tmp_path / "m", "qwen2", 301, 8, 1)
+    one, _ = run(path, 1)
+    eight, _ = run(path, 8)
+    assert_same(one, eight)
+
+
+# --- the HTTP service ---------------------------------------------------------------------------
+
+class Serve:
+    """`python -m teacher_server serve --tensor-parallel-size 2 --device cpu` on a free port."""
+
+    def __init__(self, model: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--tensor-parallel-size", "2",
+             "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--max-num-batched-tokens",
+             "64", "--num-kv-blocks", "256", "--block-size", "8"],
+            env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline and self.proc.poll() is None, "server did not start"
+            time.sleep(0.1)
+
+    def workers(self) -> list[int]:
+        """Pids of the worker processes (spawned children of the server)."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                stat = (d / "stat").read_text()
+                cmd = (d / "cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if d.name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and b"spawn_main" in cmd:
+                pids.append(int(d.name))
+        return pids
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_http_service_at_tp2(odd_vocab: Path) -> None:
+    """The contract through the HTTP service with two ranks: candidate forms (flat, per-row
+    lists, binary) agree with each other and with TP=1; prompt_logprobs layout; greedy next
+    token; validation; then SIGTERM stops every worker and the server exits 0."""
+    engine = Engine(Config(model=str(odd_vocab), device="cpu"))
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 301, 60)
+    cand = rng.integers(0, 301, (59 - 10, 5))
+    ref = engine.run_to_completion([ScoreRequest("x", toks, 10, cand, prompt_logprobs=2, max_tokens=1)])[0]
+    s = Serve(odd_vocab)
+    try:
+        s.wait_ready()
+        workers = s.workers()
+        assert len(workers) == 1  # one worker process: rank 1
+        with httpx.Client(base_url=s.url, timeout=120) as c:
+            as_list = c.post(GEN, json=body(toks, cand, 10, max_tokens=1, prompt_logprobs=2)).json()
+            as_npy = c.post(GEN, json=body(toks, None, 10, prompt_logprob_token_ids=npy_b64(cand.astype(np.int32))))
+            flat = c.post(GEN, json=body(toks, [0, 150, 151, 300], 10)).json()
+            got = decode(as_list["prompt_token_id_logprobs"])
+            np.testing.assert_allclose(got, ref.token_id_logprobs, rtol=0, atol=TOL)
+            np.testing.assert_array_equal(decode(as_npy.json()["prompt_token_id_logprobs"]), got)
+            assert decode(flat["prompt_token_id_logprobs"]).shape == (49, 4)
+            assert as_list["choices"][0]["token_ids"] == [ref.next_token]
+            plp = as_list["prompt_logprobs"]
+            assert len(plp) == 60 and plp[0] is None
+            first = plp[5]
+            assert int(next(iter(first))) == int(toks[5])  # the actual token first
+            assert_error(c.post(GEN, json=body(toks, [301], 10)), 400)
+            assert c.get("/v1/models").status_code == 200
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0
+        assert wait_gone(workers, 20), "a worker outlived the server"
+    finally:
+        s.stop()
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has an empty cmdline)."""
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while any(running(p) for p in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    return not any(running(p) for p in pids)
+
+
+def test_workers_exit_when_the_server_is_killed(odd_vocab: Path) -> None:
+    """No orphans: SIGKILL to the server (no shutdown code runs) and its worker still exits."""
+    s = Serve(odd_vocab)
+    try:
+        s.wait_ready()
+        workers = s.workers()
+        assert workers
+        s.proc.kill()
+        s.proc.wait()
+        assert wait_gone(workers, 20), "a worker outlived the killed server"
+    finally:
+        s.stop()
+
+
+def test_killed_worker_makes_the_process_exit_non_zero(odd_vocab: Path) -> None:
+    s = Serve(odd_vocab)
+    try:
+        s.wait_ready()
+        (worker,) = s.workers()
+        os.kill(worker, signal.SIGKILL)
+        assert s.proc.wait(60) == 3  # the engine-failure exit code, within a bounded time
+    finally:
+        s.stop()
+
+
+def test_killed_worker_makes_health_503(odd_vocab: Path) -> None:
+    """In process, with the fatal hook recorded instead of exiting: /health stays 503 and
+    requests get 503, mid-request too."""
+    fired = threading.Event()
+    cfg = Config(model=str(odd_vocab), device="cpu", tensor_parallel_size=2, max_num_batched_tokens=16)
+    with LiveServer(cfg, on_fatal=fired.set) as srv, srv.client() as c:
+        pids = srv.app.state.engine.worker_pids
+        os.kill(pids[0], signal.SIGKILL)
+        assert fired.wait(30)
+        assert_error(c.get("/health"), 503)
+        assert_error(c.post(GEN, json=body(range(20), [1, 2])), 503)
+
+
+# --- GPU (two GPUs: NCCL, the CUDA kernels, cuDNN attention) -----------------------------------
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize(("family", "dtype", "tol"), [("qwen3hd128", "float32", 1e-4), ("qwen3hd128", "bfloat16", None)])
+def test_gpu_tp2_equals_tp1(family: str, dtype: str, tol: float | None, checkpoints) -> None:
+    """TP=2 on two GPUs against TP=1 on one, same requests: float32 (sdpa, no fused kernels)
+    within 1e-4; bfloat16 (the served path) within bf16 rounding of the partial sums."""
+    one, _ = run(checkpoints[family], 1, device="cuda", dtype=dtype, max_model_len=1024)
+    two, _ = run(checkpoints[family], 2, device="cuda", dtype=dtype, max_model_len=1024)
+    if tol is not None:
+        assert_same_within(one, two, tol)
+        return
+    diffs = [np.abs(x.token_id_logprobs - y.token_id_logprobs)[np.isfinite(x.token_id_logprobs)]
+             for x, y in zip(one, two, strict=True)]
+    d = np.concatenate(diffs)
+    print(f"bf16 TP2 vs TP1: mean abs {d.mean():.2e}, max {d.max():.2e}")
+    assert d.mean() < 2e-2 and d.max() < 0.25, (d.mean(), d.max())
+
+
+def assert_same_within(a: list[ScoreResult], b: list[ScoreResult], tol: float) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        fin = np.isfinite(x.token_id_logprobs)
+        np.testing.assert_array_equal(fin, np.isfinite(y.token_id_logprobs))
+        np.testing.assert_allclose(y.token_id_logprobs[fin], x.token_id_logprobs[fin], rtol=0, atol=tol)
+        if x.plp_topk_logprobs is not None:
+            np.testing.assert_allclose(y.plp_topk_logprobs, x.plp_topk_logprobs, rtol=0, atol=tol)
