@@ -166,3 +166,13 @@ def test_async_client_over_two_servers(checkpoints, single, reference) -> None:
         client.close()
     for got, want in zip(outs, ref, strict=True):
         np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+def test_replicas_of_tensor_parallel_groups(checkpoints, reference) -> None:
+    """Each replica an engine of its own, here a TP group of two ranks (gloo on the CPU):
+    2 x 2 processes, results equal to one single-process engine's."""
+    groups = _groups(6, 4, 2)
+    ref = reference([r for g in groups for r in g])
+    with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2, tensor_parallel_size=2)) as s, \
+            TeacherClient(s.url) as c:
+        _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
