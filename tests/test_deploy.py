@@ -52,7 +52,7 @@ CONFIG_FILE = "/etc/teacher-server/config.yaml"
 NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
 # Config fields the chart sets from dedicated values (environment), never from `config`.
 CHART_OWNED_FIELDS = {"model", "revision", "download_dir", "served_model_name", "host", "port", "api_key",
-                      "shutdown_timeout_s", "tensor_parallel_size"}
+                      "shutdown_timeout_s", "tensor_parallel_size", "data_parallel_size"}
 # Seconds the chart must leave between the end of the drain and the kubelet's SIGKILL, for
 # the process to answer cut-off requests, stop the engine and exit.
 MIN_EXIT_MARGIN_S = 5
@@ -317,7 +317,11 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
 
     # the ConfigMap is what --config reads, and the server accepts it with this environment
     assert c["args"][:2] == ["--config", CONFIG_FILE]
-    assert not c["args"][2:] or c["args"][2:] == ["--tensor-parallel-size", str(values.get("tensorParallelSize"))]
+    given = values or {}
+    flags = [(f"--{k}", str(given[v])) for k, v in (("tensor-parallel-size", "tensorParallelSize"),
+                                                    ("data-parallel-size", "dataParallelSize"))
+             if given.get(v, 1) > 1]
+    assert c["args"][2:] == [x for flag in flags for x in flag]
     cm = one(docs, "ConfigMap")
     config_mount = mount_at(c, str(Path(CONFIG_FILE).parent))
     assert config_mount["readOnly"] is True
@@ -514,6 +518,19 @@ def test_tensor_parallel_release(helm: ModuleType, kube: ModuleType, kube_versio
     assert shm["emptyDir"]["medium"] == "Memory"
     default = server_container(one(check_release(helm, kube, kube_versions, None, tmp_path), "Deployment"))
     assert "--tensor-parallel-size" not in default["args"]
+
+
+def test_data_parallel_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                               tmp_path: Path) -> None:
+    """dataParallelSize: replicas in the pod, each on its own GPUs: dataParallelSize x
+    tensorParallelSize GPUs and both flags."""
+    docs = check_release(helm, kube, kube_versions, {"dataParallelSize": 2, "tensorParallelSize": 2}, tmp_path)
+    c = server_container(one(docs, "Deployment"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert c["args"][2:] == ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]
+    c = server_container(one(check_release(helm, kube, kube_versions, {"dataParallelSize": 2}, tmp_path),
+                              "Deployment"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["args"][2:] == ["--data-parallel-size", "2"]
 
 
 def test_shutdown_timings_are_consistent(helm: ModuleType) -> None:
