@@ -181,6 +181,7 @@ class ReplicaPool:
                 self._exited(rep)
 
     def _exited(self, rep: Replica) -> None:
+        rep.process.join(1.0)  # its pipes have closed; the exit status follows at once
         code = rep.process.exitcode
         if self._stopping or rep.state == "stopped":
             rep.state = "stopped"

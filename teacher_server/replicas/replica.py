@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from multiprocessing.context import SpawnContext
 
 from teacher_server.config import Config
@@ -69,7 +70,9 @@ class Replica:
             except (EOFError, OSError):
                 break
             on_message(self, msg)
-        self.process.join()
+        # Wait for the exit without reaping it: only the loop thread reaps (``exitcode``,
+        # ``join``); two threads waiting on one process race for its status.
+        wait([self.process.sentinel])
         on_message(self, None)
 
     # --- on the event loop -------------------------------------------------------------
@@ -122,7 +125,10 @@ class Replica:
         if self.process.is_alive():
             log.warning("replica %d did not exit in %.0fs; killing it (its threads' stacks follow)", self.index,
                         timeout)
-            os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
-            time.sleep(0.5)
-            self.process.kill()
+            try:
+                os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
+                time.sleep(0.5)
+                self.process.kill()
+            except ProcessLookupError:  # it exited meanwhile
+                pass
             self.process.join(5)
