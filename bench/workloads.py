@@ -72,6 +72,14 @@ def make_workload(name: str, vocab: int, k: int = 64, seed: int = 0) -> list[Req
                 toks = np.concatenate([prompt, rng.integers(0, vocab, 2048)])
                 out.append(Req(toks, 2047, _candidates(rng, 2048, k, vocab)))
         return out
+    elif name == "G1":  # GRPO: 32 prompts, 8-16 responses each, all lengths varied
+        out = []
+        for _ in range(32):
+            prompt = rng.integers(0, vocab, int(rng.integers(1024, 2049)))
+            for r in rng.integers(512, 4097, int(rng.integers(8, 17))).tolist():
+                toks = np.concatenate([prompt, rng.integers(0, vocab, r)])
+                out.append(Req(toks, len(prompt) - 1, _candidates(rng, r, k, vocab)))
+        return out
     elif name.startswith("L"):  # one long request, e.g. L131072
         total = int(name[1:])
         prompts, responses = np.array([1024]), np.array([total - 1024])

@@ -80,6 +80,18 @@ class Config(BaseModel):
     pipeline: bool = Field(True, description="Schedule and launch step N+1 while step N runs on the GPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
+    # --- replicas ----------------------------------------------------------------------
+    data_parallel_size: int = Field(
+        1, ge=1, description="Engine replicas behind one port, each a process of its own on its own GPU (GPU i of "
+                             "CUDA_VISIBLE_DEVICES, or the CPU); 1: the engine runs in the server process.")
+    routing: Literal["affinity", "round_robin"] = Field(
+        "affinity", description="How requests are spread over replicas: affinity sends requests with the same "
+                                "unscored prefix to the same replica (spilling when it is overloaded); "
+                                "round_robin ignores prefixes (a comparison for benchmarks).")
+    routing_spill_tokens: int = Field(
+        32768, ge=0, description="A request leaves its preferred replica when that one's outstanding tokens exceed "
+                                 "1.25x the least-loaded replica's plus this many.")
+
     # --- server ------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")

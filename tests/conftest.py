@@ -48,7 +48,7 @@ def free_port() -> int:
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a background thread."""
 
-    def __init__(self, cfg, **app_kw) -> None:
+    def __init__(self, cfg, port: int | None = None, **app_kw) -> None:
         import uvicorn
 
         from teacher_server.server.app import create_app
@@ -56,7 +56,7 @@ class LiveServer:
 
         self.cfg = cfg
         self.app = create_app(cfg, **app_kw)
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a server restarted where clients expect it
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn_config(self.app, cfg, host="127.0.0.1", port=self.port, lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -52,7 +52,7 @@ CONFIG_FILE = "/etc/teacher-server/config.yaml"
 NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
 # Config fields the chart sets from dedicated values (environment), never from `config`.
 CHART_OWNED_FIELDS = {"model", "revision", "download_dir", "served_model_name", "host", "port", "api_key",
-                      "shutdown_timeout_s", "tensor_parallel_size"}
+                      "shutdown_timeout_s", "tensor_parallel_size", "data_parallel_size"}
 # Seconds the chart must leave between the end of the drain and the kubelet's SIGKILL, for
 # the process to answer cut-off requests, stop the engine and exit.
 MIN_EXIT_MARGIN_S = 5
@@ -238,10 +238,11 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
 
     # selectors really pick the pods
     assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    svc = one(docs, "Service")
-    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    one([d for d in docs if not d["metadata"]["name"].endswith("-headless")], "Service")  # exactly one ordinary
     (http,) = [p for p in c["ports"] if p["name"] == "http"]
-    assert [p["targetPort"] for p in svc["spec"]["ports"]] == ["http"]
+    for s in (d for d in docs if d["kind"] == "Service"):  # the Service, and the headless one when on
+        assert s["spec"]["selector"].items() <= pod_labels.items()
+        assert [p["targetPort"] for p in s["spec"]["ports"]] == ["http"]
     assert env["TEACHER_SERVER_PORT"]["value"] == str(http["containerPort"])
     assert env["TEACHER_SERVER_HOST"]["value"] == "0.0.0.0"
 
@@ -316,7 +317,11 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
 
     # the ConfigMap is what --config reads, and the server accepts it with this environment
     assert c["args"][:2] == ["--config", CONFIG_FILE]
-    assert not c["args"][2:] or c["args"][2:] == ["--tensor-parallel-size", str(values.get("tensorParallelSize"))]
+    given = values or {}
+    flags = [(f"--{k}", str(given[v])) for k, v in (("tensor-parallel-size", "tensorParallelSize"),
+                                                    ("data-parallel-size", "dataParallelSize"))
+             if given.get(v, 1) > 1]
+    assert c["args"][2:] == [x for flag in flags for x in flag]
     cm = one(docs, "ConfigMap")
     config_mount = mount_at(c, str(Path(CONFIG_FILE).parent))
     assert config_mount["readOnly"] is True
@@ -364,8 +369,28 @@ PRODUCTION: dict[str, Any] = {
 AUTOSCALED = merged(PRODUCTION, {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 12}})
 
 
+HEADLESS = merged(PRODUCTION, {"service": {"headless": {"enabled": True}}})
+
+
+def test_headless_service_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                  tmp_path: Path) -> None:
+    """The headless Service for client-side routing: every Ready pod by one DNS name, on the
+    pods' own port (clients connect to the pods), next to the ordinary Service."""
+    docs = check_release(helm, kube, kube_versions, HEADLESS, tmp_path)
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert set(services) == {RELEASE, RELEASE + "-headless"}
+    headless = services[RELEASE + "-headless"]["spec"]
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
+    assert headless["selector"] == services[RELEASE]["spec"]["selector"]
+    (http,) = [p for p in server_container(one(docs, "Deployment"))["ports"] if p["name"] == "http"]
+    assert [p["port"] for p in headless["ports"]] == [http["containerPort"]]
+    notes = render(helm, HEADLESS)["teacher-server/templates/NOTES.txt"]
+    assert f'"http://{RELEASE}-headless.{NAMESPACE}.svc:{http["containerPort"]}", resolve=True' in notes
+    assert "-headless" not in render(helm, PRODUCTION)["teacher-server/templates/NOTES.txt"]
+
+
 def test_chart_lints_clean(helm: ModuleType) -> None:
-    for values in (None, PRODUCTION, AUTOSCALED):
+    for values in (None, PRODUCTION, AUTOSCALED, HEADLESS):
         report = helm.lint(str(CHART), values, strict=True)
         problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
         assert not problems and not report["errors"], report
@@ -493,6 +518,19 @@ def test_tensor_parallel_release(helm: ModuleType, kube: ModuleType, kube_versio
     assert shm["emptyDir"]["medium"] == "Memory"
     default = server_container(one(check_release(helm, kube, kube_versions, None, tmp_path), "Deployment"))
     assert "--tensor-parallel-size" not in default["args"]
+
+
+def test_data_parallel_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                               tmp_path: Path) -> None:
+    """dataParallelSize: replicas in the pod, each on its own GPUs: dataParallelSize x
+    tensorParallelSize GPUs and both flags."""
+    docs = check_release(helm, kube, kube_versions, {"dataParallelSize": 2, "tensorParallelSize": 2}, tmp_path)
+    c = server_container(one(docs, "Deployment"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert c["args"][2:] == ["--tensor-parallel-size", "2", "--data-parallel-size", "2"]
+    c = server_container(one(check_release(helm, kube, kube_versions, {"dataParallelSize": 2}, tmp_path),
+                              "Deployment"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["args"][2:] == ["--data-parallel-size", "2"]
 
 
 def test_shutdown_timings_are_consistent(helm: ModuleType) -> None:

@@ -49,8 +49,20 @@ def test_quick_start_client(demo_server) -> None:
     np.testing.assert_allclose(ns["batch"].scores[0], ns["one"], rtol=0, atol=1e-5)
 
 
+def test_many_servers_client(demo_server) -> None:
+    """The several-servers example: two base URLs (the same server under two names), and a
+    name resolved to its addresses (localhost: 127.0.0.1, and ::1 where nobody listens, which
+    the client takes out)."""
+    block = next(b for b in python_blocks() if "HEADLESS_URL" in b)
+    port = demo_server.port
+    ns: dict = {"URL_A": demo_server.url, "URL_B": f"http://localhost:{port}",
+                "HEADLESS_URL": f"http://localhost:{port}"}
+    exec(compile(block, "README.md:many-servers", "exec"), ns)
+    assert len(ns["scores"]) == 8 and all(m.shape == (3, 1) for m in ns["scores"])
+
+
 def test_every_python_block_is_executed() -> None:
-    assert len(python_blocks()) == 3
+    assert len(python_blocks()) == 4
 
 
 def test_config_table_lists_every_setting() -> None:

@@ -7,7 +7,9 @@ bounded concurrency in input order (``return_exceptions=True`` for per-request e
 ``score_batch_padded`` one ``[B, T, K]`` array with its row mask. Candidates always travel as
 a base64 ``.npy`` int32 array (JSON lists of 8k x 256 ids are megabytes). 429/502/503/504
 (honouring ``Retry-After``), connection errors and timeouts are retried with exponential
-backoff and jitter; other errors raise ``TeacherServerError`` at once.
+backoff and jitter; other errors raise ``TeacherServerError`` at once. Given several base URLs
+(or one name resolving to many, ``resolve=True``) they route requests over the servers with the
+server's own replica policy (``teacher_server.routing``) and fail over between them.
 
 Only numpy and httpx are needed (``pip install teacher-server[client]``): nothing here imports
 torch, FastAPI or uvicorn.

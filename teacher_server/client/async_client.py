@@ -23,6 +23,7 @@ from teacher_server.client.protocol import (
     as_request,
 )
 from teacher_server.client.retry import RETRY_EXCEPTIONS
+from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing
 
 
 @dataclass
@@ -52,14 +53,19 @@ class AsyncTeacherClient(ClientBase):
     (or loops in several threads). At most ``max_concurrency`` requests are in flight at once
     per loop. ``aclose()`` (or ``async with``) closes the current loop's connections, and
     ``asyncio.run`` closes them when its loop ends. ``transport`` takes an ``httpx.AsyncBaseTransport``,
-    shared by every loop's connection pool.
+    shared by every loop's connection pool. Several servers (``base_url`` a list, or
+    ``resolve=True``) as in ``TeacherClient``; ``close()`` stops their health checks.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | httpx.Timeout = 600.0,
-                 max_retries: int = 5, backoff: float = 0.5, max_concurrency: int = 16, *,
-                 max_backoff: float = 30.0, model: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model)
+    def __init__(self, base_url: str | Sequence[str], api_key: str | None = None,
+                 timeout: float | httpx.Timeout = 600.0, max_retries: int = 5, backoff: float = 0.5,
+                 max_concurrency: int = 16, *, max_backoff: float = 30.0, model: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None, resolve: bool = False,
+                 routing: Routing = "affinity", block_size: int = BLOCK_SIZE, spill_tokens: int = SPILL_TOKENS,
+                 health_interval: float = 5.0) -> None:
+        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model,
+                         resolve=resolve, routing=routing, block_size=block_size, spill_tokens=spill_tokens,
+                         health_interval=health_interval)
         self._transport = transport
         self._loops: dict[asyncio.AbstractEventLoop, _LoopState] = {}
         self._lock = threading.Lock()  # loops in several threads may share the client
@@ -82,6 +88,11 @@ class AsyncTeacherClient(ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+    def close(self) -> None:
+        """Stop the health checks of several servers (``aclose`` closes a loop's connections)."""
+        if self.endpoints is not None:
+            self.endpoints.close()
 
     async def aclose(self) -> None:
         """Close this event loop's pooled connections (the client stays usable)."""
@@ -138,16 +149,26 @@ class AsyncTeacherClient(ClientBase):
     async def _send(self, req: TeacherRequest) -> ScoreOutput:
         content = self._encode(req)
         st = await self._state()
-        attempt = 0
+        key, tokens = self._route_key(req), len(req.token_ids)
+        attempt, url = 0, None
         while True:
             attempt += 1
             resp = err = None
+            url = None if self.endpoints is None else self.endpoints.pick(key, avoid=url)
+            if url is not None:
+                self.endpoints.begin(url, tokens)
             try:
                 async with st.slots:
-                    resp = await st.http.post(GENERATE_PATH, content=content, headers=JSON_HEADERS)
+                    resp = await st.http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
+                                              content=content, headers=JSON_HEADERS)
             except RETRY_EXCEPTIONS as e:
                 err = e
+            finally:
+                if url is not None:
+                    self.endpoints.end(url, tokens)
+            elsewhere = self._fail_over(url, resp, err)
             out = self.retry.outcome(attempt, resp, err)
             if out is not None:
                 return out
-            await asyncio.sleep(self.retry.delay(attempt, resp))
+            if not elsewhere:  # another server is up: go there now, no backoff
+                await asyncio.sleep(self.retry.delay(attempt, resp))

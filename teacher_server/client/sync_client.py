@@ -23,13 +23,19 @@ from teacher_server.client.protocol import (
     as_request,
 )
 from teacher_server.client.retry import RETRY_EXCEPTIONS
+from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing
 
 
 class TeacherClient(ClientBase):
     """Synchronous client (thread-safe; ``score_batch`` runs requests on a thread pool).
 
     Args:
-        base_url: the server, e.g. ``http://127.0.0.1:8000``.
+        base_url: the server, e.g. ``http://127.0.0.1:8000``; or several servers (a list of base
+            URLs), over which requests are routed as the server routes over its replicas: the same
+            unscored prefix (first token blocks + ``cache_salt``) to the same server, so a GRPO
+            group's responses hit the server that caches its prompt; least outstanding tokens
+            otherwise. A server that fails connections or ``/health`` is taken out (its requests
+            go to another at once) and put back when ``/health`` answers 200 again.
         api_key: sent as ``Authorization: Bearer <key>`` when given.
         timeout: seconds per attempt (connect capped at 10 s), or an ``httpx.Timeout``.
         max_retries: retries after the first attempt on 429/502/503/504, connection errors and timeouts.
@@ -38,13 +44,23 @@ class TeacherClient(ClientBase):
         max_concurrency: requests in flight at once (threads of ``score_batch``, pooled connections).
         model: sent as ``model``; the server answers 404 when it serves another one.
         transport: a custom ``httpx.BaseTransport`` (TLS settings, proxies, tests).
+        resolve: route over every address ``base_url``'s host resolves to (a Kubernetes headless
+            Service: one per ready pod), resolved again at each health check.
+        routing: ``affinity`` (default) or ``round_robin`` (ignores prefixes; for comparisons).
+        block_size: the servers' ``block_size`` (the unit of prefix reuse), 16 by default.
+        spill_tokens: see ``teacher_server.routing``: when a request leaves its preferred server.
+        health_interval: seconds between health checks (and DNS resolutions) of several servers.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float | httpx.Timeout = 600.0,
-                 max_retries: int = 5, backoff: float = 0.5, max_concurrency: int = 16, *,
-                 max_backoff: float = 30.0, model: str | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model)
+    def __init__(self, base_url: str | Sequence[str], api_key: str | None = None,
+                 timeout: float | httpx.Timeout = 600.0, max_retries: int = 5, backoff: float = 0.5,
+                 max_concurrency: int = 16, *, max_backoff: float = 30.0, model: str | None = None,
+                 transport: httpx.BaseTransport | None = None, resolve: bool = False, routing: Routing = "affinity",
+                 block_size: int = BLOCK_SIZE, spill_tokens: int = SPILL_TOKENS,
+                 health_interval: float = 5.0) -> None:
+        super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model,
+                         resolve=resolve, routing=routing, block_size=block_size, spill_tokens=spill_tokens,
+                         health_interval=health_interval, probe_transport=transport)
         self._http = httpx.Client(transport=transport, **self._client_kw)
         self._slots = threading.BoundedSemaphore(max_concurrency)
 
@@ -55,8 +71,10 @@ class TeacherClient(ClientBase):
         self.close()
 
     def close(self) -> None:
-        """Close the pooled connections."""
+        """Close the pooled connections (and stop the health checks of several servers)."""
         self._http.close()
+        if self.endpoints is not None:
+            self.endpoints.close()
 
     def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
               cache_salt: str | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
@@ -127,16 +145,26 @@ class TeacherClient(ClientBase):
 
     def _send(self, req: TeacherRequest) -> ScoreOutput:
         content = self._encode(req)
-        attempt = 0
+        key, tokens = self._route_key(req), len(req.token_ids)
+        attempt, url = 0, None
         while True:
             attempt += 1
             resp = err = None
+            url = None if self.endpoints is None else self.endpoints.pick(key, avoid=url)
+            if url is not None:
+                self.endpoints.begin(url, tokens)
             try:
                 with self._slots:
-                    resp = self._http.post(GENERATE_PATH, content=content, headers=JSON_HEADERS)
+                    resp = self._http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
+                                           content=content, headers=JSON_HEADERS)
             except RETRY_EXCEPTIONS as e:
                 err = e
+            finally:
+                if url is not None:
+                    self.endpoints.end(url, tokens)
+            elsewhere = self._fail_over(url, resp, err)
             out = self.retry.outcome(attempt, resp, err)
             if out is not None:
                 return out
-            time.sleep(self.retry.delay(attempt, resp))
+            if not elsewhere:  # another server is up: go there now, no backoff
+                time.sleep(self.retry.delay(attempt, resp))

@@ -28,8 +28,7 @@ from teacher_server import __version__
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreResult
-from teacher_server.engine.stats import EngineStats
+from teacher_server.replicas.lifecycle import start_replicas
 from teacher_server.server import parsing
 from teacher_server.server.errors import HTTP_STATUS, http_status
 from teacher_server.server.http import ClientGone, read_body
@@ -53,7 +52,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         st = app.state
-        st.metrics = Metrics(cfg.served_name, vllm_names=cfg.vllm_metric_names)
+        st.metrics = Metrics(cfg.served_name, vllm_names=cfg.vllm_metric_names, replicas=cfg.data_parallel_size)
         st.aengine, st.engine, st.status, st.started = None, None, "loading", int(time.time())
         st.loop = asyncio.get_running_loop()
         st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
@@ -61,8 +60,11 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
         # own thread, so one of them does not hold up the parsing of every other request
         st.plp_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher-plp")
-        start_engine(app, cfg, engine_factory, on_step=lambda e, results: _on_step(st.metrics, e, results),
-                     on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
+        # One replica: the engine runs here, on a thread of this process (no extra hop).
+        # Several: a process each, behind a routing front (teacher_server.replicas).
+        start = start_engine if cfg.data_parallel_size == 1 else start_replicas
+        start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
+              on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
         try:
             yield
         finally:
@@ -100,13 +102,15 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
-        """200 `{"status": "ready"}` when the engine can serve; 503 with `status` "loading",
-        "draining" or "failed" (and the error shape) otherwise."""
+        """200 `{"status": "ready"}` when the engine (every replica) can serve; 503 with `status`
+        "loading", "draining" or "failed" (and the error shape, naming a replica that is down)
+        otherwise."""
         st = request.app.state
         ae: AsyncEngine | None = st.aengine
-        if ae is not None and ae.alive and ae.accepting:
+        # (a replica pool stays `alive` while one replica serves; a down replica sets fatal_error)
+        if ae is not None and ae.alive and ae.accepting and ae.fatal_error is None:
             return Response(b'{"status":"ready"}', media_type="application/json")
-        status = st.status if ae is None else ("failed" if not ae.alive else "draining")
+        status = st.status if ae is None else ("failed" if not ae.alive or ae.fatal_error else "draining")
         message = {"loading": "engine is loading", "draining": "server is shutting down"}.get(
             status, (ae.fatal_error if ae is not None else None) or "engine failed to start")
         return _json(503, {"status": status, **error_body(503, message)})
@@ -127,8 +131,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         m: Metrics = request.app.state.metrics
-        if request.app.state.engine is not None:
-            _refresh_gauges(m, request.app.state.engine)
+        if cfg.data_parallel_size == 1 and request.app.state.engine is not None:  # replicas send theirs
+            m.observe_gauges(request.app.state.engine.stats())
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/inference/v1/generate", response_model=GenerateResponse,
@@ -289,40 +293,12 @@ async def _wait_disconnect(request: Request) -> None:
         await asyncio.sleep(0.25)
 
 
-def _refresh_gauges(m: Metrics, engine: Engine, s: EngineStats | None = None) -> None:
-    s = s or engine.stats()
-    m.labels(m.waiting).set(s.waiting)
-    m.labels(m.running).set(s.running)
-    m.labels(m.kv_usage).set(s.kv_usage)
-
-
-def _totals(s: EngineStats, m: Metrics) -> list[tuple[object, float]]:
-    """(counter, the engine's running total that feeds it)."""
-    t = s.timing
-    return [(m.labels(m.stage_seconds, stage=stage), v) for stage, v in t.stages().items()] + [
-        (m.labels(m.gpu_seconds, kind="busy"), t.gpu_s), (m.labels(m.gpu_seconds, kind="idle"), t.gpu_idle_s),
-        (m.labels(m.computed_tokens), s.computed_tokens), (m.labels(m.prefix_queries), s.prefix_query_tokens),
-        (m.labels(m.prefix_hits), s.prefix_hit_tokens)]
-
-
-def _on_step(m: Metrics, engine: Engine, results: list[ScoreResult]) -> None:
-    m.labels(m.steps).inc()
-    s = engine.stats()
-    last = getattr(m, "_last_totals", None)
-    now = _totals(s, m)
-    for i, (counter, total) in enumerate(now):  # counters fed from the engine's running totals
-        d = total - (last[i] if last else 0)
-        if d > 0:
-            counter.inc(d)
-    m._last_totals = [v for _, v in now]
-    _refresh_gauges(m, engine, s)
-
-
 def _on_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None) -> None:
     """The engine cannot recover: report unhealthy and ask the process to exit so the
     orchestrator restarts it."""
     m: Metrics = app.state.metrics
-    m.labels(m.healthy).set(0)
+    if m.replicas == 1:  # a replica that went down has already marked its own series
+        m.set_healthy(False)
     app.state.exit_code = 3
     log.critical("engine failed (%s); exiting", exc)
     (hook or terminate_self)()

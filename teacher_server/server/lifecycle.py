@@ -43,7 +43,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
         st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
                            cfg.max_prompt_logprobs_entries)
         st.engine, st.aengine, st.status = engine, ae, "ready"
-        st.metrics.labels(st.metrics.healthy).set(1)
+        st.metrics.set_healthy(True)
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,
                  engine.served_model_name, engine.max_model_len)
 
@@ -86,6 +86,9 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
     st = app.state
     ae: AsyncEngine | None = st.aengine
     if ae is None:  # still loading (its thread is a daemon) or failed to start
+        pool = getattr(st, "replica_pool", None)
+        if pool is not None:  # replica processes are no daemons: stop them
+            pool.shutdown()
         return
     ae.stop_accepting()
     if ae.in_flight and not st.cutoff.is_set():

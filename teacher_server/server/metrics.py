@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
+from teacher_server.engine.stats import EngineStats
+
 # No `<name>_created` series: they double the series count and dashboards do not read them.
 disable_created_metrics()
 
@@ -18,21 +20,25 @@ _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160
 
 
 class Metrics:
-    """The service's metrics; ``labels(metric, **kw)`` fills in the model name."""
+    """The service's metrics; ``labels(metric, **kw)`` fills in the model name. With several
+    replicas (``replicas > 1``) the engine's own metrics (queues, KV, steps, prefix cache,
+    health) carry a ``replica`` label too ("0", "1", ...); ``engine_labels`` fills it in."""
 
-    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False, replicas: int = 1) -> None:
         self.registry = CollectorRegistry()
         r, p = self.registry, "teacher_server_"
         lab = ["model_name"]
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued, not yet scheduled.", lab, registry=r)
-        self.running = Gauge(p + "num_requests_running", "Requests part-way through prefill.", lab, registry=r)
-        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", lab, registry=r)
+        eng = lab + (["replica"] if replicas > 1 else [])  # per engine: per replica when there are several
+        self.replicas = replicas
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests queued, not yet scheduled.", eng, registry=r)
+        self.running = Gauge(p + "num_requests_running", "Requests part-way through prefill.", eng, registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", eng, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
         self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model (excludes cache hits).",
-                                       lab, registry=r)
+                                       eng, registry=r)
         self.scored_rows = Counter(p + "scored_rows", "Scored rows (result matrix rows) returned.", lab, registry=r)
-        self.prefix_queries = Counter(p + "prefix_cache_queries", "Cacheable prompt tokens looked up.", lab, registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served from the prefix cache.", lab,
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Cacheable prompt tokens looked up.", eng, registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens served from the prefix cache.", eng,
                                    registry=r)
         self.requests = Counter(p + "requests", "Finished HTTP scoring requests by status code.",
                                 lab + ["status"], registry=r)
@@ -42,26 +48,29 @@ class Metrics:
                                     buckets=_LAT, registry=r)
         self.inference_time = Histogram(p + "request_inference_time_seconds", "First scheduled step to finish.",
                                         lab, buckets=_LAT, registry=r)
-        self.steps = Counter(p + "engine_steps", "Forward steps run.", lab, registry=r)
+        self.steps = Counter(p + "engine_steps", "Forward steps run.", eng, registry=r)
         self.stage_seconds = Counter(p + "engine_stage_seconds",
                                      "Engine-thread time per step stage: schedule, prepare, launch (queueing GPU "
                                      "work), wait (for the GPU), scatter (results to requests).",
-                                     lab + ["stage"], registry=r)
+                                     eng + ["stage"], registry=r)
         self.gpu_seconds = Counter(p + "engine_gpu_seconds",
                                    "GPU time seen by the engine (CUDA events): idle, when the GPU had run out of "
                                    "queued work while the engine was still launching (inside a step or between "
                                    "two back-to-back steps: the host was late); busy, the rest of each step from "
-                                   "its first kernel to its results on the host.", lab + ["kind"], registry=r)
-        self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", lab, registry=r)
+                                   "its first kernel to its results on the host.", eng + ["kind"], registry=r)
+        self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", eng, registry=r)
         self.model_name = model_name
-        for m in (self.waiting, self.running, self.kv_usage, self.prompt_tokens, self.computed_tokens,
-                  self.scored_rows, self.prefix_queries, self.prefix_hits, self.e2e, self.queue_time,
-                  self.inference_time, self.steps, self.healthy):
+        self._last: dict[int | None, list[float]] = {}  # per replica: the engine totals last seen
+        for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time):
             m.labels(model_name=model_name)  # export every series from the start
-        for stage in STAGES:
-            self.stage_seconds.labels(model_name=model_name, stage=stage)
-        for kind in ("busy", "idle"):
-            self.gpu_seconds.labels(model_name=model_name, kind=kind)
+        for rep in ([None] if replicas == 1 else range(replicas)):
+            for m in (self.waiting, self.running, self.kv_usage, self.computed_tokens, self.prefix_queries,
+                      self.prefix_hits, self.steps, self.healthy):
+                self.engine_labels(m, rep)
+            for stage in STAGES:
+                self.engine_labels(self.stage_seconds, rep, stage=stage)
+            for kind in ("busy", "idle"):
+                self.engine_labels(self.gpu_seconds, rep, kind=kind)
         if vllm_names:
             r.register(VllmNames([
                 (self.waiting, "vllm:num_requests_waiting"), (self.running, "vllm:num_requests_running"),
@@ -73,6 +82,40 @@ class Metrics:
 
     def labels(self, metric: MetricWrapperBase, **kw: str) -> MetricWrapperBase:
         return metric.labels(model_name=self.model_name, **kw)
+
+    def engine_labels(self, metric: MetricWrapperBase, replica: int | None, **kw: str) -> MetricWrapperBase:
+        """An engine metric's series: of replica ``replica`` when there are several (None: the one engine)."""
+        if self.replicas > 1:
+            assert replica is not None, "a replica index is needed with several replicas"
+            kw["replica"] = str(replica)
+        return self.labels(metric, **kw)
+
+    def set_healthy(self, ok: bool, replica: int | None = None) -> None:
+        """Health of the engine, or of one replica; None with several replicas: all of them."""
+        for rep in ([replica] if replica is not None or self.replicas == 1 else range(self.replicas)):
+            self.engine_labels(self.healthy, rep).set(1 if ok else 0)
+
+    def observe_engine(self, s: EngineStats, replica: int | None = None) -> None:
+        """Feed an engine's snapshot: counters grow by what its running totals grew since the
+        last snapshot of the same engine; gauges take its current values."""
+        t = s.timing
+        lab = lambda m, **kw: self.engine_labels(m, replica, **kw)  # noqa: E731
+        now = [(lab(self.stage_seconds, stage=stage), v) for stage, v in t.stages().items()] + [
+            (lab(self.gpu_seconds, kind="busy"), t.gpu_s), (lab(self.gpu_seconds, kind="idle"), t.gpu_idle_s),
+            (lab(self.computed_tokens), s.computed_tokens), (lab(self.prefix_queries), s.prefix_query_tokens),
+            (lab(self.prefix_hits), s.prefix_hit_tokens), (lab(self.steps), s.steps)]
+        last = self._last.get(replica)
+        for i, (counter, total) in enumerate(now):
+            d = total - (last[i] if last else 0)
+            if d > 0:
+                counter.inc(d)
+        self._last[replica] = [v for _, v in now]
+        self.observe_gauges(s, replica)
+
+    def observe_gauges(self, s: EngineStats, replica: int | None = None) -> None:
+        self.engine_labels(self.waiting, replica).set(s.waiting)
+        self.engine_labels(self.running, replica).set(s.running)
+        self.engine_labels(self.kv_usage, replica).set(s.kv_usage)
 
 
 class VllmNames:

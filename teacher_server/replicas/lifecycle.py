@@ -1,0 +1,67 @@
+"""The replica pool's life in the app: what ``server.lifecycle.start_engine`` does for one
+engine, for ``data_parallel_size`` > 1. Shutdown is the same code (``stop_engine`` and the
+draining server drive the pool through the AsyncEngine surface)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from fastapi import FastAPI
+
+from teacher_server.config import Config
+from teacher_server.replicas.messages import ReplicaInfo
+from teacher_server.replicas.pool import ReplicaPool
+from teacher_server.server.lifecycle import terminate_self
+from teacher_server.validation import Limits
+
+log = logging.getLogger("teacher_server.server")
+
+
+class PoolEngineInfo:
+    """Stands for the engine in ``app.state.engine``: what the routes read of it."""
+
+    def __init__(self, info: ReplicaInfo) -> None:
+        self.served_model_name = info.served_model_name
+        self.model_dir = info.model_dir
+        self.max_model_len = info.max_model_len
+
+
+def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object],
+                   on_step: Callable | None, on_fatal: Callable[[BaseException], None],
+                   on_start_failure: Callable[[], None] | None) -> None:
+    """Start the replica processes (each builds its engine) and serve once all are ready;
+    ``on_fatal`` when a ready replica goes down, ``on_start_failure`` when one cannot start.
+    ``on_step`` is unused: replicas report their engines' snapshots themselves."""
+    st = app.state
+    m = st.metrics
+    log.info("starting %d replicas of %s (device %s, routing %s)", cfg.data_parallel_size, cfg.model or "demo",
+             cfg.device, cfg.routing)
+    t0 = time.monotonic()
+
+    def down(index: int, why: str) -> None:
+        m.set_healthy(False, index)
+        on_fatal(RuntimeError(f"replica {index} went down: {why}"))
+
+    pool = ReplicaPool(cfg, factory, on_stats=lambda i, s: m.observe_engine(s, i), on_down=down)
+    pool.start()
+
+    async def wait() -> None:
+        try:
+            info = await pool.ready()
+        except Exception as e:
+            st.status, st.exit_code = "failed", 3
+            log.critical("replicas failed to start: %s", e)
+            (on_start_failure or terminate_self)()
+            return
+        st.limits = Limits(info.vocab_size, info.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
+                           cfg.max_prompt_logprobs_entries)
+        st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
+        m.set_healthy(True)
+        log.info("%d replicas ready in %.1fs: serving %s (max_model_len %d)", cfg.data_parallel_size,
+                 time.monotonic() - t0, info.served_model_name, info.max_model_len)
+
+    st.replica_start = asyncio.ensure_future(wait())
+    st.replica_pool = pool  # shut down by stop_engine once ready; before that, by the lifespan's end

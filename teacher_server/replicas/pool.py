@@ -1,0 +1,212 @@
+"""``ReplicaPool``: N replica processes behind the surface the server uses of ``AsyncEngine``
+(``score``, ``alive``, ``accepting``, ``in_flight``, ``drain``, ``shutdown``).
+
+Each request goes to one replica chosen by ``teacher_server.routing`` (prefix affinity, or
+least outstanding tokens), among those with room in their own queue (``max_queue_requests``
+and ``max_queue_tokens`` hold per replica). A replica that goes down hands back what it held
+unanswered, and each of those requests is sent to another replica: scoring is idempotent and
+a lost request was not scored, so no row is lost or doubled. The pool is then unhealthy
+(``/health`` 503, ``fatal_error`` names the replica; ``alive`` stays True while another replica
+serves) and ``on_fatal`` runs, as when the single engine dies: by default the process drains
+what the other replicas hold and exits non-zero, so the orchestrator restarts it whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+
+from teacher_server.config import Config
+from teacher_server.engine.async_engine import EngineOverloaded, EngineUnavailable
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.engine.stats import EngineStats
+from teacher_server.replicas.messages import (
+    FromReplica,
+    LostMsg,
+    ReadyMsg,
+    ReplicaInfo,
+    ResultMsg,
+    StartFailedMsg,
+    StatsMsg,
+)
+from teacher_server.replicas.replica import Replica, ReplicaLost
+from teacher_server.replicas.worker import replica_devices
+from teacher_server.routing import Router
+
+log = logging.getLogger("teacher_server.replicas")
+
+
+class ReplicaPool:
+    """Start with ``start()`` (on the event loop), then ``await ready()``."""
+
+    def __init__(self, cfg: Config, factory: Callable[[Config], object],
+                 on_stats: Callable[[int, EngineStats], None] | None = None,
+                 on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int | None = None) -> None:
+        self.cfg = cfg
+        self.max_queue_requests, self.max_queue_tokens = cfg.max_queue_requests, cfg.max_queue_tokens
+        self.router = Router(cfg.routing, cfg.block_size, cfg.routing_spill_tokens)
+        self.on_stats, self.on_down = on_stats, on_down
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or threads
+        # A replica is a whole engine: one GPU, or a tensor-parallel group of them (its own
+        # worker processes start inside the replica process, on the GPUs it was given).
+        if gpus_per_replica is None:
+            gpus_per_replica = getattr(cfg, "tensor_parallel_size", 1)
+        gpu = _uses_gpu(cfg)
+        visible = _visible_devices() if gpu else None
+        self.replicas = [Replica(i, ctx, cfg, factory, replica_devices(i, gpus_per_replica, visible) if gpu else None)
+                         for i in range(cfg.data_parallel_size)]
+        self.info: ReplicaInfo | None = None
+        self.accepting = True
+        self.retried = 0  # requests sent again after their replica went down
+        self._stopping = False
+        self._started: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.create_future()
+        for r in self.replicas:
+            r.start(self._post)
+
+    async def ready(self) -> ReplicaInfo:
+        """Wait until every replica is ready; raise when one fails to start (all are stopped)."""
+        assert self._started is not None, "start() first"
+        try:
+            await self._started
+        except BaseException:
+            self.shutdown()
+            raise
+        assert self.info is not None
+        return self.info
+
+    @property
+    def alive(self) -> bool:
+        """Some replica can serve (requests are admitted); ``fatal_error`` says when one cannot."""
+        return any(r.state == "ready" for r in self.replicas)
+
+    @property
+    def fatal_error(self) -> str | None:
+        down = [f"replica {r.index} down: {r.error}" for r in self.replicas if r.state == "down"]
+        return "; ".join(down) or None
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The replicas' process ids, by index."""
+        return [r.pid for r in self.replicas]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.requests for r in self.replicas)
+
+    def stop_accepting(self) -> None:
+        self.accepting = False
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until in-flight requests finish (True) or the timeout passes (False)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.in_flight == 0
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every replica (their engines shut down) and wait for the processes."""
+        self._stopping = True
+        for r in self.replicas:
+            r.stop()
+        for r in self.replicas:
+            if r.process.pid is not None:
+                r.join(timeout)
+            if r.state != "down":
+                r.state = "stopped"
+
+    # --- requests ----------------------------------------------------------------------
+    async def score(self, req: ScoreRequest) -> ScoreResult:
+        """Route, queue on that replica and wait; sent again to another replica when the
+        first goes down before answering. Cancelling the waiter aborts it there."""
+        if not self.accepting:
+            raise EngineUnavailable("server is shutting down")
+        lo, hi = req.logit_range()
+        key = self.router.key(req.token_ids, lo if hi > lo else 0, req.cache_salt)
+        tried: set[str] = set()
+        while True:
+            live = [r for r in self.replicas if r.state == "ready" and r.name not in tried]
+            if not live:
+                raise EngineUnavailable(self.fatal_error or "no replica can serve")
+            room = [r for r in live if r.requests < self.max_queue_requests
+                    and r.tokens + req.length <= self.max_queue_tokens]
+            if not room:
+                raise EngineOverloaded(f"queue full on every replica ({sum(r.requests for r in live)} requests, "
+                                       f"{sum(r.tokens for r in live)} tokens)")
+            name = self.router.pick(key, {r.name: r.tokens for r in room})
+            rep = self.replicas[int(name)]
+            fut = rep.submit(req)
+            try:
+                return await fut
+            except ReplicaLost as e:
+                log.warning("request %s: %s; sending it to another replica", req.request_id[:100], e)
+                tried.add(name)
+                self.retried += 1
+            except asyncio.CancelledError:
+                rep.cancel(req.uid)
+                raise
+
+    # --- replica messages (reader threads -> the loop) ---------------------------------
+    def _post(self, rep: Replica, msg: FromReplica | None) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._on_message, rep, msg)
+        except RuntimeError:  # the loop has closed: the app is gone
+            pass
+
+    def _on_message(self, rep: Replica, msg: FromReplica | None) -> None:
+        match msg:
+            case ResultMsg() | LostMsg():
+                rep.answer(msg)
+            case StatsMsg(stats=s):
+                if self.on_stats is not None:
+                    self.on_stats(rep.index, s)
+            case ReadyMsg(info=info):
+                rep.state, self.info = "ready", self.info or info
+                log.info("replica %d ready (pid %s)", rep.index, rep.pid)
+                if all(r.state == "ready" for r in self.replicas) and not self._started.done():
+                    self._started.set_result(info)
+            case StartFailedMsg(error=err):
+                rep.error = err
+                if not self._started.done():
+                    self._started.set_exception(RuntimeError(f"replica {rep.index} failed to start: {err}"))
+            case None:  # the process has exited
+                self._exited(rep)
+
+    def _exited(self, rep: Replica) -> None:
+        rep.process.join(1.0)  # its pipes have closed; the exit status follows at once
+        code = rep.process.exitcode
+        if self._stopping or rep.state == "stopped":
+            rep.state = "stopped"
+            rep.went_down("shut down")
+            rep.state = "stopped"
+            return
+        why = rep.error or f"process exited with code {code}"
+        was_ready = rep.state == "ready"
+        rep.went_down(why)  # its requests fail over (their waiters route them again)
+        log.critical("replica %d (pid %s) went down: %s", rep.index, rep.pid, why)
+        if not self._started.done():
+            self._started.set_exception(RuntimeError(f"replica {rep.index} failed to start: {why}"))
+        elif was_ready and self.on_down is not None:
+            self.on_down(rep.index, why)
+
+
+def _uses_gpu(cfg: Config) -> bool:
+    if cfg.device == "cpu":
+        return False
+    import torch
+
+    return cfg.device == "cuda" or torch.cuda.is_available()
+
+
+def _visible_devices() -> str | None:
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,0 +1,134 @@
+"""``Replica``: the front's handle on one replica process: its queue (requests sent and not yet
+answered, with their tokens: the load the router reads), and the thread that reads its
+answers and notices when it exits.
+
+Everything that touches ``pending`` and the counters runs on the server's event loop; the
+reader thread only posts onto it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+from multiprocessing.context import SpawnContext
+
+from teacher_server.config import Config
+from teacher_server.engine.request import ScoreRequest
+from teacher_server.replicas.messages import AddMsg, CancelMsg, FromReplica, LostMsg, ResultMsg, StopMsg
+from teacher_server.replicas.worker import run_replica
+
+log = logging.getLogger("teacher_server.replicas")
+
+
+class ReplicaLost(Exception):
+    """The replica went away before answering; the request was not scored there."""
+
+
+class Replica:
+    """One replica process (``index`` 0..N-1, routed by ``name``, its index as a string).
+    ``state``: starting, ready, down (exited or failed to start) or stopped (shut down)."""
+
+    def __init__(self, index: int, ctx: SpawnContext, cfg: Config, factory: Callable[[Config], object],
+                 devices: str | None) -> None:
+        self.index, self.name = index, str(index)
+        self.state = "starting"
+        self.error: str | None = None
+        self.requests = 0  # sent, not yet answered
+        self.tokens = 0  # their tokens: the load the router balances
+        self._pending: dict[int, tuple[ScoreRequest, asyncio.Future]] = {}
+        self._inbox: mp.Queue = ctx.Queue()
+        self._inbox.cancel_join_thread()  # never block exit on a replica that stopped reading
+        reader, writer = ctx.Pipe(duplex=False)
+        self._reader = reader
+        self.process = ctx.Process(target=run_replica, args=(index, cfg, factory, devices, self._inbox, writer),
+                                   name=f"teacher-replica-{index}")
+        self._writer = writer
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    def start(self, on_message: Callable[[Replica, FromReplica | None], None]) -> None:
+        """Start the process and the reader thread; ``on_message(self, msg)`` is called from
+        that thread for every message, then once with None when the process has exited."""
+        self.process.start()
+        self._writer.close()  # the child holds the only write end: its exit reads as EOF here
+        threading.Thread(target=self._read, args=(on_message,), name=f"teacher-replica{self.index}-out",
+                         daemon=True).start()
+
+    def _read(self, on_message: Callable[[Replica, FromReplica | None], None]) -> None:
+        while True:
+            try:
+                msg = self._reader.recv()
+            except (EOFError, OSError):
+                break
+            on_message(self, msg)
+        # Wait for the exit without reaping it: only the loop thread reaps (``exitcode``,
+        # ``join``); two threads waiting on one process race for its status.
+        wait([self.process.sentinel])
+        on_message(self, None)
+
+    # --- on the event loop -------------------------------------------------------------
+    def submit(self, req: ScoreRequest) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[req.uid] = (req, fut)
+        self.requests += 1
+        self.tokens += req.length
+        self._inbox.put(AddMsg(req))
+        return fut
+
+    def cancel(self, uid: int) -> None:
+        if self._take(uid) is not None:
+            self._inbox.put(CancelMsg(uid))
+
+    def _take(self, uid: int) -> asyncio.Future | None:
+        item = self._pending.pop(uid, None)
+        if item is None:
+            return None
+        req, fut = item
+        self.requests -= 1
+        self.tokens -= req.length
+        return fut
+
+    def answer(self, msg: ResultMsg | LostMsg) -> None:
+        uid = msg.res.uid if isinstance(msg, ResultMsg) else msg.uid
+        fut = self._take(uid)
+        if fut is None or fut.done():
+            return
+        if isinstance(msg, ResultMsg):
+            fut.set_result(msg.res)
+        else:
+            fut.set_exception(ReplicaLost(f"replica {self.index} lost the request"))
+
+    def went_down(self, why: str) -> None:
+        """The process has exited: nothing it held will be answered."""
+        self.state, self.error = "down", why
+        for uid in list(self._pending):
+            fut = self._take(uid)
+            if fut is not None and not fut.done():
+                fut.set_exception(ReplicaLost(f"replica {self.index} went down ({why})"))
+
+    def stop(self) -> None:
+        """Ask the process to exit (its engine shuts down); ``join`` waits for it."""
+        if self.process.is_alive():
+            self._inbox.put(StopMsg())
+
+    def join(self, timeout: float) -> None:
+        self.process.join(timeout)
+        if self.process.is_alive():
+            log.warning("replica %d did not exit in %.0fs; killing it (its threads' stacks follow)", self.index,
+                        timeout)
+            try:
+                os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
+                time.sleep(0.5)
+                self.process.kill()
+            except ProcessLookupError:  # it exited meanwhile
+                pass
+            self.process.join(5)

@@ -1,0 +1,176 @@
+"""Inside a replica process: one ``AsyncEngine`` (its engine thread, admission, deadlines,
+cancellation, exactly as the single-engine server runs it) fed by the front's messages.
+
+The process sees only its own GPUs (``CUDA_VISIBLE_DEVICES`` is set before torch touches
+CUDA), so the engine inside is unchanged: ``cuda:0`` is this replica's GPU. On the CPU each
+replica takes its share of the cores. It exits 0 when told to stop, 3 when the engine cannot
+start or dies, and when the front process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from teacher_server.config import Config
+from teacher_server.replicas.messages import (
+    AddMsg,
+    CancelMsg,
+    FromReplica,
+    LostMsg,
+    ReadyMsg,
+    ReplicaInfo,
+    ResultMsg,
+    StartFailedMsg,
+    StatsMsg,
+    StopMsg,
+)
+
+log = logging.getLogger("teacher_server.replicas")
+STATS_INTERVAL_S = 0.25  # how often a changed engine snapshot is sent to the front (metrics)
+
+
+def replica_devices(index: int, per_replica: int, visible: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` of replica ``index``: its ``per_replica`` GPUs (one, or a
+    TP group) out of the ones this host process may use (``visible``, default all)."""
+    if visible is not None and visible.strip():
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        import torch
+
+        ids = [str(i) for i in range(torch.cuda.device_count())]
+    need = (index + 1) * per_replica
+    if need > len(ids):
+        raise RuntimeError(f"replica {index} needs GPUs {index * per_replica}..{need - 1} but only "
+                           f"{len(ids)} are visible ({','.join(ids) or 'none'})")
+    return ",".join(ids[index * per_replica:need])
+
+
+def run_replica(index: int, cfg: Config, factory: Callable[[Config], object], devices: str | None,
+                inbox: mp.Queue, outbox: Connection) -> None:
+    """The replica process's target. ``devices``: its CUDA_VISIBLE_DEVICES (None on CPU)."""
+    if devices is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = devices  # before any CUDA call of this process
+    from teacher_server.logging_setup import setup_logging
+
+    setup_logging(cfg.log_level, cfg.log_json)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
+    if devices is None:
+        import torch
+
+        # N CPU replicas share the cores instead of each starting one thread per core
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.data_parallel_size))
+    one = cfg.model_copy(update={"data_parallel_size": 1})
+    code = asyncio.run(_serve(index, one, factory, inbox, _Sender(outbox)))
+    os._exit(code)  # skip interpreter teardown: the engine thread may still hold the GPU
+
+
+class _Sender:
+    """The pipe to the front, shared by the loop and the stats thread."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, msg: FromReplica) -> None:
+        with self.lock:
+            try:
+                self.conn.send(msg)
+            except (BrokenPipeError, EOFError, OSError):  # the front is gone; the reader notices
+                pass
+
+
+async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], inbox: mp.Queue,
+                 out: _Sender) -> int:
+    from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+    from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    fatal: list[BaseException] = []
+
+    def on_fatal(e: BaseException) -> None:  # engine thread
+        fatal.append(e)
+        loop.call_soon_threadsafe(stop.set)
+
+    try:
+        # The front already applies the queue limits per replica; these only back them up.
+        ae = await AsyncEngine.build(lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
+                                     on_fatal=on_fatal)
+    except BaseException as e:
+        log.critical("replica %d: engine failed to start: %s: %s", index, type(e).__name__, e)
+        out.send(StartFailedMsg(f"{type(e).__name__}: {e}"))
+        return 3
+    engine = ae.engine
+    out.send(ReadyMsg(ReplicaInfo(engine.served_model_name, str(engine.model_dir), engine.max_model_len,
+                                  engine.spec.vocab_size)))
+    tasks: dict[int, asyncio.Task] = {}
+
+    async def one(req: ScoreRequest) -> None:
+        try:
+            res = await ae.score(req)
+        except (EngineOverloaded, EngineUnavailable) as e:
+            res = ScoreResult.failed(req, e.kind, str(e))
+        finally:
+            tasks.pop(req.uid, None)
+        if res.error_kind == ErrorKind.INTERNAL and not ae.alive:
+            out.send(LostMsg(req.uid))  # the engine died under it: the front retries it elsewhere
+        else:
+            out.send(ResultMsg(res))
+
+    def handle(msg: object) -> None:  # on the loop
+        match msg:
+            case AddMsg(req=req):
+                tasks[req.uid] = loop.create_task(one(req))
+            case CancelMsg(uid=uid):
+                t = tasks.get(uid)
+                if t is not None:
+                    t.cancel()
+            case _:
+                stop.set()
+
+    def read() -> None:  # the front's messages, onto the loop; a gone front stops the replica
+        parent = mp.parent_process()
+        while True:
+            try:
+                msg = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    msg = StopMsg()
+                else:
+                    continue
+            except (EOFError, OSError):
+                msg = StopMsg()
+            try:
+                loop.call_soon_threadsafe(handle, msg)
+            except RuntimeError:  # the loop has closed
+                return
+            if isinstance(msg, StopMsg):
+                return
+
+    def report() -> None:  # the engine's snapshot, when it changed, for the front's metrics
+        last = None
+        while not stop.is_set():
+            s = engine.stats()
+            if s != last:
+                out.send(StatsMsg(s))
+                last = s
+            stop_wait.wait(STATS_INTERVAL_S)
+
+    stop_wait = threading.Event()
+    threading.Thread(target=read, name=f"teacher-replica{index}-in", daemon=True).start()
+    threading.Thread(target=report, name=f"teacher-replica{index}-stats", daemon=True).start()
+    await stop.wait()
+    stop_wait.set()
+    for t in list(tasks.values()):
+        t.cancel()
+    await asyncio.to_thread(ae.shutdown)
+    return 3 if fatal else 0

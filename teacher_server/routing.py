@@ -1,0 +1,98 @@
+"""Which replica serves a request: one policy for the server's front (``--data-parallel-size``)
+and for the client over many hosts.
+
+Affinity: requests whose reusable prefix (the full token blocks before the first scored row,
+``block_size`` tokens each, the server's block size, 16 by default) starts with the same
+blocks under the same ``cache_salt`` go to the same replica, the one with the highest
+rendezvous weight ``hash(key, replica)``. A GRPO group (n responses to one prompt) so lands
+where the prompt's KV is cached, and adding or removing a replica moves only the keys that
+replica wins or held.
+
+Spill: the preferred replica is skipped when it is overloaded, that is when its outstanding
+tokens (sent, not yet answered) exceed ``SPILL_RATIO`` (1.25) x the least-loaded replica's plus
+``spill_tokens`` (default ``SPILL_TOKENS``, 32768: two steps of the default GPU token budget);
+the request then goes to the least-loaded replica. A group split so costs one more prefill of
+its prompt (its later members find it cached on the replica they spilled to, which stays the
+least loaded for a while), while an idle replica costs throughput; the ratio keeps replicas
+with long queues from trading groups over differences that even out. Requests with no full
+reusable block go to the least-loaded replica. ``round_robin`` ignores prefixes and load (a
+comparison for benchmarks).
+
+Plain Python + numpy: the client imports it without torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+Routing = Literal["affinity", "round_robin"]
+BLOCK_SIZE = 16  # the server's default block_size (Config.block_size)
+ROUTE_BLOCKS = 16  # the key covers at most this many leading blocks (256 tokens by default)
+SPILL_TOKENS = 32768
+SPILL_RATIO = 1.25
+
+
+def reusable_tokens(start: int, prompt_logprobs: int | None = None) -> int:
+    """Tokens before the first position that must reach the LM head: what a prefix cache can
+    serve. Classic ``prompt_logprobs`` scores every position, so nothing is reusable then."""
+    return 0 if prompt_logprobs is not None else max(int(start), 0)
+
+
+def prefix_key(token_ids: Sequence[int] | np.ndarray, reusable: int, cache_salt: str | None = None,
+               block_size: int = BLOCK_SIZE, route_blocks: int = ROUTE_BLOCKS) -> bytes | None:
+    """The routing key of a request: a digest of its first ``min(reusable // block_size,
+    route_blocks)`` token blocks and its salt, or None when it has no full reusable block."""
+    n = min(reusable // block_size, route_blocks) * block_size
+    if n <= 0:
+        return None
+    toks = np.asarray(token_ids[:n], dtype="<i8")  # the same bytes whatever the caller's dtype
+    h = hashlib.blake2b(toks.tobytes(), digest_size=16)
+    h.update(b"\x00salt\x00" + (cache_salt or "").encode("utf-8", "surrogatepass"))
+    return h.digest()
+
+
+def rendezvous(key: bytes, replicas: Sequence[str]) -> str:
+    """The replica of ``replicas`` with the highest weight for ``key`` (highest random weight
+    hashing): stable for a key while that replica is present."""
+    assert replicas, "rendezvous over no replicas"
+    return max(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
+
+
+class Router:
+    """Picks a replica for each request. ``replicas`` names the candidates (the server's
+    replica indices as strings, or the client's base URLs); ``load`` maps each to its
+    outstanding tokens. Thread-safe (round-robin keeps a counter)."""
+
+    def __init__(self, routing: Routing = "affinity", block_size: int = BLOCK_SIZE,
+                 spill_tokens: int = SPILL_TOKENS) -> None:
+        assert routing in ("affinity", "round_robin"), f"unknown routing {routing!r}"
+        assert block_size >= 1 and spill_tokens >= 0, (block_size, spill_tokens)
+        self.routing = routing
+        self.block_size = block_size
+        self.spill_tokens = spill_tokens
+        self._turn = itertools.count()
+        self._lock = threading.Lock()
+
+    def key(self, token_ids: Sequence[int] | np.ndarray, reusable: int, cache_salt: str | None) -> bytes | None:
+        return prefix_key(token_ids, reusable, cache_salt, self.block_size)
+
+    def pick(self, key: bytes | None, load: dict[str, int]) -> str:
+        """The replica for a request with routing key ``key`` (see ``prefix_key``)."""
+        assert load, "no replica to route to"
+        names = sorted(load)
+        if self.routing == "round_robin":
+            with self._lock:
+                return names[next(self._turn) % len(names)]
+        least = min(names, key=lambda r: (load[r], r))
+        if key is None:
+            return least
+        preferred = rendezvous(key, names)
+        if load[preferred] > SPILL_RATIO * load[least] + self.spill_tokens:
+            return least
+        return preferred

@@ -1,0 +1,178 @@
+"""Replicas: ``--data-parallel-size 2`` behind one port (processes on the CPU), and the client
+over several single-replica servers. Results must equal one replica's."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+from conftest import LiveServer
+
+from teacher_server.client import AsyncTeacherClient, TeacherClient, TeacherRequest
+from teacher_server.config import Config
+
+BLOCK = 8
+TOL = 2e-5
+
+
+def _cfg(ckpt, **kw) -> Config:
+    return Config(model=str(ckpt), device="cpu", max_num_batched_tokens=1024, block_size=BLOCK, num_kv_blocks=1024,
+                  max_model_len=1024, max_logprobs=16, **kw)
+
+
+def _groups(seed: int, n_groups: int, n: int, prompt: tuple[int, int] = (40, 72),
+            response: tuple[int, int] = (4, 40)) -> list[list[TeacherRequest]]:
+    """GRPO-shaped requests: n responses of varied length per prompt, scored after the prompt."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n_groups):
+        p = rng.integers(0, 512, int(rng.integers(*prompt)))
+        group = []
+        for _ in range(n):
+            toks = np.concatenate([p, rng.integers(0, 512, int(rng.integers(*response)))])
+            group.append(TeacherRequest(toks, rng.integers(0, 512, (len(toks) - len(p), 4)), len(p) - 1))
+        out.append(group)
+    return out
+
+
+def _metric(url: str, name: str) -> dict[str, float]:
+    """replica label (or "") -> value of a counter series."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1:].rsplit("} ", 1)
+            rep = [p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("replica=")]
+            out[rep[0] if rep else ""] = float(value)
+    return out
+
+
+def _wait(cond, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def _score_groups_in_order(client: TeacherClient, groups: list[list[TeacherRequest]]) -> list[list]:
+    """Each group's members one after another, so every member after the first finds the
+    prompt cached when it reached the replica that holds it."""
+    return [[client.score_full(r.token_ids, r.candidates, r.start) for r in g] for g in groups]
+
+
+def _check_cached_and_equal(outs: list[list], groups: list[list[TeacherRequest]], ref: list[np.ndarray]) -> None:
+    flat = [o for g in outs for o in g]
+    for o, want in zip(flat, ref):
+        np.testing.assert_allclose(o.scores, want, atol=TOL, rtol=0)
+    for g, reqs in zip(outs, groups):
+        full = (reqs[0].start // BLOCK) * BLOCK
+        assert all(o.cached_tokens >= full for o in g[1:]), [o.cached_tokens for o in g]
+
+
+@pytest.fixture(scope="module")
+def single(checkpoints):
+    with LiveServer(_cfg(checkpoints["qwen3"])) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference(single):
+    """One replica's results, by request (the groups of the tests below)."""
+    def score(reqs: list[TeacherRequest]) -> list[np.ndarray]:
+        with TeacherClient(single.url) as c:
+            return c.score_batch(reqs)
+    return score
+
+
+def test_two_replicas_keep_groups_together_and_match_one(checkpoints, reference) -> None:
+    groups = _groups(0, 8, 4)
+    ref = reference([r for g in groups for r in g])
+    with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2)) as s, TeacherClient(s.url) as c:
+        assert httpx.get(s.url + "/health").json() == {"status": "ready"}
+        _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
+        # the groups were spread: both replicas looked prompts up (metrics per replica)
+        _wait(lambda: all(v > 0 for v in _metric(s.url, "teacher_server_prefix_cache_queries_total").values()))
+        assert set(_metric(s.url, "teacher_server_prefix_cache_hits_total")) == {"0", "1"}
+
+
+def test_round_robin_splits_groups(checkpoints) -> None:
+    groups = _groups(1, 4, 2)
+    with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2, routing="round_robin")) as s, \
+            TeacherClient(s.url) as c:
+        outs = _score_groups_in_order(c, groups)
+    # the second member of each group went to the other replica, where the prompt was not cached
+    assert all(g[1].cached_tokens == 0 for g in outs), [[o.cached_tokens for o in g] for g in outs]
+
+
+def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None:
+    reqs = [r for g in _groups(2, 125, 4, prompt=(10, 40), response=(2, 24)) for r in g]  # 500 small requests
+    ref = reference(reqs)
+    fatal: list[int] = []
+    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2)
+    with LiveServer(cfg, on_fatal=lambda: fatal.append(1)) as s, \
+            TeacherClient(s.url, max_concurrency=32, backoff=0.05) as c:
+        pool = s.app.state.aengine
+        victim = pool.replicas[1]
+
+        def kill() -> None:
+            _wait(lambda: victim.requests > 0)
+            os.kill(victim.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        outs = c.score_batch(reqs)
+        killer.join()
+        for got, want in zip(outs, ref, strict=True):
+            np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+        assert pool.retried > 0  # what the killed replica held was sent to the other one
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "replica 1 down" in health.json()["error"]["message"]
+        assert fatal  # the process would now drain and exit non-zero
+        assert _metric(s.url, "teacher_server_healthy") == {"0": 1.0, "1": 0.0}
+
+
+def test_client_over_two_servers_survives_a_restart(checkpoints, single, reference) -> None:
+    cfg = _cfg(checkpoints["qwen3"])
+    groups = _groups(3, 8, 3)
+    ref = reference([r for g in groups for r in g])
+    b = LiveServer(cfg).__enter__()
+    try:
+        with TeacherClient([single.url, b.url], backoff=0.05, health_interval=0.2) as c:
+            _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
+            assert _metric(b.url, "teacher_server_prompt_tokens_total")[""] > 0  # b got groups of its own
+            b.__exit__()
+            _wait(lambda: c.endpoints.up == [single.url])
+            later = _groups(4, 4, 3)
+            _check_cached_and_equal(_score_groups_in_order(c, later), later, reference([r for g in later for r in g]))
+            b = LiveServer(cfg, port=b.port).__enter__()  # restarted where the client expects it
+            _wait(lambda: len(c.endpoints.up) == 2)
+            _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
+            assert _metric(b.url, "teacher_server_prompt_tokens_total")[""] > 0  # back in the rotation
+    finally:
+        b.__exit__()
+
+
+def test_async_client_over_two_servers(checkpoints, single, reference) -> None:
+    reqs = [r for g in _groups(5, 6, 3) for r in g]
+    ref = reference(reqs)
+    with LiveServer(_cfg(checkpoints["qwen3"])) as b:
+        client = AsyncTeacherClient([single.url, b.url], health_interval=0.2)
+        outs = asyncio.run(client.score_batch(reqs))
+        client.close()
+    for got, want in zip(outs, ref, strict=True):
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+def test_replicas_of_tensor_parallel_groups(checkpoints, reference) -> None:
+    """Each replica an engine of its own, here a TP group of two ranks (gloo on the CPU):
+    2 x 2 processes, results equal to one single-process engine's."""
+    groups = _groups(6, 4, 2)
+    ref = reference([r for g in groups for r in g])
+    with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2, tensor_parallel_size=2)) as s, \
+            TeacherClient(s.url) as c:
+        _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)

@@ -1,0 +1,69 @@
+"""The routing policy shared by the server's replica front and the client (plain Python)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from teacher_server.routing import SPILL_RATIO, Router, prefix_key, rendezvous, reusable_tokens
+
+
+def _group_key(rng: np.random.Generator, router: Router, prompt_len: int, salt: str | None = None) -> bytes | None:
+    prompt = rng.integers(0, 50_000, prompt_len)
+    return router.key(np.concatenate([prompt, rng.integers(0, 50_000, 100)]), reusable_tokens(prompt_len - 1), salt)
+
+
+def test_every_member_of_a_group_goes_to_one_replica() -> None:
+    rng = np.random.default_rng(0)
+    router = Router()
+    names = [str(i) for i in range(4)]
+    chosen: dict[int, set[str]] = {}
+    for g in range(64):
+        prompt = rng.integers(0, 50_000, int(rng.integers(40, 300)))
+        for _ in range(8):  # responses of varied length; the scored rows start after the prompt
+            seq = np.concatenate([prompt, rng.integers(0, 50_000, int(rng.integers(1, 200)))])
+            key = router.key(seq, reusable_tokens(len(prompt) - 1), None)
+            chosen.setdefault(g, set()).add(router.pick(key, dict.fromkeys(names, 0)))
+    assert all(len(c) == 1 for c in chosen.values()), chosen
+    spread = {next(iter(c)) for c in chosen.values()}
+    assert spread == set(names), spread  # 64 groups land on every one of 4 replicas
+
+
+def test_key_covers_full_blocks_and_salt_only() -> None:
+    toks = np.arange(100)
+    assert prefix_key(toks, 15, block_size=16) is None  # no full block before the first scored row
+    assert prefix_key(toks, 20, block_size=16) == prefix_key(toks, 31, block_size=16)  # same full blocks
+    assert prefix_key(toks, 20, block_size=16) != prefix_key(toks, 32, block_size=16)
+    assert prefix_key(toks, 20, "a") != prefix_key(toks, 20, "b")  # tenants never share a key
+    other = toks.copy()
+    other[50:] += 1  # differs only past the reusable prefix
+    assert prefix_key(toks, 48, block_size=16) == prefix_key(list(other), 48, block_size=16)
+    assert reusable_tokens(40, prompt_logprobs=5) == 0  # every position is scored
+
+
+def test_rendezvous_moves_only_the_keys_of_a_removed_replica() -> None:
+    rng = np.random.default_rng(1)
+    keys = [prefix_key(rng.integers(0, 1000, 32), 32) for _ in range(300)]
+    before = {k: rendezvous(k, ["a", "b", "c"]) for k in keys}
+    after = {k: rendezvous(k, ["a", "c"]) for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "b" for k in moved)
+
+
+def test_spills_to_the_least_loaded_replica_past_the_threshold() -> None:
+    rng = np.random.default_rng(2)
+    router = Router(spill_tokens=1000)
+    key = _group_key(rng, router, 200)
+    preferred = router.pick(key, {"0": 0, "1": 0})
+    other = "1" if preferred == "0" else "0"
+    # up to the threshold the group stays where its prefix is cached
+    assert router.pick(key, {preferred: int(SPILL_RATIO * 500) + 1000, other: 500}) == preferred
+    assert router.pick(key, {preferred: int(SPILL_RATIO * 500) + 1001, other: 500}) == other
+    assert router.pick(None, {preferred: 10, other: 5}) == other  # no reusable prefix: least loaded
+
+
+def test_round_robin_ignores_prefix_and_load() -> None:
+    rng = np.random.default_rng(3)
+    router = Router("round_robin")
+    key = _group_key(rng, router, 200)
+    picks = [router.pick(key, {"0": 0, "1": 10**9}) for _ in range(6)]
+    assert sorted(picks) == ["0"] * 3 + ["1"] * 3
