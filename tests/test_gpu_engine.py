@@ -1,6 +1,6 @@
 """GPU checks of the engine pieces: attention backends against each other and the CPU
 reference (causal with a cached prefix: queries shorter than keys), and the bf16 path
-against transformers (DESIGN.md: mean abs error no larger than transformers' own bf16)."""
+against transformers (the accuracy rule: mean abs error no larger than transformers' own bf16)."""
 
 from __future__ import annotations
 
