@@ -60,6 +60,20 @@ class ScoringOutput:
     argmax: torch.Tensor | None  # [Ra] int64
 
 
+def _empty_output(r: int, plan: ScoringPlan, dev: torch.device) -> ScoringOutput:
+    """The step's output buffers (None where the plan asks for nothing), filled chunk by chunk."""
+    n_p = 0 if plan.plp_rows is None else plan.plp_rows.numel()
+    n_a = 0 if plan.argmax_rows is None else plan.argmax_rows.numel()
+    f32, i64 = torch.float32, torch.int64
+    return ScoringOutput(
+        torch.empty(r, plan.kmax, dtype=f32, device=dev) if plan.kmax else None,  # [R, K]
+        torch.empty(n_p, dtype=f32, device=dev) if n_p else None,  # actual token's logprob [Rp]
+        torch.empty(n_p, dtype=i64, device=dev) if n_p else None,  # its rank [Rp]
+        torch.empty(n_p, plan.plp_k, dtype=f32, device=dev) if n_p else None,  # top-k values [Rp, k]
+        torch.empty(n_p, plan.plp_k, dtype=i64, device=dev) if n_p else None,  # top-k ids [Rp, k]
+        torch.empty(n_a, dtype=i64, device=dev) if n_a else None)  # greedy next token [Ra]
+
+
 def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
                chunk_rows: int, tp: TensorParallel = SINGLE, vocab_start: int = 0) -> ScoringOutput:
     """hidden: [R, H] final-normed; lm_head: [V, H] (with tp > 1 this rank's vocab shard
@@ -67,15 +81,10 @@ def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, l
     if tp.size > 1:
         return _score_rows_parallel(hidden, lm_head, plan, logits_mode, chunk_rows, tp, vocab_start)
     r = hidden.shape[0]
-    dev = hidden.device
-    scores = torch.empty(r, plan.kmax, dtype=torch.float32, device=dev) if plan.kmax else None
-    n_p = 0 if plan.plp_rows is None else plan.plp_rows.numel()
-    n_a = 0 if plan.argmax_rows is None else plan.argmax_rows.numel()
-    plp_actual = torch.empty(n_p, dtype=torch.float32, device=dev) if n_p else None
-    plp_rank = torch.empty(n_p, dtype=torch.int64, device=dev) if n_p else None
-    topv = torch.empty(n_p, plan.plp_k, dtype=torch.float32, device=dev) if n_p else None
-    topi = torch.empty(n_p, plan.plp_k, dtype=torch.int64, device=dev) if n_p else None
-    argmax = torch.empty(n_a, dtype=torch.int64, device=dev) if n_a else None
+    out = _empty_output(r, plan, hidden.device)
+    scores, plp_actual, plp_rank, topv, topi, argmax = (out.scores, out.plp_actual, out.plp_rank, out.plp_topk_vals,
+                                                        out.plp_topk_ids, out.argmax)
+    n_p, n_a = (0 if x is None else x.numel() for x in (plan.plp_rows, plan.argmax_rows))
     for r0 in range(0, r, chunk_rows):
         r1 = min(r0 + chunk_rows, r)
         logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, V] float32
@@ -98,22 +107,17 @@ def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, l
             if b > a:
                 argmax[a:b] = logits[plan.argmax_rows[a:b] - r0].argmax(-1)
         del logits
-    return ScoringOutput(scores, plp_actual, plp_rank, topv, topi, argmax)
+    return out
 
 
 def _score_rows_parallel(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
                          chunk_rows: int, tp: TensorParallel, start: int) -> ScoringOutput:
     """``score_rows`` over vocab shards: the same chunks and outputs, collectives per chunk."""
     r = hidden.shape[0]
-    dev = hidden.device
-    scores = torch.empty(r, plan.kmax, dtype=torch.float32, device=dev) if plan.kmax else None
-    n_p = 0 if plan.plp_rows is None else plan.plp_rows.numel()
-    n_a = 0 if plan.argmax_rows is None else plan.argmax_rows.numel()
-    plp_actual = torch.empty(n_p, dtype=torch.float32, device=dev) if n_p else None
-    plp_rank = torch.empty(n_p, dtype=torch.int64, device=dev) if n_p else None
-    topv = torch.empty(n_p, plan.plp_k, dtype=torch.float32, device=dev) if n_p else None
-    topi = torch.empty(n_p, plan.plp_k, dtype=torch.int64, device=dev) if n_p else None
-    argmax = torch.empty(n_a, dtype=torch.int64, device=dev) if n_a else None
+    out = _empty_output(r, plan, hidden.device)
+    scores, plp_actual, plp_rank, topv, topi, argmax = (out.scores, out.plp_actual, out.plp_rank, out.plp_topk_vals,
+                                                        out.plp_topk_ids, out.argmax)
+    n_p, n_a = (0 if x is None else x.numel() for x in (plan.plp_rows, plan.argmax_rows))
     for r0 in range(0, r, chunk_rows):
         r1 = min(r0 + chunk_rows, r)
         logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, Vr] float32: this rank's shard
@@ -136,4 +140,4 @@ def _score_rows_parallel(hidden: torch.Tensor, lm_head: torch.Tensor, plan: Scor
             if b > a:
                 argmax[a:b] = vp.argmax(logits[plan.argmax_rows[a:b] - r0], start, tp)
         del logits
-    return ScoringOutput(scores, plp_actual, plp_rank, topv, topi, argmax)
+    return out
