@@ -96,8 +96,17 @@ class LlamaDecoderLayer(RuntimeModule):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.self_attn = attention(spec, layer_id, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.mlp = LlamaMLP(spec, dtype, device, tp)
+        self.mlp = self.make_mlp(spec, layer_id, dtype, device, tp)
         self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
+
+    def make_mlp(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel) -> nn.Module:
+        """The layer's feed-forward block (expert families put their expert layer here)."""
+        return LlamaMLP(spec, dtype, device, tp)
+
+    def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + mlp(h) and its norm with ``next_norm``."""
+        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +114,7 @@ class LlamaDecoderLayer(RuntimeModule):
         residual stream and the next layer's normed input (normed with ``next_norm``)."""
         ops = self.rt.ops
         x, h = residual_norm(x, self.self_attn(h, cs, ctx), self.self_attn.o_proj, self.post_attention_layernorm, ops)
-        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
+        return self.mlp_residual(x, h, ops)
 
 
 class LlamaForCausalLM(RuntimeModule):

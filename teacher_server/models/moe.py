@@ -9,18 +9,16 @@ import logging
 import re
 
 import torch
+from torch import nn
 
 from teacher_server.layers.moe import SparseMoe, expert_param
-from teacher_server.layers.norm import RMSNorm
-from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.parallel import TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.layers.runtime import RuntimeModule
-from teacher_server.models.llama import LlamaAttention, LlamaMLP, residual_norm
+from teacher_server.models.llama import LlamaDecoderLayer
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.silu_mul import check_silu_mul
-from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
 
@@ -32,34 +30,21 @@ GROUPED_GEMM = GroupedGemm()
 _MLP = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
 
 
-class MoeDecoderLayer(RuntimeModule):
+class MoeDecoderLayer(LlamaDecoderLayer):
     """Attention then the expert layer (or the dense MLP in the model's dense layers)."""
 
-    def __init__(self, spec: ModelSpec, layer_id: int, attention: type[LlamaAttention], dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.self_attn = attention(spec, layer_id, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+    def make_mlp(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel) -> nn.Module:
         self.sparse = spec.is_moe_layer(layer_id)
-        self.mlp: SparseMoe | LlamaMLP
-        if self.sparse:
-            self.mlp = SparseMoe(spec.hidden_size, spec.num_experts, spec.num_experts_per_tok,
-                                 spec.moe_intermediate_size, spec.norm_topk_prob,
-                                 spec.shared_expert_intermediate_size, GROUPED_GEMM, dtype, device, tp)
-        else:
-            self.mlp = LlamaMLP(spec, dtype, device, tp)
-        self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
+        if not self.sparse:
+            return super().make_mlp(spec, layer_id, dtype, device, tp)
+        return SparseMoe(spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size,
+                         spec.norm_topk_prob, spec.shared_expert_intermediate_size, GROUPED_GEMM, dtype, device, tp)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
-                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
-        residual stream and the next layer's normed input."""
-        ops = self.rt.ops
-        x, h = residual_norm(x, self.self_attn(h, cs, ctx), self.self_attn.o_proj, self.post_attention_layernorm, ops)
+    def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sparse:  # the experts' output is combined already: a plain residual add
             return ops.add_rms_norm(x, self.mlp(h), self.next_norm.weight, self.next_norm.eps)
-        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
+        return super().mlp_residual(x, h, ops)
 
 
 class MoeModel:
