@@ -22,6 +22,7 @@ class Architecture:
     refuse_sliding_window: bool = False  # use_sliding_window: true is not supported
     moe: bool = False  # routed experts (num_experts, num_experts_per_tok, ... in config.json)
     always_norm_topk: bool = False  # top-k weights renormalised whatever config.json says (Mixtral)
+    hybrid: bool = False  # Gated DeltaNet linear-attention layers among gated full-attention ones (Qwen3.5)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -37,6 +38,16 @@ ARCHITECTURES: dict[str, Architecture] = {
                                         refuse_sliding_window=True, moe=True),
     "MixtralForCausalLM": Architecture("mixtral", "mixtral:MixtralForCausalLM", sliding_window=True, moe=True,
                                        always_norm_topk=True),
+    # Hybrid families: three of four layers are Gated DeltaNet (a recurrent state per sequence
+    # instead of KV), the fourth gated full attention; RMSNorms scale by (1 + weight). The
+    # ...ForConditionalGeneration checkpoints are read for their text model only.
+    "Qwen3_5ForCausalLM": Architecture("qwen3_5", "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True, hybrid=True),
+    "Qwen3_5ForConditionalGeneration": Architecture("qwen3_5", "qwen3_5:Qwen3_5ForCausalLM", qk_norm=True,
+                                                    hybrid=True),
+    "Qwen3_5MoeForCausalLM": Architecture("qwen3_5_moe", "qwen3_5_moe:Qwen3_5MoeForCausalLM", qk_norm=True,
+                                          hybrid=True, moe=True, always_norm_topk=True),
+    "Qwen3_5MoeForConditionalGeneration": Architecture("qwen3_5_moe", "qwen3_5_moe:Qwen3_5MoeForCausalLM",
+                                                       qk_norm=True, hybrid=True, moe=True, always_norm_topk=True),
 }
 
 

@@ -50,6 +50,18 @@ class ModelSpec:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Hybrid families (Qwen3.5): layer_types[i] is "linear_attention" (Gated DeltaNet: a
+    # short causal convolution and a recurrent state per sequence, no KV) or "full_attention"
+    # (gated attention with paged KV). Empty: every layer is full attention.
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q and k
+    attn_output_gate: bool = False  # q_proj also makes a per-head gate: out * sigmoid(gate)
+    zero_centered_norm: bool = False  # RMSNorm scales by (1 + weight)
 
     @property
     def q_size(self) -> int:
@@ -58,6 +70,37 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a Gated DeltaNet (linear attention) layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def kv_layer_ids(self) -> tuple[int, ...]:
+        """Decoder layers with paged KV (every layer of a non-hybrid family)."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear_layer(i))
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        """Decoder layers with a recurrent state per sequence instead of KV."""
+        return tuple(i for i in range(self.num_layers) if self.is_linear_layer(i))
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v of the linear layer."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes through experts (else its MLP is dense)."""
@@ -69,7 +112,13 @@ class ModelSpec:
         In an expert layer that is the router, the top-k routed experts and the shared expert
         (the active parameters), not all experts."""
         h, i = self.hidden_size, self.intermediate_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        q_out = self.q_size * (2 if self.attn_output_gate else 1)
+        attn = h * (q_out + 2 * self.kv_size) + self.q_size * h
+        # A linear layer: in-projections (q, k, v, the output gate z, b and a), the depthwise
+        # convolution and the out-projection.
+        nv = self.linear_num_value_heads
+        linear = (h * (self.linear_conv_dim + self.linear_value_dim + 2 * nv)
+                  + self.linear_conv_dim * self.linear_conv_kernel_dim + self.linear_value_dim * h)
         total = 0
         for layer in range(self.num_layers):
             if self.is_moe_layer(layer):
@@ -78,17 +127,21 @@ class ModelSpec:
                 mlp = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts_per_tok + shared
             else:
                 mlp = 3 * h * i
-            total += attn + mlp
+            total += (linear if self.is_linear_layer(layer) else attn) + mlp
         return total
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         archs = d.get("architectures") or []
+        if isinstance(d.get("text_config"), dict):  # a vision-language checkpoint: its text model
+            d = {**d["text_config"], "architectures": archs,
+                 "tie_word_embeddings": d["text_config"].get("tie_word_embeddings", d.get("tie_word_embeddings")),
+                 "model_type": d["text_config"].get("model_type", d.get("model_type"))}
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
             model_type = d.get("model_type")
             by_type = {v.family: k for k, v in ARCHITECTURES.items()}
-            arch = by_type.get(model_type) if model_type else None
+            arch = by_type.get(model_type.removesuffix("_text")) if model_type else None
         if arch is None:
             raise UnsupportedModelError(
                 f"unsupported architecture {archs or d.get('model_type')!r}; supported: "
@@ -102,7 +155,10 @@ class ModelSpec:
         scaling = dict(d.get("rope_scaling") or {})
         theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         # The newer layout keeps the scaling keys in rope_parameters next to rope_theta.
-        merged = {**{k: v for k, v in rope_params.items() if k != "rope_theta"}, **scaling}
+        # (Qwen3.5's multimodal rope keys: its text positions are the same on every axis, so it is
+        # plain rope; the partial rotary factor is a field of its own.)
+        not_scaling = {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
+        merged = {**{k: v for k, v in rope_params.items() if k not in not_scaling}, **scaling}
         rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
@@ -118,7 +174,8 @@ class ModelSpec:
             architecture=arch,
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            # Qwen3.5-MoE has no dense layers and no intermediate_size.
+            intermediate_size=int(d.get("intermediate_size") or d.get("moe_intermediate_size") or 0),
             num_layers=int(d["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
@@ -133,6 +190,7 @@ class ModelSpec:
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             **(moe_facts(d, entry.always_norm_topk) if entry.moe else {}),
+            **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
         )
 
     @classmethod
@@ -160,3 +218,27 @@ def moe_facts(d: dict[str, Any], always_norm_topk: bool) -> dict[str, Any]:
         decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()),
     )
+
+
+def hybrid_facts(d: dict[str, Any], num_layers: int, rope_params: dict[str, Any]) -> dict[str, Any]:
+    """The linear-attention facts of a Qwen3.5 config.json. ``layer_types`` defaults as
+    transformers does: every ``full_attention_interval``-th layer (4) is full attention."""
+    interval = int(d.get("full_attention_interval") or 4)
+    types = tuple(d.get("layer_types") or ("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                           for i in range(num_layers)))
+    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {list(types)!r} for {num_layers} layers")
+    facts = dict(
+        layer_types=types,
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+        partial_rotary_factor=float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
+        attn_output_gate=bool(d.get("attn_output_gate", True)),
+        zero_centered_norm=True,
+    )
+    if facts["linear_num_value_heads"] % facts["linear_num_key_heads"]:
+        raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+    return facts
