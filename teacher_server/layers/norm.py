@@ -24,3 +24,15 @@ class RMSNorm(RuntimeModule):
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         copy_checked(self.weight.data, loaded, name)  # replicated on every rank
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """The Qwen3.5 RMSNorm, ``norm(x) * (1 + w)``: the checkpoint holds w; ``weight`` holds
+    ``1 + w`` in float32 whatever the model dtype, so bf16 never rounds it (``ops.norm``
+    scales in float32 when the weight is float32)."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(size, eps, torch.float32, device)
+
+    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
+        copy_checked(self.weight.data, 1.0 + loaded.float(), name)

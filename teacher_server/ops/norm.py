@@ -2,6 +2,12 @@
 
 The math follows transformers exactly where it rounds: the residual sum is rounded to the
 activation dtype before its float32 norm; RMSNorm casts back before the weight.
+
+A float32 weight on half-precision activations is the zero-centred norm of the Qwen3.5
+families: its weight holds ``1 + w`` unrounded (``layers.norm.ZeroCenteredRMSNorm``), and the
+scaling happens in float32 before the one rounding, as transformers computes
+``(norm(x.float()) * (1 + w.float())).to(x.dtype)``. Weights in the activation dtype (every
+other family) take the unchanged path.
 """
 
 from __future__ import annotations
@@ -12,6 +18,11 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x ([..., n]) with weight [n]."""
+    if weight.dtype != x.dtype:  # float32 weight: scale in float32, round once
+        if x.is_cuda and not torch.compiler.is_compiling():
+            return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
     if x.is_cuda and not torch.compiler.is_compiling():
         return F.rms_norm(x, (x.shape[-1],), weight, eps)  # eager CUDA: torch's fused kernel
     xf = x.float()

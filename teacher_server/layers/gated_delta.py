@@ -1,0 +1,95 @@
+"""The Gated DeltaNet mixer of the Qwen3.5 linear-attention layers.
+
+One fused in-projection (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` of the
+checkpoint as parts of one GEMM), the causal convolution + SiLU over the q/k/v channels, the
+gates (``beta = sigmoid(b)``, ``g = -exp(A_log) softplus(a + dt_bias)`` in float32), the
+chunked gated delta rule, and the gated RMSNorm ``norm(o) * silu(z)`` per value head. The
+out-projection is applied by the decoder layer (``o_proj``, fused with the residual add as
+for the attention layers).
+
+State (the KV pool's, Interface 1/2 of the engine): sequence b of the step starts from slot
+``ctx.state_in[b]`` of this layer's convolution and recurrent states (slot 0: zeros, and no
+gather at all when every sequence starts there); after the chunk the end state of sequence
+``ctx.state_keep[j]`` is written to slot ``ctx.state_out[j]``. All initial states are
+gathered (copied) before any end state is written, so a sequence may carry its state in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teacher_server.layers.linear import MergedColumnLinear, RowLinear, copy_checked
+from teacher_server.layers.norm import RMSNorm
+from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.runtime import RuntimeModule
+from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.gated_delta import LinearPlan, causal_conv1d, gated_delta_rule, make_plan
+from teacher_server.step_context import StepContext
+
+
+def linear_plan(ctx: StepContext) -> LinearPlan:
+    """The step's plan for the linear layers, made by the first one (``ctx.linear_plan``)."""
+    if ctx.linear_plan is None:
+        keep = ctx.state_keep_host is not None and len(ctx.state_keep_host) > 0
+        has_init = ctx.state_in_host is not None and any(ctx.state_in_host)
+        ctx.linear_plan = make_plan(ctx.q_lens, ctx.cu_q, has_init, keep)
+    return ctx.linear_plan
+
+
+class GatedDeltaNet(RuntimeModule):
+    """[T, hidden] normed input -> [T, value_dim] gated-normed output (before ``o_proj``).
+    Tensor parallel is not supported (the engine refuses it for hybrid families)."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        if tp.size > 1:
+            raise ValueError("Gated DeltaNet layers run on one GPU (tensor_parallel_size=1)")
+        self.layer_id = layer_id
+        self.nk, self.nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+        self.dk, self.dv = spec.linear_key_head_dim, spec.linear_value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = spec.linear_key_dim, spec.linear_value_dim, spec.linear_conv_dim
+        self.in_proj = MergedColumnLinear(spec.hidden_size, {"qkv": self.conv_dim, "z": self.value_dim, "b": self.nv,
+                                                             "a": self.nv}, False, dtype, device, tp)
+        w = spec.linear_conv_kernel_dim
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, w, dtype=dtype, device=device),
+                                        requires_grad=False)  # [D, W]; the checkpoint's conv1d.weight is [D, 1, W]
+        self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
+        self.norm = RMSNorm(self.dv, spec.rms_norm_eps, dtype, device)  # plain weight * norm(x), per value head
+        self.o_proj = RowLinear(self.value_dim, spec.hidden_size, dtype, device, tp)
+
+    def shards(self, param: str) -> int:
+        return 1
+
+    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
+        """``conv_weight`` (from [D, 1, W]), ``A_log``, ``dt_bias``."""
+        if param == "conv_weight" and loaded.dim() == 3:
+            loaded = loaded.squeeze(1)
+        copy_checked(getattr(self, param).data, loaded, name)
+
+    def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h: normed input [T, hidden]; cs (rotary rows) is not used."""
+        pool, t = self.rt.kv, h.shape[0]
+        plan = linear_plan(ctx)
+        proj = self.in_proj(h)  # [T, conv_dim + value_dim + 2 nv]
+        mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.nv, self.nv], dim=-1)
+        conv_in = rec_in = None
+        if plan.has_init:  # gathers are copies: read every initial state before writing any end state
+            conv_in = pool.conv_state(self.layer_id)[ctx.state_in]  # [N, D, W]
+            rec_in = pool.rec_state(self.layer_id)[ctx.state_in]  # [N, HV, K, V] float32
+        y, conv_end = causal_conv1d(mixed, self.conv_weight, plan, conv_in, plan.keep)  # [T, conv_dim]
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, nv] float32
+        o, rec_end = gated_delta_rule(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
+                                      v.view(t, self.nv, self.dv), g, beta, plan, rec_in, plan.keep)
+        if plan.keep:
+            pool.conv_state(self.layer_id)[ctx.state_out] = conv_end[ctx.state_keep]
+            pool.rec_state(self.layer_id)[ctx.state_out] = rec_end[ctx.state_keep]
+        # gated RMSNorm: weight * norm(o) (rounded as RMSNorm does), times silu(z) in float32
+        o = self.rt.ops.rms_norm(o, self.norm.weight, self.norm.eps)  # [T, nv, dv]
+        o = o.float() * F.silu(z.float()).view(t, self.nv, self.dv)
+        return o.to(h.dtype).reshape(t, self.value_dim)

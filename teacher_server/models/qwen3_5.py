@@ -1,0 +1,176 @@
+"""Qwen3.5 (dense): the hybrid decoder. Each layer's mixer is either a Gated DeltaNet
+(``layers.gated_delta``: a convolution and a recurrent state per sequence, kept in the KV
+pool's state slots) or gated full attention (paged KV); the MLP is Llama's. Every decoder
+RMSNorm (input, post-attention, final, q/k) scales by ``(1 + w)`` in float32.
+
+Gated full attention: ``q_proj`` makes ``[q | gate]`` per head; q and k are RMS-normed per
+head, rotated on their first ``rotary_dim`` dims (neox-style; the multimodal rope of the
+checkpoints is plain rope for token ids), attended, and the output is scaled by
+``sigmoid(gate)``. Its q/k preparation runs in torch (the fused QKV kernel rotates whole
+heads): a few elementwise passes over q and k in one layer of four.
+
+The ``...ForConditionalGeneration`` checkpoints are read for their text model
+(``model.language_model.*``); vision (``model.visual.*``) and multi-token-prediction
+(``mtp.*``) tensors are skipped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from teacher_server.attention.base import AttentionInputs
+from teacher_server.layers.gated_delta import GatedDeltaNet
+from teacher_server.layers.linear import MergedColumnLinear, RowLinear
+from teacher_server.layers.norm import ZeroCenteredRMSNorm
+from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.rotary import RotaryEmbedding
+from teacher_server.layers.runtime import RuntimeModule
+from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM, residual_norm
+from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.qkv_rope import HeadLayout
+from teacher_server.ops.slack import alloc_with_slack
+from teacher_server.step_context import StepContext
+
+if TYPE_CHECKING:
+    from teacher_server.kv_pool import LinearStateLayout
+
+_SKIPPED = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)")
+# Names of a linear layer's own parameters (not of a projection or norm module).
+_LINEAR_OWN = {"conv1d.weight": "conv_weight", "A_log": "A_log", "dt_bias": "dt_bias"}
+_LINEAR_OWN_RE = re.compile(r"^model\.layers\.(\d+)\.linear_attn\.(conv1d\.weight|A_log|dt_bias)$")
+
+
+def rotate_partial(x: torch.Tensor, cs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = x [T, H, D] with its first r dims rotated neox-style by cs [T, r] (cos | sin,
+    float32), the math in float32, rounded once; the other D - r dims copied."""
+    half = cs.shape[1] // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:2 * half] = x2 * cos + x1 * sin
+    out[..., 2 * half:] = x[..., 2 * half:]
+    return out
+
+
+class Qwen3_5Attention(RuntimeModule):
+    """Gated full attention: returns ``attn(q, k, v) * sigmoid(gate)`` [T, heads * head_dim]
+    (``o_proj`` is applied by the decoder layer)."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        d = spec.head_dim
+        self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1], d,
+                                spec.rms_norm_eps)
+        self.layer_id = layer_id
+        self.scale = d ** -0.5
+        # q rows are [q | gate] per head as in the checkpoint (2 d rows a head)
+        parts = {"q": 2 * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
+        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
+                                           units={"q": 2 * d, "k": d, "v": d})
+        self.q_norm = ZeroCenteredRMSNorm(d, spec.rms_norm_eps, dtype, device)
+        self.k_norm = ZeroCenteredRMSNorm(d, spec.rms_norm_eps, dtype, device)
+        self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
+
+    def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """h: normed input [T, hidden]; cs: the step's rotary rows [T, rotary_dim]."""
+        rt, hd = self.rt, self.heads
+        t, d = h.shape[0], hd.d
+        qkv = self.qkv_proj(h)
+        qg, k, v = qkv.split([2 * hd.n_q * d, hd.n_kv * d, hd.n_kv * d], dim=-1)
+        qg = qg.view(t, hd.n_q, 2 * d)
+        gate = qg[..., d:]
+        q = rt.ops.rms_norm(qg[..., :d], self.q_norm.weight, hd.eps)
+        k = rt.ops.rms_norm(k.view(t, hd.n_kv, d), self.k_norm.weight, hd.eps)
+        # q, k, v with slack rows (the cuDNN backend pads into them without copies)
+        q = rotate_partial(q, cs, alloc_with_slack(h, t, hd.n_q, d, front=True))
+        k = rotate_partial(k, cs, alloc_with_slack(h, t, hd.n_kv, d))
+        v = alloc_with_slack(h, t, hd.n_kv, d).copy_(v.view(t, hd.n_kv, d))
+        rt.kv.store(self.layer_id, k, v, ctx)
+        kp = vp = None
+        if ctx.has_prefix:
+            kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
+        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, self.scale, None)  # [T, Hq, D]
+        return (o * torch.sigmoid(gate)).reshape(t, -1)
+
+
+class Qwen3_5DecoderLayer(LlamaDecoderLayer):
+    """The mixer is ``linear_attn`` (Gated DeltaNet) or ``self_attn`` (gated attention), as
+    ``spec.layer_types`` says; norms are zero-centred."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, attention: type[nn.Module], dtype: torch.dtype,
+                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+        linear = spec.is_linear_layer(layer_id)
+        super().__init__(spec, layer_id, GatedDeltaNet if linear else attention, dtype, device, tp)
+        self.linear = linear
+        if linear:  # the checkpoint's name for it
+            self.linear_attn = self.self_attn
+            del self.self_attn
+        self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = self.rt.ops
+        mixer = self.linear_attn if self.linear else self.self_attn
+        x, h = residual_norm(x, mixer(h, cs, ctx), mixer.o_proj, self.post_attention_layernorm, ops)
+        return self.mlp_residual(x, h, ops)
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """The Qwen3.5 decoder; ``linear_state_layout`` says what state its linear layers keep."""
+
+    attention = Qwen3_5Attention
+    decoder_layer = Qwen3_5DecoderLayer
+    stacked = LlamaForCausalLM.stacked + (
+        (".in_proj_qkv.", ".in_proj.", "qkv"), (".in_proj_z.", ".in_proj.", "z"),
+        (".in_proj_b.", ".in_proj.", "b"), (".in_proj_a.", ".in_proj.", "a"),
+        (".linear_attn.out_proj.", ".linear_attn.o_proj.", None),
+    )
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tied: bool,
+                 tp: TensorParallel = SINGLE) -> None:
+        super().__init__(spec, dtype, device, tied, tp)
+        self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, norm in zip(self.layers, nexts):
+            object.__setattr__(layer, "next_norm", norm)  # a reference, not a child (as in Llama)
+
+    def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
+        """Text-model names of both checkpoint kinds; a linear layer's convolution weight,
+        ``A_log`` and ``dt_bias`` belong to the layer itself."""
+        if _SKIPPED.match(hf_name):
+            return None
+        if hf_name.startswith("model.language_model."):
+            hf_name = "model." + hf_name.removeprefix("model.language_model.")
+        m = _LINEAR_OWN_RE.match(hf_name)
+        if m:
+            return f"layers.{m.group(1)}.linear_attn", _LINEAR_OWN[m.group(2)], None
+        return super().checkpoint_param(hf_name)
+
+    def linear_state_layout(self) -> LinearStateLayout | None:
+        """Per slot and linear layer: the convolution state [conv_dim, kernel] (fla-core's
+        layout: the last ``kernel`` q/k/v in-projection rows, newest last) in the model dtype,
+        and the recurrent state [value heads, key head dim, value head dim] float32."""
+        from teacher_server.kv_pool import LinearStateLayout
+
+        s = self.spec
+        return LinearStateLayout(layers=s.linear_layer_ids, conv_shape=(s.linear_conv_dim, s.linear_conv_kernel_dim),
+                                 rec_shape=(s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim),
+                                 conv_dtype=self.dtype)
+
+    def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
+        """The compiled stages and SiLU-mul at this model's shapes. The fused QKV kernel is
+        not used here (partial rotary, the output gate): it is switched off rather than
+        checked; the compiled q/k stage is checked at the rotary width of the rope table."""
+        ops.qkv_kernel = False
+        attn = next(layer.self_attn for layer in self.layers if not layer.linear)
+        heads = HeadLayout(attn.heads.n_q, attn.heads.n_kv, rope.table.shape[1], attn.heads.eps)
+        dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
+        inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
+        ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
