@@ -85,7 +85,8 @@ RUN MAX_JOBS="${MAX_JOBS}" pip install --no-cache-dir --no-build-isolation "flas
 WORKDIR /src
 COPY . .
 
-# The same install the tests exercise: the package with its `cuda` extra.
+# The same install the tests exercise: the package with its `cuda` extra (which brings
+# fla-core, the Triton kernels of the Qwen3.5 linear-attention layers; pure Python).
 RUN pip install --no-cache-dir --no-build-isolation "/src[cuda]"
 
 # Build the CUDA kernel library now, for every arch in the list (no GPU needed, nvcc is

@@ -316,10 +316,12 @@ def test_model_logprobs_match_transformers(kind: str, tmp_path: Path) -> None:
         plain, dtype=torch.float32, attn_implementation="eager").eval()
     gen = torch.Generator().manual_seed(8)
     seqs = [torch.randint(0, spec.vocab_size, (n,), generator=gen) for n in (80, 33)]
-    ctx = step([80, 33], ids=torch.cat(seqs))
-    lp = torch.log_softmax((model(ctx) @ model.lm_head.t()).double(), -1)
     ref = torch.cat([torch.log_softmax(hf(s[None]).logits[0].double(), -1) for s in seqs])
-    assert (lp - ref).abs().max().item() < 1e-4
+    for residual_in_gemm in (False, True):  # the CPU default, then the CUDA one
+        model.rt.ops.residual_in_gemm = residual_in_gemm
+        ctx = step([80, 33], ids=torch.cat(seqs))
+        lp = torch.log_softmax((model(ctx) @ model.lm_head.t()).double(), -1)
+        assert (lp - ref).abs().max().item() < 1e-4
 
 
 def test_layout_and_checkpoint_names(tmp_path: Path) -> None:
@@ -356,9 +358,10 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     assert plan.fla is not None
     o, ends = gated_delta_rule(q, k, v, g, beta, plan, init, True)
     ro, rends = gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, init, True)
-    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
-    torch.testing.assert_close(o.float(), ro.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(ends, rends, atol=tol, rtol=tol)
+    # relative error over the whole tensor: bf16 inputs, and float32 ones through TF32 dots
+    tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(o, ro) < tol and rel(ends, rends) < tol, (rel(o, ro), rel(ends, rends))
     gen = torch.Generator(device=dev).manual_seed(10)
     wide = torch.randn(sum(lens), 200, device=dev, generator=gen).to(dtype)
     x = wide[:, :96]  # a column slice, as the layer passes it
@@ -366,5 +369,27 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     conv_init = torch.randn(len(lens), 96, 4, device=dev, generator=gen).to(dtype)
     y, cend = causal_conv1d(x, weight, plan, conv_init, True)
     ry, rcend = causal_conv1d_torch(x, weight, plan.bounds, conv_init, True)
-    torch.testing.assert_close(y.float(), ry.float(), atol=tol, rtol=tol)
-    torch.testing.assert_close(cend[:, :, 1:], rcend[:, :, 1:])  # entry 0 is never read
+    assert rel(y, ry) < tol, rel(y, ry)
+    torch.testing.assert_close(cend, rcend, atol=0, rtol=0)  # copies of the inputs
+
+
+def test_warm_up_switches_off_the_fused_qkv_kernel(tmp_path: Path) -> None:
+    """The start-up checks run at the model's shapes; the fused QKV kernel (whole-head rotary,
+    no output gate) is switched off, the other kernels stay on."""
+    path = make_qwen3_5(tmp_path / "m")
+    spec = ModelSpec.from_dir(path)
+    model = load_model(path, spec, torch.float32, CPU)
+    ops = FusedOps(kernels=True, compile=False, kernels_available=lambda: True)
+    rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 64, CPU)
+    model.warm_up_ops(ops, rope)
+    assert not ops.qkv_kernel and ops.silu_kernel and ops.residual_in_gemm
+
+
+def test_tensor_parallel_refused_for_hybrid(tmp_path: Path) -> None:
+    """tensor_parallel_size > 1 with a hybrid family is a clear start-up error."""
+    from teacher_server.config import Config
+    from teacher_server.engine.engine import Engine
+
+    path = make_qwen3_5(tmp_path / "m")
+    with pytest.raises(ValueError, match="hybrid linear-attention models"):
+        Engine(Config(model=str(path), device="cpu", tensor_parallel_size=2))

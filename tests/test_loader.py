@@ -103,5 +103,12 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
     assert model_class("Qwen3MoeForCausalLM") is Qwen3MoeForCausalLM
     assert model_class("Qwen2MoeForCausalLM") is Qwen2MoeForCausalLM
     assert model_class("MixtralForCausalLM") is MixtralForCausalLM
+    from teacher_server.models.qwen3_5 import Qwen3_5ForCausalLM
+    from teacher_server.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+
+    for arch in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"):
+        assert model_class(arch) is Qwen3_5ForCausalLM
+    for arch in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
+        assert model_class(arch) is Qwen3_5MoeForCausalLM
     assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                                          "qwen2_moe", "mixtral"}
+                                                          "qwen2_moe", "mixtral", "qwen3_5", "qwen3_5_moe"}

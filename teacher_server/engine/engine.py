@@ -68,6 +68,9 @@ class Engine:
                              f"attention heads")
         if size > 1 and self.spec.num_experts:  # the expert layer names its split, not yet wired
             raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models run on one GPU for now")
+        if size > 1 and self.spec.linear_layer_ids:  # the linear layers' state is not split across ranks
+            raise ValueError(f"tensor_parallel_size={size}: hybrid linear-attention models ({self.spec.architecture}) "
+                             f"run on one GPU for now")
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
         self._workers: TPWorkers | None = None
         if size > 1:
