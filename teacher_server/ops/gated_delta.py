@@ -116,7 +116,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         o, end = plan.fla["rule"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                                   scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=final,
                                   use_qk_l2norm_in_kernel=True, cu_seqlens=plan.cu,
-                                  cu_seqlens_cpu=None, chunk_indices=plan.chunk_indices)
+                                  chunk_indices=plan.chunk_indices)
         return o.squeeze(0), end
     return gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, initial, final)
 
