@@ -18,6 +18,7 @@ sequences), with one warning on CUDA.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ def fla_ops() -> dict[str, Any] | None:
     if not _FLA:
         try:
             from fla.modules.causal_conv1d import causal_conv1d as conv
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as rule
             from fla.ops.utils.index import prepare_chunk_indices
         except Exception as e:  # not installed, or no triton
@@ -43,7 +45,8 @@ def fla_ops() -> dict[str, Any] | None:
                         type(e).__name__, e)
             _FLA["ok"] = None
         else:
-            _FLA["ok"] = {"conv": conv, "rule": rule, "chunk_indices": prepare_chunk_indices}
+            _FLA["ok"] = {"conv": conv, "rule": rule, "chunk_indices": prepare_chunk_indices,
+                          "norm_gated": rms_norm_gated}
     return _FLA["ok"]
 
 
@@ -119,6 +122,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                                   chunk_indices=plan.chunk_indices)
         return o.squeeze(0), end
     return gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, initial, final)
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, plan: LinearPlan,
+                   rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> torch.Tensor:
+    """``weight * norm(o) * silu(z)`` per head (o, z: [T, H, V]; weight [V]) in o's dtype.
+    fla-core's fused kernel on its path (float32 throughout, one rounding); else ``rms_norm``
+    (rounded as RMSNorm rounds, transformers' order) then the gate in float32."""
+    if plan.fla is not None:
+        return plan.fla["norm_gated"](o, z, weight, None, activation="silu", eps=eps)
+    return (rms_norm(o, weight, eps).float() * F.silu(z.float())).to(o.dtype)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
