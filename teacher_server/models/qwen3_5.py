@@ -69,6 +69,7 @@ class Qwen3_5Attention(RuntimeModule):
                                 spec.rms_norm_eps)
         self.layer_id = layer_id
         self.scale = d ** -0.5
+        self.rotary_dim = spec.rotary_dim
         # q rows are [q | gate] per head as in the checkpoint (2 d rows a head)
         parts = {"q": 2 * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
@@ -81,6 +82,7 @@ class Qwen3_5Attention(RuntimeModule):
         """h: normed input [T, hidden]; cs: the step's rotary rows [T, rotary_dim]."""
         rt, hd = self.rt, self.heads
         t, d = h.shape[0], hd.d
+        assert cs.shape[1] == self.rotary_dim, "the rope table must be built at the rotary width (spec.rotary_dim)"
         qkv = self.qkv_proj(h)
         qg, k, v = qkv.split([2 * hd.n_q * d, hd.n_kv * d, hd.n_kv * d], dim=-1)
         qg = qg.view(t, hd.n_q, 2 * d)
