@@ -66,8 +66,9 @@ class Engine:
         if self.spec.num_heads % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {self.spec.num_heads} "
                              f"attention heads")
-        if size > 1 and self.spec.num_experts:  # the expert layer names its split, not yet wired
-            raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models run on one GPU for now")
+        if self.spec.num_experts and self.spec.moe_intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
+                             f"{self.spec.moe_intermediate_size}")
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
         self._workers: TPWorkers | None = None
         if size > 1:
