@@ -44,6 +44,8 @@ class Scheduler:
         self.cfg = cfg
         self.bm = blocks
         self.slots = slots  # hybrid models only
+        if slots is not None:  # a snapshot goes with its block when the block leaves the prefix cache
+            blocks.on_evict = slots.drop_block
         self.waiting: list[tuple[int, int, Sequence]] = []  # sorted by (priority, order)
         self.running: list[Sequence] = []  # part-way, hold blocks, oldest first
 
