@@ -98,9 +98,8 @@ class Engine:
                                f"raise num_kv_blocks / gpu_memory_utilization")
         prefix = cfg.enable_prefix_caching and not cfg.deterministic
         self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
-        self._slots = StateSlots(state_slots + 1) if state is not None else None  # + the zero slot
         self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self._blocks,
-                                    self._slots)
+                                    StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
         self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device, state_slots)
         self._prefix_caching = prefix
         self._pipeline = cfg.pipeline
@@ -171,7 +170,7 @@ class Engine:
     # --- reporting and switches ----------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and queues."""
-        bm, sl = self._blocks, self._slots
+        bm, sl = self._blocks, self._scheduler.slots
         return EngineStats(timing=self._timing.copy(), steps=self._steps, computed_tokens=self._tokens,
                            waiting=self._scheduler.num_waiting, running=self._scheduler.num_running,
                            active_requests=len(self._seqs), kv_blocks_used=bm.num_used,
