@@ -4,10 +4,18 @@ GRPO group served from the prompt's snapshot, score the same as one unchunked pa
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import torch
 from fake_linear import hybrid_engine
 
+from teacher_server.config import Config
+from teacher_server.engine.rank_setup import pool_sizes
 from teacher_server.engine.request import ScoreRequest
+from teacher_server.kv_pool import LinearStateLayout
+from teacher_server.layers.parallel import SINGLE
+from teacher_server.models.spec import ModelSpec
 
 BS = 8
 
@@ -78,3 +86,27 @@ def test_state_routing_matters(checkpoints, monkeypatch) -> None:
     eng.runner.execute = forget
     out = eng.run_to_completion(reqs)
     assert np.abs(out[0].token_id_logprobs - ref[0].token_id_logprobs).max() > 1e-3
+
+
+def test_pool_sizes_share_memory_between_kv_and_state(checkpoints) -> None:
+    """Automatic sizing on the CPU: the KV of the default token count, and state slots for
+    2 * max_num_seqs sequences cut down to a quarter of the pool (KV and state), at least 2;
+    an explicit slot count is taken as given; a dense model gets no slots."""
+    dense = ModelSpec.from_dir(checkpoints["qwen3"])
+    spec = dataclasses.replace(dense, layer_types=("linear_attention", "full_attention"))
+    cfg = Config(device="cpu", max_num_seqs=8, block_size=BS)
+    cpu, f32 = torch.device("cpu"), torch.float32
+    kv_blocks, none = pool_sizes(cfg, dense, f32, cpu, 512, SINGLE)
+    assert none == 0
+
+    def sizes(rec: tuple[int, ...], **kw: object) -> tuple[int, int, int]:
+        layout = LinearStateLayout(layers=(0,), conv_shape=(2, 8), rec_shape=rec, conv_dtype=f32)
+        return (*pool_sizes(cfg.model_copy(update=kw), spec, f32, cpu, 512, SINGLE, layout), layout.slot_bytes())
+
+    blocks, slots, _ = sizes((2, 4, 4))
+    assert (blocks, slots) == (kv_blocks, 16)  # small states: 2 * max_num_seqs
+    kv_bytes = blocks * BS * 2 * len(spec.kv_layer_ids) * spec.num_kv_heads * spec.head_dim * 4
+    blocks, slots, slot_bytes = sizes((4, 256, 256))
+    assert 2 <= slots < 16 and slots * slot_bytes <= kv_bytes / 3 < (slots + 1) * slot_bytes
+    assert sizes((64, 256, 256))[1] == 2  # at least a working slot and a snapshot
+    assert sizes((64, 256, 256), linear_state_slots=5)[1] == 5
