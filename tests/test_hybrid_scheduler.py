@@ -104,9 +104,8 @@ def test_hit_counts_only_up_to_a_snapshot() -> None:
 def test_no_slot_no_snapshot_no_cut() -> None:
     """All slots but one held: the first response runs whole, without a snapshot; a sibling
     then finds the prompt's blocks but no snapshot and starts at 0."""
-    s = make(budget=1000, slots=3, max_seqs=64)
+    s = make(budget=16, slots=3)
     long = plain(200, 7)
-    s.cfg.max_num_batched_tokens = 16
     s.add(long)
     s.finish_step(s.schedule())  # long holds a working slot
     s.cfg.max_num_batched_tokens = 1000

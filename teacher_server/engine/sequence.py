@@ -1,4 +1,5 @@
-"""Sequence: a request's progress through the engine (chunks done, KV blocks held). No torch."""
+"""Sequence: a request's progress through the engine (chunks done, KV blocks and linear-state
+slots held). No torch."""
 
 from __future__ import annotations
 
