@@ -60,7 +60,8 @@ class ModelRunner:
         state = model.linear_state_layout()
         self.kv = KVPool(num_blocks * block_size, n_kv, spec.head_dim, dtype, device, kv_layers=spec.kv_layer_ids,
                          state=state, state_slots=state_slots + 1 if state is not None else 0)
-        rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
+        # at the rotary width (head_dim, or its first part for partial rotary: Qwen3.5)
+        rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
                                max_model_len + 1, device)
         if cuda:  # cuDNN plans for every bucketed length
             attn.warm_up(max_model_len, n_q, n_kv, spec.head_dim, device, dtype)
