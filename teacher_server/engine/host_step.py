@@ -204,6 +204,7 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
 
 
 def plan_state(chunks: list[Chunk]) -> StatePlan:
+    """Each chunk's state slots (``Chunk.state_in`` / ``state_out``) in step order."""
     keep = [i for i, c in enumerate(chunks) if c.state_out]
     return StatePlan(state_in=np.asarray([c.state_in for c in chunks], dtype=np.int64),
                      keep=np.asarray(keep, dtype=np.int64),
