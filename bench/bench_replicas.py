@@ -79,9 +79,12 @@ def bench_setting(ckpt: Path, name: str, args: argparse.Namespace, workloads: li
                 dt, lat = asyncio.run(http_run(url, reqs, args.concurrency))
                 time.sleep(1.0)  # replicas report their counters every 0.25 s
                 h1, q1 = prefix_counters(url)
-                run = summarize(f"{w}-{name}", QWEN3_8B, reqs, dt, lat, float("nan"))
+                run = summarize(f"{w}-{name}", QWEN3_8B, reqs, dt, lat, float("nan"), gpus=dp)
                 run["prefix_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
                 run["prefix_hit_tokens"] = h1 - h0
+                # MFU of the computed tokens only (cache hits are not computed): the FLOPs of all
+                # tokens scaled by the computed share (approximate: attention is not linear in it).
+                run["mfu_computed"] = run["mfu"] * (1 - (h1 - h0) / run["tokens"])
                 runs.append(run)
                 print(name, w, f"run {r}: {run['tokens_per_s']:.0f} tok/s, hit rate {run['prefix_hit_rate']:.3f}",
                       flush=True)
@@ -98,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="dp1,dp2,dp2-rr", help=f"settings, of {sorted(RUNS)}")
     ap.add_argument("--workloads", default="W1,G1")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="runs per workload; the median is reported")
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     ap.add_argument("--concurrency", type=int, default=128, help="requests in flight (per setting, not per GPU)")
     ap.add_argument("--max-model-len", type=int, default=8192)

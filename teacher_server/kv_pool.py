@@ -1,20 +1,23 @@
-"""KVPool: the one owner of the paged KV cache tensors. Layers store a step's keys and
-values through it, gather the packed keys of prefixed sequences from it, and nobody else
-indexes its tensors.
+"""KVPool: the one owner of a model's per-token and per-sequence cache tensors. Layers store
+a step's keys and values through it, gather the packed keys of prefixed sequences from it,
+read and write their linear-attention state in it, and nobody else indexes its tensors.
 
-Layout: one allocation ``[layers, 2 (k/v), slots, kv_heads, head_dim]``; slot
-``block * block_size + offset`` is a token position of a block the block manager handed
-out. Per-sequence state of other kinds goes next to it in the same owner when a model needs
-it: a linear-attention (Gated DeltaNet) layer keeps a convolution state and a float32
-recurrent state per sequence instead of KV, so the pool would hold, beside the paged KV of
-the attention layers, ``[linear_layers, state_slots, ...]`` tensors indexed by a per-sequence
-state slot that the block manager hands out with a sequence's blocks (and a snapshot slot at
-a prefix-reuse boundary), with ``load_state`` / ``store_state`` for a layer and the step's
-state slots. Layer indices then map to either kind; the attention layers' calls stay as here.
+Paged KV, for the attention layers (``kv_layers``, model layer ids) only: one allocation
+``[kv_layers, 2 (k/v), slots, kv_heads, head_dim]``; slot ``block * block_size + offset``
+is a token position of a block the block manager handed out. Every method takes the model
+layer id and maps it.
+
+Linear-attention state, for a hybrid model's Gated DeltaNet layers (``LinearStateLayout``):
+per layer ``[state_slots, *conv_shape]`` convolution states (model dtype) and
+``[state_slots, *rec_shape]`` float32 recurrent states, indexed by a state slot that the
+engine hands out (``engine/state_slots.py``). Slot 0 is the zero state: zero from
+allocation and never written.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,18 +28,58 @@ if TYPE_CHECKING:
     from teacher_server.step_context import StepContext
 
 
+@dataclass(frozen=True)
+class LinearStateLayout:
+    """What a hybrid model's linear layers keep per sequence (this rank's shares)."""
+
+    layers: tuple[int, ...]  # model layer ids of the linear layers
+    conv_shape: tuple[int, ...]  # one slot of one layer's convolution state (the model's layout)
+    rec_shape: tuple[int, ...]  # one slot of one layer's recurrent state: (v_heads, k_dim, v_dim)
+    conv_dtype: torch.dtype  # the model dtype; the recurrent state is always float32
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over all linear layers."""
+        conv = math.prod(self.conv_shape) * self.conv_dtype.itemsize
+        return len(self.layers) * (conv + math.prod(self.rec_shape) * 4)
+
+
 class KVPool:
-    def __init__(self, num_layers: int, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.num_layers, self.num_slots = num_layers, num_slots
-        # One allocation: [layers, 2 (k/v), slots, kv_heads, head_dim]
-        self._kv = torch.empty(num_layers, 2, num_slots, kv_heads, head_dim, dtype=dtype, device=device)
-        self._views = [(self._kv[i, 0], self._kv[i, 1]) for i in range(num_layers)]  # made once, not per step
+    def __init__(self, num_slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, *,
+                 kv_layers: tuple[int, ...], state: LinearStateLayout | None = None, state_slots: int = 0) -> None:
+        """``num_slots``: KV token slots (blocks x block size); ``state_slots``: linear-state
+        slots, slot 0 (the zero state) included (at least 2 with a ``state``)."""
+        self.num_slots, self.kv_layers, self.state, self.state_slots = num_slots, kv_layers, state, state_slots
+        # One allocation: [kv layers, 2 (k/v), slots, kv_heads, head_dim]
+        self._kv = torch.empty(len(kv_layers), 2, num_slots, kv_heads, head_dim, dtype=dtype, device=device)
+        # Indexed by model layer id (None for a linear layer); made once, not per step.
+        n = max((*kv_layers, *(state.layers if state else ())), default=-1) + 1
+        self._views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * n
+        for i, layer in enumerate(kv_layers):
+            self._views[layer] = (self._kv[i, 0], self._kv[i, 1])
+        self._conv: torch.Tensor | None = None
+        self._rec: torch.Tensor | None = None
+        self._state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer id -> (conv, rec) views
+        if state is not None:
+            assert state_slots >= 2, f"state_slots={state_slots}: the zero slot and at least one more"
+            assert not set(state.layers) & set(kv_layers), f"layers {state.layers} have KV and linear state"
+            # Zeroed: slot 0 is the zero state and stays so (the engine never hands it out).
+            nl = len(state.layers)
+            self._conv = torch.zeros(nl, state_slots, *state.conv_shape, dtype=state.conv_dtype, device=device)
+            self._rec = torch.zeros(nl, state_slots, *state.rec_shape, dtype=torch.float32, device=device)
+            self._state = {layer: (self._conv[i], self._rec[i]) for i, layer in enumerate(state.layers)}
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the cache tensors."""
-        return self._kv.numel() * self._kv.element_size()
+        """Bytes held by the cache tensors (KV and linear state)."""
+        return sum(t.numel() * t.element_size() for t in (self._kv, self._conv, self._rec) if t is not None)
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """Convolution states of a linear layer: [state_slots, *conv_shape], model dtype (a view)."""
+        return self._state[layer][0]
+
+    def rec_state(self, layer: int) -> torch.Tensor:
+        """Recurrent states of a linear layer: [state_slots, *rec_shape] float32 (a view)."""
+        return self._state[layer][1]
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Keys of one layer: [slots, kv_heads, head_dim] (a view)."""

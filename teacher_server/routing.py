@@ -8,15 +8,17 @@ rendezvous weight ``hash(key, replica)``. A GRPO group (n responses to one promp
 where the prompt's KV is cached, and adding or removing a replica moves only the keys that
 replica wins or held.
 
-Spill: the preferred replica is skipped when it is overloaded, that is when its outstanding
-tokens (sent, not yet answered) exceed ``SPILL_RATIO`` (1.25) x the least-loaded replica's plus
-``spill_tokens`` (default ``SPILL_TOKENS``, 32768: two steps of the default GPU token budget);
-the request then goes to the least-loaded replica. A group split so costs one more prefill of
-its prompt (its later members find it cached on the replica they spilled to, which stays the
-least loaded for a while), while an idle replica costs throughput; the ratio keeps replicas
-with long queues from trading groups over differences that even out. Requests with no full
-reusable block go to the least-loaded replica. ``round_robin`` ignores prefixes and load (a
-comparison for benchmarks).
+Spill, decided once per prefix: the first request of a key goes to its preferred replica unless
+that one is overloaded, that is when its outstanding tokens (sent, not yet answered) exceed
+``SPILL_RATIO`` (1.25) x the least-loaded replica's plus ``spill_tokens`` (default
+``SPILL_TOKENS``, 32768: two steps of the default GPU token budget); it then goes to the
+least-loaded replica. Where a key went is remembered (the last ``PLACED_KEYS`` keys), and its
+later requests follow it there, so a GRPO group stays whole on one replica, where its prompt is
+cached, even while the load moves; only when that replica's load passes ``STICKY_RATIO`` (2) x
+the least loaded's plus twice ``spill_tokens`` is the key placed again. Deciding per request
+instead splits many groups under a steady load (each split costs one more prefill of the
+prompt). Requests with no full reusable block go to the least-loaded replica.
+``round_robin`` ignores prefixes and load (a comparison for benchmarks).
 
 Plain Python + numpy: the client imports it without torch.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Literal
 
@@ -36,6 +39,8 @@ BLOCK_SIZE = 16  # the server's default block_size (Config.block_size)
 ROUTE_BLOCKS = 16  # the key covers at most this many leading blocks (256 tokens by default)
 SPILL_TOKENS = 32768
 SPILL_RATIO = 1.25
+STICKY_RATIO = 2.0
+PLACED_KEYS = 65536
 
 
 def reusable_tokens(start: int, prompt_logprobs: int | None = None) -> int:
@@ -78,6 +83,7 @@ class Router:
         self.spill_tokens = spill_tokens
         self._turn = itertools.count()
         self._lock = threading.Lock()
+        self._placed: OrderedDict[bytes, str] = OrderedDict()  # key -> replica, least recent first
 
     def key(self, token_ids: Sequence[int] | np.ndarray, reusable: int, cache_salt: str | None) -> bytes | None:
         return prefix_key(token_ids, reusable, cache_salt, self.block_size)
@@ -92,7 +98,16 @@ class Router:
         least = min(names, key=lambda r: (load[r], r))
         if key is None:
             return least
-        preferred = rendezvous(key, names)
-        if load[preferred] > SPILL_RATIO * load[least] + self.spill_tokens:
-            return least
-        return preferred
+        with self._lock:
+            placed = self._placed.get(key)
+            if placed in load and load[placed] <= STICKY_RATIO * load[least] + 2 * self.spill_tokens:
+                self._placed.move_to_end(key)
+                return placed
+            preferred = rendezvous(key, names)
+            if load[preferred] > SPILL_RATIO * load[least] + self.spill_tokens:
+                preferred = least
+            self._placed[key] = preferred
+            self._placed.move_to_end(key)
+            if len(self._placed) > PLACED_KEYS:
+                self._placed.popitem(last=False)
+            return preferred

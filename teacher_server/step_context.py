@@ -48,6 +48,18 @@ class StepContext:
     prefix_shared: list[int] | None = None
     # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
     attn_plan: Any = field(default=None, repr=False)
+    # Linear-attention state (hybrid models; all None otherwise). Sequence b's linear layers
+    # start from state slot state_in[b] (0: the zero state, the sequence starts at position
+    # 0); after the step, the end state of sequence state_keep[j] goes to slot state_out[j].
+    # A state_out may equal the state_in of the same sequence (a chunked sequence carries its
+    # state in place): a layer reads every initial state before it writes any end state.
+    state_in: torch.Tensor | None = None  # [B] int64 slots
+    state_keep: torch.Tensor | None = None  # [S] int64 indices into the step's sequences; None when S == 0
+    state_out: torch.Tensor | None = None  # [S] int64 slots (never 0)
+    state_in_host: list[int] | None = None  # host copies (plans are made on the host, no device sync)
+    state_keep_host: list[int] | None = None
+    # Per-step scratch of the linear layers, made on first use.
+    linear_plan: Any = field(default=None, repr=False)
 
     @property
     def has_prefix(self) -> bool:

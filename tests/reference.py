@@ -65,7 +65,7 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
     return path
 
 
-def make_moe_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, kv_heads: int = 2) -> Path:
     """A tiny random MoE of ``family`` ("name" or "name:vocab"). The router weights are large
     (std 1 logits per unit input) so the top-k choices sit far from the decision boundary and
     float32 rounding cannot flip them; dense layers are mixed in where the family has them."""
@@ -73,8 +73,8 @@ def make_moe_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
 
     name, _, vocab = family.partition(":")
-    common = dict(vocab_size=int(vocab or 512), hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6)
+    common = dict(vocab_size=int(vocab or 512), hidden_size=64, num_hidden_layers=3, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=8192, rms_norm_eps=1e-6)
     if name in ("qwen3moe", "qwen3moe_stacked"):
         cfg = tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                 num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1])

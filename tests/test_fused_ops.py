@@ -46,7 +46,7 @@ def check_stages(ops: FusedOps) -> None:
     qn, kn = 1 + 0.1 * torch.randn(HEADS.d, generator=g), 1 + 0.1 * torch.randn(HEADS.d, generator=g)
     slots = [2 * i if i % 3 else -1 for i in range(T)]
     ctx = step(T, slots)
-    pool = KVPool(1, 2 * T, HEADS.n_kv, HEADS.d, torch.float32, torch.device("cpu"))
+    pool = KVPool(2 * T, HEADS.n_kv, HEADS.d, torch.float32, torch.device("cpu"), kv_layers=(0,))
     pool.k_cache(0).zero_()
     pool.v_cache(0).zero_()
     cs = rope(ctx.positions)
@@ -133,7 +133,7 @@ def test_eager_ops_on_cpu() -> None:
 def test_pool_gathers_prefix_and_chunk_keys() -> None:
     """Packed [prefix | chunk] keys: the prefix from pool slots, the chunk from this step's
     keys, in cu_k order; rows after them are zeroed slack."""
-    pool = KVPool(2, 16, 2, 4, torch.float32, torch.device("cpu"))
+    pool = KVPool(16, 2, 4, torch.float32, torch.device("cpu"), kv_layers=(0, 1))
     for layer in range(2):
         pool.k_cache(layer).copy_(torch.randn(16, 2, 4))
         pool.v_cache(layer).copy_(torch.randn(16, 2, 4))

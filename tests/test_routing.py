@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from teacher_server.routing import SPILL_RATIO, Router, prefix_key, rendezvous, reusable_tokens
+from teacher_server.routing import SPILL_RATIO, STICKY_RATIO, Router, prefix_key, rendezvous, reusable_tokens
 
 
 def _group_key(rng: np.random.Generator, router: Router, prompt_len: int, salt: str | None = None) -> bytes | None:
@@ -49,16 +49,35 @@ def test_rendezvous_moves_only_the_keys_of_a_removed_replica() -> None:
     assert moved and all(before[k] == "b" for k in moved)
 
 
-def test_spills_to_the_least_loaded_replica_past_the_threshold() -> None:
+def test_a_new_prefix_spills_to_the_least_loaded_replica_past_the_threshold() -> None:
     rng = np.random.default_rng(2)
     router = Router(spill_tokens=1000)
-    key = _group_key(rng, router, 200)
-    preferred = router.pick(key, {"0": 0, "1": 0})
+    keys = [_group_key(rng, router, 200) for _ in range(2)]
+    preferred = rendezvous(keys[0], ["0", "1"])
     other = "1" if preferred == "0" else "0"
-    # up to the threshold the group stays where its prefix is cached
-    assert router.pick(key, {preferred: int(SPILL_RATIO * 500) + 1000, other: 500}) == preferred
-    assert router.pick(key, {preferred: int(SPILL_RATIO * 500) + 1001, other: 500}) == other
+    while rendezvous(keys[1], ["0", "1"]) != preferred:  # a second new key with the same preference
+        keys[1] = _group_key(rng, router, 200)
+    # up to the threshold a new group goes where the rendezvous hash puts it, past it elsewhere
+    assert router.pick(keys[0], {preferred: int(SPILL_RATIO * 500) + 1000, other: 500}) == preferred
+    assert router.pick(keys[1], {preferred: int(SPILL_RATIO * 500) + 1001, other: 500}) == other
     assert router.pick(None, {preferred: 10, other: 5}) == other  # no reusable prefix: least loaded
+
+
+def test_a_placed_prefix_stays_until_its_replica_is_far_more_loaded() -> None:
+    rng = np.random.default_rng(4)
+    router = Router(spill_tokens=1000)
+    key = _group_key(rng, router, 200)
+    first = router.pick(key, {"0": 0, "1": 0})
+    other = "1" if first == "0" else "0"
+    # past the spill threshold, the group's later members still follow its first
+    busy = int(STICKY_RATIO * 500) + 2 * 1000  # past 1.25 x 500 + 1000, up to the sticky bound
+    assert router.pick(key, {first: busy, other: 500}) == first
+    # far more loaded: the key is placed again, on the least loaded, and stays there
+    far = int(STICKY_RATIO * 500) + 2 * 1000 + 1
+    assert router.pick(key, {first: far, other: 500}) == other
+    assert router.pick(key, {first: 0, other: 0}) == other
+    # a replica that is gone: placed again among those present
+    assert router.pick(key, {first: 0}) == first
 
 
 def test_round_robin_ignores_prefix_and_load() -> None:

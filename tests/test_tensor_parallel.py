@@ -1,7 +1,9 @@
 """Tensor parallel on the CPU (gloo, worker processes): TP=2 gives TP=1's results within
 1e-5 in float32 (flat, per-row and binary candidates, classic prompt_logprobs, greedy next
 token, prefix-cache hits, chunked sequences, raw_logits, deterministic mode), on a vocab not
-divisible by 2 and with fewer KV heads than ranks; sharded loading; the HTTP service at
+divisible by 2 and with fewer KV heads than ranks, for dense and mixture-of-experts models
+(experts split along their intermediate dimension, a shared expert, dense layers among the
+expert ones); TP=8 equals TP=1 for both kinds; sharded loading; the HTTP service at
 ``--tensor-parallel-size 2``; a killed worker makes the service unhealthy and the process
 exit non-zero."""
 
@@ -21,6 +23,7 @@ import pytest
 import torch
 from apiutil import assert_error, body, decode, npy_b64
 from conftest import LiveServer, free_port
+from reference import make_moe_checkpoint
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -94,7 +97,7 @@ def requests(vocab: int, seed: int) -> list[ScoreRequest]:
 def run(path: Path, size: int, seed: int = 0, **settings: object) -> tuple[list[ScoreResult], int]:
     """Results of the requests scored in two waves (the second hits the prompt cached by the
     first), and the prefix-cache hit tokens."""
-    settings = {"device": "cpu", **settings}
+    settings = {"device": "cpu", "max_model_len": 1024, **settings}
     cfg = Config(model=str(path), tensor_parallel_size=size, max_num_batched_tokens=64, block_size=8,
                  num_kv_blocks=256, **settings)
     engine = Engine(cfg)
@@ -121,10 +124,24 @@ def assert_same(a: list[ScoreResult], b: list[ScoreResult]) -> None:
             np.testing.assert_allclose(y.plp_token_logprob, x.plp_token_logprob, rtol=0, atol=TOL)
 
 
+@pytest.fixture(scope="module")
+def moe_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen2-MoE: a routed layer with a sigmoid-gated shared expert between dense layers."""
+    return make_moe_checkpoint("qwen2moe:301", tmp_path_factory.mktemp("tp") / "moe_shared")
+
+
+@pytest.fixture(scope="module")
+def moe_stacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3-MoE saved with stacked [E, ...] expert tensors (sliced per rank on load)."""
+    return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("tp") / "moe_stacked")
+
+
 @pytest.mark.parametrize(("model", "settings"), [
     ("odd_vocab", {}),
     ("odd_vocab", {"logprobs_mode": "raw_logits"}),
     ("tied", {"deterministic": True}),
+    ("moe_shared", {}),
+    ("moe_stacked", {}),
 ])
 def test_tp2_equals_tp1(model: str, settings: dict, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(model)
@@ -168,6 +185,17 @@ def test_tp8(tmp_path: Path) -> None:
     one, _ = run(path, 1)
     eight, _ = run(path, 8)
     assert_same(one, eight)
+
+
+@pytest.mark.slow
+def test_tp8_moe(tmp_path: Path) -> None:
+    """Eight gloo ranks over a Qwen3-MoE (eight heads, one KV head, 8 experts of intermediate
+    32: 4 columns per rank): TP=8 equals TP=1."""
+    path = make_moe_checkpoint("qwen3moe:301", tmp_path / "m", heads=8, kv_heads=1)
+    one, _ = run(path, 1)
+    eight, _ = run(path, 8)
+    assert_same(one, eight)
+
 
 
 # --- the HTTP service ---------------------------------------------------------------------------
@@ -311,7 +339,8 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two G
 
 @pytest.mark.gpu
 @two_gpus
-@pytest.mark.parametrize(("family", "dtype", "tol"), [("qwen3hd128", "float32", 1e-4), ("qwen3hd128", "bfloat16", None)])
+@pytest.mark.parametrize(("family", "dtype", "tol"), [("qwen3hd128", "float32", 1e-4), ("qwen3hd128", "bfloat16", None),
+                                                 ("qwen3moe", "float32", 1e-4)])
 def test_gpu_tp2_equals_tp1(family: str, dtype: str, tol: float | None, checkpoints) -> None:
     """TP=2 on two GPUs against TP=1 on one, same requests: float32 (sdpa, no fused kernels)
     within 1e-4; bfloat16 (the served path) within bf16 rounding of the partial sums."""

@@ -5,13 +5,15 @@ first scored row are *cacheable*: once computed they are registered under a hash
 over (previous hash, cache salt, token ids) and can be shared by later requests.
 Blocks are reference counted; cached blocks whose count drops to zero stay resident
 and are evicted least-recently-used when the pool runs dry. A block with a non-zero
-count is never evicted.
+count is never evicted. ``on_evict`` (if set) hears of every block that leaves the prefix
+cache, so state bound to it (a hybrid model's snapshot, ``StateSlots``) goes with it.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,6 +43,7 @@ class BlockManager:
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # stack of never-hashed blocks
         self.cached: dict[bytes, int] = {}  # hash -> block id (registered, computed)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref == 0 and hashed, LRU first
+        self.on_evict: Callable[[int], None] | None = None  # called with a block that leaves the cache
         # stats
         self.hit_tokens = 0
         self.query_tokens = 0
@@ -102,10 +105,7 @@ class BlockManager:
                 b = self.free.pop()
             else:
                 b, _ = self.evictable.popitem(last=False)
-                h = self.block_hash[b]
-                if h is not None and self.cached.get(h) == b:
-                    del self.cached[h]
-                self.block_hash[b] = None
+                self._forget(b)
             self.ref[b] = 1
             out.append(b)
         return out
@@ -126,9 +126,15 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block."""
         for b in list(self.evictable):
-            h = self.block_hash[b]
-            if h is not None and self.cached.get(h) == b:
-                del self.cached[h]
-            self.block_hash[b] = None
+            self._forget(b)
             self.free.append(b)
         self.evictable.clear()
+
+    def _forget(self, b: int) -> None:
+        """Block ``b`` (unreferenced) no longer holds a cached prefix."""
+        h = self.block_hash[b]
+        if h is not None and self.cached.get(h) == b:
+            del self.cached[h]
+        self.block_hash[b] = None
+        if self.on_evict is not None:
+            self.on_evict(b)

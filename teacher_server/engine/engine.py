@@ -19,9 +19,9 @@ from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import Handoff, InFlightStep
 from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
 from teacher_server.engine.rank_setup import (
-    auto_num_blocks,
     load_rank,
     make_runner,
+    pool_sizes,
     resolve_device,
     resolve_dtype,
     token_budget,
@@ -29,6 +29,7 @@ from teacher_server.engine.rank_setup import (
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
+from teacher_server.engine.state_slots import StateSlots
 from teacher_server.engine.stats import EngineStats, StepTiming
 from teacher_server.engine.tp_workers import TensorParallelError, TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
@@ -66,8 +67,9 @@ class Engine:
         if self.spec.num_heads % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the model's {self.spec.num_heads} "
                              f"attention heads")
-        if size > 1 and self.spec.num_experts:  # the expert layer names its split, not yet wired
-            raise ValueError(f"tensor_parallel_size={size}: mixture-of-experts models run on one GPU for now")
+        if self.spec.num_experts and self.spec.moe_intermediate_size % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
+                             f"{self.spec.moe_intermediate_size}")
         if size > 1 and self.spec.linear_layer_ids:  # the linear layers' state is not split across ranks
             raise ValueError(f"tensor_parallel_size={size}: hybrid linear-attention models ({self.spec.architecture}) "
                              f"run on one GPU for now")
@@ -85,9 +87,10 @@ class Engine:
         tp = TensorParallel(size, 0)
         try:
             self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
-            num_blocks = auto_num_blocks(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp)
+            state = self.model.linear_state_layout()  # hybrid models: per-sequence linear-attention state
+            num_blocks, state_slots = pool_sizes(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp, state)
             if self._workers is not None:
-                num_blocks = self._workers.agree_blocks(num_blocks)
+                num_blocks, state_slots = self._workers.agree_blocks((num_blocks, state_slots))
         except BaseException:
             self.close()
             raise
@@ -99,8 +102,9 @@ class Engine:
                                f"raise num_kv_blocks / gpu_memory_utilization")
         prefix = cfg.enable_prefix_caching and not cfg.deterministic
         self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
-        self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self._blocks)
-        self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device)
+        self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self._blocks,
+                                    StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
+        self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device, state_slots)
         self._prefix_caching = prefix
         self._pipeline = cfg.pipeline
         # Layers the host may queue ahead of the GPU within a forward (CUDA; see LaunchPacer).
@@ -170,15 +174,16 @@ class Engine:
     # --- reporting and switches ----------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and queues."""
-        bm = self._blocks
+        bm, sl = self._blocks, self._scheduler.slots
         return EngineStats(timing=self._timing.copy(), steps=self._steps, computed_tokens=self._tokens,
                            waiting=self._scheduler.num_waiting, running=self._scheduler.num_running,
                            active_requests=len(self._seqs), kv_blocks_used=bm.num_used,
                            kv_blocks_total=bm.num_blocks, prefix_query_tokens=bm.query_tokens,
-                           prefix_hit_tokens=bm.hit_tokens)
+                           prefix_hit_tokens=bm.hit_tokens, state_slots_total=sl.num_slots - 1 if sl else 0,
+                           state_slots_used=sl.num_used if sl else 0, state_snapshots=sl.num_snapshots if sl else 0)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix block no request holds."""
+        """Forget every cached prefix block no request holds (and the state snapshots bound to them)."""
         self._blocks.reset_prefix_cache()
 
     @property

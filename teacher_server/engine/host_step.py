@@ -1,7 +1,8 @@
 """HostStep: one step's chunks turned into host arrays, before the single transfer to the
 device. Built in three parts from the same ordered chunks: the packed query tokens
 (``pack_tokens``), the KV pool's writes and prefix gathers (``plan_kv``) and which rows
-are scored how (``plan_scoring``). No torch here.
+are scored how (``plan_scoring``); for hybrid models a fourth, where each sequence's
+linear-attention state comes from and goes (``plan_state``). No torch here.
 
 Chunk order (see ``StepContext``): prefixed chunks first, ordered by the pool blocks they
 read (longest first among equals), so the responses of one cached prompt sit side by side
@@ -90,12 +91,22 @@ class ScoringLayout:
 
 
 @dataclass
+class StatePlan:
+    """The linear-attention state slots of the step's sequences (see ``StepContext``)."""
+
+    state_in: np.ndarray  # [B] int64 the slot each sequence starts from (0: the zero state)
+    keep: np.ndarray  # [S] int64 sequences (into B) whose end state is kept
+    out: np.ndarray  # [S] int64 the slots they go to (never 0)
+
+
+@dataclass
 class HostStep:
     """Host-side arrays of one step, before the single transfer to the device."""
 
     tokens: PackedTokens
     kv: KvPlan
     scoring: ScoringLayout
+    state: StatePlan | None = None  # hybrid models only
 
 
 def order_chunks(chunks: list[Chunk], block_size: int) -> list[Chunk]:
@@ -192,7 +203,17 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
                          spans=spans)
 
 
-def build_host_step(chunks: list[Chunk], block_size: int) -> HostStep:
+def plan_state(chunks: list[Chunk]) -> StatePlan:
+    """Each chunk's state slots (``Chunk.state_in`` / ``state_out``) in step order."""
+    keep = [i for i, c in enumerate(chunks) if c.state_out]
+    return StatePlan(state_in=np.asarray([c.state_in for c in chunks], dtype=np.int64),
+                     keep=np.asarray(keep, dtype=np.int64),
+                     out=np.asarray([chunks[i].state_out for i in keep], dtype=np.int64))
+
+
+def build_host_step(chunks: list[Chunk], block_size: int, linear_state: bool = False) -> HostStep:
+    """``linear_state``: the model has linear-attention layers (the step gets a ``StatePlan``)."""
     chunks = order_chunks(chunks, block_size)
     tokens = pack_tokens(chunks)
-    return HostStep(tokens, plan_kv(chunks, tokens.cu_q, block_size), plan_scoring(chunks, tokens.cu_q))
+    return HostStep(tokens, plan_kv(chunks, tokens.cu_q, block_size), plan_scoring(chunks, tokens.cu_q),
+                    plan_state(chunks) if linear_state else None)

@@ -44,7 +44,9 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
 class ModelRunner:
     def __init__(self, model: nn.Module, attn: AttentionBackend, num_blocks: int, block_size: int,
                  max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int,
-                 compile_ops: bool = True) -> None:
+                 compile_ops: bool = True, state_slots: int = 0) -> None:
+        """``state_slots``: linear-attention state slots of a hybrid model, the zero slot
+        excluded (see ``KVPool``)."""
         self.model = model
         self.spec = spec = model.spec
         self.device = device
@@ -55,8 +57,11 @@ class ModelRunner:
         self.tp = tp = model.tp
         # This rank's heads (tensor parallel: its share; KV heads replicated past their count).
         n_q, n_kv = tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1]
-        self.kv = KVPool(spec.num_layers, num_blocks * block_size, n_kv, spec.head_dim, dtype, device)
-        rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
+        state = model.linear_state_layout()
+        self.kv = KVPool(num_blocks * block_size, n_kv, spec.head_dim, dtype, device, kv_layers=spec.kv_layer_ids,
+                         state=state, state_slots=state_slots + 1 if state is not None else 0)
+        # at the rotary width (head_dim, or its first part for partial rotary: Qwen3.5)
+        rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
                                max_model_len + 1, device)
         if cuda:  # cuDNN plans for every bucketed length
             attn.warm_up(max_model_len, n_q, n_kv, spec.head_dim, device, dtype)
@@ -78,17 +83,20 @@ class ModelRunner:
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
         """The step's host arrays: packed tokens, KV plan, scoring layout."""
-        return build_host_step(chunks, self.block_size)
+        return build_host_step(chunks, self.block_size, self.kv.state is not None)
 
     # --- execute ---------------------------------------------------------------------
     def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput:
         """Run the forward and the scoring stage of one step (queued on CUDA)."""
-        tok, kv, sc = hs.tokens, hs.kv, hs.scoring
+        tok, kv, sc, st = hs.tokens, hs.kv, hs.scoring, hs.state
+        arrays = [tok.input_ids, tok.positions, tok.cu_q, tok.cu_k, kv.write_src, kv.write_slots, kv.tok_slots,
+                  kv.new_pos, kv.prefix_pos, kv.prefix_slots, sc.logits_idx, sc.cand.reshape(-1), sc.plp_rows,
+                  sc.plp_actual, sc.argmax_rows]
+        if st is not None:  # hybrid models: the state slots travel in the same copy
+            arrays += [st.state_in, st.keep, st.out]
+        dev = to_device(arrays, self.device)
         (input_ids, positions, cu_q, cu_k, write_src, write_slots, tok_slots, new_pos, prefix_pos, prefix_slots,
-         logits_idx, cand, plp_rows, plp_actual, argmax_rows) = to_device(
-            [tok.input_ids, tok.positions, tok.cu_q, tok.cu_k, kv.write_src, kv.write_slots, kv.tok_slots,
-             kv.new_pos, kv.prefix_pos, kv.prefix_slots, sc.logits_idx, sc.cand.reshape(-1), sc.plp_rows,
-             sc.plp_actual, sc.argmax_rows], self.device)
+         logits_idx, cand, plp_rows, plp_actual, argmax_rows) = dev[:15]
         writes, prefixed = kv.has_writes, kv.n_prefixed > 0
         ctx = StepContext(
             input_ids=input_ids, positions=positions, cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32),
@@ -101,6 +109,10 @@ class ModelRunner:
             total_k=kv.total_k, n_prefixed=kv.n_prefixed, tok_prefixed=sum(tok.q_lens[:kv.n_prefixed]),
             prefix_shared=kv.prefix_shared,
         )
+        if st is not None:
+            ctx.state_in, ctx.state_in_host = dev[15], st.state_in.tolist()
+            if st.keep.size:
+                ctx.state_keep, ctx.state_out, ctx.state_keep_host = dev[16], dev[17], st.keep.tolist()
         hidden = self.model(ctx, pacer)  # [R, H]
         n_plp, n_arg = sc.plp_rows.size, sc.argmax_rows.size
         plan = ScoringPlan(

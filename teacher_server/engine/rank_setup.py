@@ -1,10 +1,12 @@
 """What every tensor-parallel rank builds the same way (the engine's process for rank 0, a
 worker process for the others): its shard of the model, its attention backend, its KV pool
-size from its own free memory, and its model runner."""
+size (KV blocks and linear-attention state slots) from its own free memory, and its model
+runner."""
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from teacher_server.attention import make_backend
 from teacher_server.attention.base import AttentionBackend
 from teacher_server.config import Config
 from teacher_server.engine.model_runner import ModelRunner
+from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.parallel import TensorParallel
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
@@ -52,17 +55,30 @@ def token_budget(cfg: Config, device: torch.device) -> int:
     return cfg.max_num_batched_tokens or (16384 if device.type == "cuda" else 2048)
 
 
-def auto_num_blocks(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                    tp: TensorParallel) -> int:
-    """KV blocks that fit this rank's free memory (its KV heads, its activations)."""
-    if cfg.num_kv_blocks:
-        return cfg.num_kv_blocks
+# Automatic sizing gives the linear-attention state slots of a hybrid model at most this
+# share of the memory for the pool (KV and state); the KV blocks take the rest.
+STATE_SHARE = 0.25
+
+
+def pool_sizes(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int,
+               tp: TensorParallel, state: LinearStateLayout | None = None) -> tuple[int, int]:
+    """(KV blocks, linear-state slots) that fit this rank's free memory (its KV heads, its
+    activations). The slots (zero slot excluded; 0 without ``state``): ``linear_state_slots``,
+    or automatically a working slot and a snapshot for each sequence a step may hold
+    (2 * max_num_seqs), cut down to ``STATE_SHARE`` of the pool's memory, at least 2. The KV
+    takes the rest: only the attention layers (``spec.kv_layer_ids``) have KV."""
+    if cfg.num_kv_blocks and state is None:
+        return cfg.num_kv_blocks, 0
     budget = token_budget(cfg, device)
     kv_size = tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim  # this rank's
-    bytes_per_token = 2 * spec.num_layers * kv_size * torch.finfo(dtype).bits // 8
+    bytes_per_token = max(2 * len(spec.kv_layer_ids) * kv_size * dtype.itemsize, 1)
+    slot_bytes = state.slot_bytes() if state is not None else 0
     min_tokens = max(max_model_len, 4 * budget)
     if device.type != "cuda":
         tokens = 2 * min_tokens
+        # as if the auto KV were the pool's (1 - STATE_SHARE)
+        pool = (cfg.num_kv_blocks * cfg.block_size if cfg.num_kv_blocks else tokens) * bytes_per_token \
+            / (1 - STATE_SHARE)
     else:
         free, total = torch.cuda.mem_get_info(device)
         # Activations of one step: a generous per-token estimate plus one logits chunk (this
@@ -72,14 +88,27 @@ def auto_num_blocks(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: to
         act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
         # Packed keys of a long chunked sequence (prefix gathered per layer).
         act += 2 * max_model_len * kv_size * 2 * 2
-        avail = free - (1 - cfg.gpu_memory_utilization) * total - act - (1 << 30)
-        tokens = int(avail // bytes_per_token)
+        if state is not None:  # a linear layer's per-chunk (64 tokens) and per-sequence float32 states
+            act += 2 * (budget // 64 + cfg.max_num_seqs) * math.prod(state.rec_shape) * 4
+        pool = free - (1 - cfg.gpu_memory_utilization) * total - act - (1 << 30)
+    slots = 0
+    if state is not None:
+        slots = cfg.linear_state_slots
+        if not slots:
+            slots = min(2 * cfg.max_num_seqs, int(STATE_SHARE * pool // slot_bytes))
+            if slots < 2:
+                log.warning("only %d linear-state slots fit the memory share (rank %d); using 2", slots, tp.rank)
+                slots = 2
+    if cfg.num_kv_blocks:
+        return cfg.num_kv_blocks, slots
+    if device.type == "cuda":
+        tokens = int((pool - slots * slot_bytes) // bytes_per_token)
         if tokens < min_tokens:
             log.warning("only %d tokens of KV fit in GPU memory (rank %d)", max(tokens, 0), tp.rank)
-    return max(tokens // cfg.block_size, 1)
+    return max(tokens // cfg.block_size, 1), slots
 
 
 def make_runner(cfg: Config, model: nn.Module, attn: AttentionBackend, num_blocks: int, max_model_len: int,
-                device: torch.device) -> ModelRunner:
+                device: torch.device, state_slots: int = 0) -> ModelRunner:
     return ModelRunner(model, attn, num_blocks, cfg.block_size, max_model_len, device,
-                       cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile)
+                       cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, state_slots)

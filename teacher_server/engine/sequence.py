@@ -1,4 +1,5 @@
-"""Sequence: a request's progress through the engine (chunks done, KV blocks held). No torch."""
+"""Sequence: a request's progress through the engine (chunks done, KV blocks and linear-state
+slots held). No torch."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class Sequence:
     num_registered: int = 0  # cacheable blocks already registered in the prefix cache
     block_table: list[int] = field(default_factory=list)
     result: ScoreResult | None = None
+    # Linear-attention state slots (hybrid models, ``StateSlots``; 0 = none). The scheduler
+    # keeps them; each slot this sequence names in ``state_slot``, ``state_read`` or
+    # ``snapshot_slot`` holds one reference of it.
+    state_slot: int = 0  # working slot, held from admission to the end when processed in chunks
+    state_src: int = 0  # where the state after the last scheduled chunk is (0: the zero state)
+    state_read: int = 0  # a snapshot the next (or the scheduled) chunk starts from
+    snapshot_slot: int = 0  # the snapshot at cache_end the scheduled chunk writes (bound when it ran)
 
     def __post_init__(self) -> None:
         self.logit_lo, self.logit_hi = self.req.logit_range()
@@ -63,12 +71,16 @@ class Sequence:
 @dataclass
 class Chunk:
     """Positions [start, end) of one sequence computed in this step; KV of [start, write_end)
-    is written to the pool."""
+    is written to the pool. Hybrid models: the linear layers start from state slot
+    ``state_in`` (0: the zero state, ``start`` is 0) and keep their end state in slot
+    ``state_out`` (0: not kept)."""
 
     seq: Sequence
     start: int
     end: int
     write_end: int
+    state_in: int = 0
+    state_out: int = 0
 
     @property
     def final(self) -> bool:

@@ -50,6 +50,10 @@ class EngineStats:
     kv_blocks_total: int
     prefix_query_tokens: int  # cacheable prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int  # of which served from it
+    # Linear-attention state slots of a hybrid model (0 for other models), the zero slot not counted.
+    state_slots_total: int = 0
+    state_slots_used: int = 0  # held by sequences or holding a snapshot
+    state_snapshots: int = 0  # prompt snapshots kept for prefix reuse (bound to prefix-cache blocks)
 
     @property
     def kv_usage(self) -> float:

@@ -10,8 +10,8 @@ never see requests, and nothing per layer crosses processes except the all-reduc
 rank's results are the same after the vocab-parallel combine; only rank 0's are used.
 
 Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a
-rank that is gone: each worker says it is loaded and how many KV blocks fit its memory; the
-engine takes the minimum (an all-reduce MIN done by hand) and sends it back. A watchdog
+rank that is gone: each worker says it is loaded and how many KV blocks (and linear-state
+slots) fit its memory; the engine takes the minimum (an all-reduce MIN done by hand) and sends it back. A watchdog
 thread waits on the workers' process sentinels: a worker that dies or raises (it exits
 non-zero) is noticed at once, even while rank 0 sits in a collective, and reported to the
 failure hook (the server's: unhealthy, then exit). Workers exit when the engine's process
@@ -125,15 +125,16 @@ class TPWorkers:
         for i in range(len(self.procs)):
             self._recv(i, "at start-up", 600.0)
 
-    def agree_blocks(self, own: int) -> int:
-        """The KV block count every rank can hold (the minimum over ranks); sent to all."""
+    def agree_blocks(self, own: tuple[int, int]) -> tuple[int, int]:
+        """The KV blocks and linear-state slots every rank can hold (the minimum of each over
+        the ranks); sent to all."""
         counts = [own] + [self._recv(i, "while loading its shard", START_TIMEOUT_S)[1] for i in range(len(self.procs))]
-        n = min(counts)
+        n = (min(c[0] for c in counts), min(c[1] for c in counts))
         for c in self.conns:
             c.send(("blocks", n))
         for i in range(len(self.procs)):
             self._recv(i, "while building its KV pool", 600.0)
-        log.info("tensor parallel: %d ranks, KV blocks per rank %s -> %d", self.size, counts, n)
+        log.info("tensor parallel: %d ranks, (KV blocks, state slots) per rank %s -> %s", self.size, counts, n)
         return n
 
     # --- steps ---------------------------------------------------------------------------
@@ -211,7 +212,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
     code = 0
     try:
         from teacher_server.engine.pacer import Unpaced
-        from teacher_server.engine.rank_setup import auto_num_blocks, load_rank, make_runner, resolve_dtype
+        from teacher_server.engine.rank_setup import load_rank, make_runner, pool_sizes, resolve_dtype
         from teacher_server.layers.parallel import TensorParallel
         from teacher_server.models.spec import ModelSpec
 
@@ -223,9 +224,9 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         tp = TensorParallel(size, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
-        conn.send(("loaded", auto_num_blocks(cfg, spec, model.dtype, device, max_len, tp)))
-        _, blocks = conn.recv()
-        runner = make_runner(cfg, model, attn, blocks, max_len, device)
+        conn.send(("loaded", pool_sizes(cfg, spec, model.dtype, device, max_len, tp, model.linear_state_layout())))
+        _, (blocks, slots) = conn.recv()
+        runner = make_runner(cfg, model, attn, blocks, max_len, device, slots)
         conn.send(("built",))
         while True:
             data = conn.recv_bytes()

@@ -7,13 +7,14 @@ the token -> expert assignment is sorted once, the group ends come from ``search
 the sorted expert ids, and the combine is one ``embedding_bag`` (gather the k rows of each
 token from the sorted outputs, weight them, sum in float32, round once).
 
-Tensor parallel (the seam): every rank holds all experts, each split along its intermediate
-dimension, like the dense MLP (gate/up column-parallel, down row-parallel); the router is
-replicated, so each rank routes identically and produces a partial sum of the combined
-output, all-reduced once per layer at the marked point (shared expert included). Expert
-parallel would instead keep experts [rank * E / ep, (rank + 1) * E / ep) whole and move the
-sorted rows to their owner (all-to-all) around the two grouped GEMMs: ``ExpertWeights``
-would take the expert range, ``SparseMoe.forward`` the exchange, at the points marked.
+Tensor parallel: every rank holds all experts, each split along its intermediate dimension,
+like the dense MLP (gate/up column-parallel, down row-parallel); the router and the
+shared-expert gate are replicated, so each rank routes identically and makes a partial sum of
+the combined output (routed and shared experts), all-reduced once per layer at the end of
+``SparseMoe.forward``. Expert parallel would instead keep experts [rank * E / ep,
+(rank + 1) * E / ep) whole and move the sorted rows to their owner (all-to-all) around the two
+grouped GEMMs: ``ExpertWeights`` would take the expert range, ``SparseMoe.forward`` the
+exchange, at the points marked.
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ class SharedExpert(RuntimeModule):
         """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32); returns out."""
         a = self.rt.ops.silu_mul(self.gate_up_proj(h))  # [T, I_s]
         a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
-        # With tp > 1 ``out`` holds the routed experts' partial sums and this adds the shared
-        # expert's: the block's one all-reduce must come after (not also inside add_into).
-        return self.down_proj.add_into(out, a)
+        # With tp > 1 ``out`` holds this rank's partial sum of the routed experts and this adds
+        # its partial sum of the shared expert (every rank adds: nothing here is reduced); the
+        # layer's one all-reduce comes after.
+        return out.addmm_(a, self.down_proj.weight.t())
 
 
 class SparseMoe(RuntimeModule):
@@ -200,7 +202,7 @@ class SparseMoe(RuntimeModule):
         out = F.embedding_bag(pos.view(t, k), y, mode="sum", per_sample_weights=w.to(y.dtype))  # [T, H]
         if self.shared_expert is not None:
             out = self.shared_expert.add_into(out, h, self.shared_expert_gate(h))
-        return out  # tensor parallel: all-reduce of the partial sums here
+        return self.experts.tp.all_reduce(out)  # tensor parallel: the sum of the ranks' partial sums
 
     @torch.no_grad()
     def reference(self, h: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from teacher_server.attention.base import AttentionInputs
+from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.activation import SiluAndMul
 from teacher_server.layers.embedding import LMHead, VocabEmbedding
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
@@ -160,6 +161,11 @@ class LlamaForCausalLM(RuntimeModule):
     @property
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
+
+    def linear_state_layout(self) -> LinearStateLayout | None:
+        """The per-sequence state of this rank's linear-attention layers (None: every layer
+        is attention with paged KV)."""
+        return None
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
         """Where a checkpoint tensor goes: (module path, parameter, fused part or None), or None

@@ -33,6 +33,10 @@ class Metrics:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued, not yet scheduled.", eng, registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests part-way through prefill.", eng, registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", eng, registry=r)
+        self.state_used = Gauge(p + "linear_state_slots_used", "Linear-attention state slots in use (hybrid models; "
+                                "working slots and snapshots).", eng, registry=r)
+        self.state_snapshots = Gauge(p + "linear_state_snapshots", "Prompt state snapshots kept for prefix reuse "
+                                     "(hybrid models).", eng, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", lab, registry=r)
         self.computed_tokens = Counter(p + "computed_tokens", "Tokens run through the model (excludes cache hits).",
                                        eng, registry=r)
@@ -64,8 +68,8 @@ class Metrics:
         for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time):
             m.labels(model_name=model_name)  # export every series from the start
         for rep in ([None] if replicas == 1 else range(replicas)):
-            for m in (self.waiting, self.running, self.kv_usage, self.computed_tokens, self.prefix_queries,
-                      self.prefix_hits, self.steps, self.healthy):
+            for m in (self.waiting, self.running, self.kv_usage, self.state_used, self.state_snapshots,
+                      self.computed_tokens, self.prefix_queries, self.prefix_hits, self.steps, self.healthy):
                 self.engine_labels(m, rep)
             for stage in STAGES:
                 self.engine_labels(self.stage_seconds, rep, stage=stage)
@@ -116,6 +120,8 @@ class Metrics:
         self.engine_labels(self.waiting, replica).set(s.waiting)
         self.engine_labels(self.running, replica).set(s.running)
         self.engine_labels(self.kv_usage, replica).set(s.kv_usage)
+        self.engine_labels(self.state_used, replica).set(s.state_slots_used)
+        self.engine_labels(self.state_snapshots, replica).set(s.state_snapshots)
 
 
 class VllmNames:
