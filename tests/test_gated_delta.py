@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from teacher_server.attention.registry import make_backend
+from teacher_server.kv_pool import KVPool, LinearStateLayout
 from teacher_server.layers.gated_delta import GatedDeltaNet
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import Runtime
@@ -62,24 +63,13 @@ def rule_inputs(lens: list[int], h: int = 2, hv: int = 4, dk: int = 16, dv: int 
     return q, k, v, decay, beta, init
 
 
-class StatePool:
-    """Interface 1's per-layer state views over ``slots`` slots (slot 0 zero), and a KV store
-    that keeps nothing (the steps made here are single fresh chunks: no KV is read back)."""
-
-    def __init__(self, spec: ModelSpec, slots: int, dtype: torch.dtype) -> None:
-        self.conv = {i: torch.zeros(slots, spec.linear_conv_dim, spec.linear_conv_kernel_dim, dtype=dtype)
-                     for i in spec.linear_layer_ids}
-        self.rec = {i: torch.zeros(slots, spec.linear_num_value_heads, spec.linear_key_head_dim,
-                                   spec.linear_value_head_dim) for i in spec.linear_layer_ids}
-
-    def conv_state(self, layer: int) -> torch.Tensor:
-        return self.conv[layer]
-
-    def rec_state(self, layer: int) -> torch.Tensor:
-        return self.rec[layer]
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
-        assert ctx.write_slots is None
+def make_pool(spec: ModelSpec, slots: int) -> KVPool:
+    """The engine's pool (Interface 1) with a few KV slots and ``slots`` state slots (slot 0
+    the zero state), float32."""
+    layout = LinearStateLayout(layers=spec.linear_layer_ids, conv_shape=(spec.linear_conv_dim, 4),
+                               rec_shape=(4, 16, 8), conv_dtype=torch.float32)
+    return KVPool(16, spec.num_kv_heads, spec.head_dim, torch.float32, CPU, kv_layers=spec.kv_layer_ids,
+                  state=layout, state_slots=slots)
 
 
 def step(lens: list[int], starts: list[int] | None = None, state_in: list[int] | None = None,
@@ -162,8 +152,8 @@ def make_qwen3_5(path: Path, moe: bool = False, seed: int = 0, conditional: bool
     return path
 
 
-def bind(module: torch.nn.Module, spec: ModelSpec, slots: int = 4) -> StatePool:
-    pool = StatePool(spec, slots, torch.float32)
+def bind(module: torch.nn.Module, spec: ModelSpec, slots: int = 4) -> KVPool:
+    pool = make_pool(spec, slots)
     rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 512, CPU)
     module.bind(Runtime(make_backend("sdpa", CPU, torch.float32), FusedOps(kernels=False, compile=False), pool, rope))
     return pool
@@ -401,3 +391,31 @@ def test_tensor_parallel_refused_for_hybrid(tmp_path: Path) -> None:
     path = make_qwen3_5(tmp_path / "m")
     with pytest.raises(ValueError, match="hybrid linear-attention models"):
         Engine(Config(model=str(path), device="cpu", tensor_parallel_size=2))
+
+
+# --- end to end ------------------------------------------------------------------------------
+@torch.no_grad()
+@pytest.mark.parametrize("moe", [False, True])
+def test_llm_scores_match_transformers_chunked_and_cached(moe: bool, tmp_path: Path) -> None:
+    """Through the public ``LLM``: a GRPO-like group (one prompt, three responses) scored one
+    after another at a 32-token step budget (every sequence in several chunks, its state
+    carried; the later ones start from the prompt's cached snapshot) gives transformers'
+    float32 log-probs within 1e-4, and the cache was hit."""
+    import numpy as np
+
+    from teacher_server.llm import LLM
+
+    path = make_qwen3_5(tmp_path / "m", moe=moe, seed=3)
+    hf = (tf.Qwen3_5MoeForCausalLM if moe else tf.Qwen3_5ForCausalLM).from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    llm = LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, 48).tolist()
+    start = 50  # the first scored row, after the prompt
+    for _ in range(3):
+        ids = prompt + rng.integers(0, 256, 40).tolist()
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()[start:len(ids) - 1]
+        got = llm.score(ids, np.arange(256), start=start)
+        assert np.abs(got - ref).max() < 1e-4
+    stats = llm.engine.stats()
+    assert stats.prefix_hit_tokens > 0 and stats.state_snapshots >= 1
