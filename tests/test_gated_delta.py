@@ -22,8 +22,10 @@ from teacher_server.models.qwen3_5 import Qwen3_5Attention
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.gated_delta import (
+    bounds_of,
     causal_conv1d,
     causal_conv1d_torch,
+    check_fla,
     gated_delta_rule,
     gated_delta_rule_torch,
     gated_rms_norm,
@@ -44,13 +46,6 @@ TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_lay
 
 
 # --- helpers -------------------------------------------------------------------------------
-def bounds_of(lens: list[int]) -> list[int]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return out
-
-
 def rule_inputs(lens: list[int], h: int = 2, hv: int = 4, dk: int = 16, dv: int = 8, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
@@ -368,6 +363,7 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     n = gated_rms_norm(o, z, norm_w, 1e-6, plan, rms_norm)
     rn = gated_rms_norm(o, z, norm_w, 1e-6, torch_plan, rms_norm)
     assert n.dtype == dtype and rel(n, rn) < tol, rel(n, rn)
+    assert check_fla(4, 8, 128, 128, 1024, 4, dev, dtype)  # the start-up check passes at a real shape
     torch.testing.assert_close(cend, rcend, atol=0, rtol=0)  # copies of the inputs
 
 

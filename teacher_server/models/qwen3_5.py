@@ -32,6 +32,7 @@ from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM, residual_norm
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.gated_delta import check_fla
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.ops.slack import alloc_with_slack
 from teacher_server.step_context import StepContext
@@ -169,10 +170,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
         """The compiled stages and SiLU-mul at this model's shapes. The fused QKV kernel is
         not used here (partial rotary, the output gate): it is switched off rather than
-        checked; the compiled q/k stage is checked at the rotary width of the rope table."""
+        checked; the compiled q/k stage is checked at the rotary width of the rope table.
+        On CUDA, fla-core's kernels are checked (and autotuned) at the linear layers' shapes."""
         ops.qkv_kernel = False
         attn = next(layer.self_attn for layer in self.layers if not layer.linear)
         heads = HeadLayout(attn.heads.n_q, attn.heads.n_kv, rope.table.shape[1], attn.heads.eps)
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
+        s = self.spec
+        check_fla(s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
+                  s.linear_conv_dim, s.linear_conv_kernel_dim, rope.table.device, self.dtype)

@@ -68,9 +68,7 @@ class LinearPlan:
 
 def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool) -> LinearPlan:
     """The plan of a step with query lengths ``q_lens`` (host) and ``cu_q`` ([N + 1] on the device)."""
-    bounds = [0]
-    for n in q_lens:
-        bounds.append(bounds[-1] + n)
+    bounds = bounds_of(q_lens)
     fla = fla_ops() if cu_q.is_cuda else None
     cu = cu_q.to(torch.int64)
     chunks = None
@@ -194,3 +192,48 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
         o[:, i] = q_in[:, i] @ s + attn[:, i] @ u
         s = s * gc[:, i, -1].exp()[:, None, None] + k_out[:, i].transpose(-1, -2) @ u
     return o.reshape(h, m * c, -1)[:, :ln], s
+
+
+def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, device: torch.device,
+              dtype: torch.dtype) -> bool:
+    """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes before
+    the first request): its convolution, rule and gated norm against the torch path on a small
+    varlen step with initial and end states. A failure or mismatch switches fla-core off for
+    the process (the torch path is correct, only slower). Returns whether fla-core is used."""
+    if device.type != "cuda" or fla_ops() is None:
+        return False
+    lens = [70, 5]
+    t, n = sum(lens), len(lens)
+    gen = torch.Generator(device=device).manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    try:
+        plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), True, True)
+        x, weight, c0 = rnd(t, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(n, conv_dim, kernel).to(dtype)
+        q, k, v = rnd(t, nk, dk).to(dtype), rnd(t, nk, dk).to(dtype), rnd(t, nv, dv).to(dtype)
+        g, beta, s0 = -F.softplus(rnd(t, nv)), torch.sigmoid(rnd(t, nv)).to(dtype), rnd(n, nv, dk, dv)
+        z, nw = rnd(t, nv, dv).to(dtype), (1 + 0.1 * rnd(dv)).to(dtype)
+        pairs = [(causal_conv1d(x, weight, plan, c0, True), causal_conv1d_torch(x, weight, plan.bounds, c0, True)),
+                 (gated_delta_rule(q, k, v, g, beta, plan, s0, True),
+                  gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, s0, True))]
+        o = pairs[1][1][0]
+        torch_norm = (F.rms_norm(o.float(), (dv,), nw.float(), 1e-6) * F.silu(z.float())).to(dtype)
+        pairs.append(((gated_rms_norm(o, z, nw, 1e-6, plan, F.rms_norm),), (torch_norm,)))
+        for got, ref in pairs:
+            for a, b in zip(got, ref):
+                err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
+                if not err < 5e-2:  # a sanity bound (a broken kernel is off by O(1)), not precision
+                    raise RuntimeError(f"relative error {err:.3g} against the torch path")
+    except Exception as e:
+        log.warning("fla-core failed its start-up check (%s: %s); Gated DeltaNet layers run the torch path",
+                    type(e).__name__, e)
+        _FLA["ok"] = None
+        return False
+    return True
+
+
+def bounds_of(lens: list[int]) -> list[int]:
+    """Cumulative ends [0, l0, l0 + l1, ...] of packed lengths."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
