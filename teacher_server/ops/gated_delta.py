@@ -1,5 +1,5 @@
-"""The two sequence ops of a Gated DeltaNet layer over a step's packed varlen tokens, each
-with per-sequence initial and end states:
+"""The ops of a Gated DeltaNet layer over a step's packed varlen tokens; the two sequence
+ops carry per-sequence initial and end states:
 
 - ``causal_conv1d``: depthwise causal convolution (kernel W) then SiLU. Its state is the
   last W inputs of a sequence, ``[N, D, W]`` (entry W - 1 the newest; entry 0 is not read by
@@ -12,7 +12,8 @@ Per token t (per value head): ``S = exp(g_t) S``, ``u_t = beta_t (v_t - S^T k_t)
 ``S = S + k_t u_t^T``, ``o_t = S^T q_t``. On CUDA with fla-core importable both run its
 Triton kernels (``LinearPlan`` carries the host copy of the sequence ends and fla's chunk
 indices, so no call syncs); otherwise the torch path below (float32, a loop over the step's
-sequences), with one warning on CUDA.
+sequences), with one warning on CUDA. ``gated_rms_norm`` is the layer's output norm
+(fla's fused kernel on its path); ``check_fla`` is the start-up check on CUDA.
 """
 
 from __future__ import annotations
