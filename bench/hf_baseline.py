@@ -312,13 +312,15 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool) -
     print(f"transformers baseline: {'packed sequences, ' + attn if pack else 'left-padded batches, sdpa'}"
           f" attention; fla-core {'found' if can_pack() else 'not found'}", flush=True)
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: smoke runs of the benchmark
+
     def load(**kw) -> torch.nn.Module:  # noqa: ANN003
         if dummy:
             hcfg = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
-            with torch.device("cuda"):
+            with torch.device(dev):
                 return tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation=attn, **kw)
         return tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation=attn,
-                                                       device_map="cuda", **kw)
+                                                       device_map=dev if dev == "cuda" else None, **kw)
 
     try:
         model = load(**kw)
@@ -331,12 +333,13 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool) -
     for n in names:
         reqs = make_workload(n, cfg["vocab_size"])
         run(model, reqs[:2])
-        torch.cuda.reset_peak_memory_stats()
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         runs = [run(model, reqs) for _ in range(repeats)]
         secs = [r[0] for r in runs]
         mid = sorted(range(repeats), key=lambda i: secs[i])[repeats // 2]
         out[n] = {"runs_seconds": secs, "seconds": secs[mid], "finish": runs[mid][2],
-                  "peak_bytes": torch.cuda.max_memory_allocated(), "packed": pack}
+                  "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan"), "packed": pack}
         if not dummy:  # same weights as the engine's: a sample of cells to check it against
             out[n]["check"] = check_sample(model, reqs[:CHECK_REQUESTS])
     return out
