@@ -26,8 +26,10 @@ BS = 8  # block size of these tests: a 45-token prompt is five full blocks and a
 
 
 def engine(path, budget: int = 32, cache: bool = True, blocks: int = 256, **kw) -> Engine:
+    """A CPU engine of 8-token blocks; max_model_len is what ``blocks`` hold (at most 2048)."""
     return Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=BS,
-                         num_kv_blocks=blocks, max_model_len=2048, enable_prefix_caching=cache, **kw))
+                         num_kv_blocks=blocks, max_model_len=min(2048, blocks * BS), enable_prefix_caching=cache,
+                         **kw))
 
 
 def group(rng: np.random.Generator, prompt_len: int, n: int, resp_len: int, per_row: bool, tag: str,
@@ -51,8 +53,10 @@ def again(reqs: list[ScoreRequest], tag: str) -> list[ScoreRequest]:
                          max_tokens=1) for r in reqs]
 
 
-def assert_same(a, b, tol: float = 2e-5) -> None:
-    """Two runs of the same requests agree (float32 rounding of a different batching only)."""
+def assert_same(a, b, tol: float = 5e-5) -> None:
+    """Two runs of the same requests agree within float32 rounding: a different batching, and
+    the linear layers' chunked rule summing at other chunk boundaries when a sequence starts
+    from a snapshot or is cut at the reuse boundary."""
     for x, y in zip(a, b, strict=True):
         assert x.error is None and y.error is None, (x.error, y.error)
         fin = np.isfinite(y.token_id_logprobs)
@@ -133,25 +137,25 @@ def test_prompt_logprobs_through_the_llm(checkpoints) -> None:
 
 
 def test_long_sequence_in_many_chunks_in_bounded_memory(checkpoints) -> None:
-    """One 1200-token sequence at a 48-token budget: 25+ steps, none over the budget, with only
+    """One 1000-token sequence at a 40-token budget: 25 steps, none over the budget, with only
     the KV blocks its full-attention layers need and two state slots; every row still
     matches transformers (the state crosses every chunk boundary)."""
-    path = checkpoints["qwen3_5_moe"]
-    n = 1200
-    eng = engine(path, budget=48, blocks=n // BS + 2, cache=False, linear_state_slots=2)
+    path = checkpoints["qwen3_5"]
+    n = 1000
+    eng = engine(path, budget=40, blocks=n // BS + 2, cache=False, linear_state_slots=2)
     steps: list[int] = []
     around_forward(eng, before=lambda ctx: steps.append(int(ctx.input_ids.numel())))
     rng = np.random.default_rng(6)
     req = ScoreRequest("long", rng.integers(0, VOCAB, n), 100, rng.choice(VOCAB, 8, replace=False), max_tokens=1)
     check(path, [req], eng.run_to_completion([req]))
-    assert len(steps) >= n // 48 and max(steps) <= 48, (len(steps), max(steps))
+    assert len(steps) >= n // 40 and max(steps) <= 40, (len(steps), max(steps))
 
 
 # --- prefix reuse ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-@pytest.mark.parametrize("prompt_len", [45, 48, 49])
+@pytest.mark.parametrize("family,prompt_len", [("qwen3_5", 45), ("qwen3_5", 48), ("qwen3_5", 49),
+                                               ("qwen3_5_moe", 45)])
 def test_group_siblings_start_from_the_prompt_state(family: str, prompt_len: int, checkpoints) -> None:
     """A GRPO group: the first response computes the prompt (in several chunks at a 16-token
     budget) and saves the state at the reuse boundary; its siblings start from it. Their
@@ -199,19 +203,18 @@ def test_cache_salt_isolates(checkpoints) -> None:
     check(path, [base], [c])
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_eviction_under_a_small_state_and_kv_budget(family: str, checkpoints) -> None:
-    """Eight groups with long, chunked members through a pool of 48 blocks and 4 state slots,
+def test_eviction_under_a_small_state_and_kv_budget(checkpoints) -> None:
+    """Six groups with long, chunked members through a pool of 40 blocks and 4 state slots,
     twice: snapshots and blocks are evicted and slots reused while other sequences run; every
     result equals the engine's without the cache, and nothing is left held at the end."""
-    path = checkpoints[family]
+    path = checkpoints["qwen3_5"]
     rng = np.random.default_rng(2)
     reqs = []
-    for g in range(8):
-        reqs += group(rng, int(rng.integers(20, 120)), 3, int(rng.integers(5, 150)), per_row=g % 2 == 1, tag=f"e{g}")
-    cold = engine(path, budget=40, cache=False, blocks=48, linear_state_slots=4).run_to_completion(reqs)
-    check(path, reqs[::5], cold[::5])
-    eng = engine(path, budget=40, blocks=48, linear_state_slots=4)
+    for g in range(6):
+        reqs += group(rng, int(rng.integers(20, 100)), 3, int(rng.integers(5, 120)), per_row=g % 2 == 1, tag=f"e{g}")
+    cold = engine(path, budget=48, cache=False, blocks=40, linear_state_slots=4).run_to_completion(reqs)
+    check(path, reqs[::4], cold[::4])
+    eng = engine(path, budget=48, blocks=40, linear_state_slots=4)
     for p in range(2):  # the second pass hits what the first left, and evicts more
         assert_same(eng.run_to_completion(again(reqs, f"-{p}")), cold)
     stats = eng.stats()
