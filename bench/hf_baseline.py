@@ -313,13 +313,14 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool) -
           f" attention; fla-core {'found' if can_pack() else 'not found'}", flush=True)
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: smoke runs of the benchmark
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # (float32 there, as the engine's CPU runs)
 
     def load(**kw) -> torch.nn.Module:  # noqa: ANN003
         if dummy:
             hcfg = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
             with torch.device(dev):
-                return tf.AutoModelForCausalLM.from_config(hcfg, dtype=torch.bfloat16, attn_implementation=attn, **kw)
-        return tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16, attn_implementation=attn,
+                return tf.AutoModelForCausalLM.from_config(hcfg, dtype=dtype, attn_implementation=attn, **kw)
+        return tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn,
                                                        device_map=dev if dev == "cuda" else None, **kw)
 
     try:
