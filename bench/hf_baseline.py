@@ -44,6 +44,7 @@ attention implementation is run packed.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -192,8 +193,10 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         from torch.nn.attention.varlen import varlen_attn
 
         m = int(kwargs["max_length_q"])
+        # torch versions without the flag take fewer KV heads as they are
+        flag = gqa and "enable_gqa" in inspect.signature(varlen_attn).parameters
         out = varlen_attn(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, m, m, scale=scaling,
-                          window_size=(-1, 0), **({"enable_gqa": True} if gqa else {}))
+                          window_size=(-1, 0), **({"enable_gqa": True} if flag else {}))
     else:
         bounds = cu.tolist()
         out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
