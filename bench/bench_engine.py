@@ -7,9 +7,13 @@ the transformers baseline on the same requests in the same run.
   python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
   python bench/bench_engine.py --model-size 32b --workloads W4 --tensor-parallel-size 2
   python bench/bench_engine.py --model-size 70b --workloads W1f --tensor-parallel-size 2
+  python bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --baseline W1,W2 --prefix-cache-compare W2
 
-Qwen3-8B is written as safetensors (random bf16 weights) and loaded through the real
-loader; Qwen3-32B, Llama-3.3-70B and the Qwen3-30B-A3B MoE (W5: 128 experts, top-8; MFU counts
+Qwen3-8B and the hybrid Qwen3.5-9B (W7: Gated DeltaNet and gated full-attention layers; the
+baseline packs its sequences, see hf_baseline.py) are written as safetensors (random bf16
+weights, written once) and loaded through the real loader by the engine and the baseline
+alike, so a sample of the baseline's cells is compared with the engine's (``baseline_check``:
+bf16 against bf16, a few hundredths of a nat apart). Qwen3-32B, Llama-3.3-70B and the Qwen3-30B-A3B MoE (W5: 128 experts, top-8; MFU counts
 active parameters) use the dummy load format (random weights made in place, per shard under
 tensor parallel). With ``--tensor-parallel-size N`` throughput is also given per GPU and MFU is
 per GPU (the achieved FLOP/s over N GPUs' peak). Writes a JSON results file and prints a table
@@ -36,9 +40,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hf_baseline import CHECK_REQUESTS, compare
 from workloads import (
     H200_PEAK,
     LLAMA33_70B,
+    QWEN3_5_9B,
     QWEN3_8B,
     QWEN3_30B_A3B,
     QWEN3_32B,
@@ -63,9 +69,24 @@ def to_score_requests(reqs: list[Req], tag: str) -> list[ScoreRequest]:
             for i, r in enumerate(reqs)]
 
 
+def sync() -> None:
+    """Wait for the GPU (a CPU smoke run has none)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def peak_bytes(reset: bool = False) -> float:
+    """Peak GPU memory allocated since the last reset (NaN on the CPU)."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return float(torch.cuda.max_memory_allocated())
+
+
 def run_engine(engine: Engine, reqs: list[Req], tag: str) -> tuple[float, list[float], list]:
     srs = to_score_requests(reqs, tag)
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     for r in srs:
         engine.add_request(r)
@@ -75,7 +96,7 @@ def run_engine(engine: Engine, reqs: list[Req], tag: str) -> tuple[float, list[f
         for res in engine.step():
             done[res.request_id] = time.perf_counter() - t0
             results[res.request_id] = res
-    torch.cuda.synchronize()
+    sync()
     dt = time.perf_counter() - t0
     return dt, [done[r.request_id] for r in srs], [results[r.request_id] for r in srs]
 
@@ -114,12 +135,12 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     """One run, with the engine's per-stage host time over it (wait_s: the host waiting
     for the GPU; the rest is host work, overlapped with the GPU when pipelined)."""
     before = engine.stats()
-    torch.cuda.reset_peak_memory_stats()
+    peak_bytes(reset=True)
     dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
     assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
     assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
     assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
-    out = summarize(name, cfg, reqs, dt, lat, torch.cuda.max_memory_allocated())
+    out = summarize(name, cfg, reqs, dt, lat, peak_bytes())
     after = engine.stats()
     out["_timing"] = {k: round(v, 4) for k, v in asdict(after.timing.minus(before.timing)).items()}
     out["_timing"] |= {"steps": after.steps - before.steps, "tokens": after.computed_tokens - before.computed_tokens}
@@ -231,7 +252,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            # The in-process runs reset the prefix cache between runs; the server cannot, and
            # repeats of the same requests would hit it. Off, both sides do the same work.
            "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--load-format", "dummy" if args.model_size != "8b" else "auto"]
+           "--load-format", args.load_format]
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         import httpx
@@ -279,9 +300,39 @@ def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dic
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())
 
+def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict]) -> dict:
+    """The engine's results of a workload's first requests against the baseline's sample of
+    the same cells (same weights): both bf16, so a few hundredths of a nat apart."""
+    engine.reset_prefix_cache()
+    _, _, res = run_engine(engine, reqs[:CHECK_REQUESTS], f"check-{name}")
+    engine.reset_prefix_cache()
+    out = compare(sample, [r.token_id_logprobs for r in res])
+    print(f"{name}: engine vs transformers on {out['cells']} cells: max abs diff {out['max_abs_diff']:.4f}, "
+          f"mean {out['mean_abs_diff']:.5f}", flush=True)
+    return out
+
+
+# --model-size: (config, checkpoint family name, written as safetensors (else the dummy load format))
+MODELS = {"8b": (QWEN3_8B, "qwen3", True), "32b": (QWEN3_32B, "qwen3", False), "70b": (LLAMA33_70B, "llama3.3", False),
+          "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True)}
+
+
+def tiny(cfg: dict) -> dict:
+    """A small model of ``cfg``'s family and layer pattern (its first four layers), for smoke
+    runs of the benchmark's path on the CPU."""
+    small = dict(cfg, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    if cfg.get("layer_types"):
+        small |= {"layer_types": cfg["layer_types"][:4], "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                  "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    if cfg.get("num_experts"):
+        small |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    return small
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-size", choices=["8b", "32b", "70b", "30b-a3b"], default="8b")
+    ap.add_argument("--model-size", choices=list(MODELS), default="8b")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
@@ -296,30 +347,36 @@ def main() -> None:
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
+    ap.add_argument("--tiny", action="store_true", help="a small model of the family (CPU smoke runs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     global GPUS
     GPUS = args.tensor_parallel_size
-    cfg = {"8b": QWEN3_8B, "32b": QWEN3_32B, "70b": LLAMA33_70B, "30b-a3b": QWEN3_30B_A3B}[args.model_size]
-    family = "llama3.3" if args.model_size == "70b" else "qwen3"
+    cfg, family, written = MODELS[args.model_size]
+    if args.tiny:  # the same path on a small model of the same family (CPU smoke runs)
+        cfg = tiny(cfg)
     names = [w for w in args.workloads.split(",") if w]
     base_names = [w for w in args.baseline.split(",") if w]
     http_names = [w for w in args.http.split(",") if w]
     ckpt = Path(args.ckpt_dir) / f"{family}-{args.model_size}"
     t = time.perf_counter()
-    if args.model_size == "8b":
+    if args.tiny:
+        ckpt = ckpt.with_name(ckpt.name + "-tiny")
+    if written:
         write_random_checkpoint(ckpt, cfg)
         load_format = "auto"
     else:
         write_config(ckpt, cfg)
         load_format = "dummy"
+    args.load_format = load_format
     print(f"checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
     abl_names = [w for w in args.ablate.split(",") if w]
     cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
     workloads = {n: make_workload(n, cfg["vocab_size"])
                  for n in set(names + base_names + http_names + abl_names + cmp_names)}
     max_len = max([args.max_model_len] + [len(r.tokens) for w in workloads.values() for r in w])
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                     "torch": torch.__version__,
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)", "tensor_parallel_size": GPUS,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
@@ -333,11 +390,14 @@ def main() -> None:
     results["attention_backend"] = engine.tuning.attention.name
     spec, blocks = engine.spec, engine.stats().kv_blocks_total
     kv_heads = max(spec.num_kv_heads // GPUS, 1)  # per rank (replicated past the KV head count)
-    kv_bytes = blocks * ecfg.block_size * 2 * spec.num_layers * kv_heads * spec.head_dim * torch.finfo(engine.dtype).bits // 8
+    kv_bytes = (blocks * ecfg.block_size * 2 * len(spec.kv_layer_ids) * kv_heads * spec.head_dim
+                * torch.finfo(engine.dtype).bits // 8)  # hybrid models: the full-attention layers only
     results["kv_pool_gib_per_gpu"] = kv_bytes / 2**30
     results["kv_pool_tokens"] = blocks * ecfg.block_size
     print(f"KV pool per GPU: {kv_bytes / 2**30:.1f} GiB, {blocks * ecfg.block_size} tokens", flush=True)
     results["fused_stages_compiled"] = engine.fused_stages_compiled
+    # the pool's sizes as the engine reports them (hybrid models: its linear-state slots too)
+    results["engine_stats_at_start"] = {k: v for k, v in asdict(engine.stats()).items() if k != "timing"}
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)
     cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
     for n in names + [w for w in cmp_names if w not in names]:
@@ -352,6 +412,8 @@ def main() -> None:
         else:
             results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             print(n, json.dumps(results["engine"][n]), flush=True)
+    results["baseline_check"] = {n: check_baseline(engine, n, workloads[n], b["check"])
+                                 for n, b in base_runs.items() if b.get("check")}
     only = [v for v in args.ablate_only.split(",") if v]
     results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], args.repeats, only)
                            for n in args.ablate.split(",") if n}
@@ -361,7 +423,8 @@ def main() -> None:
     engine.close()  # the tensor-parallel workers free their GPUs
     del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     for n in http_names:
         results["http"][n] = bench_http(ckpt, args, cfg, n, workloads[n])
         print(n, "http", json.dumps(results["http"][n]), flush=True)
@@ -373,8 +436,25 @@ def main() -> None:
     tp = f"_tp{GPUS}" if GPUS > 1 else ""
     out = Path(args.out or f"bench/results/engine_{args.model_size}{tp}_h200.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    results["summary"] = summary(results)
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
+    print(json.dumps(results["summary"], indent=1))
+
+
+def summary(results: dict) -> dict:
+    """The headline ratios: each workload against the transformers baseline of the same run
+    (same requests; W2 with the prefix cache on, as served), and the prefix cache on vs off."""
+    out = {}
+    for n, base in results["baseline"].items():
+        ours = results["engine"].get(n) or results["prefix_cache"].get(n, {}).get("on")
+        if ours:
+            out[f"{n}_x_transformers"] = base["seconds"] / ours["seconds"]
+            out[f"{n}_mfu"] = ours["mfu"]
+            out[f"{n}_transformers_mfu"] = base["mfu"]
+    for n, d in results["prefix_cache"].items():
+        out[f"{n}_prefix_cache_speedup"] = d["speedup"]
+    return out
 
 
 def profile(engine: Engine, reqs: list[Req], path: Path) -> list:

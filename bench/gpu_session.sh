@@ -2,6 +2,7 @@
 # One call on the GPU machine: install the carried server wheels, then run the steps named
 # in $STEPS (default: tests). Logs go to $OUT (or ./out). Example:
 #   STEPS="tests kernel engine8b" bash bench/gpu_session.sh
+#   STEPS="qwen35tests qwen35" bash bench/gpu_session.sh   (Qwen3.5: fla-core and einops wheels in .whl/)
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -21,6 +22,9 @@ for step in ${STEPS:-tests}; do
     kernel)  python3 bench/bench_kernel.py --out "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/kernel.log" | tail -30 ;;
     engine8b) python3 bench/bench_engine.py ${ENGINE_ARGS:-} --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
     replicas) python3 bench/bench_replicas.py ${REPLICA_ARGS:-} --out "$OUT/replicas_8b_h200.json" 2>&1 | tee "$OUT/replicas.log" | tail -20 ;;
+    qwen35tests) python3 -m pytest -q -rP -m gpu tests/test_qwen3_5_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
+    # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers, W2's cache on vs off
+    qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -12,6 +12,9 @@ FAMILIES = ("llama", "llama3rope", "qwen2", "qwen3", "mistral", "qwen3tied", "qw
 # Mixture-of-experts families (make_moe_checkpoint); "qwen3moe_stacked" is saved in the stacked
 # [E, ...] expert layout, the others as save_pretrained writes them (one tensor per expert).
 MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "qwen3moe_stacked")
+# Hybrid families (make_hybrid_checkpoint): Qwen3.5 dense, MoE, and the vision-language
+# checkpoint of the dense one (its text part is scored); "_hd128" are the GPU-sized variants.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096) -> Path:
@@ -20,6 +23,8 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
 
     if family.split(":")[0] in MOE_FAMILIES:
         return make_moe_checkpoint(family, path, seed)
+    if family.startswith("qwen3_5"):
+        return make_hybrid_checkpoint(family, path, seed)
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -108,6 +113,75 @@ def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, 
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
     else:
         model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_hybrid_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 of ``family`` (HYBRID_FAMILIES, or "..._hd128" for the GPU-sized
+    head dims): Gated DeltaNet layers and gated full-attention layers mixed, more value than
+    key heads in the linear layers (grouped value attention), partial rotary.
+
+    The linear layers' decay ``exp(-exp(A_log) * softplus(a + dt_bias))`` is kept near 1
+    (A in [0.005, 0.1]; transformers draws up to 16, which forgets everything after a token),
+    and the convolution weights are large, so the state carried across chunk boundaries and
+    prefix hits shapes every later row: a state that is lost or misplaced shows in the scores.
+    "qwen3_5_vl" is a ``Qwen3_5ForConditionalGeneration`` (a tiny vision tower, whose weights
+    the server skips, and one ``mtp.*`` tensor as the released checkpoints carry)."""
+    import transformers as tf
+    from safetensors.torch import load_file, save_file
+
+    base = family.removesuffix("_hd128")
+    big = family.endswith("_hd128")
+    full, lin = "full_attention", "linear_attention"
+    common = dict(vocab_size=512, hidden_size=256 if big else 64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=128 if big else 16, max_position_embeddings=8192, rms_norm_eps=1e-6,
+                  linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=128 if big else 16, linear_value_head_dim=128 if big else 8)
+    if base in ("qwen3_5", "qwen3_5_vl"):  # full attention every 2nd layer, rotary on a quarter of the head
+        cfg = tf.Qwen3_5TextConfig(**common, intermediate_size=512 if big else 128, num_hidden_layers=4,
+                                   layer_types=[lin, full, lin, full],
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.25})
+        cls = tf.Qwen3_5ForCausalLM
+    elif base == "qwen3_5_moe":  # every 4th layer full (the released pattern), rotary on half the head
+        cfg = tf.Qwen3_5MoeTextConfig(**common, num_hidden_layers=4, layer_types=[lin, lin, lin, full],
+                                      moe_intermediate_size=64 if big else 32, shared_expert_intermediate_size=48,
+                                      num_experts=8, num_experts_per_tok=2,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                       "partial_rotary_factor": 0.5})
+        cls = tf.Qwen3_5MoeForCausalLM
+    else:
+        raise ValueError(family)
+    if base == "qwen3_5_vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=2, temporal_patch_size=1,
+                      spatial_merge_size=1, out_hidden_size=cfg.hidden_size, num_position_embeddings=16)
+        cfg = tf.Qwen3_5Config(text_config=cfg.to_dict(), vision_config=vision)
+        cls = tf.Qwen3_5ForConditionalGeneration
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.005, 0.1).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("linear_attn.norm.weight"):  # the gated norm scales by weight
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):  # the decoder norms scale by (1 + weight)
+                p.copy_(0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # the router: far from the top-k boundary
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif p.dim() >= 2:
+                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    model.save_pretrained(path, safe_serialization=True)
+    if base == "qwen3_5_vl":  # the multi-token-prediction head of released checkpoints (skipped by both)
+        tensors = load_file(str(path / "model.safetensors"))
+        tensors["mtp.fc.weight"] = torch.randn(cfg.text_config.hidden_size, 2 * cfg.text_config.hidden_size)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 

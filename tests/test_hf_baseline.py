@@ -57,3 +57,56 @@ def test_matches_the_float32_reference(checkpoints, family: str) -> None:
     assert np.isneginf(results[3][2, -1])
     _, none, _ = hf_baseline.run(hf_model(path), reqs[:2], warmup=False)
     assert none == []
+
+
+def test_packed_batches_respect_the_budget() -> None:
+    reqs = _requests(2)
+    got = hf_baseline.packed_batches(reqs, sep=3, max_tokens=48)
+    assert sorted(i for b in got for i in b) == list(range(len(reqs)))
+    sizes = [sum(len(reqs[i].tokens) + 3 for i in b) for b in got]
+    assert all(len(b) == 1 or s <= 48 for b, s in zip(got, sizes)), sizes
+    assert len(got) > 2
+
+
+def segment_by_segment(torch_kernel):
+    """A stand-in for fla-core's varlen kernel on the CPU: transformers' torch gated delta rule
+    run on each ``cu_seqlens`` segment from a zero state."""
+    import torch
+
+    def kernel(query, key, value, g, beta, cu_seqlens=None, **kw):
+        if cu_seqlens is None:
+            return torch_kernel(query, key, value, g=g, beta=beta, **kw)
+        b = cu_seqlens.tolist()
+        outs = [torch_kernel(query[:, s:e], key[:, s:e], value[:, s:e], g=g[:, s:e], beta=beta[:, s:e], **kw)[0]
+                for s, e in zip(b[:-1], b[1:])]
+        return torch.cat(outs, 1), None
+
+    return kernel
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_baseline_matches_the_float32_reference(checkpoints, family: str, monkeypatch) -> None:
+    """Qwen3.5 through the baseline, packed (the sequences kept apart in attention, in the gated
+    delta rule by its segments, in the convolution by the separators) and left-padded: both
+    match the float32 reference request by request."""
+    import torch
+    import transformers as tf
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    path = checkpoints[family]
+    for mod in (modeling_qwen3_5, modeling_qwen3_5_moe):
+        fn = mod.torch_chunk_gated_delta_rule
+        monkeypatch.setattr(mod, "torch_chunk_gated_delta_rule", segment_by_segment(getattr(fn, "__wrapped__", fn)))
+    packed = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                     attn_implementation=hf_baseline.register_packed_attention())
+    reqs = _requests(3)
+    assert len(hf_baseline.packed_batches(reqs, hf_baseline.conv_separators(packed), 64)) > 2
+    for model, pack in ((packed.eval(), True), (hf_model(path), False)):
+        _, results, _ = hf_baseline.run(model, reqs, keep_results=True, max_padded=64, pack=pack)
+        for r, got in zip(reqs, results):
+            ref = reference_scores(path, r.tokens.tolist(), r.cand, r.start)
+            assert got.shape == ref.shape
+            np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+        sample = hf_baseline.check_sample(model, reqs[:2], stride=3)
+        assert hf_baseline.compare(sample, results[:2])["max_abs_diff"] < 1e-5
