@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from engine_util import around_forward
-from reference import HYBRID_FAMILIES, reference_logprobs
+from reference import HYBRID_FAMILIES, reference_logprobs, reference_scores
 from test_parity import TOL, VOCAB, check, make_requests
 
 from teacher_server import LLM, SamplingParams, TokensPrompt
@@ -236,3 +236,30 @@ def test_deterministic_mode(checkpoints) -> None:
         (alone,) = eng.run_to_completion(again([q], "a"))
         np.testing.assert_array_equal(alone.token_id_logprobs, r.token_id_logprobs)
 
+
+
+def test_served_over_http(checkpoints) -> None:
+    """The server with a Qwen3.5 checkpoint: a GRPO pair posted one after the other (binary
+    per-row candidates, a salt) scores as transformers does, the second reports the prompt's
+    blocks as cached, and /metrics shows the state slots and the snapshot held."""
+    from apiutil import body, decode, npy_b64
+    from conftest import LiveServer
+
+    path = checkpoints["qwen3_5_moe"]
+    cfg = Config(model=str(path), device="cpu", max_num_batched_tokens=32, block_size=BS, num_kv_blocks=256,
+                 max_model_len=1024, max_logprobs=64)
+    reqs = group(np.random.default_rng(12), 70, 2, 20, per_row=True, tag="h", salt="tenant")
+    with LiveServer(cfg) as srv, srv.client() as c:
+        outs = []
+        for q in reqs:
+            payload = body(q.token_ids, npy_b64(q.candidates.astype(np.int32)), start=q.start, max_tokens=1)
+            r = c.post("/inference/v1/generate", json={**payload, "cache_salt": q.cache_salt})
+            assert r.status_code == 200, r.text
+            outs.append(r.json())
+        metrics = c.get("/metrics").text
+    assert [o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs] == [0, cache_end(70)]
+    for q, o in zip(reqs, outs):
+        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
+        np.testing.assert_allclose(decode(o["prompt_token_id_logprobs"]), ref, atol=TOL, rtol=0)
+    snapshots = [line for line in metrics.splitlines() if line.startswith("teacher_server_linear_state_snapshots")]
+    assert snapshots and float(snapshots[0].rsplit(" ", 1)[1]) >= 1, snapshots
