@@ -395,6 +395,12 @@ def main() -> None:
     results["kv_pool_gib_per_gpu"] = kv_bytes / 2**30
     results["kv_pool_tokens"] = blocks * ecfg.block_size
     print(f"KV pool per GPU: {kv_bytes / 2**30:.1f} GiB, {blocks * ecfg.block_size} tokens", flush=True)
+    layout = engine.model.linear_state_layout() if hasattr(engine.model, "linear_state_layout") else None
+    if layout is not None:  # hybrid models: the linear layers' state slots beside the KV (the zero slot too)
+        slots = engine.stats().state_slots_total
+        results["linear_state_slots"] = slots
+        results["linear_state_gib"] = (slots + 1) * layout.slot_bytes() / 2**30
+        print(f"linear state: {slots} slots, {results['linear_state_gib']:.1f} GiB", flush=True)
     results["fused_stages_compiled"] = engine.fused_stages_compiled
     # the pool's sizes as the engine reports them (hybrid models: its linear-state slots too)
     results["engine_stats_at_start"] = {k: v for k, v in asdict(engine.stats()).items() if k != "timing"}
