@@ -3,6 +3,9 @@ save_pretrained) and the float32 transformers reference the engine is checked ag
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -197,11 +200,38 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     return _MODELS[key]
 
 
+# transformers binds the Gated DeltaNet functions of its Qwen3.5 modules to fla-core's GPU kernels
+# when fla-core is importable (decided at import); the float32 CPU reference needs the plain
+# torch functions they wrap.
+_KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update")
+
+
+@contextlib.contextmanager
+def torch_reference_kernels() -> Iterator[None]:
+    """Within: transformers' Qwen3.5 modules call their torch functions, not fla-core's."""
+    saved = []
+    for name in ("qwen3_5", "qwen3_5_moe"):
+        module = sys.modules.get(f"transformers.models.{name}.modeling_{name}")
+        for func in _KERNEL_FUNCS if module is not None else ():
+            f = getattr(module, func, None)
+            plain = getattr(f, "__wrapped__", None)
+            if plain is not None:
+                saved.append((module, func, f))
+                setattr(module, func, plain)
+    try:
+        yield
+    finally:
+        for module, func, f in saved:
+            setattr(module, func, f)
+
+
 @torch.no_grad()
 def reference_logprobs(path: Path, token_ids: list[int]) -> np.ndarray:
     """[L, V] float64 log-probs of the float32 transformers forward; row p predicts token p+1."""
     model = hf_model(path)
-    logits = model(torch.tensor([token_ids])).logits[0].double()
+    with torch_reference_kernels():
+        logits = model(torch.tensor([token_ids])).logits[0].double()
     return torch.log_softmax(logits, dim=-1).numpy()
 
 
@@ -215,7 +245,7 @@ def reference_scores(path: Path, token_ids: list[int], cand, start: int, logits_
         return np.zeros((0, k), dtype=np.float32)
     if logits_mode:
         model = hf_model(path)
-        with torch.no_grad():
+        with torch.no_grad(), torch_reference_kernels():
             lp = model(torch.tensor([token_ids])).logits[0].double().numpy()
     else:
         lp = reference_logprobs(path, token_ids)
