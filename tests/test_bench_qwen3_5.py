@@ -91,5 +91,7 @@ def test_benchmark_runs_on_a_small_model(tmp_path, size: str) -> None:
     res = json.loads(out.read_text())
     assert res["engine"]["W1:tiny"]["tokens_per_s"] > 0 and res["baseline"]["W1:tiny"]["tokens_per_s"] > 0
     assert res["prefix_cache"]["W2:tiny"]["on"]["seconds"] > 0
-    for name in ("W1:tiny", "W2:tiny"):  # both in float32 on the CPU (from bf16 weights)
-        assert res["baseline_check"][name]["max_abs_diff"] < 1e-3, res["baseline_check"]
+    # both float32 on the CPU (from bf16 weights); bf16 on a GPU
+    tol = 0.1 if torch.cuda.is_available() else 1e-3
+    for name in ("W1:tiny", "W2:tiny"):
+        assert res["baseline_check"][name]["max_abs_diff"] < tol, res["baseline_check"]

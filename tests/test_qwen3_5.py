@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from engine_util import around_forward
-from reference import HYBRID_FAMILIES, reference_logprobs, reference_scores
+from reference import HYBRID_FAMILIES, reference_logprobs, reference_scores, torch_reference_kernels
 from test_parity import TOL, VOCAB, check, make_requests
 
 from teacher_server import LLM, SamplingParams, TokensPrompt
@@ -104,7 +104,7 @@ def test_vision_language_reference_is_transformers_own(checkpoints) -> None:
     vl = tf.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
                                                             attn_implementation="eager").eval()
     toks = np.random.default_rng(1).integers(0, VOCAB, 70).tolist()
-    with torch.no_grad():
+    with torch.no_grad(), torch_reference_kernels():
         lp = torch.log_softmax(vl(torch.tensor([toks])).logits[0].double(), -1).numpy()
     np.testing.assert_allclose(lp, reference_logprobs(path, toks), atol=1e-5, rtol=0)
 
