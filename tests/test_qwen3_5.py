@@ -263,3 +263,18 @@ def test_served_over_http(checkpoints) -> None:
         np.testing.assert_allclose(decode(o["prompt_token_id_logprobs"]), ref, atol=TOL, rtol=0)
     snapshots = [line for line in metrics.splitlines() if line.startswith("teacher_server_linear_state_snapshots")]
     assert snapshots and float(snapshots[0].rsplit(" ", 1)[1]) >= 1, snapshots
+
+
+def test_all_full_attention_layers(tmp_path) -> None:
+    """A Qwen3.5 config whose layers are all full attention keeps no linear state (and starts)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               layer_types=["full_attention"] * 2, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    tf.Qwen3_5ForCausalLM(cfg).float().save_pretrained(tmp_path / "m", safe_serialization=True)
+    eng = engine(tmp_path / "m")
+    assert eng.stats().state_slots_total == 0
+    reqs = make_requests(np.random.default_rng(1))
+    check(tmp_path / "m", reqs, eng.run_to_completion(reqs))

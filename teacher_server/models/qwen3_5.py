@@ -159,10 +159,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def linear_state_layout(self) -> LinearStateLayout | None:
         """Per slot and linear layer: the convolution state [conv_dim, kernel] (fla-core's
         layout: the last ``kernel`` q/k/v in-projection rows, newest last) in the model dtype,
-        and the recurrent state [value heads, key head dim, value head dim] float32."""
+        and the recurrent state [value heads, key head dim, value head dim] float32. None
+        when every layer is full attention (no state to keep)."""
         from teacher_server.kv_pool import LinearStateLayout
 
         s = self.spec
+        if not s.linear_layer_ids:
+            return None
         return LinearStateLayout(layers=s.linear_layer_ids, conv_shape=(s.linear_conv_dim, s.linear_conv_kernel_dim),
                                  rec_shape=(s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim),
                                  conv_dtype=self.dtype)
