@@ -7,6 +7,7 @@ the transformers baseline on the same requests in the same run.
   python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
   python bench/bench_engine.py --model-size 32b --workloads W4 --tensor-parallel-size 2
   python bench/bench_engine.py --model-size 70b --workloads W1f --tensor-parallel-size 2
+  python bench/bench_engine.py --model-size 235b-a22b --workloads W1f --tensor-parallel-size 8 --profile W1f
   python bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --baseline W1,W2 --prefix-cache-compare W2
 
 Qwen3-8B and the hybrid Qwen3.5-9B (W7: Gated DeltaNet and gated full-attention layers; the
@@ -48,6 +49,7 @@ from workloads import (
     QWEN3_8B,
     QWEN3_30B_A3B,
     QWEN3_32B,
+    QWEN3_235B_A22B,
     Req,
     flops,
     make_workload,
@@ -314,7 +316,8 @@ def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict
 
 # --model-size: (config, checkpoint family name, written as safetensors (else the dummy load format))
 MODELS = {"8b": (QWEN3_8B, "qwen3", True), "32b": (QWEN3_32B, "qwen3", False), "70b": (LLAMA33_70B, "llama3.3", False),
-          "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True)}
+          "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "235b-a22b": (QWEN3_235B_A22B, "qwen3", False),
+          "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True)}
 
 
 def tiny(cfg: dict) -> dict:

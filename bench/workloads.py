@@ -34,6 +34,10 @@ QWEN3_30B_A3B = dict(QWEN3_8B, architectures=["Qwen3MoeForCausalLM"], model_type
 # W7: Qwen3.5-9B, the defaults of transformers' Qwen3_5TextConfig (tests/test_bench_qwen3_5.py checks
 # them against it): 32 layers, every 4th full attention (16 heads of 256, 4 KV heads, an output gate,
 # rotary on a quarter of the head), the others Gated DeltaNet (16 key heads and 32 value heads of 128).
+# Qwen3-235B-A22B's shape (dummy weights, ~470 GB in bf16: tensor parallel 4 or 8).
+QWEN3_235B_A22B = dict(QWEN3_30B_A3B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
+                       num_attention_heads=64, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
+                       moe_intermediate_size=1536)
 QWEN3_5_9B = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
     "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
