@@ -19,6 +19,7 @@ from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import Handoff, InFlightStep
 from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
 from teacher_server.engine.rank_setup import (
+    check_split,
     load_rank,
     make_runner,
     pool_sizes,
@@ -64,15 +65,7 @@ class Engine:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
         size = cfg.tensor_parallel_size
-        if self.spec.num_heads % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {self.spec.num_heads} "
-                             f"attention heads")
-        if self.spec.num_experts and self.spec.moe_intermediate_size % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
-                             f"{self.spec.moe_intermediate_size}")
-        if size > 1 and self.spec.linear_layer_ids:  # the linear layers' state is not split across ranks
-            raise ValueError(f"tensor_parallel_size={size}: hybrid linear-attention models ({self.spec.architecture}) "
-                             f"run on one GPU for now")
+        check_split(self.spec, size)
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
         self._workers: TPWorkers | None = None
         if size > 1:

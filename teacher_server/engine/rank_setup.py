@@ -51,6 +51,18 @@ def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.devic
     return model, make_backend(cfg.attention_backend, device, dtype, deterministic=cfg.deterministic)
 
 
+def check_split(spec: ModelSpec, size: int) -> None:
+    """Refuse a tensor-parallel size the model cannot be split by (ValueError, at start-up)."""
+    if spec.num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {spec.num_heads} attention heads")
+    if spec.num_experts and spec.moe_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
+                         f"{spec.moe_intermediate_size}")
+    if size > 1 and spec.linear_layer_ids:  # the linear layers' state is not split across ranks
+        raise ValueError(f"tensor_parallel_size={size}: hybrid linear-attention models ({spec.architecture}) "
+                         f"run on one GPU for now")
+
+
 def token_budget(cfg: Config, device: torch.device) -> int:
     return cfg.max_num_batched_tokens or (16384 if device.type == "cuda" else 2048)
 
