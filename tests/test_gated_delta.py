@@ -379,14 +379,17 @@ def test_warm_up_switches_off_the_fused_qkv_kernel(tmp_path: Path) -> None:
     assert not ops.qkv_kernel and ops.silu_kernel and ops.residual_in_gemm
 
 
-def test_tensor_parallel_refused_for_hybrid(tmp_path: Path) -> None:
-    """tensor_parallel_size > 1 with a hybrid family is a clear start-up error."""
+def test_tensor_parallel_must_split_the_linear_key_heads(tmp_path: Path) -> None:
+    """A tensor-parallel size that does not divide the linear layers' key heads is a clear
+    start-up error (the heads are split whole across ranks)."""
     from teacher_server.config import Config
     from teacher_server.engine.engine import Engine
 
     path = make_qwen3_5(tmp_path / "m")
-    with pytest.raises(ValueError, match="hybrid linear-attention models"):
-        Engine(Config(model=str(path), device="cpu", tensor_parallel_size=2))
+    spec = ModelSpec.from_dir(path)
+    size = next(n for n in range(2, 9) if spec.num_heads % n == 0 and spec.linear_num_key_heads % n)
+    with pytest.raises(ValueError, match="linear-attention key heads"):
+        Engine(Config(model=str(path), device="cpu", tensor_parallel_size=size))
 
 
 # --- end to end ------------------------------------------------------------------------------

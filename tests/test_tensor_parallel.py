@@ -1,9 +1,10 @@
 """Tensor parallel on the CPU (gloo, worker processes): TP=2 gives TP=1's results within
 1e-5 in float32 (flat, per-row and binary candidates, classic prompt_logprobs, greedy next
 token, prefix-cache hits, chunked sequences, raw_logits, deterministic mode), on a vocab not
-divisible by 2 and with fewer KV heads than ranks, for dense and mixture-of-experts models
-(experts split along their intermediate dimension, a shared expert, dense layers among the
-expert ones); TP=8 equals TP=1 for both kinds; sharded loading; the HTTP service at
+divisible by 2 and with fewer KV heads than ranks, for dense, mixture-of-experts (experts
+split along their intermediate dimension, a shared expert, dense layers among the expert ones)
+and hybrid Qwen3.5 models (linear-attention heads and their states split; GRPO siblings from
+the prompt's state snapshot); TP=8 equals TP=1 for both kinds; sharded loading; the HTTP service at
 ``--tensor-parallel-size 2``; a killed worker makes the service unhealthy and the process
 exit non-zero."""
 
@@ -23,7 +24,7 @@ import pytest
 import torch
 from apiutil import assert_error, body, decode, npy_b64
 from conftest import LiveServer, free_port
-from reference import make_moe_checkpoint
+from reference import make_hybrid_checkpoint, make_moe_checkpoint
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -136,12 +137,26 @@ def moe_stacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("tp") / "moe_stacked")
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5: Gated DeltaNet layers (key and value heads split across ranks, their states in
+    each rank's pool) between gated full-attention layers."""
+    return make_hybrid_checkpoint("qwen3_5", tmp_path_factory.mktemp("tp") / "hybrid")
+
+
+@pytest.fixture(scope="module")
+def hybrid_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_hybrid_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("tp") / "hybrid_moe")
+
+
 @pytest.mark.parametrize(("model", "settings"), [
     ("odd_vocab", {}),
     ("odd_vocab", {"logprobs_mode": "raw_logits"}),
     ("tied", {"deterministic": True}),
     ("moe_shared", {}),
     ("moe_stacked", {}),
+    ("hybrid", {}),
+    ("hybrid_moe", {}),
 ])
 def test_tp2_equals_tp1(model: str, settings: dict, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(model)

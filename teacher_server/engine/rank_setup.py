@@ -58,9 +58,9 @@ def check_split(spec: ModelSpec, size: int) -> None:
     if spec.num_experts and spec.moe_intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
                          f"{spec.moe_intermediate_size}")
-    if size > 1 and spec.linear_layer_ids:  # the linear layers' state is not split across ranks
-        raise ValueError(f"tensor_parallel_size={size}: hybrid linear-attention models ({spec.architecture}) "
-                         f"run on one GPU for now")
+    if spec.linear_layer_ids and spec.linear_num_key_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {spec.linear_num_key_heads} "
+                         f"linear-attention key heads")
 
 
 def token_budget(cfg: Config, device: torch.device) -> int:

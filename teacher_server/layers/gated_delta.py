@@ -12,6 +12,11 @@ State (the KV pool's, Interface 1/2 of the engine): sequence b of the step start
 gather at all when every sequence starts there); after the chunk the end state of sequence
 ``ctx.state_keep[j]`` is written to slot ``ctx.state_out[j]``. All initial states are
 gathered (copied) before any end state is written, so a sequence may carry its state in place.
+
+Tensor parallel: each rank holds a contiguous share of the key heads and the value heads they
+serve (the grouping of value heads to key heads stays within a rank): its rows of q, k, v, z,
+b and a, its channels of the convolution, its ``A_log`` / ``dt_bias`` entries, its heads'
+states in the pool, and its input columns of ``o_proj`` (whose partial sums are all-reduced).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teacher_server.layers.linear import MergedColumnLinear, RowLinear, copy_checked
+from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
 from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
@@ -38,36 +43,71 @@ def linear_plan(ctx: StepContext) -> LinearPlan:
     return ctx.linear_plan
 
 
+class InProjection(MergedColumnLinear):
+    """The linear layer's fused in-projection, parts q, k, v (the checkpoint's one
+    ``in_proj_qkv`` tensor, cut here), z, b and a, each split by heads across ranks."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
+        kd, vd, nv = spec.linear_key_dim, spec.linear_value_dim, spec.linear_num_value_heads
+        dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
+        super().__init__(spec.hidden_size, {"q": kd, "k": kd, "v": vd, "z": vd, "b": nv, "a": nv}, False, dtype,
+                         device, tp, units={"q": dk, "k": dk, "v": dv, "z": dv})
+        self.qkv_rows = {"q": (0, kd), "k": (kd, kd), "v": (2 * kd, vd)}  # of in_proj_qkv
+
+    def shards(self, param: str) -> int:
+        return 4  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+
+    def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
+        return None if part == "qkv" else super().checkpoint_slice(param, part)  # qkv: read whole, cut below
+
+    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
+        if part != "qkv":
+            return super().load_weight(param, loaded, part, name)
+        for sub, (start, n) in self.qkv_rows.items():
+            super().load_weight(param, loaded.narrow(0, start, n), sub, name)
+        return None
+
+
 class GatedDeltaNet(RuntimeModule):
-    """[T, hidden] normed input -> [T, value_dim] gated-normed output (before ``o_proj``).
-    Tensor parallel is not supported (the engine refuses it for hybrid families)."""
+    """[T, hidden] normed input -> [T, value_dim] gated-normed output (before ``o_proj``);
+    with tensor parallel this rank's heads (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise ValueError("Gated DeltaNet layers run on one GPU (tensor_parallel_size=1)")
         self.layer_id = layer_id
-        self.nk, self.nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+        self.tp = tp
+        self.nk = tp.split(spec.linear_num_key_heads, "linear-attention key heads")
+        self.nv = tp.split(spec.linear_num_value_heads, "linear-attention value heads")
         self.dk, self.dv = spec.linear_key_head_dim, spec.linear_value_head_dim
-        self.key_dim, self.value_dim, self.conv_dim = spec.linear_key_dim, spec.linear_value_dim, spec.linear_conv_dim
-        self.in_proj = MergedColumnLinear(spec.hidden_size, {"qkv": self.conv_dim, "z": self.value_dim, "b": self.nv,
-                                                             "a": self.nv}, False, dtype, device, tp)
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.full_key_dim = spec.linear_key_dim  # the checkpoint's convolution channels: q | k | v, all heads
+        self.in_proj = InProjection(spec, dtype, device, tp)
         w = spec.linear_conv_kernel_dim
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, w, dtype=dtype, device=device),
                                         requires_grad=False)  # [D, W]; the checkpoint's conv1d.weight is [D, 1, W]
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.norm = RMSNorm(self.dv, spec.rms_norm_eps, dtype, device)  # plain weight * norm(x), per value head
-        self.o_proj = RowLinear(self.value_dim, spec.hidden_size, dtype, device, tp)
+        self.o_proj = RowLinear(spec.linear_value_dim, spec.hidden_size, dtype, device, tp)
 
     def shards(self, param: str) -> int:
         return 1
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
-        """``conv_weight`` (from [D, 1, W]), ``A_log``, ``dt_bias``."""
+        """``conv_weight`` (from [D, 1, W]), ``A_log``, ``dt_bias``: this rank's channels / heads
+        of the whole checkpoint tensor."""
         if param == "conv_weight" and loaded.dim() == 3:
             loaded = loaded.squeeze(1)
+        if self.tp.size > 1:
+            r = self.tp.rank
+            if param == "conv_weight":  # channels q | k | v of all heads -> this rank's of each
+                kd, vd, fk = self.key_dim, self.value_dim, self.full_key_dim
+                loaded = torch.cat([loaded.narrow(0, r * kd, kd), loaded.narrow(0, fk + r * kd, kd),
+                                    loaded.narrow(0, 2 * fk + r * vd, vd)])
+            else:
+                loaded = loaded.narrow(0, r * self.nv, self.nv)
         copy_checked(getattr(self, param).data, loaded, name)
 
     def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -166,8 +166,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         s = self.spec
         if not s.linear_layer_ids:
             return None
-        return LinearStateLayout(layers=s.linear_layer_ids, conv_shape=(s.linear_conv_dim, s.linear_conv_kernel_dim),
-                                 rec_shape=(s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim),
+        mixer = self.layers[s.linear_layer_ids[0]].linear_attn  # this rank's heads and channels
+        return LinearStateLayout(layers=s.linear_layer_ids, conv_shape=(mixer.conv_dim, s.linear_conv_kernel_dim),
+                                 rec_shape=(mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim),
                                  conv_dtype=self.dtype)
 
     def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
@@ -182,5 +183,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
         s = self.spec
-        check_fla(s.linear_num_key_heads, s.linear_num_value_heads, s.linear_key_head_dim, s.linear_value_head_dim,
-                  s.linear_conv_dim, s.linear_conv_kernel_dim, rope.table.device, self.dtype)
+        if s.linear_layer_ids:
+            mixer = self.layers[s.linear_layer_ids[0]].linear_attn  # this rank's shares
+            check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,
+                      s.linear_conv_kernel_dim, rope.table.device, self.dtype)
