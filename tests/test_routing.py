@@ -86,3 +86,35 @@ def test_round_robin_ignores_prefix_and_load() -> None:
     key = _group_key(rng, router, 200)
     picks = [router.pick(key, {"0": 0, "1": 10**9}) for _ in range(6)]
     assert sorted(picks) == ["0"] * 3 + ["1"] * 3
+
+
+def test_groups_stay_whole_under_a_closed_loop_load() -> None:
+    """A G1-like stream (groups of 8-16 responses of 512-4096 tokens after prompts of
+    1024-2048, sent in order by 128 clients: each answer lets the next request go) over two
+    replicas: every group lands on one replica while the load moves, and both replicas carry
+    a fair share of the tokens. (Spills decided per request split some of these groups.)"""
+    from collections import deque
+
+    rng = np.random.default_rng(5)
+    router = Router()
+    load = {"0": 0, "1": 0}
+    inflight: deque[tuple[str, int]] = deque()
+    placed: dict[int, set[str]] = {}
+    served = {"0": 0, "1": 0}
+    for g in range(48):
+        plen = int(rng.integers(1024, 2049))
+        prompt = rng.integers(0, 50_000, plen)
+        key = router.key(prompt, reusable_tokens(plen - 1), None)
+        for _ in range(int(rng.integers(8, 17))):
+            tokens = plen + int(rng.integers(512, 4097))
+            if len(inflight) == 128:  # the oldest is answered (both replicas work at the same pace)
+                r, n = inflight.popleft()
+                load[r] -= n
+            r = router.pick(key, dict(load))
+            load[r] += tokens
+            served[r] += tokens
+            inflight.append((r, tokens))
+            placed.setdefault(g, set()).add(r)
+    assert all(len(p) == 1 for p in placed.values()), {g: p for g, p in placed.items() if len(p) > 1}
+    share = served["0"] / (served["0"] + served["1"])
+    assert 0.3 < share < 0.7, share
