@@ -65,12 +65,19 @@ class HeaderTimeoutProtocol(H11Protocol):
         super().connection_lost(exc)
 
 
+# An idle kept-alive connection is closed after this long. Longer than clients keep idle
+# connections (httpx: 5 s, the same as uvicorn's default): with equal limits a client may send
+# its next request on a connection the server is closing at that moment, and gets a read error
+# with no response (seen under load when a client's loop is slow to reuse its connections).
+KEEP_ALIVE_S = 30
+
+
 def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int | None = None,
                    **kw: object) -> uvicorn.Config:
     """uvicorn settings of the service (the CLI and the tests serve through this)."""
     protocol = type("TeacherHTTPProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": cfg.header_timeout_s})
     return uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port, http=protocol,
-                          log_config=None, access_log=False, **kw)
+                          log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S, **kw)
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
