@@ -197,9 +197,9 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, device: torch.device,
               dtype: torch.dtype) -> bool:
-    """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes before
-    the first request): its convolution, rule and gated norm against the torch path on a small
-    varlen step with initial and end states. A failure or mismatch switches fla-core off for
+    """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes and a
+    serving-size step before the first request): its convolution, rule and gated norm against
+    the torch path on a small varlen step with initial and end states. A failure or mismatch switches fla-core off for
     the process (the torch path is correct, only slower). Returns whether fla-core is used."""
     if device.type != "cuda" or fla_ops() is None:
         return False
@@ -208,6 +208,17 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
     gen = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     try:
+        # fla-core's autotuner keys its kernels on head counts and dims, not on the token count:
+        # the configs its first call picks serve every later call. So the first call is a step of
+        # serving size (two 4096-token sequences), then the small step checks correctness.
+        big = [4096, 4096]
+        tb, bplan = sum(big), make_plan(big, torch.tensor(bounds_of(big), device=device), True, True)
+        gated_rms_norm(gated_delta_rule(rnd(tb, nk, dk).to(dtype), rnd(tb, nk, dk).to(dtype), rnd(tb, nv, dv).to(dtype),
+                                        -F.softplus(rnd(tb, nv)), torch.sigmoid(rnd(tb, nv)).to(dtype), bplan,
+                                        rnd(2, nv, dk, dv), True)[0],
+                       rnd(tb, nv, dv).to(dtype), torch.ones(dv, device=device, dtype=dtype), 1e-6, bplan, F.rms_norm)
+        causal_conv1d(rnd(tb, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), bplan,
+                      rnd(2, conv_dim, kernel).to(dtype), True)
         plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), True, True)
         x, weight, c0 = rnd(t, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(n, conv_dim, kernel).to(dtype)
         q, k, v = rnd(t, nk, dk).to(dtype), rnd(t, nk, dk).to(dtype), rnd(t, nv, dv).to(dtype)
