@@ -255,3 +255,31 @@ def reference_scores(path: Path, token_ids: list[int], cand, start: int, logits_
         row = lp[start + i]
         out[i] = np.where(c >= 0, row[np.clip(c, 0, None)], -np.inf)
     return out.astype(np.float32)
+
+
+def gpu_rows(model: torch.nn.Module, token_ids: np.ndarray, cand: np.ndarray, start: int) -> np.ndarray:
+    """The [rows, K] matrix of a transformers model's forward on its device (its logits'
+    log-softmax in float32), -inf where a candidate is -1."""
+    with torch.no_grad():
+        lg = model(torch.tensor([token_ids.tolist()], device=next(model.parameters()).device)).logits[0]
+    lp = torch.log_softmax(lg.float(), -1).cpu().double().numpy()
+    rows = len(token_ids) - 1 - start
+    return np.stack([np.where((c := (cand[i] if cand.ndim == 2 else cand)) >= 0, lp[start + i][np.clip(c, 0, None)],
+                              -np.inf) for i in range(rows)])
+
+
+def errors_vs_reference(path: Path, reqs: list, results: list,
+                        model: torch.nn.Module) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per request with rows: the abs errors of our scores and of ``model``'s forward (on the
+    GPU in the tests that use it) against the float32 reference, over its finite cells
+    (results must be error-free)."""
+    ours, theirs = [], []
+    for q, r in zip(reqs, results):
+        assert r.error is None, r.error
+        if q.rows == 0:
+            continue
+        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
+        fin = np.isfinite(ref)
+        ours.append(np.abs(r.token_id_logprobs[fin] - ref[fin]))
+        theirs.append(np.abs(gpu_rows(model, q.token_ids, np.asarray(q.candidates), q.start)[fin] - ref[fin]))
+    return ours, theirs

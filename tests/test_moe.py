@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from reference import MOE_FAMILIES, hf_model, reference_scores
+from reference import MOE_FAMILIES, errors_vs_reference, hf_model
 from test_parity import VOCAB, check, long_requests, make_requests
 
 from teacher_server.config import Config
@@ -244,20 +244,7 @@ def test_moe_parity_gpu_bfloat16(family: str, checkpoints) -> None:
     reqs = make_requests(np.random.default_rng(11)) + long_requests(np.random.default_rng(5))
     results = eng.run_to_completion(reqs)
     hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours, theirs = [], []
-    for q, r in zip(reqs, results):
-        assert r.error is None, r.error
-        if q.rows == 0:
-            continue
-        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
-        with torch.no_grad():
-            lg = hf16(torch.tensor([q.token_ids.tolist()], device="cuda")).logits[0]
-        lp = torch.log_softmax(lg.float(), -1).cpu().double().numpy()
-        hf_rows = np.stack([np.where((c := (q.candidates[i] if q.per_row else q.candidates)) >= 0,
-                                     lp[q.start + i][np.clip(c, 0, None)], -np.inf) for i in range(q.rows)])
-        fin = np.isfinite(ref)
-        ours.append(np.abs(r.token_id_logprobs[fin] - ref[fin]))
-        theirs.append(np.abs(hf_rows[fin] - ref[fin]))
+    ours, theirs = errors_vs_reference(path, reqs, results, hf16)
     ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
     print(f"{family}: bf16 mean abs error vs fp32 reference: ours {ours_mae:.5f}, transformers bf16 {theirs_mae:.5f}")
     assert ours_mae <= theirs_mae, (ours_mae, theirs_mae)

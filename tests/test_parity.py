@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from reference import FAMILIES, hf_model, reference_logprobs, reference_scores
+from reference import FAMILIES, errors_vs_reference, hf_model, reference_logprobs, reference_scores
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -183,20 +183,7 @@ def test_parity_gpu_bfloat16(family: str, shape: str, checkpoints) -> None:
     import transformers as tf
 
     hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours, theirs = [], []
-    for q, r in zip(reqs, results):
-        assert r.error is None, r.error
-        if q.rows == 0:
-            continue
-        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
-        with torch.no_grad():
-            lg = hf16(torch.tensor([q.token_ids.tolist()], device="cuda")).logits[0]
-        lp = torch.log_softmax(lg.float(), -1).cpu().double().numpy()
-        hf_rows = np.stack([np.where((c := (q.candidates[i] if q.per_row else q.candidates)) >= 0,
-                                     lp[q.start + i][np.clip(c, 0, None)], -np.inf) for i in range(q.rows)])
-        fin = np.isfinite(ref)
-        ours.append(np.abs(r.token_id_logprobs[fin] - ref[fin]))
-        theirs.append(np.abs(hf_rows[fin] - ref[fin]))
+    ours, theirs = errors_vs_reference(path, reqs, results, hf16)
     ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
     print(f"{family}/{shape} ({eng.attn.name} attention): bf16 mean abs error vs fp32 reference: "
           f"ours {ours_mae:.5f}, transformers bf16 {theirs_mae:.5f}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from reference import reference_scores
+from reference import errors_vs_reference, reference_scores
 from test_parity import long_requests, make_requests
 
 from teacher_server.config import Config
@@ -26,15 +26,6 @@ def grpo_group(rng: np.random.Generator, prompt_len: int = 600, n: int = 4) -> l
     prompt = rng.integers(0, VOCAB, prompt_len)
     return [ScoreRequest(f"G{j}", np.concatenate([prompt, rng.integers(0, VOCAB, 150 + 40 * j)]), prompt_len - 1,
                          rng.choice(VOCAB, 16, replace=False), max_tokens=1) for j in range(n)]
-
-
-def hf_rows(model: torch.nn.Module, q: ScoreRequest) -> np.ndarray:
-    """transformers' forward on the GPU, its logits' log-softmax in float32, at the request's cells."""
-    with torch.no_grad():
-        lg = model(torch.tensor([q.token_ids.tolist()], device="cuda")).logits[0]
-    lp = torch.log_softmax(lg.float(), -1).cpu().double().numpy()
-    return np.stack([np.where((c := (q.candidates[i] if q.per_row else q.candidates)) >= 0,
-                              lp[q.start + i][np.clip(c, 0, None)], -np.inf) for i in range(q.rows)])
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_hd128", "qwen3_5_moe_hd128"])
@@ -54,15 +45,7 @@ def test_qwen3_5_parity_gpu_bfloat16(family: str, checkpoints) -> None:
     reqs = reqs + group
     assert [r.cached_tokens for r in results[-3:]] == [592] * 3  # (600 - 1) // 16 * 16
     hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours, theirs = [], []
-    for q, r in zip(reqs, results):
-        assert r.error is None, r.error
-        if q.rows == 0:
-            continue
-        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
-        fin = np.isfinite(ref)
-        ours.append(np.abs(r.token_id_logprobs[fin] - ref[fin]))
-        theirs.append(np.abs(hf_rows(hf16, q)[fin] - ref[fin]))
+    ours, theirs = errors_vs_reference(path, reqs, results, hf16)
     ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
     print(f"{family}: bf16 mean abs error vs fp32 reference: ours {ours_mae:.5f}, transformers bf16 {theirs_mae:.5f}")
     assert ours_mae <= theirs_mae, (ours_mae, theirs_mae)
@@ -84,15 +67,11 @@ def test_qwen3_5_parity_gpu_float32(family: str, checkpoints) -> None:
     reqs = make_requests(np.random.default_rng(7))
     results = eng.run_to_completion(reqs)
     hf32 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
-    ours = theirs = 0.0
     for q, r in zip(reqs, results):
-        assert r.error is None, r.error
-        if q.rows == 0:
-            continue
-        ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
-        fin = np.isfinite(ref)
-        np.testing.assert_array_equal(np.isfinite(r.token_id_logprobs), fin)
-        ours = max(ours, float(np.abs(r.token_id_logprobs[fin] - ref[fin]).max()))
-        theirs = max(theirs, float(np.abs(hf_rows(hf32, q)[fin] - ref[fin]).max()))
+        if q.rows and r.error is None:  # -inf exactly where the reference has it
+            ref = reference_scores(path, q.token_ids.tolist(), q.candidates, q.start)
+            np.testing.assert_array_equal(np.isfinite(r.token_id_logprobs), np.isfinite(ref))
+    errs = errors_vs_reference(path, reqs, results, hf32)
+    ours, theirs = (max((float(e.max()) for e in side if e.size), default=0.0) for side in errs)
     print(f"{family}: float32 worst abs error vs CPU reference: ours {ours:.5f}, transformers on GPU {theirs:.5f}")
     assert ours <= theirs + 1e-3, (ours, theirs)
