@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,31 @@ MOE_FAMILIES = ("qwen3moe", "qwen2moe", "mixtral", "qwen3moe_stacked")
 # Hybrid families (make_hybrid_checkpoint): Qwen3.5 dense, MoE, and the vision-language
 # checkpoint of the dense one (its text part is scored); "_hd128" are the GPU-sized variants.
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_vl")
+
+
+
+# A draw for one parameter: (its name, the parameter) -> new values.
+Draw = Callable[[str, torch.Tensor], torch.Tensor]
+ROUTER: tuple[str, Draw] = ("mlp.gate.weight", lambda n, p: torch.randn_like(p))  # far from top-k boundaries
+MATRIX: tuple[str, Draw] = ("", lambda n, p: torch.randn_like(p) * (0.5 if "embed" in n else 0.1))
+
+
+@torch.no_grad()
+def randomize_weights(model: torch.nn.Module, rules: tuple[tuple[str, Draw], ...] = ()) -> None:
+    """Non-trivial values for every weight, drawn in parameter order from torch's global
+    generator (seed it first), so every weight matters: the first of ``rules`` whose name
+    suffix matches, else norms 1 + 0.2 N(0, 1), biases 0.1 N(0, 1), matrices N(0, 1) x 0.5
+    (embeddings) or x 0.1; other parameters are left as they are."""
+    for name, p in model.named_parameters():
+        draw = next((f for suffix, f in rules if name.endswith(suffix)), None)
+        if draw is not None:
+            p.copy_(draw(name, p))
+        elif name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        elif name.endswith("bias"):
+            p.copy_(0.1 * torch.randn_like(p))
+        elif p.dim() >= 2:
+            p.copy_(MATRIX[1](name, p))
 
 
 def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096) -> Path:
@@ -61,14 +86,7 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
         raise ValueError(family)
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
-    with torch.no_grad():  # make norms and biases non-trivial so every weight matters
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    randomize_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -100,16 +118,7 @@ def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, 
         raise ValueError(family)
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif pname.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif pname.endswith("mlp.gate.weight"):  # the router
-                p.copy_(torch.randn_like(p) * 1.0)
-            elif p.dim() >= 2:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in pname else 0.1))
+    randomize_weights(model, (ROUTER,))
     if name.endswith("_stacked"):
         path.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(path)
@@ -162,24 +171,14 @@ def make_hybrid_checkpoint(family: str, path: Path, seed: int = 0) -> Path:
         cls = tf.Qwen3_5ForConditionalGeneration
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty_like(p).uniform_(0.005, 0.1).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("linear_attn.norm.weight"):  # the gated norm scales by weight
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("norm.weight"):  # the decoder norms scale by (1 + weight)
-                p.copy_(0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):  # the router: far from the top-k boundary
-                p.copy_(torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif p.dim() >= 2:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    randomize_weights(model, (
+        ("A_log", lambda n, p: torch.empty_like(p).uniform_(0.005, 0.1).log()),
+        ("dt_bias", lambda n, p: 0.5 * torch.randn_like(p)),
+        ("conv1d.weight", lambda n, p: 0.5 * torch.randn_like(p)),
+        ("linear_attn.norm.weight", lambda n, p: 1.0 + 0.2 * torch.randn_like(p)),  # the gated norm: weight
+        ("norm.weight", lambda n, p: 0.2 * torch.randn_like(p)),  # the decoder norms scale by (1 + weight)
+        ROUTER,
+    ))
     model.save_pretrained(path, safe_serialization=True)
     if base == "qwen3_5_vl":  # the multi-token-prediction head of released checkpoints (skipped by both)
         tensors = load_file(str(path / "model.safetensors"))

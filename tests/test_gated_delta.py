@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from reference import MATRIX, ROUTER, randomize_weights
 
 from teacher_server.attention.registry import make_backend
 from teacher_server.kv_pool import KVPool, LinearStateLayout
@@ -98,26 +99,19 @@ def spec_of(cfg: object) -> ModelSpec:
     return ModelSpec.from_dict(d)
 
 
-@torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Non-trivial values for every weight (zero-centred norms around 0, plain ones around 1,
     moderate decays)."""
     torch.manual_seed(seed)
-    for name, p in model.named_parameters():
-        if name.endswith("linear_attn.norm.weight"):
-            p.copy_(1.0 + 0.2 * torch.randn_like(p))
-        elif name.endswith("norm.weight"):
-            p.copy_(0.2 * torch.randn_like(p))
-        elif name.endswith("A_log"):
-            p.copy_(torch.empty_like(p).uniform_(0.5, 4.0).log())
-        elif name.endswith("dt_bias"):
-            p.copy_(0.5 * torch.randn_like(p))
-        elif name.endswith("conv1d.weight"):
-            p.copy_(0.3 * torch.randn_like(p))
-        elif name.endswith("mlp.gate.weight"):  # the router: far from decision boundaries
-            p.copy_(torch.randn_like(p))
-        else:
-            p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    randomize_weights(model, (
+        ("linear_attn.norm.weight", lambda n, p: 1.0 + 0.2 * torch.randn_like(p)),
+        ("norm.weight", lambda n, p: 0.2 * torch.randn_like(p)),
+        ("A_log", lambda n, p: torch.empty_like(p).uniform_(0.5, 4.0).log()),
+        ("dt_bias", lambda n, p: 0.5 * torch.randn_like(p)),
+        ("conv1d.weight", lambda n, p: 0.3 * torch.randn_like(p)),
+        ROUTER,
+        MATRIX,
+    ))
 
 
 def make_qwen3_5(path: Path, moe: bool = False, seed: int = 0, conditional: bool = False) -> Path:

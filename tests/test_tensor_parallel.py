@@ -24,7 +24,7 @@ import pytest
 import torch
 from apiutil import assert_error, body, decode, npy_b64
 from conftest import LiveServer, free_port
-from reference import make_hybrid_checkpoint, make_moe_checkpoint
+from reference import make_hybrid_checkpoint, make_moe_checkpoint, randomize_weights
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -50,14 +50,7 @@ def tiny_checkpoint(path: Path, family: str, vocab: int, heads: int, kv_heads: i
     else:
         model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, rope_theta=10000.0, tie_word_embeddings=True))
     torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif p.dim() == 2:
-                p.copy_(torch.randn_like(p) * (0.5 if "embed" in name else 0.1))
+    randomize_weights(model)
     model.float().save_pretrained(path, safe_serialization=True)
     return path
 
