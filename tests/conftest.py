@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -43,6 +44,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Wait until a server process answers /health with 200 (fails if it exits or times out)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.time() < deadline and proc.poll() is None, "server did not start"
+        time.sleep(0.1)
 
 
 class LiveServer:

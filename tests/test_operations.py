@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from apiutil import assert_error, body, decode
-from conftest import LiveServer, free_port
+from conftest import LiveServer, free_port, wait_healthy
 from engine_util import fail_on_token
 
 from teacher_server.config import Config
@@ -231,15 +231,7 @@ class ServeProcess:
                                      env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
 
     def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and self.proc.poll() is None, "server did not start"
-            time.sleep(0.1)
+        wait_healthy(self.url, self.proc, timeout)
 
     def in_flight(self, c: httpx.Client) -> float:
         m = c.get("/metrics").text

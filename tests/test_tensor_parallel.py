@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from apiutil import assert_error, body, decode, npy_b64
-from conftest import LiveServer, free_port
+from conftest import LiveServer, free_port, wait_healthy
 from reference import make_hybrid_checkpoint, make_moe_checkpoint, randomize_weights
 
 from teacher_server.config import Config
@@ -222,15 +222,7 @@ class Serve:
             stderr=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.time() + timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline and self.proc.poll() is None, "server did not start"
-            time.sleep(0.1)
+        wait_healthy(self.url, self.proc, timeout)
 
     def workers(self) -> list[int]:
         """Pids of the worker processes (spawned children of the server)."""
