@@ -5,7 +5,6 @@ stacked expert weights and checks the grouped GEMM at start-up."""
 
 from __future__ import annotations
 
-import logging
 import re
 
 import torch
@@ -18,9 +17,6 @@ from teacher_server.models.llama import LlamaDecoderLayer
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.grouped_mm import GroupedGemm
-from teacher_server.ops.silu_mul import check_silu_mul
-
-log = logging.getLogger(__name__)
 
 # The grouped GEMM every expert layer of this process calls; its check result is a fact of
 # (torch, device, dtype), so one per process.
@@ -75,10 +71,5 @@ class MoeModel:
             return
         i, h = sparse.experts.i_local, spec.hidden_size
         device, dtype = rope.table.device, self.dtype  # type: ignore[attr-defined]
-        if ops.silu_kernel:
-            try:
-                check_silu_mul(i, device, dtype)
-            except Exception as e:  # the reference is correct, only slower
-                log.warning("SiLU-mul kernel disabled: %s", e)
-                ops.silu_kernel = False
+        ops.check_silu(i, device, dtype)
         GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))

@@ -110,6 +110,16 @@ class FusedOps:
         kv.store(layer, k, v, ctx)
         return q, k, v
 
+    def check_silu(self, width: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Check the SiLU-mul kernel at ``width`` (when on); a failure switches it off, with
+        one log line (the reference is correct, only slower)."""
+        if self.silu_kernel:
+            try:
+                check_silu_mul(width, device, dtype)
+            except Exception as e:
+                log.warning("SiLU-mul kernel disabled: %s", e)
+                self.silu_kernel = False
+
     def warm_up(self, heads: HeadLayout, hidden: int, intermediate: int, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
         """Compile the stages now (two token counts: a static then a dynamic graph) and check
@@ -122,12 +132,7 @@ class FusedOps:
                 log.info("compiled fused elementwise stages in %.1fs", time.perf_counter() - t0)
             except Exception as e:
                 self.eager_stages(e)
-        if self.silu_kernel:
-            try:
-                check_silu_mul(intermediate, device, dtype)
-            except Exception as e:  # the reference is correct, only slower
-                log.warning("SiLU-mul kernel disabled: %s", e)
-                self.silu_kernel = False
+        self.check_silu(intermediate, device, dtype)
         if self.qkv_kernel:
             try:
                 check_qkv_rope(heads, q_norm, k_norm, cos_sin, device, dtype)
