@@ -18,7 +18,7 @@ from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.activation import SiluAndMul
 from teacher_server.layers.embedding import LMHead, VocabEmbedding
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
-from teacher_server.layers.norm import RMSNorm
+from teacher_server.layers.norm import RMSNorm, decoder_norm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
@@ -94,9 +94,9 @@ class LlamaDecoderLayer(RuntimeModule):
     def __init__(self, spec: ModelSpec, layer_id: int, attention: type[LlamaAttention], dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.input_layernorm = decoder_norm(spec, spec.hidden_size, dtype, device)
         self.self_attn = attention(spec, layer_id, dtype, device, tp)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size, dtype, device)
         self.mlp = self.make_mlp(spec, layer_id, dtype, device, tp)
         self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
 
@@ -141,7 +141,7 @@ class LlamaForCausalLM(RuntimeModule):
         self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp)
         self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp)
                                     for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.norm = decoder_norm(spec, spec.hidden_size, dtype, device)
         self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp)
         nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, norm in zip(self.layers, nexts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from teacher_server.layers.norm import RMSNorm
+from teacher_server.layers.norm import decoder_norm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
 from teacher_server.models.spec import ModelSpec
@@ -15,8 +15,8 @@ class Qwen3Attention(LlamaAttention):
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__(spec, layer_id, dtype, device, tp)
-        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
-        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype, device)
+        self.q_norm = decoder_norm(spec, spec.head_dim, dtype, device)
+        self.k_norm = decoder_norm(spec, spec.head_dim, dtype, device)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.q_norm.weight, self.k_norm.weight

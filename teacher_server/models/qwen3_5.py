@@ -25,7 +25,7 @@ from torch import nn
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.layers.gated_delta import GatedDeltaNet
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
-from teacher_server.layers.norm import ZeroCenteredRMSNorm
+from teacher_server.layers.norm import decoder_norm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
@@ -75,8 +75,8 @@ class Qwen3_5Attention(RuntimeModule):
         parts = {"q": 2 * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
                                            units={"q": 2 * d, "k": d, "v": d})
-        self.q_norm = ZeroCenteredRMSNorm(d, spec.rms_norm_eps, dtype, device)
-        self.k_norm = ZeroCenteredRMSNorm(d, spec.rms_norm_eps, dtype, device)
+        self.q_norm = decoder_norm(spec, d, dtype, device)
+        self.k_norm = decoder_norm(spec, d, dtype, device)
         self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
 
     def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -104,7 +104,7 @@ class Qwen3_5Attention(RuntimeModule):
 
 class Qwen3_5DecoderLayer(LlamaDecoderLayer):
     """The mixer is ``linear_attn`` (Gated DeltaNet) or ``self_attn`` (gated attention), as
-    ``spec.layer_types`` says; norms are zero-centred."""
+    ``spec.layer_types`` says; norms are zero-centred (``decoder_norm``: the spec says so)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, attention: type[nn.Module], dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel = SINGLE) -> None:
@@ -114,8 +114,6 @@ class Qwen3_5DecoderLayer(LlamaDecoderLayer):
         if linear:  # the checkpoint's name for it
             self.linear_attn = self.self_attn
             del self.self_attn
-        self.input_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,14 +133,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         (".in_proj_b.", ".in_proj.", "b"), (".in_proj_a.", ".in_proj.", "a"),
         (".linear_attn.out_proj.", ".linear_attn.o_proj.", None),
     )
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tied: bool,
-                 tp: TensorParallel = SINGLE) -> None:
-        super().__init__(spec, dtype, device, tied, tp)
-        self.norm = ZeroCenteredRMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, norm in zip(self.layers, nexts):
-            object.__setattr__(layer, "next_norm", norm)  # a reference, not a child (as in Llama)
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
         """Text-model names of both checkpoint kinds; a linear layer's convolution weight,
