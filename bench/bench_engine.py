@@ -302,6 +302,17 @@ def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dic
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())
 
+def wait_for_baseline(path: Path, timeout_s: float = 900) -> dict:
+    """The results of a baseline run started beside this one (``--baseline-from``)."""
+    t = time.perf_counter()
+    while not path.exists():
+        if time.perf_counter() - t > timeout_s:
+            raise TimeoutError(f"no baseline results at {path} after {timeout_s:.0f}s")
+        time.sleep(2)
+    time.sleep(1)  # written in one call; let it finish
+    return json.loads(path.read_text())
+
+
 def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict]) -> dict:
     """The engine's results of a workload's first requests against the baseline's sample of
     the same cells (same weights): both bf16, so a few hundredths of a nat apart."""
@@ -339,6 +350,10 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
+    ap.add_argument("--baseline-from", default="",
+                    help="the baseline's results file (hf_baseline.py --out), written by a baseline run at the same "
+                         "time on another GPU of this machine; read (waited for) before the engine's check against it")
+    ap.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint, then stop")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
     ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
@@ -372,7 +387,9 @@ def main() -> None:
         write_config(ckpt, cfg)
         load_format = "dummy"
     args.load_format = load_format
-    print(f"checkpoint ready in {time.perf_counter() - t:.0f}s", flush=True)
+    print(f"checkpoint ready in {time.perf_counter() - t:.0f}s: {ckpt}", flush=True)
+    if args.checkpoint_only:
+        return
     abl_names = [w for w in args.ablate.split(",") if w]
     cmp_names = [w for w in args.prefix_cache_compare.split(",") if w]
     workloads = {n: make_workload(n, cfg["vocab_size"])
@@ -383,7 +400,8 @@ def main() -> None:
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)", "tensor_parallel_size": GPUS,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
-    base_runs = run_baseline(ckpt, base_names, args.repeats, load_format == "dummy") if base_names else {}
+    base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy")
+                 if base_names and not args.baseline_from else {})
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
@@ -421,6 +439,10 @@ def main() -> None:
         else:
             results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             print(n, json.dumps(results["engine"][n]), flush=True)
+    if args.baseline_from:  # the concurrent baseline on the other GPU (same host, same requests)
+        base_runs = wait_for_baseline(Path(args.baseline_from))
+        results["baseline_concurrent"] = ("transformers ran at the same time on another GPU of this machine "
+                                          f"({args.baseline_from})")
     results["baseline_check"] = {n: check_baseline(engine, n, workloads[n], b["check"])
                                  for n, b in base_runs.items() if b.get("check")}
     only = [v for v in args.ablate_only.split(",") if v]
@@ -478,8 +500,9 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
     engine.reset_prefix_cache()
     ka = prof.key_averages()
     table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
+    host = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)  # host-side cost
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table)
+    path.write_text(table + "\n\nby host time:\n" + host)
     total = sum(e.self_device_time_total for e in ka) / 1e3
     top = sorted(ka, key=lambda e: -e.self_device_time_total)[:15]
     print(f"\nprofile: {dt:.2f}s wall, {total / 1e3:.2f}s of kernels")

@@ -379,6 +379,7 @@ def main() -> None:
     slower (19.4k tok/s against 22.1k in a fresh process, H200)."""
     import argparse
     import json
+    import os
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt", required=True, help="checkpoint directory (its config.json is read)")
@@ -390,8 +391,9 @@ def main() -> None:
     with open(f"{a.ckpt}/config.json") as f:
         cfg = json.load(f)
     res = measure(a.ckpt, cfg, [w for w in a.workloads.split(",") if w], a.repeats, a.dummy)
-    with open(a.out, "w") as f:
+    with open(a.out + ".part", "w") as f:  # renamed when whole: a run beside it waits for the file
         json.dump(res, f)
+    os.replace(a.out + ".part", a.out)
 
 
 if __name__ == "__main__":

@@ -93,8 +93,8 @@ class Config(BaseModel):
                                 "unscored prefix to the same replica (spilling when it is overloaded); "
                                 "round_robin ignores prefixes (a comparison for benchmarks).")
     routing_spill_tokens: int = Field(
-        32768, ge=0, description="A request leaves its preferred replica when that one's outstanding tokens exceed "
-                                 "1.25x the least-loaded replica's plus this many.")
+        8192, ge=0, description="A new prefix leaves its preferred replica when that one's outstanding tokens "
+                                "exceed the least-loaded replica's by more than this many.")
 
     # --- server ------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="Address to listen on.")

@@ -9,15 +9,18 @@ where the prompt's KV is cached, and adding or removing a replica moves only the
 replica wins or held.
 
 Spill, decided once per prefix: the first request of a key goes to its preferred replica unless
-that one is overloaded, that is when its outstanding tokens (sent, not yet answered) exceed
-``SPILL_RATIO`` (1.25) x the least-loaded replica's plus ``spill_tokens`` (default
-``SPILL_TOKENS``, 32768: two steps of the default GPU token budget); it then goes to the
-least-loaded replica. Where a key went is remembered (the last ``PLACED_KEYS`` keys), and its
-later requests follow it there, so a GRPO group stays whole on one replica, where its prompt is
-cached, even while the load moves; only when that replica's load passes ``STICKY_RATIO`` (2) x
-the least loaded's plus twice ``spill_tokens`` is the key placed again. Deciding per request
-instead splits many groups under a steady load (each split costs one more prefill of the
-prompt). Requests with no full reusable block go to the least-loaded replica.
+that one is overloaded, that is when its outstanding tokens (sent, not yet answered) exceed the
+least-loaded replica's by more than ``spill_tokens`` (default ``SPILL_TOKENS``, 8192: half a step
+of the default GPU token budget); it then goes to the least-loaded replica. The bound is
+absolute, not a ratio: a trainer sends a batch and waits for all of it, so the batch takes as
+long as its most loaded replica, and new prefixes keep the replicas within about one request
+plus ``spill_tokens`` of each other. Where a key went is remembered (the last ``PLACED_KEYS``
+keys), and its later requests follow it there, so a GRPO group stays whole on one replica, where
+its prompt is cached, even while the load moves; only when that replica's load passes
+``STICKY_RATIO`` (2) x the least loaded's plus ``STICKY_SPILLS`` (8) x ``spill_tokens`` is the
+key placed again.
+Deciding per request instead splits many groups under a steady load (each split costs one more
+prefill of the prompt). Requests with no full reusable block go to the least-loaded replica.
 ``round_robin`` ignores prefixes and load (a comparison for benchmarks).
 
 Plain Python + numpy: the client imports it without torch.
@@ -37,9 +40,9 @@ import numpy as np
 Routing = Literal["affinity", "round_robin"]
 BLOCK_SIZE = 16  # the server's default block_size (Config.block_size)
 ROUTE_BLOCKS = 16  # the key covers at most this many leading blocks (256 tokens by default)
-SPILL_TOKENS = 32768
-SPILL_RATIO = 1.25
+SPILL_TOKENS = 8192
 STICKY_RATIO = 2.0
+STICKY_SPILLS = 8
 PLACED_KEYS = 65536
 
 
@@ -100,11 +103,11 @@ class Router:
             return least
         with self._lock:
             placed = self._placed.get(key)
-            if placed in load and load[placed] <= STICKY_RATIO * load[least] + 2 * self.spill_tokens:
+            if placed in load and load[placed] <= STICKY_RATIO * load[least] + STICKY_SPILLS * self.spill_tokens:
                 self._placed.move_to_end(key)
                 return placed
             preferred = rendezvous(key, names)
-            if load[preferred] > SPILL_RATIO * load[least] + self.spill_tokens:
+            if load[preferred] > load[least] + self.spill_tokens:
                 preferred = least
             self._placed[key] = preferred
             self._placed.move_to_end(key)

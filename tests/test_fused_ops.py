@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from teacher_server.kv_pool import KVPool
 from teacher_server.layers.rotary import RotaryEmbedding
@@ -41,6 +42,10 @@ def check_stages(ops: FusedOps) -> None:
         torch.testing.assert_close(a, b)
     gu = torch.randn(T, 2 * INTER, generator=g)
     torch.testing.assert_close(ops.silu_mul(gu), silu_mul_reference(gu))
+    # the gated norm of the linear layers, its gate a column slice (transformers' formula)
+    o, wide, gw = torch.randn(T, 4, 32, generator=g), torch.randn(T, 160, generator=g), 1 + torch.randn(32, generator=g)
+    z = wide[:, 16:144].view(T, 4, 32)
+    torch.testing.assert_close(ops.gated_rms_norm(o, z, gw, 1e-6), rms_norm(o, gw, 1e-6) * F.silu(z))
     rope = RotaryEmbedding(HEADS.d, 10000.0, {}, 64, 64, torch.device("cpu"))
     qkv = torch.randn(T, HEADS.width, generator=g)
     qn, kn = 1 + 0.1 * torch.randn(HEADS.d, generator=g), 1 + 0.1 * torch.randn(HEADS.d, generator=g)

@@ -29,10 +29,8 @@ from teacher_server.ops.gated_delta import (
     check_fla,
     gated_delta_rule,
     gated_delta_rule_torch,
-    gated_rms_norm,
     make_plan,
 )
-from teacher_server.ops.norm import rms_norm
 from teacher_server.step_context import StepContext
 
 tf = pytest.importorskip("transformers")
@@ -351,12 +349,6 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     y, cend = causal_conv1d(x, weight, plan, conv_init, True)
     ry, rcend = causal_conv1d_torch(x, weight, plan.bounds, conv_init, True)
     assert rel(y, ry) < tol, rel(y, ry)
-    z = torch.randn(sum(lens), 8, 128, device=dev, generator=gen).to(dtype)
-    norm_w = (1 + 0.2 * torch.randn(128, device=dev, generator=gen)).to(dtype)
-    torch_plan = make_plan(lens, cu.cpu(), True, True)  # the torch path's plan (no fla)
-    n = gated_rms_norm(o, z, norm_w, 1e-6, plan, rms_norm)
-    rn = gated_rms_norm(o, z, norm_w, 1e-6, torch_plan, rms_norm)
-    assert n.dtype == dtype and rel(n, rn) < tol, rel(n, rn)
     assert check_fla(4, 8, 128, 128, 1024, 4, dev, dtype)  # the start-up check passes at a real shape
     torch.testing.assert_close(cend, rcend, atol=0, rtol=0)  # copies of the inputs
 

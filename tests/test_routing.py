@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from teacher_server.routing import SPILL_RATIO, STICKY_RATIO, Router, prefix_key, rendezvous, reusable_tokens
+from teacher_server.routing import STICKY_RATIO, STICKY_SPILLS, Router, prefix_key, rendezvous, reusable_tokens
 
 
 def _group_key(rng: np.random.Generator, router: Router, prompt_len: int, salt: str | None = None) -> bytes | None:
@@ -58,8 +58,8 @@ def test_a_new_prefix_spills_to_the_least_loaded_replica_past_the_threshold() ->
     while rendezvous(keys[1], ["0", "1"]) != preferred:  # a second new key with the same preference
         keys[1] = _group_key(rng, router, 200)
     # up to the threshold a new group goes where the rendezvous hash puts it, past it elsewhere
-    assert router.pick(keys[0], {preferred: int(SPILL_RATIO * 500) + 1000, other: 500}) == preferred
-    assert router.pick(keys[1], {preferred: int(SPILL_RATIO * 500) + 1001, other: 500}) == other
+    assert router.pick(keys[0], {preferred: 500 + 1000, other: 500}) == preferred
+    assert router.pick(keys[1], {preferred: 500 + 1001, other: 500}) == other
     assert router.pick(None, {preferred: 10, other: 5}) == other  # no reusable prefix: least loaded
 
 
@@ -70,14 +70,29 @@ def test_a_placed_prefix_stays_until_its_replica_is_far_more_loaded() -> None:
     first = router.pick(key, {"0": 0, "1": 0})
     other = "1" if first == "0" else "0"
     # past the spill threshold, the group's later members still follow its first
-    busy = int(STICKY_RATIO * 500) + 2 * 1000  # past 1.25 x 500 + 1000, up to the sticky bound
+    busy = int(STICKY_RATIO * 500) + STICKY_SPILLS * 1000  # past 500 + 1000, up to the sticky bound
     assert router.pick(key, {first: busy, other: 500}) == first
     # far more loaded: the key is placed again, on the least loaded, and stays there
-    far = int(STICKY_RATIO * 500) + 2 * 1000 + 1
+    far = int(STICKY_RATIO * 500) + STICKY_SPILLS * 1000 + 1
     assert router.pick(key, {first: far, other: 500}) == other
     assert router.pick(key, {first: 0, other: 0}) == other
     # a replica that is gone: placed again among those present
     assert router.pick(key, {first: 0}) == first
+
+
+def test_a_batch_of_new_prompts_spreads_evenly() -> None:
+    """A W1-like batch (64 new prompts of 4-12k tokens, all sent before any is answered): the
+    replicas end within one request plus the spill bound of each other, since the batch takes
+    as long as the most loaded one (a 1.25x ratio bound let them drift 20% apart)."""
+    rng = np.random.default_rng(6)
+    router = Router()
+    load = {"0": 0, "1": 0}
+    sizes = rng.integers(4096, 12289, 64)
+    for n in sizes:
+        prompt = rng.integers(0, 50_000, int(n))
+        r = router.pick(router.key(prompt, reusable_tokens(int(n) // 4), None), dict(load))
+        load[r] += int(n)
+    assert abs(load["0"] - load["1"]) <= router.spill_tokens + int(sizes.max()), load
 
 
 def test_round_robin_ignores_prefix_and_load() -> None:

@@ -30,7 +30,7 @@ from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.spec import ModelSpec
-from teacher_server.ops.gated_delta import LinearPlan, causal_conv1d, gated_delta_rule, gated_rms_norm, make_plan
+from teacher_server.ops.gated_delta import LinearPlan, causal_conv1d, gated_delta_rule, make_plan
 from teacher_server.step_context import StepContext
 
 
@@ -129,5 +129,5 @@ class GatedDeltaNet(RuntimeModule):
         if plan.keep:
             pool.conv_state(self.layer_id)[ctx.state_out] = conv_end[ctx.state_keep]
             pool.rec_state(self.layer_id)[ctx.state_out] = rec_end[ctx.state_keep]
-        o = gated_rms_norm(o, z.view(t, self.nv, self.dv), self.norm.weight, self.norm.eps, plan, self.rt.ops.rms_norm)
+        o = self.rt.ops.gated_rms_norm(o, z.view(t, self.nv, self.dv), self.norm.weight, self.norm.eps)
         return o.reshape(t, self.value_dim)

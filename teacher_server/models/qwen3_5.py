@@ -171,8 +171,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         heads = HeadLayout(attn.heads.n_q, attn.heads.n_kv, rope.table.shape[1], attn.heads.eps)
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
-        ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
         s = self.spec
+        if s.linear_layer_ids:  # the gated output norm of the linear layers, compiled at its shape
+            ops.gated_heads = (self.layers[s.linear_layer_ids[0]].linear_attn.nv, s.linear_value_head_dim)
+        ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
         if s.linear_layer_ids:
             mixer = self.layers[s.linear_layer_ids[0]].linear_attn  # this rank's shares
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,

@@ -3,7 +3,8 @@ how they run.
 
 - ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel) and the
   residual add inside the o/down GEMM. None of them needs ``torch.compile``.
-- ``compile``: RMSNorm, add + RMSNorm and the torch QKV stages through ``torch.compile``
+- ``compile``: RMSNorm, add + RMSNorm, the gated RMSNorm of the Gated DeltaNet layers and
+  the torch QKV stages through ``torch.compile``
   (dynamic shapes: one graph for every token count), each one or two fused kernels instead
   of a chain of full-size passes.
 
@@ -23,7 +24,7 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
-from teacher_server.ops.norm import add_rms_norm, rms_norm
+from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
 
@@ -61,12 +62,13 @@ class _Guarded:
         return self.eager(*args)
 
 
-_STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep}
+_STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
+                                "gated_rms_norm": gated_rms_norm}
 
 
 class FusedOps:
-    """The stage functions a layer calls (``rms_norm``, ``add_rms_norm``, ``silu_mul``,
-    ``qkv_store``) and the switches behind them. ``kernels_available`` says whether the CUDA
+    """The stage functions a layer calls (``rms_norm``, ``add_rms_norm``, ``gated_rms_norm``,
+    ``silu_mul``, ``qkv_store``) and the switches behind them. ``kernels_available`` says whether the CUDA
     library loads (injectable, so the switches can be exercised on the CPU, where every op
     still takes its torch reference)."""
 
@@ -75,6 +77,8 @@ class FusedOps:
         self.rms_norm: Callable = rms_norm
         self.add_rms_norm: Callable = add_rms_norm
         self.qkv_prep: Callable = qkv_prep
+        self.gated_rms_norm: Callable = gated_rms_norm
+        self.gated_heads: tuple[int, int] | None = None  # (heads, dim) of the gated norm, checked at warm-up
         loaded = kernels and kernels_available()
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
@@ -87,7 +91,7 @@ class FusedOps:
             except Exception as e:  # no triton / inductor: the eager stages are correct, only slower
                 log.warning("torch.compile unavailable (%s); the elementwise stages run eagerly", e)
             else:
-                self.rms_norm, self.add_rms_norm, self.qkv_prep = (staged[n] for n in _STAGES)
+                self.rms_norm, self.add_rms_norm, self.qkv_prep, self.gated_rms_norm = (staged[n] for n in _STAGES)
                 self.compiled = True
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -144,6 +148,7 @@ class FusedOps:
         """Run the compiled stages eagerly from now on (the kernels are not affected)."""
         log.warning("compiled elementwise stages failed (%s: %s); running them eagerly", type(err).__name__, err)
         self.rms_norm, self.add_rms_norm, self.qkv_prep = rms_norm, add_rms_norm, qkv_prep
+        self.gated_rms_norm = gated_rms_norm
         self.compiled = False
 
     def _check_compiled(self, heads: HeadLayout, hidden: int, q_norm: torch.Tensor | None,
@@ -161,6 +166,12 @@ class FusedOps:
                 "qkv_prep": (qkv, cs[:, None, :half], cs[:, None, half:], q_norm, k_norm, heads.n_q, heads.n_kv,
                              heads.d, heads.eps),
             }
+            if self.gated_heads is not None:  # o [T, H, D] and the gate, a column slice as the layer passes it
+                gh, gd = self.gated_heads
+                wide = torch.randn(n, 2 * gh * gd + 8, device=device, dtype=dtype)
+                o = torch.randn(n, gh, gd, device=device, dtype=dtype)
+                gw = 1 + 0.1 * torch.randn(gd, device=device, dtype=dtype)
+                args["gated_rms_norm"] = (o, wide[:, gh * gd:2 * gh * gd].view(n, gh, gd), gw, heads.eps)
             for name, a in args.items():
                 got, ref = getattr(self, name)(*a), _STAGES[name](*a)
                 for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):

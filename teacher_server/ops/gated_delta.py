@@ -12,14 +12,14 @@ Per token t (per value head): ``S = exp(g_t) S``, ``u_t = beta_t (v_t - S^T k_t)
 ``S = S + k_t u_t^T``, ``o_t = S^T q_t``. On CUDA with fla-core importable both run its
 Triton kernels (``LinearPlan`` carries the host copy of the sequence ends and fla's chunk
 indices, so no call syncs); otherwise the torch path below (float32, a loop over the step's
-sequences), with one warning on CUDA. ``gated_rms_norm`` is the layer's output norm
-(fla's fused kernel on its path); ``check_fla`` is the start-up check on CUDA.
+sequences), with one warning on CUDA. ``check_fla`` is the start-up check on CUDA. (The
+layer's gated output norm is a stage of ``FusedOps``: fla-core's fused norm tunes itself
+again for every 65536 rows of a step's token count, seconds each time a step size is new.)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,6 @@ def fla_ops() -> dict[str, Any] | None:
     if not _FLA:
         try:
             from fla.modules.causal_conv1d import causal_conv1d as conv
-            from fla.modules.norm.fused_norm_gate import rms_norm_gated
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as rule
             from fla.ops.utils.index import prepare_chunk_indices
         except Exception as e:  # not installed, or no triton
@@ -46,8 +45,7 @@ def fla_ops() -> dict[str, Any] | None:
                         type(e).__name__, e)
             _FLA["ok"] = None
         else:
-            _FLA["ok"] = {"conv": conv, "rule": rule, "chunk_indices": prepare_chunk_indices,
-                          "norm_gated": rms_norm_gated}
+            _FLA["ok"] = {"conv": conv, "rule": rule, "chunk_indices": prepare_chunk_indices}
     return _FLA["ok"]
 
 
@@ -123,16 +121,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     return gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, initial, final)
 
 
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, plan: LinearPlan,
-                   rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]) -> torch.Tensor:
-    """``weight * norm(o) * silu(z)`` per head (o, z: [T, H, V]; weight [V]) in o's dtype.
-    fla-core's fused kernel on its path (float32 throughout, one rounding); else ``rms_norm``
-    (rounded as RMSNorm rounds, transformers' order) then the gate in float32."""
-    if plan.fla is not None:
-        return plan.fla["norm_gated"](o, z, weight, None, activation="silu", eps=eps)
-    return (rms_norm(o, weight, eps).float() * F.silu(z.float())).to(o.dtype)
-
-
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
@@ -197,10 +185,11 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 
 def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, device: torch.device,
               dtype: torch.dtype) -> bool:
-    """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes and a
-    serving-size step before the first request): its convolution, rule and gated norm against
-    the torch path on a small varlen step with initial and end states. A failure or mismatch switches fla-core off for
-    the process (the torch path is correct, only slower). Returns whether fla-core is used."""
+    """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes on a
+    serving-size step, and compiles its kernels with and without initial and end states, before
+    the first request): its convolution and rule against the torch path on a small varlen step
+    with initial and end states. A failure or mismatch switches fla-core off for the process
+    (the torch path is correct, only slower). Returns whether fla-core is used."""
     if device.type != "cuda" or fla_ops() is None:
         return False
     lens = [70, 5]
@@ -213,23 +202,21 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
         # serving size (two 4096-token sequences), then the small step checks correctness.
         big = [4096, 4096]
         tb, bplan = sum(big), make_plan(big, torch.tensor(bounds_of(big), device=device), True, True)
-        gated_rms_norm(gated_delta_rule(rnd(tb, nk, dk).to(dtype), rnd(tb, nk, dk).to(dtype), rnd(tb, nv, dv).to(dtype),
-                                        -F.softplus(rnd(tb, nv)), torch.sigmoid(rnd(tb, nv)).to(dtype), bplan,
-                                        rnd(2, nv, dk, dv), True)[0],
-                       rnd(tb, nv, dv).to(dtype), torch.ones(dv, device=device, dtype=dtype), 1e-6, bplan, F.rms_norm)
+        gated_delta_rule(rnd(tb, nk, dk).to(dtype), rnd(tb, nk, dk).to(dtype), rnd(tb, nv, dv).to(dtype),
+                         -F.softplus(rnd(tb, nv)), torch.sigmoid(rnd(tb, nv)).to(dtype), bplan, rnd(2, nv, dk, dv),
+                         True)
         causal_conv1d(rnd(tb, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), bplan,
                       rnd(2, conv_dim, kernel).to(dtype), True)
         plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), True, True)
         x, weight, c0 = rnd(t, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(n, conv_dim, kernel).to(dtype)
         q, k, v = rnd(t, nk, dk).to(dtype), rnd(t, nk, dk).to(dtype), rnd(t, nv, dv).to(dtype)
         g, beta, s0 = -F.softplus(rnd(t, nv)), torch.sigmoid(rnd(t, nv)).to(dtype), rnd(n, nv, dk, dv)
-        z, nw = rnd(t, nv, dv).to(dtype), (1 + 0.1 * rnd(dv)).to(dtype)
+        for init, final in ((None, False), (None, True), (s0, False)):  # the other kernel variants, compiled now
+            causal_conv1d(x, weight, plan, None if init is None else c0, final)
+            gated_delta_rule(q, k, v, g, beta, plan, init, final)
         pairs = [(causal_conv1d(x, weight, plan, c0, True), causal_conv1d_torch(x, weight, plan.bounds, c0, True)),
                  (gated_delta_rule(q, k, v, g, beta, plan, s0, True),
                   gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, s0, True))]
-        o = pairs[1][1][0]
-        torch_norm = (F.rms_norm(o.float(), (dv,), nw.float(), 1e-6) * F.silu(z.float())).to(dtype)
-        pairs.append(((gated_rms_norm(o, z, nw, 1e-6, plan, F.rms_norm),), (torch_norm,)))
         for got, ref in pairs:
             for a, b in zip(got, ref):
                 err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()

@@ -30,6 +30,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * rms_norm(x) * silu(gate)`` over the last dim (x, gate [..., n], gate may be
+    strided; weight [n]): the output norm of the Gated DeltaNet layers, float32 throughout and
+    rounded once to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (y * F.silu(gate.float())).to(x.dtype)
+
+
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): the residual stream and the next block's input."""
