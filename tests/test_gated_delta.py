@@ -363,6 +363,10 @@ def test_warm_up_switches_off_the_fused_qkv_kernel(tmp_path: Path) -> None:
     rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 64, CPU)
     model.warm_up_ops(ops, rope)
     assert not ops.qkv_kernel and ops.silu_kernel and ops.residual_in_gemm
+    # the gated norm is checked as the layers call it: z's columns in the in-projection's output
+    mixer = model.layers[spec.linear_layer_ids[0]].linear_attn
+    width = mixer.in_proj.weight.shape[0]
+    assert ops.gated_norm_shape == (spec.linear_num_value_heads, spec.linear_value_head_dim, width, mixer.conv_dim)
 
 
 def test_tensor_parallel_must_split_the_linear_key_heads(tmp_path: Path) -> None:

@@ -95,6 +95,11 @@ class GatedDeltaNet(RuntimeModule):
     def shards(self, param: str) -> int:
         return 1
 
+    def gated_norm_shape(self) -> tuple[int, int, int, int]:
+        """How ``forward`` calls the gated norm (``FusedOps.gated_norm_shape``): value heads, head
+        dim, the in-projection's width and the first column of z in it."""
+        return self.nv, self.dv, self.conv_dim + self.value_dim + 2 * self.nv, self.conv_dim
+
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         """``conv_weight`` (from [D, 1, W]), ``A_log``, ``dt_bias``: this rank's channels / heads
         of the whole checkpoint tensor."""

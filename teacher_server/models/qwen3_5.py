@@ -172,8 +172,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         s = self.spec
-        if s.linear_layer_ids:  # the gated output norm of the linear layers, compiled at its shape
-            ops.gated_heads = (self.layers[s.linear_layer_ids[0]].linear_attn.nv, s.linear_value_head_dim)
+        if s.linear_layer_ids:  # the gated output norm of the linear layers, compiled as they call it
+            ops.gated_norm_shape = self.layers[s.linear_layer_ids[0]].linear_attn.gated_norm_shape()
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
         if s.linear_layer_ids:
             mixer = self.layers[s.linear_layer_ids[0]].linear_attn  # this rank's shares

@@ -78,7 +78,9 @@ class FusedOps:
         self.add_rms_norm: Callable = add_rms_norm
         self.qkv_prep: Callable = qkv_prep
         self.gated_rms_norm: Callable = gated_rms_norm
-        self.gated_heads: tuple[int, int] | None = None  # (heads, dim) of the gated norm, checked at warm-up
+        # the gated norm's shape as the layer calls it, checked (and compiled) at warm-up: heads, head
+        # dim, and the gate's place in its row (the in-projection's width, the gate's first column)
+        self.gated_norm_shape: tuple[int, int, int, int] | None = None
         loaded = kernels and kernels_available()
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
@@ -166,12 +168,12 @@ class FusedOps:
                 "qkv_prep": (qkv, cs[:, None, :half], cs[:, None, half:], q_norm, k_norm, heads.n_q, heads.n_kv,
                              heads.d, heads.eps),
             }
-            if self.gated_heads is not None:  # o [T, H, D] and the gate, a column slice as the layer passes it
-                gh, gd = self.gated_heads
-                wide = torch.randn(n, 2 * gh * gd + 8, device=device, dtype=dtype)
+            if self.gated_norm_shape is not None:  # o [T, H, D]; the gate a column slice, strided as the layer's
+                gh, gd, width, first = self.gated_norm_shape
+                wide = torch.randn(n, width, device=device, dtype=dtype)
                 o = torch.randn(n, gh, gd, device=device, dtype=dtype)
                 gw = 1 + 0.1 * torch.randn(gd, device=device, dtype=dtype)
-                args["gated_rms_norm"] = (o, wide[:, gh * gd:2 * gh * gd].view(n, gh, gd), gw, heads.eps)
+                args["gated_rms_norm"] = (o, wide[:, first:first + gh * gd].view(n, gh, gd), gw, heads.eps)
             for name, a in args.items():
                 got, ref = getattr(self, name)(*a), _STAGES[name](*a)
                 for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
