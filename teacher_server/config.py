@@ -82,6 +82,11 @@ class Config(BaseModel):
         True, description="torch.compile the norm/rotary stages on CUDA; our CUDA kernels run either way (a failed "
                           "compile falls back for the compiled stages alone).")
     pipeline: bool = Field(True, description="Schedule and launch step N+1 while step N runs on the GPU.")
+    warm_up: bool | None = Field(
+        None, description="Score a few synthetic requests at start-up (full-budget steps, a sequence carried "
+                          "across chunks, a prompt shared by two responses, a lone short one), so one-time kernel "
+                          "compiles, autotuning and plan builds happen before the first request; nothing they "
+                          "leave is kept. None: on CUDA, off on the CPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
 
     # --- replicas ----------------------------------------------------------------------

@@ -110,3 +110,38 @@ def test_pool_sizes_share_memory_between_kv_and_state(checkpoints) -> None:
     assert 2 <= slots < 16 and slots * slot_bytes <= kv_bytes / 3 < (slots + 1) * slot_bytes
     assert sizes((64, 256, 256))[1] == 2  # at least a working slot and a snapshot
     assert sizes((64, 256, 256), linear_state_slots=5)[1] == 5
+
+
+def test_start_up_warm_up_covers_state_paths_and_leaves_nothing_behind(checkpoints, monkeypatch) -> None:
+    """``warm_up`` scores synthetic requests at start-up: they carry a sequence's state across
+    chunks and start a response from a prompt's snapshot. Then the engine starts clean (no
+    cached blocks or snapshots, zero counters), and its first requests get the same results and
+    cache hits as on an engine built without it."""
+    from teacher_server.engine.engine import Engine
+
+    seen = []
+    reset = Engine.reset_prefix_cache
+
+    def spy(self) -> None:  # the counters just before the warm-up forgets its requests
+        seen.append(self.stats())
+        reset(self)
+
+    monkeypatch.setattr(Engine, "reset_prefix_cache", spy)
+    path = checkpoints["qwen3"]
+    common = dict(model=str(path), block_size=BS, num_kv_blocks=256, max_model_len=512, linear_state_slots=16,
+                  enable_prefix_caching=True, max_num_batched_tokens=64)
+    cold = hybrid_engine(monkeypatch, path, (0,), warm_up=False, **common)
+    assert cold.warm_up_s == 0 and not seen
+    warm = hybrid_engine(monkeypatch, path, (0,), warm_up=True, **common)
+    assert warm.warm_up_s > 0 and len(seen) == 1
+    during = seen[0]
+    assert during.steps >= 4 and during.prefix_hit_tokens > 0 and during.state_snapshots > 0
+    st = warm.stats()
+    assert (st.steps, st.computed_tokens, st.prefix_query_tokens, st.prefix_hit_tokens, st.kv_blocks_used,
+            st.state_slots_used, st.state_snapshots, st.active_requests) == (0,) * 8
+    assert st.timing.launch_s == 0
+    rng = np.random.default_rng(1)
+    reqs = group(rng, 45, 4, 12, "a") + group(rng, 21, 3, 30, "b")
+    a, b = cold.run_to_completion(reqs), warm.run_to_completion(fresh(reqs, "w"))
+    assert_same(b, a, tol=0)
+    assert [x.cached_tokens for x in b] == [x.cached_tokens for x in a]

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from teacher_server.config import Config
@@ -113,10 +114,47 @@ class Engine:
 
             extension.available()
         self.num_kv_blocks = num_blocks  # per rank (each holds its share of the KV heads)
+        warm = cfg.warm_up if cfg.warm_up is not None else self.device.type == "cuda"
+        self.warm_up_s = self.warm_up() if warm else 0.0
         log.info("engine ready: %s (%s) on %s x %d, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
                  "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device, size,
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,
                  self.max_model_len, time.perf_counter() - t0)
+
+    def warm_up(self) -> float:
+        """Score synthetic requests shaped like serving (random ids, per-row candidates): a
+        step of the full token budget over several sequences of odd lengths, one sequence
+        longer than the budget (its state carried from chunk to chunk on hybrid models), two
+        responses to one block-aligned prompt (a prefix hit; a state snapshot on hybrids), and
+        a lone short sequence. Then forgets them: the prefix cache and snapshots are reset and
+        the counters start from zero. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        budget = self._scheduler.cfg.max_num_batched_tokens
+        rng = np.random.default_rng(0)
+        vocab, cap = self.spec.vocab_size, self.max_model_len
+
+        def req(n: int, start: int | None = None, prefix: np.ndarray | None = None) -> ScoreRequest:
+            head = np.zeros(0, np.int64) if prefix is None else prefix
+            toks = np.concatenate([head, rng.integers(0, vocab, max(min(n, cap) - len(head), 1))])[:cap]
+            start = len(toks) // 2 if start is None else min(start, len(toks) - 1)
+            cand = rng.integers(0, vocab, (max(len(toks) - 1 - start, 0), 4))
+            return ScoreRequest(f"warm-up-{len(toks)}", toks.astype(np.int64), start, cand)
+
+        block = self._blocks.block_size
+        prompt = rng.integers(0, vocab, min(4 * block, cap // 2))
+        plan = [[req(budget // 6 + 2 * i + 1) for i in range(6)] + [req(budget + budget // 2)],
+                [req(len(prompt) + 40 + i, len(prompt) - 1, prompt) for i in range(2)],
+                [req(37)]]
+        for batch in plan:  # one after another: the shared prompt is cached before its second use
+            for r in self.run_to_completion(batch):
+                if r.error is not None:
+                    raise RuntimeError(f"start-up warm-up failed: {r.error}")
+        self.reset_prefix_cache()
+        self._blocks.query_tokens = self._blocks.hit_tokens = 0
+        self._timing, self._steps, self._tokens = StepTiming(), 0, 0
+        dt = time.perf_counter() - t0
+        log.info("warm-up: %d synthetic requests in %.1fs", sum(map(len, plan)), dt)
+        return dt
 
     def watch_workers(self, hook: Callable[[BaseException], None]) -> None:
         """Call ``hook`` when a tensor-parallel worker dies (from a watchdog thread, at once,
