@@ -74,70 +74,77 @@ def _empty_output(r: int, plan: ScoringPlan, dev: torch.device) -> ScoringOutput
         torch.empty(n_a, dtype=i64, device=dev) if n_a else None)  # greedy next token [Ra]
 
 
+class _WholeVocab:
+    """The per-chunk reductions over logits that hold the whole vocabulary (one rank)."""
+
+    def candidates(self, logits: torch.Tensor, cand: torch.Tensor, logits_mode: bool) -> torch.Tensor:
+        return gather_logprobs(logits, cand, logits_mode=logits_mode)
+
+    def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        act = sub.gather(1, actual[:, None])  # [p, 1]
+        return act, (sub > act).sum(-1) + 1
+
+    def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
+        return torch.logsumexp(sub, dim=-1, keepdim=True)
+
+    def top_k(self, sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return sub.topk(k, dim=-1)
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.argmax(-1)
+
+
+@dataclass
+class _VocabShard(_WholeVocab):
+    """The same reductions over this rank's vocabulary shard (ids from ``start``), combined
+    across ranks as ``vocab_parallel`` says."""
+
+    start: int
+    tp: TensorParallel
+
+    def candidates(self, logits: torch.Tensor, cand: torch.Tensor, logits_mode: bool) -> torch.Tensor:
+        return vp.candidate_logprobs(logits, cand, self.start, logits_mode)
+
+    def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return vp.actual_and_rank(sub, actual, self.start)
+
+    def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
+        return vp.log_normalizer(sub)
+
+    def top_k(self, sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return vp.top_k(sub, k, self.start, self.tp)
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        return vp.argmax(rows, self.start, self.tp)
+
+
 def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
                chunk_rows: int, tp: TensorParallel = SINGLE, vocab_start: int = 0) -> ScoringOutput:
     """hidden: [R, H] final-normed; lm_head: [V, H] (with tp > 1 this rank's vocab shard
-    [Vr, H] of ids from ``vocab_start``: the shards are combined as ``vocab_parallel`` says)."""
-    if tp.size > 1:
-        return _score_rows_parallel(hidden, lm_head, plan, logits_mode, chunk_rows, tp, vocab_start)
+    [Vr, H] of ids from ``vocab_start``: the shards are combined as ``vocab_parallel`` says,
+    collectives per chunk)."""
+    ops = _WholeVocab() if tp.size == 1 else _VocabShard(vocab_start, tp)
     r = hidden.shape[0]
     out = _empty_output(r, plan, hidden.device)
-    scores, plp_actual, plp_rank, topv, topi, argmax = (out.scores, out.plp_actual, out.plp_rank, out.plp_topk_vals,
-                                                        out.plp_topk_ids, out.argmax)
     n_p, n_a = (0 if x is None else x.numel() for x in (plan.plp_rows, plan.argmax_rows))
     for r0 in range(0, r, chunk_rows):
         r1 = min(r0 + chunk_rows, r)
-        logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, V] float32
-        if scores is not None:
-            scores[r0:r1] = gather_logprobs(logits, plan.cand[r0:r1], logits_mode=logits_mode)
+        logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, V] float32 (with tp > 1: [r, Vr], this rank's shard)
+        if out.scores is not None:
+            out.scores[r0:r1] = ops.candidates(logits, plan.cand[r0:r1], logits_mode)
         if n_p:
             a, b = np.searchsorted(plan.plp_rows_host, [r0, r1])
             if b > a:
                 sub = logits[plan.plp_rows[a:b] - r0]  # [p, V]
-                act = sub.gather(1, plan.plp_actual[a:b, None])  # [p, 1]
-                plp_rank[a:b] = (sub > act).sum(-1) + 1
-                lse = 0.0 if logits_mode else torch.logsumexp(sub, dim=-1, keepdim=True)
-                plp_actual[a:b] = (act - lse).squeeze(1)
+                act, out.plp_rank[a:b] = ops.actual_and_rank(sub, plan.plp_actual[a:b])
+                lse = 0.0 if logits_mode else ops.log_normalizer(sub)
+                out.plp_actual[a:b] = (act - lse).squeeze(1)
                 if plan.plp_k:
-                    v, i = sub.topk(plan.plp_k, dim=-1)
-                    topv[a:b] = v - lse
-                    topi[a:b] = i
+                    v, out.plp_topk_ids[a:b] = ops.top_k(sub, plan.plp_k)
+                    out.plp_topk_vals[a:b] = v - lse
         if n_a:
             a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
             if b > a:
-                argmax[a:b] = logits[plan.argmax_rows[a:b] - r0].argmax(-1)
-        del logits
-    return out
-
-
-def _score_rows_parallel(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
-                         chunk_rows: int, tp: TensorParallel, start: int) -> ScoringOutput:
-    """``score_rows`` over vocab shards: the same chunks and outputs, collectives per chunk."""
-    r = hidden.shape[0]
-    out = _empty_output(r, plan, hidden.device)
-    scores, plp_actual, plp_rank, topv, topi, argmax = (out.scores, out.plp_actual, out.plp_rank, out.plp_topk_vals,
-                                                        out.plp_topk_ids, out.argmax)
-    n_p, n_a = (0 if x is None else x.numel() for x in (plan.plp_rows, plan.argmax_rows))
-    for r0 in range(0, r, chunk_rows):
-        r1 = min(r0 + chunk_rows, r)
-        logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, Vr] float32: this rank's shard
-        if scores is not None:
-            scores[r0:r1] = vp.candidate_logprobs(logits, plan.cand[r0:r1], start, logits_mode)
-        if n_p:
-            a, b = np.searchsorted(plan.plp_rows_host, [r0, r1])
-            if b > a:
-                sub = logits[plan.plp_rows[a:b] - r0]  # [p, Vr]
-                act, rank = vp.actual_and_rank(sub, plan.plp_actual[a:b], start)
-                plp_rank[a:b] = rank
-                lse = 0.0 if logits_mode else vp.log_normalizer(sub)
-                plp_actual[a:b] = (act - lse).squeeze(1)
-                if plan.plp_k:
-                    v, i = vp.top_k(sub, plan.plp_k, start, tp)
-                    topv[a:b] = v - lse
-                    topi[a:b] = i
-        if n_a:
-            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
-            if b > a:
-                argmax[a:b] = vp.argmax(logits[plan.argmax_rows[a:b] - r0], start, tp)
+                out.argmax[a:b] = ops.argmax(logits[plan.argmax_rows[a:b] - r0])
         del logits
     return out
