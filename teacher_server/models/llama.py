@@ -34,18 +34,21 @@ class LlamaAttention(RuntimeModule):
     the pool's keys. Returns the attention output [T, q heads * head_dim]; the o projection is
     applied by the decoder layer (fused with the residual add)."""
 
+    q_rows_per_head = 1  # rows of the q part per head and head dim: 2 where q_proj also makes an output gate
+
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        d = spec.head_dim
+        d, g = spec.head_dim, self.q_rows_per_head
         # Tensor parallel splits heads; with more ranks than KV heads each is replicated.
         self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1], d,
                                 spec.rms_norm_eps)
         self.layer_id = layer_id
         self.scale = d ** -0.5
         self.window = spec.sliding_window
-        self.qkv_proj = MergedColumnLinear(spec.hidden_size, {"q": spec.q_size, "k": spec.kv_size, "v": spec.kv_size},
-                                           spec.attention_bias, dtype, device, tp, units={"q": d, "k": d, "v": d})
+        parts = {"q": g * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
+        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
+                                           units={"q": g * d, "k": d, "v": d})
         self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:

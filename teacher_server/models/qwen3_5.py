@@ -24,12 +24,10 @@ from torch import nn
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.layers.gated_delta import GatedDeltaNet
-from teacher_server.layers.linear import MergedColumnLinear, RowLinear
-from teacher_server.layers.norm import decoder_norm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM, residual_norm
+from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.gated_delta import check_fla
@@ -58,26 +56,18 @@ def rotate_partial(x: torch.Tensor, cs: torch.Tensor, out: torch.Tensor) -> torc
     return out
 
 
-class Qwen3_5Attention(RuntimeModule):
+class Qwen3_5Attention(Qwen3Attention):
     """Gated full attention: returns ``attn(q, k, v) * sigmoid(gate)`` [T, heads * head_dim]
-    (``o_proj`` is applied by the decoder layer)."""
+    (``o_proj`` is applied by the decoder layer). Qwen3's layer (q/k norms, here zero-centred
+    as the spec says) with q_proj making ``[q | gate]`` per head, and rotary on the first
+    ``rotary_dim`` dims of each head."""
+
+    q_rows_per_head = 2
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE) -> None:
-        super().__init__()
-        d = spec.head_dim
-        self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1], d,
-                                spec.rms_norm_eps)
-        self.layer_id = layer_id
-        self.scale = d ** -0.5
+        super().__init__(spec, layer_id, dtype, device, tp)
         self.rotary_dim = spec.rotary_dim
-        # q rows are [q | gate] per head as in the checkpoint (2 d rows a head)
-        parts = {"q": 2 * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
-        self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
-                                           units={"q": 2 * d, "k": d, "v": d})
-        self.q_norm = decoder_norm(spec, d, dtype, device)
-        self.k_norm = decoder_norm(spec, d, dtype, device)
-        self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
 
     def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h: normed input [T, hidden]; cs: the step's rotary rows [T, rotary_dim]."""
