@@ -408,6 +408,7 @@ def main() -> None:
                   tensor_parallel_size=GPUS)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
+    results["engine_warm_up_s"] = engine.warm_up_s  # part of the load: synthetic requests at start-up
     results["attention_backend"] = engine.tuning.attention.name
     spec, blocks = engine.spec, engine.stats().kv_blocks_total
     kv_heads = max(spec.num_kv_heads // GPUS, 1)  # per rank (replicated past the KV head count)
