@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from teacher_server.engine.request import ScoreRequest
+from teacher_server.npy import load_npy
 
 STREAM_MESSAGE = "prompt_logprob_token_ids are not available when stream=true."
 
@@ -42,13 +42,15 @@ class Limits:
 
 
 def decode_npy(b64: str, param: str) -> np.ndarray:
-    """base64 `.npy` -> integer array. Never unpickles (allow_pickle=False)."""
+    """base64 `.npy` -> integer array. Never unpickles; read without `np.load` (see
+    `teacher_server.npy`: on the CPythons this supports, `np.load` fails now and then while
+    another thread parses Python source)."""
     try:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
         raise BadRequest(f"{param} is not valid base64", param) from None
     try:
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        arr = load_npy(raw)
     except Exception:
         raise BadRequest(f"{param} is not a valid .npy array (object arrays are not accepted)", param) from None
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from teacher_server.npy import load_npy
+
 GENERATE_PATH = "/inference/v1/generate"
 _INT32 = np.iinfo(np.int32)
 
@@ -149,11 +151,12 @@ def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
 
 
 def parse_output(data: Mapping[str, Any]) -> ScoreOutput:
-    """A 200 response body -> ``ScoreOutput`` (the matrix decoded without unpickling)."""
+    """A 200 response body -> ``ScoreOutput`` (the matrix decoded without unpickling, and
+    without ``np.load``, which fails now and then on worker threads: see ``teacher_server.npy``)."""
     raw = data.get("prompt_token_id_logprobs")
     if raw is None:
         raise TeacherServerError("response has no prompt_token_id_logprobs", status=200)
-    scores = np.load(io.BytesIO(base64.b64decode(raw)), allow_pickle=False).astype(np.float32, copy=False)
+    scores = load_npy(base64.b64decode(raw)).astype(np.float32, copy=False)
     toks = (data.get("choices") or [{}])[0].get("token_ids") or []
     usage = data.get("usage") or {}
     return ScoreOutput(scores=scores, request_id=data.get("request_id", ""), model=data.get("model", ""),

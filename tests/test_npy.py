@@ -1,0 +1,177 @@
+"""``.npy`` decoding without ``np.load`` (``teacher_server.npy``): the same arrays as
+``np.load``, the same refusals, and no failure while another thread parses Python source."""
+
+from __future__ import annotations
+
+import ast
+import base64
+import gc
+import io
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from teacher_server.client.protocol import parse_output
+from teacher_server.npy import load_npy
+from teacher_server.validation import BadRequest, decode_npy
+
+PARAM = "sampling_params.prompt_logprob_token_ids"
+
+
+def _npy(arr: np.ndarray, version: tuple[int, int] | None = None) -> bytes:
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, arr, version=version, allow_pickle=False)
+    return buf.getvalue()
+
+
+ARRAYS = [
+    np.arange(12, dtype="<i4").reshape(3, 4),
+    np.arange(5, dtype=np.int64),
+    np.zeros((0, 4), np.int32),
+    np.zeros(0, np.int32),
+    np.array(7, np.int64),  # 0-d
+    np.arange(24, dtype=">i4").reshape(2, 3, 4),  # big-endian, 3-D
+    np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4)),  # fortran_order: True
+    np.arange(6, dtype=np.uint8),
+    np.linspace(-1, 1, 8, dtype=np.float32).reshape(2, 4),
+    np.array([True, False]),
+    np.array(["ab", "c"]),
+    np.zeros(3, dtype=[("a", "<i4"), ("b", "<f8", (2,))]),  # structured: a list descr
+]
+
+
+@pytest.mark.parametrize("version", [None, (1, 0), (2, 0), (3, 0)])
+@pytest.mark.parametrize("arr", ARRAYS, ids=lambda a: f"{a.dtype.str}{list(a.shape)}")
+def test_same_array_as_np_load(arr: np.ndarray, version) -> None:
+    raw = _npy(arr, version)
+    got = load_npy(raw)
+    want = np.load(io.BytesIO(raw), allow_pickle=False)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert got.flags.writeable  # a copy, not a read-only view of raw
+
+
+def test_trailing_bytes_are_ignored_as_np_load_does() -> None:
+    raw = _npy(np.arange(4, dtype=np.int32)) + b"\0\0\0\0"
+    np.testing.assert_array_equal(load_npy(raw), np.arange(4))
+
+
+@pytest.mark.parametrize("raw", [
+    b"",
+    b"hello world",
+    b"\x93NUMPY",
+    b"\x93NUMPY\x04\x00" + b"\0" * 20,  # unknown version
+    _npy(np.arange(4, dtype=np.int32))[:-1],  # truncated data
+    _npy(np.arange(4, dtype=np.int32))[:20],  # truncated header
+], ids=["empty", "not npy", "magic only", "version 4.0", "data cut", "header cut"])
+def test_refuses_what_is_not_an_npy_array(raw: bytes) -> None:
+    with pytest.raises(ValueError):
+        load_npy(raw)
+
+
+def _with_header(header: str, data: bytes = b"") -> bytes:
+    h = header.encode("latin1") + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data
+
+
+@pytest.mark.parametrize("header", [
+    "{'descr': '<i4', 'fortran_order': False}",  # a key missing
+    "{'descr': '<i4', 'fortran_order': False, 'shape': (2,), 'x': 1}",  # a key too many
+    "{'descr': '<i4', 'fortran_order': 0, 'shape': (2,)}",
+    "{'descr': '<i4', 'fortran_order': False, 'shape': (-2,)}",
+    "{'descr': '<i4', 'fortran_order': False, 'shape': 2}",
+    "{'descr': '<i4', 'fortran_order': False, 'shape': ('2',)}",
+    "{'descr': 'nonsense', 'fortran_order': False, 'shape': (2,)}",
+    "{'descr': '<i4', 'fortran_order': False, 'shape': (2,)} extra",
+    "{'descr': '<i4', 'fortran_order': __import__('os').system('true'), 'shape': (2,)}",
+    "[" * 50 + "]" * 50,
+    "{'descr': '<i4', 'fortran_order': False, 'shape': (" + "9" * 30 + ",)}",  # no 10^30-element allocation
+    "{'descr': '<i4' " + " " * 10_001 + ", 'fortran_order': False, 'shape': (2,)}",  # over the header limit
+])
+def test_refuses_bad_headers(header: str) -> None:
+    with pytest.raises(ValueError):
+        load_npy(_with_header(header, b"\0" * 8))
+
+
+def test_object_arrays_are_refused_and_never_unpickled() -> None:
+    buf = io.BytesIO()
+    np.save(buf, np.array([1, "x"], dtype=object), allow_pickle=True)
+    with pytest.raises(ValueError, match="object"):
+        load_npy(buf.getvalue())
+
+
+# --- the race that np.load loses -------------------------------------------------------------
+
+def _nested(depth: int, fn):
+    return _nested(depth - 1, fn) if depth else fn()
+
+
+def _while_another_thread_parses(fn):
+    """``fn()`` on this thread, where the first garbage collection that starts while this
+    thread builds a Python AST (inside ``ast.parse``: ``np.load`` reads headers with
+    ``ast.literal_eval``) waits for another thread to parse source at another stack depth.
+    A collection runs Python code (finalisers, weakref callbacks), so the GIL can pass to
+    another thread there; this makes that interleaving happen every time. Returns
+    (fn's result, whether this thread was caught inside ast.parse)."""
+    me = threading.get_ident()
+    go, done = threading.Event(), threading.Event()
+    caught: list[bool] = []
+
+    def parse_elsewhere() -> None:
+        go.wait()
+        _nested(40, lambda: ast.parse("x = (1, [2, {3: 4}])"))
+        done.set()
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start" and not caught and threading.get_ident() == me \
+                and sys._getframe(1).f_code is ast.parse.__code__:
+            caught.append(True)
+            go.set()
+            done.wait(10)
+
+    other = threading.Thread(target=parse_elsewhere, daemon=True)
+    other.start()
+    thresholds = gc.get_threshold()
+    gc.callbacks.append(on_gc)
+    gc.set_threshold(1)  # a collection at every allocation, so one starts inside the AST build
+    try:
+        return fn(), bool(caught)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.callbacks.remove(on_gc)
+        go.set()
+        other.join(10)
+
+
+_AFFECTED = (3, 11) <= sys.version_info[:3] < (3, 11, 8) or (3, 12) <= sys.version_info[:3] < (3, 12, 2)
+
+
+@pytest.mark.skipif(not _AFFECTED, reason="CPython without python/cpython#106905")
+def test_np_load_fails_while_another_thread_parses() -> None:
+    """Why ``load_npy`` exists: on these CPythons the interleaving above breaks ``np.load``
+    (seen as a rare 400 'not a valid .npy array' to valid requests under load)."""
+    raw = _npy(np.arange(8, dtype=np.int32).reshape(2, 4))
+    with pytest.raises(SystemError, match="AST constructor recursion depth mismatch"):
+        _while_another_thread_parses(lambda: np.load(io.BytesIO(raw), allow_pickle=False))
+
+
+def test_candidates_decode_while_another_thread_parses() -> None:
+    cands = np.arange(8, dtype=np.int32).reshape(2, 4)
+    b64 = base64.b64encode(_npy(cands)).decode()
+    try:
+        arr, in_ast = _while_another_thread_parses(lambda: decode_npy(b64, PARAM))
+    except BadRequest as e:
+        pytest.fail(f"valid candidates refused: {e.message}")
+    np.testing.assert_array_equal(arr, cands)
+    assert arr.dtype == np.int64
+    assert not in_ast  # decoding builds no Python AST, so no other thread can break it
+
+
+def test_scores_decode_while_another_thread_parses() -> None:
+    scores = np.linspace(-5, 0, 8, dtype=np.float32).reshape(2, 4)
+    body = {"prompt_token_id_logprobs": base64.b64encode(_npy(scores)).decode(), "request_id": "r"}
+    out, in_ast = _while_another_thread_parses(lambda: parse_output(body))
+    np.testing.assert_array_equal(out.scores, scores)
+    assert not in_ast
