@@ -62,3 +62,44 @@ def test_a_server_taken_out_on_failure_is_avoided_until_it_is_healthy() -> None:
         assert ep.up == ["http://a:1", "http://b:1"]
     finally:
         ep.close()
+
+
+def test_a_probe_that_times_out_takes_a_server_out_from_the_second_in_a_row() -> None:
+    """A busy server may answer one probe late: taking it out would move its whole load onto
+    the others. A refusal or a 503 still takes it out at once."""
+    state = {"a": "ok", "b": "ok"}
+
+    def answer(r: httpx.Request) -> httpx.Response:
+        s = state[r.url.host]
+        if s == "slow":
+            raise httpx.ReadTimeout("probe timed out", request=r)
+        if s == "refused":
+            raise httpx.ConnectError("connection refused", request=r)
+        return httpx.Response(200 if s == "ok" else 503)
+
+    ep = Endpoints(["http://a:1", "http://b:1"], resolve=False, health_interval=3600,
+                   probe_transport=httpx.MockTransport(answer))
+    try:
+        state["b"] = "slow"
+        ep.check()
+        assert ep.up == ["http://a:1", "http://b:1"]  # one late answer: still in
+        state["b"] = "ok"
+        ep.check()
+        state["b"] = "slow"
+        ep.check()
+        assert ep.up == ["http://a:1", "http://b:1"]  # the count starts again after an answer
+        ep.check()
+        assert ep.up == ["http://a:1"]  # two in a row: out
+        ep.check()
+        assert ep.up == ["http://a:1"]  # still timing out: stays out
+        state["b"] = "ok"
+        ep.check()
+        assert ep.up == ["http://a:1", "http://b:1"]  # back on its first answer
+        for failure in ("refused", "503"):
+            state["a"] = failure
+            ep.check()
+            assert ep.up == ["http://b:1"], failure  # out at once
+            state["a"] = "ok"
+            ep.check()
+    finally:
+        ep.close()

@@ -5,7 +5,9 @@ Requests are routed with the server's own policy (``teacher_server.routing``: sa
 prefix -> same server, least outstanding tokens otherwise), over the servers that are up. A
 server that refuses connections or answers 502/503 is taken out at once; a background thread
 probes ``/health`` of every server each ``health_interval`` seconds, takes out those that fail
-and puts back those that answer 200 again, and resolves the DNS name again (pods come and go).
+(a probe that only times out counts from the second in a row: a busy server can be slow to
+answer once, and taking it out moves its whole load onto the others) and puts back those that
+answer 200 again, and resolves the DNS name again (pods come and go).
 Plain data and one daemon thread: shared by the sync and async clients, any thread or loop.
 """
 
@@ -61,6 +63,7 @@ class Endpoints:
         self._lock = threading.Lock()
         self._load: dict[str, int] = {}  # url -> outstanding tokens (this client's)
         self._down: set[str] = set()
+        self._timeouts: dict[str, int] = {}  # health probes that timed out in a row, by server
         self._set_urls(self._discover())
         self._probe_http = httpx.Client(headers=headers, timeout=httpx.Timeout(5.0), transport=probe_transport)
         self._stop = threading.Event()
@@ -128,9 +131,12 @@ class Endpoints:
             for u in urls:
                 self._load.setdefault(u, 0)
 
-    def _healthy(self, url: str) -> bool:
+    def _healthy(self, url: str) -> bool | None:
+        """True: 200; False: another answer, or no connection; None: the probe timed out."""
         try:
             return self._probe_http.get(url + "/health").status_code == 200
+        except httpx.TimeoutException:
+            return None
         except httpx.HTTPError:
             return False
 
@@ -143,6 +149,11 @@ class Endpoints:
             with self._lock:
                 if url not in self._load:
                     continue
+                timeouts = self._timeouts.pop(url, 0)
+                if ok is None:
+                    self._timeouts[url] = timeouts = timeouts + 1
+                    if timeouts == 1:  # the first timeout in a row: not out yet
+                        continue
                 if ok and url in self._down:
                     log.info("teacher server %s is back", url)
                     self._down.discard(url)
