@@ -155,8 +155,14 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
 
 
 def write_config(path: Path, cfg: dict) -> Path:
+    """``config.json`` of ``cfg``, rewritten only when it differs, by rename (a baseline process
+    may be reading it)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    text, f = json.dumps(cfg, indent=1), path / "config.json"
+    if not f.exists() or f.read_text() != text:
+        tmp = f.with_suffix(".json.part")
+        tmp.write_text(text)
+        tmp.replace(f)
     return path
 
 

@@ -30,7 +30,7 @@ _KEYS = frozenset({"descr", "fortran_order", "shape"})
 _TOKEN = re.compile(r"""\s*(?:(?P<str>'[^'\\]*'|"[^"\\]*")  # strings without escapes
                        |(?P<int>-?\d+)L?  # (a Python 2 header's longs end in L)
                        |(?P<name>True|False|None)
-                       |(?P<punct>[{}()\[\],:]))""", re.VERBOSE)
+                       |(?P<punct>[{}()\[\],:]))""", re.VERBOSE | re.ASCII)
 _NAMES = {"True": True, "False": False, "None": None}
 _MAX_DEPTH = 8  # a header nests a dict, a descr list and its field tuples
 
@@ -58,14 +58,13 @@ def load_npy(raw: bytes) -> np.ndarray:
     shape, fortran_order, dtype = _parse_header(header)
     if dtype.hasobject:
         raise ValueError("object arrays are not accepted")
+    if dtype.itemsize == 0:  # (np.empty would widen it to one byte per item: gigabytes for a tiny header)
+        raise ValueError(f"zero-size dtype {dtype.str!r} is not accepted")
     count = math.prod(shape)
-    if dtype.itemsize == 0:
-        flat = np.empty(count, dtype)
-    else:
-        if len(raw) - end < count * dtype.itemsize:
-            raise ValueError(f"truncated .npy data: {count} x {dtype.itemsize} bytes expected, "
-                             f"{len(raw) - end} found")
-        flat = np.frombuffer(raw, dtype, count=count, offset=end).copy()
+    if len(raw) - end < count * dtype.itemsize:
+        raise ValueError(f"truncated .npy data: {count} x {dtype.itemsize} bytes expected, "
+                         f"{len(raw) - end} found")
+    flat = np.frombuffer(raw, dtype, count=count, offset=end).copy()
     return flat.reshape(shape[::-1]).transpose() if fortran_order else flat.reshape(shape)
 
 

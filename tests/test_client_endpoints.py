@@ -103,3 +103,24 @@ def test_a_probe_that_times_out_takes_a_server_out_from_the_second_in_a_row() ->
             ep.check()
     finally:
         ep.close()
+
+
+def test_a_server_that_leaves_and_comes_back_starts_with_no_timeouts(pods: list[str]) -> None:
+    slow = {"10.0.0.2"}
+
+    def answer(r: httpx.Request) -> httpx.Response:
+        if r.url.host in slow:
+            raise httpx.ReadTimeout("probe timed out", request=r)
+        return httpx.Response(200)
+
+    ep = Endpoints([f"http://{NAME}:8000"], resolve=True, health_interval=3600,
+                   probe_transport=httpx.MockTransport(answer))
+    try:
+        ep.check()  # .2's first timeout
+        pods[:] = ["10.0.0.1"]
+        ep.check()  # it leaves
+        pods[:] = ["10.0.0.1", "10.0.0.2"]
+        ep.check()  # it is back, and times out once: its count starts again
+        assert ep.up == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    finally:
+        ep.close()

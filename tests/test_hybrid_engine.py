@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 from fake_linear import hybrid_engine
 
@@ -145,3 +146,20 @@ def test_start_up_warm_up_covers_state_paths_and_leaves_nothing_behind(checkpoin
     a, b = cold.run_to_completion(reqs), warm.run_to_completion(fresh(reqs, "w"))
     assert_same(b, a, tol=0)
     assert [x.cached_tokens for x in b] == [x.cached_tokens for x in a]
+
+
+def test_a_failed_warm_up_closes_the_engine(checkpoints, monkeypatch) -> None:
+    """A warm-up that fails stops the engine's start (the error is raised) and closes it, so
+    tensor-parallel workers free their GPUs instead of outliving a start that failed."""
+    from teacher_server.engine.engine import Engine
+
+    closed = []
+
+    def fail(self) -> float:
+        raise RuntimeError("start-up warm-up failed: boom")
+
+    monkeypatch.setattr(Engine, "warm_up", fail)
+    monkeypatch.setattr(Engine, "close", lambda self: closed.append(self))
+    with pytest.raises(RuntimeError, match="boom"):
+        Engine(Config(model=str(checkpoints["qwen3"]), device="cpu", warm_up=True, max_num_batched_tokens=64))
+    assert len(closed) == 1

@@ -72,8 +72,13 @@ def test_refuses_what_is_not_an_npy_array(raw: bytes) -> None:
 
 
 def _with_header(header: str, data: bytes = b"") -> bytes:
-    h = header.encode("latin1") + b"\n"
-    return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data
+    """Version 1.0 (latin-1), or 3.0 (UTF-8) when the header needs it."""
+    try:
+        h = header.encode("latin1") + b"\n"
+        return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h + data
+    except UnicodeEncodeError:
+        h = header.encode("utf-8") + b"\n"
+        return b"\x93NUMPY\x03\x00" + len(h).to_bytes(4, "little") + h + data
 
 
 @pytest.mark.parametrize("header", [
@@ -89,6 +94,9 @@ def _with_header(header: str, data: bytes = b"") -> bytes:
     "[" * 50 + "]" * 50,
     "{'descr': '<i4', 'fortran_order': False, 'shape': (" + "9" * 30 + ",)}",  # no 10^30-element allocation
     "{'descr': '<i4' " + " " * 10_001 + ", 'fortran_order': False, 'shape': (2,)}",  # over the header limit
+    "{'descr': '<U0', 'fortran_order': False, 'shape': (4000000000,)}",  # zero-size items: no 16 GB array
+    "{'descr': '<i4', 'fortran_order': False, 'shape': (\u0663,)}",  # a non-ASCII digit, as np.load refuses
+    "{'descr': '<i4',\u00a0'fortran_order': False, 'shape': (2,)}",  # a non-ASCII space
 ])
 def test_refuses_bad_headers(header: str) -> None:
     with pytest.raises(ValueError):

@@ -128,6 +128,7 @@ class Endpoints:
             for u in set(self._load) - set(urls):
                 del self._load[u]
                 self._down.discard(u)
+                self._timeouts.pop(u, None)
             for u in urls:
                 self._load.setdefault(u, 0)
 

@@ -115,7 +115,11 @@ class Engine:
             extension.available()
         self.num_kv_blocks = num_blocks  # per rank (each holds its share of the KV heads)
         warm = cfg.warm_up if cfg.warm_up is not None else self.device.type == "cuda"
-        self.warm_up_s = self.warm_up() if warm else 0.0
+        try:
+            self.warm_up_s = self.warm_up() if warm else 0.0
+        except BaseException:
+            self.close()  # the tensor-parallel workers free their GPUs
+            raise
         log.info("engine ready: %s (%s) on %s x %d, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
                  "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device, size,
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,

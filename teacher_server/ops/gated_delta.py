@@ -186,8 +186,8 @@ def _one_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
 def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, device: torch.device,
               dtype: torch.dtype) -> bool:
     """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes on a
-    serving-size step, and compiles its kernels with and without initial and end states, before
-    the first request): its convolution and rule against the torch path on a small varlen step
+    serving-size step, for its kernels with and without initial and end states, before the
+    first request): its convolution and rule against the torch path on a small varlen step
     with initial and end states. A failure or mismatch switches fla-core off for the process
     (the torch path is correct, only slower). Returns whether fla-core is used."""
     if device.type != "cuda" or fla_ops() is None:
@@ -197,23 +197,23 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
     gen = torch.Generator(device=device).manual_seed(0)
     rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     try:
-        # fla-core's autotuner keys its kernels on head counts and dims, not on the token count:
-        # the configs its first call picks serve every later call. So the first call is a step of
-        # serving size (two 4096-token sequences), then the small step checks correctness.
+        # fla-core's autotuner keys its kernels on head counts, dims and which optional tensors
+        # (initial state, end state) are given, not on the token count: each variant keeps the
+        # configs its first call picks. So every variant's first call is a step of serving size
+        # (two 4096-token sequences), then a small step checks correctness.
         big = [4096, 4096]
         tb, bplan = sum(big), make_plan(big, torch.tensor(bounds_of(big), device=device), True, True)
-        gated_delta_rule(rnd(tb, nk, dk).to(dtype), rnd(tb, nk, dk).to(dtype), rnd(tb, nv, dv).to(dtype),
-                         -F.softplus(rnd(tb, nv)), torch.sigmoid(rnd(tb, nv)).to(dtype), bplan, rnd(2, nv, dk, dv),
-                         True)
-        causal_conv1d(rnd(tb, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), bplan,
-                      rnd(2, conv_dim, kernel).to(dtype), True)
+        xb, wb, cb = rnd(tb, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(2, conv_dim, kernel).to(dtype)
+        qb, kb, vb = rnd(tb, nk, dk).to(dtype), rnd(tb, nk, dk).to(dtype), rnd(tb, nv, dv).to(dtype)
+        gb, bb, sb = -F.softplus(rnd(tb, nv)), torch.sigmoid(rnd(tb, nv)).to(dtype), rnd(2, nv, dk, dv)
+        for init, final in ((True, True), (False, False), (False, True), (True, False)):
+            causal_conv1d(xb, wb, bplan, cb if init else None, final)
+            gated_delta_rule(qb, kb, vb, gb, bb, bplan, sb if init else None, final)
+        del xb, qb, kb, vb
         plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), True, True)
         x, weight, c0 = rnd(t, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(n, conv_dim, kernel).to(dtype)
         q, k, v = rnd(t, nk, dk).to(dtype), rnd(t, nk, dk).to(dtype), rnd(t, nv, dv).to(dtype)
         g, beta, s0 = -F.softplus(rnd(t, nv)), torch.sigmoid(rnd(t, nv)).to(dtype), rnd(n, nv, dk, dv)
-        for init, final in ((None, False), (None, True), (s0, False)):  # the other kernel variants, compiled now
-            causal_conv1d(x, weight, plan, None if init is None else c0, final)
-            gated_delta_rule(q, k, v, g, beta, plan, init, final)
         pairs = [(causal_conv1d(x, weight, plan, c0, True), causal_conv1d_torch(x, weight, plan.bounds, c0, True)),
                  (gated_delta_rule(q, k, v, g, beta, plan, s0, True),
                   gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, s0, True))]
