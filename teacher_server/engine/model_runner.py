@@ -94,9 +94,8 @@ class ModelRunner:
                   sc.plp_actual, sc.argmax_rows]
         if st is not None:  # hybrid models: the state slots travel in the same copy
             arrays += [st.state_in, st.keep, st.out]
-        dev = to_device(arrays, self.device)
         (input_ids, positions, cu_q, cu_k, write_src, write_slots, tok_slots, new_pos, prefix_pos, prefix_slots,
-         logits_idx, cand, plp_rows, plp_actual, argmax_rows) = dev[:15]
+         logits_idx, cand, plp_rows, plp_actual, argmax_rows, *state) = to_device(arrays, self.device)
         writes, prefixed = kv.has_writes, kv.n_prefixed > 0
         ctx = StepContext(
             input_ids=input_ids, positions=positions, cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32),
@@ -110,9 +109,9 @@ class ModelRunner:
             prefix_shared=kv.prefix_shared,
         )
         if st is not None:
-            ctx.state_in, ctx.state_in_host = dev[15], st.state_in.tolist()
+            ctx.state_in, ctx.state_in_host = state[0], st.state_in.tolist()
             if st.keep.size:
-                ctx.state_keep, ctx.state_out, ctx.state_keep_host = dev[16], dev[17], st.keep.tolist()
+                ctx.state_keep, ctx.state_out, ctx.state_keep_host = state[1], state[2], st.keep.tolist()
         hidden = self.model(ctx, pacer)  # [R, H]
         n_plp, n_arg = sc.plp_rows.size, sc.argmax_rows.size
         plan = ScoringPlan(

@@ -162,10 +162,10 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         s = self.spec
-        if s.linear_layer_ids:  # the gated output norm of the linear layers, compiled as they call it
-            ops.gated_norm_shape = self.layers[s.linear_layer_ids[0]].linear_attn.gated_norm_shape()
+        mixer = self.layers[s.linear_layer_ids[0]].linear_attn if s.linear_layer_ids else None  # this rank's shares
+        if mixer is not None:  # the gated output norm of the linear layers, compiled as they call it
+            ops.gated_norm_shape = mixer.gated_norm_shape()
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
-        if s.linear_layer_ids:
-            mixer = self.layers[s.linear_layer_ids[0]].linear_attn  # this rank's shares
+        if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,
                       s.linear_conv_kernel_dim, rope.table.device, self.dtype)

@@ -72,12 +72,15 @@ class FusedOps:
     library loads (injectable, so the switches can be exercised on the CPU, where every op
     still takes its torch reference)."""
 
+    # the stages of ``_STAGES``, eager or compiled (``_use``)
+    rms_norm: Callable
+    add_rms_norm: Callable
+    qkv_prep: Callable
+    gated_rms_norm: Callable
+
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:
-        self.rms_norm: Callable = rms_norm
-        self.add_rms_norm: Callable = add_rms_norm
-        self.qkv_prep: Callable = qkv_prep
-        self.gated_rms_norm: Callable = gated_rms_norm
+        self._use(_STAGES)
         # the gated norm's shape as the layer calls it, checked (and compiled) at warm-up: heads, head
         # dim, and the gate's place in its row (the in-projection's width, the gate's first column)
         self.gated_norm_shape: tuple[int, int, int, int] | None = None
@@ -93,7 +96,7 @@ class FusedOps:
             except Exception as e:  # no triton / inductor: the eager stages are correct, only slower
                 log.warning("torch.compile unavailable (%s); the elementwise stages run eagerly", e)
             else:
-                self.rms_norm, self.add_rms_norm, self.qkv_prep, self.gated_rms_norm = (staged[n] for n in _STAGES)
+                self._use(staged)
                 self.compiled = True
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -149,9 +152,13 @@ class FusedOps:
     def eager_stages(self, err: Exception) -> None:
         """Run the compiled stages eagerly from now on (the kernels are not affected)."""
         log.warning("compiled elementwise stages failed (%s: %s); running them eagerly", type(err).__name__, err)
-        self.rms_norm, self.add_rms_norm, self.qkv_prep = rms_norm, add_rms_norm, qkv_prep
-        self.gated_rms_norm = gated_rms_norm
+        self._use(_STAGES)
         self.compiled = False
+
+    def _use(self, stages: dict[str, Callable]) -> None:
+        """Call ``stages`` (one function per name of ``_STAGES``) from now on."""
+        for name, f in stages.items():
+            setattr(self, name, f)
 
     def _check_compiled(self, heads: HeadLayout, hidden: int, q_norm: torch.Tensor | None,
                         k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device,
