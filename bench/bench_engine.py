@@ -309,8 +309,7 @@ def wait_for_baseline(path: Path, timeout_s: float = 900) -> dict:
         if time.perf_counter() - t > timeout_s:
             raise TimeoutError(f"no baseline results at {path} after {timeout_s:.0f}s")
         time.sleep(2)
-    time.sleep(1)  # written in one call; let it finish
-    return json.loads(path.read_text())
+    return json.loads(path.read_text())  # whole: hf_baseline.py writes it by rename
 
 
 def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict]) -> dict:
@@ -417,7 +416,7 @@ def main() -> None:
     results["kv_pool_gib_per_gpu"] = kv_bytes / 2**30
     results["kv_pool_tokens"] = blocks * ecfg.block_size
     print(f"KV pool per GPU: {kv_bytes / 2**30:.1f} GiB, {blocks * ecfg.block_size} tokens", flush=True)
-    layout = engine.model.linear_state_layout() if hasattr(engine.model, "linear_state_layout") else None
+    layout = engine.model.linear_state_layout()
     if layout is not None:  # hybrid models: the linear layers' state slots beside the KV (the zero slot too)
         slots = engine.stats().state_slots_total
         results["linear_state_slots"] = slots
