@@ -120,7 +120,21 @@ def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None
         victim = pool.replicas[1]
 
         def kill() -> None:
-            _wait(lambda: victim.requests > 0)
+            # Kill it while it holds requests it has not answered: stop it, let the reader drain
+            # any answer already in its pipe, and kill it only if some request is still unanswered
+            # (else let it run on and try again), so that the retry below is certain to happen.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                _wait(lambda: victim.requests > 0)
+                os.kill(victim.pid, signal.SIGSTOP)
+                held = -1
+                while held != victim.requests:  # until no answer has arrived for 0.3 s
+                    held = victim.requests
+                    time.sleep(0.3)
+                if held > 0:
+                    os.kill(victim.pid, signal.SIGKILL)
+                    return
+                os.kill(victim.pid, signal.SIGCONT)
             os.kill(victim.pid, signal.SIGKILL)
 
         killer = threading.Thread(target=kill)
