@@ -70,10 +70,16 @@ class LiveServer:
 
         self.cfg = cfg
         self.app = create_app(cfg, **app_kw)
-        self.port = port or free_port()  # a given port: a server restarted where clients expect it
+        # Bound here, before the server starts (uvicorn binds only after the app's start-up), so
+        # no other process can take the port meanwhile; a given port: a server restarted where
+        # clients expect it.
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port or 0))
+        self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn_config(self.app, cfg, host="127.0.0.1", port=self.port, lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:
         """Start, and return once /health says the engine is ready (the port answers before)."""

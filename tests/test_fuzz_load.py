@@ -119,6 +119,8 @@ def test_fuzz_mutated_valid_requests(fuzz) -> None:
     sp_keys = ["prompt_logprob_token_ids", "prompt_logprob_start", "prompt_logprobs", "max_tokens", "temperature",
                "top_k", "seed", "stop"]
 
+    before = dict(seen)  # the module's earlier fuzz tests counted there too
+
     @FUZZ
     @given(st.sampled_from(keys + [f"sp.{k}" for k in sp_keys]), JSON)
     def run(key: str, value: object) -> None:
@@ -130,8 +132,8 @@ def test_fuzz_mutated_valid_requests(fuzz) -> None:
         post(payload)
 
     run()
-    total = sum(seen.values())
-    assert total >= 2000 and seen.get(200, 0) > 0 and seen.get(400, 0) > 0, seen
+    own = {code: n - before.get(code, 0) for code, n in seen.items()}
+    assert sum(own.values()) >= 500 and own.get(200, 0) > 0 and own.get(400, 0) > 0, own
     r = fuzz[0].get("/health")
     assert r.status_code == 200  # healthy after thousands of hostile requests
 

@@ -152,7 +152,9 @@ def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None
 
 def test_client_over_two_servers_survives_a_restart(checkpoints, single, reference) -> None:
     cfg = _cfg(checkpoints["qwen3"])
-    groups = _groups(3, 8, 3)
+    # 16 groups: the rendezvous hash over the two URLs (b's port is new each run) gives b none of
+    # them with probability 2^-16
+    groups = _groups(3, 16, 3)
     ref = reference([r for g in groups for r in g])
     b = LiveServer(cfg).__enter__()
     try:

@@ -74,7 +74,7 @@ class Engine:
             try:
                 self._workers.wait_joined()
                 self.device = rank_device(self.device, 0)
-                init_group(self.device, 0, size, self._workers.port)
+                init_group(self.device, 0, size, self._workers.store)
             except BaseException:
                 self.close()
                 raise

@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -34,11 +33,15 @@ from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from teacher_server.config import Config
 from teacher_server.engine.host_step import HostStep
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
@@ -59,21 +62,25 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def init_group(device: torch.device, rank: int, size: int, port: int) -> None:
-    """Join the process group: NCCL on CUDA, gloo on the CPU."""
+def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
+    """The process group's rendezvous store. Rank 0 (the engine) hosts it on a port the OS
+    picks as it binds (``port`` 0), before any worker starts, so no other process can take that
+    port between choosing and binding it; the workers connect to ``store.port``."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
+                         wait_for_workers=False)
+
+
+def init_group(device: torch.device, rank: int, size: int, store: dist.TCPStore) -> None:
+    """Join the process group through ``store`` (``make_store``): NCCL on CUDA, gloo on the CPU."""
     import torch.distributed as dist
 
     if device.type == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT,
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT,
                             **({"device_id": torch.device("cuda", rank)} if device.type == "cuda" else {}))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TPWorkers:
@@ -85,7 +92,7 @@ class TPWorkers:
             raise RuntimeError(f"tensor_parallel_size={size} needs {size} GPUs, this host has "
                                f"{torch.cuda.device_count()} visible")
         self.size, self.device = size, device
-        self.port = _free_port()
+        self.store = make_store(0, size)  # held while the group lives
         self._closing = False
         self._hook: Callable[[BaseException], None] | None = None
         self.failure: str | None = None
@@ -95,7 +102,7 @@ class TPWorkers:
         for rank in range(1, size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"teacher-tp{rank}", daemon=True,
-                            args=(rank, size, self.port, cfg.model_dump(), str(model_dir), str(device), child,
+                            args=(rank, size, self.store.port, cfg.model_dump(), str(model_dir), str(device), child,
                                   os.getpid()))
             p.start()
             child.close()
@@ -219,7 +226,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         cfg = Config(**cfg_dict)
         device = rank_device(torch.device(device_name), rank)
         conn.send(("joining",))
-        init_group(device, rank, size, port)
+        init_group(device, rank, size, make_store(rank, size, port))
         spec = ModelSpec.from_dir(model_dir)
         tp = TensorParallel(size, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
