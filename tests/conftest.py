@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -44,6 +45,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``cond`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout:.0f}s"
+        time.sleep(0.02)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:

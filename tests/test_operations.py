@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from apiutil import assert_error, body, decode
-from conftest import LiveServer, free_port, wait_healthy
+from conftest import LiveServer, free_port, wait_healthy, wait_until
 from engine_util import fail_on_token
 
 from teacher_server.config import Config
@@ -241,17 +241,11 @@ class ServeProcess:
 
     def wait_in_flight(self, c: httpx.Client, n: int, timeout: float = 60) -> None:
         """Until ``n`` requests are queued or running."""
-        deadline = time.monotonic() + timeout
-        while self.in_flight(c) < n:
-            assert time.monotonic() < deadline, f"fewer than {n} requests in flight after {timeout:.0f}s"
-            time.sleep(0.02)
+        wait_until(lambda: self.in_flight(c) >= n, timeout, f"{n} requests in flight")
 
     def wait_draining(self, c: httpx.Client, timeout: float = 10) -> None:
         """Until /health says 503 (the server took a signal and drains)."""
-        deadline = time.monotonic() + timeout
-        while c.get("/health").status_code != 503:
-            assert time.monotonic() < deadline, f"not draining {timeout:.0f}s after the signal"
-            time.sleep(0.02)
+        wait_until(lambda: c.get("/health").status_code == 503, timeout, "draining after the signal")
 
     def log_lines(self) -> list[dict]:
         return [json.loads(x) for x in self.proc.stderr.read().splitlines() if x.startswith("{")]

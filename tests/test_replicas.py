@@ -12,7 +12,7 @@ import time
 import httpx
 import numpy as np
 import pytest
-from conftest import LiveServer
+from conftest import LiveServer, wait_until
 
 from teacher_server.client import AsyncTeacherClient, TeacherClient, TeacherRequest
 from teacher_server.config import Config
@@ -52,13 +52,6 @@ def _metric(url: str, name: str) -> dict[str, float]:
     return out
 
 
-def _wait(cond, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def _score_groups_in_order(client: TeacherClient, groups: list[list[TeacherRequest]]) -> list[list]:
     """Each group's members one after another, so every member after the first finds the
     prompt cached when it reached the replica that holds it."""
@@ -96,7 +89,7 @@ def test_two_replicas_keep_groups_together_and_match_one(checkpoints, reference)
         assert httpx.get(s.url + "/health").json() == {"status": "ready"}
         _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
         # the groups were spread: both replicas looked prompts up (metrics per replica)
-        _wait(lambda: all(v > 0 for v in _metric(s.url, "teacher_server_prefix_cache_queries_total").values()))
+        wait_until(lambda: all(v > 0 for v in _metric(s.url, "teacher_server_prefix_cache_queries_total").values()))
         assert set(_metric(s.url, "teacher_server_prefix_cache_hits_total")) == {"0", "1"}
 
 
@@ -125,7 +118,7 @@ def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None
             # (else let it run on and try again), so that the retry below is certain to happen.
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                _wait(lambda: victim.requests > 0)
+                wait_until(lambda: victim.requests > 0)
                 os.kill(victim.pid, signal.SIGSTOP)
                 held = -1
                 while held != victim.requests:  # until no answer has arrived for 0.3 s
@@ -162,11 +155,11 @@ def test_client_over_two_servers_survives_a_restart(checkpoints, single, referen
             _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
             assert _metric(b.url, "teacher_server_prompt_tokens_total")[""] > 0  # b got groups of its own
             b.__exit__()
-            _wait(lambda: c.endpoints.up == [single.url])
+            wait_until(lambda: c.endpoints.up == [single.url])
             later = _groups(4, 4, 3)
             _check_cached_and_equal(_score_groups_in_order(c, later), later, reference([r for g in later for r in g]))
             b = LiveServer(cfg, port=b.port).__enter__()  # restarted where the client expects it
-            _wait(lambda: len(c.endpoints.up) == 2)
+            wait_until(lambda: len(c.endpoints.up) == 2)
             _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
             assert _metric(b.url, "teacher_server_prompt_tokens_total")[""] > 0  # back in the rotation
     finally:
