@@ -26,13 +26,14 @@ for step in ${STEPS:-tests}; do
     # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers, W2's cache on vs off
     qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
-    # Qwen3.5 GPU tests on GPU 1; the engine reads the baseline's file before its check against it
+    # Qwen3.5 GPU tests (and any test files in $QWEN35X2_MORE_TESTS) on GPU 1; the engine reads the
+    # baseline's file before its check against it
     qwen35x2)
       python3 bench/bench_engine.py --model-size qwen3.5-9b --checkpoint-only
       (CUDA_VISIBLE_DEVICES=1 python3 bench/hf_baseline.py --ckpt /tmp/ts-bench/qwen3_5-qwen3.5-9b --workloads W1,W2 \
          --repeats 2 --out "$OUT/qwen35_baseline.json" > "$OUT/qwen35_baseline.log" 2>&1
        CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=4 python3 -m pytest -q -rP -m gpu tests/test_qwen3_5_gpu.py tests/test_gated_delta.py \
-         tests/test_fused_ops.py -p no:cacheprovider > "$OUT/gpu_qwen35_tests.log" 2>&1) &
+         tests/test_fused_ops.py ${QWEN35X2_MORE_TESTS:-} -p no:cacheprovider > "$OUT/gpu_qwen35_tests.log" 2>&1) &
       CUDA_VISIBLE_DEVICES=0 python3 bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --prefix-cache-compare W2 \
         --repeats 2 --max-model-len 8192 --profile W1 --baseline W1,W2 --baseline-from "$OUT/qwen35_baseline.json" \
         --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40

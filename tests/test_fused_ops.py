@@ -46,6 +46,20 @@ def check_stages(ops: FusedOps) -> None:
     o, wide, gw = torch.randn(T, 4, 32, generator=g), torch.randn(T, 160, generator=g), 1 + torch.randn(32, generator=g)
     z = wide[:, 16:144].view(T, 4, 32)
     torch.testing.assert_close(ops.gated_rms_norm(o, z, gw, 1e-6), rms_norm(o, gw, 1e-6) * F.silu(z))
+    # the linear layers' input stage: q, k L2-normed per head (eps inside the root), v, each
+    # contiguous, from the convolution's output; the gates from column slices
+    nk, dk, nv, dv = 2, 16, 4, 8
+    y, ba = torch.randn(T, 2 * nk * dk + nv * dv, generator=g), torch.randn(T, 2 * nv + 1, generator=g)
+    b, a = ba[:, 1:1 + nv], ba[:, 1 + nv:]
+    a_log, dt_bias = torch.randn(nv, generator=g), torch.randn(nv, generator=g)
+    out = ops.linear_prep(y, b, a, a_log, dt_bias, nk, dk, nv, dv)
+    heads = y[:, :2 * nk * dk].view(T, 2, nk, dk)
+    normed = heads / (heads * heads).sum(-1, keepdim=True).add(1e-6).sqrt()
+    want = (normed[:, 0], normed[:, 1], y[:, 2 * nk * dk:].view(T, nv, dv), torch.sigmoid(b),
+            -a_log.exp() * F.softplus(a + dt_bias))
+    for got, ref in zip(out, want, strict=True):
+        assert got.is_contiguous() and got.shape == ref.shape
+        torch.testing.assert_close(got, ref)
     rope = RotaryEmbedding(HEADS.d, 10000.0, {}, 64, 64, torch.device("cpu"))
     qkv = torch.randn(T, HEADS.width, generator=g)
     qn, kn = 1 + 0.1 * torch.randn(HEADS.d, generator=g), 1 + 0.1 * torch.randn(HEADS.d, generator=g)

@@ -29,6 +29,7 @@ from teacher_server.ops.gated_delta import (
     check_fla,
     gated_delta_rule,
     gated_delta_rule_torch,
+    linear_prep,
     make_plan,
 )
 from teacher_server.step_context import StepContext
@@ -179,6 +180,24 @@ def test_rule_state_carried_across_calls() -> None:
     torch.testing.assert_close(o1, whole[first], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(o2, whole[second], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s2, ends, atol=1e-5, rtol=1e-5)
+
+
+def test_rule_on_normed_inputs() -> None:
+    """The layer's path: q, k normed by ``linear_prep`` (``qk_normed``) give the rule's result
+    on the raw q, k."""
+    lens = [90, 7]
+    q, k, v, g, beta, init = rule_inputs(lens, seed=3)
+    t, nk, dk = q.shape
+    nv, dv = v.shape[1:]
+    y = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
+    raw_b, raw_a = torch.randn(t, nv), torch.randn(t, nv)
+    qn, kn, vc, _, _ = linear_prep(y, raw_b, raw_a, torch.zeros(nv), torch.zeros(nv), nk, dk, nv, dv)
+    want = gated_delta_rule_torch(q, k, v, g, beta, bounds_of(lens), init, True)
+    got = gated_delta_rule_torch(qn, kn, vc, g, beta, bounds_of(lens), init, True, qk_normed=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(gated_delta_rule_torch(q, k, v, g, beta, bounds_of(lens), init, True,
+                                                     qk_normed=True)[0], want[0], atol=1e-2)  # the flag is read
 
 
 def test_conv_matches_transformers_and_carries_state() -> None:
@@ -341,6 +360,16 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert rel(o, ro) < tol and rel(ends, rends) < tol, (rel(o, ro), rel(ends, rends))
+    # the layer's path: q, k normed (and q, k, v made contiguous) by the compiled input stage
+    t, nk, dk = q.shape
+    nv, dv = v.shape[1:]
+    y = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
+    zeros = torch.zeros(nv, device=dev, dtype=dtype)
+    ops = FusedOps(kernels=False, compile=True)
+    qn, kn, vc, _, _ = ops.linear_prep(y, beta, beta, zeros, zeros, nk, dk, nv, dv)
+    assert ops.compiled and all(x.is_contiguous() for x in (qn, kn, vc))
+    on, oends = gated_delta_rule(qn, kn, vc, g, beta, plan, init, True, qk_normed=True)
+    assert rel(on, o) < tol / 4 and rel(oends, ends) < tol / 4, (rel(on, o), rel(oends, ends))
     gen = torch.Generator(device=dev).manual_seed(10)
     wide = torch.randn(sum(lens), 200, device=dev, generator=gen).to(dtype)
     x = wide[:, :96]  # a column slice, as the layer passes it

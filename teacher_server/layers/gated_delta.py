@@ -22,7 +22,6 @@ states in the pool, and its input columns of ``o_proj`` (whose partial sums are 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
@@ -95,6 +94,11 @@ class GatedDeltaNet(RuntimeModule):
     def shards(self, param: str) -> int:
         return 1
 
+    def heads_shape(self) -> tuple[int, int, int, int]:
+        """How ``forward`` calls ``linear_prep`` (``FusedOps.linear_heads``): this rank's key
+        heads, key head dim, value heads, value head dim."""
+        return self.nk, self.dk, self.nv, self.dv
+
     def gated_norm_shape(self) -> tuple[int, int, int, int]:
         """How ``forward`` calls the gated norm (``FusedOps.gated_norm_shape``): value heads, head
         dim, the in-projection's width and the first column of z in it."""
@@ -126,11 +130,10 @@ class GatedDeltaNet(RuntimeModule):
             conv_in = pool.conv_state(self.layer_id)[ctx.state_in]  # [N, D, W]
             rec_in = pool.rec_state(self.layer_id)[ctx.state_in]  # [N, HV, K, V] float32
         y, conv_end = causal_conv1d(mixed, self.conv_weight, plan, conv_in, plan.keep)  # [T, conv_dim]
-        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())  # [T, nv] float32
-        o, rec_end = gated_delta_rule(q.view(t, self.nk, self.dk), k.view(t, self.nk, self.dk),
-                                      v.view(t, self.nv, self.dv), g, beta, plan, rec_in, plan.keep)
+        # q, k L2-normed, q, k, v contiguous, beta, g [T, nv] float32: one compiled stage
+        q, k, v, beta, g = self.rt.ops.linear_prep(y, b, a, self.A_log, self.dt_bias, self.nk, self.dk, self.nv,
+                                                   self.dv)
+        o, rec_end = gated_delta_rule(q, k, v, g, beta, plan, rec_in, plan.keep, qk_normed=True)
         if plan.keep:
             pool.conv_state(self.layer_id)[ctx.state_out] = conv_end[ctx.state_keep]
             pool.rec_state(self.layer_id)[ctx.state_out] = rec_end[ctx.state_keep]

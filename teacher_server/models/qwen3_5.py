@@ -165,6 +165,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         mixer = self.layers[s.linear_layer_ids[0]].linear_attn if s.linear_layer_ids else None  # this rank's shares
         if mixer is not None:  # the gated output norm of the linear layers, compiled as they call it
             ops.gated_norm_shape = mixer.gated_norm_shape()
+            ops.linear_heads = mixer.heads_shape()
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
         if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,

@@ -3,8 +3,8 @@ how they run.
 
 - ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel) and the
   residual add inside the o/down GEMM. None of them needs ``torch.compile``.
-- ``compile``: RMSNorm, add + RMSNorm, the gated RMSNorm of the Gated DeltaNet layers and
-  the torch QKV stages through ``torch.compile``
+- ``compile``: RMSNorm, add + RMSNorm, the Gated DeltaNet layers' input stage (q/k norms,
+  contiguous q/k/v, gates) and gated RMSNorm, and the torch QKV stages through ``torch.compile``
   (dynamic shapes: one graph for every token count), each one or two fused kernels instead
   of a chain of full-size passes.
 
@@ -24,6 +24,7 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
+from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
@@ -63,20 +64,21 @@ class _Guarded:
 
 
 _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
-                                "gated_rms_norm": gated_rms_norm}
+                                "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep}
 
 
 class FusedOps:
     """The stage functions a layer calls (``rms_norm``, ``add_rms_norm``, ``gated_rms_norm``,
-    ``silu_mul``, ``qkv_store``) and the switches behind them. ``kernels_available`` says whether the CUDA
-    library loads (injectable, so the switches can be exercised on the CPU, where every op
-    still takes its torch reference)."""
+    ``linear_prep``, ``silu_mul``, ``qkv_store``) and the switches behind them.
+    ``kernels_available`` says whether the CUDA library loads (injectable, so the switches can
+    be exercised on the CPU, where every op still takes its torch reference)."""
 
     # the stages of ``_STAGES``, eager or compiled (``_use``)
     rms_norm: Callable
     add_rms_norm: Callable
     qkv_prep: Callable
     gated_rms_norm: Callable
+    linear_prep: Callable
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:
@@ -84,6 +86,8 @@ class FusedOps:
         # the gated norm's shape as the layer calls it, checked (and compiled) at warm-up: heads, head
         # dim, and the gate's place in its row (the in-projection's width, the gate's first column)
         self.gated_norm_shape: tuple[int, int, int, int] | None = None
+        # the linear layers' heads as ``linear_prep`` is called: key heads, key dim, value heads, value dim
+        self.linear_heads: tuple[int, int, int, int] | None = None
         loaded = kernels and kernels_available()
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
@@ -181,6 +185,12 @@ class FusedOps:
                 o = torch.randn(n, gh, gd, device=device, dtype=dtype)
                 gw = 1 + 0.1 * torch.randn(gd, device=device, dtype=dtype)
                 args["gated_rms_norm"] = (o, wide[:, first:first + gh * gd].view(n, gh, gd), gw, heads.eps)
+            if self.linear_heads is not None:  # y contiguous (the convolution's output), b and a strided
+                nk, dk, nv, dv = self.linear_heads
+                y = torch.randn(n, 2 * nk * dk + nv * dv, device=device, dtype=dtype)
+                ba = torch.randn(n, 2 * nv + 3, device=device, dtype=dtype)
+                a_log, dt_bias = (torch.randn(nv, device=device, dtype=dtype) for _ in range(2))
+                args["linear_prep"] = (y, ba[:, 1:1 + nv], ba[:, 2 + nv:2 + 2 * nv], a_log, dt_bias, nk, dk, nv, dv)
             for name, a in args.items():
                 got, ref = getattr(self, name)(*a), _STAGES[name](*a)
                 for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):

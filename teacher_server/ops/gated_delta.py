@@ -6,7 +6,10 @@ ops carry per-sequence initial and end states:
   the next chunk, only kept for the layout fla-core uses, so no copy is needed there).
 - ``gated_delta_rule``: the chunked gated delta rule with L2-normed q and k, q scaled by
   ``K ** -0.5``, value heads a multiple of the q/k heads (GVA: value head h reads q/k head
-  ``h // (HV / H)``); float32 recurrent state ``[N, HV, K, V]``.
+  ``h // (HV / H)``); float32 recurrent state ``[N, HV, K, V]``. The layer norms q and k
+  itself (``linear_prep``, a compiled stage that also makes q, k, v contiguous and computes
+  the gates in the same pass) and says so (``qk_normed``): fla-core would otherwise copy the
+  strided q/k/v column slices and norm q and k in passes of their own.
 
 Per token t (per value head): ``S = exp(g_t) S``, ``u_t = beta_t (v_t - S^T k_t)``,
 ``S = S + k_t u_t^T``, ``o_t = S^T q_t``. On CUDA with fla-core importable both run its
@@ -107,33 +110,53 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, bounds: list[int]
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     plan: LinearPlan, initial: torch.Tensor | None,
-                     final: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """o [T, HV, V] (v's dtype) of the gated delta rule with L2-normed q, k [T, H, K], values
-    v [T, HV, V], log decays g [T, HV] (float32, <= 0), betas [T, HV]; initial [N, HV, K, V]
-    float32 (None: zeros). Returns (o, end states [N, HV, K, V] float32 or None)."""
+                     plan: LinearPlan, initial: torch.Tensor | None, final: bool,
+                     qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """o [T, HV, V] (v's dtype) of the gated delta rule with L2-normed q, k [T, H, K] (normed
+    here unless ``qk_normed``), values v [T, HV, V], log decays g [T, HV] (float32, <= 0),
+    betas [T, HV]; initial [N, HV, K, V] float32 (None: zeros). Returns (o, end states
+    [N, HV, K, V] float32 or None)."""
     if plan.fla is not None:
         o, end = plan.fla["rule"](q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.unsqueeze(0), beta.unsqueeze(0),
                                   scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=final,
-                                  use_qk_l2norm_in_kernel=True, cu_seqlens=plan.cu,
+                                  use_qk_l2norm_in_kernel=not qk_normed, cu_seqlens=plan.cu,
                                   chunk_indices=plan.chunk_indices)
         return o.squeeze(0), end
-    return gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, initial, final)
+    return gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, initial, final, qk_normed=qk_normed)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + 1e-6) over the last dim (fla-core's l2norm; float32 in, float32 out)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def linear_prep(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                nk: int, dk: int, nv: int,
+                dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the rule reads, from the convolution's output y [T, 2 nk dk + nv dv] (q | k | v)
+    and the gate inputs b, a [T, nv] (may be strided): q, k [T, nk, dk] L2-normed per head
+    (float32 sums, rounded once to y's dtype, as fla-core's own norm does), v [T, nv, dv], each
+    a contiguous tensor of its own; beta = sigmoid(b) in b's dtype; g = -exp(A_log)
+    softplus(a + dt_bias) [T, nv] float32. A stage of ``FusedOps`` (compiled: one or two passes)."""
+    t, kd = y.shape[0], nk * dk
+    q = _l2norm(y[:, :kd].reshape(t, nk, dk).float()).to(y.dtype)
+    k = _l2norm(y[:, kd:2 * kd].reshape(t, nk, dk).float()).to(y.dtype)
+    v = y[:, 2 * kd:].reshape(t, nv, dv).clone(memory_format=torch.contiguous_format)
+    beta = torch.sigmoid(b.float()).to(b.dtype)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q, k, v, beta, g
 
 
 def gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            bounds: list[int], initial: torch.Tensor | None, final: bool,
-                           chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           chunk: int = CHUNK, qk_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The torch path of ``gated_delta_rule`` (float32; ``bounds``: host [N + 1] sequence ends)."""
     hv, dv = v.shape[1], v.shape[2]
     rep = hv // k.shape[1]
+    norm = (lambda x: x) if qk_normed else _l2norm
     # [HV, T, K] float32 heads-first; GVA: each q/k head serves ``rep`` consecutive value heads
-    qf = (_l2norm(q.float()) * q.shape[-1] ** -0.5).repeat_interleave(rep, 1).transpose(0, 1)
-    kf = _l2norm(k.float()).repeat_interleave(rep, 1).transpose(0, 1)
+    qf = (norm(q.float()) * q.shape[-1] ** -0.5).repeat_interleave(rep, 1).transpose(0, 1)
+    kf = norm(k.float()).repeat_interleave(rep, 1).transpose(0, 1)
     vf, gf, bf = v.float().transpose(0, 1), g.float().t(), beta.float().t()  # [HV, T, V], [HV, T], [HV, T]
     o = torch.empty(hv, q.shape[0], dv, dtype=torch.float32, device=q.device)
     n = len(bounds) - 1
