@@ -11,18 +11,21 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
+# GPU test runs: a line per test as it ends (a run cut short by the call's limit still says which
+# passed), the tests' printed errors, the slowest tests, no captured library debug logs
+PT="-v -rPfE --durations=15 -p no:logging -p no:cacheprovider"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for step in ${STEPS:-tests}; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests)   python3 -m pytest -q -rP -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
-    pytest)  python3 -m pytest -q -rP -m gpu ${PYTEST_ARGS:-tests} -p no:cacheprovider 2>&1 | tee "$OUT/gpu_pytest.log" | tail -25 ;;
+    tests)   python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    pytest)  python3 -m pytest $PT -m gpu ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -25 ;;
     alltests) python3 -m pytest -q -x tests -p no:cacheprovider --ignore=tests/test_deploy.py 2>&1 | tee "$OUT/all_tests.log" | tail -25 ;;
     attention) python3 bench/bench_attention.py --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log" | tail -20 ;;
     kernel)  python3 bench/bench_kernel.py --out "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/kernel.log" | tail -30 ;;
     engine8b) python3 bench/bench_engine.py ${ENGINE_ARGS:-} --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
     replicas) python3 bench/bench_replicas.py ${REPLICA_ARGS:-} --out "$OUT/replicas_8b_h200.json" 2>&1 | tee "$OUT/replicas.log" | tail -20 ;;
-    qwen35tests) python3 -m pytest -q -rP -m gpu tests/test_qwen3_5_gpu.py -p no:cacheprovider 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
+    qwen35tests) python3 -m pytest $PT -m gpu tests/test_qwen3_5_gpu.py 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
     # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers, W2's cache on vs off
     qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
@@ -32,8 +35,8 @@ for step in ${STEPS:-tests}; do
       python3 bench/bench_engine.py --model-size qwen3.5-9b --checkpoint-only
       (CUDA_VISIBLE_DEVICES=1 python3 bench/hf_baseline.py --ckpt /tmp/ts-bench/qwen3_5-qwen3.5-9b --workloads W1,W2 \
          --repeats 2 --out "$OUT/qwen35_baseline.json" > "$OUT/qwen35_baseline.log" 2>&1
-       CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=4 python3 -m pytest -q -rP -m gpu tests/test_qwen3_5_gpu.py tests/test_gated_delta.py \
-         tests/test_fused_ops.py ${QWEN35X2_MORE_TESTS:-} -p no:cacheprovider > "$OUT/gpu_qwen35_tests.log" 2>&1) &
+       CUDA_VISIBLE_DEVICES=1 OMP_NUM_THREADS=4 python3 -m pytest $PT -m gpu tests/test_qwen3_5_gpu.py tests/test_gated_delta.py \
+         tests/test_fused_ops.py ${QWEN35X2_MORE_TESTS:-} > "$OUT/gpu_qwen35_tests.log" 2>&1) &
       CUDA_VISIBLE_DEVICES=0 python3 bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --prefix-cache-compare W2 \
         --repeats 2 --max-model-len 8192 --profile W1 --baseline W1,W2 --baseline-from "$OUT/qwen35_baseline.json" \
         --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40
