@@ -4,10 +4,16 @@ model runner packs them (Qwen3-8B heads: 32 query, 8 kv, head dim 128, bf16):
 - ``w2_on``: a W2 step with the prefix cache on: 7 responses after one cached 2032-token
   prompt, beside a leader's last chunk and another group's first response;
 - ``w2_off``: a W2 step with the cache off (4 whole sequences of 4095 tokens);
-- ``grpo16``: 16 responses of 300..3000 tokens after one cached 1024-token prompt.
+- ``grpo16``: 16 responses of 300..3000 tokens after one cached 1024-token prompt;
+- ``w1``: a W1 step: whole sequences of W1's lengths (1280..6912 tokens) and the first chunk
+  of the next, 16384 tokens, none prefixed.
 
 Variants: the cuDNN backend as configured (one call for a group's queries against their
-shared prompt), without grouping, without grouping on one stream, and torch varlen.
+shared prompt), without grouping, without grouping on one stream, and torch varlen; on the
+steps without prefixes also ``cudnn_ragged``: one cuDNN call over the packed sequences (THD
+layout, cumulative lengths: no bucket padding), the candidate for replacing the bucketed
+calls (its output is compared with the first variant's; when cuDNN refuses the grouped kv
+heads, the keys and values are expanded to the query heads before timing and the row says so).
 Also the gather of the prefixed sequences' cached keys from the pool. Reports milliseconds
 per layer (median over interleaved rounds of each variant's median CUDA-event timing) and
 useful TFLOP/s (causal work only).
@@ -21,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +55,42 @@ def scenarios() -> dict[str, tuple[list[tuple[int, int]], list[int] | None]]:
         "w2_on": (w2, [0, 0] + [2032] * 6 + [0]),
         "w2_off": ([(4095, 4095)] * 4 + [(4, 4)], None),
         "grpo16": ([(r, 1024 + r) for r in resp], [0] + [1024] * 15),
+        "w1": (w1_step(), None),
     }
+
+
+def w1_step(budget: int = 16384) -> list[tuple[int, int]]:
+    """Whole W1 sequences (prompt 256..1792 + response 1024..5120 tokens) in arrival order,
+    then the first chunk of the next one up to the token budget."""
+    g = torch.Generator().manual_seed(1)
+    lens, total = [], 0
+    while total < budget:
+        n = int(torch.randint(256, 1793, (1,), generator=g)) + int(torch.randint(1024, 5121, (1,), generator=g))
+        n = min(n, budget - total)
+        lens.append((n, n))
+        total += n
+    return lens
+
+
+def ragged_cudnn(tensors: AttentionInputs, ctx: StepContext, scale: float) -> tuple[Callable | None, dict]:
+    """The step's attention as one cuDNN call on the packed [T, H, D] tensors with the
+    cumulative query and key lengths (steps without prefixes only). Returns (the call, or
+    None when cuDNN refuses it, and how it ran): the kv heads as they are where cuDNN takes
+    them, else expanded to the query heads (outside the call, so outside the timing)."""
+    q, k, v = tensors.q, tensors.k, tensors.v
+    cu_q, cu_k = ctx.cu_q, ctx.cu_k
+    errors = []
+    for expand in (False, True):
+        kk, vv = (k.repeat_interleave(HQ // HK, 1), v.repeat_interleave(HQ // HK, 1)) if expand else (k, v)
+        try:
+            call = lambda kk=kk, vv=vv: torch.ops.aten._cudnn_attention_forward(  # noqa: E731
+                q, kk, vv, None, cu_q, cu_k, ctx.max_q, ctx.max_k, False, 0.0, True, False, scale=scale)[0]
+            call()
+            torch.cuda.synchronize()
+            return call, {"kv_expanded": expand, "refused": errors}
+        except Exception as e:  # the op's support for ragged GQA differs between torch/cuDNN versions
+            errors.append(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    return None, {"refused": errors}
 
 
 def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[AttentionInputs, StepContext, float]:
@@ -117,6 +159,7 @@ def main() -> None:
     for name, (lens, shared) in scenarios().items():
         tensors, ctx, flop = make(lens, shared)
         row = {"lens": lens, "gather_kv_ms": gather_ms(lens)}
+        ragged, how = (None, {}) if ctx.n_prefixed else ragged_cudnn(tensors, ctx, D ** -0.5)
         plans, ref = {}, None
         for v, (be, grouped, streams) in variants.items():  # each variant's plan and output
             be.group_prefixes, be.concurrent_streams = grouped, streams
@@ -133,11 +176,18 @@ def main() -> None:
                 be.group_prefixes, be.concurrent_streams = grouped, streams
                 ctx.attn_plan = plans[v]
                 row[v]["round_ms"].append(time_ms(lambda be=be, t=tensors, c=ctx: be(t, c, D ** -0.5, None), 10, 2))
+        if ragged is not None:  # timed after the backends' rounds, in rounds of its own
+            row["cudnn_ragged"] = {**how, "max_abs_diff_vs_first": (ragged().float() - ref).abs().max().item(),
+                                   "round_ms": [time_ms(ragged, 10, 2) for _ in range(ROUNDS)]}
+            names = names + ["cudnn_ragged"]
+        elif how:
+            row["cudnn_ragged"] = how
+            print(f"{name:8s} cudnn_ragged refused: {how['refused']}", flush=True)
         for v in names:
             ms = statistics.median(row[v]["round_ms"])
             row[v].update(ms=ms, tflops=flop / ms / 1e9)
             print(f"{name:8s} {v:28s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s  "
-                  f"diff {row[v]['max_abs_diff_vs_first']:.3g}  {row[v]['items']}", flush=True)
+                  f"diff {row[v]['max_abs_diff_vs_first']:.3g}  {row[v].get('items', how)}", flush=True)
         print(f"{name:8s} {'gather cached k+v':28s} {row['gather_kv_ms']:7.3f} ms", flush=True)
         results["scenarios"][name] = row
     cud.group_prefixes, cud.concurrent_streams = True, 3
