@@ -153,12 +153,15 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     """The same workload with one optimisation taken away at a time (same process, same
     weights): what each is worth."""
     from teacher_server.attention import make_backend
+    from teacher_server.ops.fused import _STAGES
 
     out = {}
     saved = engine.tuning
     attn = saved.attention
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
+    ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
+    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel")}
 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
@@ -171,6 +174,10 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_prefix_groups": lambda: setattr(attn, "group_prefixes", False),
         "no_pipeline": lambda: tune(pipeline=False),
         "budget_x2": lambda: tune(token_budget=2 * saved.token_budget),
+        # the norms, QKV and linear-layer stages uncompiled (each a chain of torch passes)
+        "eager_stages": lambda: [setattr(ops, n, f) for n, f in _STAGES.items()],
+        # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references
+        "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False)),
     }
     for v in only or list(variants):  # in the order asked for
         apply = variants[v]
@@ -188,6 +195,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
                 attn.concurrent_streams = streams
             if hasattr(attn, "group_prefixes"):
                 attn.group_prefixes = grouped
+            for n, f in ops_saved.items():
+                setattr(ops, n, f)
     return out
 
 
