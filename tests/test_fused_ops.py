@@ -113,6 +113,33 @@ def test_compiled_stage_failing_its_check_keeps_the_kernels(monkeypatch: pytest.
     check_stages(ops)
 
 
+def test_warm_up_checks_the_linear_stage_at_the_layer_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the linear layers' heads set, the warm-up also checks the compiled input stage:
+    a wrong one turns the compiled stages off; a right one keeps them."""
+    from teacher_server.ops.gated_delta import linear_prep
+
+    seen = []
+
+    def wrong_linear(f, **kw):
+        def run(*a):
+            out = f(*a)
+            if f is linear_prep:
+                seen.append(a[0].shape)
+                return (out[0] * 2, *out[1:])  # q off by a factor of two
+            return out
+
+        return run
+
+    for compile_fn, stays in ((wrong_linear, False), (lambda f, **kw: f, True)):
+        monkeypatch.setattr(torch, "compile", compile_fn)
+        ops = FusedOps(kernels=False, compile=True)
+        ops.linear_heads = (2, 16, 4, 8)
+        warm_up(ops)
+        assert ops.compiled is stays
+        check_stages(ops)
+    assert seen and seen[0][1] == 2 * 2 * 16 + 4 * 8  # called at the layer's width
+
+
 def test_compile_failing_at_run_time_falls_back_per_stage(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 

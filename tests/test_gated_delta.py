@@ -196,6 +196,9 @@ def test_rule_on_normed_inputs() -> None:
     got = gated_delta_rule_torch(qn, kn, vc, g, beta, bounds_of(lens), init, True, qk_normed=True)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    plan = make_plan(lens, torch.tensor(bounds_of(lens)), True, True)  # the dispatcher passes the flag on
+    for a, b in zip(gated_delta_rule(qn, kn, vc, g, beta, plan, init, True, qk_normed=True), want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(gated_delta_rule_torch(q, k, v, g, beta, bounds_of(lens), init, True,
                                                      qk_normed=True)[0], want[0], atol=1e-2)  # the flag is read
 
@@ -364,10 +367,17 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     t, nk, dk = q.shape
     nv, dv = v.shape[1:]
     y = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], 1)
-    zeros = torch.zeros(nv, device=dev, dtype=dtype)
+    pgen = torch.Generator(device=dev).manual_seed(11)
+    ba = torch.randn(t, 2 * nv + 1, device=dev, generator=pgen).to(dtype)  # b and a strided, as the layer's
+    a_log, dt_bias = torch.randn(nv, device=dev, generator=pgen).to(dtype), torch.zeros(nv, device=dev, dtype=dtype)
+    args = (y, ba[:, 1:1 + nv], ba[:, 1 + nv:], a_log, dt_bias, nk, dk, nv, dv)
     ops = FusedOps(kernels=False, compile=True)
-    qn, kn, vc, _, _ = ops.linear_prep(y, beta, beta, zeros, zeros, nk, dk, nv, dv)
-    assert ops.compiled and all(x.is_contiguous() for x in (qn, kn, vc))
+    got = ops.linear_prep(*args)
+    assert ops.compiled and ops.linear_prep.ok, "the compiled stage fell back to eager"
+    assert all(x.is_contiguous() for x in got[:3])
+    for a, b in zip(got, linear_prep(*args), strict=True):  # the compiled stage against its eager definition
+        assert rel(a, b) < 1e-2, rel(a, b)
+    qn, kn, vc = got[:3]
     on, oends = gated_delta_rule(qn, kn, vc, g, beta, plan, init, True, qk_normed=True)
     assert rel(on, o) < tol / 4 and rel(oends, ends) < tol / 4, (rel(on, o), rel(oends, ends))
     gen = torch.Generator(device=dev).manual_seed(10)

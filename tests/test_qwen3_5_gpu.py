@@ -54,13 +54,13 @@ def test_qwen3_5_parity_gpu_bfloat16(family: str, checkpoints) -> None:
 @pytest.mark.parametrize("family", ["qwen3_5_hd128", "qwen3_5_moe_hd128"])
 def test_qwen3_5_parity_gpu_float32(family: str, checkpoints) -> None:
     """float32 weights, chunked at 32 tokens: our worst cell error against the CPU float32
-    reference within transformers' own float32 forward on the GPU plus 1e-3, or within 0.1
-    nat. fla's Triton kernels take float32 dot products in TF32 on both sides, and the worst
-    cell moves from run to run with the configs its autotuner picks: on H200s, the MoE family
-    (three linear layers in four) gave ours 0.0513 and 0.0534, transformers' 0.0375 in the
-    latter run; the dense family stays under 1e-2. A state lost across chunks is off by
-    nats: 4.9-6.4 worst on these requests on the CPU, with the recurrent or the convolution
-    states of every chunk but the first dropped."""
+    reference within transformers' own float32 forward on the GPU plus 1e-3, or within a
+    per-family floor. fla's Triton kernels take float32 dot products in TF32 on both sides, and
+    the worst cell moves from run to run with the configs its autotuner picks: on H200s the MoE
+    family gave ours 0.0513 and 0.0534, transformers' 0.0375 in the latter run; the dense
+    family stays under 1e-2. Floors: 0.1 for the MoE family, 0.02 for the dense one. A state lost across chunks is off by nats:
+    4.9-6.4 worst on these requests on the CPU, with the recurrent or the convolution states
+    of every chunk but the first dropped."""
     import transformers as tf
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -77,4 +77,5 @@ def test_qwen3_5_parity_gpu_float32(family: str, checkpoints) -> None:
     errs = errors_vs_reference(path, reqs, results, hf32)
     ours, theirs = (max((float(e.max()) for e in side if e.size), default=0.0) for side in errs)
     print(f"{family}: float32 worst abs error vs CPU reference: ours {ours:.5f}, transformers on GPU {theirs:.5f}")
-    assert ours <= max(theirs + 1e-3, 0.1), (ours, theirs)
+    floor = {"qwen3_5_hd128": 0.02, "qwen3_5_moe_hd128": 0.1}[family]
+    assert ours <= max(theirs + 1e-3, floor), (ours, theirs)

@@ -195,3 +195,5 @@ class FusedOps:
                 got, ref = getattr(self, name)(*a), _STAGES[name](*a)
                 for g, r in zip(got if isinstance(got, tuple) else (got,), ref if isinstance(ref, tuple) else (ref,)):
                     assert_close(f"compiled {name}", g, r)
+                if name == "linear_prep" and not all(x.is_contiguous() for x in got[:3]):
+                    log.warning("compiled linear_prep returns strided q/k/v; fla-core will copy them")

@@ -211,8 +211,9 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
     """Start-up check on CUDA (it also runs fla-core's autotuning at the model's shapes on a
     serving-size step, for its kernels with and without initial and end states, before the
     first request): its convolution and rule against the torch path on a small varlen step
-    with initial and end states. A failure or mismatch switches fla-core off for the process
-    (the torch path is correct, only slower). Returns whether fla-core is used."""
+    with initial and end states, the rule as the layer calls it (q and k normed beforehand).
+    A failure or mismatch switches fla-core off for the process (the torch path is correct,
+    only slower). Returns whether fla-core is used."""
     if device.type != "cuda" or fla_ops() is None:
         return False
     lens = [70, 5]
@@ -227,19 +228,19 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
         big = [4096, 4096]
         tb, bplan = sum(big), make_plan(big, torch.tensor(bounds_of(big), device=device), True, True)
         xb, wb, cb = rnd(tb, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(2, conv_dim, kernel).to(dtype)
-        qb, kb, vb = rnd(tb, nk, dk).to(dtype), rnd(tb, nk, dk).to(dtype), rnd(tb, nv, dv).to(dtype)
+        qb, kb, vb = _normed(rnd(tb, nk, dk), dtype), _normed(rnd(tb, nk, dk), dtype), rnd(tb, nv, dv).to(dtype)
         gb, bb, sb = -F.softplus(rnd(tb, nv)), torch.sigmoid(rnd(tb, nv)).to(dtype), rnd(2, nv, dk, dv)
         for init, final in ((True, True), (False, False), (False, True), (True, False)):
             causal_conv1d(xb, wb, bplan, cb if init else None, final)
-            gated_delta_rule(qb, kb, vb, gb, bb, bplan, sb if init else None, final)
+            gated_delta_rule(qb, kb, vb, gb, bb, bplan, sb if init else None, final, qk_normed=True)
         del xb, qb, kb, vb
         plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), True, True)
         x, weight, c0 = rnd(t, conv_dim).to(dtype), rnd(conv_dim, kernel).to(dtype), rnd(n, conv_dim, kernel).to(dtype)
-        q, k, v = rnd(t, nk, dk).to(dtype), rnd(t, nk, dk).to(dtype), rnd(t, nv, dv).to(dtype)
+        q, k, v = _normed(rnd(t, nk, dk), dtype), _normed(rnd(t, nk, dk), dtype), rnd(t, nv, dv).to(dtype)
         g, beta, s0 = -F.softplus(rnd(t, nv)), torch.sigmoid(rnd(t, nv)).to(dtype), rnd(n, nv, dk, dv)
         pairs = [(causal_conv1d(x, weight, plan, c0, True), causal_conv1d_torch(x, weight, plan.bounds, c0, True)),
-                 (gated_delta_rule(q, k, v, g, beta, plan, s0, True),
-                  gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, s0, True))]
+                 (gated_delta_rule(q, k, v, g, beta, plan, s0, True, qk_normed=True),
+                  gated_delta_rule_torch(q, k, v, g, beta, plan.bounds, s0, True, qk_normed=True))]
         for got, ref in pairs:
             for a, b in zip(got, ref):
                 err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6)).item()
@@ -251,6 +252,11 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
         _FLA["ok"] = None
         return False
     return True
+
+
+def _normed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x L2-normed over its last dim, in ``dtype`` (as ``linear_prep`` hands q and k to the rule)."""
+    return _l2norm(x.float()).to(dtype)
 
 
 def bounds_of(lens: list[int]) -> list[int]:
