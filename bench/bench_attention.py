@@ -12,8 +12,9 @@ Variants: the cuDNN backend as configured (one call for a group's queries agains
 shared prompt), without grouping, without grouping on one stream, and torch varlen; on the
 steps without prefixes also ``cudnn_ragged``: one cuDNN call over the packed sequences (THD
 layout, cumulative lengths: no bucket padding), the candidate for replacing the bucketed
-calls (its output is compared with the first variant's; when cuDNN refuses the grouped kv
-heads, the keys and values are expanded to the query heads before timing and the row says so).
+calls, timed in the same rotation only when its output matches the first variant's (when
+cuDNN refuses the grouped kv heads or gets them wrong, the keys and values are expanded to the
+query heads before timing, and the row says so).
 Also the gather of the prefixed sequences' cached keys from the pool. Reports milliseconds
 per layer (median over interleaved rounds of each variant's median CUDA-event timing) and
 useful TFLOP/s (causal work only).
@@ -44,6 +45,7 @@ from teacher_server.step_context import StepContext  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
 ROUNDS = 9
+RAGGED_TOL = 0.05  # bf16 outputs of O(1): two correct kernels differ by about 1e-2 at most
 
 
 def scenarios() -> dict[str, tuple[list[tuple[int, int]], list[int] | None]]:
@@ -72,25 +74,29 @@ def w1_step(budget: int = 16384) -> list[tuple[int, int]]:
     return lens
 
 
-def ragged_cudnn(tensors: AttentionInputs, ctx: StepContext, scale: float) -> tuple[Callable | None, dict]:
+def ragged_cudnn(tensors: AttentionInputs, ctx: StepContext, scale: float,
+                 ref: torch.Tensor) -> tuple[Callable | None, dict]:
     """The step's attention as one cuDNN call on the packed [T, H, D] tensors with the
     cumulative query and key lengths (steps without prefixes only). Returns (the call, or
-    None when cuDNN refuses it, and how it ran): the kv heads as they are where cuDNN takes
-    them, else expanded to the query heads (outside the call, so outside the timing)."""
+    None when cuDNN refuses it or its result differs from ``ref``, and how it ran): the kv
+    heads as they are where that works, else expanded to the query heads (outside the call,
+    so outside the timing)."""
     q, k, v = tensors.q, tensors.k, tensors.v
     cu_q, cu_k = ctx.cu_q, ctx.cu_k
-    errors = []
+    refused = []
     for expand in (False, True):
         kk, vv = (k.repeat_interleave(HQ // HK, 1), v.repeat_interleave(HQ // HK, 1)) if expand else (k, v)
-        try:
-            call = lambda kk=kk, vv=vv: torch.ops.aten._cudnn_attention_forward(  # noqa: E731
-                q, kk, vv, None, cu_q, cu_k, ctx.max_q, ctx.max_k, False, 0.0, True, False, scale=scale)[0]
-            call()
-            torch.cuda.synchronize()
-            return call, {"kv_expanded": expand, "refused": errors}
-        except Exception as e:  # the op's support for ragged GQA differs between torch/cuDNN versions
-            errors.append(f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-    return None, {"refused": errors}
+        call = lambda kk=kk, vv=vv: torch.ops.aten._cudnn_attention_forward(  # noqa: E731
+            q, kk, vv, None, cu_q, cu_k, ctx.max_q, ctx.max_k, False, 0.0, True, False, scale=scale)[0]
+        try:  # the op's support for ragged GQA differs between torch/cuDNN versions
+            diff = (call().float() - ref).abs().max().item()
+        except Exception as e:
+            refused.append(f"kv_expanded={expand}: {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+            continue
+        if diff <= RAGGED_TOL:
+            return call, {"kv_expanded": expand, "max_abs_diff_vs_first": diff, "refused": refused}
+        refused.append(f"kv_expanded={expand}: result differs by {diff:.3g}")
+    return None, {"refused": refused}
 
 
 def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[AttentionInputs, StepContext, float]:
@@ -159,7 +165,6 @@ def main() -> None:
     for name, (lens, shared) in scenarios().items():
         tensors, ctx, flop = make(lens, shared)
         row = {"lens": lens, "gather_kv_ms": gather_ms(lens)}
-        ragged, how = (None, {}) if ctx.n_prefixed else ragged_cudnn(tensors, ctx, D ** -0.5)
         plans, ref = {}, None
         for v, (be, grouped, streams) in variants.items():  # each variant's plan and output
             be.group_prefixes, be.concurrent_streams = grouped, streams
@@ -169,20 +174,25 @@ def main() -> None:
             plans[v] = ctx.attn_plan
             row[v] = {"items": sorted({type(it).__name__ for it in ctx.attn_plan.items}),
                       "max_abs_diff_vs_first": (out - ref).abs().max().item(), "round_ms": []}
-        names = list(variants)
-        for r in range(ROUNDS):  # interleaved rounds, the order rotated: clocks and caches drift alike
-            for v in names[r % len(names):] + names[:r % len(names)]:
-                be, grouped, streams = variants[v]
+        ragged, how = (None, {}) if ctx.n_prefixed else ragged_cudnn(tensors, ctx, D ** -0.5, ref)
+        runs = {}  # variant -> one call of it, as timed
+        for v, (be, grouped, streams) in variants.items():
+            def run(be=be, grouped=grouped, streams=streams, plan=plans[v]) -> None:  # noqa: ANN001
                 be.group_prefixes, be.concurrent_streams = grouped, streams
-                ctx.attn_plan = plans[v]
-                row[v]["round_ms"].append(time_ms(lambda be=be, t=tensors, c=ctx: be(t, c, D ** -0.5, None), 10, 2))
-        if ragged is not None:  # timed after the backends' rounds, in rounds of its own
-            row["cudnn_ragged"] = {**how, "max_abs_diff_vs_first": (ragged().float() - ref).abs().max().item(),
-                                   "round_ms": [time_ms(ragged, 10, 2) for _ in range(ROUNDS)]}
-            names = names + ["cudnn_ragged"]
+                ctx.attn_plan = plan
+                be(tensors, ctx, D ** -0.5, None)
+
+            runs[v] = run
+        if ragged is not None:  # in the same rotation (its result matched the first variant's)
+            row["cudnn_ragged"] = {**how, "round_ms": []}
+            runs["cudnn_ragged"] = ragged
         elif how:
             row["cudnn_ragged"] = how
-            print(f"{name:8s} cudnn_ragged refused: {how['refused']}", flush=True)
+            print(f"{name:8s} cudnn_ragged not timed: {how['refused']}", flush=True)
+        names = list(runs)
+        for r in range(ROUNDS):  # interleaved rounds, the order rotated: clocks and caches drift alike
+            for v in names[r % len(names):] + names[:r % len(names)]:
+                row[v]["round_ms"].append(time_ms(runs[v], 10, 2))
         for v in names:
             ms = statistics.median(row[v]["round_ms"])
             row[v].update(ms=ms, tflops=flop / ms / 1e9)
