@@ -179,11 +179,18 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references
         "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False)),
     }
+    tp = getattr(engine, "_workers", None) is not None
     for v in only or list(variants):  # in the order asked for
+        if tp and v in ("eager_stages", "no_cuda_kernels"):  # the workers' stages are their own
+            out[v] = {"skipped": "tensor parallel: only rank 0's stages would change"}
+            continue
         apply = variants[v]
         apply()
+        state = {"compiled_stages": [n for n in _STAGES if getattr(ops, n) is not _STAGES[n]],
+                 "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel}  # what the variant ran with
         try:
             out[v] = bench_engine(engine, cfg, f"{name}-{v}", reqs, repeats)
+            out[v]["ops"] = state
             print(f"ablation {name} {v}: {out[v]['tokens_per_s']:.0f} tok/s, MFU {out[v]['mfu']:.3f}", flush=True)
         except torch.cuda.OutOfMemoryError as e:
             out[v] = {"error": str(e)[:200]}
