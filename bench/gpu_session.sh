@@ -41,20 +41,21 @@ for step in ${STEPS:-tests}; do
         --repeats 2 --max-model-len 8192 --profile W1 --baseline W1,W2 --baseline-from "$OUT/qwen35_baseline.json" \
         --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40
       wait ;;
-    # issue 20 on the two-GPU machine, in two calls. ceiling: W1 (in-process and HTTP), W1f, W3 and W2's
-    # cache off vs on on GPU 0, the transformers baseline at the same time on GPU 1 (then the 32B GEMM
-    # rates and one layer's attention there). ceiling_ablate: W1 with each optimisation off in turn.
+    # issue 20 on the two-GPU machine, in two calls. ceiling: W1, W1f, W3 and W2's cache off vs on on
+    # GPU 0, the transformers baseline at the same time on GPU 1 (then the 32B GEMM rates and one
+    # layer's attention there). ceiling_ablate, alone on the machine (a quiet host for the HTTP
+    # clients): W1 in-process and through HTTP, then with each optimisation off in turn.
     ceiling)
       python3 bench/bench_engine.py --checkpoint-only
       (CUDA_VISIBLE_DEVICES=1 python3 bench/hf_baseline.py --ckpt /tmp/ts-bench/qwen3-8b --workloads W1,W1f,W3 \
          --repeats 2 --out "$OUT/baseline_8b.json" > "$OUT/baseline_8b.log" 2>&1
        CUDA_VISIBLE_DEVICES=1 python3 bench/bench_gemm.py --model-size 32b --out "$OUT/gemm_32b_h200.json" > "$OUT/gemm_32b.log" 2>&1
        CUDA_VISIBLE_DEVICES=1 python3 bench/bench_attention.py --out "$OUT/attention_h200.json" > "$OUT/attention.log" 2>&1) &
-      CUDA_VISIBLE_DEVICES=0 python3 bench/bench_engine.py --workloads W1,W1f,W3 --http W1 --prefix-cache-compare W2 \
+      CUDA_VISIBLE_DEVICES=0 python3 bench/bench_engine.py --workloads W1,W1f,W3 --prefix-cache-compare W2 \
         --repeats 2 --baseline W1,W1f,W3 --baseline-from "$OUT/baseline_8b.json" --out "$OUT/engine_8b_h200.json" 2>&1 \
         | tee "$OUT/engine8b.log" | tail -30
       wait ;;
-    ceiling_ablate) python3 bench/bench_engine.py --workloads W1 --ablate W1 --repeats 2 --profile W1 \
+    ceiling_ablate) python3 bench/bench_engine.py --workloads W1 --http W1 --ablate W1 --repeats 2 --profile W1 \
       --out "$OUT/engine_8b_ablation_h200.json" 2>&1 | tee "$OUT/ablation.log" | tail -30 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
