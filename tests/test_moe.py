@@ -5,14 +5,13 @@ the grouped GEMM paths agree with their reference, and the spec counts active pa
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from reference import MOE_FAMILIES, errors_vs_reference, hf_model
-from test_parity import VOCAB, check, long_requests, make_requests
+from test_parity import VOCAB, check, family_rng, long_requests, make_requests
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -41,7 +40,7 @@ def test_moe_parity_cpu(family: str, checkpoints) -> None:
     """float32 within 1e-4 of transformers; flat and per-row candidates, edge starts, long
     sequences chunked at a 32-token budget."""
     path = checkpoints[family]
-    reqs = make_requests(np.random.default_rng(zlib.crc32(family.encode()) % 1000))
+    reqs = make_requests(family_rng(family))
     check(path, reqs, engine(path).run_to_completion(reqs))
 
 

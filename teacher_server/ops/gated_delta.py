@@ -130,6 +130,11 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
+def _normed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x L2-normed over its last dim, in ``dtype`` (as ``linear_prep`` hands q and k to the rule)."""
+    return _l2norm(x.float()).to(dtype)
+
+
 def linear_prep(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
                 nk: int, dk: int, nv: int,
                 dv: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -139,8 +144,8 @@ def linear_prep(y: torch.Tensor, b: torch.Tensor, a: torch.Tensor, a_log: torch.
     a contiguous tensor of its own; beta = sigmoid(b) in b's dtype; g = -exp(A_log)
     softplus(a + dt_bias) [T, nv] float32. A stage of ``FusedOps`` (compiled: one or two passes)."""
     t, kd = y.shape[0], nk * dk
-    q = _l2norm(y[:, :kd].reshape(t, nk, dk).float()).to(y.dtype)
-    k = _l2norm(y[:, kd:2 * kd].reshape(t, nk, dk).float()).to(y.dtype)
+    q = _normed(y[:, :kd].reshape(t, nk, dk), y.dtype)
+    k = _normed(y[:, kd:2 * kd].reshape(t, nk, dk), y.dtype)
     v = y[:, 2 * kd:].reshape(t, nv, dv).clone(memory_format=torch.contiguous_format)
     beta = torch.sigmoid(b.float()).to(b.dtype)
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
@@ -252,11 +257,6 @@ def check_fla(nk: int, nv: int, dk: int, dv: int, conv_dim: int, kernel: int, de
         _FLA["ok"] = None
         return False
     return True
-
-
-def _normed(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x L2-normed over its last dim, in ``dtype`` (as ``linear_prep`` hands q and k to the rule)."""
-    return _l2norm(x.float()).to(dtype)
 
 
 def bounds_of(lens: list[int]) -> list[int]:
