@@ -51,6 +51,7 @@ from workloads import (
     QWEN3_32B,
     QWEN3_235B_A22B,
     Req,
+    flop_ideal_speedup,
     flops,
     make_workload,
     write_config,
@@ -378,6 +379,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
+    ap.add_argument("--ablate-repeats", type=int, default=None, help="runs per ablation variant (default: --repeats)")
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--tiny", action="store_true", help="a small model of the family (CPU smoke runs)")
@@ -449,9 +451,12 @@ def main() -> None:
             off = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             engine.tuning = replace(engine.tuning, prefix_caching=True)
             on = bench_engine(engine, cfg, n, workloads[n], args.repeats)
-            results["prefix_cache"][n] = {"off": off, "on": on, "speedup": off["seconds"] / on["seconds"]}
+            ideal = flop_ideal_speedup(cfg, workloads[n], ecfg.block_size)
+            results["prefix_cache"][n] = {"off": off, "on": on, "speedup": off["seconds"] / on["seconds"],
+                                          "flop_ideal_speedup": ideal,
+                                          "of_flop_ideal": off["seconds"] / on["seconds"] / ideal}
             print(n, "cache off", f"{off['tokens_per_s']:.0f} tok/s", "on", f"{on['tokens_per_s']:.0f} tok/s",
-                  f"x{off['seconds'] / on['seconds']:.2f}", flush=True)
+                  f"x{off['seconds'] / on['seconds']:.2f} (FLOP ideal x{ideal:.2f})", flush=True)
         else:
             results["engine"][n] = bench_engine(engine, cfg, n, workloads[n], args.repeats)
             print(n, json.dumps(results["engine"][n]), flush=True)
@@ -466,7 +471,7 @@ def main() -> None:
     results["baseline_check"] = {n: check_baseline(engine, n, workloads[n], b["check"])
                                  for n, b in base_runs.items() if b.get("check")}
     only = [v for v in args.ablate_only.split(",") if v]
-    results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], args.repeats, only)
+    results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], args.ablate_repeats or args.repeats, only)
                            for n in args.ablate.split(",") if n}
     if args.profile:
         results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),
@@ -505,6 +510,7 @@ def summary(results: dict) -> dict:
             out[f"{n}_transformers_mfu"] = base["mfu"]
     for n, d in results["prefix_cache"].items():
         out[f"{n}_prefix_cache_speedup"] = d["speedup"]
+        out[f"{n}_prefix_cache_of_flop_ideal"] = d["of_flop_ideal"]
     return out
 
 

@@ -56,7 +56,10 @@ for step in ${STEPS:-tests}; do
         | tee "$OUT/engine8b.log" | tail -30
       wait ;;
     ceiling_ablate) python3 bench/bench_engine.py --workloads W1 --http W1 --ablate W1 --repeats 2 --profile W1 \
-      --out "$OUT/engine_8b_ablation_h200.json" 2>&1 | tee "$OUT/ablation.log" | tail -30 ;;
+      ${ABLATE_ARGS:-} --out "$OUT/engine_8b_ablation_h200.json" 2>&1 | tee "$OUT/ablation.log" | tail -30 ;;
+    # ceiling on a one-GPU machine: the transformers baseline first (its own process), then ours
+    ceiling1) python3 bench/bench_engine.py --workloads W1,W1f,W3 --prefix-cache-compare W2 --repeats 2 \
+      --baseline W1,W1f,W3 --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -154,6 +154,27 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
     return total
 
 
+def ideal_cached(reqs: list[Req], block: int) -> list[int]:
+    """Tokens of each request a prefix cache could skip at best, in this order: the longest
+    prefix it shares with an earlier request, cut to whole blocks that end before its first
+    scored row (that row's position is computed)."""
+    out = []
+    for j, r in enumerate(reqs):
+        best = 0
+        for e in reqs[:j]:
+            n = min(len(e.tokens), len(r.tokens), r.start)
+            diff = np.flatnonzero(e.tokens[:n] != r.tokens[:n])
+            best = max(best, int(diff[0]) if len(diff) else n)
+        out.append(best // block * block)
+    return out
+
+
+def flop_ideal_speedup(cfg: dict, reqs: list[Req], block: int) -> float:
+    """The prefix cache's speedup if time were proportional to FLOPs: all of them over those
+    left after the best reuse (``ideal_cached``)."""
+    return flops(cfg, reqs) / flops(cfg, reqs, computed_only=True, cached=ideal_cached(reqs, block))
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     """``config.json`` of ``cfg``, rewritten only when it differs, by rename (a baseline process
     may be reading it)."""

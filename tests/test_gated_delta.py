@@ -363,6 +363,21 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     tol = 2e-2 if dtype == torch.bfloat16 else 5e-3
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert rel(o, ro) < tol and rel(ends, rends) < tol, (rel(o, ro), rel(ends, rends))
+    gen = torch.Generator(device=dev).manual_seed(10)
+    wide = torch.randn(sum(lens), 200, device=dev, generator=gen).to(dtype)
+    x = wide[:, :96]  # a column slice, as the layer passes it
+    weight = torch.randn(96, 4, device=dev, generator=gen).to(dtype)
+    conv_init = torch.randn(len(lens), 96, 4, device=dev, generator=gen).to(dtype)
+    y, cend = causal_conv1d(x, weight, plan, conv_init, True)
+    ry, rcend = causal_conv1d_torch(x, weight, plan.bounds, conv_init, True)
+    assert rel(y, ry) < tol, rel(y, ry)
+    torch.testing.assert_close(cend, rcend, atol=0, rtol=0)  # copies of the inputs
+    if dtype != torch.bfloat16:
+        # The serving dtype's layer path follows. In float32 each new kernel variant costs
+        # fla-core minutes of autotuning on a fresh machine; the float32 layer path (compiled
+        # input stage, normed q and k, start-up check) is covered end to end by
+        # test_qwen3_5_gpu.py's float32 parity test.
+        return
     # the layer's path: q, k normed (and q, k, v made contiguous) by the compiled input stage
     t, nk, dk = q.shape
     nv, dv = v.shape[1:]
@@ -380,16 +395,7 @@ def test_fla_path_matches_torch_path(dtype: torch.dtype) -> None:
     qn, kn, vc = got[:3]
     on, oends = gated_delta_rule(qn, kn, vc, g, beta, plan, init, True, qk_normed=True)
     assert rel(on, o) < tol / 4 and rel(oends, ends) < tol / 4, (rel(on, o), rel(oends, ends))
-    gen = torch.Generator(device=dev).manual_seed(10)
-    wide = torch.randn(sum(lens), 200, device=dev, generator=gen).to(dtype)
-    x = wide[:, :96]  # a column slice, as the layer passes it
-    weight = torch.randn(96, 4, device=dev, generator=gen).to(dtype)
-    conv_init = torch.randn(len(lens), 96, 4, device=dev, generator=gen).to(dtype)
-    y, cend = causal_conv1d(x, weight, plan, conv_init, True)
-    ry, rcend = causal_conv1d_torch(x, weight, plan.bounds, conv_init, True)
-    assert rel(y, ry) < tol, rel(y, ry)
     assert check_fla(4, 8, 128, 128, 1024, 4, dev, dtype)  # the start-up check passes at a real shape
-    torch.testing.assert_close(cend, rcend, atol=0, rtol=0)  # copies of the inputs
 
 
 def test_warm_up_switches_off_the_fused_qkv_kernel(tmp_path: Path) -> None:
