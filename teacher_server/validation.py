@@ -5,14 +5,13 @@ Shared by the HTTP server and the in-process Python API, so both enforce one con
 
 from __future__ import annotations
 
-import base64
-import binascii
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from teacher_server import b64
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.npy import load_npy
 
@@ -41,13 +40,13 @@ class Limits:
     max_prompt_logprobs_entries: int | None = None
 
 
-def decode_npy(b64: str, param: str) -> np.ndarray:
+def decode_npy(data: str, param: str) -> np.ndarray:
     """base64 `.npy` -> integer array. Never unpickles; read without `np.load` (see
     `teacher_server.npy`: on the CPythons this supports, `np.load` fails now and then while
     another thread parses Python source)."""
     try:
-        raw = base64.b64decode(b64, validate=True)
-    except (binascii.Error, ValueError):
+        raw = b64.decode(data)
+    except ValueError:  # (b64.Error is one)
         raise BadRequest(f"{param} is not valid base64", param) from None
     try:
         arr = load_npy(raw)

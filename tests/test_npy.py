@@ -183,3 +183,59 @@ def test_scores_decode_while_another_thread_parses() -> None:
     out, in_ast = _while_another_thread_parses(lambda: parse_output(body))
     np.testing.assert_array_equal(out.scores, scores)
     assert not in_ast
+
+
+# --- the base64 codec (teacher_server.b64) ---------------------------------------------------
+BASE64_INVALID = [b"A", b"AA", b"AA=", b"AA==AA==", b"A===", b"====", b"AB\nCD", b"AB CD", b"AB=D", b"ab$d",
+                  "AA\u00e9=", b"\xff\xfe", b"QQ", b"QQ="]
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["pybase64", "stdlib"])
+def test_codecs_agree_and_refuse_invalid_base64(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either codec: the standard library's bytes for valid text (both ways), and a
+    ValueError (``b64.Error``) for text outside the alphabet or badly padded, which
+    ``decode_npy`` answers with a 400."""
+    from teacher_server import b64
+
+    if fast:
+        assert b64.fast(), "pybase64 is a declared dependency: its codec must be in use"
+    else:
+        monkeypatch.setattr(b64, "_fast", None)
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 3, 4, 5, 1000, 1 << 20):
+        raw = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        text = b64.encode(memoryview(raw))
+        assert text == base64.b64encode(raw).decode("ascii")
+        assert b64.decode(text) == raw == b64.decode(text.encode())
+    for bad in BASE64_INVALID:
+        with pytest.raises(ValueError):
+            b64.decode(bad)
+        with pytest.raises(BadRequest, match="not valid base64"):
+            decode_npy(bad if isinstance(bad, str) else bad.decode("latin1"), "p")
+    assert b64.decode("QU JD\n", validate=False) == b"ABC"  # (the client's lenient read of a response)
+
+
+def test_token_ids_are_counted_on_the_bytes_before_parsing() -> None:
+    """A body over max_model_len is refused from a count on its bytes (the top-level array,
+    verified); a nested ``token_ids`` key that comes first is not taken for it; a count
+    within the limit refuses nothing and the body is parsed as usual."""
+    import orjson
+
+    from teacher_server.server.parsing import PRECHECK_BYTES, count_token_ids, parse_request
+    from teacher_server.validation import Limits
+
+    limits = Limits(vocab_size=1000, max_model_len=50_000, max_logprobs=20, max_rows_x_k=10**8)
+    body = lambda ids, **kw: orjson.dumps({"token_ids": ids, **kw, "sampling_params": {  # noqa: E731
+        "max_tokens": 1, "prompt_logprob_start": 0, "prompt_logprob_token_ids": [1]}})
+    big = body(list(range(100)) * 600)  # 60,000 ids
+    assert len(big) > PRECHECK_BYTES and count_token_ids(big) == 60_000
+    assert count_token_ids(big, above=60_000) is None and count_token_ids(big, above=59_999) == 60_000
+    with pytest.raises(BadRequest, match="60000 tokens, more than max_model_len=50000"):
+        parse_request(big, limits, "m")
+    # a nested key first: its array is not the top-level member, so no count (no early refusal)
+    nested = orjson.dumps({"cache_salt": None, "x": {"token_ids": list(range(60_000))}, "token_ids": [1, 2, 3]})
+    assert count_token_ids(nested) is None
+    ok = body([7] * 40_000)
+    assert len(ok) > PRECHECK_BYTES and count_token_ids(ok, above=limits.max_model_len) is None
+    _, req = parse_request(ok, limits, "m")
+    assert req.length == 40_000

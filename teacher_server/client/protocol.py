@@ -4,7 +4,6 @@ the in-process API can share the candidate rules without pulling in the HTTP sta
 
 from __future__ import annotations
 
-import base64
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from teacher_server import b64
 from teacher_server.npy import load_npy
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -127,7 +127,7 @@ def encode_candidates(candidates: Candidates) -> str:
         raise ValueError("candidate ids must fit in int32")
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr, dtype="<i4"), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return b64.encode(buf.getbuffer())
 
 
 def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def parse_output(data: Mapping[str, Any]) -> ScoreOutput:
     raw = data.get("prompt_token_id_logprobs")
     if raw is None:
         raise TeacherServerError("response has no prompt_token_id_logprobs", status=200)
-    scores = load_npy(base64.b64decode(raw)).astype(np.float32, copy=False)
+    scores = load_npy(b64.decode(raw, validate=False)).astype(np.float32, copy=False)
     toks = (data.get("choices") or [{}])[0].get("token_ids") or []
     usage = data.get("usage") or {}
     return ScoreOutput(scores=scores, request_id=data.get("request_id", ""), model=data.get("model", ""),

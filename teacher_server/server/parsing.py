@@ -18,15 +18,17 @@ _TOKEN_IDS_KEY = re.compile(rb'"token_ids"\s*:\s*\[')
 PRECHECK_BYTES = 64 * 1024  # bodies below this are parsed at once (counting would gain nothing)
 
 
-def count_token_ids(raw: bytes) -> int | None:
+def count_token_ids(raw: bytes, above: int = -1) -> int | None:
     """The number of elements of the top-level ``token_ids`` array, counted on the bytes
-    (C-speed ``find``/``count``, no Python objects per id), or None when it cannot be told
-    that way. A body of 20M ids is then refused in milliseconds instead of being parsed
-    into 20M Python ints (seconds and gigabytes) first.
+    (C-speed ``find``/``count``, no Python objects per id), when it is more than ``above``;
+    else, or when it cannot be told that way, None. A body of 20M ids is then refused in
+    milliseconds instead of being parsed into 20M Python ints (seconds and gigabytes) first.
 
     The first ``"token_ids": [`` key is taken; its array runs to the first ``]`` (a valid
     one is flat). That it is the top-level member is verified by parsing the body with
-    the array replaced by a marker string: only the top-level member then reads as it."""
+    the array replaced by a marker string: only the top-level member then reads as it.
+    That parse is as long as the real one, so it is made only for a count over ``above``:
+    a count within it refuses nothing (a request within the limits pays one parse)."""
     m = _TOKEN_IDS_KEY.search(raw)
     if m is None:
         return None
@@ -34,6 +36,8 @@ def count_token_ids(raw: bytes) -> int | None:
     if end < 0:
         return None
     n = raw.count(b",", m.end(), end) + 1  # elements of a non-empty flat array
+    if n <= above:
+        return None
     marker = "slot-" + uuid.uuid4().hex
     try:
         rest = orjson.loads(raw[:m.end() - 1] + b'"' + marker.encode() + b'"' + raw[end + 1:])
@@ -53,8 +57,8 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
     ``request_id`` set to the body's id when it could be read (for the log line).
     ``header_request_id`` (X-Request-Id) names the request when the body does not."""
     if len(raw) > PRECHECK_BYTES:
-        n = count_token_ids(raw)
-        if n is not None and n > limits.max_model_len:
+        n = count_token_ids(raw, above=limits.max_model_len)
+        if n is not None:
             raise BadRequest(f"token_ids has {n} tokens, more than max_model_len={limits.max_model_len}",
                              "token_ids")
     try:

@@ -4,7 +4,6 @@ is given up between slices so the engine thread and the event loop keep running)
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import io
 import math
@@ -14,6 +13,7 @@ import numpy as np
 import orjson
 from fastapi.responses import Response
 
+from teacher_server import b64
 from teacher_server.engine.request import ScoreRequest, ScoreResult, prompt_logprob_entries
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -38,7 +38,7 @@ def error_response(status: int, message: str, param: str | None = None,
 def encode_npy(arr: np.ndarray) -> str:
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return b64.encode(buf.getbuffer())  # (a view of the buffer: no copy)
 
 
 def _finite(x: float) -> float:

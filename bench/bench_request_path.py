@@ -1,0 +1,154 @@
+"""The server's own host work per request, outside the engine: parsing and validating a
+body, and building the response body, on a workload's requests (the bodies the HTTP
+benchmark sends; responses of the same shape). No GPU or model needed.
+
+That work runs in the server's process, beside the engine thread, and holds the GIL: while
+it runs the engine thread cannot launch kernels. So beside the time itself this measures
+what it takes from a probe thread shaped like the engine's launch loop (1 ms of Python
+work, then 1 ms waiting with the GIL released, as on a CUDA event), with the request path
+running in another thread: the probe's lost work is what the launch loop would lose.
+
+Each part is timed with the base64 codec the server uses (pybase64) and with the standard
+library's, and the token-count precheck with and without its verifying parse.
+
+  python bench/bench_request_path.py --workload W1 --out bench/results/request_path.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from workloads import make_workload  # noqa: E402
+
+from teacher_server import b64  # noqa: E402
+from teacher_server.engine.request import ScoreResult  # noqa: E402
+from teacher_server.server import parsing  # noqa: E402
+from teacher_server.server.responses import generate_body  # noqa: E402
+from teacher_server.validation import Limits  # noqa: E402
+
+VOCAB = 151936
+
+
+def bodies(name: str) -> list[bytes]:
+    """The HTTP benchmark's request bodies (token ids as JSON, candidates as base64 .npy)."""
+    import io
+
+    out = []
+    for r in make_workload(name, VOCAB):
+        buf = io.BytesIO()
+        np.save(buf, r.cand)
+        out.append(orjson.dumps({"token_ids": r.tokens.tolist(), "sampling_params": {
+            "max_tokens": 1, "prompt_logprob_start": r.start,
+            "prompt_logprob_token_ids": b64.encode(buf.getbuffer())}}))
+    return out
+
+
+def request_path(raws: list[bytes], limits: Limits) -> None:
+    """What the server does per request besides the engine: parse, then the response body."""
+    for raw in raws:
+        _, req = parsing.parse_request(raw, limits, "m")
+        res = ScoreResult.empty_for(req)
+        res.token_id_logprobs = np.zeros(req.candidates.shape, np.float32)
+        generate_body(req, res, "m", False)
+
+
+def probe(stop: threading.Event, work_s: float = 1e-3, wait_s: float = 1e-3) -> int:
+    """The launch loop's shape: Python work, then a wait with the GIL released. Returns how
+    many work slices it completed."""
+    n = 0
+    while not stop.is_set():
+        t = time.perf_counter()
+        while time.perf_counter() - t < work_s:
+            pass
+        n += 1
+        time.sleep(wait_s)
+    return n
+
+
+def probe_rate(seconds: float, load: list[bytes] | None, limits: Limits) -> tuple[float, float]:
+    """Probe slices per second over ``seconds``, with the request path running over ``load``
+    (repeated) in another thread; and the request path's requests per second."""
+    stop = threading.Event()
+    done = [0]
+
+    def background() -> None:
+        while not stop.is_set():
+            request_path(load, limits)
+            done[0] += len(load)
+
+    th = threading.Thread(target=background) if load else None
+    counted = {}
+    t0 = time.perf_counter()
+    pt = threading.Thread(target=lambda: counted.setdefault("n", probe(stop)))
+    pt.start()
+    if th:
+        th.start()
+    time.sleep(seconds)
+    stop.set()
+    pt.join()
+    if th:
+        th.join()
+    dt = time.perf_counter() - t0
+    return counted["n"] / dt, done[0] / dt
+
+
+def timed(fn, reps: int = 3) -> float:  # noqa: ANN001
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="W1")
+    ap.add_argument("--probe-seconds", type=float, default=4.0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    limits = Limits(vocab_size=VOCAB, max_model_len=40960, max_logprobs=4096, max_rows_x_k=10**9)
+    raws = bodies(args.workload)
+    n = len(raws)
+    out: dict = {"workload": args.workload, "requests": n, "body_mb": sum(map(len, raws)) / 1e6,
+                 "pybase64": b64.fast(), "per_request_ms": {}}
+    fast = b64._fast
+    base_probe, _ = probe_rate(args.probe_seconds, None, limits)
+    out["probe_alone_slices_per_s"] = base_probe
+    for codec in ("pybase64", "stdlib"):
+        b64._fast = fast if codec == "pybase64" else None
+        if codec == "pybase64" and fast is None:
+            continue
+        row = {"parse": timed(lambda: [parsing.parse_request(r, limits, "m") for r in raws]) / n * 1e3,
+               "parse_and_response": timed(lambda: request_path(raws, limits)) / n * 1e3}
+        rate, reqs_per_s = probe_rate(args.probe_seconds, raws, limits)
+        row["probe_slices_per_s"] = rate
+        row["probe_work_lost"] = 1 - rate / base_probe
+        # the launch loop's Python work lost per request served beside it
+        row["probe_ms_lost_per_request"] = (base_probe - rate) / reqs_per_s  # (a slice is 1 ms)
+        row["request_path_requests_per_s"] = reqs_per_s
+        out["per_request_ms"][codec] = row
+        print(codec, json.dumps(row), flush=True)
+    b64._fast = fast
+    out["precheck_ms"] = {
+        "count_and_verify": timed(lambda: [parsing.count_token_ids(r) for r in raws]) / n * 1e3,
+        "count_only_within_limit": timed(lambda: [parsing.count_token_ids(r, above=limits.max_model_len)
+                                                  for r in raws]) / n * 1e3}
+    print(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
