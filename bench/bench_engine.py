@@ -474,8 +474,12 @@ def main() -> None:
     results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], args.ablate_repeats or args.repeats, only)
                            for n in args.ablate.split(",") if n}
     if args.profile:
-        results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),
-                                     Path(args.out or "bench/results/x.json").with_suffix(".profile.txt"))
+        try:  # a failed profile must not lose the runs before it
+            results["profile"] = profile(engine, workloads.get(args.profile) or make_workload(args.profile, cfg["vocab_size"]),
+                                         Path(args.out or "bench/results/x.json").with_suffix(".profile.txt"))
+        except Exception as e:
+            print(f"profile failed: {e!r}", flush=True)
+            results["profile"] = {"error": repr(e)[:300]}
     engine.close()  # the tensor-parallel workers free their GPUs
     del engine
     gc.collect()

@@ -55,8 +55,10 @@ for step in ${STEPS:-tests}; do
         --repeats 2 --baseline W1,W1f,W3 --baseline-from "$OUT/baseline_8b.json" --out "$OUT/engine_8b_h200.json" 2>&1 \
         | tee "$OUT/engine8b.log" | tail -30
       wait ;;
-    ceiling_ablate) python3 bench/bench_engine.py --workloads W1 --http W1 --ablate W1 --repeats 2 --profile W1 \
-      ${ABLATE_ARGS:-} --out "$OUT/engine_8b_ablation_h200.json" 2>&1 | tee "$OUT/ablation.log" | tail -30 ;;
+    # ($ABLATE_ARGS adds flags, e.g. "--ablate-repeats 1 --ablate-only as_configured,no_cuda_kernels";
+    # ABLATE_PROFILE= leaves the profile out)
+    ceiling_ablate) prof=${ABLATE_PROFILE-W1}; python3 bench/bench_engine.py --workloads W1 --http W1 --ablate W1 \
+      --repeats 2 ${prof:+--profile $prof} ${ABLATE_ARGS:-} --out "$OUT/engine_8b_ablation_h200.json" 2>&1 | tee "$OUT/ablation.log" | tail -30 ;;
     # ceiling on a one-GPU machine: the transformers baseline first (its own process), then ours
     ceiling1) python3 bench/bench_engine.py --workloads W1,W1f,W3 --prefix-cache-compare W2 --repeats 2 \
       --baseline W1,W1f,W3 --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
