@@ -263,7 +263,8 @@ def server_stages(url: str) -> dict[str, float]:
     return out
 
 
-def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req]) -> dict:
+def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
+               engine_process: bool = False) -> dict:
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
@@ -271,7 +272,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            # The in-process runs reset the prefix cache between runs; the server cannot, and
            # repeats of the same requests would hit it. Off, both sides do the same work.
            "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--load-format", args.load_format]
+           "--load-format", args.load_format] + (["--engine-process"] if engine_process else [])
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         import httpx
@@ -293,12 +294,17 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
             before = server_stages(url)
             dt, lat = asyncio.run(http_run(url, reqs, args.concurrency))
             runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
+            if engine_process:  # its snapshots reach the front every STATS_INTERVAL_S: wait for the last
+                from teacher_server.replicas.worker import STATS_INTERVAL_S
+
+                time.sleep(3 * STATS_INTERVAL_S)
             after = server_stages(url)
             runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
         best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         best["runs_seconds"] = [r["seconds"] for r in runs]
         best["concurrency"] = args.concurrency
         best["prefix_caching"] = False
+        best["engine_process"] = engine_process
         return best
     finally:
         proc.terminate()
@@ -371,6 +377,9 @@ def main() -> None:
                          "time on another GPU of this machine; read (waited for) before the engine's check against it")
     ap.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint, then stop")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
+    ap.add_argument("--http-engine", default="thread", choices=["thread", "process", "thread,process", "process,thread"],
+                    help="where the HTTP server runs its engine: on a thread of its process, in a process of its own "
+                         "(engine_process), or both, one server after the other")
     ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
@@ -485,9 +494,11 @@ def main() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    for n in http_names:
-        results["http"][n] = bench_http(ckpt, args, cfg, n, workloads[n])
-        print(n, "http", json.dumps(results["http"][n]), flush=True)
+    for mode in args.http_engine.split(","):
+        for n in http_names:  # the engine on the server's thread (as named), or in a process of its own
+            key = n if mode == "thread" else f"{n}-engine-process"
+            results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n], engine_process=mode == "process")
+            print(key, "http", json.dumps(results["http"][key]), flush=True)
     for n, b in base_runs.items():
         results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[n], b["seconds"], b["finish"],
                                            b["peak_bytes"], gpus=1)

@@ -185,3 +185,24 @@ def test_replicas_of_tensor_parallel_groups(checkpoints, reference) -> None:
     with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2, tensor_parallel_size=2)) as s, \
             TeacherClient(s.url) as c:
         _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
+
+
+def test_engine_in_a_process_of_its_own(checkpoints, reference) -> None:
+    """``engine_process``: one engine, in a process of its own behind the front. Same results
+    as the engine on the server's thread, prefix reuse within a group, the engine's metrics
+    without a replica label; its death makes the server unhealthy and calls on_fatal."""
+    groups = _groups(7, 4, 3)
+    ref = reference([r for g in groups for r in g])
+    fatal: list[int] = []
+    with LiveServer(_cfg(checkpoints["qwen3"], engine_process=True), on_fatal=lambda: fatal.append(1)) as s, \
+            TeacherClient(s.url) as c:
+        pool = s.app.state.aengine
+        assert len(pool.replicas) == 1 and pool.pids[0] not in (None, os.getpid())
+        _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
+        wait_until(lambda: _metric(s.url, "teacher_server_engine_steps_total").get("", 0) > 0)
+        assert set(_metric(s.url, "teacher_server_prefix_cache_hits_total")) == {""}  # one engine: no label
+        assert not fatal
+        os.kill(pool.pids[0], signal.SIGKILL)
+        wait_until(lambda: httpx.get(s.url + "/health").status_code == 503)
+        assert "replica 0 down" in httpx.get(s.url + "/health").json()["error"]["message"]
+        assert fatal  # the process would now drain and exit non-zero

@@ -1,6 +1,7 @@
 """The replica pool's life in the app: what ``server.lifecycle.start_engine`` does for one
-engine, for ``data_parallel_size`` > 1. Shutdown is the same code (``stop_engine`` and the
-draining server drive the pool through the AsyncEngine surface)."""
+engine, for ``data_parallel_size`` > 1, or for one engine in a process of its own
+(``engine_process``). Shutdown is the same code (``stop_engine`` and the draining server
+drive the pool through the AsyncEngine surface)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
     ``on_step`` is unused: replicas report their engines' snapshots themselves."""
     st = app.state
     m = st.metrics
-    log.info("starting %d replicas of %s (device %s, routing %s)", cfg.data_parallel_size, cfg.model or "demo",
-             cfg.device, cfg.routing)
+    if cfg.data_parallel_size == 1:
+        log.info("starting the engine of %s in a process of its own (device %s)", cfg.model or "demo", cfg.device)
+    else:
+        log.info("starting %d replicas of %s (device %s, routing %s)", cfg.data_parallel_size, cfg.model or "demo",
+                 cfg.device, cfg.routing)
     t0 = time.monotonic()
 
     def down(index: int, why: str) -> None:

@@ -60,9 +60,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
         # own thread, so one of them does not hold up the parsing of every other request
         st.plp_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher-plp")
-        # One replica: the engine runs here, on a thread of this process (no extra hop).
-        # Several: a process each, behind a routing front (teacher_server.replicas).
-        start = start_engine if cfg.data_parallel_size == 1 else start_replicas
+        # One replica: the engine runs here, on a thread of this process (no extra hop), unless
+        # engine_process. Several: a process each, behind a routing front (teacher_server.replicas).
+        start = start_replicas if _engine_elsewhere(cfg) else start_engine
         start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
               on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
         try:
@@ -131,7 +131,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         m: Metrics = request.app.state.metrics
-        if cfg.data_parallel_size == 1 and request.app.state.engine is not None:  # replicas send theirs
+        if not _engine_elsewhere(cfg) and request.app.state.engine is not None:  # replicas send theirs
             m.observe_gauges(request.app.state.engine.stats())
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -177,6 +177,11 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     _register_schemas(app)
     return app
+
+
+def _engine_elsewhere(cfg: Config) -> bool:
+    """Whether the engines run in processes of their own (replicas), not on a thread here."""
+    return cfg.data_parallel_size > 1 or cfg.engine_process
 
 
 class _RequestInfo:
