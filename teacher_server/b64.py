@@ -6,8 +6,9 @@ the codec's time is taken from the GPU's queue (``bench/bench_request_path.py`` 
 
 Strict decoding as RFC 4648 has it, with either codec: only the alphabet, padding only at
 the end and to a multiple of four (pybase64 also refuses padding past that, "QUJD=", which
-the standard library lets through). The standard library is the fallback: pybase64 is a requirement of
-the server, not of the client (whose install is numpy and httpx), which uses it when present."""
+the standard library lets through). The standard library is the fallback: pybase64 is a
+requirement of the server, not of the client (whose install is numpy and httpx), which uses it
+when it is installed."""
 
 from __future__ import annotations
 
