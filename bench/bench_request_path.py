@@ -11,7 +11,7 @@ running in another thread: the probe's lost work is what the launch loop would l
 Each part is timed with the base64 codec the server uses (pybase64) and with the standard
 library's, and the token-count precheck with and without its verifying parse.
 
-  python bench/bench_request_path.py --workload W1 --out bench/results/request_path.json
+  python bench/bench_request_path.py --workload W1 --http 128 --out bench/results/request_path.json
 """
 
 from __future__ import annotations
@@ -103,6 +103,55 @@ def probe_rate(seconds: float, load: list[bytes] | None, limits: Limits) -> tupl
     return counted["n"] / dt, done[0] / dt
 
 
+def front_cpu(requests: int, concurrency: int) -> dict:
+    """The HTTP front's own CPU time per request, end to end through a real server: the engine
+    (a small model of the Qwen3-8B family, on the CPU) runs in a process of its own
+    (``--engine-process``), so the front process's CPU time is all front work: uvicorn/h11 on
+    the bodies, parsing, the response bodies, asyncio, the pipe to the engine. With the engine
+    on a thread of that process, this is the work that shares its GIL."""
+    import asyncio
+    import os
+    import subprocess
+
+    import httpx
+    from bench_engine import http_run, tiny
+    from workloads import QWEN3_8B, write_random_checkpoint
+
+    cfg = tiny(QWEN3_8B)
+    ckpt = write_random_checkpoint(Path("/tmp/ts-bench/qwen3-8b-tiny"), cfg)
+    reqs = make_workload("W1", cfg["vocab_size"])[:requests]
+    port = 19000 + os.getpid() % 1000
+    cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(ckpt), "--device", "cpu", "--port", str(port),
+           "--host", "127.0.0.1", "--engine-process", "--no-enable-prefix-caching", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=str(ROOT))
+    url = f"http://127.0.0.1:{port}"
+
+    def cpu_s() -> float:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None:
+                raise RuntimeError("server exited during startup")
+            time.sleep(0.5)
+        asyncio.run(http_run(url, reqs[:4], concurrency))  # warm-up
+        c0 = cpu_s()
+        wall, _ = asyncio.run(http_run(url, reqs, concurrency))
+        c1 = cpu_s()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return {"requests": len(reqs), "concurrency": concurrency, "wall_s": wall, "front_cpu_s": c1 - c0,
+            "front_cpu_ms_per_request": (c1 - c0) / len(reqs) * 1e3}
+
+
 def timed(fn, reps: int = 3) -> float:  # noqa: ANN001
     best = float("inf")
     for _ in range(reps):
@@ -116,6 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="W1")
     ap.add_argument("--probe-seconds", type=float, default=4.0)
+    ap.add_argument("--http", type=int, default=0, metavar="N",
+                    help="also serve the workload's first N requests through a real server (engine in its own "
+                         "process, a small model on the CPU) and report the front process's CPU time per request")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     limits = Limits(vocab_size=VOCAB, max_model_len=40960, max_logprobs=4096, max_rows_x_k=10**9)
@@ -145,6 +197,8 @@ def main() -> None:
         "count_and_verify": timed(lambda: [parsing.count_token_ids(r) for r in raws]) / n * 1e3,
         "count_only_within_limit": timed(lambda: [parsing.count_token_ids(r, above=limits.max_model_len)
                                                   for r in raws]) / n * 1e3}
+    if args.http:
+        out["http_front"] = front_cpu(args.http, 128)
     print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
