@@ -263,6 +263,23 @@ def server_stages(url: str) -> dict[str, float]:
     return out
 
 
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    """Until the server started as ``proc`` answers /health with 200 (it loads meanwhile)."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("server exited during startup")
+        time.sleep(0.5)
+    raise TimeoutError(f"server at {url} not ready after {timeout_s:.0f}s")
+
+
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
                engine_process: bool = False) -> dict:
     port = 18000 + os.getpid() % 1000
@@ -275,19 +292,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            "--load-format", args.load_format] + (["--engine-process"] if engine_process else [])
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
-        import httpx
-
-        deadline = time.time() + 600
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError("server exited during startup")
-            time.sleep(1)
         url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc)
         asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency))  # warm-up
         runs = []
         for _ in range(args.repeats):

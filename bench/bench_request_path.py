@@ -113,8 +113,7 @@ def front_cpu(requests: int, concurrency: int) -> dict:
     import os
     import subprocess
 
-    import httpx
-    from bench_engine import http_run, tiny
+    from bench_engine import http_run, tiny, wait_ready
     from workloads import QWEN3_8B, write_random_checkpoint
 
     cfg = tiny(QWEN3_8B)
@@ -131,16 +130,7 @@ def front_cpu(requests: int, concurrency: int) -> dict:
         return np.array([int(fields[11]), int(fields[12])]) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None:
-                raise RuntimeError("server exited during startup")
-            time.sleep(0.5)
+        wait_ready(url, proc, 300)
         asyncio.run(http_run(url, reqs[:4], concurrency))  # warm-up
         c0 = cpu_s()
         wall, _ = asyncio.run(http_run(url, reqs, concurrency))
