@@ -216,17 +216,22 @@ def npy_b64(a: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, list[float]]:
-    import httpx
-
+def http_body(r: Req) -> bytes:
+    """A workload request as the HTTP benchmark sends it: token ids as JSON, candidates as a
+    base64 .npy."""
     try:
         import orjson
         dumps = orjson.dumps
     except ImportError:  # pragma: no cover
         dumps = lambda o: json.dumps(o).encode()  # noqa: E731
-    bodies = [dumps({"token_ids": r.tokens.tolist(), "sampling_params": {
+    return dumps({"token_ids": r.tokens.tolist(), "sampling_params": {
         "max_tokens": 1, "prompt_logprob_start": r.start, "prompt_logprob_token_ids": npy_b64(r.cand)}})
-        for r in reqs]
+
+
+async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, list[float]]:
+    import httpx
+
+    bodies = [http_body(r) for r in reqs]
     sem = asyncio.Semaphore(concurrency)
     lat = [0.0] * len(reqs)
 

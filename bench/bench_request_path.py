@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,17 +40,10 @@ VOCAB = 151936
 
 
 def bodies(name: str) -> list[bytes]:
-    """The HTTP benchmark's request bodies (token ids as JSON, candidates as base64 .npy)."""
-    import io
+    """The HTTP benchmark's request bodies."""
+    from bench_engine import http_body
 
-    out = []
-    for r in make_workload(name, VOCAB):
-        buf = io.BytesIO()
-        np.save(buf, r.cand)
-        out.append(orjson.dumps({"token_ids": r.tokens.tolist(), "sampling_params": {
-            "max_tokens": 1, "prompt_logprob_start": r.start,
-            "prompt_logprob_token_ids": b64.encode(buf.getbuffer())}}))
-    return out
+    return [http_body(r) for r in make_workload(name, VOCAB)]
 
 
 def request_path(raws: list[bytes], limits: Limits) -> None:

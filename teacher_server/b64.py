@@ -13,18 +13,17 @@ when it is installed."""
 from __future__ import annotations
 
 import base64
-import binascii
 
 try:
     import pybase64 as _fast
 except ImportError:  # a client-only install
     _fast = None
 
-Error = binascii.Error  # what invalid input raises (a ValueError), with either codec
-
 
 def decode(data: str | bytes, validate: bool = True) -> bytes:
-    """base64 -> bytes; ``validate``: characters outside the alphabet are an error (else skipped)."""
+    """base64 -> bytes; ``validate``: characters outside the alphabet are an error (else
+    skipped). Invalid input raises a ValueError (``binascii.Error``, or for non-ASCII text
+    ValueError itself) with either codec."""
     if _fast is not None:
         return _fast.b64decode(data, validate=validate)
     return base64.b64decode(data, validate=validate)

@@ -46,7 +46,7 @@ def decode_npy(data: str, param: str) -> np.ndarray:
     another thread parses Python source)."""
     try:
         raw = b64.decode(data)
-    except ValueError:  # (b64.Error is one)
+    except ValueError:  # (binascii.Error too)
         raise BadRequest(f"{param} is not valid base64", param) from None
     try:
         arr = load_npy(raw)

@@ -193,7 +193,7 @@ BASE64_INVALID = [b"A", b"AA", b"AA=", b"AA==AA==", b"A===", b"====", b"AB\nCD",
 @pytest.mark.parametrize("fast", [True, False], ids=["pybase64", "stdlib"])
 def test_codecs_agree_and_refuse_invalid_base64(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Either codec: the standard library's bytes for valid text (both ways), and a
-    ValueError (``b64.Error``) for text outside the alphabet or badly padded, which
+    ValueError for text outside the alphabet or badly padded, which
     ``decode_npy`` answers with a 400."""
     from teacher_server import b64
 

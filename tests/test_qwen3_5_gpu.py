@@ -58,9 +58,9 @@ def test_qwen3_5_parity_gpu_float32(family: str, checkpoints) -> None:
     per-family floor. fla's Triton kernels take float32 dot products in TF32 on both sides, and
     the worst cell moves from run to run with the configs its autotuner picks: on H200s the MoE
     family gave ours 0.0513 and 0.0534, transformers' 0.0375 in the latter run; the dense
-    family stays under 1e-2. Floors: 0.1 for the MoE family, 0.02 for the dense one. A state lost across chunks is off by nats:
-    4.9-6.4 worst on these requests on the CPU, with the recurrent or the convolution states
-    of every chunk but the first dropped."""
+    family stays under 1e-2. Floors: 0.1 for the MoE family, 0.02 for the dense one. A state
+    lost across chunks is off by nats: 4.9-6.4 worst on these requests on the CPU, with the
+    recurrent or the convolution states of every chunk but the first dropped."""
     import transformers as tf
 
     torch.backends.cuda.matmul.allow_tf32 = False
