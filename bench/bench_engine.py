@@ -286,7 +286,9 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None
 
 
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
-               engine_process: bool = False) -> dict:
+               engine_process: bool | None = None) -> dict:
+    """``name`` through a real server; ``engine_process`` None: the server's default (the engine
+    in a process of its own on one GPU, on a thread otherwise)."""
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
@@ -294,7 +296,11 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            # The in-process runs reset the prefix cache between runs; the server cannot, and
            # repeats of the same requests would hit it. Off, both sides do the same work.
            "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--load-format", args.load_format] + (["--engine-process"] if engine_process else [])
+           "--load-format", args.load_format]
+    if engine_process is not None:
+        cmd.append("--engine-process" if engine_process else "--no-engine-process")
+    else:
+        engine_process = args.tensor_parallel_size == 1 and torch.cuda.is_available()
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -388,9 +394,11 @@ def main() -> None:
                          "time on another GPU of this machine; read (waited for) before the engine's check against it")
     ap.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint, then stop")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
-    ap.add_argument("--http-engine", default="thread", choices=["thread", "process", "thread,process", "process,thread"],
-                    help="where the HTTP server runs its engine: on a thread of its process, in a process of its own "
-                         "(engine_process), or both, one server after the other")
+    ap.add_argument("--http-engine", default="default",
+                    choices=["default", "thread", "process", "thread,process", "process,thread"],
+                    help="where the HTTP server runs its engine: its default (a process of its own on one GPU), on a "
+                         "thread of its process, in a process of its own (engine_process), or both, one server after "
+                         "the other")
     ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
@@ -506,9 +514,10 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     for mode in args.http_engine.split(","):
-        for n in http_names:  # the engine on the server's thread (as named), or in a process of its own
-            key = n if mode == "thread" else f"{n}-engine-process"
-            results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n], engine_process=mode == "process")
+        for n in http_names:  # the server's default (as named), the engine on its thread, or in a process
+            key = n if mode == "default" else f"{n}-engine-{mode}"
+            results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n],
+                                              engine_process=None if mode == "default" else mode == "process")
             print(key, "http", json.dumps(results["http"][key]), flush=True)
     for n, b in base_runs.items():
         results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[n], b["seconds"], b["finish"],

@@ -93,11 +93,12 @@ class Config(BaseModel):
     data_parallel_size: int = Field(
         1, ge=1, description="Engine replicas behind one port, each a process of its own on its own GPU (GPU i of "
                              "CUDA_VISIBLE_DEVICES, or the CPU); 1: the engine runs in the server process.")
-    engine_process: bool = Field(
-        False, description="With one replica, run the engine in a process of its own behind the HTTP front, as "
-                           "each replica runs (teacher_server.replicas), instead of on a thread of the server "
-                           "process: the front's HTTP handling, parsing and response bodies then never hold the "
-                           "GIL the engine thread launches kernels with. Requests and results cross a pipe.")
+    engine_process: bool | None = Field(
+        None, description="With one replica, run the engine in a process of its own behind the HTTP front, as "
+                          "each replica runs (teacher_server.replicas), instead of on a thread of the server "
+                          "process: the front's HTTP handling, parsing and response bodies then never hold the "
+                          "GIL the engine thread launches kernels with. Requests and results cross a pipe. "
+                          "None: on for an engine on one GPU (CUDA, tensor_parallel_size 1), off otherwise.")
     routing: Literal["affinity", "round_robin"] = Field(
         "affinity", description="How requests are spread over replicas: affinity sends requests with the same "
                                 "unscored prefix to the same replica (spilling when it is overloaded); "

@@ -206,3 +206,21 @@ def test_engine_in_a_process_of_its_own(checkpoints, reference) -> None:
         wait_until(lambda: httpx.get(s.url + "/health").status_code == 503)
         assert "replica 0 down" in httpx.get(s.url + "/health").json()["error"]["message"]
         assert fatal  # the process would now drain and exit non-zero
+
+
+@pytest.mark.parametrize("device,tp,setting,elsewhere", [
+    ("cpu", 1, None, False),    # the CPU: on the server's thread unless asked
+    ("cuda", 1, None, True),    # one GPU: a process of its own by default
+    ("cuda", 2, None, False),   # a tensor-parallel group: on the thread unless asked
+    ("cuda", 1, False, False),
+    ("cpu", 1, True, True),
+    ("cuda", 2, True, True),
+])
+def test_engine_process_default(device: str, tp: int, setting: bool | None, elsewhere: bool) -> None:
+    """``engine_process`` None resolves by where the engine runs (no GPU needed to decide: the
+    device is named); an explicit setting wins; several replicas are always processes."""
+    from teacher_server.server.app import _engine_elsewhere
+
+    cfg = Config(device=device, tensor_parallel_size=tp, engine_process=setting)
+    assert _engine_elsewhere(cfg) is elsewhere
+    assert _engine_elsewhere(cfg.model_copy(update={"data_parallel_size": 2}))

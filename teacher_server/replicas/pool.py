@@ -54,7 +54,7 @@ class ReplicaPool:
         # worker processes start inside the replica process, on the GPUs it was given).
         if gpus_per_replica is None:
             gpus_per_replica = getattr(cfg, "tensor_parallel_size", 1)
-        gpu = _uses_gpu(cfg)
+        gpu = uses_gpu(cfg)
         visible = _visible_devices() if gpu else None
         self.replicas = [Replica(i, ctx, cfg, factory, replica_devices(i, gpus_per_replica, visible) if gpu else None)
                          for i in range(cfg.data_parallel_size)]
@@ -198,7 +198,8 @@ class ReplicaPool:
             self.on_down(rep.index, why)
 
 
-def _uses_gpu(cfg: Config) -> bool:
+def uses_gpu(cfg: Config) -> bool:
+    """Whether the engine of ``cfg`` runs on CUDA (device cuda, or auto with a GPU present)."""
     if cfg.device == "cpu":
         return False
     import torch

@@ -61,7 +61,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         # own thread, so one of them does not hold up the parsing of every other request
         st.plp_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher-plp")
         # One replica: the engine runs here, on a thread of this process (no extra hop), unless
-        # engine_process. Several: a process each, behind a routing front (teacher_server.replicas).
+        # engine_process (on by default on CUDA). Several: a process each, behind a routing front
+        # (teacher_server.replicas).
         start = start_replicas if _engine_elsewhere(cfg) else start_engine
         start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
               on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
@@ -181,7 +182,13 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
 def _engine_elsewhere(cfg: Config) -> bool:
     """Whether the engines run in processes of their own (replicas), not on a thread here."""
-    return cfg.data_parallel_size > 1 or cfg.engine_process
+    if cfg.data_parallel_size > 1 or cfg.engine_process:
+        return True
+    if cfg.engine_process is None:  # auto: a process of its own for one CUDA engine of one GPU
+        from teacher_server.replicas.pool import uses_gpu
+
+        return cfg.tensor_parallel_size == 1 and uses_gpu(cfg)
+    return False
 
 
 class _RequestInfo:
