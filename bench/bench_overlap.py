@@ -45,11 +45,13 @@ class Half:
         h, inter = cfg["hidden_size"], cfg["intermediate_size"]
         qkv_n = w["qkv"].shape[0]
         self.resid = torch.randn(m, h, device=dev, dtype=dt)
-        self.x = torch.empty(m, h, device=dev, dtype=dt)
-        self.qkv = torch.empty(m, qkv_n, device=dev, dtype=dt)
+        # every input random, never zeros: a multiply's power draw (and so its clock under the
+        # power cap) depends on its data
+        self.x = torch.randn(m, h, device=dev, dtype=dt)
+        self.qkv = torch.randn(m, qkv_n, device=dev, dtype=dt)
         self.attn = torch.randn(m, w["o"].shape[1], device=dev, dtype=dt)  # attention's output (not run)
-        self.gu = torch.empty(m, 2 * inter, device=dev, dtype=dt)
-        self.act = torch.empty(m, inter, device=dev, dtype=dt)
+        self.gu = torch.randn(m, 2 * inter, device=dev, dtype=dt)
+        self.act = torch.randn(m, inter, device=dev, dtype=dt)
         self.flops = 2.0 * m * sum(t.shape[0] * t.shape[1] for t in w.values() if t.dim() == 2)
         nw, eps = w["norm"], 1e-6
 

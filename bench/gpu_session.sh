@@ -62,9 +62,10 @@ for step in ${STEPS:-tests}; do
     # ceiling on a one-GPU machine: the transformers baseline first (its own process), then ours
     ceiling1) python3 bench/bench_engine.py --workloads W1,W1f,W3 --prefix-cache-compare W2 --repeats 2 \
       --baseline W1,W1f,W3 --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
-    # W1 through HTTP with the engine on the server's thread, then in a process of its own
-    # (engine_process), beside W1 in-process; the quiet machine of a one-GPU lease
-    http_modes) python3 bench/bench_engine.py --workloads W1 --http W1 --http-engine thread,process --repeats 3 \
+    # W1 through HTTP with the server's default (on one GPU: the engine in a process of its own),
+    # then with the engine on the server's thread ($HTTP_ENGINE picks others), beside W1
+    # in-process; the quiet machine of a one-GPU lease
+    http_modes) python3 bench/bench_engine.py --workloads W1 --http W1 --http-engine ${HTTP_ENGINE:-default,thread} --repeats 3 \
       --out "$OUT/engine_8b_http_modes_h200.json" 2>&1 | tee "$OUT/http_modes.log" | tail -12 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
