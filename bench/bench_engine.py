@@ -285,6 +285,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None
     raise TimeoutError(f"server at {url} not ready after {timeout_s:.0f}s")
 
 
+def _modes(text: str) -> list[str]:
+    """--http-engine's comma-separated list of default, thread, process."""
+    modes = text.split(",")
+    if not modes or set(modes) - {"default", "thread", "process"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of default, thread, process")
+    return modes
+
+
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
                engine_process: bool | None = None) -> dict:
     """``name`` through a real server; ``engine_process`` None: the server's default (the engine
@@ -394,11 +402,10 @@ def main() -> None:
                          "time on another GPU of this machine; read (waited for) before the engine's check against it")
     ap.add_argument("--checkpoint-only", action="store_true", help="write the checkpoint, then stop")
     ap.add_argument("--http", default="", help="workloads to also run through the HTTP server")
-    ap.add_argument("--http-engine", default="default",
-                    choices=["default", "thread", "process", "thread,process", "process,thread"],
+    ap.add_argument("--http-engine", default="default", type=_modes,
                     help="where the HTTP server runs its engine: its default (a process of its own on one GPU), on a "
-                         "thread of its process, in a process of its own (engine_process), or both, one server after "
-                         "the other")
+                         "thread of its process, or in a process of its own (engine_process); several, comma-separated, "
+                         "run one server after the other")
     ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
@@ -513,7 +520,7 @@ def main() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    for mode in args.http_engine.split(","):
+    for mode in args.http_engine:
         for n in http_names:  # the server's default (as named), the engine on its thread, or in a process
             key = n if mode == "default" else f"{n}-engine-{mode}"
             results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n],
