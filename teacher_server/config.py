@@ -92,7 +92,7 @@ class Config(BaseModel):
     # --- replicas ----------------------------------------------------------------------
     data_parallel_size: int = Field(
         1, ge=1, description="Engine replicas behind one port, each a process of its own on its own GPU (GPU i of "
-                             "CUDA_VISIBLE_DEVICES, or the CPU); 1: the engine runs in the server process.")
+                             "CUDA_VISIBLE_DEVICES, or the CPU); 1: one engine, where engine_process says.")
     engine_process: bool | None = Field(
         None, description="With one replica, run the engine in a process of its own behind the HTTP front, as "
                           "each replica runs (teacher_server.replicas), instead of on a thread of the server "
