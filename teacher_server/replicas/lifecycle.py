@@ -64,8 +64,9 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
                            cfg.max_prompt_logprobs_entries)
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
         m.set_healthy(True)
-        log.info("%d replicas ready in %.1fs: serving %s (max_model_len %d)", cfg.data_parallel_size,
-                 time.monotonic() - t0, info.served_model_name, info.max_model_len)
+        what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"
+        log.info("%s ready in %.1fs: serving %s (max_model_len %d)", what, time.monotonic() - t0,
+                 info.served_model_name, info.max_model_len)
 
     st.replica_start = asyncio.ensure_future(wait())
     st.replica_pool = pool  # shut down by stop_engine once ready; before that, by the lifespan's end
