@@ -110,6 +110,15 @@ def timed(fn, iters: int) -> float:  # noqa: ANN001
     return a.elapsed_time(b) / 1e3 / iters
 
 
+def header(model_size: str) -> dict:
+    """A results file's first fields: the GPU, torch, the model, the GPU's power and clock limits."""
+    try:
+        limits = dict(zip(("power_limit_w", "sm_clock_max_mhz"), smi("power.limit,clocks.max.sm")))
+    except Exception as e:
+        limits = {"error": str(e)[:200]}
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": model_size, "limits": limits}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-size", default="8b", choices=list(MODELS))
@@ -118,12 +127,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg, dt, dev = MODELS[args.model_size], torch.bfloat16, torch.device("cuda")
-    try:
-        limits = dict(zip(("power_limit_w", "sm_clock_max_mhz"), smi("power.limit,clocks.max.sm")))
-    except Exception as e:
-        limits = {"error": str(e)[:200]}
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_size,
-                 "limits": limits, "burst": {}, "burst_clocks": {}, "sustained": {}}
+    res: dict = {**header(args.model_size), "burst": {}, "burst_clocks": {}, "sustained": {}}
     weights = {name: torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5 for name, k, n, _ in shapes(cfg)}
     tokens = [int(x) for x in args.tokens.split(",")]
     layers = {}  # M -> (the layer's calls, their FLOPs)

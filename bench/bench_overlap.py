@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_gemm import MODELS, Sampler, smi, timed  # noqa: E402
+from bench_gemm import MODELS, Sampler, header, timed  # noqa: E402
 from workloads import H200_PEAK  # noqa: E402
 
 from teacher_server.ops import extension  # noqa: E402
@@ -103,6 +103,22 @@ def schedules(full: Half, a: Half, b: Half, s1: torch.cuda.Stream, s2: torch.cud
             for _, op in half.ops:
                 op()
 
+    def up_to_next_multiply(half: Half, at: int, stream: torch.cuda.Stream, after: list, done: list) -> int:
+        """Launch ``half``'s ops from ``at`` through its next multiply on ``stream``, the
+        multiply after the other half's last (``after``); returns where it stopped."""
+        with torch.cuda.stream(stream):
+            while at < len(half.ops):
+                g, op = half.ops[at]
+                if g and after:
+                    stream.wait_event(after[-1])
+                op()
+                at += 1
+                if g:
+                    done.append(torch.cuda.Event())
+                    done[-1].record(stream)
+                    break
+        return at
+
     def overlap_halves() -> None:
         cur = torch.cuda.current_stream()
         s1.wait_stream(cur)
@@ -113,30 +129,9 @@ def schedules(full: Half, a: Half, b: Half, s1: torch.cuda.Stream, s2: torch.cud
         # waits for A's k-th, A's k+1-th for B's k-th, so the multiplies never share the GPU and
         # each half's passes overlap the other half's multiply
         ia = ib = 0
-        n = len(a.ops)
-        while ia < n or ib < n:
-            with torch.cuda.stream(s1):
-                while ia < n:
-                    g, op = a.ops[ia]
-                    if g and done_b:
-                        s1.wait_event(done_b[-1])
-                    op()
-                    ia += 1
-                    if g:
-                        done_a.append(torch.cuda.Event())
-                        done_a[-1].record(s1)
-                        break
-            with torch.cuda.stream(s2):
-                while ib < n:
-                    g, op = b.ops[ib]
-                    if g:
-                        s2.wait_event(done_a[-1])
-                    op()
-                    ib += 1
-                    if g:
-                        done_b.append(torch.cuda.Event())
-                        done_b[-1].record(s2)
-                        break
+        while ia < len(a.ops) or ib < len(b.ops):
+            ia = up_to_next_multiply(a, ia, s1, done_b, done_a)
+            ib = up_to_next_multiply(b, ib, s2, done_a, done_b)
         cur.wait_stream(s1)
         cur.wait_stream(s2)
 
@@ -152,12 +147,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg, dt, dev = MODELS[args.model_size], torch.bfloat16, torch.device("cuda")
-    try:
-        limits = dict(zip(("power_limit_w", "sm_clock_max_mhz"), smi("power.limit,clocks.max.sm")))
-    except Exception as e:
-        limits = {"error": str(e)[:200]}
-    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model_size,
-                 "limits": limits, "silu_mul_kernel": extension.load() is not None, "runs": {}}
+    res: dict = {**header(args.model_size), "silu_mul_kernel": extension.load() is not None, "runs": {}}
     w = weights(cfg, dev, dt)
     s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
     for m in (int(t) for t in args.tokens.split(",")):
