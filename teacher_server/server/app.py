@@ -61,7 +61,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         # own thread, so one of them does not hold up the parsing of every other request
         st.plp_pool = ThreadPoolExecutor(1, thread_name_prefix="teacher-plp")
         # One replica: the engine runs here, on a thread of this process (no extra hop), unless
-        # engine_process (on by default on CUDA). Several: a process each, behind a routing front
+        # engine_process (on by default for one GPU). Several: a process each, behind a routing front
         # (teacher_server.replicas).
         start = start_replicas if _engine_elsewhere(cfg) else start_engine
         start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
