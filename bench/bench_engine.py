@@ -30,6 +30,7 @@ import gc
 import io
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -293,10 +294,21 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _variants(text: str) -> list[tuple[str, list[str]]]:
+    """--http-variants: 'name=ARGS;name=ARGS' -> [(name, args)]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, sep, rest = part.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"{part!r}: expected name=server arguments")
+        out.append((name.strip(), shlex.split(rest)))
+    return out
+
+
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
-               engine_process: bool | None = None) -> dict:
+               engine_process: bool | None = None, extra: list[str] = ()) -> dict:
     """``name`` through a real server; ``engine_process`` None: the server's default (the engine
-    in a process of its own on one GPU, on a thread otherwise)."""
+    in a process of its own on one GPU, on a thread otherwise); ``extra``: more server arguments."""
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
@@ -309,6 +321,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         cmd.append("--engine-process" if engine_process else "--no-engine-process")
     else:
         engine_process = args.tensor_parallel_size == 1 and torch.cuda.is_available()
+    cmd += list(extra)
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -330,6 +343,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         best["concurrency"] = args.concurrency
         best["prefix_caching"] = False
         best["engine_process"] = engine_process
+        best["server_args"] = list(extra)
         return best
     finally:
         proc.terminate()
@@ -406,6 +420,10 @@ def main() -> None:
                     help="where the HTTP server runs its engine: its default (a process of its own on one GPU), on a "
                          "thread of its process, or in a process of its own (engine_process); several, comma-separated, "
                          "run one server after the other")
+    ap.add_argument("--http-variants", default=[("", [])], type=_variants,
+                    help="server settings to compare through HTTP, 'name=ARGS;name=ARGS' (e.g. "
+                         "'slots4=--body-read-slots 4;slots0=--body-read-slots 0'): a server each, one after the other, "
+                         "for each --http-engine mode")
     ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
@@ -521,11 +539,12 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     for mode in args.http_engine:
-        for n in http_names:  # the server's default (as named), the engine on its thread, or in a process
-            key = n if mode == "default" else f"{n}-engine-{mode}"
-            results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n],
-                                              engine_process=None if mode == "default" else mode == "process")
-            print(key, "http", json.dumps(results["http"][key]), flush=True)
+        for variant, extra in args.http_variants:
+            for n in http_names:  # the server's default (as named), the engine on its thread, or in a process
+                key = (n if mode == "default" else f"{n}-engine-{mode}") + (f"-{variant}" if variant else "")
+                results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n], extra=extra,
+                                                  engine_process=None if mode == "default" else mode == "process")
+                print(key, "http", json.dumps(results["http"][key]), flush=True)
     for n, b in base_runs.items():
         results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[n], b["seconds"], b["finish"],
                                            b["peak_bytes"], gpus=1)

@@ -546,3 +546,94 @@ def test_access_line_and_vllm_metric_names(demo_server, caplog) -> None:
         assert name + "{" in m, name
     assert metric(m, "vllm:prompt_tokens_total") == metric(m, "teacher_server_prompt_tokens_total") > 0
     assert "_created" not in m
+
+
+def test_body_gate_reads_large_bodies_in_turn() -> None:
+    """BodyGate: at most ``slots`` large bodies read at once, in arrival order; small ones do
+    not queue; a waiter gives up after max_wait_s and reads anyway; a cancelled waiter leaves
+    no slot behind."""
+    from teacher_server.server.http import BodyGate
+
+    async def main() -> None:
+        gate = BodyGate(2, max_wait_s=5.0)
+        inside, most, order = 0, 0, []
+
+        async def reader(i: int, hold: float) -> None:
+            nonlocal inside, most
+            async with gate.turn(BodyGate.LARGE):
+                inside += 1
+                most = max(most, inside)
+                order.append(i)
+                await asyncio.sleep(hold)
+                inside -= 1
+
+        tasks = []
+        for i in range(6):
+            tasks.append(asyncio.ensure_future(reader(i, 0.05)))
+            await asyncio.sleep(0)  # arrive in this order
+        await asyncio.gather(*tasks)
+        assert most == 2 and order == list(range(6)), (most, order)
+
+        async with gate.turn(BodyGate.LARGE - 1), gate.turn(None), gate.turn(None):  # small bodies: no queue
+            async with gate.turn(100):                                                 # (None: chunked, queues)
+                pass
+
+        # a waiter cancelled (its client went away) leaves the free count as it was
+        held = asyncio.Event()
+        release = asyncio.Event()
+
+        async def hold_both() -> None:
+            async with gate.turn(None), gate.turn(None):
+                held.set()
+                await release.wait()
+
+        holder = asyncio.ensure_future(hold_both())
+        await held.wait()
+        waiter = asyncio.ensure_future(reader(99, 0))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        release.set()
+        await holder
+        assert gate._free == 2 and not [f for f in gate._waiting if not f.done()]
+
+        # slots held by slow senders hold the others back for max_wait_s at most
+        slow = BodyGate(1, max_wait_s=0.2)
+        stuck = asyncio.Event()
+
+        async def stall() -> None:
+            async with slow.turn(None):
+                await stuck.wait()
+
+        staller = asyncio.ensure_future(stall())
+        await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        async with slow.turn(None):
+            waited = time.monotonic() - t0
+        assert 0.15 < waited < 2.0, waited
+        stuck.set()
+        await staller
+        assert slow._free == 1
+
+    asyncio.run(main())
+
+
+def test_a_slow_sender_does_not_hold_up_large_bodies(tmp_path_factory) -> None:
+    """With one body slot, a client trickling a large body holds the slot; a fast large
+    request behind it waits at most the gate's 0.25 s, then reads and is answered, long before
+    the slow one's body_timeout_s."""
+    cfg = demo_cfg(tmp_path_factory, body_read_slots=1, body_timeout_s=20)
+    with LiveServer(cfg) as s:
+        slow = raw_request(s.port, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: 400000\r\n\r\n" + b"{" + b" " * 1000)
+        try:
+            time.sleep(0.3)  # its body is being read: it holds the slot
+            payload = json.dumps(body([1, 2, 3], [4])).encode() + b" " * 300_000  # a large body
+            with s.client() as c:
+                t0 = time.monotonic()
+                r = c.post(GEN, content=payload, headers={"content-type": "application/json"})
+                dt = time.monotonic() - t0
+            assert r.status_code == 200, r.text[:300]
+            assert dt < 10, dt
+        finally:
+            slow.close()

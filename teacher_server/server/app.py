@@ -31,7 +31,7 @@ from teacher_server.engine.engine import Engine
 from teacher_server.replicas.lifecycle import start_replicas
 from teacher_server.server import parsing
 from teacher_server.server.errors import HTTP_STATUS, http_status
-from teacher_server.server.http import ClientGone, read_body
+from teacher_server.server.http import BodyGate, ClientGone, read_body
 from teacher_server.server.lifecycle import start_engine, stop_engine, terminate_self
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
@@ -56,6 +56,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         st.aengine, st.engine, st.status, st.started = None, None, "loading", int(time.time())
         st.loop = asyncio.get_running_loop()
         st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
+        st.body_gate = BodyGate(cfg.body_read_slots)
         st.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
         # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
         # own thread, so one of them does not hold up the parsing of every other request
@@ -241,7 +242,7 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
             raise EngineUnavailable("engine is loading")
         if not ae.accepting or not ae.alive:
             raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
-        raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s)
+        raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
         # Parsing and validating a large body takes a while: keep it off the event loop.
         args = (raw, app.state.limits, engine.served_model_name, info.header_request_id)
         body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
