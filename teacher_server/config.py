@@ -118,10 +118,11 @@ class Config(BaseModel):
         10.0, gt=0, description="Time a connection has to send a request's line and headers; then it is closed.")
     body_timeout_s: float = Field(60.0, gt=0, description="Time to receive a whole request body; 408 beyond.")
     body_read_slots: int = Field(
-        4, ge=0, description="Large request bodies (256 KiB and up) are read this many at a time, first come first "
-                             "served, so that a burst of uploads reaches the engine as whole requests from its start "
-                             "instead of all at its end, interleaved; a body waits at most 0.25 s for a slot, then "
-                             "reads anyway (slow senders cannot hold the others back). 0: all at once.")
+        4, ge=0, description="Large request bodies (256 KiB and up, or chunked) are read this many at a time, "
+                             "first come first served, so that a burst of uploads reaches the engine as whole "
+                             "requests from its start instead of all at its end, interleaved; a body waits at most "
+                             "0.25 s for a slot, then reads anyway (slow senders cannot hold the others back). "
+                             "0: all at once.")
     max_queue_requests: int = Field(4096, ge=1, description="Admitted-but-unfinished requests; 429 beyond.")
     max_queue_tokens: int = Field(64 * 1024 * 1024, ge=1, description="Admitted-but-unfinished tokens; 429 beyond.")
     request_timeout_s: float | None = Field(None, gt=0, description="Per-request deadline (504); None waits forever.")

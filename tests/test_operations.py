@@ -574,9 +574,12 @@ def test_body_gate_reads_large_bodies_in_turn() -> None:
         await asyncio.gather(*tasks)
         assert most == 2 and order == list(range(6)), (most, order)
 
-        async with gate.turn(BodyGate.LARGE - 1), gate.turn(None), gate.turn(None):  # small bodies: no queue
-            async with gate.turn(100):                                                 # (None: chunked, queues)
-                pass
+        async with gate.turn(None), gate.turn(None):  # both slots held (None: chunked, size unknown)
+            t0 = time.monotonic()
+            async with gate.turn(BodyGate.LARGE - 1), gate.turn(100), gate.turn(0):  # small bodies: no queue
+                assert gate._free == 0 and not gate._waiting
+            assert time.monotonic() - t0 < 1.0  # (a queued one would wait max_wait_s, 5 s)
+        assert gate._free == 2
 
         # a waiter cancelled (its client went away) leaves the free count as it was
         held = asyncio.Event()
@@ -627,13 +630,14 @@ def test_a_slow_sender_does_not_hold_up_large_bodies(tmp_path_factory) -> None:
         slow = raw_request(s.port, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\n"
                            b"Content-Type: application/json\r\nContent-Length: 400000\r\n\r\n" + b"{" + b" " * 1000)
         try:
-            time.sleep(0.3)  # its body is being read: it holds the slot
+            gate = s.app.state.body_gate
+            wait_until(lambda: gate._free == 0)  # its body is being read: it holds the slot
             payload = json.dumps(body([1, 2, 3], [4])).encode() + b" " * 300_000  # a large body
             with s.client() as c:
                 t0 = time.monotonic()
                 r = c.post(GEN, content=payload, headers={"content-type": "application/json"})
                 dt = time.monotonic() - t0
             assert r.status_code == 200, r.text[:300]
-            assert dt < 10, dt
+            assert gate.max_wait_s * 0.8 <= dt < 10, dt  # it waited for the slot, then read anyway
         finally:
             slow.close()

@@ -94,7 +94,7 @@ class BodyGate:
     holds their senders back). A body waits at most ``max_wait_s`` for a slot and then reads
     anyway, so slow senders holding the slots cannot hold the others back for long. The wait
     does not count towards ``body_timeout_s``. Small bodies (under ``LARGE`` bytes declared)
-    do not queue."""
+    do not queue; chunked ones (size unknown) do."""
 
     LARGE = 256 * 1024
 
@@ -125,19 +125,17 @@ class BodyGate:
             fut = asyncio.get_running_loop().create_future()
             self._waiting.append(fut)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), self.max_wait_s)
-                held = True
-            except asyncio.TimeoutError:
-                if fut.done():  # handed a slot just as the wait ran out: keep it
-                    held = True
-                else:
-                    fut.cancel()
-            except BaseException:  # cancelled (the client went away): pass on a slot handed over
+                await asyncio.wait({fut}, timeout=self.max_wait_s)  # leaves fut alone on timeout
+            except BaseException:  # cancelled (shutdown): pass on a slot handed over meanwhile
                 if fut.done() and not fut.cancelled():
                     self._release()
                 else:
                     fut.cancel()
                 raise
+            if fut.done():  # handed a slot (possibly just as the wait ran out)
+                held = True
+            else:  # waited long enough: read without a slot
+                fut.cancel()
         try:
             yield
         finally:
@@ -156,7 +154,8 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
     if not chunked and declared is not None and declared.isdigit() and int(declared) > limit:
         raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
     if gate is not None:
-        size = int(declared) if not chunked and declared is not None and declared.isdigit() else None
+        # chunked: size unknown until read, so it queues; neither header: no body (HTTP/1.1)
+        size = None if chunked else int(declared) if declared is not None and declared.isdigit() else 0
         async with gate.turn(size):
             return await read_body(request, limit, timeout_s)
 
