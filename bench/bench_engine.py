@@ -319,8 +319,10 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            "--load-format", args.load_format]
     if engine_process is not None:
         cmd.append("--engine-process" if engine_process else "--no-engine-process")
-    else:
-        engine_process = args.tensor_parallel_size == 1 and torch.cuda.is_available()
+    else:  # the server's own rule, as it will apply it
+        from teacher_server.replicas.pool import engine_elsewhere
+
+        engine_process = engine_elsewhere(Config(tensor_parallel_size=args.tensor_parallel_size))
     cmd += list(extra)
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:

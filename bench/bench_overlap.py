@@ -31,7 +31,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_gemm import MODELS, Sampler, header, timed  # noqa: E402
+from bench_gemm import MODELS, Sampler, header, shapes, timed  # noqa: E402
 from workloads import H200_PEAK  # noqa: E402
 
 from teacher_server.ops import extension  # noqa: E402
@@ -79,11 +79,10 @@ class Half:
 
 
 def weights(cfg: dict, dev: torch.device, dt: torch.dtype) -> dict:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
-    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
-    w = {k: torch.randn(n, k_, device=dev, dtype=dt) * k_ ** -0.5 for k, (n, k_) in shapes.items()}
+    """The layer's projection weights ([N, K], the shapes of bench_gemm) and the norm's."""
+    h = cfg["hidden_size"]
+    w = {name: torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5
+         for name, k, n, _ in shapes(cfg) if name in ("qkv", "o", "gate_up", "down")}
     w["norm"] = torch.ones(h, device=dev, dtype=dt)
     return w
 

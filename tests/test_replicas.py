@@ -219,8 +219,8 @@ def test_engine_in_a_process_of_its_own(checkpoints, reference) -> None:
 def test_engine_process_default(device: str, tp: int, setting: bool | None, elsewhere: bool) -> None:
     """``engine_process`` None resolves by where the engine runs (no GPU needed to decide: the
     device is named); an explicit setting wins; several replicas are always processes."""
-    from teacher_server.server.app import _engine_elsewhere
+    from teacher_server.replicas.pool import engine_elsewhere
 
     cfg = Config(device=device, tensor_parallel_size=tp, engine_process=setting)
-    assert _engine_elsewhere(cfg) is elsewhere
-    assert _engine_elsewhere(cfg.model_copy(update={"data_parallel_size": 2}))
+    assert engine_elsewhere(cfg) is elsewhere
+    assert engine_elsewhere(cfg.model_copy(update={"data_parallel_size": 2}))

@@ -198,6 +198,17 @@ class ReplicaPool:
             self.on_down(rep.index, why)
 
 
+def engine_elsewhere(cfg: Config) -> bool:
+    """Whether the engines of ``cfg`` run in processes of their own (replicas, or one engine
+    with ``engine_process``), not on a thread of the server process. ``engine_process`` None:
+    a process of its own for one engine on one GPU."""
+    if cfg.data_parallel_size > 1 or cfg.engine_process:
+        return True
+    if cfg.engine_process is None:
+        return cfg.tensor_parallel_size == 1 and uses_gpu(cfg)
+    return False
+
+
 def uses_gpu(cfg: Config) -> bool:
     """Whether the engine of ``cfg`` runs on CUDA (device cuda, or auto with a GPU present)."""
     if cfg.device == "cpu":

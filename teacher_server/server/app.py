@@ -29,6 +29,7 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
 from teacher_server.replicas.lifecycle import start_replicas
+from teacher_server.replicas.pool import engine_elsewhere
 from teacher_server.server import parsing
 from teacher_server.server.errors import HTTP_STATUS, http_status
 from teacher_server.server.http import BodyGate, ClientGone, read_body
@@ -48,6 +49,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     port answers at once (`/health` is 503 `{"status": "loading"}` until the engine is ready).
     ``on_fatal`` runs when the engine cannot start or cannot recover (default: SIGTERM to this
     process, so the orchestrator restarts it)."""
+    elsewhere = engine_elsewhere(cfg)  # the engine(s) in processes of their own
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
@@ -64,7 +66,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         # One replica: the engine runs here, on a thread of this process (no extra hop), unless
         # engine_process (on by default for one GPU). Several: a process each, behind a routing front
         # (teacher_server.replicas).
-        start = start_replicas if _engine_elsewhere(cfg) else start_engine
+        start = start_replicas if elsewhere else start_engine
         start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
               on_fatal=lambda exc: _on_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
         try:
@@ -133,7 +135,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         m: Metrics = request.app.state.metrics
-        if not _engine_elsewhere(cfg) and request.app.state.engine is not None:  # replicas send theirs
+        if not elsewhere and request.app.state.engine is not None:  # replicas send theirs
             m.observe_gauges(request.app.state.engine.stats())
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -179,17 +181,6 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     _register_schemas(app)
     return app
-
-
-def _engine_elsewhere(cfg: Config) -> bool:
-    """Whether the engines run in processes of their own (replicas), not on a thread here."""
-    if cfg.data_parallel_size > 1 or cfg.engine_process:
-        return True
-    if cfg.engine_process is None:  # auto: a process of its own for one CUDA engine of one GPU
-        from teacher_server.replicas.pool import uses_gpu
-
-        return cfg.tensor_parallel_size == 1 and uses_gpu(cfg)
-    return False
 
 
 class _RequestInfo:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -111,7 +111,7 @@ class BodyGate:
                 return
         self._free += 1
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def turn(self, declared: int | None) -> AsyncIterator[None]:
         """Hold a slot (or give up waiting for one after ``max_wait_s``) while reading."""
         if self.slots <= 0 or (declared is not None and declared < self.LARGE):
@@ -151,25 +151,25 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
     reading)."""
     declared = request.headers.get("content-length")
     chunked = "transfer-encoding" in request.headers
-    if not chunked and declared is not None and declared.isdigit() and int(declared) > limit:
+    size = int(declared) if not chunked and declared is not None and declared.isdigit() else None
+    if size is not None and size > limit:
         raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
-    if gate is not None:
-        # chunked: size unknown until read, so it queues; neither header: no body (HTTP/1.1)
-        size = None if chunked else int(declared) if declared is not None and declared.isdigit() else 0
-        async with gate.turn(size):
-            return await read_body(request, limit, timeout_s)
 
     async def receive_all() -> bytes:
-        chunks, size = [], 0
+        chunks, got = [], 0
         async for part in request.stream():
-            size += len(part)
-            if size > limit:
+            got += len(part)
+            if got > limit:
                 raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
             chunks.append(part)
         return b"".join(chunks)
 
+    # the gate's turn: chunked bodies (size unknown until read) queue; with neither header there
+    # is no body (HTTP/1.1)
+    turn = gate.turn(size if size is not None or chunked else 0) if gate is not None else contextlib.nullcontext()
     try:
-        return await asyncio.wait_for(receive_all(), timeout_s)
+        async with turn:
+            return await asyncio.wait_for(receive_all(), timeout_s)
     except ClientDisconnect:
         raise ClientGone("client disconnected while sending the body") from None
     except asyncio.TimeoutError:
