@@ -163,7 +163,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
-    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel")}
+    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel")}
 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
@@ -180,16 +180,19 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "eager_stages": lambda: [setattr(ops, n, f) for n, f in _STAGES.items()],
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references
         "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False)),
+        # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
+        "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
     }
     tp = getattr(engine, "_workers", None) is not None
     for v in only or list(variants):  # in the order asked for
-        if tp and v in ("eager_stages", "no_cuda_kernels"):  # the workers' stages are their own
+        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel"):  # the workers' stages are their own
             out[v] = {"skipped": "tensor parallel: only rank 0's stages would change"}
             continue
         apply = variants[v]
         apply()
         state = {"compiled_stages": [n for n in _STAGES if getattr(ops, n) is not _STAGES[n]],
-                 "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel}  # what the variant ran with
+                 "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel,
+                 "conv_kernel": ops.conv_kernel}  # what the variant ran with
         try:
             out[v] = bench_engine(engine, cfg, f"{name}-{v}", reqs, repeats)
             out[v]["ops"] = state

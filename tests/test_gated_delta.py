@@ -408,6 +408,7 @@ def test_warm_up_switches_off_the_fused_qkv_kernel(tmp_path: Path) -> None:
     rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 64, CPU)
     model.warm_up_ops(ops, rope)
     assert not ops.qkv_kernel and ops.silu_kernel and ops.residual_in_gemm
+    assert not ops.conv_kernel  # the fused input stage is a CUDA kernel: off on the CPU
     # the gated norm is checked as the layers call it: z's columns in the in-projection's output
     mixer = model.layers[spec.linear_layer_ids[0]].linear_attn
     width = mixer.in_proj.weight.shape[0]

@@ -29,6 +29,7 @@ from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.conv_prep import conv_prep
 from teacher_server.ops.gated_delta import LinearPlan, causal_conv1d, gated_delta_rule, make_plan
 from teacher_server.step_context import StepContext
 
@@ -129,10 +130,14 @@ class GatedDeltaNet(RuntimeModule):
         if plan.has_init:  # gathers are copies: read every initial state before writing any end state
             conv_in = pool.conv_state(self.layer_id)[ctx.state_in]  # [N, D, W]
             rec_in = pool.rec_state(self.layer_id)[ctx.state_in]  # [N, HV, K, V] float32
-        y, conv_end = causal_conv1d(mixed, self.conv_weight, plan, conv_in, plan.keep)  # [T, conv_dim]
-        # q, k L2-normed, q, k, v contiguous, beta, g [T, nv] float32: one compiled stage
-        q, k, v, beta, g = self.rt.ops.linear_prep(y, b, a, self.A_log, self.dt_bias, self.nk, self.dk, self.nv,
-                                                   self.dv)
+        if self.rt.ops.conv_kernel and plan.seq_of is not None:  # the convolution and the stage below in one pass
+            q, k, v, beta, g, conv_end = conv_prep(mixed, self.conv_weight, plan.cu, plan.seq_of, conv_in, plan.keep,
+                                                   b, a, self.A_log, self.dt_bias, self.nk, self.dk, self.nv, self.dv)
+        else:
+            y, conv_end = causal_conv1d(mixed, self.conv_weight, plan, conv_in, plan.keep)  # [T, conv_dim]
+            # q, k L2-normed, q, k, v contiguous, beta, g [T, nv] float32: one compiled stage
+            q, k, v, beta, g = self.rt.ops.linear_prep(y, b, a, self.A_log, self.dt_bias, self.nk, self.dk, self.nv,
+                                                       self.dv)
         o, rec_end = gated_delta_rule(q, k, v, g, beta, plan, rec_in, plan.keep, qk_normed=True)
         if plan.keep:
             pool.conv_state(self.layer_id)[ctx.state_out] = conv_end[ctx.state_keep]

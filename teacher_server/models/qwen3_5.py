@@ -155,7 +155,8 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         """The compiled stages and SiLU-mul at this model's shapes. The fused QKV kernel is
         not used here (partial rotary, the output gate): it is switched off rather than
         checked; the compiled q/k stage is checked at the rotary width of the rope table.
-        On CUDA, fla-core's kernels are checked (and autotuned) at the linear layers' shapes."""
+        On CUDA, fla-core's kernels are checked (and autotuned) at the linear layers' shapes, and
+        so is the fused input stage of those layers."""
         ops.qkv_kernel = False
         attn = next(layer.self_attn for layer in self.layers if not layer.linear)
         heads = HeadLayout(attn.heads.n_q, attn.heads.n_kv, rope.table.shape[1], attn.heads.eps)
@@ -170,3 +171,5 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,
                       s.linear_conv_kernel_dim, rope.table.device, self.dtype)
+            ops.check_conv_kernel(mixer.nk, s.linear_key_head_dim, mixer.nv, s.linear_value_head_dim,
+                                  s.linear_conv_kernel_dim, rope.table.device, self.dtype)

@@ -1,8 +1,9 @@
 """FusedOps: the per-layer stages of the forward and the two independent switches that pick
 how they run.
 
-- ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel) and the
-  residual add inside the o/down GEMM. None of them needs ``torch.compile``.
+- ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel), the
+  residual add inside the o/down GEMM, and the Gated DeltaNet input stage's Triton kernel
+  (``ops.conv_prep``). None of them needs ``torch.compile``.
 - ``compile``: RMSNorm, add + RMSNorm, the Gated DeltaNet layers' input stage (q/k norms,
   contiguous q/k/v, gates) and gated RMSNorm, and the torch QKV stages through ``torch.compile``
   (dynamic shapes: one graph for every token count), each one or two fused kernels instead
@@ -24,6 +25,7 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
+from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
@@ -92,6 +94,9 @@ class FusedOps:
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
+        # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA with fla-core,
+        # after its start-up check: ``check_conv_kernel``)
+        self.conv_kernel = kernels
         self.compiled = False
         if compile:
             try:
@@ -132,6 +137,18 @@ class FusedOps:
             except Exception as e:
                 log.warning("SiLU-mul kernel disabled: %s", e)
                 self.silu_kernel = False
+
+    def check_conv_kernel(self, nk: int, dk: int, nv: int, dv: int, kernel: int, device: torch.device,
+                          dtype: torch.dtype) -> None:
+        """Check the fused Gated DeltaNet input stage at the model's shapes (when on; CUDA
+        only): a failure switches it off, with one log line (the two-pass path is correct)."""
+        if self.conv_kernel and device.type == "cuda":
+            try:
+                check_conv_prep(nk, dk, nv, dv, kernel, device, dtype)
+                return
+            except Exception as e:
+                log.warning("fused Gated DeltaNet input kernel disabled: %s: %s", type(e).__name__, e)
+        self.conv_kernel = False
 
     def warm_up(self, heads: HeadLayout, hidden: int, intermediate: int, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:

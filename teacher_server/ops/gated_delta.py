@@ -58,7 +58,8 @@ class LinearPlan:
     ``bounds``: host [N + 1] sequence ends (cu_q); ``cu``: the same on the device, int64;
     ``chunk_indices``: fla's [chunks, 2] (sequence, chunk) table on the device (fla path
     only); ``has_init``: some sequence starts from a stored state; ``keep``: some end state
-    is stored."""
+    is stored; ``seq_of``: each token's sequence, int32 on the device (CUDA only: the fused
+    input stage's, ``ops.conv_prep``)."""
 
     bounds: list[int]
     cu: torch.Tensor
@@ -66,6 +67,7 @@ class LinearPlan:
     chunk_indices: torch.Tensor | None
     has_init: bool
     keep: bool
+    seq_of: torch.Tensor | None = None
 
 
 def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool) -> LinearPlan:
@@ -76,7 +78,13 @@ def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool)
     chunks = None
     if fla is not None:  # built from the host copy, moved once: no sync in any layer
         chunks = fla["chunk_indices"](cu, CHUNK, cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.int64))
-    return LinearPlan(bounds, cu, fla, chunks, has_init, keep)
+    seq_of = seq_of_tokens(cu, bounds[-1]) if cu.is_cuda else None
+    return LinearPlan(bounds, cu, fla, chunks, has_init, keep, seq_of)
+
+
+def seq_of_tokens(cu: torch.Tensor, t: int) -> torch.Tensor:
+    """Each of a step's t tokens' sequence index, int32 [t], from cu [N + 1] (on cu's device, no sync)."""
+    return torch.searchsorted(cu[1:], torch.arange(t, device=cu.device, dtype=cu.dtype), right=True).to(torch.int32)
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan, initial: torch.Tensor | None,
