@@ -33,15 +33,23 @@ def _kernels() -> dict[str, Any]:
     import triton.language as tl
 
     @triton.jit
-    def conv_heads(x_ptr, sx, w_ptr, seq_ptr, start_ptr, init_ptr, si_n, si_c, out_ptr, T, c_base,
+    def conv_heads(x_ptr, sx, w_ptr, seq_ptr, start_ptr, init_ptr, si_n, si_c, tok_ptr, out_ptr, T, c_base,
                    b_ptr, a_ptr, sab, alog_ptr, dtb_ptr, beta_ptr, g_ptr, nv,
                    W: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, HAS_INIT: tl.constexpr,
                    NORM: tl.constexpr, GATES: tl.constexpr):
-        # program (token block, head): out[t, head, :] for the head's D channels of x
+        # program (token block, head): out[t, head, :] for the head's D channels of x. HAS_INIT:
+        # the tokens are the T listed at tok_ptr (-1: none), and taps before a sequence's start
+        # read its stored state; else tokens 0..T-1, and those taps read zeros
         pid_t, h = tl.program_id(0), tl.program_id(1)
         heads = tl.num_programs(1)
-        t = pid_t * BT + tl.arange(0, BT)
-        tm = t < T
+        i = pid_t * BT + tl.arange(0, BT)
+        if HAS_INIT:
+            t = tl.load(tok_ptr + i, mask=i < T, other=-1)
+            tm = t >= 0
+            t = tl.maximum(t, 0)
+        else:
+            t = i
+            tm = i < T
         d = tl.arange(0, D)
         c = c_base + h * D + d  # the head's channels among the convolution's
         seq = tl.load(seq_ptr + t, mask=tm, other=0)
@@ -100,12 +108,13 @@ def _kernels() -> dict[str, Any]:
 
 def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: torch.Tensor,
               initial: torch.Tensor | None, final: bool, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor, nk: int, dk: int, nv: int, dv: int) -> Prepped:
+              dt_bias: torch.Tensor, nk: int, dk: int, nv: int, dv: int, block_t: int = BLOCK_T) -> Prepped:
     """x [T, 2 nk dk + nv dv] (q | k | v columns; rows may be strided, columns contiguous),
     weight [D, W] contiguous, cu [N + 1] int64 sequence bounds, seq_of [T] int32
     (``gated_delta.seq_of_tokens``), initial [N, D, W] (None: zeros), b, a [T, nv] (rows strided alike).
     Returns (q, k [T, nk, dk] normed, v [T, nv, dv], beta [T, nv], g [T, nv] float32, end
-    states [N, D, W] or None), as ``causal_conv1d`` then ``linear_prep``."""
+    states [N, D, W] or None), as ``causal_conv1d`` then ``linear_prep``. ``block_t``: tokens
+    per program (a power of two)."""
     k_ = _kernels()
     t, dim = x.shape
     w = weight.shape[1]
@@ -123,14 +132,22 @@ def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: t
     v = torch.empty(t, nv, dv, dtype=x.dtype, device=x.device)
     beta = torch.empty(t, nv, dtype=b.dtype, device=x.device)
     g = torch.empty(t, nv, dtype=torch.float32, device=x.device)
-    if t:
-        blocks = k_["triton"].cdiv(t, BLOCK_T)
-        common = dict(W=w, BT=BLOCK_T, HAS_INIT=has_init, num_warps=4)
+    # Every token with zeros before its sequence's start, then (with stored states) the first
+    # W - 1 tokens of each sequence again, reading the states: the pass over all tokens does
+    # not carry the state's gather (it costs the whole pass twice its time on the H200).
+    passes = [(seq_of, t, False, block_t)] if t else []
+    if has_init and t:
+        first = (cu[:-1, None] + torch.arange(w - 1, device=cu.device)).flatten()
+        first = torch.where(first < cu[1:].repeat_interleave(w - 1), first, -1)
+        passes.append((first, first.shape[0], True, 16))
+    for tok, count, init_pass, bt in passes:
+        blocks = k_["triton"].cdiv(count, bt)
         for out, base, heads, hd, norm in ((q, 0, nk, dk, True), (kk, nk * dk, nk, dk, True),
                                            (v, 2 * nk * dk, nv, dv, False)):
-            k_["conv_heads"][(blocks, heads)](x, x.stride(0), weight, seq_of, starts, initial, si_n, si_c, out, t,
-                                              base, b, a, b.stride(0), a_log, dt_bias, beta, g, nv, D=hd,
-                                              NORM=norm, GATES=not norm, **common)
+            k_["conv_heads"][(blocks, heads)](x, x.stride(0), weight, seq_of, starts, initial, si_n, si_c, tok, out,
+                                              count, base, b, a, b.stride(0), a_log, dt_bias, beta, g, nv, W=w,
+                                              D=hd, BT=bt, HAS_INIT=init_pass, NORM=norm, GATES=not norm,
+                                              num_warps=4)
     end = None
     if final:
         n = cu.shape[0] - 1
