@@ -95,6 +95,48 @@ def test_kernel_in_the_triton_interpreter() -> None:
         assert errs["end"] == 0.0, case  # the end state is a copy
 
 
+_ENGINE = """
+import sys, numpy as np, torch
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+import teacher_server.layers.gated_delta as layer
+from test_gated_delta import make_qwen3_5
+from teacher_server.llm import LLM
+
+calls = []
+fused = layer.conv_prep
+layer.conv_prep = lambda *a, **k: (calls.append(a[4] is not None), fused(*a, **k))[1]
+path = make_qwen3_5(Path({tmp!r}) / "m", seed=3)
+out = {{}}
+for kernel in (False, True):
+    llm = LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+    llm.engine.runner.ops.conv_kernel = kernel
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, 48).tolist()
+    out[kernel] = [llm.score(prompt + rng.integers(0, 256, 40).tolist(), np.arange(256), start=50) for _ in range(3)]
+    assert llm.engine.stats().prefix_hit_tokens > 0
+err = max(float(np.abs(a - b).max()) for a, b in zip(out[False], out[True]))
+print(len(calls), sum(calls), err)
+"""
+
+
+def test_engine_with_the_kernel_in_the_triton_interpreter(tmp_path: Path) -> None:
+    """The layer's use of the kernel through the public ``LLM`` on the CPU (the kernel forced on,
+    run by Triton's interpreter): a GRPO-like group at a 32-token step budget (sequences in
+    several chunks, the later ones starting from the prompt's cached snapshot) scores as with
+    the two-pass path within 1e-4 in float32 (the bound the CPU tests hold against transformers;
+    a lost state is off by nats), and the kernel ran, also from stored states."""
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = _ENGINE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    calls, from_states, err = out.stdout.strip().splitlines()[-1].split()
+    assert int(calls) > 0 and int(from_states) > 0, (calls, from_states)
+    assert float(err) < 1e-4, err
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("init", [False, True])

@@ -130,7 +130,7 @@ class GatedDeltaNet(RuntimeModule):
         if plan.has_init:  # gathers are copies: read every initial state before writing any end state
             conv_in = pool.conv_state(self.layer_id)[ctx.state_in]  # [N, D, W]
             rec_in = pool.rec_state(self.layer_id)[ctx.state_in]  # [N, HV, K, V] float32
-        if self.rt.ops.conv_kernel and plan.seq_of is not None:  # the convolution and the stage below in one pass
+        if self.rt.ops.conv_kernel:  # the convolution and the stage below in one pass (CUDA)
             q, k, v, beta, g, conv_end = conv_prep(mixed, self.conv_weight, plan.cu, plan.seq_of, conv_in, plan.keep,
                                                    b, a, self.A_log, self.dt_bias, self.nk, self.dk, self.nv, self.dv)
         else:

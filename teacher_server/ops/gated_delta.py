@@ -58,8 +58,8 @@ class LinearPlan:
     ``bounds``: host [N + 1] sequence ends (cu_q); ``cu``: the same on the device, int64;
     ``chunk_indices``: fla's [chunks, 2] (sequence, chunk) table on the device (fla path
     only); ``has_init``: some sequence starts from a stored state; ``keep``: some end state
-    is stored; ``seq_of``: each token's sequence, int32 on the device (CUDA only: the fused
-    input stage's, ``ops.conv_prep``)."""
+    is stored; ``seq_of``: each token's sequence, int32 on the device (for the fused input
+    stage, ``ops.conv_prep``)."""
 
     bounds: list[int]
     cu: torch.Tensor
@@ -67,7 +67,7 @@ class LinearPlan:
     chunk_indices: torch.Tensor | None
     has_init: bool
     keep: bool
-    seq_of: torch.Tensor | None = None
+    seq_of: torch.Tensor
 
 
 def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool) -> LinearPlan:
@@ -78,7 +78,7 @@ def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool)
     chunks = None
     if fla is not None:  # built from the host copy, moved once: no sync in any layer
         chunks = fla["chunk_indices"](cu, CHUNK, cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.int64))
-    seq_of = seq_of_tokens(cu, bounds[-1]) if cu.is_cuda else None
+    seq_of = seq_of_tokens(cu, bounds[-1])
     return LinearPlan(bounds, cu, fla, chunks, has_init, keep, seq_of)
 
 
