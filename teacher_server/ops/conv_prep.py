@@ -135,7 +135,7 @@ def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: t
     # Every token with zeros before its sequence's start, then (with stored states) the first
     # W - 1 tokens of each sequence again, reading the states: the pass over all tokens does
     # not carry the state's gather (it costs the whole pass twice its time on the H200).
-    passes = [(seq_of, t, False, block_t)] if t else []
+    passes = [(seq_of, t, False, block_t)] if t else []  # (token list: not read by this pass, ...)
     if has_init and t:
         first = (cu[:-1, None] + torch.arange(w - 1, device=cu.device)).flatten()
         first = torch.where(first < cu[1:].repeat_interleave(w - 1), first, -1)

@@ -94,8 +94,8 @@ class FusedOps:
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
-        # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA with fla-core,
-        # after its start-up check: ``check_conv_kernel``)
+        # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
+        # its start-up check: ``check_conv_kernel``)
         self.conv_kernel = kernels
         self.compiled = False
         if compile:
