@@ -59,7 +59,7 @@ def bench(tokens: int, init: bool, iters: int, warmup: int) -> dict:
            "two_passes_ms": time_ms(two_passes, iters, warmup)}
     moved = 2 * tokens * dim * x.element_size()  # the q|k|v columns read once, q, k, v written once
     for bt in (16, 32, 64):
-        ms = time_ms(lambda bt=bt: conv_prep(x, weight, plan.cu, plan.seq_of, initial, True, b, a, a_log, dt_bias,
+        ms = time_ms(lambda bt=bt: conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias,
                                               NK, DK, NV, DV, block_t=bt), iters, warmup)
         row[f"fused_bt{bt}_ms"] = ms
         row[f"fused_bt{bt}_gb_s"] = moved / ms / 1e6

@@ -40,9 +40,8 @@ def compare(lens: list[int], nk: int, dk: int, nv: int, dv: int, w: int, dtype: 
     """Per output: max abs difference, kernel against the torch reference, over the
     reference's max abs value."""
     x, weight, initial, b, a, a_log, dt_bias = inputs(lens, nk, dk, nv, dv, w, dtype, device, init)
-    cu = torch.tensor(bounds_of(lens), device=device)
-    got = conv_prep(x, weight, cu, seq_of_tokens(cu, sum(lens)), initial, True, b, a, a_log, dt_bias,
-                    nk, dk, nv, dv)
+    plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), init, True)
+    got = conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
     ref = conv_prep_reference(x, weight, bounds_of(lens), initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
     out = {}
     for name, g, r in zip(NAMES, got, ref, strict=True):
@@ -155,7 +154,7 @@ def test_kernel_on_cuda(dtype: torch.dtype, init: bool) -> None:
     x, weight, initial, b, a, a_log, dt_bias = inputs(lens, 16, 128, 32, 128, 4, dtype, dev, init)
     cu = torch.tensor(bounds_of(lens), device=dev)
     plan = make_plan(lens, cu, init, True)
-    got = conv_prep(x, weight, plan.cu, plan.seq_of, initial, True, b, a, a_log, dt_bias, 16, 128, 32, 128)
+    got = conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias, 16, 128, 32, 128)
     y, end = causal_conv1d(x, weight, plan, initial, True)
     two = (*FusedOps(kernels=False, compile=True).linear_prep(y, b, a, a_log, dt_bias, 16, 128, 32, 128), end)
     for name, g, r in zip(NAMES, got, two, strict=True):

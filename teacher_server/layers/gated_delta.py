@@ -131,8 +131,8 @@ class GatedDeltaNet(RuntimeModule):
             conv_in = pool.conv_state(self.layer_id)[ctx.state_in]  # [N, D, W]
             rec_in = pool.rec_state(self.layer_id)[ctx.state_in]  # [N, HV, K, V] float32
         if self.rt.ops.conv_kernel:  # the convolution and the stage below in one pass (CUDA)
-            q, k, v, beta, g, conv_end = conv_prep(mixed, self.conv_weight, plan.cu, plan.seq_of, conv_in, plan.keep,
-                                                   b, a, self.A_log, self.dt_bias, self.nk, self.dk, self.nv, self.dv)
+            q, k, v, beta, g, conv_end = conv_prep(mixed, self.conv_weight, plan, conv_in, plan.keep, b, a, self.A_log,
+                                                   self.dt_bias, self.nk, self.dk, self.nv, self.dv)
         else:
             y, conv_end = causal_conv1d(mixed, self.conv_weight, plan, conv_in, plan.keep)  # [T, conv_dim]
             # q, k L2-normed, q, k, v contiguous, beta, g [T, nv] float32: one compiled stage

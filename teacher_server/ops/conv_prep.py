@@ -16,9 +16,12 @@ the start-up check against the two-pass path.
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from teacher_server.ops.gated_delta import LinearPlan
 
 _K: dict[str, Any] = {}
 # q, k, v, beta, g, end states (None unless asked for)
@@ -106,12 +109,12 @@ def _kernels() -> dict[str, Any]:
     return _K
 
 
-def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: torch.Tensor,
-              initial: torch.Tensor | None, final: bool, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
-              dt_bias: torch.Tensor, nk: int, dk: int, nv: int, dv: int, block_t: int = BLOCK_T) -> Prepped:
+def conv_prep(x: torch.Tensor, weight: torch.Tensor, plan: LinearPlan, initial: torch.Tensor | None, final: bool,
+              b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, nk: int, dk: int, nv: int,
+              dv: int, block_t: int = BLOCK_T) -> Prepped:
     """x [T, 2 nk dk + nv dv] (q | k | v columns; rows may be strided, columns contiguous),
-    weight [D, W] contiguous, cu [N + 1] int64 sequence bounds, seq_of [T] int32
-    (``gated_delta.seq_of_tokens``), initial [N, D, W] (None: zeros), b, a [T, nv] (rows strided alike).
+    weight [D, W] contiguous, ``plan`` the step's (``gated_delta.make_plan``), initial [N, D, W]
+    (None: zeros), b, a [T, nv] (rows strided alike).
     Returns (q, k [T, nk, dk] normed, v [T, nv, dv], beta [T, nv], g [T, nv] float32, end
     states [N, D, W] or None), as ``causal_conv1d`` then ``linear_prep``. ``block_t``: tokens
     per program (a power of two)."""
@@ -120,7 +123,7 @@ def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: t
     w = weight.shape[1]
     assert x.stride(1) == 1 and weight.is_contiguous() and b.stride(1) == 1 and a.stride(1) == 1
     assert b.stride(0) == a.stride(0)
-    starts = cu
+    cu = plan.cu
     has_init = initial is not None
     if has_init:
         assert initial.stride(2) == 1
@@ -135,16 +138,15 @@ def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: t
     # Every token with zeros before its sequence's start, then (with stored states) the first
     # W - 1 tokens of each sequence again, reading the states: the pass over all tokens does
     # not carry the state's gather (it costs the whole pass twice its time on the H200).
-    passes = [(seq_of, t, False, block_t)] if t else []  # (token list: not read by this pass, ...)
+    passes = [(plan.seq_of, t, False, block_t)] if t else []  # (token list: not read by this pass, ...)
     if has_init and t:
-        first = (cu[:-1, None] + torch.arange(w - 1, device=cu.device)).flatten()
-        first = torch.where(first < cu[1:].repeat_interleave(w - 1), first, -1)
+        first = plan.heads(w - 1)
         passes.append((first, first.shape[0], True, 16))
     for tok, count, init_pass, bt in passes:
         blocks = k_["triton"].cdiv(count, bt)
         for out, base, heads, hd, norm in ((q, 0, nk, dk, True), (kk, nk * dk, nk, dk, True),
                                            (v, 2 * nk * dk, nv, dv, False)):
-            k_["conv_heads"][(blocks, heads)](x, x.stride(0), weight, seq_of, starts, initial, si_n, si_c, tok, out,
+            k_["conv_heads"][(blocks, heads)](x, x.stride(0), weight, plan.seq_of, cu, initial, si_n, si_c, tok, out,
                                               count, base, b, a, b.stride(0), a_log, dt_bias, beta, g, nv, W=w,
                                               D=hd, BT=bt, HAS_INIT=init_pass, NORM=norm, GATES=not norm,
                                               num_warps=4)
@@ -154,7 +156,7 @@ def conv_prep(x: torch.Tensor, weight: torch.Tensor, cu: torch.Tensor, seq_of: t
         end = torch.empty(n, dim, w, dtype=x.dtype, device=x.device)
         if n:
             bc = 256
-            k_["conv_end"][(n, k_["triton"].cdiv(dim, bc))](x, x.stride(0), starts, initial, si_n, si_c, end, dim,
+            k_["conv_end"][(n, k_["triton"].cdiv(dim, bc))](x, x.stride(0), cu, initial, si_n, si_c, end, dim,
                                                             W=w, BC=bc, HAS_INIT=has_init, num_warps=4)
     return q, kk, v, beta, g, end
 
@@ -175,7 +177,7 @@ def check_conv_prep(nk: int, dk: int, nv: int, dv: int, kernel: int, device: tor
     kernel, ones starting from stored states, strided inputs) against the torch path. Raises
     on a mismatch."""
     from teacher_server.ops.checks import assert_close
-    from teacher_server.ops.gated_delta import bounds_of, seq_of_tokens
+    from teacher_server.ops.gated_delta import bounds_of, make_plan
 
     lens = [70, 1, 2, 37, 5]
     bounds = bounds_of(lens)
@@ -185,9 +187,9 @@ def check_conv_prep(nk: int, dk: int, nv: int, dv: int, kernel: int, device: tor
     wide = rnd(t, dim + 2 * nv + 5).to(dtype)  # the in-projection's row: q | k | v | b | a | other
     x, b, a = wide[:, :dim], wide[:, dim:dim + nv], wide[:, dim + nv:dim + 2 * nv]
     weight, a_log, dt_bias = rnd(dim, kernel).to(dtype), rnd(nv).to(dtype), rnd(nv).to(dtype)
-    cu = torch.tensor(bounds, device=device)
     for initial in (None, rnd(n, dim, kernel).to(dtype)):
-        got = conv_prep(x, weight, cu, seq_of_tokens(cu, t), initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
+        plan = make_plan(lens, torch.tensor(bounds, device=device), initial is not None, True)
+        got = conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
         ref = conv_prep_reference(x, weight, bounds, initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
         for name, gv, rv in zip(("q", "k", "v", "beta", "g", "end"), got, ref):
             assert_close(f"conv_prep {name}", gv, rv)

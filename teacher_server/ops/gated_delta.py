@@ -23,7 +23,7 @@ again for every 65536 rows of a step's token count, seconds each time a step siz
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +68,15 @@ class LinearPlan:
     has_init: bool
     keep: bool
     seq_of: torch.Tensor
+    _heads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def heads(self, n: int) -> torch.Tensor:
+        """The first n token indices of every sequence, [N * n] on the device, -1 past a
+        sequence's end (made once per step and n)."""
+        if n not in self._heads:
+            first = (self.cu[:-1, None] + torch.arange(n, device=self.cu.device)).flatten()
+            self._heads[n] = torch.where(first < self.cu[1:].repeat_interleave(n), first, -1)
+        return self._heads[n]
 
 
 def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool) -> LinearPlan:
