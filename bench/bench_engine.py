@@ -358,14 +358,16 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
 # --- main -----------------------------------------------------------------------------------
 
 
-def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool) -> dict:
+def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool, layouts: str = "auto") -> dict:
     """The transformers baseline in a fresh process (``hf_baseline.main``), before the engine
-    exists: in one process after the engine it ran 12% slower."""
+    exists: in one process after the engine it ran 12% slower. Results by workload; with
+    several ``layouts``, the later ones' under ``name@layout``."""
     import tempfile
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "hf_baseline.py"), "--ckpt", str(ckpt),
-               "--workloads", ",".join(names), "--repeats", str(repeats), "--out", f.name] + (["--dummy"] if dummy else [])
+               "--workloads", ",".join(names), "--repeats", str(repeats), "--layouts", layouts, "--out", f.name] + \
+            (["--dummy"] if dummy else [])
         subprocess.run(cmd, check=True)
         return json.loads(Path(f.name).read_text())
 
@@ -416,6 +418,9 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
+    ap.add_argument("--baseline-layouts", default="auto",
+                    help="the baseline's batch layouts (hf_baseline.py --layouts): e.g. 'padded,packed' times DESIGN's "
+                         "left-padded recipe and, for hybrid models, the stronger packed one; ratios are given for each")
     ap.add_argument("--baseline-from", default="",
                     help="the baseline's results file (hf_baseline.py --out), written by a baseline run at the same "
                          "time on another GPU of this machine; read (waited for) before the engine's check against it")
@@ -475,7 +480,7 @@ def main() -> None:
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)", "tensor_parallel_size": GPUS,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
-    base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy")
+    base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy", args.baseline_layouts)
                  if base_names and not args.baseline_from else {})
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
@@ -526,7 +531,7 @@ def main() -> None:
         except TimeoutError as e:  # it failed: keep the engine's results
             print(f"no baseline: {e}", flush=True)
             results["baseline_concurrent"] = f"no results: {e}"
-    results["baseline_check"] = {n: check_baseline(engine, n, workloads[n], b["check"])
+    results["baseline_check"] = {n: check_baseline(engine, n, workloads[workload_of(n)], b["check"])
                                  for n, b in base_runs.items() if b.get("check")}
     only = [v for v in args.ablate_only.split(",") if v]
     results["ablation"] = {n: ablate(engine, cfg, n, workloads[n], args.ablate_repeats or args.repeats, only)
@@ -551,9 +556,11 @@ def main() -> None:
                                                   engine_process=None if mode == "default" else mode == "process")
                 print(key, "http", json.dumps(results["http"][key]), flush=True)
     for n, b in base_runs.items():
-        results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[n], b["seconds"], b["finish"],
-                                           b["peak_bytes"], gpus=1)
+        results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[workload_of(n)], b["seconds"],
+                                           b["finish"], b["peak_bytes"], gpus=1)
         results["baseline"][n]["runs_seconds"] = b["runs_seconds"]
+        if "packed" in b:  # hybrid models: which batch layout (see hf_baseline.resolve_layout)
+            results["baseline"][n]["layout"] = "packed" if b["packed"] else "padded"
         print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
     tp = f"_tp{GPUS}" if GPUS > 1 else ""
     out = Path(args.out or f"bench/results/engine_{args.model_size}{tp}_h200.json")
@@ -564,12 +571,19 @@ def main() -> None:
     print(json.dumps(results["summary"], indent=1))
 
 
+def workload_of(name: str) -> str:
+    """The workload of a baseline's results key (``W1``, or ``W1@padded`` for another layout)."""
+    return name.split("@")[0]
+
+
 def summary(results: dict) -> dict:
     """The headline ratios: each workload against the transformers baseline of the same run
-    (same requests; W2 with the prefix cache on, as served), and the prefix cache on vs off."""
+    (same requests; W2 with the prefix cache on, as served), and the prefix cache on vs off.
+    A baseline of another batch layout (``W1@padded``) gives ``W1@padded_x_transformers``."""
     out = {}
     for n, base in results["baseline"].items():
-        ours = results["engine"].get(n) or results["prefix_cache"].get(n, {}).get("on")
+        w = workload_of(n)
+        ours = results["engine"].get(w) or results["prefix_cache"].get(w, {}).get("on")
         if ours:
             out[f"{n}_x_transformers"] = base["seconds"] / ours["seconds"]
             out[f"{n}_mfu"] = ours["mfu"]

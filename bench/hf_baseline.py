@@ -22,8 +22,10 @@ positions from the cache position otherwise, which shifts a padded sequence's po
 It runs on CPU too (no CUDA calls there), which the tests use to check it against a float32
 reference.
 
-Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention) are packed instead, with
-no padding: each batch is one row of its sequences back to back, up to the same 32k tokens
+Hybrid models (Qwen3.5: Gated DeltaNet layers beside full attention) are packed by default
+(``--layouts auto``), a stronger baseline than the recipe above; ``--layouts padded,packed``
+times the recipe itself too, in the same process. Packed means no padding: each batch is one
+row of its sequences back to back, up to the same 32k tokens
 (``packed_batches``), and ``logits_to_keep`` is the index tensor of the scored rows. The
 sequences are kept apart as transformers keeps packed sequences apart:
 - full attention: the flash-attention-style packed arguments (``cu_seq_lens_q/k``,
@@ -304,24 +306,43 @@ def run(model: torch.nn.Module, reqs: list[Req], keep_results: bool = False, war
     return seconds, results, finish
 
 
-def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool) -> dict:
+LAYOUTS = ("auto", "padded", "packed")
+
+
+def resolve_layout(layout: str, cfg: dict) -> bool:
+    """Whether ``layout`` packs this model's batches: ``padded`` is DESIGN's recipe (left-padded
+    batches, sdpa), ``packed`` the stronger one for hybrid models (needs fla-core), ``auto`` the
+    strongest there is (packed for a hybrid model when fla-core is importable)."""
+    hybrid = "linear_attention" in (cfg.get("layer_types") or ())
+    if layout == "padded":
+        return False
+    if layout == "packed":
+        if not (hybrid and can_pack()):
+            raise ValueError("the packed baseline is for hybrid (linear-attention) models with fla-core installed")
+        return True
+    if layout == "auto":
+        return hybrid and can_pack()
+    raise ValueError(f"unknown baseline layout {layout!r}; one of {', '.join(LAYOUTS)}")
+
+
+def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
+            layouts: tuple[str, ...] = ("auto",)) -> dict:
     """Load the transformers model and time each workload ``repeats`` times after a warm-up;
-    returns per workload the run times, the finish times of the median run and the peak memory."""
+    returns per workload the run times, the finish times of the median run and the peak memory.
+    Several ``layouts`` run one after the other in this process (the model loaded again for
+    each); the first one's results are under the workload's name, the others' under
+    ``name@layout``."""
+    import gc
+
     import transformers as tf
     from workloads import make_workload
 
     # MoE: transformers' grouped-GEMM experts (its fastest; the default on CUDA where it has them)
     kw = {"experts_implementation": "grouped_mm"} if cfg.get("num_experts") else {}
-    # Hybrid (linear-attention) models are packed when fla-core is there (see the module docstring)
-    pack = "linear_attention" in (cfg.get("layer_types") or ()) and can_pack()
-    attn = register_packed_attention() if pack else "sdpa"
-    print(f"transformers baseline: {'packed sequences, ' + attn if pack else 'left-padded batches, sdpa'}"
-          f" attention; fla-core {'found' if can_pack() else 'not found'}", flush=True)
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: smoke runs of the benchmark
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # (float32 there, as the engine's CPU runs)
 
-    def load(**kw) -> torch.nn.Module:  # noqa: ANN003
+    def load(attn: str, **kw) -> torch.nn.Module:  # noqa: ANN003
         if dummy:
             hcfg = tf.AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "architectures"})
             with torch.device(dev):
@@ -329,26 +350,39 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool) -
         return tf.AutoModelForCausalLM.from_pretrained(ckpt, dtype=dtype, attn_implementation=attn,
                                                        device_map=dev if dev == "cuda" else None, **kw)
 
-    try:
-        model = load(**kw)
-    except (TypeError, ValueError) as e:  # a transformers without the switch: its default experts
-        print(f"transformers experts_implementation not set ({e}); its default", flush=True)
-        model = load()
-    print("transformers experts:", getattr(model.config, "_experts_implementation", None), flush=True)
-    model.eval()
     out = {}
-    for n in names:
-        reqs = make_workload(n, cfg["vocab_size"])
-        run(model, reqs)  # untimed: every batch shape of the timed runs compiled and tuned
+    packs = [resolve_layout(lay, cfg) for lay in layouts]  # every layout checked before the first load
+    for li, pack in enumerate(packs):
+        # Hybrid (linear-attention) models are packed when fla-core is there (see the module docstring)
+        attn = register_packed_attention() if pack else "sdpa"
+        print(f"transformers baseline: {'packed sequences, ' + attn if pack else 'left-padded batches, sdpa'}"
+              f" attention; fla-core {'found' if can_pack() else 'not found'}", flush=True)
+        try:
+            model = load(attn, **kw)
+        except (TypeError, ValueError) as e:  # a transformers without the switch: its default experts
+            print(f"transformers experts_implementation not set ({e}); its default", flush=True)
+            model = load(attn)
+        print("transformers experts:", getattr(model.config, "_experts_implementation", None), flush=True)
+        model.eval()
+        for n in names:
+            reqs = make_workload(n, cfg["vocab_size"])
+            run(model, reqs)  # untimed: every batch shape of the timed runs compiled and tuned
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            runs = [run(model, reqs, warmup=False) for _ in range(repeats)]  # the pass above warmed up
+            secs = [r[0] for r in runs]
+            mid = sorted(range(repeats), key=lambda i: secs[i])[repeats // 2]
+            key = n if li == 0 else f"{n}@{'packed' if pack else 'padded'}"
+            out[key] = {"runs_seconds": secs, "seconds": secs[mid], "finish": runs[mid][2],
+                        "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan"),
+                        "packed": pack}
+            if not dummy:  # same weights as the engine's: a sample of cells to check it against
+                out[key]["check"] = check_sample(model, reqs[:CHECK_REQUESTS])
+            print(f"transformers {key}: {secs} s", flush=True)
+        del model
+        gc.collect()
         if dev == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        runs = [run(model, reqs, warmup=False) for _ in range(repeats)]  # the pass above warmed up
-        secs = [r[0] for r in runs]
-        mid = sorted(range(repeats), key=lambda i: secs[i])[repeats // 2]
-        out[n] = {"runs_seconds": secs, "seconds": secs[mid], "finish": runs[mid][2],
-                  "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan"), "packed": pack}
-        if not dummy:  # same weights as the engine's: a sample of cells to check it against
-            out[n]["check"] = check_sample(model, reqs[:CHECK_REQUESTS])
+            torch.cuda.empty_cache()
     return out
 
 
@@ -389,11 +423,14 @@ def main() -> None:
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dummy", action="store_true", help="random weights made in place from config.json")
+    ap.add_argument("--layouts", default="auto",
+                    help=f"batch layouts, comma-separated, run in turn ({', '.join(LAYOUTS)}; see resolve_layout)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     with open(f"{a.ckpt}/config.json") as f:
         cfg = json.load(f)
-    res = measure(a.ckpt, cfg, [w for w in a.workloads.split(",") if w], a.repeats, a.dummy)
+    res = measure(a.ckpt, cfg, [w for w in a.workloads.split(",") if w], a.repeats, a.dummy,
+                  tuple(x for x in a.layouts.split(",") if x))
     with open(a.out + ".part", "w") as f:  # renamed when whole: a run beside it waits for the file
         json.dump(res, f)
     os.replace(a.out + ".part", a.out)

@@ -86,6 +86,7 @@ def test_benchmark_runs_on_a_small_model(tmp_path, size: str) -> None:
     out = tmp_path / "out.json"
     cmd = [sys.executable, str(ROOT / "bench" / "bench_engine.py"), "--model-size", size, "--tiny",
            "--workloads", "W1:tiny", "--baseline", "W1:tiny,W2:tiny", "--prefix-cache-compare", "W2:tiny",
+           "--baseline-layouts", "auto,padded",
            "--repeats", "1", "--max-model-len", "512", "--ckpt-dir", str(tmp_path), "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=600)
     res = json.loads(out.read_text())
@@ -93,5 +94,8 @@ def test_benchmark_runs_on_a_small_model(tmp_path, size: str) -> None:
     assert res["prefix_cache"]["W2:tiny"]["on"]["seconds"] > 0
     # both float32 on the CPU (from bf16 weights); bf16 on a GPU
     tol = 0.1 if torch.cuda.is_available() else 1e-3
-    for name in ("W1:tiny", "W2:tiny"):
+    for name in ("W1:tiny", "W2:tiny", "W1:tiny@padded", "W2:tiny@padded"):
         assert res["baseline_check"][name]["max_abs_diff"] < tol, res["baseline_check"]
+    # the second layout: DESIGN's left-padded recipe, with its own ratio
+    assert res["baseline"]["W1:tiny@padded"]["layout"] == "padded"
+    assert res["summary"]["W1:tiny@padded_x_transformers"] > 0

@@ -110,3 +110,23 @@ def test_hybrid_baseline_matches_the_float32_reference(checkpoints, family: str,
             np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
         sample = hf_baseline.check_sample(model, reqs[:2], stride=3)
         assert hf_baseline.compare(sample, results[:2])["max_abs_diff"] < 1e-5
+
+
+def test_layouts(monkeypatch) -> None:
+    """``padded`` is DESIGN's recipe for every model; ``packed`` needs a hybrid model and fla-core
+    (refused before any model is loaded otherwise); ``auto`` packs exactly when it can."""
+    hybrid, dense = {"layer_types": ["linear_attention", "full_attention"]}, {}
+    for fla in (False, True):
+        monkeypatch.setattr(hf_baseline, "can_pack", lambda fla=fla: fla)
+        assert hf_baseline.resolve_layout("padded", hybrid) is False
+        assert hf_baseline.resolve_layout("auto", hybrid) is fla
+        assert hf_baseline.resolve_layout("auto", dense) is False
+        with pytest.raises(ValueError, match="hybrid"):
+            hf_baseline.resolve_layout("packed", dense)
+    monkeypatch.setattr(hf_baseline, "can_pack", lambda: False)
+    with pytest.raises(ValueError, match="hybrid"):
+        hf_baseline.resolve_layout("packed", hybrid)
+    monkeypatch.setattr(hf_baseline, "can_pack", lambda: True)
+    assert hf_baseline.resolve_layout("packed", hybrid) is True
+    with pytest.raises(ValueError, match="unknown"):
+        hf_baseline.resolve_layout("ragged", hybrid)
