@@ -35,7 +35,9 @@ def _kernels() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # T (tokens, or listed tokens) differs from step to step: not specialised on (no compile
+    # for a new remainder mod 16 in the middle of serving)
+    @triton.jit(do_not_specialize=["T"])
     def conv_heads(x_ptr, sx, w_ptr, seq_ptr, start_ptr, init_ptr, si_n, si_c, tok_ptr, out_ptr, T, c_base,
                    b_ptr, a_ptr, sab, alog_ptr, dtb_ptr, beta_ptr, g_ptr, nv,
                    W: tl.constexpr, D: tl.constexpr, BT: tl.constexpr, HAS_INIT: tl.constexpr,
