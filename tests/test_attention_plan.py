@@ -220,6 +220,32 @@ def test_a_step_builds_at_most_one_new_prefix_shape() -> None:
     assert [type(it).__name__ for it in ctx.attn_plan.items].count("Prefixed") == 3
 
 
+def test_a_prefix_shape_is_rented_on_varlen_until_it_has_cost_a_build() -> None:
+    """Ski rental: a prefixed chunk whose shape has no plan runs on varlen until what varlen
+    cost over cuDNN on its uses adds up to one plan build, then the step builds it and it
+    stays on cuDNN. A chunk whose one use saves more than a build takes cuDNN at once. Every
+    step equals the reference."""
+    lens = [(300, 900), (512, 512)]
+    be = CpuCudnn(16, new_plans_per_step=1)
+    be.layers, be.flops_per_pair = 3, 4.0 * 4 * 16  # as warm_up sets them (4 heads of 16)
+    extra = be._varlen_extra_s([(300, 600)], bucket_floor(600))
+    assert 0 < extra < 1e-6  # a small chunk: fractions of a microsecond at these sizes
+    be.build_s = 2.5 * extra  # three uses pay for a build
+    kinds = []
+    for _ in range(5):
+        tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
+        got = be(tensors, ctx, 0.25, None)
+        assert (got - reference(tensors, ctx, 0.25, None)).abs().max().item() < 1e-5
+        kinds.append([type(it).__name__ for it in ctx.attn_plan.items])
+    assert [k.count("Prefixed") for k in kinds] == [0, 0, 1, 1, 1], kinds
+    assert not be._rent  # built: nothing owed on it any more
+    be = CpuCudnn(16, new_plans_per_step=1)
+    be.layers, be.flops_per_pair, be.build_s = 3, 4.0 * 4 * 16, 0.5 * extra
+    tensors, ctx, _ = make_step(lens, 4, 2, 16, "cpu", torch.float32)
+    be(tensors, ctx, 0.25, None)
+    assert [type(it).__name__ for it in ctx.attn_plan.items].count("Prefixed") == 1
+
+
 def test_self_check_takes_every_cudnn_path() -> None:
     made: list[CpuCudnn] = []
 

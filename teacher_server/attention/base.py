@@ -40,7 +40,9 @@ class AttentionBackend(ABC):
         """Causal attention of x.q over each sequence's keys; window: sliding-window length
         (keys at most window - 1 positions back) or None. Returns [T, Hq, D]."""
 
-    def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype) -> float:
+    def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
+                layers: int = 1) -> float:
         """Prepare whatever the backend builds per shape for sequences up to max_len, before
-        the first request. Returns the seconds it took (nothing to do by default)."""
+        the first request (``layers``: attention layers per forward, each calling the backend
+        with the step's plan). Returns the seconds it took (nothing to do by default)."""
         return 0.0

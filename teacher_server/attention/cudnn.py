@@ -21,6 +21,11 @@ log = logging.getLogger(__name__)
 
 # Measured on the H200 (bf16, head dim 128): cuDNN ~613 TFLOP/s, varlen FA2 ~334.
 _CUDNN_SPEEDUP = 1.8
+_VARLEN_FLOPS = 334e12
+# A new cuDNN shape's plan holds up the launching thread ~40-50 ms on the H200 (median of
+# bench_cudnn_plans.py at both model shapes; now and then over a second); until warm_up
+# has timed the builds here, this is the estimate.
+_BUILD_S = 0.045
 
 
 @dataclass
@@ -87,13 +92,22 @@ class CudnnBackend(TorchVarlenBackend):
                  native_gqa: bool = True, concurrent_streams: int = 3) -> None:
         super().__init__(concurrent_streams)
         self.min_len = min_len
-        # Building a cuDNN plan for a new shape holds up the launching thread for ~20 ms, while
+        # Building a cuDNN plan for a new shape holds up the launching thread for ~45 ms, while
         # the GPU runs dry. Square shapes are all built at start-up; the non-causal prefix
-        # shapes (chunk bucket x prefix bucket) are too many for that, so a step builds at most
-        # this many new ones and sends other prefixed chunks with unbuilt shapes to varlen until
-        # their turn. None: build every shape on first use (deterministic mode: a sequence's
-        # path must not depend on what ran before).
+        # shapes (chunk bucket x prefix bucket) are too many for that (thousands), and most
+        # come once: a chunk continuing a sequence split at a step's end has a shape of its
+        # own. So a prefix shape is rented before it is bought: its calls go to varlen until
+        # what varlen cost over cuDNN on them adds up to one build (``_worth_building``), and
+        # then a step builds at most ``new_plans_per_step`` of them (the others wait their
+        # turn on varlen). A shape that recurs (a GRPO group's prompt, a long sequence's
+        # chunks) is built within a few uses, or at once when one use saves more than a
+        # build; a one-off never holds the launch up. None: build every shape on first use
+        # (deterministic mode: a sequence's path must not depend on what ran before).
         self.new_plans_per_step = new_plans_per_step
+        self.build_s = _BUILD_S  # host seconds a new plan takes (timed by warm_up)
+        self.layers = 1  # attention layers per forward (warm_up): a step's plan serves each
+        self.flops_per_pair = 0.0  # per query-key pair and layer: 4 Hq D (warm_up); 0 until then
+        self._rent: dict[tuple, float] = {}  # unbuilt prefix shape -> what varlen cost over cuDNN so far (s)
         self.group_prefixes = group_prefixes
         self.native_gqa = native_gqa
         self.enabled = True
@@ -148,12 +162,13 @@ class CudnnBackend(TorchVarlenBackend):
         while j < hi:
             e, s = self._group_end(ctx, j, hi)
             item = None
-            if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s):
+            if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s, [(q, k - q) for q, k in
+                                                                          zip(ctx.q_lens[j:e], ctx.k_lens[j:e])]):
                 prefixes = [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])]
                 item = Group(cq[j], ctx.q_lens[j:e], ck[j:e], prefixes, s)
             else:
                 e, c, p = j + 1, ctx.q_lens[j], ctx.k_lens[j] - ctx.q_lens[j]
-                if c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s):
+                if c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s, [(c, p)]):
                     item = Prefixed(cq[j], c, ck[j], p)
             if item is None:
                 run = j if run is None else run
@@ -171,17 +186,32 @@ class CudnnBackend(TorchVarlenBackend):
         self._may_build, self._building = self.new_plans_per_step, set()
         return super()._plan(ctx, window)
 
-    def _plan_ready(self, cb: int, s: int) -> bool:
-        """May a prefixed chunk take the cuDNN split with a non-causal (cb queries x s keys)
-        call in this step: no such call, its plan exists, or the step may build it."""
+    def _plan_ready(self, cb: int, s: int, members: list[tuple[int, int]]) -> bool:
+        """May prefixed chunks (``members``: (queries, prefix keys) each) take the cuDNN split
+        with a non-causal (cb queries x s keys) call in this step: no such call, its plan
+        exists, or it is worth building (the rent paid on varlen for this shape, this use
+        included, adds up to a build) and the step may build one more."""
         shape = (cb, s, False, True)
         if s == 0 or self._may_build is None or shape in self.shapes or shape in self._building:
             return True
-        if self._may_build > 0:
+        rent = self._rent.get(shape, 0.0) + self._varlen_extra_s(members, s)
+        if rent >= self.build_s and self._may_build > 0:
             self._may_build -= 1
             self._building.add(shape)
+            self._rent.pop(shape, None)
             return True
+        self._rent[shape] = rent
         return False
+
+    def _varlen_extra_s(self, members: list[tuple[int, int]], s: int) -> float:
+        """GPU seconds these prefixed chunks cost on varlen over the cuDNN split, over the
+        forward's attention layers (at the measured rates: varlen ~334 TFLOP/s, cuDNN 1.8x);
+        infinite before ``warm_up`` gave the model's sizes (every shape is built at once)."""
+        if not self.flops_per_pair:
+            return float("inf")
+        split = (bucket(sum(c for c, _ in members)) * s + sum(bucket(p - s + c) ** 2 / 2 for c, p in members))
+        pairs = sum(c * p + c * c / 2 for c, p in members) - split / _CUDNN_SPEEDUP
+        return max(pairs, 0.0) * self.flops_per_pair * self.layers / _VARLEN_FLOPS
 
     # --- running -----------------------------------------------------------------------
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
@@ -269,10 +299,13 @@ class CudnnBackend(TorchVarlenBackend):
                 out[a:b] = o2
             t += c
 
-    def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype) -> float:
+    def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
+                layers: int = 1) -> float:
         """Run every square bucket up to max_len once, so their cuDNN plans exist before
-        the first request. Returns the seconds it took."""
+        the first request; the median host time of those builds is the cost a prefix shape's
+        build is weighed against (``_plan_ready``). Returns the seconds it took."""
         t0 = time.perf_counter()
+        self.layers, self.flops_per_pair = layers, 4.0 * hq * d
         if not self.enabled:
             return 0.0
         sizes, n = [], self.min_len
@@ -285,10 +318,14 @@ class CudnnBackend(TorchVarlenBackend):
         try:
             q = torch.randn(sizes[-1], hq, d, device=device, dtype=dtype)
             k = torch.randn(sizes[-1], hkv, d, device=device, dtype=dtype)
+            builds = []
             for n in sizes:
                 for lse in (False, True):
+                    t = time.perf_counter()
                     self._sdpa(q[:n], k[:n], k[:n], True, lse, d ** -0.5)
+                    builds.append(time.perf_counter() - t)
             torch.cuda.synchronize(device)
+            self.build_s = sorted(builds)[len(builds) // 2]
         except torch.cuda.OutOfMemoryError:  # the larger shapes build their plans on first use
             log.warning("cuDNN attention warm-up stopped at length %d (out of memory)", n)
             torch.cuda.empty_cache()
@@ -296,5 +333,6 @@ class CudnnBackend(TorchVarlenBackend):
             log.warning("cuDNN attention warm-up failed (%s); using varlen", " ".join(str(e).split())[:200])
             self.enabled = False
         secs = time.perf_counter() - t0
-        log.info("attention warm-up: %d cuDNN shapes in %.1fs", len(self.shapes), secs)
+        log.info("attention warm-up: %d cuDNN shapes in %.1fs (median %.0f ms each)", len(self.shapes), secs,
+                 1e3 * self.build_s)
         return secs

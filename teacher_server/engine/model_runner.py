@@ -64,7 +64,7 @@ class ModelRunner:
         rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
                                max_model_len + 1, device)
         if cuda:  # cuDNN plans for every bucketed length
-            attn.warm_up(max_model_len, n_q, n_kv, spec.head_dim, device, dtype)
+            attn.warm_up(max_model_len, n_q, n_kv, spec.head_dim, device, dtype, layers=len(spec.kv_layer_ids))
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
         if cuda:
