@@ -27,9 +27,13 @@ for step in ${STEPS:-tests}; do
     replicas) python3 bench/bench_replicas.py ${REPLICA_ARGS:-} --out "$OUT/replicas_8b_h200.json" 2>&1 | tee "$OUT/replicas.log" | tail -20 ;;
     qwen35tests) python3 -m pytest $PT -m gpu tests/test_conv_prep.py tests/test_qwen3_5_gpu.py 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
     # the linear layers' fused input stage against the two passes it replaces, at the 9B shapes
+    # what a new cuDNN attention shape costs the launching thread, at the Qwen3.5-9B and Qwen3-8B shapes
+    plans) python3 bench/bench_cudnn_plans.py --out "$OUT/cudnn_plans_qwen35.json" 2>&1 | tee "$OUT/cudnn_plans.log" | tail -3
+           python3 bench/bench_cudnn_plans.py --heads 32 --kv-heads 8 --head-dim 128 --out "$OUT/cudnn_plans_8b.json" 2>&1 | tail -3 ;;
     conv) python3 bench/bench_conv_prep.py --out "$OUT/conv_prep_h200.json" 2>&1 | tee "$OUT/conv_prep.log" | tail -5 ;;
-    # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers, W2's cache on vs off
-    qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
+    # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers (DESIGN's padded recipe, then the
+    # stronger packed one), W2's cache on vs off
+    qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --baseline-layouts padded,packed --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
     # Qwen3.5 GPU tests (and any test files in $QWEN35X2_MORE_TESTS) on GPU 1; the engine reads the
     # baseline's file before its check against it
