@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 _CUDNN_SPEEDUP = 1.8
 _VARLEN_FLOPS = 334e12
 # A new cuDNN shape's plan holds up the launching thread ~40-50 ms on the H200 (median of
-# bench_cudnn_plans.py at both model shapes; now and then over a second); until warm_up
-# has timed the builds here, this is the estimate.
+# bench_cudnn_plans.py at both model shapes; now and then over a second). A constant, not
+# this process's own timing (warm_up logs that): tensor-parallel ranks plan their attention
+# each on its own, and must route alike.
 _BUILD_S = 0.045
 
 
@@ -97,14 +98,14 @@ class CudnnBackend(TorchVarlenBackend):
         # shapes (chunk bucket x prefix bucket) are too many for that (thousands), and most
         # come once: a chunk continuing a sequence split at a step's end has a shape of its
         # own. So a prefix shape is rented before it is bought: its calls go to varlen until
-        # what varlen cost over cuDNN on them adds up to one build (``_worth_building``), and
+        # what varlen cost over cuDNN on them adds up to one build (``_plan_ready``), and
         # then a step builds at most ``new_plans_per_step`` of them (the others wait their
         # turn on varlen). A shape that recurs (a GRPO group's prompt, a long sequence's
         # chunks) is built within a few uses, or at once when one use saves more than a
         # build; a one-off never holds the launch up. None: build every shape on first use
         # (deterministic mode: a sequence's path must not depend on what ran before).
         self.new_plans_per_step = new_plans_per_step
-        self.build_s = _BUILD_S  # host seconds a new plan takes (timed by warm_up)
+        self.build_s = _BUILD_S  # host seconds a new plan takes
         self.layers = 1  # attention layers per forward (warm_up): a step's plan serves each
         self.flops_per_pair = 0.0  # per query-key pair and layer: 4 Hq D (warm_up); 0 until then
         self._rent: dict[tuple, float] = {}  # unbuilt prefix shape -> what varlen cost over cuDNN so far (s)
@@ -162,9 +163,8 @@ class CudnnBackend(TorchVarlenBackend):
         while j < hi:
             e, s = self._group_end(ctx, j, hi)
             item = None
-            if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s, [(q, k - q) for q, k in
-                                                                          zip(ctx.q_lens[j:e], ctx.k_lens[j:e])]):
-                prefixes = [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])]
+            prefixes = [k - q for q, k in zip(ctx.q_lens[j:e], ctx.k_lens[j:e])]
+            if e - j > 1 and self._plan_ready(bucket(cq[e] - cq[j]), s, list(zip(ctx.q_lens[j:e], prefixes))):
                 item = Group(cq[j], ctx.q_lens[j:e], ck[j:e], prefixes, s)
             else:
                 e, c, p = j + 1, ctx.q_lens[j], ctx.k_lens[j] - ctx.q_lens[j]
@@ -302,10 +302,11 @@ class CudnnBackend(TorchVarlenBackend):
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
                 layers: int = 1) -> float:
         """Run every square bucket up to max_len once, so their cuDNN plans exist before
-        the first request; the median host time of those builds is the cost a prefix shape's
-        build is weighed against (``_plan_ready``). Returns the seconds it took."""
+        the first request (the median host time of those builds is logged: ``_BUILD_S`` is
+        what a prefix shape's build is weighed against). Returns the seconds it took."""
         t0 = time.perf_counter()
         self.layers, self.flops_per_pair = layers, 4.0 * hq * d
+        median = _BUILD_S
         if not self.enabled:
             return 0.0
         sizes, n = [], self.min_len
@@ -325,7 +326,7 @@ class CudnnBackend(TorchVarlenBackend):
                     self._sdpa(q[:n], k[:n], k[:n], True, lse, d ** -0.5)
                     builds.append(time.perf_counter() - t)
             torch.cuda.synchronize(device)
-            self.build_s = sorted(builds)[len(builds) // 2]
+            median = sorted(builds)[len(builds) // 2]
         except torch.cuda.OutOfMemoryError:  # the larger shapes build their plans on first use
             log.warning("cuDNN attention warm-up stopped at length %d (out of memory)", n)
             torch.cuda.empty_cache()
@@ -334,5 +335,5 @@ class CudnnBackend(TorchVarlenBackend):
             self.enabled = False
         secs = time.perf_counter() - t0
         log.info("attention warm-up: %d cuDNN shapes in %.1fs (median %.0f ms each)", len(self.shapes), secs,
-                 1e3 * self.build_s)
+                 1e3 * median)
         return secs
