@@ -46,6 +46,13 @@ def test_cudnn_paths_are_taken() -> None:
     warmed = set(attn.shapes)
     print(f"cuDNN warm-up to 4096: {len(warmed)} shapes in {secs:.2f}s, native GQA {attn.native_gqa}")
     tensors, ctx, _ = make_step(MIXED, 8, 2, 128, "cuda", torch.bfloat16)
+    got = attn(tensors, ctx, 128 ** -0.5, None).float().cpu()
+    kinds = [type(it).__name__ for it in ctx.attn_plan.items]
+    # the prefixed 400 after 1000 has a shape of its own: on varlen it costs microseconds more,
+    # far less than its plan's build, so it is rented there; fresh squares are all built
+    assert kinds.count("Prefixed") == 0 and kinds.count("Fresh") == 4, kinds
+    assert (got - reference(tensors, ctx, 128 ** -0.5, None)).abs().max().item() < 2e-2
+    attn.build_s, ctx.attn_plan = 0.0, None  # a build that costs nothing pays at once
     attn(tensors, ctx, 128 ** -0.5, None)
     kinds = [type(it).__name__ for it in ctx.attn_plan.items]
     # prefixed: 400 after 1000 (cuDNN), then 128 and 7 (varlen); fresh: 1000, 512 x 2, 300 (cuDNN), 40, 1 (varlen)
