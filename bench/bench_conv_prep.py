@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from bench_kernel import time_ms  # noqa: E402
 
-from teacher_server.ops.conv_prep import conv_prep  # noqa: E402
+from teacher_server.ops.conv_prep import conv_prep, random_inputs  # noqa: E402
 from teacher_server.ops.fused import FusedOps  # noqa: E402
 from teacher_server.ops.gated_delta import bounds_of, causal_conv1d, make_plan  # noqa: E402
 
@@ -43,11 +43,7 @@ def bench(tokens: int, init: bool, iters: int, warmup: int) -> dict:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     lens = lengths(tokens)
     dim = 2 * NK * DK + NV * DV
-    wide = torch.randn(tokens, dim + NV * DV + 2 * NV, device=dev).to(dtype)  # the in-projection's output
-    x, b, a = wide[:, :dim], wide[:, dim + NV * DV:dim + NV * DV + NV], wide[:, dim + NV * DV + NV:]
-    weight = torch.randn(dim, W, device=dev).to(dtype)
-    a_log, dt_bias = torch.randn(NV, device=dev).to(dtype), torch.randn(NV, device=dev).to(dtype)
-    initial = torch.randn(len(lens), dim, W, device=dev).to(dtype) if init else None
+    x, weight, initial, b, a, a_log, dt_bias = random_inputs(lens, NK, DK, NV, DV, W, dtype, dev, init)
     plan = make_plan(lens, torch.tensor(bounds_of(lens), device=dev), init, True)
     ops = FusedOps(kernels=False, compile=True)
 

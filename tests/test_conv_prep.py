@@ -16,30 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from teacher_server.ops.conv_prep import conv_prep, conv_prep_reference
+from teacher_server.ops.conv_prep import conv_prep, conv_prep_reference, random_inputs
 from teacher_server.ops.gated_delta import bounds_of, causal_conv1d, make_plan, seq_of_tokens
 
 NAMES = ("q", "k", "v", "beta", "g", "end")
-
-
-def inputs(lens: list[int], nk: int, dk: int, nv: int, dv: int, w: int, dtype: torch.dtype, device: torch.device,
-           init: bool, seed: int = 0):
-    """The in-projection's output row (q | k | v | z | b | a) and the layer's parameters."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
-    t, dim = sum(lens), 2 * nk * dk + nv * dv
-    wide = rnd(t, dim + nv * dv + 2 * nv).to(dtype)
-    x, b, a = wide[:, :dim], wide[:, dim + nv * dv:dim + nv * dv + nv], wide[:, dim + nv * dv + nv:]
-    weight, a_log, dt_bias = rnd(dim, w).to(dtype), rnd(nv).to(dtype), rnd(nv).to(dtype)
-    initial = rnd(len(lens), dim, w).to(dtype) if init else None
-    return x, weight, initial, b, a, a_log, dt_bias
 
 
 def compare(lens: list[int], nk: int, dk: int, nv: int, dv: int, w: int, dtype: torch.dtype, device: torch.device,
             init: bool) -> dict[str, float]:
     """Per output: max abs difference, kernel against the torch reference, over the
     reference's max abs value."""
-    x, weight, initial, b, a, a_log, dt_bias = inputs(lens, nk, dk, nv, dv, w, dtype, device, init)
+    x, weight, initial, b, a, a_log, dt_bias = random_inputs(lens, nk, dk, nv, dv, w, dtype, device, init)
     plan = make_plan(lens, torch.tensor(bounds_of(lens), device=device), init, True)
     got = conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
     ref = conv_prep_reference(x, weight, bounds_of(lens), initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
@@ -151,7 +138,7 @@ def test_kernel_on_cuda(dtype: torch.dtype, init: bool) -> None:
     assert max(errs.values()) <= tol and errs["end"] == 0.0, errs
     from teacher_server.ops.fused import FusedOps
 
-    x, weight, initial, b, a, a_log, dt_bias = inputs(lens, 16, 128, 32, 128, 4, dtype, dev, init)
+    x, weight, initial, b, a, a_log, dt_bias = random_inputs(lens, 16, 128, 32, 128, 4, dtype, dev, init)
     cu = torch.tensor(bounds_of(lens), device=dev)
     plan = make_plan(lens, cu, init, True)
     got = conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias, 16, 128, 32, 128)

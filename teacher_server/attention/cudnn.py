@@ -130,12 +130,18 @@ class CudnnBackend(TorchVarlenBackend):
         return j
 
     @staticmethod
-    def _split_pays(members: list[tuple[int, int]], s: int) -> bool:
-        """Is the cuDNN split cheaper than varlen for these (queries, prefix keys) sequences
-        sharing their first s keys: one non-causal call for all their queries over those
-        keys, a causal square each over the rest (work in varlen query-key pairs)?"""
+    def _split_saves(members: list[tuple[int, int]], s: int) -> float:
+        """What the cuDNN split saves over varlen for these (queries, prefix keys) sequences
+        sharing their first s keys (one non-causal call for all their queries over those keys,
+        a causal square each over the rest), in varlen query-key pairs; negative when it costs
+        more."""
         split = (bucket(sum(c for c, _ in members)) * s + sum(bucket(p - s + c) ** 2 / 2 for c, p in members))
-        return split / _CUDNN_SPEEDUP < sum(c * p + c * c / 2 for c, p in members)
+        return sum(c * p + c * c / 2 for c, p in members) - split / _CUDNN_SPEEDUP
+
+    @classmethod
+    def _split_pays(cls, members: list[tuple[int, int]], s: int) -> bool:
+        """Is the cuDNN split cheaper than varlen for these sequences (``_split_saves``)?"""
+        return cls._split_saves(members, s) > 0
 
     def _group_end(self, ctx: StepContext, j: int, hi: int) -> tuple[int, int]:
         """(e, s): sequences [j, e) share their first s keys (s = the bucket floor of each
@@ -209,9 +215,7 @@ class CudnnBackend(TorchVarlenBackend):
         infinite before ``warm_up`` gave the model's sizes (every shape is built at once)."""
         if not self.flops_per_pair:
             return float("inf")
-        split = (bucket(sum(c for c, _ in members)) * s + sum(bucket(p - s + c) ** 2 / 2 for c, p in members))
-        pairs = sum(c * p + c * c / 2 for c, p in members) - split / _CUDNN_SPEEDUP
-        return max(pairs, 0.0) * self.flops_per_pair * self.layers / _VARLEN_FLOPS
+        return max(self._split_saves(members, s), 0.0) * self.flops_per_pair * self.layers / _VARLEN_FLOPS
 
     # --- running -----------------------------------------------------------------------
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:

@@ -173,6 +173,21 @@ def conv_prep_reference(x: torch.Tensor, weight: torch.Tensor, bounds: list[int]
     return (*linear_prep(y, b, a, a_log, dt_bias, nk, dk, nv, dv), end)
 
 
+def random_inputs(lens: list[int], nk: int, dk: int, nv: int, dv: int, w: int, dtype: torch.dtype,
+                  device: torch.device, init: bool, seed: int = 0) -> tuple:
+    """Random inputs as the layer hands them over: x, b, a strided views into one in-projection
+    row (q | k | v | z | b | a), the convolution weight, A_log, dt_bias and (``init``) stored
+    states [N, D, W]. Returns (x, weight, initial, b, a, a_log, dt_bias)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    t, dim = sum(lens), 2 * nk * dk + nv * dv
+    wide = rnd(t, dim + nv * dv + 2 * nv).to(dtype)
+    x, b, a = wide[:, :dim], wide[:, dim + nv * dv:dim + nv * dv + nv], wide[:, dim + nv * dv + nv:]
+    weight, a_log, dt_bias = rnd(dim, w).to(dtype), rnd(nv).to(dtype), rnd(nv).to(dtype)
+    initial = rnd(len(lens), dim, w).to(dtype) if init else None
+    return x, weight, initial, b, a, a_log, dt_bias
+
+
 def check_conv_prep(nk: int, dk: int, nv: int, dv: int, kernel: int, device: torch.device,
                     dtype: torch.dtype) -> None:
     """Start-up check at the model's shapes: a small varlen step (sequences shorter than the
@@ -183,14 +198,9 @@ def check_conv_prep(nk: int, dk: int, nv: int, dv: int, kernel: int, device: tor
 
     lens = [70, 1, 2, 37, 5]
     bounds = bounds_of(lens)
-    t, n, dim = sum(lens), len(lens), 2 * nk * dk + nv * dv
-    gen = torch.Generator(device=device).manual_seed(0)
-    rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
-    wide = rnd(t, dim + 2 * nv + 5).to(dtype)  # the in-projection's row: q | k | v | b | a | other
-    x, b, a = wide[:, :dim], wide[:, dim:dim + nv], wide[:, dim + nv:dim + 2 * nv]
-    weight, a_log, dt_bias = rnd(dim, kernel).to(dtype), rnd(nv).to(dtype), rnd(nv).to(dtype)
-    for initial in (None, rnd(n, dim, kernel).to(dtype)):
-        plan = make_plan(lens, torch.tensor(bounds, device=device), initial is not None, True)
+    for init in (False, True):
+        x, weight, initial, b, a, a_log, dt_bias = random_inputs(lens, nk, dk, nv, dv, kernel, dtype, device, init)
+        plan = make_plan(lens, torch.tensor(bounds, device=device), init, True)
         got = conv_prep(x, weight, plan, initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
         ref = conv_prep_reference(x, weight, bounds, initial, True, b, a, a_log, dt_bias, nk, dk, nv, dv)
         for name, gv, rv in zip(("q", "k", "v", "beta", "g", "end"), got, ref):

@@ -22,6 +22,7 @@ again for every 65536 rows of a step's token count, seconds each time a step siz
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,8 +59,7 @@ class LinearPlan:
     ``bounds``: host [N + 1] sequence ends (cu_q); ``cu``: the same on the device, int64;
     ``chunk_indices``: fla's [chunks, 2] (sequence, chunk) table on the device (fla path
     only); ``has_init``: some sequence starts from a stored state; ``keep``: some end state
-    is stored; ``seq_of``: each token's sequence, int32 on the device (for the fused input
-    stage, ``ops.conv_prep``)."""
+    is stored."""
 
     bounds: list[int]
     cu: torch.Tensor
@@ -67,8 +67,13 @@ class LinearPlan:
     chunk_indices: torch.Tensor | None
     has_init: bool
     keep: bool
-    seq_of: torch.Tensor
     _heads: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @functools.cached_property
+    def seq_of(self) -> torch.Tensor:
+        """Each token's sequence, int32 [T] on the device, for the fused input stage
+        (``ops.conv_prep``): made on its first use in a step, not at all on the other paths."""
+        return seq_of_tokens(self.cu, self.bounds[-1])
 
     def heads(self, n: int) -> torch.Tensor:
         """The first n token indices of every sequence, [N * n] on the device, -1 past a
@@ -87,8 +92,7 @@ def make_plan(q_lens: list[int], cu_q: torch.Tensor, has_init: bool, keep: bool)
     chunks = None
     if fla is not None:  # built from the host copy, moved once: no sync in any layer
         chunks = fla["chunk_indices"](cu, CHUNK, cu_seqlens_cpu=torch.tensor(bounds, dtype=torch.int64))
-    seq_of = seq_of_tokens(cu, bounds[-1])
-    return LinearPlan(bounds, cu, fla, chunks, has_init, keep, seq_of)
+    return LinearPlan(bounds, cu, fla, chunks, has_init, keep)
 
 
 def seq_of_tokens(cu: torch.Tensor, t: int) -> torch.Tensor:
