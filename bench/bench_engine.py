@@ -178,6 +178,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_prefix_groups": lambda: setattr(attn, "group_prefixes", False),
         "no_pipeline": lambda: tune(pipeline=False),
         "budget_x2": lambda: tune(token_budget=2 * saved.token_budget),
+        # every sequence split to fill the step (no whole-sequence packing)
+        "split_to_fill": lambda: tune(whole_fill=1.0),
         # the norms, QKV and linear-layer stages uncompiled (each a chain of torch passes)
         "eager_stages": lambda: [setattr(ops, n, f) for n, f in _STAGES.items()],
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references
@@ -186,9 +188,10 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
     }
     tp = getattr(engine, "_workers", None) is not None
-    for v in only or list(variants):  # in the order asked for
+    for i, v in enumerate(only or list(variants)):  # in the order asked for; a name asked for again: key 'name#2'
+        key = v if v not in out else f"{v}#{sum(1 for u in (only or [])[:i] if u == v) + 1}"
         if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel"):  # the workers' stages are their own
-            out[v] = {"skipped": "tensor parallel: only rank 0's stages would change"}
+            out[key] = {"skipped": "tensor parallel: only rank 0's stages would change"}
             continue
         apply = variants[v]
         apply()
@@ -196,11 +199,11 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
                  "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel,
                  "conv_kernel": ops.conv_kernel}  # what the variant ran with
         try:
-            out[v] = bench_engine(engine, cfg, f"{name}-{v}", reqs, repeats)
-            out[v]["ops"] = state
-            print(f"ablation {name} {v}: {out[v]['tokens_per_s']:.0f} tok/s, MFU {out[v]['mfu']:.3f}", flush=True)
+            out[key] = bench_engine(engine, cfg, f"{name}-{key}", reqs, repeats)
+            out[key]["ops"] = state
+            print(f"ablation {name} {key}: {out[key]['tokens_per_s']:.0f} tok/s, MFU {out[key]['mfu']:.3f}", flush=True)
         except torch.cuda.OutOfMemoryError as e:
-            out[v] = {"error": str(e)[:200]}
+            out[key] = {"error": str(e)[:200]}
             torch.cuda.empty_cache()
         finally:
             # the backend's own switches are its attributes (not part of the engine's tuning)

@@ -67,6 +67,12 @@ class Config(BaseModel):
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Token budget of one forward step; default 16384 on GPU, 2048 on CPU.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
+    whole_sequence_fill: float = Field(
+        0.5, ge=0.0, le=1.0, description="Once a step holds this share of its token budget, a waiting sequence that "
+                                         "would be split to fill the rest but fits a step of its own waits for the "
+                                         "next step (first in line there), and shorter ones behind it fill this step "
+                                         "whole (a split sequence's second chunk attends over the first's keys on a "
+                                         "slower path). 1: always split to fill.")
     logits_chunk_rows: int = Field(
         4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
     block_size: int = Field(16, ge=1, description="Tokens per paged-KV block.")

@@ -161,3 +161,51 @@ def test_host_step_parts_agree() -> None:
     assert sc.kmax == 2
     np.testing.assert_array_equal(sc.cand, [[1, -1]] * 8 + [[7, 8], [9, 10]])
     assert sc.plp_rows.size == 0 and sc.argmax_rows.size == 0
+
+
+def _steps(s: Scheduler, named: dict[str, Sequence]) -> list[list[tuple[str, int, int]]]:
+    """Run the scheduler to completion: per step, (name, start, end) of each chunk."""
+    names = {id(q): k for k, q in named.items()}
+    out = []
+    while s.has_work():
+        chunks = s.schedule()
+        assert chunks, "a step with work must schedule something"
+        assert sum(c.end - c.start for c in chunks) <= s.cfg.max_num_batched_tokens
+        out.append([(names[id(c.seq)], c.start, c.end) for c in chunks])
+        s.finish_step(chunks)
+    return out
+
+
+def test_a_sequence_that_fits_a_step_is_not_split_to_fill_a_full_one() -> None:
+    """Once the step holds whole_fill of its budget, a sequence the budget would cut (but
+    that fits a step of its own) waits for the next step, where it goes first; shorter
+    ones behind it fill this step. whole_fill=1 splits to fill, as before."""
+    def run(fill: float) -> list:
+        bm = BlockManager(256, 4)
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8, whole_fill=fill), bm)
+        named = {"a": seq(61, 0), "b": seq(61, 0), "c": seq(31, 0), "d": seq(41, 0)}
+        for q in named.values():
+            s.add(q)
+        steps = _steps(s, named)
+        assert bm.num_free == 256
+        return steps
+
+    assert run(0.5) == [[("a", 0, 60), ("c", 0, 30)], [("b", 0, 60), ("d", 0, 40)]]
+    assert run(1.0) == [[("a", 0, 60), ("b", 0, 40)], [("b", 40, 60), ("c", 0, 30), ("d", 0, 40)]]
+
+
+def test_splits_that_cannot_be_avoided_still_fill_the_step() -> None:
+    """A sequence longer than the budget is split to fill the rest, and so is any sequence
+    while the step holds less than whole_fill of its budget."""
+    bm = BlockManager(256, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8, whole_fill=0.5), bm)
+    named = {"a": seq(61, 0), "long": seq(251, 0), "short": seq(31, 0), "b": seq(81, 0)}
+    for q in named.values():
+        s.add(q)
+    assert _steps(s, named) == [
+        [("a", 0, 60), ("long", 0, 40)],  # long fits no step whole: it fills this one
+        [("long", 40, 140)],
+        [("long", 140, 240)],
+        [("long", 240, 250), ("short", 0, 30), ("b", 0, 60)],  # 40 held (< 50): b split to fill
+        [("b", 60, 80)],
+    ]

@@ -96,7 +96,7 @@ class Engine:
                                f"raise num_kv_blocks / gpu_memory_utilization")
         prefix = cfg.enable_prefix_caching and not cfg.deterministic
         self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
-        self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic), self._blocks,
+        self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill), self._blocks,
                                     StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
         self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device, state_slots)
         self._prefix_caching = prefix
@@ -231,12 +231,13 @@ class Engine:
     def tuning(self) -> Tuning:
         """The engine's switches now (see ``Tuning``); assign a changed copy to change them."""
         return Tuning(pipeline=self._pipeline, token_budget=self._scheduler.cfg.max_num_batched_tokens,
+                      whole_fill=self._scheduler.cfg.whole_fill,
                       prefix_caching=self._prefix_caching, residual_in_gemm=self.runner.ops.residual_in_gemm,
                       run_ahead=self._run_ahead, attention=self.runner.attn)
 
     @tuning.setter
     def tuning(self, t: Tuning) -> None:
-        assert t.token_budget > 0 and (t.run_ahead is None or t.run_ahead >= 1), t
+        assert t.token_budget > 0 and 0.0 <= t.whole_fill <= 1.0 and (t.run_ahead is None or t.run_ahead >= 1), t
         if t.prefix_caching and self.cfg.deterministic:
             raise ValueError("deterministic mode runs without the prefix cache")
         if self._workers is not None and t.residual_in_gemm != self.runner.ops.residual_in_gemm:
@@ -245,6 +246,7 @@ class Engine:
             raise ValueError("launches on CUDA are paced (a run_ahead of the layer count never waits)")
         self._pipeline = t.pipeline
         self._scheduler.cfg.max_num_batched_tokens = t.token_budget
+        self._scheduler.cfg.whole_fill = t.whole_fill
         self._prefix_caching = self._blocks.enable_prefix_caching = t.prefix_caching
         self.runner.ops.residual_in_gemm = t.residual_in_gemm
         self._run_ahead = t.run_ahead

@@ -8,6 +8,11 @@ Policy, each step:
    another sequence (a GRPO group arriving together), it waits one step and then hits the
    cache instead of computing the prompt again.
 3. A sequence that does not fit the remaining budget is split: the rest runs next step.
+   Except, once the step holds ``whole_fill`` of its budget, one that would fit a step of
+   its own waits for the next (where it is first in line) and shorter ones behind it fill
+   this step whole: a split costs its second chunk attention over the first's keys (read
+   back from the pool, on a slower path than a fresh sequence's) and the KV writes and
+   reads between them, where a step a little short of its budget costs nothing per token.
 
 Hybrid models (``slots`` given: linear-attention layers carry a state per sequence, see
 ``StateSlots``):
@@ -37,6 +42,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     deterministic: bool = False
+    # Share of the budget from which a sequence that fits a step of its own is not split to
+    # fill the rest (rule 3); 1.0: always split to fill.
+    whole_fill: float = 1.0
+
+
+# Waiting sequences a step passes over at most while it looks for ones that fit whole.
+_LOOKAHEAD = 64
 
 
 class Scheduler:
@@ -101,9 +113,11 @@ class Scheduler:
             return chunks
         inflight = self._inflight_hashes(chunks)
         reserved = self._reserved()  # kept up to date below: O(1) per waiting sequence
+        full = self.cfg.max_num_batched_tokens
+        passed = 0  # sequences passed over to be taken whole next step (rule 3)
         admitted: list[int] = []
         for i, (_, _, seq) in enumerate(self.waiting):
-            if budget <= 0 or len(chunks) >= max_seqs:
+            if budget <= 0 or len(chunks) >= max_seqs or passed > _LOOKAHEAD:
                 break
             hashes = seq.hashes if seq.cache_end else []
             hit = self.bm.match_prefix(hashes)
@@ -119,6 +133,10 @@ class Scheduler:
                 break  # keep admission order; blocks and slots free up as running sequences finish
             n, final, snapshot = fit
             cached = len(hit) * self.bm.block_size
+            if (not final and not snapshot and full - budget >= self.cfg.whole_fill * full
+                    and seq.num_tokens - cached <= full):
+                passed += 1  # cut by the budget alone, and it fits a step of its own: next step, whole
+                continue
             self.bm.acquire(hit)
             self.bm.record_lookup(seq.cache_end, cached)
             seq.block_table = list(hit)

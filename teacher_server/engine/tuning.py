@@ -18,6 +18,7 @@ from teacher_server.attention.base import AttentionBackend
 class Tuning:
     pipeline: bool  # launch step N+1 while step N runs (Engine.step)
     token_budget: int  # max tokens of one step (the scheduler's budget)
+    whole_fill: float  # share of the budget from which a sequence that fits a step is not split to fill (1: always)
     prefix_caching: bool  # reuse cached prompt KV (applies to requests added afterwards)
     residual_in_gemm: bool  # the residual add in the o/down GEMM epilogue (FusedOps)
     run_ahead: int | None  # layers the host may queue ahead of the GPU in a forward; None: unpaced (CPU)
