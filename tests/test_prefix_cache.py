@@ -194,3 +194,31 @@ def test_tuning_switches_the_cache_and_the_budget(checkpoints) -> None:
     # nothing was cached while off: one computes the prompt, its siblings reuse its 6 blocks
     assert sorted(r.cached_tokens for r in on) == [0, 48, 48]
     assert_same(on, off)
+
+
+def test_whole_sequence_packing_scores_as_splitting_does(checkpoints) -> None:
+    """Sequences that fit a step are taken whole (whole_fill 0.5) instead of split to fill
+    one (1.0): the same scores, and fewer chunks over pooled keys (steps may be more)."""
+    path = checkpoints["qwen3"]
+    rng = np.random.default_rng(11)
+    reqs = [ScoreRequest(f"w{i}", rng.integers(0, 512, n), n // 2, rng.integers(0, 512, (n - 1 - n // 2, 4)))
+            for i, n in enumerate([41, 41, 21, 31, 13, 21])]  # 40, 40, 20, 30, 12, 20 tokens to compute
+    eng = engine(path, cache=False, budget=64)
+    chunks: dict[float, int] = {}
+    res = {}
+    for fill in (1.0, 0.5):
+        eng.tuning = replace(eng.tuning, whole_fill=fill)
+        sched = eng._scheduler
+        orig, seen = sched.schedule, []
+
+        def schedule(orig=orig, seen=seen) -> list:
+            seen.append(orig())
+            return seen[-1]
+
+        sched.schedule = schedule
+        res[fill] = eng.run_to_completion([ScoreRequest(f"{r.request_id}-{fill}", r.token_ids, r.start,
+                                                        r.candidates) for r in reqs])
+        sched.schedule = orig
+        chunks[fill] = sum(1 for step in seen for c in step if c.start > 0)  # chunks after a split
+    assert chunks[1.0] > chunks[0.5] == 0, chunks
+    assert_same(res[0.5], res[1.0])

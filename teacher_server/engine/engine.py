@@ -96,7 +96,8 @@ class Engine:
                                f"raise num_kv_blocks / gpu_memory_utilization")
         prefix = cfg.enable_prefix_caching and not cfg.deterministic
         self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
-        self._scheduler = Scheduler(SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill), self._blocks,
+        sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
+        self._scheduler = Scheduler(sched, self._blocks,
                                     StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
         self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device, state_slots)
         self._prefix_caching = prefix
