@@ -209,3 +209,40 @@ def test_splits_that_cannot_be_avoided_still_fill_the_step() -> None:
         [("long", 240, 250), ("short", 0, 30), ("b", 0, 60)],  # 40 held (< 50): b split to fill
         [("b", 60, 80)],
     ]
+
+
+def test_a_sequence_passed_over_is_not_pushed_back_by_later_splits() -> None:
+    """Behind a passed-over sequence a step takes only sequences that end in it: a long
+    lower-priority one arriving every other step must not be split in ahead of it (its
+    continuation would hold the next step and push the passed one back again, forever)."""
+    bm = BlockManager(4096, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8, whole_fill=0.5), bm)
+    a, p = seq(61, 0), seq(61, 0, salt="p")
+    s.add(a)
+    s.add(p)
+    first = None
+    for step in range(40):
+        if step % 2 == 0:
+            s.add(seq(201, 0, salt=f"long{step}", prio=5))
+        chunks = s.schedule()
+        if first is None and any(c.seq is p for c in chunks):
+            first = step
+        s.finish_step(chunks)
+    assert first == 1, first  # passed over in step 0 (a holds 60 of 100), first in step 1
+
+
+def test_a_prefix_hit_can_make_a_long_sequence_fit_whole() -> None:
+    """What must fit a step is what is left after the cache hit: a sequence longer than the
+    budget whose cached prompt leaves less than a budget is passed over, not split."""
+    bm = BlockManager(256, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=8, whole_fill=0.5), bm)
+    toks = np.arange(141)
+    first = seq(141, 81, toks=toks)  # 140 to compute; blocks before row 81 are cacheable (80 tokens)
+    s.add(first)
+    while s.has_work():
+        s.finish_step(s.schedule())
+    a, again = seq(61, 0, salt="a"), seq(141, 81, toks=toks)  # again: 80 cached, 60 left
+    s.add(a)
+    s.add(again)
+    named = {"a": a, "again": again}
+    assert _steps(s, named) == [[("a", 0, 60)], [("again", 80, 140)]]

@@ -203,11 +203,13 @@ def test_whole_sequence_packing_scores_as_splitting_does(checkpoints) -> None:
     rng = np.random.default_rng(11)
     reqs = [ScoreRequest(f"w{i}", rng.integers(0, 512, n), n // 2, rng.integers(0, 512, (n - 1 - n // 2, 4)))
             for i, n in enumerate([41, 41, 21, 31, 13, 21])]  # 40, 40, 20, 30, 12, 20 tokens to compute
-    eng = engine(path, cache=False, budget=64)
     chunks: dict[float, int] = {}
     res = {}
-    for fill in (1.0, 0.5):
-        eng.tuning = replace(eng.tuning, whole_fill=fill)
+    for fill in (1.0, 0.5):  # the setting from the config (0.5 is its default)
+        kw = {} if fill == 0.5 else {"whole_sequence_fill": fill}
+        eng = Engine(Config(model=str(path), device="cpu", enable_prefix_caching=False, block_size=BS,
+                            num_kv_blocks=256, max_num_batched_tokens=64, max_model_len=512, **kw))
+        assert eng.tuning.whole_fill == fill
         sched = eng._scheduler
         orig, seen = sched.schedule, []
 

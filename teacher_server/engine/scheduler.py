@@ -13,6 +13,8 @@ Policy, each step:
    this step whole: a split costs its second chunk attention over the first's keys (read
    back from the pool, on a slower path than a fresh sequence's) and the KV writes and
    reads between them, where a step a little short of its budget costs nothing per token.
+   Behind a sequence passed over, a step takes only sequences that end in it, so no later
+   one starts part-way and runs ahead of it next step.
 
 Hybrid models (``slots`` given: linear-attention layers carry a state per sequence, see
 ``StateSlots``):
@@ -117,7 +119,7 @@ class Scheduler:
         passed = 0  # sequences passed over to be taken whole next step (rule 3)
         admitted: list[int] = []
         for i, (_, _, seq) in enumerate(self.waiting):
-            if budget <= 0 or len(chunks) >= max_seqs or passed > _LOOKAHEAD:
+            if budget <= 0 or len(chunks) >= max_seqs or passed >= _LOOKAHEAD:
                 break
             hashes = seq.hashes if seq.cache_end else []
             hit = self.bm.match_prefix(hashes)
@@ -136,6 +138,10 @@ class Scheduler:
             if (not final and not snapshot and full - budget >= self.cfg.whole_fill * full
                     and seq.num_tokens - cached <= full):
                 passed += 1  # cut by the budget alone, and it fits a step of its own: next step, whole
+                continue
+            if passed and not final:
+                # Behind a passed-over sequence only whole ones: a later one split here would run
+                # part-way next step ahead of it, and could push it back again, step after step.
                 continue
             self.bm.acquire(hit)
             self.bm.record_lookup(seq.cache_end, cached)
