@@ -188,8 +188,10 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
     }
     tp = getattr(engine, "_workers", None) is not None
-    for i, v in enumerate(only or list(variants)):  # in the order asked for; a name asked for again: key 'name#2'
-        key = v if v not in out else f"{v}#{sum(1 for u in (only or [])[:i] if u == v) + 1}"
+    runs: dict[str, int] = {}
+    for v in only or list(variants):  # in the order asked for; a name asked for again: key 'name#2'
+        runs[v] = runs.get(v, 0) + 1
+        key = v if runs[v] == 1 else f"{v}#{runs[v]}"
         if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel"):  # the workers' stages are their own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages would change"}
             continue

@@ -116,7 +116,7 @@ class Scheduler:
         inflight = self._inflight_hashes(chunks)
         reserved = self._reserved()  # kept up to date below: O(1) per waiting sequence
         full = self.cfg.max_num_batched_tokens
-        passed = 0  # sequences passed over to be taken whole next step (rule 3)
+        passed = 0  # sequences passed over in this step (rule 3)
         admitted: list[int] = []
         for i, (_, _, seq) in enumerate(self.waiting):
             if budget <= 0 or len(chunks) >= max_seqs or passed >= _LOOKAHEAD:
@@ -142,6 +142,7 @@ class Scheduler:
             if passed and not final:
                 # Behind a passed-over sequence only whole ones: a later one split here would run
                 # part-way next step ahead of it, and could push it back again, step after step.
+                passed += 1  # passed over too: the look-ahead bounds the scan either way
                 continue
             self.bm.acquire(hit)
             self.bm.record_lookup(seq.cache_end, cached)
