@@ -1,0 +1,157 @@
+"""gate_up_silu: the fused gate/up projection and SiLU-mul in one GEMM, [T, H] x [2I, H]^T
+-> [T, I], so the [T, 2I] product is never written to memory and read back.
+
+A persistent Triton kernel for Hopper (TMA loads, wgmma): each tile of BM rows x BN output
+columns keeps two float32 accumulators, one over the gate rows [n0, n0 + BN) of the weight and
+one over the matching up rows [I + n0, I + n0 + BN), and its epilogue writes
+``round(round(silu(round(g))) * round(u))``: the rounding of the two-pass path (a bf16 GEMM
+output, then ``silu_mul``), so only the GEMM's own summation order differs from it.
+
+``gate_up_silu`` returns None where the kernel does not apply (no Triton, not a Hopper GPU,
+a shape it does not take); the caller then runs the GEMM and ``silu_mul``.
+"""
+
+# ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# (BM, BN, BK, stages, warps, group_m): BN columns of gate and BN of up per tile
+CONFIGS = {
+    "128x128x64s3": (128, 128, 64, 3, 8, 8),
+    "128x128x64s4": (128, 128, 64, 4, 8, 8),
+    "128x64x64s4": (128, 64, 64, 4, 4, 8),
+    "128x64x64s5": (128, 64, 64, 5, 8, 8),
+    "64x128x64s4": (64, 128, 64, 4, 4, 8),
+    "128x128x128s2": (128, 128, 128, 2, 8, 8),
+}
+DEFAULT = "128x128x64s3"
+
+
+_K: dict[str, Any] = {}
+
+
+def _kernels() -> dict[str, Any]:
+    """The kernels, compiled on first use ({} when Triton with tensor descriptors is missing)."""
+    if _K:
+        return _K
+    try:
+        import triton
+        import triton.language as tl
+        from triton.language.extra import libdevice
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except Exception as e:  # no triton (the CPU wheel), or one without tensor descriptors
+        log.info("fused gate/up SiLU kernel unavailable: %s: %s", type(e).__name__, e)
+        _K["missing"] = True
+        return _K
+
+    # M (the step's tokens) differs from step to step: not specialised on. Tiles in grouped
+    # order: GROUP_M row tiles take each weight tile in turn while it is in L2.
+    @triton.jit(do_not_specialize=["M"])
+    def fused(a_desc, b_desc, c_desc, M, I, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: E741
+              GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
+              EXACT: tl.constexpr):
+        # EXACT: libdevice's correctly rounded exp and division, as the SiLU-mul kernel's expf
+        # and '/' (off only where libdevice is missing: Triton's CPU interpreter)
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(I, BN)
+        per_group = GROUP_M * num_pid_n
+        k_tiles = tl.cdiv(K, BK)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
+            first_m = (tile // per_group) * GROUP_M
+            size_m = min(num_pid_m - first_m, GROUP_M)
+            om = (first_m + (tile % per_group) % size_m) * BM
+            on = ((tile % per_group) // size_m) * BN
+            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            for kt in range(k_tiles):
+                ok = kt * BK
+                a = a_desc.load([om, ok])
+                acc_g = tl.dot(a, b_desc.load([on, ok]).T, acc_g)
+                acc_u = tl.dot(a, b_desc.load([I + on, ok]).T, acc_u)
+            g = acc_g.to(c_desc.dtype).to(tl.float32)
+            u = acc_u.to(c_desc.dtype).to(tl.float32)
+            if EXACT:
+                s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
+            else:
+                s = g / (1.0 + tl.exp(-g))
+            s = s.to(c_desc.dtype).to(tl.float32)
+            c_desc.store([om, on], (s * u).to(c_desc.dtype))
+
+    @triton.jit(do_not_specialize=["M"])
+    def plain(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr):
+        # the same loop as one GEMM (calibration against cuBLAS): [M, K] x [N, K]^T -> [M, N]
+        num_pid_m = tl.cdiv(M, BM)
+        num_pid_n = tl.cdiv(N, BN)
+        per_group = GROUP_M * num_pid_n
+        k_tiles = tl.cdiv(K, BK)
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN):
+            first_m = (tile // per_group) * GROUP_M
+            size_m = min(num_pid_m - first_m, GROUP_M)
+            om = (first_m + (tile % per_group) % size_m) * BM
+            on = ((tile % per_group) // size_m) * BN
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for kt in range(k_tiles):
+                ok = kt * BK
+                acc = tl.dot(a_desc.load([om, ok]), b_desc.load([on, ok]).T, acc)
+            c_desc.store([om, on], acc.to(c_desc.dtype))
+
+    _K.update(fused=fused, plain=plain, desc=TensorDescriptor.from_tensor)
+    return _K
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
+    """Does the kernel take h [T, H] and w [2I, H]: CUDA bf16/fp16 on Hopper, contiguous, I a
+    multiple of the tile width (a tile never mixes gate and up rows), 16-byte aligned rows."""
+    return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype and h.dim() == 2
+            and w.dim() == 2 and h.shape[1] == w.shape[1] and w.shape[0] % (2 * bn) == 0 and h.shape[1] % 8 == 0
+            and h.is_contiguous() and w.is_contiguous() and torch.cuda.get_device_capability(h.device)[0] == 9
+            and "fused" in _kernels())
+
+
+def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = True,
+                 warp_specialize: bool = False) -> torch.Tensor | None:
+    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
+    bm, bn, bk, stages, warps, group = CONFIGS[config]
+    if not eligible(h, w, bn):
+        return None
+    t, i = h.shape[0], w.shape[0] // 2
+    out = torch.empty(t, i, dtype=h.dtype, device=h.device)
+    if t == 0:
+        return out
+    sms = _sms(h.device)
+    tiles = -(-t // bm) * (i // bn)
+    k = _kernels()
+    d = k["desc"]
+    k["fused"][(min(sms, tiles),)](d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, i, h.shape[1], BM=bm, BN=bn,
+                                   BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, WS=warp_specialize, EXACT=True,
+                                   num_stages=stages, num_warps=warps)
+    return out
+
+
+def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = True) -> torch.Tensor | None:
+    """h @ w^T with the same kernel loop (BN doubled: the fused kernel's tile is BM x 2BN)."""
+    bm, bn, bk, stages, warps, group = CONFIGS[config]
+    bn *= 2
+    if not eligible(h, w, bn // 2):
+        return None
+    t, n = h.shape[0], w.shape[0]
+    out = torch.empty(t, n, dtype=h.dtype, device=h.device)
+    sms = _sms(h.device)
+    tiles = -(-t // bm) * (n // bn)
+    k = _kernels()
+    d = k["desc"]
+    k["plain"][(min(sms, tiles),)](d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, n, h.shape[1], BM=bm, BN=bn,
+                                   BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, num_stages=stages,
+                                   num_warps=warps)
+    return out
