@@ -26,6 +26,7 @@ import torch
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
 from teacher_server.ops.conv_prep import check_conv_prep
+from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
@@ -94,6 +95,9 @@ class FusedOps:
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
+        # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
+        # after its start-up check at the model's shapes: ``check_gate_up``)
+        self.gate_up_kernel = kernels
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
         # its start-up check: ``check_conv_kernel``)
         self.conv_kernel = kernels
@@ -111,6 +115,24 @@ class FusedOps:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] -> [T, I]: silu(gate) * up."""
         return silu_mul(gate_up) if self.silu_kernel else silu_mul_reference(gate_up)
+
+    def gate_up_act(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """silu(h gate^T) * (h up^T), w = [gate; up] ([2I, H]), in one kernel: [T, I]; None
+        where it does not run (the caller then runs the GEMM and ``silu_mul``)."""
+        return gate_up_silu(h, w) if self.gate_up_kernel else None
+
+    def check_gate_up(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Check (and compile) the fused gate/up kernel at the model's shapes (when on); where it
+        does not apply or fails, it is off (a failure logs a line: the two passes are correct)."""
+        if not self.gate_up_kernel:
+            return
+        try:
+            self.gate_up_kernel = check_gate_up_silu(hidden, intermediate, device, dtype)
+        except Exception as e:
+            log.warning("fused gate/up SiLU kernel disabled: %s: %s", type(e).__name__, e)
+            self.gate_up_kernel = False
+        if self.gate_up_kernel:
+            log.info("fused gate/up SiLU kernel on (hidden %d, intermediate %d)", hidden, intermediate)
 
     def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, heads: HeadLayout, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, kv: KVStore, layer: int,
@@ -163,6 +185,7 @@ class FusedOps:
             except Exception as e:
                 self.eager_stages(e)
         self.check_silu(intermediate, device, dtype)
+        self.check_gate_up(hidden, intermediate, device, dtype)
         if self.qkv_kernel:
             try:
                 check_qkv_rope(heads, q_norm, k_norm, cos_sin, device, dtype)

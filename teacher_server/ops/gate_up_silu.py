@@ -14,10 +14,14 @@ a shape it does not take); the caller then runs the GEMM and ``silu_mul``.
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
+
+from teacher_server.ops.checks import assert_close
+from teacher_server.ops.silu_mul import silu_mul_reference
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +110,15 @@ def _kernels() -> dict[str, Any]:
     return _K
 
 
+@functools.cache
+def _gpu(index: int) -> tuple[bool, int]:
+    """(a Hopper GPU, its SM count) for a CUDA device index."""
+    props = torch.cuda.get_device_properties(index)
+    return props.major == 9, props.multi_processor_count
+
+
 def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _gpu(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
 def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
@@ -115,12 +126,13 @@ def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
     multiple of the tile width (a tile never mixes gate and up rows), 16-byte aligned rows."""
     return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype and h.dim() == 2
             and w.dim() == 2 and h.shape[1] == w.shape[1] and w.shape[0] % (2 * bn) == 0 and h.shape[1] % 8 == 0
-            and h.is_contiguous() and w.is_contiguous() and torch.cuda.get_device_capability(h.device)[0] == 9
+            and h.is_contiguous() and w.is_contiguous() and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
+            and _gpu(h.device.index if h.device.index is not None else torch.cuda.current_device())[0]
             and "fused" in _kernels())
 
 
-def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = True,
-                 warp_specialize: bool = False) -> torch.Tensor | None:
+def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
+                 warp_specialize: bool = False, exact: bool = True) -> torch.Tensor | None:
     """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
     bm, bn, bk, stages, warps, group = CONFIGS[config]
     if not eligible(h, w, bn):
@@ -134,12 +146,12 @@ def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatte
     k = _kernels()
     d = k["desc"]
     k["fused"][(min(sms, tiles),)](d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, i, h.shape[1], BM=bm, BN=bn,
-                                   BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, WS=warp_specialize, EXACT=True,
+                                   BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, WS=warp_specialize, EXACT=exact,
                                    num_stages=stages, num_warps=warps)
     return out
 
 
-def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = True) -> torch.Tensor | None:
+def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False) -> torch.Tensor | None:
     """h @ w^T with the same kernel loop (BN doubled: the fused kernel's tile is BM x 2BN)."""
     bm, bn, bk, stages, warps, group = CONFIGS[config]
     bn *= 2
@@ -155,3 +167,17 @@ def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten:
                                    BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, num_stages=stages,
                                    num_warps=warps)
     return out
+
+
+def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Start-up check at the model's shapes (it also compiles the kernel): the kernel against
+    the two-pass path on random inputs, two token counts. False where the kernel does not apply
+    (no Triton, not Hopper, a width it does not take); RuntimeError on a mismatch."""
+    w = torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) * hidden ** -0.5
+    for n in (200, 1000):
+        h = torch.randn(n, hidden, device=device, dtype=dtype)
+        got = gate_up_silu(h, w)
+        if got is None:
+            return False
+        assert_close("gate_up_silu", got, silu_mul_reference(h @ w.t()))
+    return True
