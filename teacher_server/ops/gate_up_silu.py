@@ -132,7 +132,7 @@ def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
 
 
 def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
-                 warp_specialize: bool = False, exact: bool = True) -> torch.Tensor | None:
+                 warp_specialize: bool = True, exact: bool = False) -> torch.Tensor | None:
     """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
     bm, bn, bk, stages, warps, group = CONFIGS[config]
     if not eligible(h, w, bn):
