@@ -182,8 +182,10 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "split_to_fill": lambda: tune(whole_fill=1.0),
         # the norms, QKV and linear-layer stages uncompiled (each a chain of torch passes)
         "eager_stages": lambda: [setattr(ops, n, f) for n, f in _STAGES.items()],
-        # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references
-        "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False)),
+        # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references (and the
+        # fused gate/up kernel off, else the dense MLP would not run SiLU-mul at all)
+        "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False),
+                                    setattr(ops, "gate_up_kernel", False)),
         # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)

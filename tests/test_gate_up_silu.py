@@ -72,3 +72,38 @@ def test_start_up_check_turns_it_on() -> None:
     assert ops.gate_up_kernel
     ops.check_gate_up(64, 96, torch.device("cuda"), torch.bfloat16)  # a width it does not take
     assert not ops.gate_up_kernel
+
+
+def test_start_up_check_catches_wrong_tiles_and_unstable_bits(monkeypatch) -> None:
+    """The check's logic, with the kernel stood in for on the CPU: a correct one passes; a NaN
+    tile, a slightly wrong one, or other bits on a second call each fail it."""
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+
+    def right(h, w, *a):
+        return silu_mul_reference(h @ w.t())
+
+    def nan_tile(h, w, *a):
+        out = right(h, w)
+        out[-1:, :8] = float("nan")
+        return out
+
+    def off_by_a_tenth(h, w, *a):
+        return right(h, w) * 1.1
+
+    calls = []
+
+    def unstable(h, w, *a):
+        calls.append(1)
+        out = right(h, w)
+        if len(calls) % 2 == 0:
+            out[0, 0] += 0.5  # the second call of each pair
+        return out
+
+    monkeypatch.setattr(gus, "gate_up_silu", right)
+    assert gus.check_gate_up_silu(64, 128, cpu, bf16)
+    for fake, says in ((nan_tile, "differs"), (off_by_a_tenth, "differs"), (unstable, "second call")):
+        monkeypatch.setattr(gus, "gate_up_silu", fake)
+        with pytest.raises(RuntimeError, match=says):
+            gus.check_gate_up_silu(64, 128, cpu, bf16)
+    monkeypatch.setattr(gus, "gate_up_silu", lambda *a: None)
+    assert not gus.check_gate_up_silu(64, 128, cpu, bf16)  # does not apply

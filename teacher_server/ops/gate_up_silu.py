@@ -9,8 +9,8 @@ epilogue writes ``round(round(silu(round(g))) * round(u))``: the rounding of the
 and the epilogue's exp and division, the GPU's fast ones by default (``exact=False``: a few
 float32 ulps before the bf16 rounding; ``exact=True`` takes libdevice's correctly rounded ones,
 as ``silu_mul``'s expf and '/', and costs the epilogue more). At the Qwen3-8B and Qwen3-32B
-shapes both gave the two-pass path's bits on every one of 1024 x I outputs
-(``bench/bench_fused_mlp.py``), the tests allow a couple of bf16 steps.
+shapes the default config gave the two-pass path's bits on every one of 1024 x I outputs, either
+way (``bench/bench_fused_mlp.py``); the tests and the start-up check allow a few bf16 steps.
 
 Measured (``bench/results/README.md``): the engine's W1 0.9%, W1f 1.5%, W3 1.1%, W4 1.6%
 faster than cuBLAS's GEMM followed by the SiLU-mul kernel; the exact epilogue without warp
@@ -29,19 +29,19 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import assert_close
 from teacher_server.ops.silu_mul import silu_mul_reference
 
 log = logging.getLogger(__name__)
 
 # (BM, BN, BK, stages, warps, group_m): BN columns of gate and BN of up per tile. The default
-# ran fastest in the engine's position; the others are kept for the benchmark's sweep.
+# ran fastest in the engine's position; the others are kept for the benchmark's sweep. Only
+# 8-warp configs: with warp specialisation (the default loop) Triton 3.6 gave wrong values on
+# about one tile in 1,500 with 64x128x64, 4 stages, 4 warps (NaN included:
+# ``bench/results/fused_mlp_h200_3752d1f.json``) and did not compile 128x64x64, 4 stages, 4 warps.
 CONFIGS = {
     "128x128x64s3": (128, 128, 64, 3, 8, 8),
     "128x128x64s4": (128, 128, 64, 4, 8, 8),
-    "128x64x64s4": (128, 64, 64, 4, 4, 8),
     "128x64x64s5": (128, 64, 64, 5, 8, 8),
-    "64x128x64s4": (64, 128, 64, 4, 4, 8),
     "128x128x128s2": (128, 128, 128, 2, 8, 8),
 }
 DEFAULT = "128x128x64s3"
@@ -71,7 +71,7 @@ def _kernels() -> dict[str, Any]:
               GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
               EXACT: tl.constexpr):
         # EXACT: libdevice's correctly rounded exp and division, as the SiLU-mul kernel's expf
-        # and '/' (off only where libdevice is missing: Triton's CPU interpreter)
+        # and '/'; else the GPU's fast ones (the default: a lighter epilogue)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(I, BN)
         per_group = GROUP_M * num_pid_n
@@ -169,6 +169,8 @@ def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten:
         return None
     t, n = h.shape[0], w.shape[0]
     out = torch.empty(t, n, dtype=h.dtype, device=h.device)
+    if t == 0:
+        return out
     sms = _sms(h.device)
     tiles = -(-t // bm) * (n // bn)
     k = _kernels()
@@ -180,16 +182,23 @@ def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten:
 
 
 def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Start-up check at the model's shapes: the kernel against the two-pass path on random
-    inputs. Its token counts (1, one not a multiple of 16, one that is) compile every variant
-    Triton may specialise the launch for now rather than in the middle of serving. False where
-    the kernel does not apply (no Triton, not Hopper, a width it does not take); RuntimeError
-    on a mismatch."""
+    """Start-up check at the model's shapes: the kernel against the GEMM then silu(g) * u on
+    random inputs, every output within a few bf16 steps of it (NaN fails), and the same bits on
+    a second call (a race would differ). Its token counts (1, one not a multiple of 16, and
+    4096, which gives every SM several tiles) compile every variant Triton may specialise the
+    launch for now rather than in the middle of serving. False where the kernel does not apply
+    (no Triton, not Hopper, a width it does not take); RuntimeError on a mismatch."""
     w = torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) * hidden ** -0.5
-    for n in (1, 200, 1024):
+    for n in (1, 200, 4096):
         h = torch.randn(n, hidden, device=device, dtype=dtype)
         got = gate_up_silu(h, w)
         if got is None:
             return False
-        assert_close("gate_up_silu", got, silu_mul_reference(h @ w.t()))
+        ref = silu_mul_reference(h @ w.t()).float()
+        bad = int((~((got.float() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3)).sum())
+        if bad:
+            raise RuntimeError(f"gate_up_silu differs from the GEMM and SiLU-mul on {bad} of {got.numel()} outputs "
+                               f"at {n} tokens")
+        if not torch.equal(got, gate_up_silu(h, w)):
+            raise RuntimeError(f"gate_up_silu gave other bits on a second call at {n} tokens")
     return True
