@@ -141,44 +141,39 @@ def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
             and "fused" in _kernels())
 
 
-def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
-                 warp_specialize: bool = True, exact: bool = False) -> torch.Tensor | None:
-    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
-    bm, bn, bk, stages, warps, group = CONFIGS[config]
-    if not eligible(h, w, bn):
-        return None
-    t, i = h.shape[0], w.shape[0] // 2
-    out = torch.empty(t, i, dtype=h.dtype, device=h.device)
+def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, config: str,
+            **consts: bool) -> torch.Tensor:
+    """out [T, cols] from kernel ``kernel`` over h [T, H] and w, in tiles of BM x ``bn``
+    (BM, BK, stages, warps and grouping from ``config``), one program per SM."""
+    bm, _, bk, stages, warps, group = CONFIGS[config]
+    t = h.shape[0]
+    out = torch.empty(t, cols, dtype=h.dtype, device=h.device)
     if t == 0:
         return out
     sms = _sms(h.device)
-    tiles = -(-t // bm) * (i // bn)
     k = _kernels()
     d = k["desc"]
-    k["fused"][(min(sms, tiles),)](d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, i, h.shape[1], BM=bm, BN=bn,
-                                   BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, WS=warp_specialize, EXACT=exact,
-                                   num_stages=stages, num_warps=warps)
+    k[kernel][(min(sms, -(-t // bm) * (cols // bn)),)](
+        d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, cols, h.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=group,
+        NUM_SMS=sms, num_stages=stages, num_warps=warps, **consts)
     return out
+
+
+def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
+                 warp_specialize: bool = True, exact: bool = False) -> torch.Tensor | None:
+    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
+    bn = CONFIGS[config][1]
+    if not eligible(h, w, bn):
+        return None
+    return _launch("fused", h, w, w.shape[0] // 2, bn, config, FLATTEN=flatten, WS=warp_specialize, EXACT=exact)
 
 
 def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False) -> torch.Tensor | None:
     """h @ w^T with the same kernel loop (BN doubled: the fused kernel's tile is BM x 2BN)."""
-    bm, bn, bk, stages, warps, group = CONFIGS[config]
-    bn *= 2
-    if not eligible(h, w, bn // 2):
+    bn = CONFIGS[config][1]
+    if not eligible(h, w, bn):
         return None
-    t, n = h.shape[0], w.shape[0]
-    out = torch.empty(t, n, dtype=h.dtype, device=h.device)
-    if t == 0:
-        return out
-    sms = _sms(h.device)
-    tiles = -(-t // bm) * (n // bn)
-    k = _kernels()
-    d = k["desc"]
-    k["plain"][(min(sms, tiles),)](d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, n, h.shape[1], BM=bm, BN=bn,
-                                   BK=bk, GROUP_M=group, NUM_SMS=sms, FLATTEN=flatten, num_stages=stages,
-                                   num_warps=warps)
-    return out
+    return _launch("plain", h, w, w.shape[0], 2 * bn, config, FLATTEN=flatten)
 
 
 def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
