@@ -121,14 +121,18 @@ def _kernels() -> dict[str, Any]:
 
 
 @functools.cache
-def _gpu(index: int) -> tuple[bool, int]:
+def _props(index: int) -> tuple[bool, int]:
     """(a Hopper GPU, its SM count) for a CUDA device index."""
     props = torch.cuda.get_device_properties(index)
     return props.major == 9, props.multi_processor_count
 
 
+def _gpu(device: torch.device) -> tuple[bool, int]:
+    return _props(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def _sms(device: torch.device) -> int:
-    return _gpu(device.index if device.index is not None else torch.cuda.current_device())[1]
+    return _gpu(device)[1]
 
 
 def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
@@ -137,7 +141,7 @@ def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
     return (h.is_cuda and h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype and h.dim() == 2
             and w.dim() == 2 and h.shape[1] == w.shape[1] and w.shape[0] % (2 * bn) == 0 and h.shape[1] % 8 == 0
             and h.is_contiguous() and w.is_contiguous() and h.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0
-            and _gpu(h.device.index if h.device.index is not None else torch.cuda.current_device())[0]
+            and _gpu(h.device)[0]
             and "fused" in _kernels())
 
 
