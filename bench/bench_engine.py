@@ -175,6 +175,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "varlen_attention": lambda: tune(attention=make_backend("varlen", engine.device)),
         "one_attention_stream": lambda: setattr(attn, "concurrent_streams", 0),
         "residual_add_outside_gemm": lambda: tune(residual_in_gemm=False),
+        # the last layer's o projection, MLP and norms over every row, not only those the LM head reads
+        "all_rows_last_layer": lambda: tune(last_layer_rows_only=False),
         "no_prefix_groups": lambda: setattr(attn, "group_prefixes", False),
         "no_pipeline": lambda: tune(pipeline=False),
         "budget_x2": lambda: tune(token_budget=2 * saved.token_budget),
@@ -196,7 +198,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     for v in only or list(variants):  # in the order asked for; a name asked for again: key 'name#2'
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
-        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up"):  # the workers' stages are their own
+        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer"):  # the workers' stages (and models) are their own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages would change"}
             continue
         apply = variants[v]

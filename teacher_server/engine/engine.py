@@ -234,7 +234,8 @@ class Engine:
         return Tuning(pipeline=self._pipeline, token_budget=self._scheduler.cfg.max_num_batched_tokens,
                       whole_fill=self._scheduler.cfg.whole_fill,
                       prefix_caching=self._prefix_caching, residual_in_gemm=self.runner.ops.residual_in_gemm,
-                      run_ahead=self._run_ahead, attention=self.runner.attn)
+                      last_layer_rows_only=self.runner.model.last_layer_rows_only, run_ahead=self._run_ahead,
+                      attention=self.runner.attn)
 
     @tuning.setter
     def tuning(self, t: Tuning) -> None:
@@ -243,6 +244,8 @@ class Engine:
             raise ValueError("deterministic mode runs without the prefix cache")
         if self._workers is not None and t.residual_in_gemm != self.runner.ops.residual_in_gemm:
             raise ValueError("residual_in_gemm is fixed under tensor parallel (every rank must add alike)")
+        if self._workers is not None and t.last_layer_rows_only != self.runner.model.last_layer_rows_only:
+            raise ValueError("last_layer_rows_only is fixed under tensor parallel (all-reduces of the same rows)")
         if t.run_ahead is None and self.device.type == "cuda":  # its events say when results are on the host
             raise ValueError("launches on CUDA are paced (a run_ahead of the layer count never waits)")
         self._pipeline = t.pipeline
@@ -250,6 +253,7 @@ class Engine:
         self._scheduler.cfg.whole_fill = t.whole_fill
         self._prefix_caching = self._blocks.enable_prefix_caching = t.prefix_caching
         self.runner.ops.residual_in_gemm = t.residual_in_gemm
+        self.runner.model.last_layer_rows_only = t.last_layer_rows_only
         self._run_ahead = t.run_ahead
         self.runner.attn = self.attn = t.attention
 

@@ -21,5 +21,6 @@ class Tuning:
     whole_fill: float  # share of the budget from which a sequence that fits a step is not split to fill (1: always)
     prefix_caching: bool  # reuse cached prompt KV (applies to requests added afterwards)
     residual_in_gemm: bool  # the residual add in the o/down GEMM epilogue (FusedOps)
+    last_layer_rows_only: bool  # after the last layer's mixer, only rows that reach the LM head (the model)
     run_ahead: int | None  # layers the host may queue ahead of the GPU in a forward; None: unpaced (CPU)
     attention: AttentionBackend  # the attention backend the forward uses

@@ -114,12 +114,23 @@ class LlamaDecoderLayer(RuntimeModule):
         """x + mlp(h) and its norm with ``next_norm``."""
         return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
-                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: attention here; it returns [T, q width] for ``o_proj``."""
+        return self.self_attn
+
+    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext,
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
-        residual stream and the next layer's normed input (normed with ``next_norm``)."""
-        ops = self.rt.ops
-        x, h = residual_norm(x, self.self_attn(h, cs, ctx), self.self_attn.o_proj, self.post_attention_layernorm, ops)
+        residual stream and the next layer's normed input (normed with ``next_norm``).
+        ``keep`` ([R] indices into T): only those rows go past the mixer, and the results
+        are [R, hidden] in ``keep``'s order. The mixer still sees every row (its keys, values
+        and states are kept for later chunks and cached prefixes)."""
+        ops, mixer = self.rt.ops, self.mixer
+        a = mixer(h, cs, ctx)  # [T, q width]
+        if keep is not None:
+            x, a = x[keep], a[keep]
+        x, h = residual_norm(x, a, mixer.o_proj, self.post_attention_layernorm, ops)
         return self.mlp_residual(x, h, ops)
 
 
@@ -136,6 +147,11 @@ class LlamaForCausalLM(RuntimeModule):
         (".gate_proj.", ".gate_up_proj.", "gate"), (".up_proj.", ".gate_up_proj.", "up"),
     )
     ignored = re.compile(r"rotary_emb\.inv_freq$")
+    # After the last layer's mixer only the rows that reach the LM head are computed (its
+    # o projection, MLP and norms): the rest would be thrown away. Off: every row, then the
+    # selection (the benchmark's ablation; fixed under tensor parallel, where every rank's
+    # all-reduce must have the same rows).
+    last_layer_rows_only: bool = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tied: bool,
                  tp: TensorParallel = SINGLE) -> None:
@@ -205,10 +221,17 @@ class LlamaForCausalLM(RuntimeModule):
         x = self.embed_tokens(ctx.input_ids)  # [T, hidden]
         cs = rt.rope(ctx.positions)  # [T, D] float32: cos | sin halves
         h = self.layers[0].input_layernorm(x)
+        last = len(self.layers) - 1
+        rows_only = self.last_layer_rows_only
         for i, layer in enumerate(self.layers):
             if pacer is not None:
                 pacer.before_layer(i)
-            x, h = layer(x, h, cs, ctx)
+            if i == last and rows_only and ctx.logits_idx.numel() == 0:  # nothing reaches the head:
+                layer.mixer(h, cs, ctx)  # the last mixer's keys, values and states only
+            else:
+                x, h = layer(x, h, cs, ctx, ctx.logits_idx if i == last and rows_only else None)
             if pacer is not None:
                 pacer.after_layer()
+        if rows_only:
+            return h[:0] if ctx.logits_idx.numel() == 0 else h  # [R, hidden]
         return h[ctx.logits_idx]

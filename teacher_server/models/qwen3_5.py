@@ -26,7 +26,7 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.layers.gated_delta import GatedDeltaNet
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM, residual_norm
+from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
@@ -105,12 +105,9 @@ class Qwen3_5DecoderLayer(LlamaDecoderLayer):
             self.linear_attn = self.self_attn
             del self.self_attn
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor,
-                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        ops = self.rt.ops
-        mixer = self.linear_attn if self.linear else self.self_attn
-        x, h = residual_norm(x, mixer(h, cs, ctx), mixer.o_proj, self.post_attention_layernorm, ops)
-        return self.mlp_residual(x, h, ops)
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.linear else self.self_attn
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
