@@ -362,6 +362,11 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         best["prefix_caching"] = False
         best["engine_process"] = engine_process
         best["server_args"] = list(extra)
+        # the server's base64 codec (its interpreter and environment are this one's): runs without
+        # pybase64, a server requirement, measure a slower request path than an install has
+        from teacher_server import b64
+
+        best["server_base64"] = "pybase64" if b64.fast() else "stdlib"
         return best
     finally:
         proc.terminate()

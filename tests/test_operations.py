@@ -641,3 +641,21 @@ def test_a_slow_sender_does_not_hold_up_large_bodies(tmp_path_factory) -> None:
             assert gate.max_wait_s * 0.8 <= dt < 10, dt  # it waited for the slot, then read anyway
         finally:
             slow.close()
+
+
+def test_missing_simd_base64_is_logged(monkeypatch, caplog) -> None:
+    """Without pybase64 (a server requirement) the server still serves, with the standard
+    library's codec, and says so once at start-up."""
+    from teacher_server import b64
+    from teacher_server.server.app import create_app
+
+    def never(cfg: Config) -> Engine:
+        raise AssertionError("the engine is not built before the app starts")
+
+    pytest.importorskip("pybase64")  # installed with the server
+    with caplog.at_level(logging.WARNING, logger="teacher_server.server"):
+        create_app(Config(device="cpu"), engine_factory=never)
+        assert not any("pybase64" in r.getMessage() for r in caplog.records)
+        monkeypatch.setattr(b64, "_fast", None)
+        create_app(Config(device="cpu"), engine_factory=never)
+    assert sum("pybase64" in r.getMessage() for r in caplog.records) == 1

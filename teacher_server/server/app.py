@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from teacher_server import __version__
+from teacher_server import __version__, b64
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
@@ -50,6 +50,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     ``on_fatal`` runs when the engine cannot start or cannot recover (default: SIGTERM to this
     process, so the orchestrator restarts it)."""
     elsewhere = engine_elsewhere(cfg)  # the engine(s) in processes of their own
+    if not b64.fast():  # a server dependency; without it every .npy body costs ~5 ms of the GIL
+        log.warning("pybase64 is not installed: base64 .npy payloads go through the standard library, "
+                    "several times slower (pip install 'teacher-server[server]')")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
