@@ -199,7 +199,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
         if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer"):  # the workers' stages (and models) are their own
-            out[key] = {"skipped": "tensor parallel: only rank 0's stages would change"}
+            out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]
         apply()
