@@ -221,17 +221,18 @@ class LlamaForCausalLM(RuntimeModule):
         x = self.embed_tokens(ctx.input_ids)  # [T, hidden]
         cs = rt.rope(ctx.positions)  # [T, D] float32: cos | sin halves
         h = self.layers[0].input_layernorm(x)
+        keep = ctx.logits_idx if self.last_layer_rows_only else None  # the last layer's rows past its mixer
         last = len(self.layers) - 1
-        rows_only = self.last_layer_rows_only
         for i, layer in enumerate(self.layers):
             if pacer is not None:
                 pacer.before_layer(i)
-            if i == last and rows_only and ctx.logits_idx.numel() == 0:  # nothing reaches the head:
-                layer.mixer(h, cs, ctx)  # the last mixer's keys, values and states only
+            if i < last or keep is None:
+                x, h = layer(x, h, cs, ctx)
+            elif keep.numel() == 0:  # nothing reaches the head: the last mixer's keys, values and states only
+                layer.mixer(h, cs, ctx)
+                h = h[:0]
             else:
-                x, h = layer(x, h, cs, ctx, ctx.logits_idx if i == last and rows_only else None)
+                x, h = layer(x, h, cs, ctx, keep)
             if pacer is not None:
                 pacer.after_layer()
-        if rows_only:
-            return h[:0] if ctx.logits_idx.numel() == 0 else h  # [R, hidden]
-        return h[ctx.logits_idx]
+        return h if keep is not None else h[ctx.logits_idx]  # [R, hidden]
