@@ -206,7 +206,11 @@ def test_other_endpoints(client) -> None:
     assert "GenerateRequest" in spec["components"]["schemas"]
     assert client.get("/metrics").status_code == 200
     assert_error(client.get("/no-such-path"), 404)
-    assert_error(client.get(GEN), 405)
+    wrong = client.get(GEN)
+    assert_error(wrong, 405)
+    assert wrong.headers["allow"] == "POST"  # a 405 names the methods that are allowed
+    assert_error(client.post(GEN, json=body(TOKS, [[88, 90], [17, "x"]], start=5)), 400,
+                 contains="prompt_logprob_token_ids.1.1:")  # the bad element, not the flat branch's row 0
 
 
 def test_uint64_ids_never_wrap(client) -> None:

@@ -239,3 +239,37 @@ def test_token_ids_are_counted_on_the_bytes_before_parsing() -> None:
     assert len(ok) > PRECHECK_BYTES and count_token_ids(ok, above=limits.max_model_len) is None
     _, req = parse_request(ok, limits, "m")
     assert req.length == 40_000
+
+
+def test_a_body_with_more_values_than_a_valid_one_is_refused_unparsed(monkeypatch) -> None:
+    """Whatever its keys say (escaped, repeated, a nested one first, or values in an ignored
+    field), a large body holding more values than a valid request can is refused from a count
+    of its bytes; the largest valid body (token_ids and per-row JSON candidates at the limits)
+    is not."""
+    import orjson
+
+    from teacher_server.server import parsing
+    from teacher_server.validation import Limits
+
+    limits = Limits(vocab_size=1000, max_model_len=2000, max_logprobs=20, max_rows_x_k=10**8)
+    most = parsing.max_commas(limits)
+    ids = b",".join([b"1"] * (most + 10))
+    bodies = [b'{"token\\u005fids":[' + ids + b']}',  # an escaped key
+              b'{"token_ids":[1],"token_ids":[' + ids + b']}',  # a repeated key: the last one wins
+              b'{"features":{"token_ids":[1]},"token_ids":[' + ids + b']}',  # a nested key first
+              b'{"token_ids":[1,2],"features":[' + ids + b']}']  # an ignored field
+
+    def no_parse(raw):
+        raise AssertionError("parsed")
+
+    with monkeypatch.context() as m:
+        m.setattr(parsing.orjson, "loads", no_parse)
+        for raw in bodies:
+            with pytest.raises(BadRequest, match="comma-separated JSON values, more than a valid request can"):
+                parsing.parse_request(raw, limits, "m")
+    rows = limits.max_model_len - 1
+    biggest = orjson.dumps({"token_ids": [5] * limits.max_model_len, "sampling_params": {
+        "max_tokens": 1, "prompt_logprob_start": 0, "prompt_logprob_token_ids": [[7] * 20] * rows}})
+    assert biggest.count(b",") <= most
+    _, req = parsing.parse_request(biggest, limits, "m")
+    assert req.candidates.shape == (rows, 20)

@@ -90,7 +90,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # 405: its Allow header
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:

@@ -1,4 +1,5 @@
-"""JSON bytes -> validated request, with an early length check on ``token_ids``."""
+"""JSON bytes -> validated request, with early checks on the bytes of a large body: the length
+of ``token_ids``, and the number of values it holds."""
 
 from __future__ import annotations
 
@@ -46,6 +47,14 @@ def count_token_ids(raw: bytes, above: int = -1) -> int | None:
     return n if isinstance(rest, dict) and rest.get("token_ids") == marker else None
 
 
+def max_commas(limits: Limits) -> int:
+    """The most commas a valid request body can hold: ``token_ids`` and per-row JSON candidates
+    (rows x K elements, at most ``max_rows_x_k``, and a separator per row), with room to spare
+    for the small fields. Base64 candidates hold none."""
+    cand = min(limits.max_rows_x_k, limits.max_model_len * limits.max_logprobs)
+    return 2 * limits.max_model_len + cand + 65536
+
+
 def _body_request_id(obj: object) -> str | None:
     rid = obj.get("request_id") if isinstance(obj, dict) else None
     return rid if isinstance(rid, str) else None
@@ -61,6 +70,13 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
         if n is not None:
             raise BadRequest(f"token_ids has {n} tokens, more than max_model_len={limits.max_model_len}",
                              "token_ids")
+        # Whatever its keys say (an escaped or repeated key, a nested one first, a large ignored
+        # field): a body with more values than a valid one can hold is refused unparsed.
+        commas, most = raw.count(b","), max_commas(limits)
+        if commas > most:
+            raise BadRequest(f"request body holds {commas} comma-separated JSON values, more than a valid request "
+                             f"can ({most} at max_model_len={limits.max_model_len}, "
+                             f"max_logprobs={limits.max_logprobs})")
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -90,8 +106,10 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
 
 
 def pydantic_message(errors: list) -> tuple[str, str | None]:
-    """(message, param) of the first pydantic error, naming the field."""
-    e = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    """(message, param) of the deepest pydantic error (the first of those), naming the field:
+    of a union's branches, the one that got furthest into the value (a per-row candidate list
+    with a bad element names that element, not the flat branch's complaint about row 0)."""
+    e = max(errors, key=lambda x: len(x.get("loc", ()))) if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
     # Drop union-branch markers pydantic adds (e.g. 'list[int]'), keep field names and indices.
     loc = [p for p in loc if not ("[" in p or p in ("str", "int", "bool", "float"))]
