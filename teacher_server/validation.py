@@ -50,8 +50,10 @@ def decode_npy(data: str, param: str) -> np.ndarray:
         raise BadRequest(f"{param} is not valid base64", param) from None
     try:
         arr = load_npy(raw)
+    except ValueError as e:  # the reader says what is wrong (no magic, truncated, object arrays, ...)
+        raise BadRequest(f"{param} is not a valid .npy array: {str(e)[:200]}", param) from None
     except Exception:
-        raise BadRequest(f"{param} is not a valid .npy array (object arrays are not accepted)", param) from None
+        raise BadRequest(f"{param} is not a valid .npy array", param) from None
     if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
         raise BadRequest(f"{param} must be an integer array (int32 or int64), got {getattr(arr, 'dtype', type(arr))}",
                          param)

@@ -7,6 +7,7 @@ import ast
 import base64
 import gc
 import io
+import re
 import sys
 import threading
 
@@ -67,8 +68,11 @@ def test_trailing_bytes_are_ignored_as_np_load_does() -> None:
     _npy(np.arange(4, dtype=np.int32))[:20],  # truncated header
 ], ids=["empty", "not npy", "magic only", "version 4.0", "data cut", "header cut"])
 def test_refuses_what_is_not_an_npy_array(raw: bytes) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as e:
         load_npy(raw)
+    # the 400 says what the reader found wrong (not one message for every case)
+    with pytest.raises(BadRequest, match=f"p is not a valid .npy array: {re.escape(str(e.value)[:200])}$"):
+        decode_npy(base64.b64encode(raw).decode(), "p")
 
 
 def _with_header(header: str, data: bytes = b"") -> bytes:
