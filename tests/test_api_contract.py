@@ -326,3 +326,26 @@ def test_chunked_body_ignores_a_bogus_content_length(demo_server) -> None:
                      + f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n")
         head = sock.recv(65536).split(b"\r\n", 1)[0]
     assert head.startswith(b"HTTP/1.1 200"), head
+
+
+@pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n",
+                                 b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                                 b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
+                                 b"Content-Length: 4\r\n\r\nabcd"],
+                         ids=["request line", "negative length", "two lengths"])
+def test_a_request_http_cannot_frame_gets_the_json_error(demo_server, raw: bytes) -> None:
+    """Below the app (h11 refuses the framing) the 400 still has the documented shape."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=60) as sock:
+        sock.sendall(raw)
+        got = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after it
+            got += chunk
+    head, _, payload = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert b"content-type: application/json" in head.lower()
+    err = json.loads(payload)["error"]
+    assert err["code"] == 400 and "invalid HTTP request" in err["message"] and set(err) == {"message", "type",
+                                                                                           "param", "code"}

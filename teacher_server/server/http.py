@@ -9,12 +9,15 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import h11
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from teacher_server.config import Config
+from teacher_server.server.responses import error_body
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
@@ -31,6 +34,18 @@ class HeaderTimeoutProtocol(H11Protocol):
     arrive, and stops when the headers are complete. On expiry the connection is closed."""
 
     header_timeout_s: float = 10.0
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot frame (a malformed request line or header, contradictory
+        lengths): the 400 in the documented JSON error shape, then the connection closes
+        (uvicorn's own answer is plain text)."""
+        body = orjson.dumps(error_body(400, "invalid HTTP request: malformed request line, headers or framing"))
+        head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=head, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
