@@ -411,6 +411,18 @@ def test_engine_that_fails_to_start_reports_failed(tmp_path) -> None:
     assert fired.wait(10)  # the process would now exit so the orchestrator restarts it
 
 
+def test_server_whose_engine_fails_to_start_exits_with_code_3(tmp_path) -> None:
+    """The documented exit code, not 143: the fatal path's own SIGTERM is not re-raised at exit."""
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}')
+    s = ServeProcess(tmp_path, model=str(empty))
+    try:
+        assert s.proc.wait(120) == 3
+    finally:
+        s.kill()
+
+
 def test_json_log_carries_request_id() -> None:
     from teacher_server.logging_setup import JsonFormatter
 

@@ -101,6 +101,9 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
 
 
 FATAL_EXIT_S = 30.0  # after a fatal engine error the process is gone by then at the latest
+# Set just before ``terminate_self`` signals this process: that SIGTERM is the fatal path's own,
+# not an operator's (``DrainingServer`` neither re-raises it at exit nor takes it for a second one).
+_FATAL_SIGNAL = threading.Event()
 
 
 def terminate_self() -> None:
@@ -114,6 +117,7 @@ def terminate_self() -> None:
         os._exit(3)
 
     threading.Thread(target=hard_exit, name="teacher-fatal-exit", daemon=True).start()
+    _FATAL_SIGNAL.set()
     os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -129,12 +133,21 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: object) -> None:
         ae: AsyncEngine | None = getattr(self.app.state, "aengine", None)
-        if self._draining:  # a second signal: answer what is in flight with 503 and go
+        fatal = sig == signal.SIGTERM and _FATAL_SIGNAL.is_set()  # sent by terminate_self
+        _FATAL_SIGNAL.clear()
+        if self._draining:
+            if fatal:  # a replica or worker died mid-drain: the others' requests still finish
+                log.warning("fatal engine error during the drain: the drain goes on")
+                return None
+            # a second signal: answer what is in flight with 503 and go
             log.warning("signal %s again: exiting now", sig)
             cut_off(self.app)
             self.force_exit = True
             return super().handle_exit(sig, frame)
         if ae is None:  # still loading (or failed): nothing to drain
+            if fatal:  # not recorded: uvicorn would re-raise it at exit, ending with 143, not the exit code 3
+                self.should_exit = True
+                return None
             return super().handle_exit(sig, frame)
         self._draining = True
         ae.stop_accepting()
