@@ -224,3 +224,44 @@ def test_engine_process_default(device: str, tp: int, setting: bool | None, else
     cfg = Config(device=device, tensor_parallel_size=tp, engine_process=setting)
     assert engine_elsewhere(cfg) is elsewhere
     assert engine_elsewhere(cfg.model_copy(update={"data_parallel_size": 2}))
+
+
+def test_a_request_failing_over_stays_in_flight() -> None:
+    """Between its replica going down and reaching another, a request is held by no replica:
+    it still counts as in flight, so a drain does not end (and cut it off) at that moment."""
+    from teacher_server.engine.request import ScoreRequest
+    from teacher_server.replicas.pool import ReplicaPool
+    from teacher_server.replicas.replica import ReplicaLost
+
+    class FakeReplica:
+        def __init__(self, i: int) -> None:
+            self.index, self.name, self.state, self.requests, self.tokens, self.futs = i, str(i), "ready", 0, 0, []
+
+        def submit(self, req: ScoreRequest) -> asyncio.Future:
+            self.requests += 1
+            self.futs.append(asyncio.get_running_loop().create_future())
+            return self.futs[-1]
+
+        def went_down(self) -> None:  # as Replica.went_down: its requests are no longer its own
+            self.state, self.requests = "down", 0
+            for f in self.futs:
+                f.set_exception(ReplicaLost("process exited"))
+
+    async def run() -> None:
+        pool = ReplicaPool(Config(device="cpu", data_parallel_size=2), factory=lambda cfg: None)
+        pool.replicas = [FakeReplica(0), FakeReplica(1)]
+        req = ScoreRequest("r", np.arange(40), 30, np.zeros((9, 2), np.int64))
+        task = asyncio.create_task(pool.score(req))
+        await asyncio.sleep(0)
+        first = next(r for r in pool.replicas if r.requests)
+        assert pool.in_flight == 1
+        first.went_down()
+        assert pool.in_flight == 1  # its waiter has not sent it on yet
+        await asyncio.sleep(0)
+        (other,) = [r for r in pool.replicas if r is not first]
+        assert other.requests == 1 and pool.in_flight == 1 and pool.retried == 1
+        other.requests = 0  # it answers (as Replica.answer)
+        other.futs[0].set_result("scored")
+        assert await task == "scored" and pool.in_flight == 0
+
+    asyncio.run(run())

@@ -61,6 +61,7 @@ class ReplicaPool:
         self.info: ReplicaInfo | None = None
         self.accepting = True
         self.retried = 0  # requests sent again after their replica went down
+        self._scoring = 0  # score() calls not yet returned (a request failing over is between replicas)
         self._stopping = False
         self._started: asyncio.Future | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -100,7 +101,10 @@ class ReplicaPool:
 
     @property
     def in_flight(self) -> int:
-        return sum(r.requests for r in self.replicas)
+        """Requests not yet answered: every waiting ``score`` call, including one whose replica
+        went down and that is being sent to another (no replica holds it then), and any request
+        a replica still holds after its waiter left (its abort on the way)."""
+        return max(self._scoring, sum(r.requests for r in self.replicas))
 
     def stop_accepting(self) -> None:
         self.accepting = False
@@ -129,6 +133,13 @@ class ReplicaPool:
         first goes down before answering. Cancelling the waiter aborts it there."""
         if not self.accepting:
             raise EngineUnavailable("server is shutting down")
+        self._scoring += 1
+        try:
+            return await self._score(req)
+        finally:
+            self._scoring -= 1
+
+    async def _score(self, req: ScoreRequest) -> ScoreResult:
         lo, hi = req.logit_range()
         key = self.router.key(req.token_ids, lo if hi > lo else 0, req.cache_salt)
         tried: set[str] = set()
