@@ -10,6 +10,7 @@ exit non-zero."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -184,6 +185,58 @@ def test_sharded_load_holds_each_ranks_slices(odd_vocab: Path) -> None:
 def test_heads_must_split(odd_vocab: Path) -> None:
     with pytest.raises(ValueError, match="does not divide"):
         Engine(Config(model=str(odd_vocab), device="cpu", tensor_parallel_size=3))
+
+
+def test_a_start_up_check_failing_after_the_workers_started_stops_them(odd_vocab: Path) -> None:
+    """A KV pool too small for max_model_len is found after the workers joined: they stop and
+    the process group is left, so a corrected engine starts in the same process."""
+    cfg = dict(model=str(odd_vocab), device="cpu", tensor_parallel_size=2, block_size=8, max_model_len=512)
+    before = {p.pid for p in mp.active_children()}
+    with pytest.raises(RuntimeError, match="cannot hold one sequence"):
+        Engine(Config(**cfg, num_kv_blocks=4))
+    assert not [p for p in mp.active_children() if p.pid not in before]  # no worker left running
+    eng = Engine(Config(**cfg, num_kv_blocks=256))
+    try:
+        res = eng.run_to_completion([ScoreRequest("r", np.arange(40) % 300, 30, np.zeros((9, 2), np.int64))])
+        assert res[0].error is None
+    finally:
+        eng.close()
+
+
+def test_a_worker_dying_while_the_group_forms_ends_start_up_at_once(odd_vocab: Path, monkeypatch) -> None:
+    """Rank 0 waiting in the rendezvous for a worker that has died (as one whose GPU fails
+    NCCL's start) gives up within seconds, not after the 10-minute rendezvous timeout."""
+    import teacher_server.engine.engine as engine_module
+    from teacher_server.engine.tp_workers import TensorParallelError
+
+    waiting = threading.Event()
+
+    def rendezvous_never_completes(device, rank, size, store) -> None:
+        waiting.set()
+        time.sleep(3600)
+
+    def kill_the_worker() -> None:
+        assert waiting.wait(120)
+        for p in mp.active_children():
+            if p.name.startswith("teacher-tp"):
+                os.kill(p.pid, signal.SIGKILL)
+
+    monkeypatch.setattr(engine_module, "init_group", rendezvous_never_completes)
+    threading.Thread(target=kill_the_worker, daemon=True).start()
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            Engine(Config(model=str(odd_vocab), device="cpu", tensor_parallel_size=2))
+        except BaseException as e:
+            raised.append(e)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    starting.join(120)
+    assert not starting.is_alive(), "start-up still waits for a worker that has died"
+    assert waiting.is_set() and isinstance(raised[0], TensorParallelError), raised
+    assert "while the process group formed" in str(raised[0])
 
 
 @pytest.mark.slow

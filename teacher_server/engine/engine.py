@@ -74,7 +74,8 @@ class Engine:
             try:
                 self._workers.wait_joined()
                 self.device = rank_device(self.device, 0)
-                init_group(self.device, 0, size, self._workers.store)
+                workers = self._workers
+                workers.form_group(lambda: init_group(self.device, 0, size, workers.store))
             except BaseException:
                 self.close()
                 raise
@@ -85,21 +86,22 @@ class Engine:
             num_blocks, state_slots = pool_sizes(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp, state)
             if self._workers is not None:
                 num_blocks, state_slots = self._workers.agree_blocks((num_blocks, state_slots))
+            budget = token_budget(cfg, self.device)
+            need = -(-self.max_model_len // cfg.block_size)
+            if num_blocks < need:
+                raise RuntimeError(f"KV pool of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one "
+                                   f"sequence of max_model_len={self.max_model_len}; lower max_model_len or "
+                                   f"raise num_kv_blocks / gpu_memory_utilization")
+            prefix = cfg.enable_prefix_caching and not cfg.deterministic
+            self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
+            sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
+            self._scheduler = Scheduler(sched, self._blocks,
+                                        StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
+            self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device,
+                                      state_slots)
         except BaseException:
-            self.close()
+            self.close()  # the tensor-parallel workers stop and the process group is left
             raise
-        budget = token_budget(cfg, self.device)
-        need = -(-self.max_model_len // cfg.block_size)
-        if num_blocks < need:
-            raise RuntimeError(f"KV pool of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one "
-                               f"sequence of max_model_len={self.max_model_len}; lower max_model_len or "
-                               f"raise num_kv_blocks / gpu_memory_utilization")
-        prefix = cfg.enable_prefix_caching and not cfg.deterministic
-        self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
-        sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
-        self._scheduler = Scheduler(sched, self._blocks,
-                                    StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
-        self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device, state_slots)
         self._prefix_caching = prefix
         self._pipeline = cfg.pipeline
         # Layers the host may queue ahead of the GPU within a forward (CUDA; see LaunchPacer).

@@ -132,6 +132,28 @@ class TPWorkers:
         for i in range(len(self.procs)):
             self._recv(i, "at start-up", 600.0)
 
+    def form_group(self, join: Callable[[], None]) -> None:
+        """Run rank 0's side of forming the process group (``join``) while watching the
+        workers: one that dies before the group forms (a GPU failing NCCL's start) would leave
+        rank 0 in the rendezvous until its timeout (10 minutes); this raises within a second
+        instead (the joining thread is a daemon, left to that timeout)."""
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                join()
+            except BaseException as e:
+                failed.append(e)
+
+        t = threading.Thread(target=run, name="teacher-tp-join", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.2)
+            if t.is_alive() and self.failure is not None:
+                raise TensorParallelError(f"{self.failure} while the process group formed")
+        if failed:
+            raise failed[0]
+
     def agree_blocks(self, own: tuple[int, int]) -> tuple[int, int]:
         """The KV blocks and linear-state slots every rank can hold (the minimum of each over
         the ranks); sent to all."""
