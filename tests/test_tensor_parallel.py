@@ -372,7 +372,7 @@ def test_killed_worker_makes_the_process_exit_non_zero(odd_vocab: Path) -> None:
         s.stop()
 
 
-def test_killed_worker_makes_health_503(odd_vocab: Path) -> None:
+def test_killed_worker_makes_health_503(odd_vocab: Path, caplog) -> None:
     """In process, with the fatal hook recorded instead of exiting: /health stays 503 and
     requests get 503, mid-request too."""
     fired = threading.Event()
@@ -382,6 +382,8 @@ def test_killed_worker_makes_health_503(odd_vocab: Path) -> None:
         os.kill(pids[0], signal.SIGKILL)
         assert fired.wait(30)
         assert_error(c.get("/health"), 503)
+        # the log names the worker's exit code (reaped before it is read)
+        assert any(f"exited (code {-signal.SIGKILL})" in r.getMessage() for r in caplog.records)
         assert_error(c.post(GEN, json=body(range(20), [1, 2])), 503)
 
 

@@ -192,6 +192,7 @@ class TPWorkers:
                 p = alive.pop(s)
                 if self._closing:
                     return
+                p.join(1.0)  # reaped, so its exit code is known
                 self.failure = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
                 log.critical("%s; stopping the other ranks", self.failure)
                 self._kill()
