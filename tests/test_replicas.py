@@ -265,3 +265,27 @@ def test_a_request_failing_over_stays_in_flight() -> None:
         assert await task == "scored" and pool.in_flight == 0
 
     asyncio.run(run())
+
+
+def _loads_for_minutes(cfg: Config) -> None:
+    """An engine factory whose load does not end in a test's time (module level: replica
+    processes import it)."""
+    time.sleep(600)
+    raise RuntimeError("not reached")
+
+
+def test_stopping_replicas_that_are_still_loading_does_not_wait_for_the_load() -> None:
+    """A stop (shutdown, or a replica failing to start beside loading ones) reaches a replica
+    whose engine is still loading: it exits at once instead of after its load."""
+    from teacher_server.replicas.pool import ReplicaPool
+
+    async def run() -> float:
+        pool = ReplicaPool(Config(device="cpu", data_parallel_size=2), _loads_for_minutes)
+        pool.start()
+        await asyncio.sleep(3)  # the processes start; their engines load (or are about to)
+        t0 = time.monotonic()
+        await asyncio.to_thread(pool.shutdown, 60.0)
+        assert all(r.process.exitcode is not None for r in pool.replicas)
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 20

@@ -101,18 +101,8 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
         fatal.append(e)
         loop.call_soon_threadsafe(stop.set)
 
-    try:
-        # The front already applies the queue limits per replica; these only back them up.
-        ae = await AsyncEngine.build(lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
-                                     on_fatal=on_fatal)
-    except BaseException as e:
-        log.critical("replica %d: engine failed to start: %s: %s", index, type(e).__name__, e)
-        out.send(StartFailedMsg(f"{type(e).__name__}: {e}"))
-        return 3
-    engine = ae.engine
-    out.send(ReadyMsg(ReplicaInfo(engine.served_model_name, str(engine.model_dir), engine.max_model_len,
-                                  engine.spec.vocab_size)))
     tasks: dict[int, asyncio.Task] = {}
+    ae: AsyncEngine | None = None  # set once built; the front's messages are read from the start
 
     async def one(req: ScoreRequest) -> None:
         try:
@@ -135,6 +125,10 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
                 if t is not None:
                     t.cancel()
             case _:
+                if ae is None:  # stopped, or the front gone, while the engine loads: nothing to drain
+                    log.info("replica %d: stopped while loading", index)
+                    logging.shutdown()
+                    os._exit(0)  # the load runs on in its thread; the process ends now
                 stop.set()
 
     def read() -> None:  # the front's messages, onto the loop; a gone front stops the replica
@@ -165,8 +159,19 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
                 last = s
             stop_wait.wait(STATS_INTERVAL_S)
 
-    stop_wait = threading.Event()
     threading.Thread(target=read, name=f"teacher-replica{index}-in", daemon=True).start()
+    try:
+        # The front already applies the queue limits per replica; these only back them up.
+        ae = await AsyncEngine.build(lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
+                                     on_fatal=on_fatal)
+    except BaseException as e:
+        log.critical("replica %d: engine failed to start: %s: %s", index, type(e).__name__, e)
+        out.send(StartFailedMsg(f"{type(e).__name__}: {e}"))
+        return 3
+    engine = ae.engine
+    out.send(ReadyMsg(ReplicaInfo(engine.served_model_name, str(engine.model_dir), engine.max_model_len,
+                                  engine.spec.vocab_size)))
+    stop_wait = threading.Event()
     threading.Thread(target=report, name=f"teacher-replica{index}-stats", daemon=True).start()
     await stop.wait()
     stop_wait.set()
