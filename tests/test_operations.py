@@ -411,6 +411,44 @@ def test_engine_that_fails_to_start_reports_failed(tmp_path) -> None:
     assert fired.wait(10)  # the process would now exit so the orchestrator restarts it
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_engine_loads_exits_without_waiting_for_the_load(tmp_path, sig) -> None:
+    port = free_port()
+    script = tmp_path / "serve_slow.py"
+    script.write_text(f"""
+import time
+from teacher_server.config import Config
+from teacher_server.server.app import create_app
+from teacher_server.server.http import uvicorn_config
+from teacher_server.server.lifecycle import DrainingServer
+
+def loads_for_minutes(cfg):
+    time.sleep(600)
+
+cfg = Config(device="cpu", host="127.0.0.1", port={port})
+app = create_app(cfg, engine_factory=loads_for_minutes)
+DrainingServer(uvicorn_config(app, cfg, timeout_graceful_shutdown=3), app, cfg.shutdown_timeout_s).run()
+""")
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                            stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def loading() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=2).json().get("status") == "loading"
+            except httpx.HTTPError:
+                return False
+
+        wait_until(loading, 60, "the server answering while its engine loads")
+        proc.send_signal(sig)
+        proc.wait(30)  # not the 600 s load
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_server_whose_engine_fails_to_start_exits_with_code_3(tmp_path) -> None:
     """The documented exit code, not 143: the fatal path's own SIGTERM is not re-raised at exit."""
     empty = tmp_path / "no-weights"

@@ -104,7 +104,8 @@ class AsyncEngine:
         (raising what the factory raised)."""
         ae = cls(None, *args, factory=factory, **kw)
         ae.start()
-        await asyncio.to_thread(ae._built.wait)
+        while not ae._built.is_set():  # polled: a thread waiting on it (to_thread's pool threads are no
+            await asyncio.sleep(0.05)  # daemons) would hold the interpreter's exit until the load ends
         if ae._build_error is not None:
             ae._thread.join(timeout=5)
             raise ae._build_error
