@@ -230,6 +230,22 @@ def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:
         assert s.app.state.engine.stats().kv_blocks_used == 0
 
 
+@pytest.mark.parametrize(("message", "fatal"), [
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED", True),
+    ("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", True),
+    ("Triton Error [CUDA]: unspecified launch failure", True),
+    ("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error", True),
+    ("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", False),  # about a shape: that step fails, the engine goes on
+    ("injected step failure", False),
+])
+def test_which_step_errors_end_the_engine(message: str, fatal: bool) -> None:
+    from teacher_server.engine.engine import _is_fatal
+
+    assert _is_fatal(RuntimeError(message)) is fatal
+    assert not _is_fatal(torch.cuda.OutOfMemoryError("CUDA out of memory. CUDA error"))
+
+
 def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:
     fired = threading.Event()
     cfg = demo_cfg(tmp_path_factory)

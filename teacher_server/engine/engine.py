@@ -396,6 +396,13 @@ class Engine:
         return [results[r.uid] for r in reqs]
 
 
+# Errors after which the GPU's context (or a communicator) is not usable: CUDA's own, and the
+# libraries' statuses for a failed execution (a cuDNN status such as NOT_SUPPORTED is about a
+# shape, not the GPU, and stays a failed step). Triton reports CUDA errors as "Triton Error [CUDA]".
+_FATAL_MARKS = ("CUDA error", "device-side assert", "Triton Error [CUDA]", "CUDNN_STATUS_EXECUTION_FAILED",
+                "CUDNN_STATUS_INTERNAL_ERROR", "CUDNN_STATUS_MAPPING_ERROR", "NCCL error")
+
+
 def _is_fatal(e: Exception) -> bool:
     """CUDA errors other than out-of-memory leave the context unusable."""
     if isinstance(e, torch.cuda.OutOfMemoryError):
@@ -403,4 +410,4 @@ def _is_fatal(e: Exception) -> bool:
     if isinstance(e, TensorParallelError):
         return True
     msg = str(e)
-    return isinstance(e, RuntimeError) and ("CUDA error" in msg or "device-side assert" in msg)
+    return isinstance(e, RuntimeError) and any(m in msg for m in _FATAL_MARKS)
