@@ -206,6 +206,12 @@ def test_other_endpoints(client) -> None:
     assert "GenerateRequest" in spec["components"]["schemas"]
     assert client.get("/metrics").status_code == 200
     assert_error(client.get("/no-such-path"), 404)
+    import gzip
+    import json
+
+    packed = client.post(GEN, content=gzip.compress(json.dumps(body(TOKS, [[88, 90]] * 4, start=5)).encode()),
+                         headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert_error(packed, 400, contains="Content-Encoding 'gzip' is not supported")
     wrong = client.get(GEN)
     assert_error(wrong, 405)
     assert wrong.headers["allow"] == "POST"  # a 405 names the methods that are allowed

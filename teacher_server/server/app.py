@@ -236,6 +236,9 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
             raise EngineUnavailable("engine is loading")
         if not ae.accepting or not ae.alive:
             raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
+        coding = request.headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
         # Parsing and validating a large body takes a while: keep it off the event loop.
         args = (raw, app.state.limits, engine.served_model_name, info.header_request_id)
