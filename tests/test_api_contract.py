@@ -205,7 +205,9 @@ def test_other_endpoints(client) -> None:
     assert "/inference/v1/generate" in spec["paths"]
     assert "GenerateRequest" in spec["components"]["schemas"]
     assert client.get("/metrics").status_code == 200
-    assert_error(client.get("/no-such-path"), 404)
+    missing = client.get("/no-such-path", headers={"X-Request-Id": "trace-404"})
+    assert_error(missing, 404)
+    assert missing.headers["X-Request-Id"] == "trace-404"
     import gzip
     import json
 

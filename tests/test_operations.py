@@ -60,6 +60,9 @@ def test_api_key(tmp_path_factory) -> None:
         assert_error(c.post(GEN, json=good, headers={"Authorization": "Bearer EMPTY"}), 401)
         assert_error(c.post(GEN, json=good, headers={"Authorization": "s3cret"}), 401)
         assert_error(c.get("/v1/models"), 401)
+        refused = c.post(GEN, json=good, headers={"X-Request-Id": "trace-401"})
+        assert_error(refused, 401)
+        assert refused.headers["X-Request-Id"] == "trace-401"  # the caller's id, refused or not
         assert c.post(GEN, json=good, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 200  # open by default
         assert c.get("/metrics").status_code == 200

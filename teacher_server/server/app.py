@@ -90,7 +90,11 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)  # 405: its Allow header
+        headers = dict(exc.headers or {})  # 405: its Allow header
+        rid = request.headers.get("x-request-id")
+        if rid:
+            headers["X-Request-Id"] = _header_safe(rid)
+        return error_response(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
@@ -221,7 +225,9 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             got = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
-                await error_response(401, "invalid or missing API key")(scope, receive, send)
+                rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+                headers = {"X-Request-Id": _header_safe(rid)} if rid else None
+                await error_response(401, "invalid or missing API key", headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
