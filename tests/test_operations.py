@@ -728,3 +728,34 @@ def test_missing_simd_base64_is_logged(monkeypatch, caplog) -> None:
         monkeypatch.setattr(b64, "_fast", None)
         create_app(Config(device="cpu"), engine_factory=never)
     assert sum("pybase64" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_fatal_paths_own_signal_is_neither_a_second_signal_nor_re_raised(tmp_path) -> None:
+    """``terminate_self``'s SIGTERM: during a drain it leaves the drain going (an operator's
+    second signal would cut everything off); while nothing is being served it stops the server
+    without being recorded, so uvicorn does not re-raise it at exit (the exit code stays 3)."""
+    from teacher_server.server import lifecycle
+    from teacher_server.server.app import create_app
+    from teacher_server.server.http import uvicorn_config
+
+    class FakeEngine:
+        in_flight = 1
+
+        def stop_accepting(self) -> None:
+            pass
+
+    app = create_app(Config(demo_model_dir=str(tmp_path / "m"), device="cpu"))
+    server = lifecycle.DrainingServer(uvicorn_config(app, Config(device="cpu")), app, drain_timeout=60)
+    app.state.aengine = FakeEngine()
+    server.handle_exit(signal.SIGTERM, None)  # the operator's: the drain starts
+    assert server._draining and not server.should_exit
+    lifecycle._FATAL_SIGNAL.set()
+    server.handle_exit(signal.SIGTERM, None)  # a replica died meanwhile
+    assert not server.force_exit and not server.should_exit and not lifecycle._FATAL_SIGNAL.is_set()
+    server.handle_exit(signal.SIGTERM, None)  # the operator's second signal still cuts off
+    assert server.force_exit
+    idle = lifecycle.DrainingServer(uvicorn_config(app, Config(device="cpu")), app, drain_timeout=60)
+    app.state.aengine = None  # failed to start
+    lifecycle._FATAL_SIGNAL.set()
+    idle.handle_exit(signal.SIGTERM, None)
+    assert idle.should_exit and not idle._captured_signals
