@@ -357,3 +357,25 @@ def test_a_request_http_cannot_frame_gets_the_json_error(demo_server, raw: bytes
     err = json.loads(payload)["error"]
     assert err["code"] == 400 and "invalid HTTP request" in err["message"] and set(err) == {"message", "type",
                                                                                            "param", "code"}
+
+
+def test_a_bad_chunk_after_the_answer_closes_the_connection_quietly(demo_server, caplog) -> None:
+    """The app may answer before reading the body (here: a compressed body is refused); a
+    malformed chunk after that answer closes the connection without a second answer (and
+    without the protocol failing on one)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=60) as sock:
+        sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n")
+        got = b""
+        while b"}}" not in got:  # the whole JSON error
+            chunk = sock.recv(65536)
+            assert chunk, got
+            got += chunk
+        sock.sendall(b"zz\r\nnot a chunk\r\n")
+        while chunk := sock.recv(65536):
+            got += chunk
+    assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1, got
+    assert b"Content-Encoding 'gzip' is not supported" in got
+    assert not [r for r in caplog.records if "data_received" in r.getMessage() or "LocalProtocolError" in r.getMessage()]

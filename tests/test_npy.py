@@ -269,11 +269,16 @@ def test_a_body_with_more_values_than_a_valid_one_is_refused_unparsed(monkeypatc
     with monkeypatch.context() as m:
         m.setattr(parsing.orjson, "loads", no_parse)
         for raw in bodies:
-            with pytest.raises(BadRequest, match="comma-separated JSON values, more than a valid request can"):
+            with pytest.raises(BadRequest, match="comma-separated JSON values, more than this server parses"):
                 parsing.parse_request(raw, limits, "m")
+    limits = Limits(vocab_size=100_000, max_model_len=20_000, max_logprobs=20, max_rows_x_k=10**8)
+    most = parsing.max_commas(limits)
     rows = limits.max_model_len - 1
-    biggest = orjson.dumps({"token_ids": [5] * limits.max_model_len, "sampling_params": {
-        "max_tokens": 1, "prompt_logprob_start": 0, "prompt_logprob_token_ids": [[7] * 20] * rows}})
+    # the largest request, with the vLLM fields the server accepts and ignores at full size too
+    biggest = orjson.dumps({"token_ids": [5] * limits.max_model_len, "assistant_tokens_mask": [1] * rows,
+                            "token_offsets": [[0, 1]] * rows, "sampling_params": {
+                                "max_tokens": 1, "prompt_logprob_start": 0, "prompt_logprob_token_ids": [[7] * 20] * rows,
+                                "allowed_token_ids": list(range(limits.vocab_size))}})
     assert biggest.count(b",") <= most
     _, req = parsing.parse_request(biggest, limits, "m")
     assert req.candidates.shape == (rows, 20)

@@ -236,8 +236,10 @@ def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:
 @pytest.mark.parametrize(("message", "fatal"), [
     ("CUDA error: an illegal memory access was encountered", True),
     ("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED", True),
-    ("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", True),
+    ("cuDNN error: CUDNN_STATUS_MAPPING_ERROR", True),
     ("Triton Error [CUDA]: unspecified launch failure", True),
+    ("Triton Error [CUDA]: out of memory", False),  # memory, not a broken context
+    ("cuDNN error: CUDNN_STATUS_INTERNAL_ERROR", False),  # can be about a shape
     ("NCCL error in: ProcessGroupNCCL.cpp, unhandled cuda error", True),
     ("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED", False),  # about a shape: that step fails, the engine goes on
     ("injected step failure", False),
@@ -730,10 +732,11 @@ def test_missing_simd_base64_is_logged(monkeypatch, caplog) -> None:
     assert sum("pybase64" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_the_fatal_paths_own_signal_is_neither_a_second_signal_nor_re_raised(tmp_path) -> None:
-    """``terminate_self``'s SIGTERM: during a drain it leaves the drain going (an operator's
-    second signal would cut everything off); while nothing is being served it stops the server
-    without being recorded, so uvicorn does not re-raise it at exit (the exit code stays 3)."""
+def test_a_fatal_error_drains_without_a_signal(tmp_path, monkeypatch) -> None:
+    """``terminate_self`` asks the server to drain without sending a signal: during a drain it
+    leaves the drain going (an operator's second signal would cut everything off, and still
+    does); while nothing is being served it stops the server with no signal recorded, so
+    uvicorn re-raises none at exit (the exit code stays 3)."""
     from teacher_server.server import lifecycle
     from teacher_server.server.app import create_app
     from teacher_server.server.http import uvicorn_config
@@ -744,18 +747,19 @@ def test_the_fatal_paths_own_signal_is_neither_a_second_signal_nor_re_raised(tmp
         def stop_accepting(self) -> None:
             pass
 
+    monkeypatch.setattr(lifecycle, "_SERVER", None)
+    monkeypatch.setattr(lifecycle.os, "kill", lambda *a: pytest.fail("terminate_self sent a signal"))
+    monkeypatch.setattr(lifecycle, "FATAL_EXIT_S", 3600.0)  # (its hard-exit thread must not fire in the test)
     app = create_app(Config(demo_model_dir=str(tmp_path / "m"), device="cpu"))
     server = lifecycle.DrainingServer(uvicorn_config(app, Config(device="cpu")), app, drain_timeout=60)
     app.state.aengine = FakeEngine()
     server.handle_exit(signal.SIGTERM, None)  # the operator's: the drain starts
     assert server._draining and not server.should_exit
-    lifecycle._FATAL_SIGNAL.set()
-    server.handle_exit(signal.SIGTERM, None)  # a replica died meanwhile
-    assert not server.force_exit and not server.should_exit and not lifecycle._FATAL_SIGNAL.is_set()
+    lifecycle.terminate_self()  # a replica died meanwhile
+    assert not server.force_exit and not server.should_exit
     server.handle_exit(signal.SIGTERM, None)  # the operator's second signal still cuts off
     assert server.force_exit
     idle = lifecycle.DrainingServer(uvicorn_config(app, Config(device="cpu")), app, drain_timeout=60)
     app.state.aengine = None  # failed to start
-    lifecycle._FATAL_SIGNAL.set()
-    idle.handle_exit(signal.SIGTERM, None)
+    lifecycle.terminate_self()
     assert idle.should_exit and not idle._captured_signals

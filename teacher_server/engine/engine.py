@@ -397,10 +397,11 @@ class Engine:
 
 
 # Errors after which the GPU's context (or a communicator) is not usable: CUDA's own, and the
-# libraries' statuses for a failed execution (a cuDNN status such as NOT_SUPPORTED is about a
-# shape, not the GPU, and stays a failed step). Triton reports CUDA errors as "Triton Error [CUDA]".
+# libraries' statuses for a failed execution (a cuDNN status such as NOT_SUPPORTED or
+# INTERNAL_ERROR can be about a shape, not the GPU, and stays a failed step; so does running out
+# of memory, whoever reports it). Triton reports CUDA errors as "Triton Error [CUDA]".
 _FATAL_MARKS = ("CUDA error", "device-side assert", "Triton Error [CUDA]", "CUDNN_STATUS_EXECUTION_FAILED",
-                "CUDNN_STATUS_INTERNAL_ERROR", "CUDNN_STATUS_MAPPING_ERROR", "NCCL error")
+                "CUDNN_STATUS_MAPPING_ERROR", "NCCL error")
 
 
 def _is_fatal(e: Exception) -> bool:
@@ -410,4 +411,6 @@ def _is_fatal(e: Exception) -> bool:
     if isinstance(e, TensorParallelError):
         return True
     msg = str(e)
+    if "out of memory" in msg:  # reported through another library (Triton's "[CUDA]: out of memory")
+        return False
     return isinstance(e, RuntimeError) and any(m in msg for m in _FATAL_MARKS)

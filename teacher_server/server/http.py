@@ -39,6 +39,9 @@ class HeaderTimeoutProtocol(H11Protocol):
         """A request h11 cannot frame (a malformed request line or header, contradictory
         lengths): the 400 in the documented JSON error shape, then the connection closes
         (uvicorn's own answer is plain text)."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # an answer already went out (a 503 before
+            self.transport.close()  # the body was read, then a bad chunk): no second one, just close
+            return
         body = orjson.dumps(error_body(400, "invalid HTTP request: malformed request line, headers or framing"))
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]

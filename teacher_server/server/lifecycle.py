@@ -100,25 +100,30 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
     ae.shutdown()
 
 
-FATAL_EXIT_S = 30.0  # after a fatal engine error the process is gone by then at the latest
-# Set just before ``terminate_self`` signals this process: that SIGTERM is the fatal path's own,
-# not an operator's (``DrainingServer`` neither re-raises it at exit nor takes it for a second one).
-_FATAL_SIGNAL = threading.Event()
+FATAL_EXIT_S = 30.0  # after a fatal engine error the process is gone by then at the latest (or after its drain)
+_SERVER: DrainingServer | None = None  # this process's command-line server, once made
 
 
 def terminate_self() -> None:
-    """Stop this process through the usual shutdown (SIGTERM); should that not finish (an
-    engine thread stuck in a collective of a dead tensor-parallel rank keeps the interpreter
-    from exiting), end it with code 3 after ``FATAL_EXIT_S``."""
+    """Stop this process through the usual shutdown: ``DrainingServer.fatal_shutdown`` when
+    the command-line server runs (no signal: the operator's signals keep their meaning), else
+    SIGTERM. Should that not finish (an engine thread stuck in a collective of a dead
+    tensor-parallel rank keeps the interpreter from exiting), end it with code 3 after
+    ``FATAL_EXIT_S`` (or the server's drain and its grace, when longer)."""
+    server = _SERVER
+    limit = FATAL_EXIT_S if server is None else max(FATAL_EXIT_S, server.drain_timeout + GRACE_S + 10.0)
+
     def hard_exit() -> None:
-        time.sleep(FATAL_EXIT_S)
-        log.critical("still running %.0fs after a fatal engine error: exiting", FATAL_EXIT_S)
+        time.sleep(limit)
+        log.critical("still running %.0fs after a fatal engine error: exiting", limit)
         logging.shutdown()
         os._exit(3)
 
     threading.Thread(target=hard_exit, name="teacher-fatal-exit", daemon=True).start()
-    _FATAL_SIGNAL.set()
-    os.kill(os.getpid(), signal.SIGTERM)
+    if server is not None:
+        server.fatal_shutdown()
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class DrainingServer(uvicorn.Server):
@@ -126,32 +131,47 @@ class DrainingServer(uvicorn.Server):
     and then for the lifespan, each with its own timeout)."""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float) -> None:
+        global _SERVER
         super().__init__(config)
         self.app = app
         self.drain_timeout = drain_timeout
         self._draining = False
+        _SERVER = self  # terminate_self reaches it without a signal
 
     def handle_exit(self, sig: int, frame: object) -> None:
         ae: AsyncEngine | None = getattr(self.app.state, "aengine", None)
-        fatal = sig == signal.SIGTERM and _FATAL_SIGNAL.is_set()  # sent by terminate_self
-        _FATAL_SIGNAL.clear()
-        if self._draining:
-            if fatal:  # a replica or worker died mid-drain: the others' requests still finish
-                log.warning("fatal engine error during the drain: the drain goes on")
-                return None
-            # a second signal: answer what is in flight with 503 and go
+        if self._draining:  # a second signal: answer what is in flight with 503 and go
             log.warning("signal %s again: exiting now", sig)
             cut_off(self.app)
             self.force_exit = True
             return super().handle_exit(sig, frame)
         if ae is None:  # still loading (or failed): nothing to drain
-            if fatal:  # not recorded: uvicorn would re-raise it at exit, ending with 143, not the exit code 3
-                self.should_exit = True
-                return None
             return super().handle_exit(sig, frame)
+        self._drain(ae, f"signal {sig}")
+
+    def fatal_shutdown(self) -> None:
+        """The engine cannot go on (``terminate_self``): drain like a first signal, on the
+        event loop's thread (where signal handlers run too), without a signal to record, so
+        uvicorn does not re-raise one at exit and the exit code stays the app's (3). During a
+        drain already under way nothing changes: a replica or worker that died mid-drain does
+        not cut the others' requests off as an operator's second signal would."""
+        loop = getattr(self.app.state, "loop", None)
+        if loop is not None and threading.current_thread() is not threading.main_thread():
+            _call_soon(loop, self.fatal_shutdown)
+            return
+        if self._draining:
+            log.warning("fatal engine error during the drain: the drain goes on")
+            return
+        ae: AsyncEngine | None = getattr(self.app.state, "aengine", None)
+        if ae is None:
+            self.should_exit = True
+            return
+        self._drain(ae, "fatal engine error")
+
+    def _drain(self, ae: AsyncEngine, why: str) -> None:
         self._draining = True
         ae.stop_accepting()
-        log.info("signal %s: draining %d in-flight request(s), at most %.0fs", sig, ae.in_flight, self.drain_timeout)
+        log.info("%s: draining %d in-flight request(s), at most %.0fs", why, ae.in_flight, self.drain_timeout)
 
         def drain_then_exit() -> None:
             deadline = time.monotonic() + self.drain_timeout

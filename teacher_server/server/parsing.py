@@ -48,11 +48,13 @@ def count_token_ids(raw: bytes, above: int = -1) -> int | None:
 
 
 def max_commas(limits: Limits) -> int:
-    """The most commas a valid request body can hold: ``token_ids`` and per-row JSON candidates
-    (rows x K elements, at most ``max_rows_x_k``, and a separator per row), with room to spare
-    for the small fields. Base64 candidates hold none."""
+    """The most commas this server parses in one request body: twice what the largest request
+    it can score holds (``token_ids`` and per-row JSON candidates: rows x K elements, at most
+    ``max_rows_x_k``, a separator per row; base64 candidates hold none), which leaves room for
+    the vLLM fields it accepts and ignores (a token mask, offsets, a vocabulary-sized id list),
+    plus a vocabulary's worth. A body of many times a request's values is what it refuses."""
     cand = min(limits.max_rows_x_k, limits.max_model_len * limits.max_logprobs)
-    return 2 * limits.max_model_len + cand + 65536
+    return 2 * (2 * limits.max_model_len + cand) + limits.vocab_size + 65536
 
 
 def _body_request_id(obj: object) -> str | None:
@@ -71,12 +73,12 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
             raise BadRequest(f"token_ids has {n} tokens, more than max_model_len={limits.max_model_len}",
                              "token_ids")
         # Whatever its keys say (an escaped or repeated key, a nested one first, a large ignored
-        # field): a body with more values than a valid one can hold is refused unparsed.
+        # field): a body with many more values than a request can use is refused unparsed.
         commas, most = raw.count(b","), max_commas(limits)
         if commas > most:
-            raise BadRequest(f"request body holds {commas} comma-separated JSON values, more than a valid request "
-                             f"can ({most} at max_model_len={limits.max_model_len}, "
-                             f"max_logprobs={limits.max_logprobs})")
+            raise BadRequest(f"request body holds {commas} comma-separated JSON values, more than this server parses "
+                             f"in a request ({most}: twice the largest request at max_model_len="
+                             f"{limits.max_model_len}, max_logprobs={limits.max_logprobs})")
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
