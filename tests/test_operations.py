@@ -333,6 +333,28 @@ def test_sigterm_drains_in_flight_work(tmp_path) -> None:
         s.kill()
 
 
+def test_a_body_still_arriving_when_the_drain_ends_gets_the_json_503(tmp_path) -> None:
+    """A request whose body is still on its way is not in flight: when the drain ends it is
+    answered with the JSON 503 (not cancelled by uvicorn's shutdown, a plain-text 500)."""
+    s = ServeProcess(tmp_path, shutdown_timeout_s="5", body_timeout_s="60")
+    try:
+        s.wait_ready()
+        with socket.create_connection(("127.0.0.1", s.port), timeout=60) as sock:
+            sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"token_ids\": [1, 2, 3")  # and no more
+            time.sleep(0.5)  # the server is reading the body
+            s.proc.send_signal(signal.SIGTERM)
+            got = b""
+            while chunk := sock.recv(65536):
+                got += chunk
+        assert s.proc.wait(60) == 0
+        head, _, payload = got.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), got[:300]
+        assert json.loads(payload)["error"]["code"] == 503
+    finally:
+        s.kill()
+
+
 def test_shutdown_takes_about_the_drain_timeout(tmp_path) -> None:
     """SIGTERM with long requests in flight: exit about T after the signal (not 3T + 5), and
     the requests cut off at T get a JSON 503 with Retry-After."""

@@ -183,6 +183,9 @@ class DrainingServer(uvicorn.Server):
                 grace = time.monotonic() + GRACE_S
                 while ae.in_flight and time.monotonic() < grace:
                     time.sleep(0.05)
+            else:  # requests still sending their bodies (not in flight yet) get their JSON 503 now,
+                cut_off(self.app)  # before uvicorn's own shutdown would cancel them (a plain-text 500)
+                time.sleep(0.2)
             self.should_exit = True
 
         threading.Thread(target=drain_then_exit, name="teacher-drain", daemon=True).start()
