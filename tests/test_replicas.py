@@ -267,6 +267,41 @@ def test_a_request_failing_over_stays_in_flight() -> None:
     asyncio.run(run())
 
 
+def test_a_request_is_sent_on_once_not_to_every_replica() -> None:
+    """When the replica it was sent on to goes down as well, the request fails (500) instead of
+    being handed to a third: a request that crashes the GPU would take them all down in turn."""
+    from teacher_server.engine.request import ErrorKind, ScoreRequest
+    from teacher_server.replicas.pool import ReplicaPool
+    from teacher_server.replicas.replica import ReplicaLost
+
+    class FakeReplica:
+        def __init__(self, i: int) -> None:
+            self.index, self.name, self.state, self.requests, self.tokens, self.futs = i, str(i), "ready", 0, 0, []
+
+        def submit(self, req: ScoreRequest) -> asyncio.Future:
+            self.requests += 1
+            self.futs.append(asyncio.get_running_loop().create_future())
+            return self.futs[-1]
+
+        def went_down(self) -> None:
+            self.state, self.requests = "down", 0
+            for f in self.futs:
+                f.set_exception(ReplicaLost("process exited"))
+
+    async def run() -> None:
+        pool = ReplicaPool(Config(device="cpu", data_parallel_size=3), factory=lambda cfg: None)
+        pool.replicas = [FakeReplica(0), FakeReplica(1), FakeReplica(2)]
+        task = asyncio.create_task(pool.score(ScoreRequest("r", np.arange(40), 30, np.zeros((9, 2), np.int64))))
+        for _ in range(2):
+            await asyncio.sleep(0)
+            next(r for r in pool.replicas if r.requests).went_down()
+        res = await asyncio.wait_for(task, 10)  # (sent to the third, it would wait for its answer)
+        assert res.error_kind == ErrorKind.INTERNAL and "2 replicas went down" in res.error
+        assert pool.retried == 1 and sum(len(r.futs) for r in pool.replicas) == 2  # the third never got it
+
+    asyncio.run(run())
+
+
 def _loads_for_minutes(cfg: Config) -> None:
     """An engine factory whose load does not end in a test's time (module level: replica
     processes import it)."""

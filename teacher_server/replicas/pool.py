@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import EngineOverloaded, EngineUnavailable
-from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.stats import EngineStats
 from teacher_server.replicas.messages import (
     FromReplica,
@@ -37,6 +37,12 @@ from teacher_server.replicas.worker import replica_devices
 from teacher_server.routing import Router
 
 log = logging.getLogger("teacher_server.replicas")
+
+
+# A request is sent to another replica when its replica goes down under it, once: when the
+# second goes down too, the request itself (one that crashes the GPU) is the likelier cause, and
+# sending it on would take every replica down in turn. It fails with a 500 (not retried).
+MAX_REPLICAS_LOST = 1
 
 
 class ReplicaPool:
@@ -158,8 +164,13 @@ class ReplicaPool:
             try:
                 return await fut
             except ReplicaLost as e:
-                log.warning("request %s: %s; sending it to another replica", req.request_id[:100], e)
                 tried.add(name)
+                if len(tried) > MAX_REPLICAS_LOST:  # more likely what brings replicas down than bad luck
+                    log.error("request %s: %s, the %d replica lost under it; not sent again",
+                              req.request_id[:100], e, len(tried))
+                    return ScoreResult.failed(req, ErrorKind.INTERNAL, f"inference failed: {len(tried)} replicas "
+                                              f"went down while scoring it")
+                log.warning("request %s: %s; sending it to another replica", req.request_id[:100], e)
                 self.retried += 1
             except asyncio.CancelledError:
                 rep.cancel(req.uid)
