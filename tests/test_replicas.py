@@ -226,26 +226,30 @@ def test_engine_process_default(device: str, tp: int, setting: bool | None, else
     assert engine_elsewhere(cfg.model_copy(update={"data_parallel_size": 2}))
 
 
+class FakeReplica:
+    """A replica of the pool's view: it takes requests (a future each) and can go down."""
+
+    def __init__(self, i: int) -> None:
+        self.index, self.name, self.state, self.requests, self.tokens, self.futs = i, str(i), "ready", 0, 0, []
+
+    def submit(self, req: object) -> asyncio.Future:
+        self.requests += 1
+        self.futs.append(asyncio.get_running_loop().create_future())
+        return self.futs[-1]
+
+    def went_down(self) -> None:  # as Replica.went_down: its requests are no longer its own
+        from teacher_server.replicas.replica import ReplicaLost
+
+        self.state, self.requests = "down", 0
+        for f in self.futs:
+            f.set_exception(ReplicaLost("process exited"))
+
+
 def test_a_request_failing_over_stays_in_flight() -> None:
     """Between its replica going down and reaching another, a request is held by no replica:
     it still counts as in flight, so a drain does not end (and cut it off) at that moment."""
     from teacher_server.engine.request import ScoreRequest
     from teacher_server.replicas.pool import ReplicaPool
-    from teacher_server.replicas.replica import ReplicaLost
-
-    class FakeReplica:
-        def __init__(self, i: int) -> None:
-            self.index, self.name, self.state, self.requests, self.tokens, self.futs = i, str(i), "ready", 0, 0, []
-
-        def submit(self, req: ScoreRequest) -> asyncio.Future:
-            self.requests += 1
-            self.futs.append(asyncio.get_running_loop().create_future())
-            return self.futs[-1]
-
-        def went_down(self) -> None:  # as Replica.went_down: its requests are no longer its own
-            self.state, self.requests = "down", 0
-            for f in self.futs:
-                f.set_exception(ReplicaLost("process exited"))
 
     async def run() -> None:
         pool = ReplicaPool(Config(device="cpu", data_parallel_size=2), factory=lambda cfg: None)
@@ -272,21 +276,6 @@ def test_a_request_is_sent_on_once_not_to_every_replica() -> None:
     being handed to a third: a request that crashes the GPU would take them all down in turn."""
     from teacher_server.engine.request import ErrorKind, ScoreRequest
     from teacher_server.replicas.pool import ReplicaPool
-    from teacher_server.replicas.replica import ReplicaLost
-
-    class FakeReplica:
-        def __init__(self, i: int) -> None:
-            self.index, self.name, self.state, self.requests, self.tokens, self.futs = i, str(i), "ready", 0, 0, []
-
-        def submit(self, req: ScoreRequest) -> asyncio.Future:
-            self.requests += 1
-            self.futs.append(asyncio.get_running_loop().create_future())
-            return self.futs[-1]
-
-        def went_down(self) -> None:
-            self.state, self.requests = "down", 0
-            for f in self.futs:
-                f.set_exception(ReplicaLost("process exited"))
 
     async def run() -> None:
         pool = ReplicaPool(Config(device="cpu", data_parallel_size=3), factory=lambda cfg: None)
