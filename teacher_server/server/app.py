@@ -90,10 +90,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
-        headers = dict(exc.headers or {})  # 405: its Allow header
-        rid = request.headers.get("x-request-id")
-        if rid:
-            headers["X-Request-Id"] = _header_safe(rid)
+        headers = dict(exc.headers or {}) | _request_id_header(request.headers.get("x-request-id"))  # 405: Allow
         return error_response(exc.status_code, str(exc.detail), headers=headers)
 
     @app.exception_handler(Exception)
@@ -178,8 +175,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         dt = time.monotonic() - t0
         m.labels(m.requests, status=str(resp.status_code)).inc()
         m.labels(m.e2e).observe(dt)
-        if info.request_id is not None:
-            resp.headers["X-Request-Id"] = _header_safe(info.request_id)
+        resp.headers.update(_request_id_header(info.request_id))
         rid = (info.request_id or "-")[:128]
         access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs", rid, resp.status_code, info.tokens, info.rows,
                         dt, extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
@@ -208,6 +204,11 @@ def _header_safe(rid: str) -> str:
     return rid if _HEADER_SAFE.fullmatch(rid) else urllib.parse.quote(rid[:256], safe="")
 
 
+def _request_id_header(rid: str | None) -> dict[str, str]:
+    """The response's ``X-Request-Id`` for a request's id (none without one)."""
+    return {"X-Request-Id": _header_safe(rid)} if rid is not None else {}
+
+
 def _json(status: int, obj: dict) -> Response:
     return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
 
@@ -223,11 +224,12 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-                headers = {"X-Request-Id": _header_safe(rid)} if rid else None
-                await error_response(401, "invalid or missing API key", headers=headers)(scope, receive, send)
+            headers = dict(scope["headers"])
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                rid = headers.get(b"x-request-id")
+                answer = error_response(401, "invalid or missing API key",
+                                        headers=_request_id_header(None if rid is None else rid.decode("latin-1")))
+                await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

@@ -179,13 +179,13 @@ class DrainingServer(uvicorn.Server):
                 time.sleep(0.05)
             if ae.in_flight:
                 log.warning("drain timeout: answering %d in-flight request(s) with 503", ae.in_flight)
-                cut_off(self.app)
-                grace = time.monotonic() + GRACE_S
-                while ae.in_flight and time.monotonic() < grace:
-                    time.sleep(0.05)
-            else:  # requests still sending their bodies (not in flight yet) get their JSON 503 now,
-                cut_off(self.app)  # before uvicorn's own shutdown would cancel them (a plain-text 500)
-                time.sleep(0.2)
+            # What is still in flight, and requests still sending their bodies (not in flight yet:
+            # uvicorn's own shutdown would cancel them, a plain-text 500), get their JSON 503 now.
+            cut_off(self.app)
+            grace = time.monotonic() + GRACE_S
+            while ae.in_flight and time.monotonic() < grace:
+                time.sleep(0.05)
+            time.sleep(0.2)  # (the answers to bodies still arriving are written)
             self.should_exit = True
 
         threading.Thread(target=drain_then_exit, name="teacher-drain", daemon=True).start()
