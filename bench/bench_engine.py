@@ -322,9 +322,10 @@ def _variants(text: str) -> list[tuple[str, list[str]]]:
 
 
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
-               engine_process: bool | None = None, extra: list[str] = ()) -> dict:
+               engine_process: bool | None = None, extra: list[str] = (), key: str = "") -> dict:
     """``name`` through a real server; ``engine_process`` None: the server's default (the engine
-    in a process of its own on one GPU, on a thread otherwise); ``extra``: more server arguments."""
+    in a process of its own on one GPU, on a thread otherwise); ``extra``: more server arguments;
+    ``key``: the run's name in the results (its step trace's file name)."""
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
@@ -340,6 +341,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
 
         engine_process = engine_elsewhere(Config(tensor_parallel_size=args.tensor_parallel_size))
     cmd += list(extra)
+    if args.step_trace:
+        cmd += ["--step-trace", f"{args.step_trace}http-{key or name}.jsonl"]
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -464,6 +467,9 @@ def main() -> None:
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--tiny", action="store_true", help="a small model of the family (CPU smoke runs)")
+    ap.add_argument("--step-trace", default="",
+                    help="path prefix: the in-process engine's step trace goes to PREFIXengine.jsonl, each HTTP "
+                         "server's to PREFIXhttp-NAME.jsonl (one JSON line per step, config step_trace)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     global GPUS
@@ -503,7 +509,7 @@ def main() -> None:
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
-                  tensor_parallel_size=GPUS)
+                  tensor_parallel_size=GPUS, step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
     results["engine_warm_up_s"] = engine.warm_up_s  # part of the load: synthetic requests at start-up
@@ -573,7 +579,7 @@ def main() -> None:
         for variant, extra in args.http_variants:
             for n in http_names:  # the server's default (as named), the engine on its thread, or in a process
                 key = (n if mode == "default" else f"{n}-engine-{mode}") + (f"-{variant}" if variant else "")
-                results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n], extra=extra,
+                results["http"][key] = bench_http(ckpt, args, cfg, n, workloads[n], extra=extra, key=key,
                                                   engine_process=None if mode == "default" else mode == "process")
                 print(key, "http", json.dumps(results["http"][key]), flush=True)
     for n, b in base_runs.items():

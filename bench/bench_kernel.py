@@ -1,6 +1,8 @@
-"""Bench the gather-logprob kernel against the device's copy bandwidth, and the scoring
-stage (LM head in float32 row chunks + kernel) against the LM-head matmul alone and the
-naive ``log_softmax(logits.float()).gather`` path.
+"""Bench the gather-logprob kernel against the device's copy bandwidth, the scoring stage
+(LM head in float32 row chunks + kernel) against the LM-head matmul alone and the naive
+``log_softmax(logits.float()).gather`` path, and the qkv_rope kernel (split, q/k norm,
+rotary, KV-pool write) at each of its items-per-group settings against the copy bandwidth
+and the eager torch stages.
 
     python bench/bench_kernel.py [--out bench/results/kernel_h200.json]
 
@@ -25,6 +27,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from teacher_server.ops import extension  # noqa: E402
 from teacher_server.ops import gather_logprob as glp  # noqa: E402
+from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep, qkv_rope  # noqa: E402
 
 
 def time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
@@ -78,6 +81,45 @@ def bench_gather(rows: int, vocab: int, k: int, dtype: torch.dtype, copy_gb_s: f
         "bytes": moved, "ms": ms, "gb_s": gb_s, "pct_of_copy": 100 * gb_s / copy_gb_s,
         "max_abs_err_vs_f64": err,
     }
+
+
+def bench_qkv(tokens: int, hq: int, hkv: int, d: int, copy_gb_s: float, iters: int, warmup: int) -> dict:
+    """qkv_rope at a step of ``tokens`` (Qwen3's q/k norm on, every token's k and v written
+    to a pool twice the step's size), per items-per-group setting; the eager torch stages
+    (``qkv_prep``, then the indexed stores) beside it. Bytes: qkv read, q/k/v and the pool
+    rows written."""
+    dt = torch.bfloat16
+    heads = HeadLayout(hq, hkv, d, 1e-6)
+    qkv = torch.randn(tokens, heads.width, device="cuda", dtype=dt) * 3
+    pos = torch.randint(0, 32768, (tokens,), device="cuda")
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    ang = pos[:, None].float() * inv[None]
+    cs = torch.cat([ang.cos(), ang.sin()], dim=1)  # [T, d] float32
+    qn, kn = ((1 + 0.2 * torch.randn(d, device="cuda")).to(dt) for _ in range(2))
+    slots = torch.randperm(2 * tokens, device="cuda")[:tokens]
+    kc, vc = (torch.zeros(2 * tokens, hkv, d, device="cuda", dtype=dt) for _ in range(2))
+    moved = qkv.numel() * 2 + tokens * (hq + 2 * hkv) * d * 2 + 2 * tokens * hkv * d * 2
+    res: dict = {"tokens": tokens, "hq": hq, "hkv": hkv, "d": d, "bytes": moved, "kernel": {}}
+    first = None
+    for u in (1, 2, 4, 8):
+        ms = time_ms(lambda u=u: qkv_rope(qkv, cs, qn, kn, heads, kc, vc, slots, items_per_group=u), iters, warmup)
+        out = qkv_rope(qkv, cs, qn, kn, heads, kc, vc, slots, items_per_group=u)
+        first = out if first is None else first
+        same = all(torch.equal(a, b) for a, b in zip(out, first))  # every setting computes the same bits
+        res["kernel"][str(u)] = {"ms": ms, "gb_s": moved / ms / 1e6, "pct_of_copy": 100 * moved / ms / 1e6 / copy_gb_s,
+                                 "same_bits_as_1": same}
+    half = d // 2
+
+    def eager() -> None:
+        q, k, v = qkv_prep(qkv, cs[:, None, :half], cs[:, None, half:], qn, kn, hq, hkv, d, 1e-6)
+        kc[slots] = k
+        vc[slots] = v
+
+    res["eager_ms"] = time_ms(eager, iters, warmup)
+    ref = qkv_prep(qkv, cs[:, None, :half], cs[:, None, half:], qn, kn, hq, hkv, d, 1e-6)
+    res["max_abs_diff_vs_eager"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(first, ref))
+    res["equal_fraction_vs_eager"] = min((a == b).float().mean().item() for a, b in zip(first, ref))
+    return res
 
 
 def make_lm_head() -> tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], str]:
@@ -148,7 +190,9 @@ def main() -> int:
     p.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy-bandwidth buffer")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--skip-scoring", action="store_true", help="kernel and copy only")
+    p.add_argument("--skip-scoring", action="store_true", help="kernels and copy only")
+    p.add_argument("--qkv-tokens", type=int, default=16384, help="step size of the qkv_rope bench (0: skip it)")
+    p.add_argument("--qkv-heads", default="32,8,128", help="query heads, kv heads, head dim (Qwen3-8B)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kernel_h200.json")
     args = p.parse_args()
 
@@ -167,6 +211,11 @@ def main() -> int:
         for dt in (torch.float32, torch.bfloat16)
     ]
     torch.cuda.empty_cache()
+    qkv = None
+    if args.qkv_tokens:
+        hq, hkv, d = (int(x) for x in args.qkv_heads.split(","))
+        qkv = bench_qkv(args.qkv_tokens, hq, hkv, d, copy["gb_s"], 2 * args.iters, args.warmup)
+        torch.cuda.empty_cache()
     scoring = None
     if not args.skip_scoring:
         scoring = bench_scoring(args.rows, args.vocab, args.hidden, args.k, args.chunk_rows, args.iters, args.warmup)
@@ -179,6 +228,7 @@ def main() -> int:
         "build_or_load_s": build_s,
         "copy": copy,
         "gather_kernel": kernel,
+        "qkv_rope": qkv,
         "scoring": scoring,
         "total_s": time.perf_counter() - t0,
     }
@@ -191,6 +241,14 @@ def main() -> int:
     for r in kernel:
         name = f"gather kernel R={r['rows']} V={r['vocab']} K={r['k']} {r['dtype']}"
         print(f"{name:<52}{r['ms']:>10.3f}{r['gb_s']:>10.0f}{r['pct_of_copy']:>8.1f}%{r['max_abs_err_vs_f64']:>10.1e}")
+    if qkv:
+        print(f"\nqkv_rope: {qkv['tokens']} tokens, {qkv['hq']} q / {qkv['hkv']} kv heads of {qkv['d']}, "
+              f"q/k norm, every k/v written to the pool ({qkv['bytes'] / 1e6:.0f} MB moved)")
+        for u, r in qkv["kernel"].items():
+            print(f"{'  kernel, ' + u + ' item(s) per group':<52}{r['ms']:>10.3f}{r['gb_s']:>10.0f}"
+                  f"{r['pct_of_copy']:>8.1f}%  same bits: {r['same_bits_as_1']}")
+        print(f"{'  eager torch stages':<52}{qkv['eager_ms']:>10.3f}   max |kernel - eager| "
+              f"{qkv['max_abs_diff_vs_eager']:.3g}, equal {100 * qkv['equal_fraction_vs_eager']:.2f}%")
     if scoring:
         s = scoring
         print(f"\nscoring stage: hidden [{s['rows']}, {s['hidden']}] bf16, LM head [{s['vocab']}, {s['hidden']}] bf16, "

@@ -12,7 +12,8 @@ void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out);
 void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::optional<at::Tensor>& q_w,
                   const c10::optional<at::Tensor>& k_w, double eps, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const c10::optional<at::Tensor>& k_cache,
-                  const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots);
+                  const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots,
+                  int64_t items_per_group);
 void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor& o2, const at::Tensor& l2,
                     const at::Tensor& out);
 
@@ -31,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qkv_rope_out", &qkv_rope_out,
         "split fused QKV, per-head RMSNorm (optional), rotary, and write k/v into the KV pool", py::arg("qkv"),
         py::arg("cs"), py::arg("q_w"), py::arg("k_w"), py::arg("eps"), py::arg("q"), py::arg("k"), py::arg("v"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"));
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("items_per_group") = 4);
   m.def("merge_attn_out", &merge_attn_out,
         "merge two partial attentions over disjoint keys by their log-sum-exp", py::arg("o1"), py::arg("l1"),
         py::arg("o2"), py::arg("l2"), py::arg("out"));

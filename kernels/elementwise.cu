@@ -190,131 +190,142 @@ void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor
 // qkv_rope: split the fused QKV projection, per-head RMSNorm of q and k (when weights are
 // given, Qwen3), rotary on q and k, and the write of k and v into the paged KV pool.
 //
-// One warp per (token, head); lane l holds elements [l*E, l*E + E) of the head (E = D/32),
-// so the rotary partner (i +- D/2) is in lane l ^ 16. Rounding follows the eager torch
-// code: normed = round(x * rsqrt(mean(x^2) + eps)); w = round(weight * normed);
+// A group of L = D/8 lanes holds one head, 8 elements (16 bytes) a lane: lane s of the group
+// holds elements [8s, 8s + 8), so the rotary partner (i +- D/2) is lane s ^ L/2 of the same
+// group. A group takes U consecutive (token, head) items and issues all their loads before
+// it computes any, so enough bytes are in flight to run near the memory's bandwidth (one
+// 8-byte load per lane and item ran at about half of it). Every lane runs the same
+// instructions (the norm and rotary are computed for v heads and past-the-end items too,
+// and discarded), so the shuffles never diverge. Rounding follows the eager torch code:
+// normed = round(x * rsqrt(mean(x^2) + eps)); w = round(weight * normed);
 // out = round(x1*cos - x2*sin | x2*cos + x1*sin) from the rounded values.
 namespace {
 
-template <int E>
-struct VecOf;
-template <>
-struct VecOf<2> {
-  using type = uint32_t;
-};
-template <>
-struct VecOf<4> {
-  using type = uint2;
-};
-template <>
-struct VecOf<8> {
-  using type = uint4;
-};
-
-// E consecutive 2-byte elements moved as one 4/8/16-byte word.
-template <int E>
-union Lanes {
-  typename VecOf<E>::type raw;
-  uint16_t x[E];
-};
-
-template <int E>
-__device__ __forceinline__ Lanes<E> load_lanes(const uint16_t* p) {
-  Lanes<E> v;
-  v.raw = *reinterpret_cast<const typename VecOf<E>::type*>(p);
-  return v;
-}
-
-template <int E>
-__device__ __forceinline__ void store_lanes(uint16_t* p, const Lanes<E>& v) {
-  *reinterpret_cast<typename VecOf<E>::type*>(p) = v.raw;
-}
-
-template <typename C, int E>
+template <typename C, int D, int U>
 __global__ void __launch_bounds__(kThreads)
 qkv_rope_kernel(const uint16_t* __restrict__ qkv, int64_t qkv_stride, const float* __restrict__ cs,
                 int64_t cs_stride, const uint16_t* __restrict__ q_w, const uint16_t* __restrict__ k_w, float eps,
                 uint16_t* __restrict__ q_out, uint16_t* __restrict__ k_out, uint16_t* __restrict__ v_out,
                 uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, const int64_t* __restrict__ slots,
                 int64_t ntok, int hq, int hkv) {
-  constexpr int D = 32 * E;
+  constexpr int E = kVec;
+  constexpr int L = D / E;  // lanes per head: 8, 16 or 32
   constexpr int kHalf = D / 2;
-  const int lane = threadIdx.x & 31;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int sub = static_cast<int>(tid % L);
   const int heads = hq + 2 * hkv;
-  const int64_t warp = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) >> 5;
-  if (warp >= ntok * heads) return;
-  const int64_t t = warp / heads;
-  const int h = static_cast<int>(warp - t * heads);
-  const uint16_t* src = qkv + t * qkv_stride + static_cast<int64_t>(h) * D + lane * E;
-  const Lanes<E> in = load_lanes<E>(src);
-  const int64_t slot = slots != nullptr ? slots[t] : -1;
-  if (h >= hq + hkv) {  // v: copy, and into the pool
-    const int hv = h - hq - hkv;
-    store_lanes<E>(v_out + (t * hkv + hv) * D + lane * E, in);
-    if (slot >= 0) store_lanes<E>(v_cache + (slot * hkv + hv) * D + lane * E, in);
-    return;
-  }
-  float x[E];
+  const int64_t items = ntok * heads;
+  const int64_t first = (tid / L) * U;
+  Vec in[U];
 #pragma unroll
-  for (int j = 0; j < E; ++j) x[j] = C::to_float(in.x[j]);
-  const bool is_q = h < hq;
-  const uint16_t* w = is_q ? q_w : k_w;
-  if (w != nullptr) {
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) ss += x[j] * x[j];
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const float r = rsqrtf(ss / static_cast<float>(D) + eps);
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      const float n = C::to_float(C::from_float(x[j] * r));
-      x[j] = C::to_float(C::from_float(C::to_float(w[lane * E + j]) * n));
+  for (int u = 0; u < U; ++u) {
+    const int64_t w = first + u;
+    if (w < items) {
+      const int64_t t = w / heads;
+      const int h = static_cast<int>(w - t * heads);
+      in[u].raw = *reinterpret_cast<const uint4*>(qkv + t * qkv_stride + static_cast<int64_t>(h) * D + sub * E);
+    } else {
+      in[u].raw = make_uint4(0u, 0u, 0u, 0u);
     }
   }
-  float other[E];
+  const bool low = sub < L / 2;
+  const int freq = (sub % (L / 2)) * E;  // this lane's first frequency index
 #pragma unroll
-  for (int j = 0; j < E; ++j) other[j] = __shfl_xor_sync(0xffffffffu, x[j], 16);
-  const bool low = lane < 16;
-  const float* row = cs + t * cs_stride;
-  Lanes<E> out;
+  for (int u = 0; u < U; ++u) {
+    const int64_t w = first + u;
+    const bool valid = w < items;
+    const int64_t t = valid ? w / heads : 0;
+    const int h = valid ? static_cast<int>(w - t * heads) : 0;
+    const bool is_q = h < hq, is_v = h >= hq + hkv;
+    float x[E];
 #pragma unroll
-  for (int j = 0; j < E; ++j) {
-    const int i = (lane * E + j) % kHalf;  // frequency index
-    const float c = row[i], s = row[kHalf + i];
-    // Each product rounded on its own, as eager torch does (no FMA contraction).
-    const float a = __fmul_rn(x[j], c), b = __fmul_rn(other[j], s);
-    out.x[j] = C::from_float(low ? __fsub_rn(a, b) : __fadd_rn(a, b));
+    for (int j = 0; j < E; ++j) x[j] = C::to_float(in[u].x[j]);
+    if (q_w != nullptr) {  // the same for every lane
+      float ss = 0.f;
+#pragma unroll
+      for (int j = 0; j < E; ++j) ss += x[j] * x[j];
+#pragma unroll
+      for (int off = L / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      const float r = rsqrtf(ss / static_cast<float>(D) + eps);
+      const Vec wv = *reinterpret_cast<const Vec*>((is_q ? q_w : k_w) + sub * E);
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        const float n = C::to_float(C::from_float(x[j] * r));
+        x[j] = C::to_float(C::from_float(C::to_float(wv.x[j]) * n));
+      }
+    }
+    float other[E];
+#pragma unroll
+    for (int j = 0; j < E; ++j) other[j] = __shfl_xor_sync(0xffffffffu, x[j], L / 2);
+    if (!valid) continue;
+    const int64_t slot = slots != nullptr ? slots[t] : -1;
+    if (is_v) {  // v: copy, and into the pool
+      const int64_t off = static_cast<int64_t>(h - hq - hkv) * D + sub * E;
+      *reinterpret_cast<uint4*>(v_out + t * hkv * D + off) = in[u].raw;
+      if (slot >= 0) *reinterpret_cast<uint4*>(v_cache + slot * hkv * D + off) = in[u].raw;
+      continue;
+    }
+    const float* crow = cs + t * cs_stride + freq;
+    Vec out;
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      const float c = crow[j], s = crow[kHalf + j];
+      // Each product rounded on its own, as eager torch does (no FMA contraction).
+      const float a = __fmul_rn(x[j], c), b = __fmul_rn(other[j], s);
+      out.x[j] = C::from_float(low ? __fsub_rn(a, b) : __fadd_rn(a, b));
+    }
+    if (is_q) {
+      *reinterpret_cast<uint4*>(q_out + (t * hq + h) * D + sub * E) = out.raw;
+    } else {
+      const int64_t off = static_cast<int64_t>(h - hq) * D + sub * E;
+      *reinterpret_cast<uint4*>(k_out + t * hkv * D + off) = out.raw;
+      if (slot >= 0) *reinterpret_cast<uint4*>(k_cache + slot * hkv * D + off) = out.raw;
+    }
   }
-  if (is_q) {
-    store_lanes<E>(q_out + (t * hq + h) * D + lane * E, out);
-  } else {
-    store_lanes<E>(k_out + (t * hkv + (h - hq)) * D + lane * E, out);
-    if (slot >= 0) store_lanes<E>(k_cache + (slot * hkv + (h - hq)) * D + lane * E, out);
+}
+
+template <typename C, int D>
+void launch_qkv_d(int items_per_group, const uint16_t* qkv, int64_t qkv_stride, const float* cs, int64_t cs_stride,
+                  const uint16_t* q_w, const uint16_t* k_w, float eps, uint16_t* q, uint16_t* k, uint16_t* v,
+                  uint16_t* kc, uint16_t* vc, const int64_t* slots, int64_t ntok, int hq, int hkv,
+                  cudaStream_t stream) {
+  const int64_t items = ntok * (hq + 2 * hkv);
+  const int64_t per_block = static_cast<int64_t>(kThreads / (D / kVec)) * items_per_group;  // items a block takes
+  const unsigned grid = static_cast<unsigned>((items + per_block - 1) / per_block);
+#define TS_QKV(U)                                                                                                  \
+  qkv_rope_kernel<C, D, U><<<grid, kThreads, 0, stream>>>(qkv, qkv_stride, cs, cs_stride, q_w, k_w, eps, q, k, v, kc, \
+                                                          vc, slots, ntok, hq, hkv)
+  switch (items_per_group) {
+    case 1: TS_QKV(1); break;
+    case 2: TS_QKV(2); break;
+    case 4: TS_QKV(4); break;
+    case 8: TS_QKV(8); break;
+    default: TORCH_CHECK(false, "qkv_rope: items_per_group must be 1, 2, 4 or 8");
   }
+#undef TS_QKV
 }
 
 template <typename C>
 void launch_qkv(const at::Tensor& qkv, const at::Tensor& cs, const at::Tensor* q_w, const at::Tensor* k_w,
                 double eps, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor* kc,
-                const at::Tensor* vc, const at::Tensor* slots, int hq, int hkv, int d, cudaStream_t stream) {
-  const int64_t ntok = qkv.size(0);
-  const int64_t warps = ntok * (hq + 2 * hkv);
-  const unsigned grid = static_cast<unsigned>((warps * 32 + kThreads - 1) / kThreads);
+                const at::Tensor* vc, const at::Tensor* slots, int hq, int hkv, int d, int items_per_group,
+                cudaStream_t stream) {
   auto p = [](const at::Tensor* t) { return t == nullptr ? nullptr : static_cast<uint16_t*>(t->data_ptr()); };
   const int64_t* sp = slots == nullptr ? nullptr : slots->data_ptr<int64_t>();
-#define TS_QKV(E)                                                                                      \
-  qkv_rope_kernel<C, E><<<grid, kThreads, 0, stream>>>(                                               \
-      static_cast<const uint16_t*>(qkv.data_ptr()), qkv.stride(0), cs.data_ptr<float>(), cs.stride(0),   \
-      p(q_w), p(k_w), static_cast<float>(eps), p(&q), p(&k), p(&v), p(kc), p(vc), sp, ntok, hq, hkv)
+  const auto* x = static_cast<const uint16_t*>(qkv.data_ptr());
+  const int64_t ntok = qkv.size(0);
+  const float e = static_cast<float>(eps);
+#define TS_QKV_D(D)                                                                                                \
+  launch_qkv_d<C, D>(items_per_group, x, qkv.stride(0), cs.data_ptr<float>(), cs.stride(0), p(q_w), p(k_w), e, p(&q), \
+                     p(&k), p(&v), p(kc), p(vc), sp, ntok, hq, hkv, stream)
   if (d == 64) {
-    TS_QKV(2);
+    TS_QKV_D(64);
   } else if (d == 128) {
-    TS_QKV(4);
+    TS_QKV_D(128);
   } else {
-    TS_QKV(8);
+    TS_QKV_D(256);
   }
-#undef TS_QKV
+#undef TS_QKV_D
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -326,10 +337,13 @@ void launch_qkv(const at::Tensor& qkv, const at::Tensor& cs, const at::Tensor* q
 void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::optional<at::Tensor>& q_w,
                   const c10::optional<at::Tensor>& k_w, double eps, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const c10::optional<at::Tensor>& k_cache,
-                  const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots) {
+                  const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots,
+                  int64_t items_per_group) {
   TORCH_CHECK(qkv.is_cuda() && (qkv.scalar_type() == at::kBFloat16 || qkv.scalar_type() == at::kHalf) &&
                   qkv.dim() == 2 && qkv.stride(1) == 1,
               "qkv_rope: qkv must be a [T, n] CUDA bf16/fp16 tensor with a contiguous last dim");
+  auto aligned16 = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  TORCH_CHECK(aligned16(qkv) && qkv.stride(0) % kVec == 0, "qkv_rope: qkv's rows must be 16-byte aligned");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.is_contiguous() && k.is_contiguous() &&
                   v.is_contiguous(),
               "qkv_rope: q, k, v must be contiguous [T, H, d]");
@@ -341,6 +355,7 @@ void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::option
               "qkv_rope: shapes do not match");
   for (const at::Tensor* t : {&q, &k, &v}) {
     TORCH_CHECK(t->scalar_type() == qkv.scalar_type() && t->device() == qkv.device(), "qkv_rope: q/k/v dtype/device");
+    TORCH_CHECK(aligned16(*t), "qkv_rope: q, k, v must be 16-byte aligned");
   }
   TORCH_CHECK(cs.is_cuda() && cs.scalar_type() == at::kFloat && cs.dim() == 2 && cs.size(0) == ntok &&
                   cs.size(1) == d && cs.stride(1) == 1,
@@ -351,6 +366,7 @@ void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::option
       TORCH_CHECK(t->numel() == d && t->is_contiguous() && t->scalar_type() == qkv.scalar_type() &&
                       t->device() == qkv.device(),
                   "qkv_rope: norm weights must be contiguous [d] of qkv's dtype");
+      TORCH_CHECK(aligned16(*t), "qkv_rope: norm weights must be 16-byte aligned");
     }
   }
   const bool cache = slots.has_value();
@@ -363,8 +379,12 @@ void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::option
       TORCH_CHECK(t->dim() == 3 && t->size(1) == hkv && t->size(2) == d && t->is_contiguous() &&
                       t->scalar_type() == qkv.scalar_type() && t->device() == qkv.device(),
                   "qkv_rope: caches must be contiguous [S, hkv, d] of qkv's dtype");
+      TORCH_CHECK(aligned16(*t), "qkv_rope: caches must be 16-byte aligned");
     }
   }
+  TORCH_CHECK(items_per_group == 1 || items_per_group == 2 || items_per_group == 4 || items_per_group == 8,
+              "qkv_rope: items_per_group must be 1, 2, 4 or 8");
+  const int ipg = static_cast<int>(items_per_group);
   if (ntok == 0) return;
   const c10::cuda::CUDAGuard guard(qkv.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(qkv.get_device()).stream();
@@ -374,8 +394,8 @@ void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::option
   const at::Tensor* vc = cache ? &*v_cache : nullptr;
   const at::Tensor* sl = cache ? &*slots : nullptr;
   if (qkv.scalar_type() == at::kBFloat16) {
-    launch_qkv<BF16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, stream);
+    launch_qkv<BF16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, ipg, stream);
   } else {
-    launch_qkv<FP16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, stream);
+    launch_qkv<FP16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, ipg, stream);
   }
 }

@@ -73,6 +73,10 @@ class Config(BaseModel):
                                          "next step (first in line there), and shorter ones behind it fill this step "
                                          "whole (a split sequence's second chunk attends over the first's keys on a "
                                          "slower path). 1: always split to fill.")
+    step_fill_wait_ms: float = Field(
+        0.0, ge=0.0, le=1000.0, description="When the engine is idle and the requests that arrive do not fill a "
+                                            "step's token budget, wait up to this long for more before launching "
+                                            "it (a burst of requests then starts with a full step). 0: launch at once.")
     logits_chunk_rows: int = Field(
         4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
     block_size: int = Field(16, ge=1, description="Tokens per paged-KV block.")
@@ -94,6 +98,10 @@ class Config(BaseModel):
                           "compiles, autotuning and plan builds happen before the first request; nothing they "
                           "leave is kept. None: on CUDA, off on the CPU.")
     deterministic: bool = Field(False, description="Same request gives the same bits whatever else is batched with it.")
+    step_trace: str | None = Field(
+        None, description="Append one JSON line per forward step to this file (when it was launched, its tokens, "
+                          "sequences, chunks continuing or continued in another step, scored rows, host launch "
+                          "and GPU time): for looking into throughput. None: off.")
 
     # --- replicas ----------------------------------------------------------------------
     data_parallel_size: int = Field(
@@ -140,7 +148,7 @@ class Config(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_json: bool = Field(False, description="One JSON object per log line.")
 
-    @field_validator("model", "served_model_name", "api_key", "demo_model_dir", mode="before")
+    @field_validator("model", "served_model_name", "api_key", "demo_model_dir", "step_trace", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and v.strip() == "" else v

@@ -233,3 +233,27 @@ def test_gpu_timeline_of_a_paced_step(tmp_path: Path, monkeypatch: pytest.Monkey
     assert s.timing.gpu_s == pytest.approx(s.steps * 1e-3)
     # steps launched behind another (all but the first, when pipelined) wait 1 ms for it
     assert 1e-3 - 1e-9 <= s.timing.gpu_idle_s <= (s.steps - 1) * 1e-3 + 1e-9
+
+
+def test_step_trace_has_a_line_per_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step_trace``: one JSON line per step (the warm-up's not traced), whose tokens and
+    scored rows add up to the work done, with the pacer's GPU time."""
+    import json
+
+    log: list = []
+    monkeypatch.setattr(pacer_mod.torch.cuda, "Event", FakeEvents(log).Event)
+    path = tmp_path / "steps.jsonl"
+    eng = engine(tmp_path, True, step_trace=str(path), warm_up=True)
+    eng.tuning = replace(eng.tuning, run_ahead=2)
+    assert eng.warm_up_s > 0 and eng.stats().steps == 0  # it ran; the counters start after it
+    reqs = requests(4)
+    eng.run_to_completion(reqs)
+    eng.close()
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    s = eng.stats()
+    assert [x["step"] for x in lines] == list(range(1, s.steps + 1)) and s.steps > 3
+    assert sum(x["tokens"] for x in lines) == s.computed_tokens
+    assert sum(x["scored_rows"] for x in lines) == sum(r.rows for r in reqs)
+    assert any(x["continuing"] for x in lines) and any(x["unfinished"] for x in lines)  # chunked at 64 tokens
+    assert all(x["gpu_ms"] == 1.0 for x in lines)  # the stand-in events' span
+    assert [x["at"] for x in lines] == sorted(x["at"] for x in lines)

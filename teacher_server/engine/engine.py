@@ -32,7 +32,7 @@ from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
 from teacher_server.engine.state_slots import StateSlots
-from teacher_server.engine.stats import EngineStats, StepTiming
+from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
 from teacher_server.engine.tp_workers import TensorParallelError, TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
 from teacher_server.hub import resolve_model
@@ -69,6 +69,7 @@ class Engine:
         check_split(self.spec, size)
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
         self._workers: TPWorkers | None = None
+        self._trace: StepTrace | None = None  # opened after the warm-up: its steps are not traced
         if size > 1:
             self._workers = TPWorkers(cfg, self.model_dir, self.device, size)
             try:
@@ -120,6 +121,8 @@ class Engine:
         warm = cfg.warm_up if cfg.warm_up is not None else self.device.type == "cuda"
         try:
             self.warm_up_s = self.warm_up() if warm else 0.0
+            if cfg.step_trace:
+                self._trace = StepTrace(cfg.step_trace)
         except BaseException:
             self.close()  # the tensor-parallel workers free their GPUs
             raise
@@ -176,6 +179,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (none at size 1). The engine cannot step after."""
+        if self._trace is not None:
+            self._trace.close()
         if self._workers is not None:
             self._workers.close()
             self._workers = None
@@ -208,6 +213,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self._scheduler.has_work() or self._inflight is not None or bool(self._failed)
+
+    def short_of_a_step(self) -> bool:
+        """Requests wait, and together they would not fill a step's token budget."""
+        sched = self._scheduler
+        return sched.has_work() and sched.waiting_tokens() < sched.cfg.max_num_batched_tokens
 
     # --- reporting and switches ----------------------------------------------------------
     def stats(self) -> EngineStats:
@@ -299,6 +309,7 @@ class Engine:
         (by ``_finish`` after it when the launch never waits)."""
         tm = self._timing
         t0 = time.perf_counter()
+        launched_at = time.monotonic()
         chunks = self._scheduler.schedule()
         t1 = time.perf_counter()
         tm.schedule_s += t1 - t0
@@ -319,13 +330,16 @@ class Engine:
         tm.prepare_s += t2 - t1
         # waits for the GPU inside the launch count as wait; completing the previous step
         # there counts as its own wait and scatter (``complete``)
-        tm.launch_s += t3 - t2 - pacer.wait_s - pacer.first_wait_s
+        launch_s = t3 - t2 - pacer.wait_s - pacer.first_wait_s
+        tm.launch_s += launch_s
         tm.wait_s += pacer.wait_s
         self._steps += 1
         self._tokens += tokens
+        # (before finish_step moves the sequences on)
+        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting) if self._trace else None
         done = self._scheduler.finish_step(chunks)
         after = handoff.step.pending.pacer.done if handoff is not None else None
-        return InFlightStep(chunks, hs, pending, done, after)
+        return InFlightStep(chunks, hs, pending, done, after, launched_at, launch_s, facts)
 
     def _pacer(self, handoff: Handoff | None) -> Pacer:
         if self._run_ahead is None:
@@ -349,6 +363,8 @@ class Engine:
         busy, idle = step.pending.pacer.gpu_seconds(step.after)  # all its events are complete now
         self._timing.gpu_s += busy
         self._timing.gpu_idle_s += idle
+        if self._trace is not None and step.trace is not None:
+            self._trace.write(step.trace, step.launched_at, step.launch_s, busy, idle)
         now = time.monotonic()
         results = []
         for seq in step.done:

@@ -1,9 +1,17 @@
-"""What the engine reports about itself: per-stage time (``StepTiming``) and one snapshot
-of its counters and queues (``EngineStats``), read by the metrics and the benchmarks."""
+"""What the engine reports about itself: per-stage time (``StepTiming``), one snapshot of
+its counters and queues (``EngineStats``), read by the metrics and the benchmarks, and, when
+asked for, a line per step (``StepTrace``)."""
 
 from __future__ import annotations
 
+import json
+import logging
+import time
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,3 +67,37 @@ class EngineStats:
     def kv_usage(self) -> float:
         """Fraction of the KV pool in use (0-1)."""
         return self.kv_blocks_used / self.kv_blocks_total
+
+
+class StepTrace:
+    """One JSON line per forward step, appended to a file (``Config.step_trace``). What is
+    known at launch (``at_launch``) travels with the step; the line is written when the step
+    completes, with its GPU time. A write that fails turns the trace off (one warning)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("a", buffering=1)  # line-buffered: a line per step
+        self._t0 = time.monotonic()
+
+    def at_launch(self, index: int, chunks: list, waiting: int) -> dict[str, Any]:
+        """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on)."""
+        return {"step": index, "tokens": sum(c.end - c.start for c in chunks), "seqs": len(chunks),
+                "continuing": sum(1 for c in chunks if c.start > 0),  # after an earlier chunk or a cached prefix
+                "unfinished": sum(1 for c in chunks if not c.final),  # go on in a later step
+                "scored_rows": sum(max(0, c.logit_hi - c.logit_lo) for c in chunks), "waiting": waiting}
+
+    def write(self, facts: dict[str, Any], launched_at: float, launch_s: float, gpu_s: float, idle_s: float) -> None:
+        if self._file is None:
+            return
+        line = dict(facts, at=round(launched_at - self._t0, 4), launch_ms=round(1e3 * launch_s, 2),
+                    gpu_ms=round(1e3 * gpu_s, 2), gpu_idle_ms=round(1e3 * idle_s, 2))
+        try:
+            self._file.write(json.dumps(line) + "\n")
+        except (OSError, ValueError) as e:
+            log.warning("step trace %s: %s; no more steps are traced", self.path, e)
+            self.close()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -54,9 +54,16 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: to
     return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin).contiguous(), v.reshape(t, n_kv, d).contiguous()
 
 
+# (token, head) items each group of lanes takes, its loads all issued before it computes:
+# 4 runs near the memory's bandwidth (``bench/bench_kernel.py --qkv``); 1, 2 and 8 are there
+# for that benchmark.
+ITEMS_PER_GROUP = 4
+
+
 def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
              heads: HeadLayout, k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-             slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+             slots: torch.Tensor | None = None,
+             items_per_group: int = ITEMS_PER_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q [T, n_q, d], k, v [T, n_kv, d] from qkv [T, (n_q + 2 n_kv) d] and cs [T, d] (cos | sin);
     k, v also go to the cache rows ``slots`` ([T] int64, -1: none) of k_cache / v_cache
     ([slots, n_kv, d]). q, k and v have slack rows (``alloc_with_slack``). None when the
@@ -64,7 +71,9 @@ def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k
     n_q, n_kv, d = heads.n_q, heads.n_kv, heads.d
     if not (qkv.is_cuda and qkv.dtype in HALF and d in (64, 128, 256) and qkv.dim() == 2 and qkv.stride(1) == 1
             and qkv.stride(0) % 8 == 0 and aligned(qkv) and (q_norm is None) == (k_norm is None)
-            and cs.dtype == torch.float32 and cs.stride(1) == 1):
+            and cs.dtype == torch.float32 and cs.stride(1) == 1
+            and all(w is None or (w.is_contiguous() and aligned(w)) for w in (q_norm, k_norm))
+            and all(c is None or aligned(c) for c in (k_cache, v_cache))):
         return None
     ext = extension.load()
     if ext is None:
@@ -74,7 +83,7 @@ def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k
     k, v = alloc_with_slack(qkv, t, n_kv, d), alloc_with_slack(qkv, t, n_kv, d)
     write = slots is not None and k_cache is not None
     ext.qkv_rope_out(qkv, cs, q_norm, k_norm, heads.eps, q, k, v, k_cache if write else None,
-                     v_cache if write else None, slots if write else None)
+                     v_cache if write else None, slots if write else None, items_per_group)
     return q, k, v
 
 
