@@ -628,6 +628,7 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
 
     sub = reqs[:24]
     run_engine(engine, sub[:4], "prof-warm")
+    engine.reset_prefix_cache()  # else the profiled run reuses the warm-up's prompts (prefixed chunks on varlen)
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         dt, _, _ = run_engine(engine, sub, "prof")
     engine.reset_prefix_cache()

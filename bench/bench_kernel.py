@@ -245,7 +245,7 @@ def main() -> int:
         print(f"\nqkv_rope: {qkv['tokens']} tokens, {qkv['hq']} q / {qkv['hkv']} kv heads of {qkv['d']}, "
               f"q/k norm, every k/v written to the pool ({qkv['bytes'] / 1e6:.0f} MB moved)")
         for u, r in qkv["kernel"].items():
-            print(f"{'  kernel, ' + u + ' item(s) per group':<52}{r['ms']:>10.3f}{r['gb_s']:>10.0f}"
+            print(f"{'  kernel, at most ' + u + ' head(s) per group':<52}{r['ms']:>10.3f}{r['gb_s']:>10.0f}"
                   f"{r['pct_of_copy']:>8.1f}%  same bits: {r['same_bits_as_1']}")
         print(f"{'  eager torch stages':<52}{qkv['eager_ms']:>10.3f}   max |kernel - eager| "
               f"{qkv['max_abs_diff_vs_eager']:.3g}, equal {100 * qkv['equal_fraction_vs_eager']:.2f}%")

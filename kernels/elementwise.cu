@@ -192,13 +192,12 @@ void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor
 //
 // A group of L = D/8 lanes holds one head, 8 elements (16 bytes) a lane: lane s of the group
 // holds elements [8s, 8s + 8), so the rotary partner (i +- D/2) is lane s ^ L/2 of the same
-// group. A group takes U consecutive (token, head) items and issues all their loads before
-// it computes any, so enough bytes are in flight to run near the memory's bandwidth (one
-// 8-byte load per lane and item ran at about half of it). Every lane runs the same
-// instructions (the norm and rotary are computed for v heads and past-the-end items too,
-// and discarded), so the shuffles never diverge. Rounding follows the eager torch code:
-// normed = round(x * rsqrt(mean(x^2) + eps)); w = round(weight * normed);
-// out = round(x1*cos - x2*sin | x2*cos + x1*sin) from the rounded values.
+// group. A group takes U neighbouring heads of one token (U divides the heads), issues all
+// their loads first, and reads the token's slot and rotary row once for them. Shuffles name
+// the group's own lanes only, so a group may leave early while its warp's other group
+// goes on. Rounding follows the eager torch code: normed = round(x * rsqrt(mean(x^2) + eps));
+// w = round(weight * normed); out = round(x1*cos - x2*sin | x2*cos + x1*sin) from the
+// rounded values. Indices are 32-bit: the host checks T * heads * L < 2^31.
 namespace {
 
 template <typename C, int D, int U>
@@ -207,45 +206,54 @@ qkv_rope_kernel(const uint16_t* __restrict__ qkv, int64_t qkv_stride, const floa
                 int64_t cs_stride, const uint16_t* __restrict__ q_w, const uint16_t* __restrict__ k_w, float eps,
                 uint16_t* __restrict__ q_out, uint16_t* __restrict__ k_out, uint16_t* __restrict__ v_out,
                 uint16_t* __restrict__ k_cache, uint16_t* __restrict__ v_cache, const int64_t* __restrict__ slots,
-                int64_t ntok, int hq, int hkv) {
+                int ntok, int hq, int hkv) {
   constexpr int E = kVec;
   constexpr int L = D / E;  // lanes per head: 8, 16 or 32
   constexpr int kHalf = D / 2;
-  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int sub = static_cast<int>(tid % L);
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x;
+  const int sub = tid & (L - 1);
   const int heads = hq + 2 * hkv;
-  const int64_t items = ntok * heads;
-  const int64_t first = (tid / L) * U;
+  const int per_token = heads / U;  // groups per token
+  const int group = tid / L;
+  const int t = group / per_token;
+  if (t >= ntok) return;
+  const int h0 = (group - t * per_token) * U;
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned mask = L == 32 ? 0xffffffffu : ((1u << L) - 1u) << (lane & ~static_cast<unsigned>(L - 1));
+  const uint16_t* src = qkv + t * qkv_stride + h0 * D + sub * E;
   Vec in[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int64_t w = first + u;
-    if (w < items) {
-      const int64_t t = w / heads;
-      const int h = static_cast<int>(w - t * heads);
-      in[u].raw = *reinterpret_cast<const uint4*>(qkv + t * qkv_stride + static_cast<int64_t>(h) * D + sub * E);
-    } else {
-      in[u].raw = make_uint4(0u, 0u, 0u, 0u);
+  for (int u = 0; u < U; ++u) in[u].raw = *reinterpret_cast<const uint4*>(src + u * D);
+  const int64_t slot = slots != nullptr ? slots[t] : -1;
+  const bool low = sub < L / 2;
+  const float* crow = cs + t * cs_stride + (sub % (L / 2)) * E;  // this lane's frequencies
+  float cosv[E], sinv[E];
+  if (h0 < hq + hkv) {  // some q or k head among the group's
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      cosv[j] = crow[j];
+      sinv[j] = crow[kHalf + j];
     }
   }
-  const bool low = sub < L / 2;
-  const int freq = (sub % (L / 2)) * E;  // this lane's first frequency index
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const int64_t w = first + u;
-    const bool valid = w < items;
-    const int64_t t = valid ? w / heads : 0;
-    const int h = valid ? static_cast<int>(w - t * heads) : 0;
-    const bool is_q = h < hq, is_v = h >= hq + hkv;
+    const int h = h0 + u;
+    if (h >= hq + hkv) {  // v: copy, and into the pool
+      const int64_t off = static_cast<int64_t>(h - hq - hkv) * D + sub * E;
+      *reinterpret_cast<uint4*>(v_out + static_cast<int64_t>(t) * hkv * D + off) = in[u].raw;
+      if (slot >= 0) *reinterpret_cast<uint4*>(v_cache + slot * hkv * D + off) = in[u].raw;
+      continue;
+    }
+    const bool is_q = h < hq;
     float x[E];
 #pragma unroll
     for (int j = 0; j < E; ++j) x[j] = C::to_float(in[u].x[j]);
-    if (q_w != nullptr) {  // the same for every lane
+    if (q_w != nullptr) {
       float ss = 0.f;
 #pragma unroll
       for (int j = 0; j < E; ++j) ss += x[j] * x[j];
 #pragma unroll
-      for (int off = L / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      for (int off = L / 2; off > 0; off >>= 1) ss += __shfl_xor_sync(mask, ss, off);
       const float r = rsqrtf(ss / static_cast<float>(D) + eps);
       const Vec wv = *reinterpret_cast<const Vec*>((is_q ? q_w : k_w) + sub * E);
 #pragma unroll
@@ -256,29 +264,19 @@ qkv_rope_kernel(const uint16_t* __restrict__ qkv, int64_t qkv_stride, const floa
     }
     float other[E];
 #pragma unroll
-    for (int j = 0; j < E; ++j) other[j] = __shfl_xor_sync(0xffffffffu, x[j], L / 2);
-    if (!valid) continue;
-    const int64_t slot = slots != nullptr ? slots[t] : -1;
-    if (is_v) {  // v: copy, and into the pool
-      const int64_t off = static_cast<int64_t>(h - hq - hkv) * D + sub * E;
-      *reinterpret_cast<uint4*>(v_out + t * hkv * D + off) = in[u].raw;
-      if (slot >= 0) *reinterpret_cast<uint4*>(v_cache + slot * hkv * D + off) = in[u].raw;
-      continue;
-    }
-    const float* crow = cs + t * cs_stride + freq;
+    for (int j = 0; j < E; ++j) other[j] = __shfl_xor_sync(mask, x[j], L / 2);
     Vec out;
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      const float c = crow[j], s = crow[kHalf + j];
       // Each product rounded on its own, as eager torch does (no FMA contraction).
-      const float a = __fmul_rn(x[j], c), b = __fmul_rn(other[j], s);
+      const float a = __fmul_rn(x[j], cosv[j]), b = __fmul_rn(other[j], sinv[j]);
       out.x[j] = C::from_float(low ? __fsub_rn(a, b) : __fadd_rn(a, b));
     }
     if (is_q) {
-      *reinterpret_cast<uint4*>(q_out + (t * hq + h) * D + sub * E) = out.raw;
+      *reinterpret_cast<uint4*>(q_out + (static_cast<int64_t>(t) * hq + h) * D + sub * E) = out.raw;
     } else {
       const int64_t off = static_cast<int64_t>(h - hq) * D + sub * E;
-      *reinterpret_cast<uint4*>(k_out + t * hkv * D + off) = out.raw;
+      *reinterpret_cast<uint4*>(k_out + static_cast<int64_t>(t) * hkv * D + off) = out.raw;
       if (slot >= 0) *reinterpret_cast<uint4*>(k_cache + slot * hkv * D + off) = out.raw;
     }
   }
@@ -289,18 +287,21 @@ void launch_qkv_d(int items_per_group, const uint16_t* qkv, int64_t qkv_stride, 
                   const uint16_t* q_w, const uint16_t* k_w, float eps, uint16_t* q, uint16_t* k, uint16_t* v,
                   uint16_t* kc, uint16_t* vc, const int64_t* slots, int64_t ntok, int hq, int hkv,
                   cudaStream_t stream) {
-  const int64_t items = ntok * (hq + 2 * hkv);
-  const int64_t per_block = static_cast<int64_t>(kThreads / (D / kVec)) * items_per_group;  // items a block takes
-  const unsigned grid = static_cast<unsigned>((items + per_block - 1) / per_block);
+  const int heads = hq + 2 * hkv;
+  int u = 8;  // the most heads a group takes: at most items_per_group, and a divisor of the heads
+  while (u > 1 && (u > items_per_group || heads % u != 0)) u /= 2;
+  const int64_t threads = ntok * (heads / u) * (D / kVec);
+  TORCH_CHECK(threads < (int64_t{1} << 31), "qkv_rope: too many tokens for one launch");
+  const unsigned grid = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+  const int n = static_cast<int>(ntok);
 #define TS_QKV(U)                                                                                                  \
   qkv_rope_kernel<C, D, U><<<grid, kThreads, 0, stream>>>(qkv, qkv_stride, cs, cs_stride, q_w, k_w, eps, q, k, v, kc, \
-                                                          vc, slots, ntok, hq, hkv)
-  switch (items_per_group) {
+                                                          vc, slots, n, hq, hkv)
+  switch (u) {
     case 1: TS_QKV(1); break;
     case 2: TS_QKV(2); break;
     case 4: TS_QKV(4); break;
-    case 8: TS_QKV(8); break;
-    default: TORCH_CHECK(false, "qkv_rope: items_per_group must be 1, 2, 4 or 8");
+    default: TS_QKV(8); break;
   }
 #undef TS_QKV
 }

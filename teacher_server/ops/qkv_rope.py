@@ -54,9 +54,9 @@ def qkv_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm: to
     return _rotate(q, cos, sin).contiguous(), _rotate(k, cos, sin).contiguous(), v.reshape(t, n_kv, d).contiguous()
 
 
-# (token, head) items each group of lanes takes, its loads all issued before it computes:
-# 4 runs near the memory's bandwidth (``bench/bench_kernel.py --qkv``); 1, 2 and 8 are there
-# for that benchmark.
+# Heads of one token each group of lanes takes, their loads all issued before it computes
+# (the largest of 8, 4, 2, 1 not above this that divides the heads); the other settings are
+# there for ``bench/bench_kernel.py``.
 ITEMS_PER_GROUP = 4
 
 
@@ -73,7 +73,8 @@ def qkv_rope(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor | None, k
             and qkv.stride(0) % 8 == 0 and aligned(qkv) and (q_norm is None) == (k_norm is None)
             and cs.dtype == torch.float32 and cs.stride(1) == 1
             and all(w is None or (w.is_contiguous() and aligned(w)) for w in (q_norm, k_norm))
-            and all(c is None or aligned(c) for c in (k_cache, v_cache))):
+            and all(c is None or aligned(c) for c in (k_cache, v_cache))
+            and qkv.shape[0] * (heads.width // 8) < 2**31):  # the kernel's 32-bit indices
         return None
     ext = extension.load()
     if ext is None:
