@@ -245,7 +245,9 @@ def http_body(r: Req) -> bytes:
         "max_tokens": 1, "prompt_logprob_start": r.start, "prompt_logprob_token_ids": npy_b64(r.cand)}})
 
 
-async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, list[float]]:
+async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, list[float], float]:
+    """(seconds from the first request sent to the last answer read, latencies, ``time.monotonic()``
+    at the first send)."""
     import httpx
 
     bodies = [http_body(r) for r in reqs]
@@ -263,9 +265,9 @@ async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, 
                 assert m.shape == reqs[i].cand.shape
                 lat[i] = time.perf_counter() - s
 
-        t0 = time.perf_counter()
+        t0, clock = time.perf_counter(), time.monotonic()
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
-        return time.perf_counter() - t0, lat
+        return time.perf_counter() - t0, lat, clock
 
 
 def server_stages(url: str) -> dict[str, float]:
@@ -349,18 +351,23 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         wait_ready(url, proc)
         asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency))  # warm-up
         runs = []
-        for _ in range(args.repeats):
-            before = server_stages(url)
-            dt, lat = asyncio.run(http_run(url, reqs, args.concurrency))
-            runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
-            if engine_process:  # its snapshots reach the front every STATS_INTERVAL_S: wait for the last
-                from teacher_server.replicas.worker import STATS_INTERVAL_S
+        from teacher_server.replicas.worker import STATS_INTERVAL_S
 
-                time.sleep(3 * STATS_INTERVAL_S)
+        # the engine's snapshots reach the front every STATS_INTERVAL_S: wait for the last one
+        # of the run before (the warm-up's too), and of this one
+        settle = 3 * STATS_INTERVAL_S if engine_process else 0.0
+        for _ in range(args.repeats):
+            time.sleep(settle)
+            before = server_stages(url)
+            dt, lat, start = asyncio.run(http_run(url, reqs, args.concurrency))
+            runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
+            runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
+            time.sleep(settle)
             after = server_stages(url)
             runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
         best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         best["runs_seconds"] = [r["seconds"] for r in runs]
+        best["runs_clock"] = [r["clock"] for r in runs]
         best["concurrency"] = args.concurrency
         best["prefix_caching"] = False
         best["engine_process"] = engine_process

@@ -76,7 +76,7 @@ def bench_setting(ckpt: Path, name: str, args: argparse.Namespace, workloads: li
             for r in range(args.repeats):
                 reqs = make_workload(w, QWEN3_8B["vocab_size"], seed=r)
                 h0, q0 = prefix_counters(url)
-                dt, lat = asyncio.run(http_run(url, reqs, args.concurrency))
+                dt, lat, _ = asyncio.run(http_run(url, reqs, args.concurrency))
                 time.sleep(1.0)  # replicas report their counters every 0.25 s
                 h1, q1 = prefix_counters(url)
                 run = summarize(f"{w}-{name}", QWEN3_8B, reqs, dt, lat, float("nan"), gpus=dp)

@@ -125,7 +125,7 @@ def front_cpu(requests: int, concurrency: int) -> dict:
         wait_ready(url, proc, 300)
         asyncio.run(http_run(url, reqs[:4], concurrency))  # warm-up
         c0 = cpu_s()
-        wall, _ = asyncio.run(http_run(url, reqs, concurrency))
+        wall, _, _ = asyncio.run(http_run(url, reqs, concurrency))
         c1 = cpu_s()
     finally:
         proc.terminate()

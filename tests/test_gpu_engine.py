@@ -130,13 +130,15 @@ def test_merge_attn_kernel_matches_reference() -> None:
     assert torch.equal(out[:3, 0], o1[:3, 0])
 
 
-@pytest.mark.parametrize("d,norm", [(128, True), (128, False), (64, True), (256, False)])
-def test_qkv_rope_kernel_matches_torch(d: int, norm: bool) -> None:
-    """Split + per-head norm + rotary + pool write in one kernel equals the torch stages."""
+@pytest.mark.parametrize("d,norm,hq,hkv", [(128, True, 8, 2), (128, False, 8, 2), (64, True, 8, 2), (256, False, 8, 2),
+                                           (128, True, 5, 1), (64, False, 6, 4)])
+def test_qkv_rope_kernel_matches_torch(d: int, norm: bool, hq: int, hkv: int) -> None:
+    """Split + per-head norm + rotary + pool write in one kernel equals the torch stages,
+    with the same bits whatever number of heads a lane group takes (7 heads: one each)."""
     from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep, qkv_rope
 
     torch.manual_seed(3)
-    t, hq, hkv, dt = 777, 8, 2, torch.bfloat16
+    t, dt = 777, torch.bfloat16
     qkv = torch.randn(t, (hq + 2 * hkv) * d, device="cuda", dtype=dt) * 3
     pos = torch.randint(0, 30000, (t,), device="cuda")
     inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device="cuda").float() / d))
@@ -149,6 +151,9 @@ def test_qkv_rope_kernel_matches_torch(d: int, norm: bool) -> None:
     kc, vc = (torch.zeros(2 * t, hkv, d, device="cuda", dtype=dt) for _ in range(2))
     got = qkv_rope(qkv, cs, qn, kn, HeadLayout(hq, hkv, d, 1e-6), kc, vc, slots)
     assert got is not None
+    for u in (1, 2, 8):
+        other = qkv_rope(qkv, cs, qn, kn, HeadLayout(hq, hkv, d, 1e-6), items_per_group=u)
+        assert all(torch.equal(a, b) for a, b in zip(got, other))
     # The reference runs on the CPU: there rms_norm is the transformers formula (round the
     # normed value to bf16, then multiply by the weight), which the kernel follows.
     cpu = lambda x: None if x is None else x.cpu()  # noqa: E731

@@ -72,7 +72,9 @@ class EngineStats:
 class StepTrace:
     """One JSON line per forward step, appended to a file (``Config.step_trace``). What is
     known at launch (``at_launch``) travels with the step; the line is written when the step
-    completes, with its GPU time. A write that fails turns the trace off (one warning)."""
+    completes, with its GPU time. ``at``: seconds since the trace began; ``clock``:
+    ``time.monotonic()`` at launch and completion. A write that fails turns the trace off
+    (one warning)."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -89,8 +91,11 @@ class StepTrace:
     def write(self, facts: dict[str, Any], launched_at: float, launch_s: float, gpu_s: float, idle_s: float) -> None:
         if self._file is None:
             return
+        now = time.monotonic()
         line = dict(facts, at=round(launched_at - self._t0, 4), launch_ms=round(1e3 * launch_s, 2),
-                    gpu_ms=round(1e3 * gpu_s, 2), gpu_idle_ms=round(1e3 * idle_s, 2))
+                    gpu_ms=round(1e3 * gpu_s, 2), gpu_idle_ms=round(1e3 * idle_s, 2),
+                    # the host clock (CLOCK_MONOTONIC, shared by the host's processes) at launch and completion
+                    clock=[round(launched_at, 4), round(now, 4)])
         try:
             self._file.write(json.dumps(line) + "\n")
         except (OSError, ValueError) as e:
