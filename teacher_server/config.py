@@ -73,10 +73,6 @@ class Config(BaseModel):
                                          "next step (first in line there), and shorter ones behind it fill this step "
                                          "whole (a split sequence's second chunk attends over the first's keys on a "
                                          "slower path). 1: always split to fill.")
-    step_fill_wait_ms: float = Field(
-        0.0, ge=0.0, le=1000.0, description="When the engine is idle and the requests that arrive do not fill a "
-                                            "step's token budget, wait up to this long for more before launching "
-                                            "it (a burst of requests then starts with a full step). 0: launch at once.")
     logits_chunk_rows: int = Field(
         4096, ge=1, description="Scored rows per LM-head chunk: bounds float32 logits memory.")
     block_size: int = Field(16, ge=1, description="Tokens per paged-KV block.")

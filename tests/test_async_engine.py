@@ -136,33 +136,3 @@ def test_build_raises_what_the_factory_raised() -> None:
             await AsyncEngine.build(factory, 100, 10 ** 6)
 
     asyncio.run(main())
-
-
-@pytest.mark.parametrize("wait_ms", [0, 400])
-def test_an_idle_engine_waits_for_its_first_step_to_fill(tmp_path: Path, wait_ms: int) -> None:
-    """``step_fill_wait_ms``: requests arriving at an idle engine one after another go into
-    one step when they come within the wait (two steps without it); a lone request waits
-    at most that long."""
-    eng = Engine(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=64,
-                        num_kv_blocks=512, max_model_len=4096, step_fill_wait_ms=wait_ms))
-    ae = AsyncEngine(eng, 100, 10 ** 6)
-    ae.start()
-
-    async def main() -> None:
-        a = asyncio.ensure_future(ae.score(req("a", 20, first=1)))
-        await asyncio.sleep(0.1)
-        b = asyncio.ensure_future(ae.score(req("b", 20, first=500)))
-        for r in await asyncio.gather(a, b):
-            assert r.error is None
-        assert eng.stats().steps == (1 if wait_ms else 2)
-        t = asyncio.get_running_loop().time()
-        assert (await ae.score(req("c", 20, first=900))).error is None
-        took = asyncio.get_running_loop().time() - t
-        assert eng.stats().steps == (2 if wait_ms else 3)
-        assert took >= wait_ms / 1e3 - 0.01  # nothing else came: it waited the whole time, no longer
-        assert took < wait_ms / 1e3 + 5.0
-
-    try:
-        asyncio.run(main())
-    finally:
-        ae.shutdown()

@@ -228,17 +228,14 @@ class AsyncEngine:
         self.engine.close()
 
     def _loop(self) -> None:
-        fill_wait_s = self.engine.cfg.step_fill_wait_ms / 1e3
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished()
             try:
-                self._handle(self._inbox.get(timeout=0.5) if idle else self._inbox.get_nowait())
+                block = not self.engine.has_unfinished()
+                self._handle(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
                 while True:  # take everything queued before the next step
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
-            if idle and fill_wait_s:
-                self._fill_first_step(time.monotonic() + fill_wait_s)
             self._expire()
             if not self.engine.has_unfinished():
                 continue
@@ -246,18 +243,6 @@ class AsyncEngine:
             if self.on_step is not None:
                 self.on_step(self.engine, results)
             self._deliver_all(results)
-
-    def _fill_first_step(self, deadline: float) -> None:
-        """The engine was idle and requests came: take more as they arrive until they fill
-        a step or the deadline passes (``step_fill_wait_ms``)."""
-        while self.engine.short_of_a_step() and not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            try:
-                self._handle(self._inbox.get(timeout=left))
-            except queue.Empty:
-                return
 
     def _die(self, e: BaseException) -> None:
         """The engine cannot go on: answer every request it holds or that is still queued.

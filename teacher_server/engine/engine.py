@@ -214,11 +214,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self._scheduler.has_work() or self._inflight is not None or bool(self._failed)
 
-    def short_of_a_step(self) -> bool:
-        """Requests wait, and together they would not fill a step's token budget."""
-        sched = self._scheduler
-        return sched.has_work() and sched.waiting_tokens() < sched.cfg.max_num_batched_tokens
-
     # --- reporting and switches ----------------------------------------------------------
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters and queues."""

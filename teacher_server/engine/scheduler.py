@@ -78,10 +78,6 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def waiting_tokens(self) -> int:
-        """Tokens of the waiting sequences still to compute (cache hits not known yet)."""
-        return sum(seq.remaining for _, _, seq in self.waiting)
-
     @property
     def num_running(self) -> int:
         return len(self.running)
