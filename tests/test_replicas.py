@@ -4,6 +4,7 @@ over several single-replica servers. Results must equal one replica's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -82,15 +83,21 @@ def reference(single):
     return score
 
 
-def test_two_replicas_keep_groups_together_and_match_one(checkpoints, reference) -> None:
+def test_two_replicas_keep_groups_together_and_match_one(checkpoints, reference, tmp_path) -> None:
     groups = _groups(0, 8, 4)
     ref = reference([r for g in groups for r in g])
-    with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2)) as s, TeacherClient(s.url) as c:
+    trace = tmp_path / "steps.jsonl"
+    with LiveServer(_cfg(checkpoints["qwen3"], data_parallel_size=2, step_trace=str(trace))) as s, \
+            TeacherClient(s.url) as c:
         assert httpx.get(s.url + "/health").json() == {"status": "ready"}
         _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
         # the groups were spread: both replicas looked prompts up (metrics per replica)
         wait_until(lambda: all(v > 0 for v in _metric(s.url, "teacher_server_prefix_cache_queries_total").values()))
         assert set(_metric(s.url, "teacher_server_prefix_cache_hits_total")) == {"0", "1"}
+    # both replicas traced their steps into the one file, whole lines each
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert len({x["pid"] for x in lines}) == 2
+    assert sum(x["scored_rows"] for x in lines) == sum(len(r.token_ids) - 1 - r.start for g in groups for r in g)
 
 
 def test_round_robin_splits_groups(checkpoints) -> None:

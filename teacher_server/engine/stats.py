@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -78,8 +79,9 @@ class StepTrace:
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
-        self._file = self.path.open("a", buffering=1)  # line-buffered: a line per step
+        self._file = self.path.open("a", buffering=1)  # line-buffered: one append per step's line
         self._t0 = time.monotonic()
+        self._pid = os.getpid()  # replicas append to the same file
 
     def at_launch(self, index: int, chunks: list, waiting: int) -> dict[str, Any]:
         """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on)."""
@@ -95,7 +97,7 @@ class StepTrace:
         line = dict(facts, at=round(launched_at - self._t0, 4), launch_ms=round(1e3 * launch_s, 2),
                     gpu_ms=round(1e3 * gpu_s, 2), gpu_idle_ms=round(1e3 * idle_s, 2),
                     # the host clock (CLOCK_MONOTONIC, shared by the host's processes) at launch and completion
-                    clock=[round(launched_at, 4), round(now, 4)])
+                    clock=[round(launched_at, 4), round(now, 4)], pid=self._pid)
         try:
             self._file.write(json.dumps(line) + "\n")
         except (OSError, ValueError) as e:
