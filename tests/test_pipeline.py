@@ -257,3 +257,8 @@ def test_step_trace_has_a_line_per_step(tmp_path: Path, monkeypatch: pytest.Monk
     assert any(x["continuing"] for x in lines) and any(x["unfinished"] for x in lines)  # chunked at 64 tokens
     assert all(x["gpu_ms"] == 1.0 for x in lines)  # the stand-in events' span
     assert [x["at"] for x in lines] == sorted(x["at"] for x in lines)
+
+
+def test_a_step_trace_that_cannot_be_written_stops_start_up(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="step_trace: cannot append to .*missing"):
+        engine(tmp_path, True, step_trace=str(tmp_path / "missing" / "steps.jsonl"))

@@ -79,7 +79,10 @@ class StepTrace:
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
-        self._file = self.path.open("a", buffering=1)  # line-buffered: one append per step's line
+        try:
+            self._file = self.path.open("a", buffering=1)  # line-buffered: one append per step's line
+        except OSError as e:
+            raise ValueError(f"step_trace: cannot append to {path}: {e.strerror or e}") from e
         self._t0 = time.monotonic()
         self._pid = os.getpid()  # replicas append to the same file
 
