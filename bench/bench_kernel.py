@@ -83,11 +83,28 @@ def bench_gather(rows: int, vocab: int, k: int, dtype: torch.dtype, copy_gb_s: f
     }
 
 
-def bench_qkv(tokens: int, hq: int, hkv: int, d: int, copy_gb_s: float, iters: int, warmup: int) -> dict:
+def load_baseline_library(src: Path):  # noqa: ANN201
+    """The kernel library built from another checkout's ``kernels/`` (an older commit's, to
+    time its kernels beside this one's in one process), under a module name of its own."""
+    import tempfile
+
+    from torch.utils import cpp_extension
+
+    extension._fix_cuda_home(cpp_extension)
+    archs = extension._arch_list()
+    flags = ["-O3", "-lineinfo", *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
+    return cpp_extension.load(name="ts_kernels_baseline", sources=[str(src / n) for n in extension.SOURCES],
+                              extra_cflags=["-O3"], extra_cuda_cflags=flags,
+                              build_directory=tempfile.mkdtemp(prefix="ts-kernels-baseline-"))
+
+
+def bench_qkv(tokens: int, hq: int, hkv: int, d: int, copy_gb_s: float, iters: int, warmup: int,
+              baseline=None) -> dict:  # noqa: ANN001
     """qkv_rope at a step of ``tokens`` (Qwen3's q/k norm on, every token's k and v written
     to a pool twice the step's size), per items-per-group setting; the eager torch stages
-    (``qkv_prep``, then the indexed stores) beside it. Bytes: qkv read, q/k/v and the pool
-    rows written."""
+    (``qkv_prep``, then the indexed stores) beside it, and ``baseline``'s kernel (a library
+    from ``load_baseline_library``) when given. Bytes: qkv read, q/k/v and the pool rows
+    written."""
     dt = torch.bfloat16
     heads = HeadLayout(hq, hkv, d, 1e-6)
     qkv = torch.randn(tokens, heads.width, device="cuda", dtype=dt) * 3
@@ -116,6 +133,17 @@ def bench_qkv(tokens: int, hq: int, hkv: int, d: int, copy_gb_s: float, iters: i
         vc[slots] = v
 
     res["eager_ms"] = time_ms(eager, iters, warmup)
+    if baseline is not None:  # its own outputs, laid out as the current kernel's (q, k, v contiguous)
+        outs = [torch.empty_like(x) for x in first]
+        kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+
+        def base() -> None:
+            baseline.qkv_rope_out(qkv, cs, qn, kn, 1e-6, *outs, kc2, vc2, slots)
+
+        ms = time_ms(base, iters, warmup)
+        res["baseline_kernel"] = {"ms": ms, "gb_s": moved / ms / 1e6, "pct_of_copy": 100 * moved / ms / 1e6 / copy_gb_s,
+                                  "equal_fraction_vs_kernel": min((a == b).float().mean().item()
+                                                                  for a, b in zip(outs, first))}
     ref = qkv_prep(qkv, cs[:, None, :half], cs[:, None, half:], qn, kn, hq, hkv, d, 1e-6)
     res["max_abs_diff_vs_eager"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(first, ref))
     res["equal_fraction_vs_eager"] = min((a == b).float().mean().item() for a, b in zip(first, ref))
@@ -193,6 +221,8 @@ def main() -> int:
     p.add_argument("--skip-scoring", action="store_true", help="kernels and copy only")
     p.add_argument("--qkv-tokens", type=int, default=16384, help="step size of the qkv_rope bench (0: skip it)")
     p.add_argument("--qkv-heads", default="32,8,128", help="query heads, kv heads, head dim (Qwen3-8B)")
+    p.add_argument("--qkv-baseline-src", type=Path, default=None,
+                   help="another checkout's kernels/ (an older commit's): its qkv_rope kernel is timed beside")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kernel_h200.json")
     args = p.parse_args()
 
@@ -214,7 +244,10 @@ def main() -> int:
     qkv = None
     if args.qkv_tokens:
         hq, hkv, d = (int(x) for x in args.qkv_heads.split(","))
-        qkv = bench_qkv(args.qkv_tokens, hq, hkv, d, copy["gb_s"], 2 * args.iters, args.warmup)
+        baseline = load_baseline_library(args.qkv_baseline_src) if args.qkv_baseline_src else None
+        qkv = bench_qkv(args.qkv_tokens, hq, hkv, d, copy["gb_s"], 2 * args.iters, args.warmup, baseline)
+        if baseline is not None:
+            qkv["baseline_src"] = str(args.qkv_baseline_src)
         torch.cuda.empty_cache()
     scoring = None
     if not args.skip_scoring:
@@ -247,6 +280,10 @@ def main() -> int:
         for u, r in qkv["kernel"].items():
             print(f"{'  kernel, at most ' + u + ' head(s) per group':<52}{r['ms']:>10.3f}{r['gb_s']:>10.0f}"
                   f"{r['pct_of_copy']:>8.1f}%  same bits: {r['same_bits_as_1']}")
+        if "baseline_kernel" in qkv:
+            b = qkv["baseline_kernel"]
+            print(f"{'  kernel of ' + qkv['baseline_src']:<52}{b['ms']:>10.3f}{b['gb_s']:>10.0f}"
+                  f"{b['pct_of_copy']:>8.1f}%  equal to this one's: {100 * b['equal_fraction_vs_kernel']:.2f}%")
         print(f"{'  eager torch stages':<52}{qkv['eager_ms']:>10.3f}   max |kernel - eager| "
               f"{qkv['max_abs_diff_vs_eager']:.3g}, equal {100 * qkv['equal_fraction_vs_eager']:.2f}%")
     if scoring:

@@ -320,3 +320,59 @@ def test_stopping_replicas_that_are_still_loading_does_not_wait_for_the_load() -
         return time.monotonic() - t0
 
     assert asyncio.run(run()) < 20
+
+
+def _front_that_dies_mid_message(conn, model_dir: str) -> None:
+    """A front process (module level: spawned): starts one replica, waits until its engine is
+    ready, leaves half a message in its queue (as a front killed while sending a large
+    request does), sends the test the replica's pid and dies."""
+    import multiprocessing as mp
+    import struct
+
+    from teacher_server.engine.engine import Engine
+    from teacher_server.replicas.messages import ReadyMsg
+    from teacher_server.replicas.worker import run_replica
+
+    ctx = mp.get_context("spawn")
+    inbox = ctx.Queue()
+    reader, writer = ctx.Pipe(duplex=False)
+    cfg = Config(device="cpu", demo_model_dir=model_dir, max_num_batched_tokens=64, num_kv_blocks=64,
+                 max_model_len=256)
+    proc = ctx.Process(target=run_replica, args=(0, cfg, Engine, None, inbox, writer), daemon=False)
+    proc.start()
+    writer.close()
+    while not isinstance(reader.recv(), ReadyMsg):
+        pass
+    os.write(inbox._writer.fileno(), struct.pack("!i", 1 << 20) + bytes(64))  # a 1 MiB message's first bytes
+    conn.send(proc.pid)
+    os._exit(0)
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's parent may never reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_replica_whose_front_died_mid_message_exits(tmp_path) -> None:
+    """The replica's reader blocks for good on a message its dead front half wrote (the
+    replica holds the queue's write end too, so no end of file comes): the replica must still
+    notice that the front is gone and exit, not go on holding its GPU."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    front = ctx.Process(target=_front_that_dies_mid_message, args=(there, str(tmp_path / "m")))
+    front.start()
+    assert here.poll(180), "the front's replica never became ready"
+    pid = here.recv()
+    front.join(30)
+    try:
+        wait_until(lambda: not _running(pid), timeout=60, what="the orphaned replica's exit")
+    finally:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)

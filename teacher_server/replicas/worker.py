@@ -14,7 +14,6 @@ import faulthandler
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -131,24 +130,32 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
                     os._exit(0)  # the load runs on in its thread; the process ends now
                 stop.set()
 
-    def read() -> None:  # the front's messages, onto the loop; a gone front stops the replica
-        parent = mp.parent_process()
+    def post(msg: object) -> bool:
+        try:
+            loop.call_soon_threadsafe(handle, msg)
+            return True
+        except RuntimeError:  # the loop has closed
+            return False
+
+    def read() -> None:  # the front's messages, onto the loop
         while True:
             try:
-                msg = inbox.get(timeout=1.0)
-            except queue.Empty:
-                if parent is not None and not parent.is_alive():
-                    msg = StopMsg()
-                else:
-                    continue
+                msg = inbox.get()
             except (EOFError, OSError):
                 msg = StopMsg()
-            try:
-                loop.call_soon_threadsafe(handle, msg)
-            except RuntimeError:  # the loop has closed
+            if not post(msg) or isinstance(msg, StopMsg):
                 return
-            if isinstance(msg, StopMsg):
-                return
+
+    def watch_front() -> None:  # a gone front stops the replica
+        # Apart from read(): a front killed while it sent a message leaves the rest of it
+        # unwritten, and read() waits for it for good (this process holds the queue's write
+        # end too, so no end of file comes).
+        parent = mp.parent_process()
+        if parent is None:
+            return
+        parent.join()
+        log.warning("replica %d: the front process is gone; stopping", index)
+        post(StopMsg())
 
     def report() -> None:  # the engine's snapshot, when it changed, for the front's metrics
         last = None
@@ -160,6 +167,7 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
             stop_wait.wait(STATS_INTERVAL_S)
 
     threading.Thread(target=read, name=f"teacher-replica{index}-in", daemon=True).start()
+    threading.Thread(target=watch_front, name=f"teacher-replica{index}-front", daemon=True).start()
     try:
         # The front already applies the queue limits per replica; these only back them up.
         ae = await AsyncEngine.build(lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
