@@ -131,10 +131,11 @@ def test_merge_attn_kernel_matches_reference() -> None:
 
 
 @pytest.mark.parametrize("d,norm,hq,hkv", [(128, True, 8, 2), (128, False, 8, 2), (64, True, 8, 2), (256, False, 8, 2),
-                                           (128, True, 5, 1), (64, False, 6, 4)])
+                                           (128, True, 5, 1), (64, False, 6, 4), (128, True, 12, 2)])
 def test_qkv_rope_kernel_matches_torch(d: int, norm: bool, hq: int, hkv: int) -> None:
     """Split + per-head norm + rotary + pool write in one kernel equals the torch stages,
-    with the same bits whatever number of heads a lane group takes (7 heads: one each)."""
+    with the same bits whatever number of heads a lane group takes (7 heads: one each; 14:
+    up to two; 16: up to eight)."""
     from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep, qkv_rope
 
     torch.manual_seed(3)
@@ -152,8 +153,10 @@ def test_qkv_rope_kernel_matches_torch(d: int, norm: bool, hq: int, hkv: int) ->
     got = qkv_rope(qkv, cs, qn, kn, HeadLayout(hq, hkv, d, 1e-6), kc, vc, slots)
     assert got is not None
     for u in (1, 2, 8):
-        other = qkv_rope(qkv, cs, qn, kn, HeadLayout(hq, hkv, d, 1e-6), items_per_group=u)
+        kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+        other = qkv_rope(qkv, cs, qn, kn, HeadLayout(hq, hkv, d, 1e-6), kc2, vc2, slots, items_per_group=u)
         assert all(torch.equal(a, b) for a, b in zip(got, other))
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
     # The reference runs on the CPU: there rms_norm is the transformers formula (round the
     # normed value to bf16, then multiply by the weight), which the kernel follows.
     cpu = lambda x: None if x is None else x.cpu()  # noqa: E731

@@ -262,3 +262,14 @@ def test_step_trace_has_a_line_per_step(tmp_path: Path, monkeypatch: pytest.Monk
 def test_a_step_trace_that_cannot_be_written_stops_start_up(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="step_trace: cannot append to .*missing"):
         engine(tmp_path, True, step_trace=str(tmp_path / "missing" / "steps.jsonl"))
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_step_trace_that_fails_to_write_stops_tracing_not_the_engine(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A trace write that fails (a full disk: /dev/full) turns the trace off with a warning;
+    the steps and their results go on."""
+    eng = engine(tmp_path, True, step_trace="/dev/full")
+    results = eng.run_to_completion(requests(5))
+    assert all(r.error is None for r in results) and eng.stats().steps > 3
+    assert sum("no more steps are traced" in r.getMessage() for r in caplog.records) == 1

@@ -367,12 +367,15 @@ def test_a_replica_whose_front_died_mid_message_exits(tmp_path) -> None:
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
     front = ctx.Process(target=_front_that_dies_mid_message, args=(there, str(tmp_path / "m")))
-    front.start()
-    assert here.poll(180), "the front's replica never became ready"
-    pid = here.recv()
-    front.join(30)
+    front.start()  # (not a daemon: a daemon process may not start one)
+    pid = None
     try:
+        assert here.poll(180), "the front's replica never became ready"
+        pid = here.recv()
+        front.join(30)
         wait_until(lambda: not _running(pid), timeout=60, what="the orphaned replica's exit")
     finally:
-        if _running(pid):
+        if front.is_alive():
+            front.kill()
+        if pid is not None and _running(pid):
             os.kill(pid, signal.SIGKILL)

@@ -69,7 +69,10 @@ class Engine:
         check_split(self.spec, size)
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
         self._workers: TPWorkers | None = None
-        self._trace: StepTrace | None = None  # opened after the warm-up: its steps are not traced
+        # opened first (a path that cannot be written fails start-up before the load); the
+        # steps are traced from the end of the warm-up
+        self._trace: StepTrace | None = StepTrace(cfg.step_trace) if cfg.step_trace else None
+        self._tracing = False
         if size > 1:
             self._workers = TPWorkers(cfg, self.model_dir, self.device, size)
             try:
@@ -121,11 +124,12 @@ class Engine:
         warm = cfg.warm_up if cfg.warm_up is not None else self.device.type == "cuda"
         try:
             self.warm_up_s = self.warm_up() if warm else 0.0
-            if cfg.step_trace:
-                self._trace = StepTrace(cfg.step_trace)
         except BaseException:
             self.close()  # the tensor-parallel workers free their GPUs
             raise
+        if self._trace is not None:
+            self._trace.begin()
+            self._tracing = True
         log.info("engine ready: %s (%s) on %s x %d, dtype %s, attention %s, %d KV blocks x %d, budget %d tokens, "
                  "max_model_len %d, loaded in %.1fs", self.spec.architecture, self.model_dir, self.device, size,
                  str(self.dtype).replace("torch.", ""), self.attn.name, num_blocks, cfg.block_size, budget,
@@ -331,7 +335,7 @@ class Engine:
         self._steps += 1
         self._tokens += tokens
         # (before finish_step moves the sequences on)
-        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting) if self._trace else None
+        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting) if self._tracing else None
         done = self._scheduler.finish_step(chunks)
         after = handoff.step.pending.pacer.done if handoff is not None else None
         return InFlightStep(chunks, hs, pending, done, after, launched_at, launch_s, facts)

@@ -73,7 +73,7 @@ class EngineStats:
 class StepTrace:
     """One JSON line per forward step, appended to a file (``Config.step_trace``). What is
     known at launch (``at_launch``) travels with the step; the line is written when the step
-    completes, with its GPU time. ``at``: seconds since the trace began; ``clock``:
+    completes, with its GPU time. ``at``: seconds since ``begin``; ``clock``:
     ``time.monotonic()`` at launch and completion. A write that fails turns the trace off
     (one warning)."""
 
@@ -85,6 +85,10 @@ class StepTrace:
             raise ValueError(f"step_trace: cannot append to {path}: {e.strerror or e}") from e
         self._t0 = time.monotonic()
         self._pid = os.getpid()  # replicas append to the same file
+
+    def begin(self) -> None:
+        """The first step to trace is next: ``at`` counts from now."""
+        self._t0 = time.monotonic()
 
     def at_launch(self, index: int, chunks: list, waiting: int) -> dict[str, Any]:
         """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on)."""
@@ -108,6 +112,10 @@ class StepTrace:
             self.close()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file; a failure to flush its last line is not the engine's concern."""
+        f, self._file = self._file, None
+        if f is not None:
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
