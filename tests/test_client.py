@@ -620,3 +620,33 @@ def test_distill_loss_properties() -> None:
     want0 = np.sum([0.5, 0.3, 0.2] * np.log(np.array([0.5, 0.3, 0.2]) / [0.2, 0.3, 0.5]))
     want1 = 0.6 * np.log(0.6 / 0.5) + 0.4 * np.log(0.4 / 0.5)
     np.testing.assert_allclose(loss, [want0, want1], rtol=1e-12)
+
+
+def test_async_batch_sends_its_first_requests_before_encoding_the_rest(monkeypatch) -> None:
+    """A batch's bodies are encoded as slots free up: the first requests go out while the
+    others wait, instead of after every body of the batch has been encoded."""
+    events: list[str] = []
+    orig = AsyncTeacherClient._encode
+
+    def encode(self, req):
+        events.append("encode")
+        return orig(self, req)
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        events.append("sent")
+        await asyncio.sleep(0.05)  # the network and the server
+        events.append("answered")
+        return httpx.Response(403, json={"error": {"message": "no", "type": "forbidden", "code": 403}})
+
+    monkeypatch.setattr(AsyncTeacherClient, "_encode", encode)
+
+    async def go() -> list:
+        async with AsyncTeacherClient("http://teacher.invalid", max_concurrency=2,
+                                      transport=httpx.MockTransport(handler)) as client:
+            return await client.score_batch([([1, 2, 3], [1, 2])] * 10, return_exceptions=True)
+
+    out = asyncio.run(go())
+    assert len(out) == 10 and all(isinstance(e, TeacherServerError) for e in out)
+    assert events.count("encode") == 10 and events.count("sent") == 10
+    # two slots: two bodies encoded and sent; the others only as answers free the slots
+    assert events[:events.index("answered")].count("encode") == 2

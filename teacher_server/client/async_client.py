@@ -147,7 +147,10 @@ class AsyncTeacherClient(ClientBase):
         return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
 
     async def _send(self, req: TeacherRequest) -> ScoreOutput:
-        content = self._encode(req)
+        # Encoded once a slot is held: in a batch every task runs to its first wait before the
+        # loop sends anything, so encoding them all up front would hold the first request back
+        # until the last body was encoded (about 0.35 s for 128 W1 requests on a 2-core CPU).
+        content: bytes | None = None
         st = await self._state()
         key, tokens = self._route_key(req), len(req.token_ids)
         attempt, url = 0, None
@@ -159,6 +162,8 @@ class AsyncTeacherClient(ClientBase):
                 self.endpoints.begin(url, tokens)
             try:
                 async with st.slots:
+                    if content is None:
+                        content = self._encode(req)
                     resp = await st.http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
                                               content=content, headers=JSON_HEADERS)
             except RETRY_EXCEPTIONS as e:
