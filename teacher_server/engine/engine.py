@@ -308,7 +308,7 @@ class Engine:
         (by ``_finish`` after it when the launch never waits)."""
         tm = self._timing
         t0 = time.perf_counter()
-        launched_at = time.monotonic()
+        launched_at = time.monotonic()  # (the step trace's clock)
         chunks = self._scheduler.schedule()
         t1 = time.perf_counter()
         tm.schedule_s += t1 - t0
@@ -335,10 +335,11 @@ class Engine:
         self._steps += 1
         self._tokens += tokens
         # (before finish_step moves the sequences on)
-        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting) if self._tracing else None
+        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting, launched_at,
+                                      launch_s) if self._tracing else None
         done = self._scheduler.finish_step(chunks)
         after = handoff.step.pending.pacer.done if handoff is not None else None
-        return InFlightStep(chunks, hs, pending, done, after, launched_at, launch_s, facts)
+        return InFlightStep(chunks, hs, pending, done, after, facts)
 
     def _pacer(self, handoff: Handoff | None) -> Pacer:
         if self._run_ahead is None:
@@ -362,8 +363,8 @@ class Engine:
         busy, idle = step.pending.pacer.gpu_seconds(step.after)  # all its events are complete now
         self._timing.gpu_s += busy
         self._timing.gpu_idle_s += idle
-        if self._trace is not None and step.trace is not None:
-            self._trace.write(step.trace, step.launched_at, step.launch_s, busy, idle)
+        if step.trace is not None:
+            self._trace.write(step.trace, busy, idle)
         now = time.monotonic()
         results = []
         for seq in step.done:

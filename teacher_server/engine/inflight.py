@@ -24,8 +24,6 @@ class InFlightStep:
     pending: PendingOutput
     done: list[Sequence]  # sequences this step completes (their bookkeeping is done)
     after: torch.cuda.Event | None = None  # end of the step that was in flight at launch
-    launched_at: float = 0.0  # time.monotonic() when its launch began
-    launch_s: float = 0.0  # host time queueing its GPU work (waits for the GPU excluded)
     trace: dict | None = None  # its step-trace facts (``StepTrace.at_launch``) when tracing
 
 

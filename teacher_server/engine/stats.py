@@ -90,21 +90,23 @@ class StepTrace:
         """The first step to trace is next: ``at`` counts from now."""
         self._t0 = time.monotonic()
 
-    def at_launch(self, index: int, chunks: list, waiting: int) -> dict[str, Any]:
-        """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on)."""
+    def at_launch(self, index: int, chunks: list, waiting: int, launched_at: float, launch_s: float) -> dict[str, Any]:
+        """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on),
+        when its launch began (``time.monotonic()``) and the host time it took."""
         return {"step": index, "tokens": sum(c.end - c.start for c in chunks), "seqs": len(chunks),
                 "continuing": sum(1 for c in chunks if c.start > 0),  # after an earlier chunk or a cached prefix
                 "unfinished": sum(1 for c in chunks if not c.final),  # go on in a later step
-                "scored_rows": sum(max(0, c.logit_hi - c.logit_lo) for c in chunks), "waiting": waiting}
+                "scored_rows": sum(max(0, c.logit_hi - c.logit_lo) for c in chunks), "waiting": waiting,
+                "at": round(launched_at - self._t0, 4), "launch_ms": round(1e3 * launch_s, 2),
+                "clock": [round(launched_at, 4)]}
 
-    def write(self, facts: dict[str, Any], launched_at: float, launch_s: float, gpu_s: float, idle_s: float) -> None:
+    def write(self, facts: dict[str, Any], gpu_s: float, idle_s: float) -> None:
+        """The line of a completed step: its ``at_launch`` facts and its GPU time."""
         if self._file is None:
             return
-        now = time.monotonic()
-        line = dict(facts, at=round(launched_at - self._t0, 4), launch_ms=round(1e3 * launch_s, 2),
-                    gpu_ms=round(1e3 * gpu_s, 2), gpu_idle_ms=round(1e3 * idle_s, 2),
+        line = dict(facts, gpu_ms=round(1e3 * gpu_s, 2), gpu_idle_ms=round(1e3 * idle_s, 2),
                     # the host clock (CLOCK_MONOTONIC, shared by the host's processes) at launch and completion
-                    clock=[round(launched_at, 4), round(now, 4)], pid=self._pid)
+                    clock=[*facts["clock"], round(time.monotonic(), 4)], pid=self._pid)
         try:
             self._file.write(json.dumps(line) + "\n")
         except (OSError, ValueError) as e:
