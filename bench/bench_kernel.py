@@ -86,16 +86,7 @@ def bench_gather(rows: int, vocab: int, k: int, dtype: torch.dtype, copy_gb_s: f
 def load_baseline_library(src: Path):  # noqa: ANN201
     """The kernel library built from another checkout's ``kernels/`` (an older commit's, to
     time its kernels beside this one's in one process), under a module name of its own."""
-    import tempfile
-
-    from torch.utils import cpp_extension
-
-    extension._fix_cuda_home(cpp_extension)
-    archs = extension._arch_list()
-    flags = ["-O3", "-lineinfo", *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
-    return cpp_extension.load(name="ts_kernels_baseline", sources=[str(src / n) for n in extension.SOURCES],
-                              extra_cflags=["-O3"], extra_cuda_cflags=flags,
-                              build_directory=tempfile.mkdtemp(prefix="ts-kernels-baseline-"))
+    return extension.build_extension(False, name="ts_kernels_baseline", src=src)
 
 
 def bench_qkv(tokens: int, hq: int, hkv: int, d: int, copy_gb_s: float, iters: int, warmup: int,

@@ -116,8 +116,10 @@ def _arch_list() -> list[str]:
     return ["90"]
 
 
-def build_extension(verbose: bool) -> ModuleType:
-    """Load the cached library when its key matches, else JIT-build it with ninja."""
+def build_extension(verbose: bool, name: str = EXT_NAME, src: Path | None = None) -> ModuleType:
+    """Load the cached library when its key matches, else JIT-build it with ninja. ``name``
+    and ``src`` (default: ``source_dir()``) build another checkout's ``kernels/`` as a module of
+    its own, beside this one in a process (``bench/bench_kernel.py --qkv-baseline-src``)."""
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is built without CUDA")
     archs = _arch_list()
@@ -127,7 +129,7 @@ def build_extension(verbose: bool) -> ModuleType:
     # No --use_fast_math: exp2f/logf must stay accurate (outputs within ~1e-6 relative).
     cuda_flags = ["-O3", "-lineinfo", *arch_flags]
     cxx_flags = ["-O3"]
-    src = source_dir()
+    src = source_dir() if src is None else src
     sources = [src / s for s in SOURCES]
     for s in sources:
         if not s.is_file():
@@ -139,10 +141,10 @@ def build_extension(verbose: bool) -> ModuleType:
         h.update(s.read_bytes())
     h.update(repr((cuda_flags, cxx_flags, torch.__version__, torch.version.cuda, sys.version_info[:2])).encode())
     base = Path(os.environ.get("TEACHER_SERVER_EXT_DIR") or Path.home() / ".cache" / "teacher-server" / "ext")
-    build_dir = base / f"{EXT_NAME}-{h.hexdigest()[:16]}"
-    lib = build_dir / f"{EXT_NAME}.so"
+    build_dir = base / f"{name}-{h.hexdigest()[:16]}"
+    lib = build_dir / f"{name}.so"
     if lib.is_file():
-        return _import_library(lib)  # no nvcc/ninja needed at run time
+        return _import_library(lib, name)  # no nvcc/ninja needed at run time
 
     from torch.utils import cpp_extension  # heavy import: only when building
 
@@ -150,7 +152,7 @@ def build_extension(verbose: bool) -> ModuleType:
     build_dir.mkdir(parents=True, exist_ok=True)
     log.info("building the CUDA kernels in %s (archs %s)", build_dir, ",".join(archs))
     return cpp_extension.load(
-        name=EXT_NAME,
+        name=name,
         sources=[str(s) for s in sources],
         extra_cflags=cxx_flags,
         extra_cuda_cflags=cuda_flags,
@@ -176,8 +178,8 @@ def _fix_cuda_home(cpp_extension: ModuleType) -> None:
             return
 
 
-def _import_library(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(EXT_NAME, path)
+def _import_library(path: Path, name: str = EXT_NAME) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
     mod = importlib.util.module_from_spec(spec)
