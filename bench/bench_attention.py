@@ -6,15 +6,21 @@ model runner packs them (Qwen3-8B heads: 32 query, 8 kv, head dim 128, bf16):
 - ``w2_off``: a W2 step with the cache off (4 whole sequences of 4095 tokens);
 - ``grpo16``: 16 responses of 300..3000 tokens after one cached 1024-token prompt;
 - ``w1``: a W1 step: whole sequences of W1's lengths (1280..6912 tokens) and the first chunk
-  of the next, 16384 tokens, none prefixed.
+  of the next, 16384 tokens, none prefixed;
+- ``w1_cont``: the next kind of W1 step: the last 3000 tokens of a sequence split by the step
+  before (2189 tokens of keys cached), then whole sequences;
+- ``w3_fresh``, ``w3_cont``: W3's two kinds of step, a 32768-token sequence's first and second
+  16384-token chunk.
 
 Variants: the cuDNN backend as configured (one call for a group's queries against their
 shared prompt), without grouping, without grouping on one stream, and torch varlen; on the
 steps without prefixes also ``cudnn_ragged``: one cuDNN call over the packed sequences (THD
-layout, cumulative lengths: no bucket padding), the candidate for replacing the bucketed
+layout, cumulative lengths: no bucket padding), a candidate for replacing the bucketed
 calls, timed in the same rotation only when its output matches the first variant's (when
 cuDNN refuses the grouped kv heads or gets them wrong, the keys and values are expanded to the
-query heads before timing, and the row says so).
+query heads before timing, and the row says so); and ``cudnn_fe``: the same through cuDNN's
+Python frontend (``nvidia-cudnn-frontend``, when installed), whose graphs are cached by the
+bucketed longest length, so a call is not a plan build.
 Also the gather of the prefixed sequences' cached keys from the pool. Reports milliseconds
 per layer (median over interleaved rounds of each variant's median CUDA-event timing) and
 useful TFLOP/s (causal work only).
@@ -28,6 +34,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -58,6 +65,9 @@ def scenarios() -> dict[str, tuple[list[tuple[int, int]], list[int] | None]]:
         "w2_off": ([(4095, 4095)] * 4 + [(4, 4)], None),
         "grpo16": ([(r, 1024 + r) for r in resp], [0] + [1024] * 15),
         "w1": (w1_step(), None),
+        "w1_cont": ([(3000, 5189)] + w1_step(16384 - 3000), [0]),
+        "w3_fresh": ([(16384, 16384)], None),
+        "w3_cont": ([(16384, 32768)], [0]),
     }
 
 
@@ -97,6 +107,49 @@ def ragged_cudnn(tensors: AttentionInputs, ctx: StepContext, scale: float,
             return call, {"kv_expanded": expand, "max_abs_diff_vs_first": diff, "refused": refused}
         refused.append(f"kv_expanded={expand}: result differs by {diff:.3g}")
     return None, {"refused": refused}
+
+
+def fe_attention(tensors: AttentionInputs, ctx: StepContext, scale: float,
+                 ref: torch.Tensor) -> tuple[Callable | None, dict]:
+    """The step's attention through cuDNN's Python frontend (``nvidia-cudnn-frontend``:
+    ``torch.ops.cudnn.sdpa_fwd``) on the packed THD layout: one call for the fresh sequences
+    over the step's keys, one for the prefixed ones over their packed keys (causal from the
+    bottom right), each at the bucketed longest length with the real ones as cumulative
+    lengths: no per-sequence padding, no output copy. Returns (the call, or None when the
+    frontend is missing, refuses, or differs from ``ref``, and how it ran)."""
+    try:
+        import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd)
+    except Exception as e:
+        return None, {"refused": [f"no frontend: {type(e).__name__}: {e}"]}
+    from teacher_server.attention.buckets import bucket
+
+    npf, tp = ctx.n_prefixed, ctx.tok_prefixed
+    dev = tensors.q.device
+    cu = lambda xs: torch.tensor([0] + torch.tensor(xs).cumsum(0).tolist(), dtype=torch.int32, device=dev)  # noqa: E731
+    calls = []
+    if npf:
+        qs, ks = ctx.q_lens[:npf], ctx.k_lens[:npf]
+        calls.append((tensors.q[:tp], tensors.kp, tensors.vp, cu(qs), cu(ks), bucket(max(qs)), bucket(max(ks)), True))
+    if npf < len(ctx.q_lens):
+        qs = ctx.q_lens[npf:]
+        calls.append((tensors.q[tp:], tensors.k[tp:], tensors.v[tp:], cu(qs), cu(qs), bucket(max(qs)), bucket(max(qs)),
+                      False))
+
+    def run() -> torch.Tensor:
+        outs = [torch.ops.cudnn.sdpa_fwd(q, k, v, scale, is_causal=True, causal_bottom_right=br, cu_seqlens_q=cq,
+                                         cu_seqlens_kv=ck, max_seqlen_q=mq, max_seqlen_kv=mk, return_lse=False)[0]
+                for q, k, v, cq, ck, mq, mk, br in calls]
+        return outs[0] if len(outs) == 1 else outs
+
+    try:
+        out = run()
+        out = out if isinstance(out, torch.Tensor) else torch.cat(out)
+        diff = (out.float() - ref).abs().max().item()
+    except Exception as e:
+        return None, {"refused": [f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"]}
+    if diff > RAGGED_TOL:
+        return None, {"refused": [f"result differs by {diff:.3g}"]}
+    return run, {"max_abs_diff_vs_first": diff, "calls": len(calls)}
 
 
 def make(lens: list[tuple[int, int]], shared: list[int] | None) -> tuple[AttentionInputs, StepContext, float]:
@@ -162,6 +215,17 @@ def main() -> None:
         "cudnn_ungrouped_one_stream": (cud, False, 0),
         "varlen": (var, True, 3),
     }
+    fes = {}
+    for key, po, split in (("fe_backend", 4, True), ("fe_backend_nosplit", 4, False), ("fe_backend_po16", 16, False)):
+        try:  # the engine backend; a lone prefixed sequence through the split or not; finer graph classes
+            be = make_backend("cudnn_fe", dev)
+        except Exception as e:
+            print(f"cudnn_fe backend unavailable: {e}", flush=True)
+            break
+        be.per_octave = po
+        be.split = be.split if split else None
+        fes[key] = be
+        variants[key] = (be, True, 0)
     for name, (lens, shared) in scenarios().items():
         tensors, ctx, flop = make(lens, shared)
         row = {"lens": lens, "gather_kv_ms": gather_ms(lens)}
@@ -189,18 +253,35 @@ def main() -> None:
         elif how:
             row["cudnn_ragged"] = how
             print(f"{name:8s} cudnn_ragged not timed: {how['refused']}", flush=True)
+        fe, how_fe = fe_attention(tensors, ctx, D ** -0.5, ref)
+        if fe is not None:
+            row["cudnn_fe"] = {**how_fe, "round_ms": []}
+            runs["cudnn_fe"] = fe
+        else:
+            row["cudnn_fe"] = how_fe
+            print(f"{name:8s} cudnn_fe not timed: {how_fe['refused']}", flush=True)
         names = list(runs)
         for r in range(ROUNDS):  # interleaved rounds, the order rotated: clocks and caches drift alike
             for v in names[r % len(names):] + names[:r % len(names)]:
                 row[v]["round_ms"].append(time_ms(runs[v], 10, 2))
         for v in names:
             ms = statistics.median(row[v]["round_ms"])
-            row[v].update(ms=ms, tflops=flop / ms / 1e9)
-            print(f"{name:8s} {v:28s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s  "
-                  f"diff {row[v]['max_abs_diff_vs_first']:.3g}  {row[v].get('items', how)}", flush=True)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                runs[v]()
+            host_ms = (time.perf_counter() - t) * 100  # per call: the launching thread's time
+            torch.cuda.synchronize()
+            row[v].update(ms=ms, tflops=flop / ms / 1e9, host_ms=host_ms)
+            print(f"{name:8s} {v:28s} {ms:7.3f} ms {flop / ms / 1e9:6.0f} TFLOP/s  host {host_ms:6.3f} ms  "
+                  f"diff {row[v]['max_abs_diff_vs_first']:.3g}  {row[v].get('items', '')}", flush=True)
         print(f"{name:8s} {'gather cached k+v':28s} {row['gather_kv_ms']:7.3f} ms", flush=True)
         results["scenarios"][name] = row
     cud.group_prefixes, cud.concurrent_streams = True, 3
+    results["fe_graph_builds_s"] = {k: be.builds for k, be in fes.items()}
+    for k, be in fes.items():
+        print(f"{k}: {len(be.builds)} graph builds, median {1e3 * statistics.median(be.builds or [0]):.0f} ms, "
+              f"max {1e3 * max(be.builds or [0]):.0f} ms", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
 

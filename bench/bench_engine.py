@@ -170,9 +170,22 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
 
+    backends: dict[str, object] = {}
+
+    def attention(kind: str) -> None:  # a backend made once per process (its plans or graphs kept)
+        if kind not in backends:
+            backends[kind] = make_backend(kind, engine.device)
+            spec = engine.runner.spec
+            backends[kind].warm_up(engine.max_model_len, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                   engine.device, torch.bfloat16, layers=len(spec.kv_layer_ids))
+        tune(attention=backends[kind])
+
     variants = {
         "as_configured": lambda: None,
         "varlen_attention": lambda: tune(attention=make_backend("varlen", engine.device)),
+        # the bucketed per-sequence cuDNN calls / cuDNN's Python frontend on the packed layout
+        "cudnn_attention": lambda: attention("cudnn"),
+        "cudnn_fe_attention": lambda: attention("cudnn_fe"),
         "one_attention_stream": lambda: setattr(attn, "concurrent_streams", 0),
         "residual_add_outside_gemm": lambda: tune(residual_in_gemm=False),
         # the last layer's o projection, MLP and norms over every row, not only those the LM head reads
@@ -209,6 +222,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         try:
             out[key] = bench_engine(engine, cfg, f"{name}-{key}", reqs, repeats)
             out[key]["ops"] = state
+            if hasattr(engine.tuning.attention, "builds"):  # cudnn_fe: graphs built so far, warm-up included
+                out[key]["attention_graph_builds"] = len(engine.tuning.attention.builds)
             print(f"ablation {name} {key}: {out[key]['tokens_per_s']:.0f} tok/s, MFU {out[key]['mfu']:.3f}", flush=True)
         except torch.cuda.OutOfMemoryError as e:
             out[key] = {"error": str(e)[:200]}

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 ENV_PREFIX = "TEACHER_SERVER_"
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits"]
-AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "flash_attn"]
+AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash_attn"]
 
 
 class ConfigError(ValueError):
@@ -83,7 +83,8 @@ class Config(BaseModel):
                              "to a quarter of the pool's memory (at least 2); the KV blocks take the rest.")
     gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0, description="Share of GPU memory the process may use.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompts (rows before the start).")
-    attention_backend: AttentionBackend = Field("auto", description="auto: cudnn on GPU, sdpa on CPU.")
+    attention_backend: AttentionBackend = Field(
+        "auto", description="auto: cudnn_fe on GPU where nvidia-cudnn-frontend is installed, else cudnn; sdpa on CPU.")
     compile: bool = Field(
         True, description="torch.compile the norm/rotary stages on CUDA; our CUDA kernels run either way (a failed "
                           "compile falls back for the compiled stages alone).")

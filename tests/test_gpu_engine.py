@@ -24,7 +24,7 @@ def _backend(name: str):
         pytest.skip(f"{name} unavailable: {e}")
 
 
-@pytest.mark.parametrize("backend", ["varlen", "flash_attn", "cudnn"])
+@pytest.mark.parametrize("backend", ["varlen", "flash_attn", "cudnn", "cudnn_fe"])
 @pytest.mark.parametrize("window", [None, 64])
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
 def test_backend_matches_reference(backend: str, window, heads) -> None:
@@ -173,3 +173,19 @@ def test_qkv_rope_kernel_matches_torch(d: int, norm: bool, hq: int, hkv: int) ->
     written = torch.zeros(2 * t, dtype=torch.bool, device="cuda")
     written[slots[keep]] = True
     assert not kc[~written].any() and not vc[~written].any()  # nothing else in the pool touched
+
+
+def test_cudnn_fe_lone_prefixed_sequence_takes_the_split() -> None:
+    """The cudnn_fe backend: one prefixed sequence (a long sequence's later chunk) goes to the
+    cudnn backend's split, the fresh ones to one frontend call; several prefixed sequences
+    take a frontend call of their own; each plan matches the reference."""
+    from teacher_server.attention.cudnn_fe import FeCall
+
+    attn = _backend("cudnn_fe")
+    assert attn.split is not None
+    for lens, calls in (([(600, 2000), (300, 300), (512, 512), (40, 40)], 1),
+                        ([(600, 2000), (300, 900), (300, 300), (40, 40)], 2)):
+        tensors, ctx, _ = make_step(lens, 8, 2, 128, "cuda", torch.bfloat16)
+        got = attn(tensors, ctx, 128 ** -0.5, None).float().cpu()
+        assert sum(isinstance(it, FeCall) for it in ctx.attn_plan.items) == calls, ctx.attn_plan.items
+        assert (got - reference(tensors, ctx, 128 ** -0.5, None)).abs().max().item() < 2e-2

@@ -12,7 +12,7 @@ import torch
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket, bucket_floor
-from teacher_server.attention.packed import Plan
+from teacher_server.attention.packed import Plan, cums
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.ops.merge_attn import merge_attn
 from teacher_server.step_context import StepContext
@@ -191,6 +191,21 @@ class CudnnBackend(TorchVarlenBackend):
     def _plan(self, ctx: StepContext, window: int | None) -> Plan:
         self._may_build, self._building = self.new_plans_per_step, set()
         return super()._plan(ctx, window)
+
+    def plan_prefixed(self, ctx: StepContext) -> list:
+        """The items of the step's prefixed part alone (for a backend that runs the fresh
+        part itself): this step's build allowance, then ``_route_prefixed``."""
+        self._may_build, self._building = self.new_plans_per_step, set()
+        items: list = []
+        if self.enabled:
+            self._route_prefixed(ctx, 0, ctx.n_prefixed, items, cums(ctx.q_lens), cums(ctx.k_lens))
+        else:
+            items.append(self._varlen_item(ctx, 0, ctx.n_prefixed, True, cums(ctx.q_lens), cums(ctx.k_lens)))
+        return items
+
+    def run_item(self, it: object, x: AttentionInputs, scale: float, out: torch.Tensor) -> None:
+        """One item of ``plan_prefixed`` into its rows of out (cuDNN refusing: ``PathFailed``)."""
+        self._run_item(it, x, scale, None, out)
 
     def _plan_ready(self, cb: int, s: int, members: list[tuple[int, int]]) -> bool:
         """May prefixed chunks (``members``: (queries, prefix keys) each) take the cuDNN split

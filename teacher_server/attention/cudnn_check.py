@@ -95,3 +95,28 @@ def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: t
                  paths.native_gqa, paths.group_prefixes, err, sorted(t.__name__ for t in kinds))
     log.warning("cuDNN attention failed its self-check; using varlen")
     return None
+
+
+def frontend_check(backend: object, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
+    prefix, fresh ones, a short one) against the float32 sdpa reference: True when it agrees
+    and took its own calls for both parts."""
+    from teacher_server.attention.cudnn_fe import FeCall
+
+    x, ctx_on = _check_step(device, dtype)
+    d = x.q.shape[-1]
+    cpu = torch.device("cpu")
+    ref_in = AttentionInputs(*(t.float().to(cpu) for t in (x.q, x.k, x.v, x.kp, x.vp)))
+    ref = SdpaBackend()(ref_in, ctx_on(cpu), d ** -0.5, None)
+    try:
+        c = ctx_on(device)
+        got = backend(x, c, d ** -0.5, None).float().cpu()
+    except Exception as e:
+        log.warning("cuDNN frontend attention self-check raised: %s", " ".join(str(e).split())[:300])
+        return False
+    calls = sum(isinstance(it, FeCall) for it in c.attn_plan.items)
+    err = (got - ref).abs().max().item()
+    if calls == 2 and err < 2e-2:
+        return True
+    log.warning("cuDNN frontend attention failed its self-check: error %.3g, %d calls", err, calls)
+    return False

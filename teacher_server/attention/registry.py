@@ -70,12 +70,28 @@ def _cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> Att
                         group_prefixes=paths.group_prefixes)
 
 
-_AUTO_ORDER = ("cudnn", "flash_attn", "varlen")
+@register("cudnn_fe")
+def _cudnn_fe(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
+    _needs_cuda("cudnn_fe", device)
+    from teacher_server.attention.cudnn import CudnnBackend
+    from teacher_server.attention.cudnn_check import frontend_check, self_check
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
+
+    paths = self_check(CudnnBackend, device, dtype)
+    split = None if paths is None else CudnnBackend(new_plans_per_step=None if deterministic else 1,
+                                                    native_gqa=paths.native_gqa, group_prefixes=paths.group_prefixes)
+    backend = CudnnFrontendBackend(split=split)
+    if not frontend_check(backend, device, dtype):
+        raise RuntimeError("cuDNN frontend attention failed its self-check")
+    return backend
+
+
+_AUTO_ORDER = ("cudnn_fe", "cudnn", "flash_attn", "varlen")
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
                  deterministic: bool = False) -> AttentionBackend:
-    """Build the named backend; ``auto`` picks cudnn > flash_attn > varlen on CUDA for
+    """Build the named backend; ``auto`` picks cudnn_fe > cudnn > flash_attn > varlen on CUDA for
     bf16/fp16, sdpa on CPU and for float32 (the fused kernels take half precision only)."""
     if name == "auto":
         if device.type != "cuda" or dtype == torch.float32:
