@@ -315,3 +315,24 @@ def test_registry_picks_sdpa_off_cuda_and_names_the_choices() -> None:
             make_backend(name, cpu)
     with pytest.raises(ValueError, match="choose auto, sdpa, varlen, flash_attn, cudnn"):
         make_backend("nope", cpu)
+
+
+def test_cudnn_fe_ragged_columns() -> None:
+    """The frontend backend's per-call columns: fresh sequences' keys at their queries' rows,
+    prefixed ones' at the packed keys' own rows; padding sequences empty at the end; each
+    column 16-byte aligned; offsets in elements of each tensor's row stride."""
+    from teacher_server.attention.cudnn_fe import batch_class, ragged_columns, size_class
+
+    assert [batch_class(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert [size_class(n, 4) for n in (1, 256, 257, 1024, 1025, 1280, 1281, 5000)] == [
+        256, 256, 512, 1024, 1280, 1280, 1536, 5120]
+    # fresh: three sequences from row 100 of a step (q rows of 4096 elements, k/v rows of 1024)
+    lens, offs = ragged_columns([5, 3, 2], [5, 3, 2], 100, False, 4, (4096, 1024, 1024, 4096))
+    assert lens == [[5, 3, 2, 0, 0, 0, 0, 0], [5, 3, 2, 0, 0, 0, 0, 0]]
+    assert offs[0] == [r * 4096 for r in (100, 105, 108, 110, 110, 110, 110, 110)]
+    assert offs[1] == offs[2] == [r * 1024 for r in (100, 105, 108, 110, 110, 110, 110, 110)]
+    assert offs[3] == offs[0]
+    # prefixed: two sequences, 4 and 6 queries after 10 and 20 keys of prefix
+    lens, offs = ragged_columns([4, 6], [14, 26], 0, True, 2, (512, 256, 128, 512))
+    assert lens == [[4, 6, 0, 0], [14, 26, 0, 0]]
+    assert offs == [[0, 2048, 5120, 5120], [0, 3584, 10240, 10240], [0, 1792, 5120, 5120], [0, 2048, 5120, 5120]]

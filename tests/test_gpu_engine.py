@@ -175,17 +175,23 @@ def test_qkv_rope_kernel_matches_torch(d: int, norm: bool, hq: int, hkv: int) ->
     assert not kc[~written].any() and not vc[~written].any()  # nothing else in the pool touched
 
 
-def test_cudnn_fe_lone_prefixed_sequence_takes_the_split() -> None:
-    """The cudnn_fe backend: one prefixed sequence (a long sequence's later chunk) goes to the
-    cudnn backend's split, the fresh ones to one frontend call; several prefixed sequences
-    take a frontend call of their own; each plan matches the reference."""
+def test_cudnn_fe_lone_prefixed_sequence_takes_the_split_where_built() -> None:
+    """The cudnn_fe backend: one prefixed sequence whose split shape is a one-off (not worth a
+    build) takes a frontend call, as the fresh ones do; once its split plans are worth building
+    (a build that costs nothing) it takes the cudnn backend's split; several prefixed sequences
+    take a frontend call of their own. Each plan matches the reference."""
     from teacher_server.attention.cudnn_fe import FeCall
 
     attn = _backend("cudnn_fe")
-    assert attn.split is not None
-    for lens, calls in (([(600, 2000), (300, 300), (512, 512), (40, 40)], 1),
-                        ([(600, 2000), (300, 900), (300, 300), (40, 40)], 2)):
+    assert attn.split is not None and attn.enabled
+    attn.warm_up(2048, 8, 2, 128, torch.device("cuda"), torch.bfloat16)  # the split's rent needs the sizes
+    lone = [(600, 2000), (300, 300), (512, 512), (40, 40)]
+    for lens, build_s, calls in ((lone, 1.0, 2), (lone, 0.0, 1), ([(600, 2000), (300, 900), (300, 300)], 0.0, 2)):
+        attn.split.build_s = build_s
         tensors, ctx, _ = make_step(lens, 8, 2, 128, "cuda", torch.bfloat16)
         got = attn(tensors, ctx, 128 ** -0.5, None).float().cpu()
-        assert sum(isinstance(it, FeCall) for it in ctx.attn_plan.items) == calls, ctx.attn_plan.items
+        kinds = [type(it).__name__ for it in ctx.attn_plan.items]
+        assert sum(isinstance(it, FeCall) for it in ctx.attn_plan.items) == calls, kinds
+        assert "Varlen" not in kinds, kinds
         assert (got - reference(tensors, ctx, 128 ** -0.5, None)).abs().max().item() < 2e-2
+    assert attn.enabled

@@ -30,7 +30,7 @@ import torch
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket
 from teacher_server.attention.cudnn import CudnnBackend, PathFailed
-from teacher_server.attention.packed import Plan, cums
+from teacher_server.attention.packed import Plan, Varlen, cums
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.step_context import StepContext
 
@@ -56,6 +56,22 @@ def batch_class(b: int) -> int:
     return 1 << max(b - 1, 0).bit_length()
 
 
+def ragged_columns(q_lens: list[int], k_lens: list[int], t0: int, prefixed: bool, bp: int,
+                   strides: tuple[int, int, int, int]) -> tuple[list[list[int]], list[list[int]]]:
+    """The per-sequence columns of one call over sequences whose queries start at row t0 of
+    q (and of the output): (lengths [queries, keys], element offsets [q, k, v, output]),
+    each column W = bp + 1 rounded up to 4 long (16-byte aligned), sequences past the real
+    ones empty (length 0, offsets at the end). Keys start at row 0 of the packed keys
+    (prefixed) or at the queries' rows of the step's keys (fresh). ``strides``: the rows'
+    element strides of q, k, v and the output."""
+    w = -(-(bp + 1) // 4) * 4
+    qo = [t0 + c for c in cums(q_lens)]
+    ko = cums(k_lens) if prefixed else qo
+    lens = [(ls + [0] * w)[:w] for ls in (q_lens, k_lens)]
+    qo, ko = ((o + [o[-1]] * w)[:w] for o in (qo, ko))
+    return lens, [[o * st for o in row] for row, st in zip((qo, ko, ko, qo), strides)]
+
+
 @dataclass
 class FeCall:
     """One cuDNN call over sequences [i, j) of one part (queries q[t0:t1])."""
@@ -70,9 +86,11 @@ class FeCall:
 
 class CudnnFrontendBackend(TorchVarlenBackend):
     """Settings: ``per_octave``, the length classes of graphs per power of two; ``split``, a
-    ``cudnn`` backend that takes a step's prefixed part when it is one sequence (a long
-    sequence's later chunk: there its non-causal call over the prefix and causal square ran
-    1.3% faster on W3 than the frontend's masked call), or None."""
+    ``cudnn`` backend that takes a step's prefixed part when it is one sequence whose split
+    plans exist or are worth building (a recurring shape, such as W3's second chunks: there
+    the non-causal call over the prefix and the causal square ran 1.3% faster than the
+    frontend's masked call; a one-off shape, such as most W1 continuations, takes the
+    frontend's call rather than varlen), or None."""
 
     name = "cudnn_fe"
 
@@ -97,27 +115,24 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         for lo, hi, prefixed in ((0, npf, True), (npf, b, False)):
             if lo == hi:
                 continue
-            if prefixed and hi - lo == 1 and self.split is not None:  # one prefixed sequence: the split
-                plan.items += self.split.plan_prefixed(ctx)
-                continue
+            if prefixed and hi - lo == 1 and self.split is not None:  # one prefixed sequence: the split, where
+                items = self.split.plan_prefixed(ctx)  # its plans exist or are worth building (not varlen)
+                if not any(isinstance(it, Varlen) for it in items):
+                    plan.items += items
+                    continue
             q_lens = ctx.q_lens[lo:hi]
             k_lens = ctx.k_lens[lo:hi] if prefixed else q_lens
             kt = x.kp if prefixed else x.k
             vt = x.vp if prefixed else x.v
             bp = batch_class(hi - lo)
             t0 = cq[lo]
-            qo = [t0 + c for c in cums(q_lens)]
-            ko = cums(k_lens) if prefixed else qo
-            w = -(-(bp + 1) // 4) * 4  # each column 16-byte aligned
-            lens = [(ls + [0] * w)[:w] for ls in (q_lens, k_lens)]
-            offs = [(offs + [offs[-1]] * w)[:w] for offs in (qo, ko)]
-            offs = [[o * s for o in row] for row, s in
-                    ((offs[0], x.q.stride(0)), (offs[1], kt.stride(0)), (offs[1], vt.stride(0)), (offs[0], hq * dv))]
+            lens, offs = ragged_columns(q_lens, k_lens, t0, prefixed, bp,
+                                        (x.q.stride(0), kt.stride(0), vt.stride(0), hq * dv))
             pin = x.q.is_cuda
             lens_d = torch.tensor(lens, dtype=torch.int32, pin_memory=pin).to(x.q.device, non_blocking=True)
             offs_d = torch.tensor(offs, dtype=torch.int64, pin_memory=pin).to(x.q.device, non_blocking=True)
             key = (prefixed, bp, size_class(max(q_lens), self.per_octave), size_class(max(k_lens), self.per_octave))
-            plan.items.append(FeCall(prefixed, t0, qo[-1], key, lens_d, offs_d))
+            plan.items.append(FeCall(prefixed, t0, t0 + sum(q_lens), key, lens_d, offs_d))
         return plan
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
