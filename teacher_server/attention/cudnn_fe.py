@@ -12,10 +12,13 @@ longest queries, longest keys) class: the counts rounded up to a power of two, t
 to ``per_octave`` steps per power of two; shorter sequences in a class only leave some
 of its thread blocks with nothing to do. Sliding-window models take torch varlen.
 
-Measured on the H200 (``bench/bench_attention.py``, one Qwen3-8B layer, bf16): a W1 step
-1.06 ms against 1.27 ms for the ``cudnn`` backend, a W1 step that continues a split
-sequence 1.35 against 1.54, W2 with the prefix cache on 1.52 against 1.72, sixteen GRPO
-responses after a shared prompt 1.85 against 3.92.
+Measured on the H200 (``bench/bench_attention.py``, one Qwen3-8B layer, bf16, in short
+bursts; ``bench/results/attention_cudnn_fe_a43e6c8.json``) against the ``cudnn`` backend:
+sixteen GRPO responses after a shared prompt 1.87 against 2.65 ms, W2 with the prefix cache on
+1.50 against 1.81, a W1 step continuing a split sequence 1.34 against 1.42, a W1 step of whole
+sequences 1.12 against 1.12; the launching thread's time per layer 0.06-0.3 ms against
+0.5-1.6. In the engine (same process, variants alternated): W1 0.0-0.7% less time, W2 with the
+cache on 0.6%, W1f and W3 the same.
 """
 
 from __future__ import annotations
