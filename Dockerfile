@@ -89,6 +89,12 @@ COPY . .
 # fla-core, the Triton kernels of the Qwen3.5 linear-attention layers; pure Python).
 RUN pip install --no-cache-dir --no-build-isolation "/src[cuda]"
 
+# cuDNN's Python frontend (the cudnn_fe attention backend) over the cuDNN that torch brings.
+# Without its dependencies: they serve its CuTe DSL kernels (for CUDA 13), which this backend
+# does not call; its SDPA graphs run on the cuDNN library alone.
+ARG CUDNN_FRONTEND_VERSION=1.32.0
+RUN pip install --no-cache-dir --no-deps "nvidia-cudnn-frontend==${CUDNN_FRONTEND_VERSION}"
+
 # Build the CUDA kernel library now, for every arch in the list (no GPU needed, nvcc is
 # here). Prebuilt rather than built at start: the runtime stage has no CUDA toolkit (a few
 # GB), may mount its root filesystem read-only, and a pod should not spend minutes on

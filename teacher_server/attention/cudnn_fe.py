@@ -10,7 +10,8 @@ GPU (the ``cudnn`` backend runs a call per sequence at its bucketed length, each
 partly idle last wave). A graph (and its cuDNN plan) is built once per (sequences,
 longest queries, longest keys) class: the counts rounded up to a power of two, the lengths
 to ``per_octave`` steps per power of two; shorter sequences in a class only leave some
-of its thread blocks with nothing to do. Sliding-window models take torch varlen.
+of its thread blocks with nothing to do. Sliding-window models take the ``cudnn`` backend's
+route (torch varlen).
 
 Measured on the H200 (``bench/bench_attention.py``, one Qwen3-8B layer, bf16, in short
 bursts; ``bench/results/attention_cudnn_fe_a43e6c8.json``) against the ``cudnn`` backend:
