@@ -336,3 +336,71 @@ def test_cudnn_fe_ragged_columns() -> None:
     lens, offs = ragged_columns([4, 6], [14, 26], 0, True, 2, (512, 256, 128, 512))
     assert lens == [[4, 6, 0, 0], [14, 26, 0, 0]]
     assert offs == [[0, 2048, 5120, 5120], [0, 3584, 10240, 10240], [0, 1792, 5120, 5120], [0, 2048, 5120, 5120]]
+
+
+@pytest.fixture
+def fe_backend(monkeypatch):
+    """The cudnn_fe backend on the CPU: its plan, columns and routing as on the GPU, each
+    frontend call replaced by float32 math that reads the call's lengths and offsets the way
+    cuDNN does (element offsets over each tensor's rows, bottom-right causal); the split is
+    the CPU cuDNN backend. The frontend module itself is not needed for any of it."""
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "cudnn", types.ModuleType("cudnn"))
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
+    from teacher_server.attention.sdpa import sdpa_one
+
+    class CpuFe(CudnnFrontendBackend):
+        @staticmethod
+        def _on_device(x):
+            return True
+
+        def _run(self, it, x, scale, out):
+            kt, vt = (x.kp, x.vp) if it.prefixed else (x.k, x.v)
+            lens, offs = it.lens.tolist(), it.offs.tolist()
+            _, bp, sq, sk = it.key
+            assert len(lens[0]) >= bp + 1 and len(lens[0]) % 4 == 0  # 16-byte columns
+            for i in range(bp):
+                lq, lk = lens[0][i], lens[1][i]
+                assert lq <= sq and lk <= sk  # within the graph's class
+                if not lq:
+                    assert i >= 1 and offs[0][i] == offs[0][i - 1] + lens[0][i - 1] * x.q.stride(0)
+                    continue
+                q0, k0, v0 = offs[0][i] // x.q.stride(0), offs[1][i] // kt.stride(0), offs[2][i] // vt.stride(0)
+                o0 = offs[3][i] // (out.shape[1] * out.shape[2])
+                assert k0 == v0 and it.t0 <= q0 and q0 + lq <= it.t1
+                out[o0:o0 + lq] = sdpa_one(x.q[q0:q0 + lq], kt[k0:k0 + lk], vt[k0:k0 + lk], scale, None)
+
+    return CpuFe
+
+
+@pytest.mark.parametrize("case", [*CASES, "lone_prefixed"])
+@pytest.mark.parametrize("rent", [False, True])
+def test_cudnn_fe_plan_matches_reference(case: str, rent: bool, fe_backend) -> None:
+    """The frontend backend's calls (fresh part, prefixed part) and a lone prefixed
+    sequence's route (the split where its plan is built or worth building, else the
+    frontend's call: never varlen) give the sdpa reference's result."""
+    from teacher_server.attention.cudnn_fe import FeCall
+
+    lens = [(700, 2100), (300, 300), (512, 512), (40, 40)] if case == "lone_prefixed" else CASES[case]
+    split = CpuCudnn(16, new_plans_per_step=1 if rent else None)
+    if rent:  # the sizes warm_up gives, and a build that costs more than any one-off saves
+        split.layers, split.flops_per_pair, split.build_s = 36, 4.0 * 4 * 32, 1e9
+    attn = fe_backend(split=split)
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    got = attn(x, ctx, 32 ** -0.5, None)
+    err = (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item()
+    assert err < 1e-5, err
+    items = ctx.attn_plan.items
+    kinds = [type(it).__name__ for it in items]
+    assert "Fresh" not in kinds and "Varlen" not in kinds, kinds  # fresh: the frontend's call; never varlen
+    npf, b = ctx.n_prefixed, len(ctx.q_lens)
+    fe_calls = [it.prefixed for it in items if isinstance(it, FeCall)]
+    assert fe_calls.count(False) == (npf < b)
+    if npf > 1 or (npf == 1 and rent):  # several prefixed, or a one-off shape: the frontend's call
+        assert fe_calls.count(True) == 1 and len(items) == len(fe_calls), kinds
+    elif npf == 1:  # plans built at once: the split where it pays (a Prefixed call), else the frontend's
+        assert (fe_calls.count(True), kinds.count("Prefixed")) in ((1, 0), (0, 1)), kinds
+    if case == "lone_prefixed" and not rent:
+        assert "Prefixed" in kinds, kinds

@@ -163,7 +163,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
 
     # --- running -----------------------------------------------------------------------
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
-        if window is not None or not x.q.is_cuda or not self.enabled:
+        if window is not None or not self._on_device(x) or not self.enabled:
             return self.split(x, ctx, scale, window) if self.split is not None else super().__call__(x, ctx, scale,
                                                                                                      window)
         plan = ctx.attn_plan
@@ -191,6 +191,11 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             self.enabled, ctx.attn_plan = False, None
             return self(x, ctx, scale, window)
         return out
+
+    @staticmethod
+    def _on_device(x: AttentionInputs) -> bool:
+        """Can this step's tensors take cuDNN's calls (on a CUDA device)?"""
+        return x.q.is_cuda
 
     def _handle(self, device: torch.device) -> object:
         import cudnn
