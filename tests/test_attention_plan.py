@@ -404,3 +404,34 @@ def test_cudnn_fe_plan_matches_reference(case: str, rent: bool, fe_backend) -> N
         assert (fe_calls.count(True), kinds.count("Prefixed")) in ((1, 0), (0, 1)), kinds
     if case == "lone_prefixed" and not rent:
         assert "Prefixed" in kinds, kinds
+
+
+def test_cudnn_fe_falls_back_when_a_shape_is_refused(fe_backend) -> None:
+    """The frontend refusing a shape (a head size it does not take, say) turns it off for
+    good and the step runs on the cudnn backend; the split refusing a shape hands the lone
+    prefixed sequence to the frontend. Either way the result is the reference's."""
+    from teacher_server.attention.cudnn import PathFailed
+
+    lens = [(700, 2100), (300, 300), (512, 512), (40, 40)]
+
+    class Refusing(fe_backend):
+        def _run(self, it, x, scale, out):
+            raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+
+    attn = Refusing(split=CpuCudnn(16))
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    got = attn(x, ctx, 32 ** -0.5, None)
+    assert not attn.enabled and ctx.attn_plan.owner is attn.split
+    assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+
+    split = CpuCudnn(16)
+
+    def refuse(*a, **k):
+        raise PathFailed("cudnn", RuntimeError("no plan"))
+
+    split._run_special = refuse
+    attn = fe_backend(split=split)
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    got = attn(x, ctx, 32 ** -0.5, None)
+    assert attn.enabled and attn.split is None and ctx.attn_plan.owner is attn
+    assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
