@@ -435,3 +435,26 @@ def test_cudnn_fe_falls_back_when_a_shape_is_refused(fe_backend) -> None:
     got = attn(x, ctx, 32 ** -0.5, None)
     assert attn.enabled and attn.split is None and ctx.attn_plan.owner is attn
     assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 128), (8, 8, 64), (4, 1, 256)])
+def test_cudnn_fe_check_at_the_models_heads(heads, fe_backend) -> None:
+    """The frontend backend's check (at start-up, and at the model's own heads in warm_up)
+    passes where its calls are right and fails where the frontend refuses the shape or
+    computes something else."""
+    from teacher_server.attention.cudnn_check import frontend_check
+
+    cpu = torch.device("cpu")
+    assert frontend_check(fe_backend(split=CpuCudnn(16)), cpu, torch.float32, heads)
+
+    class Refusing(fe_backend):
+        def _run(self, it, x, scale, out):
+            raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+
+    class Wrong(fe_backend):
+        def _run(self, it, x, scale, out):
+            super()._run(it, x, scale, out)
+            out[it.t0:it.t1] *= 1.01
+
+    for bad in (Refusing, Wrong):
+        assert not frontend_check(bad(split=CpuCudnn(16)), cpu, torch.float32, heads)

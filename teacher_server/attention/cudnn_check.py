@@ -31,16 +31,17 @@ class CudnnPaths:
 _VARIANTS = (CudnnPaths(True, True), CudnnPaths(True, False), CudnnPaths(False, True), CudnnPaths(False, False))
 
 
-def _check_step(device: torch.device,
-                dtype: torch.dtype) -> tuple[AttentionInputs, Callable[[torch.device], StepContext]]:
+def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (4, 2, 128),
+                ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext]]:
     """Prefixed sequences with and without a prefix split, two sharing a prefix, fresh ones
-    at and off a bucket length, short ones; every shape fit for cuDNN."""
+    at and off a bucket length, short ones; every shape fit for cuDNN. heads: (query heads,
+    kv heads, head dim)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     # (q, k): prefixed first; the last two prefixed share their first 800 keys (a group)
     lens = [(320, 900), (260, 300), (300, 1100), (280, 1100), (512, 512), (300, 300), (40, 40)]
     q_lens, k_lens, npf = [a for a, _ in lens], [b for _, b in lens], 4
     shared = [0, 0, 0, 800]
-    hq, hk, d = 4, 2, 128
+    hq, hk, d = heads
     t = sum(q_lens)
     q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (hq, hk, hk))
     kp, vp = (torch.randn(sum(k_lens[:npf]), hk, d, generator=g).to(device, dtype) for _ in range(2))
@@ -97,13 +98,14 @@ def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: t
     return None
 
 
-def frontend_check(backend: object, device: torch.device, dtype: torch.dtype) -> bool:
+def frontend_check(backend: object, device: torch.device, dtype: torch.dtype,
+                   heads: tuple[int, int, int] = (4, 2, 128)) -> bool:
     """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
-    prefix, fresh ones, a short one) against the float32 sdpa reference: True when it agrees
-    and took its own calls for both parts."""
+    prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim) against the
+    float32 sdpa reference: True when it agrees and took its own calls for both parts."""
     from teacher_server.attention.cudnn_fe import FeCall
 
-    x, ctx_on = _check_step(device, dtype)
+    x, ctx_on = _check_step(device, dtype, heads)
     d = x.q.shape[-1]
     cpu = torch.device("cpu")
     ref_in = AttentionInputs(*(t.float().to(cpu) for t in (x.q, x.k, x.v, x.kp, x.vp)))

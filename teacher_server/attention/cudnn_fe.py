@@ -141,12 +141,24 @@ class CudnnFrontendBackend(TorchVarlenBackend):
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
                 layers: int = 1) -> float:
-        """Build the graphs of fresh sequences (contiguous q, k, v; scale d^-0.5) for up to
-        eight sequences a call and every length class up to ``WARM_MAX`` (a step's tokens);
-        other classes build on first use (the first W1 steps take a few). Returns seconds."""
+        """Check the backend at the model's heads, then build the graphs of fresh sequences
+        (contiguous q, k, v; scale d^-0.5) for up to eight sequences a call and every length
+        class up to ``WARM_MAX`` (a step's tokens); other classes build on first use (the
+        first W1 steps take a few). Returns seconds."""
         if device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
+        from teacher_server.attention.cudnn_check import frontend_check
+
+        # the model's own heads (the start-up check ran 4 x 2 heads of 128): off for good where not right
+        if self.enabled and not frontend_check(self, device, dtype, (hq, hkv, d)):
+            log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
+                        "cudnn" if self.split is not None else "varlen")
+            self.enabled = False
+        if not self.enabled:
+            if self.split is not None:
+                self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
+            return time.perf_counter() - t0
         sizes = sorted({size_class(n, self.per_octave) for n in range(64, min(max_len, WARM_MAX) + 64, 64)})
         handle = self._handle(device)
         qs, ks = (hq * d, d, 1), (hkv * d, d, 1)
