@@ -3,7 +3,8 @@
 # in $STEPS (default: tests). Logs go to $OUT (or ./out). Example:
 #   STEPS="tests kernel engine8b" bash bench/gpu_session.sh
 #   STEPS="qwen35tests qwen35" bash bench/gpu_session.sh   (Qwen3.5: fla-core and einops wheels in .whl/)
-# Wheels: the server's (fastapi, uvicorn, pydantic, orjson, ...) plus pybase64, and fla-core and einops for Qwen3.5.
+# Wheels: the server's (fastapi, uvicorn, pydantic, orjson, ...) plus pybase64 and nvidia-cudnn-frontend, and fla-core
+# and einops for Qwen3.5.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
@@ -15,6 +16,9 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR
 # pybase64 is a server requirement the GPU image lacks: without it the HTTP runs decode and encode
 # every .npy payload with the standard library (fetch it with EXTRA_WHEELS="pybase64 ...")
 python3 -c "import pybase64" 2>/dev/null || echo "WARNING: no pybase64 in .whl/: HTTP runs use the slower standard-library base64"
+# cuDNN's Python frontend: the default attention backend (cudnn_fe); without it the engine runs
+# the cudnn backend (fetch it with EXTRA_WHEELS="nvidia-cudnn-frontend ...")
+python3 -c "import torch, cudnn" 2>/dev/null || echo "WARNING: no nvidia-cudnn-frontend in .whl/: attention runs the cudnn backend"
 # GPU test runs: a line per test as it ends (a run cut short by the call's limit still says which
 # passed), the tests' printed errors, the slowest tests, no captured library debug logs
 PT="-v -rPfE --durations=15 -p no:logging -p no:cacheprovider"
