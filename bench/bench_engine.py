@@ -260,9 +260,34 @@ def http_body(r: Req) -> bytes:
         "max_tokens": 1, "prompt_logprob_start": r.start, "prompt_logprob_token_ids": npy_b64(r.cand)}})
 
 
-async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, list[float], float]:
+async def raw_post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
+    """POST body on a fresh HTTP/1.1 connection with asyncio streams alone (no client library:
+    what the server costs, apart from a client's own overhead). Returns (status, response body)."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        writer.write(head)
+        writer.write(body)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        length = None
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-length":
+                length = int(value)
+        data = await (reader.readexactly(length) if length is not None else reader.read())
+        return status, data
+    finally:
+        writer.close()
+
+
+async def http_run(url: str, reqs: list[Req], concurrency: int,
+                   client: str = "httpx") -> tuple[float, list[float], float]:
     """(seconds from the first request sent to the last answer read, latencies, ``time.monotonic()``
-    at the first send)."""
+    at the first send). client: ``httpx`` (one AsyncClient, its connection pool) or ``raw``
+    (``raw_post``: a fresh connection per request, no client library)."""
     import httpx
 
     bodies = [http_body(r) for r in reqs]
@@ -270,13 +295,18 @@ async def http_run(url: str, reqs: list[Req], concurrency: int) -> tuple[float, 
     lat = [0.0] * len(reqs)
 
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=concurrency)) as c:
+        async def post(i: int) -> tuple[int, bytes]:
+            if client == "raw":
+                return await raw_post(url, "/inference/v1/generate", bodies[i])
+            r = await c.post("/inference/v1/generate", content=bodies[i], headers={"content-type": "application/json"})
+            return r.status_code, r.content
+
         async def one(i: int) -> None:
             async with sem:
                 s = time.perf_counter()
-                r = await c.post("/inference/v1/generate", content=bodies[i],
-                                 headers={"content-type": "application/json"})
-                assert r.status_code == 200, r.text[:300]
-                m = np.load(io.BytesIO(base64.b64decode(r.json()["prompt_token_id_logprobs"])))
+                status, data = await post(i)
+                assert status == 200, data[:300]
+                m = np.load(io.BytesIO(base64.b64decode(json.loads(data)["prompt_token_id_logprobs"])))
                 assert m.shape == reqs[i].cand.shape
                 lat[i] = time.perf_counter() - s
 
@@ -364,7 +394,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
-        asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency))  # warm-up
+        asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency, args.http_client))  # warm-up
         runs = []
         from teacher_server.replicas.worker import STATS_INTERVAL_S
 
@@ -374,9 +404,10 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         for _ in range(args.repeats):
             time.sleep(settle)
             before = server_stages(url)
-            dt, lat, start = asyncio.run(http_run(url, reqs, args.concurrency))
+            dt, lat, start = asyncio.run(http_run(url, reqs, args.concurrency, args.http_client))
             runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
             runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
+            runs[-1]["http_client"] = args.http_client
             time.sleep(settle)
             after = server_stages(url)
             runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
@@ -481,6 +512,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--http-client", choices=("httpx", "raw"), default="httpx",
+                    help="the HTTP runs' client: httpx, or raw asyncio streams (a fresh connection per request)")
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
