@@ -197,10 +197,11 @@ class CudnnBackend(TorchVarlenBackend):
         part itself): this step's build allowance, then ``_route_prefixed``."""
         self._may_build, self._building = self.new_plans_per_step, set()
         items: list = []
+        cq, ck = cums(ctx.q_lens), cums(ctx.k_lens)
         if self.enabled:
-            self._route_prefixed(ctx, 0, ctx.n_prefixed, items, cums(ctx.q_lens), cums(ctx.k_lens))
+            self._route_prefixed(ctx, 0, ctx.n_prefixed, items, cq, ck)
         else:
-            items.append(self._varlen_item(ctx, 0, ctx.n_prefixed, True, cums(ctx.q_lens), cums(ctx.k_lens)))
+            items.append(self._varlen_item(ctx, 0, ctx.n_prefixed, True, cq, ck))
         return items
 
     def run_item(self, it: object, x: AttentionInputs, scale: float, out: torch.Tensor) -> None:

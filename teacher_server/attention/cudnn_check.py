@@ -67,15 +67,21 @@ def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int,
     return AttentionInputs(q, k, v, kp, vp), ctx_on
 
 
+def _check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (4, 2, 128),
+                          ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext], torch.Tensor]:
+    """The check step (``_check_step``) and its float32 sdpa reference output on the CPU."""
+    x, ctx_on = _check_step(device, dtype, heads)
+    cpu = torch.device("cpu")
+    ref_in = AttentionInputs(*(t.float().to(cpu) for t in (x.q, x.k, x.v, x.kp, x.vp)))
+    return x, ctx_on, SdpaBackend()(ref_in, ctx_on(cpu), x.q.shape[-1] ** -0.5, None)
+
+
 def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: torch.dtype) -> CudnnPaths | None:
     """Run the check step through backends made by ``make(native_gqa=, group_prefixes=,
     new_plans_per_step=None)`` and through the float32 sdpa reference; return the first
     settings whose backend agrees and took every cuDNN path, or None (cuDNN unusable)."""
-    x, ctx_on = _check_step(device, dtype)
+    x, ctx_on, ref = _check_with_reference(device, dtype)
     d = x.q.shape[-1]
-    cpu = torch.device("cpu")
-    ref_in = AttentionInputs(*(t.float().to(cpu) for t in (x.q, x.k, x.v, x.kp, x.vp)))
-    ref = SdpaBackend()(ref_in, ctx_on(cpu), d ** -0.5, None)
     for paths in _VARIANTS:
         backend = make(native_gqa=paths.native_gqa, group_prefixes=paths.group_prefixes, new_plans_per_step=None)
         try:
@@ -105,11 +111,8 @@ def frontend_check(backend: object, device: torch.device, dtype: torch.dtype,
     float32 sdpa reference: True when it agrees and took its own calls for both parts."""
     from teacher_server.attention.cudnn_fe import FeCall
 
-    x, ctx_on = _check_step(device, dtype, heads)
+    x, ctx_on, ref = _check_with_reference(device, dtype, heads)
     d = x.q.shape[-1]
-    cpu = torch.device("cpu")
-    ref_in = AttentionInputs(*(t.float().to(cpu) for t in (x.q, x.k, x.v, x.kp, x.vp)))
-    ref = SdpaBackend()(ref_in, ctx_on(cpu), d ** -0.5, None)
     try:
         c = ctx_on(device)
         got = backend(x, c, d ** -0.5, None).float().cpu()

@@ -53,34 +53,38 @@ def _flash_attn(device: torch.device, dtype: torch.dtype, deterministic: bool) -
     return FlashAttnBackend()
 
 
-@register("cudnn")
-def _cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
-    _needs_cuda("cudnn", device)
-    if not torch.backends.cudnn.is_available():
-        raise RuntimeError("cuDNN is not available")
+def _checked_cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend | None:
+    """The cudnn backend with the settings that passed its self-check, or None (cuDNN unusable)."""
     from teacher_server.attention.cudnn import CudnnBackend
     from teacher_server.attention.cudnn_check import self_check
 
     paths = self_check(CudnnBackend, device, dtype)
     if paths is None:
-        raise RuntimeError("cuDNN attention failed its self-check")
+        return None
     # Deterministic mode: every shape builds its plan on first use, so a sequence's path
     # does not depend on what ran before.
     return CudnnBackend(new_plans_per_step=None if deterministic else 1, native_gqa=paths.native_gqa,
                         group_prefixes=paths.group_prefixes)
 
 
+@register("cudnn")
+def _cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
+    _needs_cuda("cudnn", device)
+    if not torch.backends.cudnn.is_available():
+        raise RuntimeError("cuDNN is not available")
+    backend = _checked_cudnn(device, dtype, deterministic)
+    if backend is None:
+        raise RuntimeError("cuDNN attention failed its self-check")
+    return backend
+
+
 @register("cudnn_fe")
 def _cudnn_fe(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
     _needs_cuda("cudnn_fe", device)
-    from teacher_server.attention.cudnn import CudnnBackend
-    from teacher_server.attention.cudnn_check import frontend_check, self_check
+    from teacher_server.attention.cudnn_check import frontend_check
     from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
 
-    paths = self_check(CudnnBackend, device, dtype)
-    split = None if paths is None else CudnnBackend(new_plans_per_step=None if deterministic else 1,
-                                                    native_gqa=paths.native_gqa, group_prefixes=paths.group_prefixes)
-    backend = CudnnFrontendBackend(split=split)
+    backend = CudnnFrontendBackend(split=_checked_cudnn(device, dtype, deterministic))
     if not frontend_check(backend, device, dtype):
         raise RuntimeError("cuDNN frontend attention failed its self-check")
     return backend
