@@ -357,6 +357,14 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _clients(text: str) -> list[str]:
+    """--http-client's comma-separated list of httpx, raw."""
+    clients = text.split(",")
+    if not clients or set(clients) - {"httpx", "raw"} or len(set(clients)) != len(clients):
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of httpx, raw")
+    return clients
+
+
 def _variants(text: str) -> list[tuple[str, list[str]]]:
     """--http-variants: 'name=ARGS;name=ARGS' -> [(name, args)]."""
     out = []
@@ -394,26 +402,36 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc)
-        asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency, args.http_client))  # warm-up
+        clients = args.http_client
+        for client in clients:  # warm-up, each client once
+            asyncio.run(http_run(url, reqs[: max(2, len(reqs) // 8)], args.concurrency, client))
         runs = []
         from teacher_server.replicas.worker import STATS_INTERVAL_S
 
         # the engine's snapshots reach the front every STATS_INTERVAL_S: wait for the last one
         # of the run before (the warm-up's too), and of this one
         settle = 3 * STATS_INTERVAL_S if engine_process else 0.0
+        # with several clients, the repeats alternate them against the same server
         for _ in range(args.repeats):
-            time.sleep(settle)
-            before = server_stages(url)
-            dt, lat, start = asyncio.run(http_run(url, reqs, args.concurrency, args.http_client))
-            runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
-            runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
-            runs[-1]["http_client"] = args.http_client
-            time.sleep(settle)
-            after = server_stages(url)
-            runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
-        best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-        best["runs_seconds"] = [r["seconds"] for r in runs]
-        best["runs_clock"] = [r["clock"] for r in runs]
+            for client in clients:
+                time.sleep(settle)
+                before = server_stages(url)
+                dt, lat, start = asyncio.run(http_run(url, reqs, args.concurrency, client))
+                runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
+                runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
+                runs[-1]["http_client"] = client
+                time.sleep(settle)
+                after = server_stages(url)
+                runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
+        # the headline: the first client's median run; every client's runs beside it
+        first = [r for r in runs if r["http_client"] == clients[0]]
+        best = dict(sorted(first, key=lambda r: r["seconds"])[len(first) // 2])
+        best["runs_seconds"] = [r["seconds"] for r in first]
+        best["runs_clock"] = [r["clock"] for r in first]
+        if len(clients) > 1:
+            best["by_client"] = {c: {"runs_seconds": [r["seconds"] for r in runs if r["http_client"] == c],
+                                     "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c]}
+                                 for c in clients}
         best["concurrency"] = args.concurrency
         best["prefix_caching"] = False
         best["engine_process"] = engine_process
@@ -512,8 +530,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
     ap.add_argument("--concurrency", type=int, default=128)
-    ap.add_argument("--http-client", choices=("httpx", "raw"), default="httpx",
-                    help="the HTTP runs' client: httpx, or raw asyncio streams (a fresh connection per request)")
+    ap.add_argument("--http-client", default=["httpx"], type=_clients,
+                    help="the HTTP runs' clients, comma-separated: httpx, raw (asyncio streams, a fresh "
+                         "connection per request); several alternate in each repeat, the first gives the headline")
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
