@@ -26,15 +26,20 @@ def _backend(name: str):
 
 @pytest.mark.parametrize("backend", ["varlen", "flash_attn", "cudnn", "cudnn_fe"])
 @pytest.mark.parametrize("window", [None, 64])
-@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("heads", [(8, 2, 128), (4, 4, 128), (16, 4, 256)])
 def test_backend_matches_reference(backend: str, window, heads) -> None:
     """Prefixed (queries shorter than keys) and fresh sequences, equal and unequal lengths,
-    GQA and MHA: every backend equals the float32 sdpa reference within bf16 rounding."""
+    GQA and MHA, heads of 128 and of 256 (Qwen3.5's full-attention layers): every backend
+    equals the float32 sdpa reference within bf16 rounding. The frontend backend serves the
+    call itself (no fallback to the ``cudnn`` one)."""
     attn = _backend(backend)
-    tensors, ctx, _ = make_step(MIXED, *heads, 128, "cuda", torch.bfloat16)
-    got = attn(tensors, ctx, 128 ** -0.5, window).float().cpu()
-    err = (got - reference(tensors, ctx, 128 ** -0.5, window)).abs().max().item()
+    d = heads[2]
+    tensors, ctx, _ = make_step(MIXED, *heads, "cuda", torch.bfloat16)
+    got = attn(tensors, ctx, d ** -0.5, window).float().cpu()
+    err = (got - reference(tensors, ctx, d ** -0.5, window)).abs().max().item()
     assert err < 2e-2, err
+    if backend == "cudnn_fe" and window is None:
+        assert attn.enabled and ctx.attn_plan.owner is attn
 
 
 def test_cudnn_paths_are_taken() -> None:
