@@ -3,6 +3,7 @@ gets the same answers as httpx from a live server, and both time a run."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import io
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_engine
@@ -47,3 +49,12 @@ def test_raw_client_matches_httpx(demo_server) -> None:
     for client in ("raw", "httpx"):
         dt, lat, _ = asyncio.run(bench_engine.http_run(demo_server.url, reqs, 2, client))
         assert dt > 0 and all(x > 0 for x in lat)
+
+
+def test_http_client_list() -> None:
+    """--http-client: one client or several (alternated in each repeat), each named once."""
+    assert bench_engine._clients("raw") == ["raw"]
+    assert bench_engine._clients("raw,httpx") == ["raw", "httpx"]
+    for bad in ("", "curl", "raw,raw", "raw,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench_engine._clients(bad)
