@@ -9,7 +9,12 @@ set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  # one wheel per distribution, the newest: two versions of one (a second download) make pip
+  # refuse the whole install
+  wheels=$(ls .whl/*.whl | sort -V | awk -F/ '{n = $NF; sub(/-.*/, "", n); last[n] = $0} END {for (k in last) print last[k]}')
+  [ "$(echo "$wheels" | wc -l)" -lt "$(ls .whl/*.whl | wc -l)" ] && echo "WARNING: .whl/ holds several versions of a wheel; installing the newest of each"
+  # shellcheck disable=SC2086
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
@@ -27,6 +32,9 @@ for step in ${STEPS:-tests}; do
   echo "=== $step ($(date +%T))"
   case $step in
     tests)   python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    # the GPU tests that compile no fla-core float32 kernels (those autotune for minutes on a fresh machine)
+    quicktests) python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gpu_engine.py tests/test_moe.py \
+      tests/test_qwen3_5_gpu.py -k "not qwen3_5_parity_gpu_float32" 2>&1 | tee "$OUT/gpu_quick_tests.log" | tail -25 ;;
     pytest)  python3 -m pytest $PT -m gpu ${PYTEST_ARGS:-tests} 2>&1 | tee "$OUT/gpu_pytest.log" | tail -25 ;;
     alltests) python3 -m pytest -q -x tests -p no:cacheprovider --ignore=tests/test_deploy.py 2>&1 | tee "$OUT/all_tests.log" | tail -25 ;;
     attention) python3 bench/bench_attention.py --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log" | tail -20 ;;
