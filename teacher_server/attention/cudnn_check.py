@@ -29,9 +29,10 @@ class CudnnPaths:
 # Native GQA before expanded kv heads; prefix groups on, then off (a group path that fails
 # costs the groups only, not cuDNN).
 _VARIANTS = (CudnnPaths(True, True), CudnnPaths(True, False), CudnnPaths(False, True), CudnnPaths(False, False))
+CHECK_HEADS = (4, 2, 128)  # the start-up checks' query heads, kv heads and head dim
 
 
-def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (4, 2, 128),
+def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = CHECK_HEADS,
                 ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext]]:
     """Prefixed sequences with and without a prefix split, two sharing a prefix, fresh ones
     at and off a bucket length, short ones; every shape fit for cuDNN. heads: (query heads,
@@ -67,7 +68,7 @@ def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int,
     return AttentionInputs(q, k, v, kp, vp), ctx_on
 
 
-def _check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = (4, 2, 128),
+def _check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = CHECK_HEADS,
                           ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext], torch.Tensor]:
     """The check step (``_check_step``) and its float32 sdpa reference output on the CPU."""
     x, ctx_on = _check_step(device, dtype, heads)
@@ -105,7 +106,7 @@ def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: t
 
 
 def frontend_check(backend: object, device: torch.device, dtype: torch.dtype,
-                   heads: tuple[int, int, int] = (4, 2, 128)) -> bool:
+                   heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
     """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
     prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim) against the
     float32 sdpa reference: True when it agrees and took its own calls for both parts."""

@@ -150,7 +150,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         t0 = time.perf_counter()
         from teacher_server.attention.cudnn_check import frontend_check
 
-        # the model's own heads (the start-up check ran 4 x 2 heads of 128): off for good where not right
+        # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right
         if self.enabled and not frontend_check(self, device, dtype, (hq, hkv, d)):
             log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
                         "cudnn" if self.split is not None else "varlen")
