@@ -193,6 +193,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_prefix_groups": lambda: setattr(attn, "group_prefixes", False),
         "no_pipeline": lambda: tune(pipeline=False),
         "budget_x2": lambda: tune(token_budget=2 * saved.token_budget),
+        "budget_half": lambda: tune(token_budget=saved.token_budget // 2),
         # every sequence split to fill the step (no whole-sequence packing)
         "split_to_fill": lambda: tune(whole_fill=1.0),
         # the norms, QKV and linear-layer stages uncompiled (each a chain of torch passes)
@@ -384,7 +385,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
-           "--host", "127.0.0.1", "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
+           "--host", "127.0.0.1", *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
+           "--log-level", "warning",
            # The in-process runs reset the prefix cache between runs; the server cannot, and
            # repeats of the same requests would hit it. Off, both sides do the same work.
            "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
@@ -528,7 +530,8 @@ def main() -> None:
                          "for each --http-engine mode")
     ap.add_argument("--prefix-cache-compare", default="", help="workloads to run with the prefix cache off and on")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="max_num_batched_tokens (default: the engine's own, from the GPU's memory)")
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--http-client", default=["httpx"], type=_clients,
                     help="the HTTP runs' clients, comma-separated: httpx, raw (asyncio streams, a fresh "
@@ -588,6 +591,7 @@ def main() -> None:
     results["engine_load_s"] = time.perf_counter() - t
     results["engine_warm_up_s"] = engine.warm_up_s  # part of the load: synthetic requests at start-up
     results["attention_backend"] = engine.tuning.attention.name
+    results["budget_tokens"] = engine.tuning.token_budget  # the engine's choice where --budget is not given
     spec, blocks = engine.spec, engine.stats().kv_blocks_total
     kv_heads = max(spec.num_kv_heads // GPUS, 1)  # per rank (replicated past the KV head count)
     kv_bytes = (blocks * ecfg.block_size * 2 * len(spec.kv_layer_ids) * kv_heads * spec.head_dim

@@ -47,7 +47,8 @@ def prefix_counters(url: str) -> tuple[float, float]:
 def start_server(ckpt: Path, dp: int, routing: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     port = 18500 + os.getpid() % 1000
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(ckpt), "--port", str(port),
-           "--host", "127.0.0.1", "--max-num-batched-tokens", str(args.budget), "--log-level", "warning",
+           "--host", "127.0.0.1", *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
+           "--log-level", "warning",
            "--max-model-len", str(args.max_model_len), "--data-parallel-size", str(dp), "--routing", routing]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=str(Path(__file__).parents[1]))
     url = f"http://127.0.0.1:{port}"
@@ -102,7 +103,8 @@ def main() -> None:
     ap.add_argument("--runs", default="dp1,dp2,dp2-rr", help=f"settings, of {sorted(RUNS)}")
     ap.add_argument("--workloads", default="W1,G1")
     ap.add_argument("--repeats", type=int, default=3, help="runs per workload; the median is reported")
-    ap.add_argument("--budget", type=int, default=16384, help="max_num_batched_tokens")
+    ap.add_argument("--budget", type=int, default=None,
+                    help="max_num_batched_tokens (default: the server's own, from the GPU's memory)")
     ap.add_argument("--concurrency", type=int, default=128, help="requests in flight (per setting, not per GPU)")
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")

@@ -12,7 +12,7 @@ import torch
 from fake_linear import hybrid_engine
 
 from teacher_server.config import Config
-from teacher_server.engine.rank_setup import pool_sizes
+from teacher_server.engine.rank_setup import plan_memory
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.parallel import SINGLE
@@ -89,7 +89,7 @@ def test_state_routing_matters(checkpoints, monkeypatch) -> None:
     assert np.abs(out[0].token_id_logprobs - ref[0].token_id_logprobs).max() > 1e-3
 
 
-def test_pool_sizes_share_memory_between_kv_and_state(checkpoints) -> None:
+def test_plan_memory_shares_memory_between_kv_and_state(checkpoints) -> None:
     """Automatic sizing on the CPU: the KV of the default token count, and state slots for
     2 * max_num_seqs sequences cut down to a quarter of the pool (KV and state), at least 2;
     an explicit slot count is taken as given; a dense model gets no slots."""
@@ -97,12 +97,12 @@ def test_pool_sizes_share_memory_between_kv_and_state(checkpoints) -> None:
     spec = dataclasses.replace(dense, layer_types=("linear_attention", "full_attention"))
     cfg = Config(device="cpu", max_num_seqs=8, block_size=BS)
     cpu, f32 = torch.device("cpu"), torch.float32
-    kv_blocks, none = pool_sizes(cfg, dense, f32, cpu, 512, SINGLE)
-    assert none == 0
+    kv_blocks, none, budget = plan_memory(cfg, dense, f32, cpu, 512, SINGLE)
+    assert none == 0 and budget == 2048
 
     def sizes(rec: tuple[int, ...], **kw: object) -> tuple[int, int, int]:
         layout = LinearStateLayout(layers=(0,), conv_shape=(2, 8), rec_shape=rec, conv_dtype=f32)
-        return (*pool_sizes(cfg.model_copy(update=kw), spec, f32, cpu, 512, SINGLE, layout), layout.slot_bytes())
+        return (*plan_memory(cfg.model_copy(update=kw), spec, f32, cpu, 512, SINGLE, layout)[:2], layout.slot_bytes())
 
     blocks, slots, _ = sizes((2, 4, 4))
     assert (blocks, slots) == (kv_blocks, 16)  # small states: 2 * max_num_seqs

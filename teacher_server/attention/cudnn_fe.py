@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # Operand ids in a graph
 _Q, _K, _V, _O, _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O = range(1, 11)
-WARM_MAX = 16384  # the longest fresh length whose graphs warm_up builds
+WARM_MAX = 32768  # the longest fresh length whose graphs warm_up builds (the runner passes up to a step's tokens)
 _UIDS = (_Q, _K, _V, _O, _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O)
 
 
@@ -143,8 +143,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                 layers: int = 1) -> float:
         """Check the backend at the model's heads, then build the graphs of fresh sequences
         (contiguous q, k, v; scale d^-0.5) for up to eight sequences a call and every length
-        class up to ``WARM_MAX`` (a step's tokens); other classes build on first use (the
-        first W1 steps take a few). Returns seconds."""
+        class up to ``max_len`` (the runner's: a step's tokens, or less) and ``WARM_MAX``; other
+        classes build on first use (the first W1 steps take a few). Returns seconds."""
         if device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()

@@ -23,10 +23,9 @@ from teacher_server.engine.rank_setup import (
     check_split,
     load_rank,
     make_runner,
-    pool_sizes,
+    plan_memory,
     resolve_device,
     resolve_dtype,
-    token_budget,
 )
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -87,10 +86,10 @@ class Engine:
         try:
             self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
             state = self.model.linear_state_layout()  # hybrid models: per-sequence linear-attention state
-            num_blocks, state_slots = pool_sizes(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp, state)
+            plan = plan_memory(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp, state)
             if self._workers is not None:
-                num_blocks, state_slots = self._workers.agree_blocks((num_blocks, state_slots))
-            budget = token_budget(cfg, self.device)
+                plan = self._workers.agree_memory(plan)
+            num_blocks, state_slots, budget = plan
             need = -(-self.max_model_len // cfg.block_size)
             if num_blocks < need:
                 raise RuntimeError(f"KV pool of {num_blocks} blocks x {cfg.block_size} tokens cannot hold one "
@@ -101,8 +100,7 @@ class Engine:
             sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
             self._scheduler = Scheduler(sched, self._blocks,
                                         StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
-            self.runner = make_runner(cfg, self.model, self.attn, num_blocks, self.max_model_len, self.device,
-                                      state_slots)
+            self.runner = make_runner(cfg, self.model, self.attn, plan, self.max_model_len, self.device)
         except BaseException:
             self.close()  # the tensor-parallel workers stop and the process group is left
             raise

@@ -44,9 +44,11 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
 class ModelRunner:
     def __init__(self, model: nn.Module, attn: AttentionBackend, num_blocks: int, block_size: int,
                  max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int,
-                 compile_ops: bool = True, state_slots: int = 0) -> None:
+                 compile_ops: bool = True, state_slots: int = 0, step_tokens: int | None = None) -> None:
         """``state_slots``: linear-attention state slots of a hybrid model, the zero slot
-        excluded (see ``KVPool``)."""
+        excluded (see ``KVPool``); ``step_tokens``: the token budget of a step, the longest a
+        fresh sequence's attention call can be (the attention plans built at start-up go up to
+        it; None: max_model_len)."""
         self.model = model
         self.spec = spec = model.spec
         self.device = device
@@ -63,8 +65,9 @@ class ModelRunner:
         # at the rotary width (head_dim, or its first part for partial rotary: Qwen3.5)
         rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
                                max_model_len + 1, device)
-        if cuda:  # cuDNN plans for every bucketed length
-            attn.warm_up(max_model_len, n_q, n_kv, spec.head_dim, device, dtype, layers=len(spec.kv_layer_ids))
+        if cuda:  # cuDNN plans for every bucketed length a fresh sequence's call can have
+            attn.warm_up(min(max_model_len, step_tokens or max_model_len), n_q, n_kv, spec.head_dim, device, dtype,
+                         layers=len(spec.kv_layer_ids))
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
         if cuda:

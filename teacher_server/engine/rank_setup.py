@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -63,64 +64,89 @@ def check_split(spec: ModelSpec, size: int) -> None:
                          f"linear-attention key heads")
 
 
-def token_budget(cfg: Config, device: torch.device) -> int:
-    return cfg.max_num_batched_tokens or (16384 if device.type == "cuda" else 2048)
-
-
 # Automatic sizing gives the linear-attention state slots of a hybrid model at most this
 # share of the memory for the pool (KV and state); the KV blocks take the rest.
 STATE_SHARE = 0.25
+# The token budgets automatic sizing on a GPU picks from, largest first: the largest whose step
+# activations (``activation_bytes``) take at most ACT_SHARE of the memory left after the weights
+# and which leaves a KV pool of at least max(max_model_len, 4 x budget) tokens; else the last.
+# A larger step spreads each step's fixed costs (its launches, its last wave of tiles, the
+# pipeline's hand-over) over more tokens: 32768 ran W1, W1f and W3 0.4-0.9% faster than 16384 on
+# an H200 (bench/results/README.md). The CPU's budget is 2048.
+AUTO_BUDGETS = (32768, 16384)
+ACT_SHARE = 1 / 3
 
 
-def pool_sizes(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int,
-               tp: TensorParallel, state: LinearStateLayout | None = None) -> tuple[int, int]:
-    """(KV blocks, linear-state slots) that fit this rank's free memory (its KV heads, its
-    activations). The slots (zero slot excluded; 0 without ``state``): ``linear_state_slots``,
-    or automatically a working slot and a snapshot for each sequence a step may hold
-    (2 * max_num_seqs), cut down to ``STATE_SHARE`` of the pool's memory, at least 2. The KV
-    takes the rest: only the attention layers (``spec.kv_layer_ids``) have KV."""
-    if cfg.num_kv_blocks and state is None:
-        return cfg.num_kv_blocks, 0
-    budget = token_budget(cfg, device)
+class MemoryPlan(NamedTuple):
+    """What a rank's memory holds: KV blocks, linear-state slots (zero slot excluded), and the
+    token budget of a step whose activations it leaves room for."""
+
+    blocks: int
+    slots: int
+    budget: int
+
+
+def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: int, tp: TensorParallel,
+                     state: LinearStateLayout | None = None) -> int:
+    """A generous estimate of one step's activations on a rank: per token (this rank's shares of
+    the heads and the MLP; the residual stream is whole, float32 bounds), one logits chunk of
+    this rank's vocab share, the packed keys of a long chunked sequence (its prefix gathered per
+    layer), and on hybrid models a linear layer's per-chunk (64 tokens) and per-sequence float32
+    states."""
+    kv_size = tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim
+    act = budget * ((spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size) // tp.size
+                    + 6 * spec.hidden_size) * 4
+    act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
+    act += 2 * max_model_len * kv_size * 2 * 2
+    if state is not None:
+        act += 2 * (budget // 64 + cfg.max_num_seqs) * math.prod(state.rec_shape) * 4
+    return act
+
+
+def plan_memory(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                tp: TensorParallel, state: LinearStateLayout | None = None) -> MemoryPlan:
+    """The KV blocks, linear-state slots and token budget that fit this rank's free memory (its
+    KV heads, its activations). The budget: ``max_num_batched_tokens``, or on a GPU the largest
+    of ``AUTO_BUDGETS`` the memory takes (see there). The slots (0 without ``state``):
+    ``linear_state_slots``, or automatically a working slot and a snapshot for each sequence a
+    step may hold (2 * max_num_seqs), cut down to ``STATE_SHARE`` of the pool's memory, at least
+    2. The KV blocks: ``num_kv_blocks``, or the rest of the pool; only the attention layers
+    (``spec.kv_layer_ids``) have KV."""
     kv_size = tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim  # this rank's
     bytes_per_token = max(2 * len(spec.kv_layer_ids) * kv_size * dtype.itemsize, 1)
     slot_bytes = state.slot_bytes() if state is not None else 0
-    min_tokens = max(max_model_len, 4 * budget)
+
+    def slots_of(pool: float) -> int:  # before the floor of 2
+        if state is None:
+            return 0
+        return cfg.linear_state_slots or min(2 * cfg.max_num_seqs, int(STATE_SHARE * pool // slot_bytes))
+
     if device.type != "cuda":
-        tokens = 2 * min_tokens
+        budget = cfg.max_num_batched_tokens or 2048
+        tokens = 2 * max(max_model_len, 4 * budget)
         # as if the auto KV were the pool's (1 - STATE_SHARE)
-        pool = (cfg.num_kv_blocks * cfg.block_size if cfg.num_kv_blocks else tokens) * bytes_per_token \
-            / (1 - STATE_SHARE)
+        slots = slots_of((cfg.num_kv_blocks * cfg.block_size if cfg.num_kv_blocks else tokens) * bytes_per_token
+                         / (1 - STATE_SHARE))
     else:
         free, total = torch.cuda.mem_get_info(device)
-        # Activations of one step: a generous per-token estimate plus one logits chunk (this
-        # rank's shares of the heads, the MLP and the vocab; the residual stream is whole).
-        act = budget * ((spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size) // tp.size
-                        + 6 * spec.hidden_size) * 4
-        act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
-        # Packed keys of a long chunked sequence (prefix gathered per layer).
-        act += 2 * max_model_len * kv_size * 2 * 2
-        if state is not None:  # a linear layer's per-chunk (64 tokens) and per-sequence float32 states
-            act += 2 * (budget // 64 + cfg.max_num_seqs) * math.prod(state.rec_shape) * 4
-        pool = free - (1 - cfg.gpu_memory_utilization) * total - act - (1 << 30)
-    slots = 0
-    if state is not None:
-        slots = cfg.linear_state_slots
-        if not slots:
-            slots = min(2 * cfg.max_num_seqs, int(STATE_SHARE * pool // slot_bytes))
-            if slots < 2:
-                log.warning("only %d linear-state slots fit the memory share (rank %d); using 2", slots, tp.rank)
-                slots = 2
-    if cfg.num_kv_blocks:
-        return cfg.num_kv_blocks, slots
-    if device.type == "cuda":
-        tokens = int((pool - slots * slot_bytes) // bytes_per_token)
-        if tokens < min_tokens:
+        room = free - (1 - cfg.gpu_memory_utilization) * total - (1 << 30)  # for the pool and a step
+        budgets = (cfg.max_num_batched_tokens,) if cfg.max_num_batched_tokens else AUTO_BUDGETS
+        for budget in budgets:
+            act = activation_bytes(cfg, spec, budget, max_model_len, tp, state)
+            slots = slots_of(room - act)
+            tokens = int((room - act - max(slots, 2 if state is not None else 0) * slot_bytes) // bytes_per_token)
+            need = cfg.num_kv_blocks * cfg.block_size if cfg.num_kv_blocks else max(max_model_len, 4 * budget)
+            if act <= ACT_SHARE * room and tokens >= need:
+                break
+        if not cfg.num_kv_blocks and tokens < max(max_model_len, 4 * budget):
             log.warning("only %d tokens of KV fit in GPU memory (rank %d)", max(tokens, 0), tp.rank)
-    return max(tokens // cfg.block_size, 1), slots
+    if state is not None and slots < 2:
+        log.warning("only %d linear-state slots fit the memory share (rank %d); using 2", slots, tp.rank)
+        slots = 2
+    return MemoryPlan(cfg.num_kv_blocks or max(tokens // cfg.block_size, 1), slots, budget)
 
 
-def make_runner(cfg: Config, model: nn.Module, attn: AttentionBackend, num_blocks: int, max_model_len: int,
-                device: torch.device, state_slots: int = 0) -> ModelRunner:
-    return ModelRunner(model, attn, num_blocks, cfg.block_size, max_model_len, device,
-                       cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, state_slots)
+def make_runner(cfg: Config, model: nn.Module, attn: AttentionBackend, plan: MemoryPlan, max_model_len: int,
+                device: torch.device) -> ModelRunner:
+    return ModelRunner(model, attn, plan.blocks, cfg.block_size, max_model_len, device,
+                       cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, plan.slots, plan.budget)

@@ -43,6 +43,8 @@ from teacher_server.engine.host_step import HostStep
 if TYPE_CHECKING:
     import torch.distributed as dist
 
+    from teacher_server.engine.rank_setup import MemoryPlan
+
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a hung collective (not a dead rank) ends in an error
@@ -154,16 +156,20 @@ class TPWorkers:
         if failed:
             raise failed[0]
 
-    def agree_blocks(self, own: tuple[int, int]) -> tuple[int, int]:
-        """The KV blocks and linear-state slots every rank can hold (the minimum of each over
-        the ranks); sent to all."""
-        counts = [own] + [self._recv(i, "while loading its shard", START_TIMEOUT_S)[1] for i in range(len(self.procs))]
-        n = (min(c[0] for c in counts), min(c[1] for c in counts))
+    def agree_memory(self, own: MemoryPlan) -> MemoryPlan:
+        """The KV blocks, linear-state slots and token budget every rank can hold (the minimum
+        of each over the ranks); sent to all."""
+        from teacher_server.engine.rank_setup import MemoryPlan
+
+        plans = [own] + [MemoryPlan(*self._recv(i, "while loading its shard", START_TIMEOUT_S)[1])
+                         for i in range(len(self.procs))]
+        n = MemoryPlan(*(min(col) for col in zip(*plans)))
         for c in self.conns:
-            c.send(("blocks", n))
+            c.send(("blocks", tuple(n)))
         for i in range(len(self.procs)):
             self._recv(i, "while building its KV pool", 600.0)
-        log.info("tensor parallel: %d ranks, (KV blocks, state slots) per rank %s -> %s", self.size, counts, n)
+        log.info("tensor parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s", self.size,
+                 [tuple(p) for p in plans], tuple(n))
         return n
 
     # --- steps ---------------------------------------------------------------------------
@@ -242,7 +248,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
     code = 0
     try:
         from teacher_server.engine.pacer import Unpaced
-        from teacher_server.engine.rank_setup import load_rank, make_runner, pool_sizes, resolve_dtype
+        from teacher_server.engine.rank_setup import MemoryPlan, load_rank, make_runner, plan_memory, resolve_dtype
         from teacher_server.layers.parallel import TensorParallel
         from teacher_server.models.spec import ModelSpec
 
@@ -254,9 +260,10 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         tp = TensorParallel(size, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
-        conn.send(("loaded", pool_sizes(cfg, spec, model.dtype, device, max_len, tp, model.linear_state_layout())))
-        _, (blocks, slots) = conn.recv()
-        runner = make_runner(cfg, model, attn, blocks, max_len, device, slots)
+        conn.send(("loaded", tuple(plan_memory(cfg, spec, model.dtype, device, max_len, tp,
+                                               model.linear_state_layout()))))
+        _, agreed = conn.recv()
+        runner = make_runner(cfg, model, attn, MemoryPlan(*agreed), max_len, device)
         conn.send(("built",))
         while True:
             data = conn.recv_bytes()

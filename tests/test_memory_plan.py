@@ -1,0 +1,114 @@
+"""The token budget and KV pool that start-up plans from a GPU's free memory (``plan_memory``),
+on the CPU with the GPU's memory query answered by the test: the model shapes of the benchmarks,
+GPU sizes of 80 and 141 GB."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from workloads import QWEN3_5_9B, QWEN3_8B, QWEN3_32B
+
+from teacher_server.config import Config
+from teacher_server.engine.rank_setup import ACT_SHARE, AUTO_BUDGETS, activation_bytes, plan_memory
+from teacher_server.kv_pool import LinearStateLayout
+from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.models.spec import ModelSpec
+
+GB = 10**9
+CUDA = torch.device("cuda")  # only its type is read: the memory query is the test's
+BF16 = torch.bfloat16
+WEIGHTS = {"8b": 16.4 * GB, "32b": 65.5 * GB}
+SPECS = {"8b": ModelSpec.from_dict(QWEN3_8B), "32b": ModelSpec.from_dict(QWEN3_32B)}
+
+
+def plan(monkeypatch, spec: ModelSpec, total: float, free: float, tp: TensorParallel = SINGLE, state=None,
+         max_len: int = 40960, **kw: object):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(total)))
+    cfg = Config(device="cuda", **kw)
+    return cfg, plan_memory(cfg, spec, BF16, CUDA, max_len, tp, state)
+
+
+def kv_bytes_per_token(spec: ModelSpec, tp: TensorParallel = SINGLE) -> int:
+    return 2 * len(spec.kv_layer_ids) * tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim * 2
+
+
+def room(cfg: Config, total: float, free: float) -> float:
+    return free - (1 - cfg.gpu_memory_utilization) * total - (1 << 30)
+
+
+@pytest.mark.parametrize("size,total,want", [("8b", 141 * GB, 32768), ("8b", 80 * GB, 32768),
+                                             ("8b", 48 * GB, 16384), ("32b", 141 * GB, 16384)])
+def test_budget_follows_the_memory_and_the_pool_fills_the_rest(monkeypatch, size, total, want) -> None:
+    """Qwen3-8B takes the larger step on an 80 or 141 GB GPU, not on a 48 GB one; Qwen3-32B's
+    activations at 32768 tokens (its logits chunk included) are more than a third of what its
+    weights leave on a 141 GB one. The KV pool is what the activations leave, to a block."""
+    spec = SPECS[size]
+    free = total - WEIGHTS[size]
+    cfg, p = plan(monkeypatch, spec, total, free)
+    assert p.budget == want and p.slots == 0
+    left = room(cfg, total, free) - activation_bytes(cfg, spec, p.budget, 40960, SINGLE)
+    assert p.blocks == int(left // kv_bytes_per_token(spec)) // cfg.block_size
+
+
+def test_budget_never_shrinks_as_memory_grows_and_never_crowds_the_pool(monkeypatch) -> None:
+    spec = SPECS["8b"]
+    seen = []
+    for free_gb in range(20, 142, 3):
+        cfg, p = plan(monkeypatch, spec, 141 * GB, free_gb * GB)
+        r = room(cfg, 141 * GB, free_gb * GB)
+        act = activation_bytes(cfg, spec, p.budget, 40960, SINGLE)
+        kv = p.blocks * cfg.block_size * kv_bytes_per_token(spec)
+        if p.budget != AUTO_BUDGETS[-1]:  # a larger step only where it leaves the pool 4 steps
+            assert act <= ACT_SHARE * r and p.blocks * cfg.block_size >= 4 * p.budget
+        if kv >= 4 * AUTO_BUDGETS[-1] * kv_bytes_per_token(spec):
+            assert act + kv <= r
+        seen.append(p.budget)
+    assert seen == sorted(seen) and seen[0] == 16384 and seen[-1] == 32768
+
+
+def test_too_little_memory_keeps_the_smaller_budget_and_warns(monkeypatch, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        _, p = plan(monkeypatch, SPECS["32b"], 80 * GB, 6 * GB)
+    assert p.budget == 16384 and p.blocks == 1
+    assert "tokens of KV fit in GPU memory" in caplog.text
+
+
+def test_a_configured_budget_or_pool_is_taken_as_given(monkeypatch) -> None:
+    """``max_num_batched_tokens`` is the budget whatever the memory; with ``num_kv_blocks`` the
+    larger budget needs room beside that pool."""
+    for tokens in (16, 8192, 65536):
+        assert plan(monkeypatch, SPECS["8b"], 141 * GB, 20 * GB, max_num_batched_tokens=tokens)[1].budget == tokens
+    cfg, p = plan(monkeypatch, SPECS["8b"], 141 * GB, 124.6 * GB, num_kv_blocks=1000)
+    assert p == (1000, 0, 32768)
+    huge = int(room(cfg, 141 * GB, 124.6 * GB) * 0.9 // kv_bytes_per_token(SPECS["8b"]) // cfg.block_size)
+    assert plan(monkeypatch, SPECS["8b"], 141 * GB, 124.6 * GB, num_kv_blocks=huge)[1] == (huge, 0, 16384)
+
+
+def test_tensor_parallel_rank_plans_its_shares(monkeypatch) -> None:
+    """A rank's activations and KV are its shares: Qwen3-32B split in two on 141 GB GPUs takes
+    the larger step (on one it does not), each rank's KV bytes per token halved."""
+    tp = TensorParallel(2, 1)
+    spec = SPECS["32b"]
+    cfg, p = plan(monkeypatch, spec, 141 * GB, 141 * GB - WEIGHTS["32b"] / 2, tp=tp)
+    assert p.budget == 32768
+    assert kv_bytes_per_token(spec, tp) * 2 == kv_bytes_per_token(spec)
+    left = room(cfg, 141 * GB, 141 * GB - WEIGHTS["32b"] / 2) - activation_bytes(cfg, spec, 32768, 40960, tp)
+    assert p.blocks == int(left // kv_bytes_per_token(spec, tp)) // cfg.block_size
+
+
+def test_hybrid_model_plans_state_slots_with_the_budget(monkeypatch) -> None:
+    """Qwen3.5-9B's shape: the state slots (a quarter of the pool at most) and the KV share the
+    pool the larger step leaves on a 141 GB GPU."""
+    spec = ModelSpec.from_dict(QWEN3_5_9B)
+    layout = LinearStateLayout(layers=spec.linear_layer_ids, conv_shape=(8192, 3), rec_shape=(32, 128, 128),
+                               conv_dtype=BF16)
+    cfg, p = plan(monkeypatch, spec, 141 * GB, 122 * GB, state=layout, max_len=32768)
+    left = room(cfg, 141 * GB, 122 * GB) - activation_bytes(cfg, spec, 32768, 32768, SINGLE, layout)
+    assert p.budget == 32768 and p.slots == min(2 * cfg.max_num_seqs, int(left / 4 // layout.slot_bytes()))
+    assert p.blocks == int((left - p.slots * layout.slot_bytes()) // kv_bytes_per_token(spec)) // cfg.block_size
