@@ -66,7 +66,7 @@ class Config(BaseModel):
     # --- engine ------------------------------------------------------------------------
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Token budget of one forward step; default on a GPU 32768 where its "
-                                  "activations take at most a third of the memory left after the weights and the KV "
+                                  "activations take at most 40% of the memory left after the weights and the KV "
                                   "pool still holds 4 steps, else 16384; 2048 on CPU.")
     max_num_seqs: int = Field(256, ge=1, description="Most sequences in one step.")
     whole_sequence_fill: float = Field(

@@ -43,11 +43,13 @@ def room(cfg: Config, total: float, free: float) -> float:
 
 
 @pytest.mark.parametrize("size,total,want", [("8b", 141 * GB, 32768), ("8b", 80 * GB, 32768),
-                                             ("8b", 48 * GB, 16384), ("32b", 141 * GB, 16384)])
+                                             ("8b", 48 * GB, 16384), ("32b", 141 * GB, 32768),
+                                             ("32b", 100 * GB, 16384)])
 def test_budget_follows_the_memory_and_the_pool_fills_the_rest(monkeypatch, size, total, want) -> None:
-    """Qwen3-8B takes the larger step on an 80 or 141 GB GPU, not on a 48 GB one; Qwen3-32B's
-    activations at 32768 tokens (its logits chunk included) are more than a third of what its
-    weights leave on a 141 GB one. The KV pool is what the activations leave, to a block."""
+    """Qwen3-8B takes the larger step on an 80 or 141 GB GPU, not on a 48 GB one; Qwen3-32B on
+    a 141 GB one, not on a 100 GB one, where its activations at 32768 tokens (the logits chunk
+    included) would be more than 40% of what its weights leave. The KV pool is what the
+    activations leave, to a block."""
     spec = SPECS[size]
     free = total - WEIGHTS[size]
     cfg, p = plan(monkeypatch, spec, total, free)
@@ -91,14 +93,14 @@ def test_a_configured_budget_or_pool_is_taken_as_given(monkeypatch) -> None:
 
 
 def test_tensor_parallel_rank_plans_its_shares(monkeypatch) -> None:
-    """A rank's activations and KV are its shares: Qwen3-32B split in two on 141 GB GPUs takes
-    the larger step (on one it does not), each rank's KV bytes per token halved."""
+    """A rank's activations and KV are its shares: Qwen3-32B split in two on 80 GB GPUs takes
+    the larger step (on one it does not fit at all), each rank's KV bytes per token halved."""
     tp = TensorParallel(2, 1)
     spec = SPECS["32b"]
-    cfg, p = plan(monkeypatch, spec, 141 * GB, 141 * GB - WEIGHTS["32b"] / 2, tp=tp)
+    cfg, p = plan(monkeypatch, spec, 80 * GB, 80 * GB - WEIGHTS["32b"] / 2, tp=tp)
     assert p.budget == 32768
     assert kv_bytes_per_token(spec, tp) * 2 == kv_bytes_per_token(spec)
-    left = room(cfg, 141 * GB, 141 * GB - WEIGHTS["32b"] / 2) - activation_bytes(cfg, spec, 32768, 40960, tp)
+    left = room(cfg, 80 * GB, 80 * GB - WEIGHTS["32b"] / 2) - activation_bytes(cfg, spec, 32768, 40960, tp)
     assert p.blocks == int(left // kv_bytes_per_token(spec, tp)) // cfg.block_size
 
 

@@ -68,13 +68,14 @@ def check_split(spec: ModelSpec, size: int) -> None:
 # share of the memory for the pool (KV and state); the KV blocks take the rest.
 STATE_SHARE = 0.25
 # The token budgets automatic sizing on a GPU picks from, largest first: the largest whose step
-# activations (``activation_bytes``) take at most ACT_SHARE of the memory left after the weights
-# and which leaves a KV pool of at least max(max_model_len, 4 x budget) tokens; else the last.
-# A larger step spreads each step's fixed costs (its launches, its last wave of tiles, the
-# pipeline's hand-over) over more tokens: 32768 ran W1, W1f and W3 0.4-0.9% faster than 16384 on
-# an H200 (bench/results/README.md). The CPU's budget is 2048.
+# activations (``activation_bytes``, a generous estimate: about 6x what Qwen3-8B and -32B steps
+# measured) take at most ACT_SHARE of the memory left after the weights and which leaves a KV pool
+# of at least max(max_model_len, 4 x budget) tokens; else the last. A larger step spreads each
+# step's fixed costs (its launches, its last wave of tiles, the pipeline's hand-over) over more
+# tokens: on an H200 32768 ran Qwen3-8B's W1 0.8% and W1f 0.4% faster than 16384, W3 0.2% slower,
+# and Qwen3-32B's W4 0.5% faster (bench/results/README.md). The CPU's budget is 2048.
 AUTO_BUDGETS = (32768, 16384)
-ACT_SHARE = 1 / 3
+ACT_SHARE = 0.4
 
 
 class MemoryPlan(NamedTuple):
