@@ -390,7 +390,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
            # The in-process runs reset the prefix cache between runs; the server cannot, and
            # repeats of the same requests would hit it. Off, both sides do the same work.
            "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--load-format", args.load_format]
+           "--load-format", args.load_format,
+           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else [])]
     if engine_process is not None:
         cmd.append("--engine-process" if engine_process else "--no-engine-process")
     else:  # the server's own rule, as it will apply it
@@ -510,6 +511,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", choices=list(MODELS), default="8b")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    ap.add_argument("--tp-comm-parts", type=int, default=None,
+                    help="tp_comm_parts of the engine and the server (default: the config's)")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
     ap.add_argument("--baseline-layouts", default="auto",
@@ -586,12 +589,14 @@ def main() -> None:
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
-                  tensor_parallel_size=GPUS, step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
+                  tensor_parallel_size=GPUS, **({"tp_comm_parts": args.tp_comm_parts} if args.tp_comm_parts else {}),
+                  step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
     results["engine_warm_up_s"] = engine.warm_up_s  # part of the load: synthetic requests at start-up
     results["attention_backend"] = engine.tuning.attention.name
     results["budget_tokens"] = engine.tuning.token_budget  # the engine's choice where --budget is not given
+    results["tp_comm_parts"] = engine.runner.tp.comm_parts
     spec, blocks = engine.spec, engine.stats().kv_blocks_total
     kv_heads = max(spec.num_kv_heads // GPUS, 1)  # per rank (replicated past the KV head count)
     kv_bytes = (blocks * ecfg.block_size * 2 * len(spec.kv_layer_ids) * kv_heads * spec.head_dim

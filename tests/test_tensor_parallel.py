@@ -4,7 +4,8 @@ token, prefix-cache hits, chunked sequences, raw_logits, deterministic mode), on
 divisible by 2 and with fewer KV heads than ranks, for dense, mixture-of-experts (experts
 split along their intermediate dimension, a shared expert, dense layers among the expert ones)
 and hybrid Qwen3.5 models (linear-attention heads and their states split; GRPO siblings from
-the prompt's state snapshot); TP=8 equals TP=1 for both kinds; sharded loading; the HTTP service at
+the prompt's state snapshot); TP=8 equals TP=1 for both kinds; the o and down products made in
+row parts (``tp_comm_parts``) equal one part; sharded loading; the HTTP service at
 ``--tensor-parallel-size 2``; a killed worker makes the service unhealthy and the process
 exit non-zero."""
 
@@ -180,6 +181,100 @@ def test_sharded_load_holds_each_ranks_slices(odd_vocab: Path) -> None:
         torch.testing.assert_close(s[qkv][:q // 2], full[qkv][r * q // 2:(r + 1) * q // 2], rtol=0, atol=0)
         torch.testing.assert_close(s[qkv][q // 2:], full[qkv][q:], rtol=0, atol=0)  # the KV head, on both
         assert s[qkv].shape[0] == q // 2 + 2 * d
+
+
+def test_comm_part_spans() -> None:
+    """Row parts of a row-parallel product: ``comm_parts`` of them, none under the minimum
+    rows, each starting on the alignment, covering the rows once; one at size 1 or 1 part."""
+    from teacher_server.layers.parallel import COMM_PART_ALIGN, COMM_PART_MIN_ROWS
+
+    assert TensorParallel(1, 0, 4).spans(100_000) == [(0, 100_000)]
+    assert TensorParallel(2, 1, 1).spans(100_000) == [(0, 100_000)]
+    assert TensorParallel(2, 0, 4).spans(COMM_PART_MIN_ROWS * 2 - 1) == [(0, COMM_PART_MIN_ROWS * 2 - 1)]
+    for rows in (2048, 3000, 16384, 16385, 32768, 40000):
+        for parts in (2, 3, 4, 8):
+            spans = TensorParallel(2, 0, parts).spans(rows)
+            assert len(spans) == min(parts, rows // COMM_PART_MIN_ROWS), (rows, parts, spans)
+            assert spans[0][0] == 0 and spans[-1][1] == rows
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+            assert all(lo % COMM_PART_ALIGN == 0 and hi > lo for lo, hi in spans)
+
+
+def _row_parallel_rank(rank: int, port: int, parts: int, queue) -> None:
+    """One gloo rank: its half of a row-parallel product of 300 rows, made in ``parts`` parts
+    (parts of 64 rows at least, started every 32) and in one, through ``forward`` and
+    ``add_into``; rank 0 reports the results and the full product."""
+    import torch.distributed as dist
+
+    from teacher_server.layers import parallel
+    from teacher_server.layers.linear import RowLinear
+
+    parallel.COMM_PART_MIN_ROWS, parallel.COMM_PART_ALIGN = 64, 32
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0), rank=rank,
+                            world_size=2)
+    g = torch.Generator().manual_seed(0)
+    a, w, x = torch.randn(300, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(300, 24, generator=g)
+    out = {}
+    for n in (1, parts):
+        tp = parallel.TensorParallel(2, rank, n)
+        lin = RowLinear(40, 24, torch.float32, torch.device("cpu"), tp)
+        lin.weight.data.copy_(w[:, rank * 20:(rank + 1) * 20])
+        mine = a[:, rank * 20:(rank + 1) * 20]
+        out[n] = (len(tp.spans(300)), lin(mine), lin.add_into(x.clone(), mine))
+    if rank == 0:
+        queue.put({"full": (a @ w.t()).numpy(), "x": x.numpy(),
+                   **{str(n): (k, f.numpy(), s.numpy()) for n, (k, f, s) in out.items()}})
+    dist.destroy_process_group()
+
+
+def test_row_parallel_product_in_parts_equals_one_part() -> None:
+    """Two gloo ranks: the o/down product made in parts, each part's all-reduce started before
+    the next part's GEMM, gives the one-part result (and the full product) in both forms."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_row_parallel_rank, args=(r, port, 3, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = queue.get(timeout=120)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    spans_one, fwd_one, add_one = got["1"]
+    spans, fwd, add = got["3"]
+    assert (spans_one, spans) == (1, 3)
+    np.testing.assert_allclose(fwd, fwd_one, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(add, add_one, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(fwd, got["full"], rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(add, got["x"] + got["full"], rtol=1e-5, atol=1e-4)
+
+
+def test_tp2_with_comm_parts_equals_one_part_and_tp1(tied: Path, monkeypatch) -> None:
+    """The engine at TP2 with its o and down products in parts (steps of about 3000 rows:
+    parts of 1536) gives TP2's one-part results within 1e-5, and TP1's within 3e-5 (these long
+    sequences' log-probs, about -25, differ from TP1's by up to 1.3e-5 with one part too)."""
+    rng = np.random.default_rng(3)
+    reqs = [ScoreRequest(f"long{j}", rng.integers(0, 256, n), n // 3, rng.integers(0, 256, (n - 1 - n // 3, 5)))
+            for j, n in enumerate((1100, 1000, 900))]
+    made = []  # rank 0's products made in parts
+    in_parts = TensorParallel.all_reduce_parts
+    monkeypatch.setattr(TensorParallel, "all_reduce_parts",
+                        lambda self, out, make: made.append(out.shape[0]) or in_parts(self, out, make))
+    out = {}
+    for size, parts in ((2, 3), (2, 1), (1, 3)):
+        engine = Engine(Config(model=str(tied), device="cpu", tensor_parallel_size=size, tp_comm_parts=parts,
+                               max_num_batched_tokens=4096, max_model_len=2048, num_kv_blocks=512, block_size=8))
+        try:
+            assert len(engine.runner.tp.spans(3000)) == (2 if size == 2 and parts == 3 else 1)
+            out[size, parts] = engine.run_to_completion([ScoreRequest(r.request_id, r.token_ids, r.start,
+                                                                      r.candidates) for r in reqs])
+        finally:
+            engine.close()
+    # the first layer's o and down over the step's 2997 rows (the last layer's run over the
+    # scored rows only: under 2048, one part)
+    assert made == [2997, 2997]
+    assert_same(out[2, 1], out[2, 3])
+    assert_same_within(out[1, 3], out[2, 3], 3e-5)
 
 
 def test_heads_must_split(odd_vocab: Path) -> None:

@@ -26,6 +26,7 @@ from teacher_server.engine.rank_setup import (
     plan_memory,
     resolve_device,
     resolve_dtype,
+    tensor_parallel,
 )
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -35,7 +36,6 @@ from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
 from teacher_server.engine.tp_workers import TensorParallelError, TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
 from teacher_server.hub import resolve_model
-from teacher_server.layers.parallel import TensorParallel
 from teacher_server.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Engine:
             except BaseException:
                 self.close()
                 raise
-        tp = TensorParallel(size, 0)
+        tp = tensor_parallel(cfg, 0)
         try:
             self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
             state = self.model.linear_state_layout()  # hybrid models: per-sequence linear-attention state

@@ -52,6 +52,12 @@ def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.devic
     return model, make_backend(cfg.attention_backend, device, dtype, deterministic=cfg.deterministic)
 
 
+def tensor_parallel(cfg: Config, rank: int) -> TensorParallel:
+    """Rank ``rank``'s placement; deterministic mode makes the row-parallel products in one part
+    (a part's rows would follow the batch, and the GEMM's kernel with them)."""
+    return TensorParallel(cfg.tensor_parallel_size, rank, 1 if cfg.deterministic else cfg.tp_comm_parts)
+
+
 def check_split(spec: ModelSpec, size: int) -> None:
     """Refuse a tensor-parallel size the model cannot be split by (ValueError, at start-up)."""
     if spec.num_heads % size:

@@ -248,8 +248,14 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
     code = 0
     try:
         from teacher_server.engine.pacer import Unpaced
-        from teacher_server.engine.rank_setup import MemoryPlan, load_rank, make_runner, plan_memory, resolve_dtype
-        from teacher_server.layers.parallel import TensorParallel
+        from teacher_server.engine.rank_setup import (
+            MemoryPlan,
+            load_rank,
+            make_runner,
+            plan_memory,
+            resolve_dtype,
+            tensor_parallel,
+        )
         from teacher_server.models.spec import ModelSpec
 
         cfg = Config(**cfg_dict)
@@ -257,7 +263,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         conn.send(("joining",))
         init_group(device, rank, size, make_store(rank, size, port))
         spec = ModelSpec.from_dir(model_dir)
-        tp = TensorParallel(size, rank)
+        tp = tensor_parallel(cfg, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
         conn.send(("loaded", tuple(plan_memory(cfg, spec, model.dtype, device, max_len, tp,

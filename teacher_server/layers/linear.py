@@ -93,17 +93,29 @@ class RowLinear(nn.Module):
         self.weight = _frozen(out_features, self.cols[1], dtype=dtype, device=device)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if len(self.tp.spans(a.shape[0])) > 1:  # in parts, each part's all-reduce under the next's GEMM
+            out = a.new_empty(a.shape[0], self.weight.shape[0])
+            w = self.weight.t()
+            return self.tp.all_reduce_parts(out, lambda lo, hi: torch.mm(a[lo:hi], w, out=out[lo:hi]))
         return self.tp.all_reduce(F.linear(a, self.weight))  # [T, out], summed over ranks
 
     def add_into(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """x += a W^T in place, the sum made in the GEMM's epilogue and rounded once (x must
         be this step's own activation, the same on every rank); it saves a full pass over x.
         Returns x. With tp > 1 only rank 0 adds x to its partial sum; the others overwrite x
-        with theirs, and the all-reduce makes x + the full product on every rank."""
-        if self.tp.rank == 0:
-            x.addmm_(a, self.weight.t())
-        else:
-            torch.mm(a, self.weight.t(), out=x)
+        with theirs, and the all-reduce makes x + the full product on every rank (in parts
+        where ``tp.comm_parts`` asks for them)."""
+        w = self.weight.t()
+
+        def make(lo: int, hi: int) -> None:
+            if self.tp.rank == 0:
+                x[lo:hi].addmm_(a[lo:hi], w)
+            else:
+                torch.mm(a[lo:hi], w, out=x[lo:hi])
+
+        if len(self.tp.spans(x.shape[0])) > 1:
+            return self.tp.all_reduce_parts(x, make)
+        make(0, x.shape[0])
         return self.tp.all_reduce(x)
 
     def shards(self, param: str) -> int:

@@ -13,15 +13,25 @@ Slices:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+# The fewest rows a part of a row-parallel product is cut to (``TensorParallel.spans``), and
+# the multiple of rows parts start at (whole GEMM row tiles).
+COMM_PART_MIN_ROWS = 1024
+COMM_PART_ALIGN = 256
 
 
 @dataclass(frozen=True)
 class TensorParallel:
     size: int = 1
     rank: int = 0
+    # Parts a row-parallel product (o and down projections) is made in: each part's all-reduce
+    # runs on the communicator's stream while the next part's GEMM runs (1: one GEMM, then one
+    # all-reduce).
+    comm_parts: int = 1
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside tensor-parallel size {self.size}"
@@ -55,6 +65,32 @@ class TensorParallel:
 
             dist.all_reduce(x)
         return x
+
+    def spans(self, rows: int) -> list[tuple[int, int]]:
+        """[lo, hi) row spans a row-parallel product of ``rows`` rows is made and all-reduced
+        in: ``comm_parts`` of them (fewer where a part would have under COMM_PART_MIN_ROWS
+        rows), starting at multiples of COMM_PART_ALIGN; one span at size 1."""
+        n = 1 if self.size == 1 else max(1, min(self.comm_parts, rows // COMM_PART_MIN_ROWS))
+        if n == 1:
+            return [(0, rows)]
+        per = -(-rows // n)
+        step = -(-per // COMM_PART_ALIGN) * COMM_PART_ALIGN
+        return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
+
+    def all_reduce_parts(self, out: torch.Tensor, make: Callable[[int, int], None]) -> torch.Tensor:
+        """Fill ``out`` [rows, ...] span by span (``spans``): ``make(lo, hi)`` writes this
+        rank's partial sums into ``out[lo:hi]``, then that span's all-reduce starts on the
+        communicator's stream while the next span is made; the caller's stream waits for them
+        all (the host does not). Returns out, summed over the ranks."""
+        import torch.distributed as dist
+
+        works = []
+        for lo, hi in self.spans(out.shape[0]):
+            make(lo, hi)
+            works.append(dist.all_reduce(out[lo:hi], async_op=True))
+        for w in works:
+            w.wait()
+        return out
 
 
 SINGLE = TensorParallel()
