@@ -105,17 +105,20 @@ class RowLinear(nn.Module):
         Returns x. With tp > 1 only rank 0 adds x to its partial sum; the others overwrite x
         with theirs, and the all-reduce makes x + the full product on every rank (in parts
         where ``tp.comm_parts`` asks for them)."""
-        w = self.weight.t()
-
-        def make(lo: int, hi: int) -> None:
-            if self.tp.rank == 0:
-                x[lo:hi].addmm_(a[lo:hi], w)
-            else:
-                torch.mm(a[lo:hi], w, out=x[lo:hi])
-
         if len(self.tp.spans(x.shape[0])) > 1:
+            w = self.weight.t()
+
+            def make(lo: int, hi: int) -> None:
+                if self.tp.rank == 0:
+                    x[lo:hi].addmm_(a[lo:hi], w)
+                else:
+                    torch.mm(a[lo:hi], w, out=x[lo:hi])
+
             return self.tp.all_reduce_parts(x, make)
-        make(0, x.shape[0])
+        if self.tp.rank == 0:
+            x.addmm_(a, self.weight.t())
+        else:
+            torch.mm(a, self.weight.t(), out=x)
         return self.tp.all_reduce(x)
 
     def shards(self, param: str) -> int:
