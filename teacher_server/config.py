@@ -49,9 +49,10 @@ class Config(BaseModel):
         1, ge=1, description="Split the model over this many GPUs of one host (one worker process per GPU); "
                              "it must divide the attention heads. On the CPU: gloo processes (tests).")
     tp_comm_parts: int = Field(
-        1, ge=1, le=16, description="Tensor parallel: make the o and down projections in this many row parts, each "
-                                   "part's all-reduce running while the next part's GEMM does (parts of at least 1024 "
-                                   "rows). 1: one GEMM, then one all-reduce. Deterministic mode uses 1.")
+        1, ge=1, le=16, description="Tensor parallel: make the o and the dense MLPs' down projections in this many "
+                                   "row parts, each part's all-reduce running while the next part's GEMM does (parts "
+                                   "of at least 1024 rows). 1: one GEMM, then one all-reduce. Deterministic mode uses "
+                                   "1.")
     demo_model_dir: str | None = Field(
         None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
 
