@@ -204,6 +204,10 @@ def test_metrics_names(demo_server) -> None:
     # every token the engine ran is counted once (all requests have been answered)
     assert metric(m, "teacher_server_computed_tokens_total") == demo_server.app.state.engine.stats().computed_tokens > 0
     assert metric(m, "teacher_server_request_failures_total", reason="validation") >= 1
+    # the capacity the engine was given: the fixture's budget and pool
+    stats = demo_server.app.state.engine.stats()
+    assert metric(m, "teacher_server_token_budget") == stats.token_budget == 512
+    assert metric(m, "teacher_server_kv_cache_tokens") == stats.kv_tokens_total == 4096 * 16
 
 
 # --- fault isolation ---------------------------------------------------------------------------

@@ -225,7 +225,9 @@ class Engine:
                            active_requests=len(self._seqs), kv_blocks_used=bm.num_used,
                            kv_blocks_total=bm.num_blocks, prefix_query_tokens=bm.query_tokens,
                            prefix_hit_tokens=bm.hit_tokens, state_slots_total=sl.num_slots - 1 if sl else 0,
-                           state_slots_used=sl.num_used if sl else 0, state_snapshots=sl.num_snapshots if sl else 0)
+                           state_slots_used=sl.num_used if sl else 0, state_snapshots=sl.num_snapshots if sl else 0,
+                           token_budget=self._scheduler.cfg.max_num_batched_tokens,
+                           kv_tokens_total=bm.num_blocks * bm.block_size)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block no request holds (and the state snapshots bound to them)."""

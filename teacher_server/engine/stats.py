@@ -63,6 +63,8 @@ class EngineStats:
     state_slots_total: int = 0
     state_slots_used: int = 0  # held by sequences or holding a snapshot
     state_snapshots: int = 0  # prompt snapshots kept for prefix reuse (bound to prefix-cache blocks)
+    token_budget: int = 0  # tokens one forward step holds (configured, or chosen from the memory)
+    kv_tokens_total: int = 0  # KV token slots of the pool (per rank; each holds its share of the heads)
 
     @property
     def kv_usage(self) -> float:

@@ -63,13 +63,18 @@ class Metrics:
                                    "two back-to-back steps: the host was late); busy, the rest of each step from "
                                    "its first kernel to its results on the host.", eng + ["kind"], registry=r)
         self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", eng, registry=r)
+        self.token_budget = Gauge(p + "token_budget", "Tokens one forward step holds (max_num_batched_tokens as "
+                                  "configured, or as chosen from the GPU's memory).", eng, registry=r)
+        self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens the KV pool holds (each tensor-parallel rank holds its "
+                               "share of the heads of all of them).", eng, registry=r)
         self.model_name = model_name
         self._last: dict[int | None, list[float]] = {}  # per replica: the engine totals last seen
         for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time):
             m.labels(model_name=model_name)  # export every series from the start
         for rep in ([None] if replicas == 1 else range(replicas)):
             for m in (self.waiting, self.running, self.kv_usage, self.state_used, self.state_snapshots,
-                      self.computed_tokens, self.prefix_queries, self.prefix_hits, self.steps, self.healthy):
+                      self.computed_tokens, self.prefix_queries, self.prefix_hits, self.steps, self.healthy,
+                      self.token_budget, self.kv_tokens):
                 self.engine_labels(m, rep)
             for stage in STAGES:
                 self.engine_labels(self.stage_seconds, rep, stage=stage)
@@ -122,6 +127,8 @@ class Metrics:
         self.engine_labels(self.kv_usage, replica).set(s.kv_usage)
         self.engine_labels(self.state_used, replica).set(s.state_slots_used)
         self.engine_labels(self.state_snapshots, replica).set(s.state_snapshots)
+        self.engine_labels(self.token_budget, replica).set(s.token_budget)
+        self.engine_labels(self.kv_tokens, replica).set(s.kv_tokens_total)
 
 
 class VllmNames:
