@@ -249,27 +249,39 @@ def test_row_parallel_product_in_parts_equals_one_part() -> None:
     np.testing.assert_allclose(add, got["x"] + got["full"], rtol=1e-5, atol=1e-4)
 
 
-def test_tp2_with_comm_parts_equals_one_part_and_tp1(tied: Path, monkeypatch) -> None:
-    """The engine at TP2 with its o and down products in parts (steps of about 3000 rows:
-    parts of 1536) gives TP2's one-part results within 1e-5, and TP1's within 3e-5 (these long
-    sequences' log-probs, about -25, differ from TP1's by up to 1.3e-5 with one part too)."""
+def comm_parts_runs(path: Path, monkeypatch, **settings: object) -> tuple[dict, list[int]]:
+    """Three long sequences (about 3000 rows in one step: parts of 1536) scored at TP2 in 3
+    parts (2 taken), at TP2 in one, and at TP1; and the row counts of rank 0's products made in
+    parts while the first engine scored them (its start-up warm-up's not counted)."""
     rng = np.random.default_rng(3)
     reqs = [ScoreRequest(f"long{j}", rng.integers(0, 256, n), n // 3, rng.integers(0, 256, (n - 1 - n // 3, 5)))
             for j, n in enumerate((1100, 1000, 900))]
-    made = []  # rank 0's products made in parts
+    made = []
     in_parts = TensorParallel.all_reduce_parts
     monkeypatch.setattr(TensorParallel, "all_reduce_parts",
                         lambda self, out, make: made.append(out.shape[0]) or in_parts(self, out, make))
-    out = {}
+    out, seen = {}, {}
     for size, parts in ((2, 3), (2, 1), (1, 3)):
-        engine = Engine(Config(model=str(tied), device="cpu", tensor_parallel_size=size, tp_comm_parts=parts,
-                               max_num_batched_tokens=4096, max_model_len=2048, num_kv_blocks=512, block_size=8))
+        engine = Engine(Config(model=str(path), tensor_parallel_size=size, tp_comm_parts=parts,
+                               max_num_batched_tokens=4096, max_model_len=2048, num_kv_blocks=512, block_size=8,
+                               **{"device": "cpu", **settings}))
         try:
             assert len(engine.runner.tp.spans(3000)) == (2 if size == 2 and parts == 3 else 1)
+            made.clear()
             out[size, parts] = engine.run_to_completion([ScoreRequest(r.request_id, r.token_ids, r.start,
                                                                       r.candidates) for r in reqs])
+            seen[size, parts] = list(made)
         finally:
             engine.close()
+    assert seen[2, 1] == seen[1, 3] == []
+    return out, seen[2, 3]
+
+
+def test_tp2_with_comm_parts_equals_one_part_and_tp1(tied: Path, monkeypatch) -> None:
+    """The engine at TP2 with its o and down products in parts gives TP2's one-part results
+    within 1e-5, and TP1's within 3e-5 (these long sequences' log-probs, about -25, differ from
+    TP1's by up to 1.3e-5 with one part too)."""
+    out, made = comm_parts_runs(tied, monkeypatch)
     # the first layer's o and down over the step's 2997 rows (the last layer's run over the
     # scored rows only: under 2048, one part)
     assert made == [2997, 2997]
@@ -514,3 +526,22 @@ def assert_same_within(a: list[ScoreResult], b: list[ScoreResult], tol: float) -
         np.testing.assert_allclose(y.token_id_logprobs[fin], x.token_id_logprobs[fin], rtol=0, atol=tol)
         if x.plp_topk_logprobs is not None:
             np.testing.assert_allclose(y.plp_topk_logprobs, x.plp_topk_logprobs, rtol=0, atol=tol)
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_tp2_comm_parts(dtype: str, checkpoints, monkeypatch) -> None:
+    """NCCL on two GPUs (the GPU-sized head dim): the o and down products in parts, each part's
+    all-reduce on the communicator's stream under the next part's GEMM, against one part and
+    TP1: float32 within 1e-4; bfloat16 within bf16 rounding of the partial sums."""
+    out, made = comm_parts_runs(checkpoints["qwen3hd128"], monkeypatch, device="cuda", dtype=dtype)
+    assert made == [2997, 2997]
+    if dtype == "float32":
+        assert_same_within(out[2, 1], out[2, 3], 1e-4)
+        assert_same_within(out[1, 3], out[2, 3], 1e-4)
+        return
+    for ref in (out[2, 1], out[1, 3]):
+        d = np.concatenate([np.abs(x.token_id_logprobs - y.token_id_logprobs)[np.isfinite(x.token_id_logprobs)]
+                            for x, y in zip(ref, out[2, 3], strict=True)])
+        assert d.mean() < 2e-2 and d.max() < 0.25, (d.mean(), d.max())
