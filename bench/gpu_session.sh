@@ -90,9 +90,10 @@ for step in ${STEPS:-tests}; do
     http_modes) python3 bench/bench_engine.py --workloads W1 --http W1 --http-engine ${HTTP_ENGINE:-default,thread} --repeats 3 \
       --out "$OUT/engine_8b_http_modes_h200.json" 2>&1 | tee "$OUT/http_modes.log" | tail -12 ;;
     # tensor parallel's o/down products in parts (each part's all-reduce under the next part's GEMM) on the
-    # two-GPU machine: W4 (Qwen3-32B, dummy weights) at TP2 with $TP_PARTS parts (default 1 and 4), one engine
-    # each, in that order and back
-    tp_parts) i=0; for parts in ${TP_PARTS:-1 4 1 4}; do i=$((i + 1)); python3 bench/bench_engine.py --model-size 32b \
+    # two-GPU machine: the GPU tensor-parallel tests, then W4 (Qwen3-32B, dummy weights) at TP2 with $TP_PARTS
+    # parts (default 1 and 4), one engine each, in that order and back
+    tp_parts) python3 -m pytest $PT -m gpu tests/test_tensor_parallel.py 2>&1 | tee "$OUT/gpu_tp_tests.log" | tail -8
+      i=0; for parts in ${TP_PARTS:-1 4 1 4}; do i=$((i + 1)); python3 bench/bench_engine.py --model-size 32b \
         --workloads W4 --tensor-parallel-size 2 --tp-comm-parts $parts --repeats 2 \
         --out "$OUT/engine_32b_w4_tp2_run${i}_parts$parts.json" 2>&1 | tee -a "$OUT/tp_parts.log" | grep -E "^W4 |KV pool|loaded"
       done ;;
