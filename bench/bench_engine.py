@@ -176,8 +176,9 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         if kind not in backends:
             backends[kind] = make_backend(kind, engine.device)
             spec = engine.runner.spec
-            backends[kind].warm_up(engine.max_model_len, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                   engine.device, torch.bfloat16, layers=len(spec.kv_layer_ids))
+            # up to a step's tokens, as the engine's runner warms its own (a fresh call is at most one step)
+            backends[kind].warm_up(min(engine.max_model_len, saved.token_budget), spec.num_heads, spec.num_kv_heads,
+                                   spec.head_dim, engine.device, torch.bfloat16, layers=len(spec.kv_layer_ids))
         tune(attention=backends[kind])
 
     variants = {
