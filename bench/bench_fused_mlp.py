@@ -27,7 +27,6 @@ from bench_gemm import Sampler, header, timed
 from workloads import H200_PEAK, QWEN3_8B, QWEN3_32B
 
 from teacher_server.ops import gate_up_silu as gus
-from teacher_server.ops import glu_gemm as glu
 from teacher_server.ops.silu_mul import silu_mul
 
 MODELS = {"8b": QWEN3_8B, "32b": QWEN3_32B}
@@ -69,9 +68,7 @@ def main() -> None:
     ap.add_argument("--sustain-s", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--sustain-top", type=int, default=2, help="fused variants (fastest in the bursts) in the sustained rounds")
-    ap.add_argument("--glu-configs", default=",".join(glu.CONFIGS), help="CUTLASS kernel configs ('' for none)")
-    ap.add_argument("--glu-swizzles", default="1,2,4", help="the CUTLASS kernel's tile-scheduler swizzles")
-    ap.add_argument("--glu-top", type=int, default=3, help="CUTLASS variants (fastest in the bursts) in the sustained rounds")
+    ap.add_argument("--paired", type=int, default=1, help="also the fused kernel on the paired weight")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dt, dev = torch.bfloat16, torch.device("cuda")
@@ -80,6 +77,7 @@ def main() -> None:
         cfg = MODELS[size]
         k, i = cfg["hidden_size"], cfg["intermediate_size"]
         w = torch.randn(2 * i, k, device=dev, dtype=dt) * k ** -0.5
+        w_pairs = w[gus.pair_rows(i).to(dev)].contiguous()
         for m in (int(x) for x in args.tokens.split(",")):
             h = torch.randn(m, k, device=dev, dtype=dt)
             flops = 2.0 * m * k * 2 * i
@@ -99,16 +97,19 @@ def main() -> None:
                     run["compile_s"][key] = time.perf_counter() - t0
                     if got is not None:
                         fns[key] = (lambda x, n=name, f=flat, s=ws, e=exact: gus.gate_up_silu(x, w, n, f, s, e))
-            t0 = time.perf_counter()
-            for name in [c for c in args.glu_configs.split(",") if c]:
-                bn = glu.tile_n(name)
-                if not bn:
-                    run["burst"][f"glu_{name}"] = {"error": glu.library.error or "unavailable"}
-                    continue
-                w_glu = w[glu.glu_rows(i, bn).to(dev)].contiguous()
-                for sw in (int(x) for x in args.glu_swizzles.split(",")):
-                    fns[f"glu_{name}_sw{sw}"] = (lambda x, n=name, wg=w_glu, z=sw: glu.glu_gemm(x, wg, n, swizzle=z))
-            run["compile_s"]["glu_library"] = time.perf_counter() - t0
+                    if args.paired:  # the paired weight: one load and one dot a step
+                        t0 = time.perf_counter()
+                        try:
+                            got = gus.gate_up_silu(h[:256], w_pairs, name, flat, ws, exact, paired=True)
+                            torch.cuda.synchronize()
+                        except Exception as e:
+                            run["burst"][key + "_pairs"] = {"error": " ".join(str(e).split())[:300]}
+                            print(f"{size} {m} {key}_pairs: {run['burst'][key + '_pairs']['error']}", flush=True)
+                            continue
+                        run["compile_s"][key + "_pairs"] = time.perf_counter() - t0
+                        if got is not None:
+                            fns[key + "_pairs"] = (lambda x, n=name, f=flat, s=ws, e=exact:
+                                                   gus.gate_up_silu(x, w_pairs, n, f, s, e, paired=True))
             run["accuracy"] = accuracy(h, w, fns)
             # bursts: each variant alone, the cuBLAS GEMM alone and the kernel's loop as a plain GEMM
             burst = dict(fns)
@@ -126,13 +127,12 @@ def main() -> None:
                 run["burst"][key] = {"ms": 1e3 * s, "tflops": flops / s / 1e12, "of_peak": flops / s / H200_PEAK}
                 print(f"{size} {m} burst {key:<34} {1e3 * s:8.3f} ms {flops / s / 1e12:7.1f} TFLOP/s", flush=True)
             fused = [kk for kk in fns if kk.startswith("fused_") and "ms" in run["burst"].get(kk, {})]
-            glus = [kk for kk in fns if kk.startswith("glu_") and "ms" in run["burst"].get(kk, {})]
-            if not fused and not glus:
+            if not fused:
                 res["runs"][f"{size}_{m}"] = run
                 continue
             by_burst = functools.partial(sorted, key=lambda kk: run["burst"][kk]["ms"])
-            top = by_burst(fused)[:args.sustain_top] + by_burst(glus)[:args.glu_top]
-            best = by_burst(top)[0]
+            top = by_burst(fused)[:args.sustain_top]
+            best = top[0]
             # sustained, interleaved: the engine's pair and the fastest fused variants, round after round
             pair = {"cublas+silu_mul": fns["cublas+silu_mul"], **{kk: fns[kk] for kk in top}}
             per = {kk: {"s": 0.0, "calls": 0, "clock": [], "power": []} for kk in pair}
