@@ -12,7 +12,6 @@ computation on the same bf16 inputs.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -32,8 +31,7 @@ from teacher_server.ops.silu_mul import silu_mul
 MODELS = {"8b": QWEN3_8B, "32b": QWEN3_32B}
 # (flatten the persistent loop, warp-specialise it, libdevice's exact exp and division) per variant
 VARIANTS = {"all": [(f, w, e) for f in (False, True) for w in (False, True) for e in (True, False)],
-            "loop": [(False, w, e) for w in (False, True) for e in (True, False)],
-            "default": [(False, True, False)]}
+            "loop": [(False, w, e) for w in (False, True) for e in (True, False)]}
 
 
 def accuracy(h: torch.Tensor, w: torch.Tensor, fns: dict, rows: int = 1024) -> dict:
@@ -68,7 +66,6 @@ def main() -> None:
     ap.add_argument("--sustain-s", type=float, default=4.0)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--sustain-top", type=int, default=2, help="fused variants (fastest in the bursts) in the sustained rounds")
-    ap.add_argument("--paired", type=int, default=1, help="also the fused kernel on the paired weight")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dt, dev = torch.bfloat16, torch.device("cuda")
@@ -77,7 +74,6 @@ def main() -> None:
         cfg = MODELS[size]
         k, i = cfg["hidden_size"], cfg["intermediate_size"]
         w = torch.randn(2 * i, k, device=dev, dtype=dt) * k ** -0.5
-        w_pairs = w[gus.pair_rows(i).to(dev)].contiguous()
         for m in (int(x) for x in args.tokens.split(",")):
             h = torch.randn(m, k, device=dev, dtype=dt)
             flops = 2.0 * m * k * 2 * i
@@ -97,19 +93,6 @@ def main() -> None:
                     run["compile_s"][key] = time.perf_counter() - t0
                     if got is not None:
                         fns[key] = (lambda x, n=name, f=flat, s=ws, e=exact: gus.gate_up_silu(x, w, n, f, s, e))
-                    if args.paired:  # the paired weight: one load and one dot a step
-                        t0 = time.perf_counter()
-                        try:
-                            got = gus.gate_up_silu(h[:256], w_pairs, name, flat, ws, exact, paired=True)
-                            torch.cuda.synchronize()
-                        except Exception as e:
-                            run["burst"][key + "_pairs"] = {"error": " ".join(str(e).split())[:300]}
-                            print(f"{size} {m} {key}_pairs: {run['burst'][key + '_pairs']['error']}", flush=True)
-                            continue
-                        run["compile_s"][key + "_pairs"] = time.perf_counter() - t0
-                        if got is not None:
-                            fns[key + "_pairs"] = (lambda x, n=name, f=flat, s=ws, e=exact:
-                                                   gus.gate_up_silu(x, w_pairs, n, f, s, e, paired=True))
             run["accuracy"] = accuracy(h, w, fns)
             # bursts: each variant alone, the cuBLAS GEMM alone and the kernel's loop as a plain GEMM
             burst = dict(fns)
@@ -130,8 +113,7 @@ def main() -> None:
             if not fused:
                 res["runs"][f"{size}_{m}"] = run
                 continue
-            by_burst = functools.partial(sorted, key=lambda kk: run["burst"][kk]["ms"])
-            top = by_burst(fused)[:args.sustain_top]
+            top = sorted(fused, key=lambda kk: run["burst"][kk]["ms"])[:args.sustain_top]
             best = top[0]
             # sustained, interleaved: the engine's pair and the fastest fused variants, round after round
             pair = {"cublas+silu_mul": fns["cublas+silu_mul"], **{kk: fns[kk] for kk in top}}

@@ -17,7 +17,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=${TEACHER_SERVER_EXT_DIR:-/tmp/ts-ext}
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
 # pybase64 is a server requirement the GPU image lacks: without it the HTTP runs decode and encode
 # every .npy payload with the standard library (fetch it with EXTRA_WHEELS="pybase64 ...")
 python3 -c "import pybase64" 2>/dev/null || echo "WARNING: no pybase64 in .whl/: HTTP runs use the slower standard-library base64"
@@ -97,11 +97,6 @@ for step in ${STEPS:-tests}; do
         --workloads W4 --tensor-parallel-size 2 --tp-comm-parts $parts --repeats 2 \
         --out "$OUT/engine_32b_w4_tp2_run${i}_parts$parts.json" 2>&1 | tee -a "$OUT/tp_parts.log" | grep -E "^W4 |KV pool|loaded"
       done ;;
-    # the fused gate/up + SiLU-mul kernel (both weight layouts) beside cuBLAS + SiLU-mul at the 8B and 32B
-    # shapes: its GPU tests, then bursts and sustained interleaved rounds
-    glu) python3 -m pytest $PT -m gpu tests/test_gate_up_silu.py 2>&1 | tee "$OUT/gpu_glu_tests.log" | tail -6
-      python3 bench/bench_fused_mlp.py --model-size 8b,32b --tokens 16384 --configs 128x128x64s3 --variants default \
-        --sustain-s 8 ${GLU_ARGS:-} --out "$OUT/fused_mlp_h200.json" 2>&1 | tee "$OUT/fused_mlp.log" | grep -v "^ " | tail -60 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

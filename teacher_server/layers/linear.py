@@ -61,29 +61,9 @@ class MergedColumnLinear(nn.Module):
             off += local
         self.weight = _frozen(off, in_features, dtype=dtype, device=device)
         self.bias = _frozen(off, dtype=dtype, device=device) if bias else None
-        # the rows' order when a kernel wants them in another than part after part (``reorder``):
-        # for each row, the row of the part-after-part layout it holds; None: that layout
-        self.row_order: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, sum of local parts], columns in ``row_order``
-
-    def reorder(self, order: torch.Tensor | None) -> None:
-        """Put the rows in ``order`` (row i takes row order[i] of the part-after-part layout;
-        None: back to that layout), in place."""
-        current = self.row_order if self.row_order is not None else torch.arange(self.weight.shape[0])
-        target = order if order is not None else torch.arange(self.weight.shape[0])
-        if torch.equal(current, target):
-            return
-        # where each target row sits now: the inverse of the current order, then the target's
-        where = torch.empty_like(current)
-        where[current] = torch.arange(current.numel())
-        idx = where[target].to(self.weight.device)
-        with torch.no_grad():
-            self.weight.copy_(self.weight.index_select(0, idx))
-            if self.bias is not None:
-                self.bias.copy_(self.bias.index_select(0, idx))
-        self.row_order = order
+        return F.linear(x, self.weight, self.bias)  # [T, sum of local parts]
 
     def shards(self, param: str) -> int:
         """How many HF tensors fill ``param`` (one per part)."""
@@ -97,7 +77,6 @@ class MergedColumnLinear(nn.Module):
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         """Copy this rank's rows of part ``part`` (the whole HF tensor, or just those rows)."""
         assert part in self.parts, f"{name}: part {part!r} is not one of {list(self.parts)}"
-        assert self.row_order is None, f"{name}: loading into rows that a kernel has reordered"
         off, n = self.parts[part]
         copy_checked(getattr(self, param).data[off:off + n], take(loaded, self.checkpoint_slice(param, part)), name)
 

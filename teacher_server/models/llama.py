@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.attention.base import AttentionInputs
@@ -26,7 +25,6 @@ from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.base import LayerPacer
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
-from teacher_server.ops.gate_up_silu import pair_rows
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.step_context import StepContext
 
@@ -82,28 +80,8 @@ class LlamaMLP(RuntimeModule):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         p = self.gate_up_proj
-        paired = p.row_order is not None
-        a = self.rt.ops.gate_up_act(h, p.weight, paired)  # one kernel where it runs
-        if a is not None:
-            return a
-        if paired:  # the kernel's weight layout without the kernel: gate and up columns alternate
-            g, u = p(h).unflatten(-1, (-1, 2)).unbind(-1)
-            return F.silu(g) * u
-        return self.act(p(h))
-
-    def pair_rows(self, on: bool) -> None:
-        """Lay the gate/up weight out as the fused kernel's paired form wants it (gate j and up
-        j in neighbouring rows: ``gate_up_silu.pair_rows``), or back part after part."""
-        self.gate_up_proj.reorder(pair_rows(self.gate_up_proj.parts["gate"][1]) if on else None)
-
-
-def layout_gate_up(layers: nn.ModuleList, ops: FusedOps) -> None:
-    """Each dense MLP's gate/up weight in the layout its forward will take: paired where the
-    fused kernel runs on it (``FusedOps.gate_up_paired``), part after part otherwise."""
-    on = bool(ops.gate_up_kernel and ops.gate_up_paired)
-    for layer in layers:
-        if isinstance(layer.mlp, LlamaMLP):
-            layer.mlp.pair_rows(on)
+        a = self.rt.ops.gate_up_act(h, p.weight) if p.bias is None else None  # one kernel where it runs
+        return a if a is not None else self.act(p(h))
 
 
 def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm,
@@ -234,7 +212,6 @@ class LlamaForCausalLM(RuntimeModule):
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         ops.warm_up(attn.heads, self.spec.hidden_size, inter, *attn.qk_norm_weights(),
                     rope.table, rope.table.device, self.dtype)
-        layout_gate_up(self.layers, ops)
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, pacer: LayerPacer | None = None) -> torch.Tensor:

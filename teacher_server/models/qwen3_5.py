@@ -26,7 +26,7 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.layers.gated_delta import GatedDeltaNet
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM, layout_gate_up
+from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
@@ -165,7 +165,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
             ops.gated_norm_shape = mixer.gated_norm_shape()
             ops.linear_heads = mixer.heads_shape()
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
-        layout_gate_up(self.layers, ops)
         if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,
                       s.linear_conv_kernel_dim, rope.table.device, self.dtype)

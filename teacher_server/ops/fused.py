@@ -98,9 +98,6 @@ class FusedOps:
         # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
         # after its start-up check at the model's shapes: ``check_gate_up``)
         self.gate_up_kernel = kernels
-        # ... on the gate/up weight in its paired layout (one load and one dot a step; the models
-        # lay the weight out so after the check: ``llama.layout_gate_up``)
-        self.gate_up_paired = True
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
         # its start-up check: ``check_conv_kernel``)
         self.conv_kernel = kernels
@@ -119,11 +116,10 @@ class FusedOps:
         """[T, 2I] -> [T, I]: silu(gate) * up."""
         return silu_mul(gate_up) if self.silu_kernel else silu_mul_reference(gate_up)
 
-    def gate_up_act(self, h: torch.Tensor, w: torch.Tensor, paired: bool = False) -> torch.Tensor | None:
-        """silu(h gate^T) * (h up^T), w = [gate; up] ([2I, H]; with ``paired`` its rows
-        ``gate_up_silu.pair_rows``), in one kernel: [T, I]; None where it does not run (the
-        caller then runs the GEMM and SiLU-mul)."""
-        return gate_up_silu(h, w, paired=paired) if self.gate_up_kernel else None
+    def gate_up_act(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+        """silu(h gate^T) * (h up^T), w = [gate; up] ([2I, H]), in one kernel: [T, I]; None
+        where it does not run (the caller then runs the GEMM and ``silu_mul``)."""
+        return gate_up_silu(h, w) if self.gate_up_kernel else None
 
     def check_gate_up(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
         """Check (and compile) the fused gate/up kernel at the model's shapes (when on); where it
@@ -131,7 +127,7 @@ class FusedOps:
         if not self.gate_up_kernel:
             return
         try:
-            self.gate_up_kernel = check_gate_up_silu(hidden, intermediate, device, dtype, self.gate_up_paired)
+            self.gate_up_kernel = check_gate_up_silu(hidden, intermediate, device, dtype)
         except Exception as e:
             log.warning("fused gate/up SiLU kernel disabled: %s: %s", type(e).__name__, e)
             self.gate_up_kernel = False

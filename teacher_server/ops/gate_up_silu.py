@@ -97,36 +97,6 @@ def _kernels() -> dict[str, Any]:
             s = s.to(c_desc.dtype).to(tl.float32)
             c_desc.store([om, on], (s * u).to(c_desc.dtype))
 
-    # The paired weight (``pair_rows``): rows 2j and 2j + 1 are gate j and up j, so one [2BN, BK]
-    # load and one dot per step give a tile's gate and up side by side in the accumulator, and
-    # splitting its column pairs is a register-level step (each thread holds neighbouring columns).
-    @triton.jit(do_not_specialize=["M"])
-    def paired(a_desc, b_desc, c_desc, M, I, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: E741
-               GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
-               EXACT: tl.constexpr):
-        num_pid_m = tl.cdiv(M, BM)
-        num_pid_n = tl.cdiv(I, BN)
-        per_group = GROUP_M * num_pid_n
-        k_tiles = tl.cdiv(K, BK)
-        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-            first_m = (tile // per_group) * GROUP_M
-            size_m = min(num_pid_m - first_m, GROUP_M)
-            om = (first_m + (tile % per_group) % size_m) * BM
-            on = ((tile % per_group) // size_m) * BN
-            acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-            for kt in range(k_tiles):
-                ok = kt * BK
-                acc = tl.dot(a_desc.load([om, ok]), b_desc.load([2 * on, ok]).T, acc)
-            g, u = tl.split(tl.reshape(acc, (BM, BN, 2)))
-            g = g.to(c_desc.dtype).to(tl.float32)
-            u = u.to(c_desc.dtype).to(tl.float32)
-            if EXACT:
-                s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
-            else:
-                s = g / (1.0 + tl.exp(-g))
-            s = s.to(c_desc.dtype).to(tl.float32)
-            c_desc.store([om, on], (s * u).to(c_desc.dtype))
-
     @triton.jit(do_not_specialize=["M"])
     def plain(a_desc, b_desc, c_desc, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
               GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr):
@@ -146,7 +116,7 @@ def _kernels() -> dict[str, Any]:
                 acc = tl.dot(a_desc.load([om, ok]), b_desc.load([on, ok]).T, acc)
             c_desc.store([om, on], acc.to(c_desc.dtype))
 
-    _K.update(fused=fused, paired=paired, plain=plain, desc=TensorDescriptor.from_tensor)
+    _K.update(fused=fused, plain=plain, desc=TensorDescriptor.from_tensor)
     return _K
 
 
@@ -176,10 +146,9 @@ def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
 
 
 def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, config: str,
-            w_rows: int | None = None, **consts: bool) -> torch.Tensor:
+            **consts: bool) -> torch.Tensor:
     """out [T, cols] from kernel ``kernel`` over h [T, H] and w, in tiles of BM x ``bn``
-    (BM, BK, stages, warps and grouping from ``config``; ``w_rows`` rows of w a load, default
-    ``bn``), one program per SM."""
+    (BM, BK, stages, warps and grouping from ``config``), one program per SM."""
     bm, _, bk, stages, warps, group = CONFIGS[config]
     t = h.shape[0]
     out = torch.empty(t, cols, dtype=h.dtype, device=h.device)
@@ -189,27 +158,17 @@ def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, c
     k = _kernels()
     d = k["desc"]
     k[kernel][(min(sms, -(-t // bm) * (cols // bn)),)](
-        d(h, [bm, bk]), d(w, [w_rows or bn, bk]), d(out, [bm, bn]), t, cols, h.shape[1], BM=bm, BN=bn, BK=bk,
-        GROUP_M=group, NUM_SMS=sms, num_stages=stages, num_warps=warps, **consts)
+        d(h, [bm, bk]), d(w, [bn, bk]), d(out, [bm, bn]), t, cols, h.shape[1], BM=bm, BN=bn, BK=bk, GROUP_M=group,
+        NUM_SMS=sms, num_stages=stages, num_warps=warps, **consts)
     return out
 
 
-def pair_rows(intermediate: int) -> torch.Tensor:
-    """The row of [gate; up] ([2I, H]) each row of the paired weight takes: gate j, up j, ..."""
-    j = torch.arange(intermediate)
-    return torch.stack((j, j + intermediate), dim=1).reshape(-1)
-
-
 def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
-                 warp_specialize: bool = True, exact: bool = False, paired: bool = False) -> torch.Tensor | None:
-    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]), or with ``paired`` w =
-    [gate; up][pair_rows(I)] (gate and up rows alternating); None where it does not apply."""
+                 warp_specialize: bool = True, exact: bool = False) -> torch.Tensor | None:
+    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
     bn = CONFIGS[config][1]
     if not eligible(h, w, bn):
         return None
-    if paired:
-        return _launch("paired", h, w, w.shape[0] // 2, bn, config, 2 * bn, FLATTEN=flatten, WS=warp_specialize,
-                       EXACT=exact)
     return _launch("fused", h, w, w.shape[0] // 2, bn, config, FLATTEN=flatten, WS=warp_specialize, EXACT=exact)
 
 
@@ -221,20 +180,17 @@ def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten:
     return _launch("plain", h, w, w.shape[0], 2 * bn, config, FLATTEN=flatten)
 
 
-def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
-                       paired: bool = False) -> bool:
+def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Start-up check at the model's shapes: the kernel against the GEMM then silu(g) * u on
     random inputs, every output within a few bf16 steps of it (NaN fails), and the same bits on
     a second call (a race would differ). Its token counts (1, one not a multiple of 16, and
     4096, which gives every SM several tiles) compile every variant Triton may specialise the
-    launch for now rather than in the middle of serving. ``paired``: the kernel on the paired
-    weight (``pair_rows``). False where the kernel does not apply (no Triton, not Hopper, a
-    width it does not take); RuntimeError on a mismatch."""
+    launch for now rather than in the middle of serving. False where the kernel does not apply
+    (no Triton, not Hopper, a width it does not take); RuntimeError on a mismatch."""
     w = torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) * hidden ** -0.5
-    wk = w[pair_rows(intermediate).to(device)].contiguous() if paired else w
     for n in (1, 200, 4096):
         h = torch.randn(n, hidden, device=device, dtype=dtype)
-        got = gate_up_silu(h, wk, paired=paired)
+        got = gate_up_silu(h, w)
         if got is None:
             return False
         ref = silu_mul_reference(h @ w.t()).float()
@@ -242,6 +198,6 @@ def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dty
         if bad:
             raise RuntimeError(f"gate_up_silu differs from the GEMM and SiLU-mul on {bad} of {got.numel()} outputs "
                                f"at {n} tokens")
-        if not torch.equal(got, gate_up_silu(h, wk, paired=paired)):
+        if not torch.equal(got, gate_up_silu(h, w)):
             raise RuntimeError(f"gate_up_silu gave other bits on a second call at {n} tokens")
     return True
