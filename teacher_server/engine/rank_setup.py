@@ -93,6 +93,11 @@ class MemoryPlan(NamedTuple):
     budget: int
 
 
+def rank_kv_size(spec: ModelSpec, tp: TensorParallel) -> int:
+    """One layer's key (or value) width on this rank: its KV heads times the head dim."""
+    return tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim
+
+
 def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: int, tp: TensorParallel,
                      state: LinearStateLayout | None = None) -> int:
     """A generous estimate of one step's activations on a rank: per token (this rank's shares of
@@ -100,7 +105,7 @@ def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: i
     this rank's vocab share, the packed keys of a long chunked sequence (its prefix gathered per
     layer), and on hybrid models a linear layer's per-chunk (64 tokens) and per-sequence float32
     states."""
-    kv_size = tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim
+    kv_size = rank_kv_size(spec, tp)
     act = budget * ((spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size) // tp.size
                     + 6 * spec.hidden_size) * 4
     act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
@@ -119,8 +124,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.
     step may hold (2 * max_num_seqs), cut down to ``STATE_SHARE`` of the pool's memory, at least
     2. The KV blocks: ``num_kv_blocks``, or the rest of the pool; only the attention layers
     (``spec.kv_layer_ids``) have KV."""
-    kv_size = tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim  # this rank's
-    bytes_per_token = max(2 * len(spec.kv_layer_ids) * kv_size * dtype.itemsize, 1)
+    bytes_per_token = max(2 * len(spec.kv_layer_ids) * rank_kv_size(spec, tp) * dtype.itemsize, 1)
     slot_bytes = state.slot_bytes() if state is not None else 0
 
     def slots_of(pool: float) -> int:  # before the floor of 2

@@ -93,10 +93,11 @@ class RowLinear(nn.Module):
         self.weight = _frozen(out_features, self.cols[1], dtype=dtype, device=device)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        if len(self.tp.spans(a.shape[0])) > 1:  # in parts, each part's all-reduce under the next's GEMM
+        spans = self.tp.spans(a.shape[0])
+        if len(spans) > 1:  # in parts, each part's all-reduce under the next's GEMM
             out = a.new_empty(a.shape[0], self.weight.shape[0])
             w = self.weight.t()
-            return self.tp.all_reduce_parts(out, lambda lo, hi: torch.mm(a[lo:hi], w, out=out[lo:hi]))
+            return self.tp.all_reduce_parts(out, lambda lo, hi: torch.mm(a[lo:hi], w, out=out[lo:hi]), spans)
         return self.tp.all_reduce(F.linear(a, self.weight))  # [T, out], summed over ranks
 
     def add_into(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -105,7 +106,8 @@ class RowLinear(nn.Module):
         Returns x. With tp > 1 only rank 0 adds x to its partial sum; the others overwrite x
         with theirs, and the all-reduce makes x + the full product on every rank (in parts
         where ``tp.comm_parts`` asks for them)."""
-        if len(self.tp.spans(x.shape[0])) > 1:
+        spans = self.tp.spans(x.shape[0])
+        if len(spans) > 1:
             w = self.weight.t()
 
             def make(lo: int, hi: int) -> None:
@@ -114,7 +116,7 @@ class RowLinear(nn.Module):
                 else:
                     torch.mm(a[lo:hi], w, out=x[lo:hi])
 
-            return self.tp.all_reduce_parts(x, make)
+            return self.tp.all_reduce_parts(x, make, spans)
         if self.tp.rank == 0:
             x.addmm_(a, self.weight.t())
         else:
