@@ -9,7 +9,9 @@ work, then 1 ms waiting with the GIL released, as on a CUDA event), with the req
 running in another thread: the probe's lost work is what the launch loop would lose.
 
 Each part is timed with the base64 codec the server uses (pybase64) and with the standard
-library's, and the token-count precheck with and without its verifying parse.
+library's, and the token-count precheck with and without its verifying parse. Then the
+burst's parsed requests through a replica's inbox (the engine's own process, as the server
+runs it on a GPU), with the candidates as parsed (int32) and widened to int64.
 
   python bench/bench_request_path.py --workload W1 --http 128 --out bench/results/request_path.json
 """
@@ -136,6 +138,40 @@ def front_cpu(requests: int, concurrency: int) -> dict:
             "front_cpu_ms_per_request": total / len(reqs) * 1e3}
 
 
+def _drain(q, n: int, rounds: int, done) -> None:  # noqa: ANN001
+    """A replica's side of its inbox: take ``rounds`` bursts of n messages (each unpickled),
+    saying when each burst's last one is in."""
+    for _ in range(rounds):
+        for _ in range(n):
+            q.get()
+        done.put(time.monotonic())
+
+
+def inbox_burst(reqs: list, rounds: int = 3) -> dict:
+    """A burst of parsed requests through a replica's inbox as the front sends them (an AddMsg
+    each on a multiprocessing queue, pickled by its feeder thread, to a spawned process that
+    unpickles them): milliseconds from the first put to the last get, each round (after a
+    warm-up round), and the candidates' megabytes."""
+    import multiprocessing as mp
+
+    from teacher_server.replicas.messages import AddMsg
+
+    ctx = mp.get_context("spawn")
+    q, done = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_drain, args=(q, len(reqs), rounds + 1, done), daemon=True)
+    proc.start()
+    ms = []
+    for r in range(rounds + 1):
+        t = time.monotonic()
+        for req in reqs:
+            q.put(AddMsg(req))
+        end = done.get()
+        if r:
+            ms.append(1e3 * (end - t))
+    proc.join(timeout=10)
+    return {"candidate_mb": sum(x.candidates.nbytes for x in reqs) / 1e6, "burst_ms": ms}
+
+
 def timed(fn, reps: int = 3) -> float:  # noqa: ANN001
     best = float("inf")
     for _ in range(reps):
@@ -181,6 +217,14 @@ def main() -> None:
         "count_and_verify": timed(lambda: [parsing.count_token_ids(r) for r in raws]) / n * 1e3,
         "count_only_within_limit": timed(lambda: [parsing.count_token_ids(r, above=limits.max_model_len)
                                                   for r in raws]) / n * 1e3}
+    # the burst through a replica's inbox: the candidates as parsed (int32), and as int64 (their
+    # form before 2026-12)
+    parsed = [parsing.parse_request(r, limits, "m")[1] for r in raws]
+    out["inbox_burst"] = {"int32": inbox_burst(parsed)}
+    for req in parsed:
+        req.candidates = req.candidates.astype(np.int64)
+    out["inbox_burst"]["int64"] = inbox_burst(parsed)
+    print("inbox burst", json.dumps(out["inbox_burst"]), flush=True)
     if args.http:
         out["http_front"] = front_cpu(args.http, 128)
     print(json.dumps(out, indent=1))

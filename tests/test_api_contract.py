@@ -379,3 +379,19 @@ def test_a_bad_chunk_after_the_answer_closes_the_connection_quietly(demo_server,
     assert got.startswith(b"HTTP/1.1 400") and got.count(b"HTTP/1.1 ") == 1, got
     assert b"Content-Encoding 'gzip' is not supported" in got
     assert not [r for r in caplog.records if "data_received" in r.getMessage() or "LocalProtocolError" in r.getMessage()]
+
+
+def test_candidates_reach_the_engine_as_int32_checked_first_in_int64() -> None:
+    """Every accepted form becomes int32 (half the bytes carried to the engine's process); an
+    id that int32 would wrap (2**32 + 5 reads as 5) is refused by the range check before it."""
+    from teacher_server.validation import BadRequest, Limits, parse_candidates
+
+    limits = Limits(vocab_size=4096, max_model_len=64, max_logprobs=16, max_rows_x_k=10**6)
+    for value in ([7, 8, 4095], [[7, -1], [4095, 0]], npy_b64(np.array([[7, -1], [4095, 0]], np.int64)),
+                  np.array([1, 2], np.uint16)):
+        arr = parse_candidates(value, 2, limits, "c")
+        assert arr.dtype == np.int32 and arr.flags.c_contiguous
+        assert arr.tolist() in ([7, 8, 4095], [[7, -1], [4095, 0]], [1, 2])
+    for value in ([[2**32 + 5, 1], [1, 1]], npy_b64(np.array([[1, 1], [2**32 + 5, 1]], np.int64))):
+        with pytest.raises(BadRequest, match="outside"):
+            parse_candidates(value, 2, limits, "c")

@@ -39,7 +39,7 @@ class ScoreRequest:
     request_id: str
     token_ids: np.ndarray  # [L] int64
     start: int = 0
-    candidates: np.ndarray | None = None  # [K] shared or [rows, K] per row, int64, -1 = padding
+    candidates: np.ndarray | None = None  # [K] shared or [rows, K] per row, int32, -1 = padding
     prompt_logprobs: int | None = None  # classic top-k over every position
     max_tokens: int = 0  # 1: also return the greedy next token
     cache_salt: str | None = None
