@@ -259,7 +259,7 @@ def comm_parts_runs(path: Path, monkeypatch, **settings: object) -> tuple[dict, 
     made = []
     in_parts = TensorParallel.all_reduce_parts
     monkeypatch.setattr(TensorParallel, "all_reduce_parts",
-                        lambda self, out, make, spans=None: made.append(out.shape[0]) or in_parts(self, out, make, spans))
+                        lambda self, out, make, spans: made.append(out.shape[0]) or in_parts(self, out, make, spans))
     out, seen = {}, {}
     for size, parts in ((2, 3), (2, 1), (1, 3)):
         engine = Engine(Config(model=str(path), tensor_parallel_size=size, tp_comm_parts=parts,

@@ -78,15 +78,15 @@ class TensorParallel:
         return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
     def all_reduce_parts(self, out: torch.Tensor, make: Callable[[int, int], None],
-                         spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
-        """Fill ``out`` [rows, ...] span by span (``spans``, default ``self.spans(rows)``):
+                         spans: list[tuple[int, int]]) -> torch.Tensor:
+        """Fill ``out`` [rows, ...] span by span (``spans``, as ``self.spans(rows)`` made them):
         ``make(lo, hi)`` writes this rank's partial sums into ``out[lo:hi]``, then that span's
         all-reduce starts on the communicator's stream while the next span is made; the caller's
         stream waits for them all (the host does not). Returns out, summed over the ranks."""
         import torch.distributed as dist
 
         works = []
-        for lo, hi in spans if spans is not None else self.spans(out.shape[0]):
+        for lo, hi in spans:
             make(lo, hi)
             works.append(dist.all_reduce(out[lo:hi], async_op=True))
         for w in works:
