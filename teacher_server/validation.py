@@ -41,8 +41,7 @@ class Limits:
 
 
 def decode_npy(data: str, param: str) -> np.ndarray:
-    """base64 `.npy` -> integer array: as sent where its ids are 32 bits or fewer (compared as
-    they are, no widened copy), else int64. Never unpickles; read without `np.load` (see
+    """base64 `.npy` -> integer array. Never unpickles; read without `np.load` (see
     `teacher_server.npy`: on the CPythons this supports, `np.load` fails now and then while
     another thread parses Python source)."""
     try:
@@ -60,7 +59,7 @@ def decode_npy(data: str, param: str) -> np.ndarray:
                          param)
     if arr.ndim not in (1, 2):
         raise BadRequest(f"{param} must have shape [K] or [rows, K], got {list(arr.shape)}", param)
-    return arr if arr.dtype.itemsize <= 4 else _to_int64(arr, param)
+    return _to_int64(arr, param)
 
 
 def _to_int64(arr: np.ndarray, param: str) -> np.ndarray:
