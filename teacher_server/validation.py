@@ -41,9 +41,14 @@ class Limits:
 
 
 def decode_npy(data: str, param: str) -> np.ndarray:
-    """base64 `.npy` -> integer array. Never unpickles; read without `np.load` (see
+    """base64 `.npy` -> int64 integer array. Never unpickles; read without `np.load` (see
     `teacher_server.npy`: on the CPythons this supports, `np.load` fails now and then while
     another thread parses Python source)."""
+    return _to_int64(_decode_npy_as_sent(data, param), param)
+
+
+def _decode_npy_as_sent(data: str, param: str) -> np.ndarray:
+    """``decode_npy`` without the int64 conversion: the integer array in the dtype it was sent in."""
     try:
         raw = b64.decode(data)
     except ValueError:  # (binascii.Error too)
@@ -59,7 +64,7 @@ def decode_npy(data: str, param: str) -> np.ndarray:
                          param)
     if arr.ndim not in (1, 2):
         raise BadRequest(f"{param} must have shape [K] or [rows, K], got {list(arr.shape)}", param)
-    return _to_int64(arr, param)
+    return arr
 
 
 def _to_int64(arr: np.ndarray, param: str) -> np.ndarray:
@@ -83,10 +88,12 @@ def _as_int_array(x: Any, param: str) -> np.ndarray:
 
 def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.ndarray:
     """Candidates in any accepted form -> [K] (shared) or [rows, K] (per row) int32, checked
-    in int64 first (every id is in [-1, vocab), so int32 holds it: half the bytes a request
-    carries to the engine's process)."""
+    in int64 first, or in the signed dtype a binary array was sent in (every id is in
+    [-1, vocab), so int32 holds it: half the bytes a request carries to the engine's process)."""
     if isinstance(value, str):
-        arr = decode_npy(value, param)
+        arr = _decode_npy_as_sent(value, param)
+        if arr.dtype.kind == "u":  # (signed ids compare as sent: no widened copy of int32 ones)
+            arr = _to_int64(arr, param)
         per_row = arr.ndim == 2
     elif isinstance(value, np.ndarray):  # the in-process API's arrays: checked as the binary form is
         arr = _as_int_array(value, param)

@@ -395,3 +395,20 @@ def test_candidates_reach_the_engine_as_int32_checked_first_in_int64() -> None:
     for value in ([[2**32 + 5, 1], [1, 1]], npy_b64(np.array([[1, 1], [2**32 + 5, 1]], np.int64))):
         with pytest.raises(BadRequest, match="outside"):
             parse_candidates(value, 2, limits, "c")
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, ">i4", np.int64, np.uint16, np.uint32, np.uint64])
+def test_binary_candidates_are_range_checked_in_the_dtype_sent(dtype) -> None:
+    """Signed binary ids are compared as sent (no widened copy), unsigned ones in int64: every
+    dtype gives the same int32 array, and an id below -1 or at the vocab size is refused."""
+    from teacher_server.validation import BadRequest, Limits, parse_candidates
+
+    limits = Limits(vocab_size=100, max_model_len=64, max_logprobs=16, max_rows_x_k=10**6)
+    signed = np.dtype(dtype).kind == "i"
+    ok = [[7, -1], [99, 0]] if signed else [[7, 1], [99, 0]]
+    arr = parse_candidates(npy_b64(np.array(ok, dtype)), 2, limits, "c")
+    assert arr.dtype == np.int32 and arr.flags.c_contiguous and arr.tolist() == ok
+    bad = [[100, 1], [1, -2] if signed else [1, np.iinfo(dtype).max]]
+    for row in bad:
+        with pytest.raises(BadRequest, match="outside|out of range"):
+            parse_candidates(npy_b64(np.array([row, [1, 1]], dtype)), 2, limits, "c")
