@@ -46,6 +46,8 @@ for step in ${STEPS:-tests}; do
     # what a new cuDNN attention shape costs the launching thread, at the Qwen3.5-9B and Qwen3-8B shapes
     plans) python3 bench/bench_cudnn_plans.py --out "$OUT/cudnn_plans_qwen35.json" 2>&1 | tee "$OUT/cudnn_plans.log" | tail -3
            python3 bench/bench_cudnn_plans.py --heads 32 --kv-heads 8 --head-dim 128 --out "$OUT/cudnn_plans_8b.json" 2>&1 | tail -3 ;;
+    # every plan cuDNN lists for an engine step's attention against its heuristic's pick (burst and sustained)
+    attnplans) python3 bench/bench_attention_plans.py ${ATTN_PLANS_ARGS:-} --out "$OUT/attention_plans.json" 2>&1 | tee "$OUT/attention_plans.log" | tail -60 ;;
     conv) python3 bench/bench_conv_prep.py --out "$OUT/conv_prep_h200.json" 2>&1 | tee "$OUT/conv_prep.log" | tail -5 ;;
     # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers (DESIGN's padded recipe, then the
     # stronger packed one), W2's cache on vs off

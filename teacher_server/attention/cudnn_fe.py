@@ -109,6 +109,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         self._tls = threading.local()
         self._lock = threading.Lock()
         self.builds: list[float] = []  # host seconds of each graph build
+        self.heur_modes = ("A", "FALLBACK")  # cuDNN heuristics whose ranked plans a graph lists (the first that builds runs)
 
     # --- planning ----------------------------------------------------------------------
     def _fe_plan(self, x: AttentionInputs, ctx: StepContext) -> Plan:
@@ -270,7 +271,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         with self._lock:
             g.validate()
             g.build_operation_graph()
-            g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+            g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
             g.check_support()
             g.build_plans()
             entry = self._graphs[full] = (g, g.get_workspace_size())
