@@ -109,7 +109,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         self._tls = threading.local()
         self._lock = threading.Lock()
         self.builds: list[float] = []  # host seconds of each graph build
-        self.heur_modes = ("A", "FALLBACK")  # cuDNN heuristics whose ranked plans a graph lists (the first that builds runs)
+        # cuDNN heuristics whose ranked plans a graph lists (the first that builds runs)
+        self.heur_modes = ("A", "FALLBACK")
 
     # --- planning ----------------------------------------------------------------------
     def _fe_plan(self, x: AttentionInputs, ctx: StepContext) -> Plan:
