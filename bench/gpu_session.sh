@@ -50,7 +50,8 @@ for step in ${STEPS:-tests}; do
     attnplans) python3 bench/bench_attention_plans.py ${ATTN_PLANS_ARGS:-} --out "$OUT/attention_plans.json" 2>&1 | tee "$OUT/attention_plans.log" | tail -60 ;;
     # a newer cuDNN's attention plans against the image's, runs alternated: CUDNN_LIB_DIR holds its libcudnn.so.9 and
     # graph, heuristic, runtime-compiled and tensor-IR engine libraries (nvidia-cudnn-cu13's nvidia/cudnn/lib)
-    cudnnlib) for r in new1 old1 old2 new2; do
+    cudnnlib) : "${CUDNN_LIB_DIR:?set CUDNN_LIB_DIR to the lib folder of a newer cuDNN}"
+      for r in new1 old1 old2 new2; do
         case $r in old*) P="";; *) P="env LD_PRELOAD=$CUDNN_LIB_DIR/libcudnn.so.9 LD_LIBRARY_PATH=$CUDNN_LIB_DIR:${LD_LIBRARY_PATH:-}";; esac
         $P python3 bench/bench_attention_plans.py --heads 8b,32b --steps w1_32k,w1f,w3 --rounds 1 --sustain-s 0.5 \
           --out "$OUT/attention_plans_cudnn_$r.json" 2>&1 | tee "$OUT/attention_plans_cudnn_$r.log" | grep -E "[*]|best"
