@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_telemetry import GpuTelemetry, mfu_at_clock
 from hf_baseline import CHECK_REQUESTS, compare
 from workloads import (
     H200_PEAK,
@@ -108,6 +109,29 @@ def run_engine(engine: Engine, reqs: list[Req], tag: str) -> tuple[float, list[f
 
 
 GPUS = 1  # tensor-parallel size of the run (set by main)
+TELEMETRY: GpuTelemetry | None = None  # the GPUs' power and clocks over the runs (set by main; None on the CPU)
+
+
+def telemetry_indices(gpus: int) -> list[int]:
+    """nvidia-smi's indices of the GPUs the run uses (CUDA_VISIBLE_DEVICES, where it lists numbers)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if visible and all(v.isdigit() for v in visible):
+        return [int(v) for v in visible[:gpus]]
+    return list(range(gpus))
+
+
+def gpu_window(out: dict, t0: float, t1: float) -> None:
+    """Add the GPUs' power and clock over [t0, t1] (``time.monotonic()``) to a run's summary, and
+    its MFU at the clock it ran at (``gpu_telemetry``)."""
+    if TELEMETRY is None:
+        return
+    w = TELEMETRY.window(t0, t1)
+    if w is None:
+        return
+    props = torch.cuda.get_device_properties(0)
+    at = mfu_at_clock(out["mfu"] * H200_PEAK, w["sm_mhz_mean"], props.multi_processor_count, props.major)
+    out["gpu"] = w
+    out["mfu_at_clock"] = round(at, 4) if at is not None else None
 
 
 def summarize(name: str, cfg: dict, reqs: list[Req], seconds: float, lat: list[float], peak: float,
@@ -136,7 +160,17 @@ def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats:
     # every run's host stages (a first run that pays one-time work shows in its launch_s)
     best["runs_launch_s"] = [r["_timing"]["launch_s"] for r in runs]
     best["host_stages_s"] = best.pop("_timing")
+    best["runs_gpu"] = [run_gpu(r) for r in runs]
     return best
+
+
+def run_gpu(run: dict) -> dict | None:
+    """A run's power and clock in brief (None without telemetry)."""
+    g = run.get("gpu")
+    if not g:
+        return None
+    return {"power_w_mean": g["power_w_mean"], "sm_mhz_mean": g["sm_mhz_mean"],
+            "sw_power_cap_share": g["sw_power_cap_share"], "mfu_at_clock": run.get("mfu_at_clock")}
 
 
 def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> dict:
@@ -144,11 +178,14 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     for the GPU; the rest is host work, overlapped with the GPU when pipelined)."""
     before = engine.stats()
     peak_bytes(reset=True)
+    m0 = time.monotonic()
     dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
+    m1 = time.monotonic()
     assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
     assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
     assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
     out = summarize(name, cfg, reqs, dt, lat, peak_bytes())
+    gpu_window(out, m0, m1)
     after = engine.stats()
     out["_timing"] = {k: round(v, 4) for k, v in asdict(after.timing.minus(before.timing)).items()}
     out["_timing"] |= {"steps": after.steps - before.steps, "tokens": after.computed_tokens - before.computed_tokens}
@@ -426,6 +463,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
                 runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
                 runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
                 runs[-1]["http_client"] = client
+                gpu_window(runs[-1], start, start + dt)
                 time.sleep(settle)
                 after = server_stages(url)
                 runs[-1]["server_stages_s"] = {k: round(after[k] - before.get(k, 0.0), 4) for k in after}
@@ -434,9 +472,11 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         best = dict(sorted(first, key=lambda r: r["seconds"])[len(first) // 2])
         best["runs_seconds"] = [r["seconds"] for r in first]
         best["runs_clock"] = [r["clock"] for r in first]
+        best["runs_gpu"] = [run_gpu(r) for r in first]
         if len(clients) > 1:
             best["by_client"] = {c: {"runs_seconds": [r["seconds"] for r in runs if r["http_client"] == c],
-                                     "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c]}
+                                     "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c],
+                                     "runs_gpu": [run_gpu(r) for r in runs if r["http_client"] == c]}
                                  for c in clients}
         best["concurrency"] = args.concurrency
         best["prefix_caching"] = False
@@ -555,8 +595,11 @@ def main() -> None:
                          "server's to PREFIXhttp-NAME.jsonl (one JSON line per step, config step_trace)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    global GPUS
+    global GPUS, TELEMETRY
     GPUS = args.tensor_parallel_size
+    if torch.cuda.is_available():
+        TELEMETRY = GpuTelemetry.start(telemetry_indices(GPUS))
+        print("GPU telemetry:", "nvidia-smi" if TELEMETRY else "unavailable", flush=True)
     cfg, family, written = MODELS[args.model_size]
     if args.tiny:  # the same path on a small model of the same family (CPU smoke runs)
         cfg = tiny(cfg)
@@ -678,6 +721,9 @@ def main() -> None:
     tp = f"_tp{GPUS}" if GPUS > 1 else ""
     out = Path(args.out or f"bench/results/engine_{args.model_size}{tp}_h200.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    if TELEMETRY is not None:
+        results["gpu_telemetry"] = {"source": "nvidia-smi, every 50 ms", "gpus": TELEMETRY.static}
+        TELEMETRY.close()
     results["summary"] = summary(results)
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
@@ -736,7 +782,7 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
 
 def print_table(results: dict) -> None:
     print(f"\n{'workload':<22}{'tok/s':>10}{'tok/s/GPU':>10}{'scored/s':>10}{'MFU/GPU':>8}{'x base':>8}{'peak GiB':>9}"
-          f"{'p50 s':>8}{'p99 s':>8}")
+          f"{'p50 s':>8}{'p99 s':>8}{'W':>6}{'MHz':>6}{'MFU@clk':>8}")
     rows = [(k, v) for k, v in results["engine"].items()] + [(k + "-http", v) for k, v in results["http"].items()] + \
         [(k + "-transformers", v) for k, v in results["baseline"].items()]
     for k, d in results["prefix_cache"].items():
@@ -745,8 +791,14 @@ def print_table(results: dict) -> None:
         base = results["baseline"].get(name.split("-")[0])
         ratio = f"{base['seconds'] / r['seconds']:.2f}" if base and not name.endswith("transformers") else ""
         per_gpu = r.get("tokens_per_s_per_gpu", r["tokens_per_s"])
+        g = r.get("gpu") or {}
         print(f"{name:<22}{r['tokens_per_s']:>10.0f}{per_gpu:>10.0f}{r['scored_tokens_per_s']:>10.0f}{r['mfu']:>8.3f}{ratio:>8}"
-              f"{r['peak_gib']:>9.1f}{r['latency_p50_s']:>8.2f}{r['latency_p99_s']:>8.2f}")
+              f"{r['peak_gib']:>9.1f}{r['latency_p50_s']:>8.2f}{r['latency_p99_s']:>8.2f}"
+              f"{fmt(g.get('power_w_mean'), 6, 0)}{fmt(g.get('sm_mhz_mean'), 6, 0)}{fmt(r.get('mfu_at_clock'), 8, 3)}")
+
+
+def fmt(v: float | None, width: int, digits: int) -> str:
+    return f"{v:>{width}.{digits}f}" if v is not None else " " * width
 
 
 if __name__ == "__main__":
