@@ -111,6 +111,42 @@ def test_launch_failure_fails_only_that_step(tmp_path: Path, pipeline: bool) -> 
     assert eng.stats().kv_blocks_used == 0
 
 
+def test_a_failure_completing_a_step_inside_the_next_launch_fails_only_its_requests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paced as on CUDA, step N is completed inside step N+1's launch, after N+1 was scheduled.
+    A non-fatal error there fails N's requests, among them a long one that N+1 continues: N+1's
+    bookkeeping must leave that aborted sequence alone (it once raised IndexError on its freed
+    block table and took the engine down), the others are scored, and nothing leaks."""
+    eng, _ = paced(tmp_path, monkeypatch, True, 1)
+    eng.tuning = replace(eng.tuning, token_budget=16)
+    calls = {"n": 0}
+    scatter = eng.runner.scatter_results
+
+    def failing_once(layout, out):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise ValueError("injected failure completing a step")
+        return scatter(layout, out)
+
+    eng.runner.scatter_results = failing_once
+    rng = np.random.default_rng(0)
+    long = ScoreRequest("long", rng.integers(0, 4096, 64), 50, rng.choice(4096, 3, replace=False))
+    eng.add_request(long)
+    out = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            assert r.request_id not in out
+            out[r.request_id] = r
+    assert calls["n"] >= 2 and out["long"].error_kind == ErrorKind.INTERNAL
+    assert eng.stats().kv_blocks_used == 0 and eng.stats().active_requests == 0
+    after = ScoreRequest("after", rng.integers(0, 4096, 40), 5, rng.choice(4096, 3, replace=False))
+    got = eng.run_to_completion([after])[0]
+    want = engine(tmp_path, False).run_to_completion([after])[0]
+    assert got.error is None
+    np.testing.assert_allclose(got.token_id_logprobs, want.token_id_logprobs, atol=1e-5)
+    assert eng.stats().kv_blocks_used == 0
+
+
 def test_forward_keeps_the_host_a_bounded_number_of_layers_ahead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Within a forward the host waits for layer i - ahead before launching layer i, so at
     most ``ahead`` layers are ever queued past the last one known finished; results equal

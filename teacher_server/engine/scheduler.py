@@ -69,6 +69,7 @@ class Scheduler:
 
     def abort(self, seq: Sequence) -> None:
         """Drop a sequence wherever it is and free its blocks and state slots."""
+        seq.aborted = True
         self.waiting = [t for t in self.waiting if t[2] is not seq]
         if seq in self.running:
             self.running.remove(seq)
@@ -235,10 +236,14 @@ class Scheduler:
 
     def finish_step(self, chunks: list[Chunk]) -> list[Sequence]:
         """Advance sequences after their step ran; register newly computed cacheable blocks.
-        Returns the sequences that are complete (their blocks released)."""
+        Returns the sequences that are complete (their blocks released). A sequence aborted
+        after this step was scheduled (its previous step failed while this one launched) is
+        left as the abort left it: no blocks, nothing to register."""
         done = []
         for c in chunks:
             seq = c.seq
+            if seq.aborted:
+                continue
             seq.num_computed = c.end
             full = min(c.write_end, seq.cache_end) // self.bm.block_size
             for i in range(seq.num_registered, full):

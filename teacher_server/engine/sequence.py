@@ -32,6 +32,7 @@ class Sequence:
     state_src: int = 0  # where the state after the last scheduled chunk is (0: the zero state)
     state_read: int = 0  # a snapshot the next (or the scheduled) chunk starts from
     snapshot_slot: int = 0  # the snapshot at cache_end the scheduled chunk writes (bound when it ran)
+    aborted: bool = False  # dropped (``Scheduler.abort``): a step that scheduled it leaves it alone
 
     def __post_init__(self) -> None:
         self.logit_lo, self.logit_hi = self.req.logit_range()
