@@ -71,11 +71,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 180) -> None
 class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a background thread."""
 
-    def __init__(self, cfg, port: int | None = None, **app_kw) -> None:
+    def __init__(self, cfg, port: int | None = None, drain_timeout: float | None = None, **app_kw) -> None:
+        """``drain_timeout``: the command line's server (``DrainingServer``: SIGTERM drains, see
+        ``handle_exit``) with that drain, instead of uvicorn's own."""
         import uvicorn
 
         from teacher_server.server.app import create_app
         from teacher_server.server.http import uvicorn_config
+        from teacher_server.server.lifecycle import DrainingServer
 
         self.cfg = cfg
         self.app = create_app(cfg, **app_kw)
@@ -87,7 +90,9 @@ class LiveServer:
         sock.bind(("127.0.0.1", port or 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(self.app, cfg, host="127.0.0.1", port=self.port, lifespan="on"))
+        config = uvicorn_config(self.app, cfg, host="127.0.0.1", port=self.port, lifespan="on")
+        self.server = uvicorn.Server(config) if drain_timeout is None else \
+            DrainingServer(config, self.app, drain_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

@@ -219,6 +219,11 @@ def test_other_endpoints(client) -> None:
     assert wrong.headers["allow"] == "POST"  # a 405 names the methods that are allowed
     assert_error(client.post(GEN, json=body(TOKS, [[88, 90], [17, "x"]], start=5)), 400,
                  contains="prompt_logprob_token_ids.1.1:")  # the bad element, not the flat branch's row 0
+    for rows, where in [([[88, 90], "x"], "1: Input should be a valid list"),  # a row that is not a list
+                        ([[88, 90], 5], "1: Input should be a valid list"),
+                        ([88, "x"], "1: Input should be a valid integer")]:  # a flat list's bad id
+        assert_error(client.post(GEN, json=body(TOKS, rows, start=5)), 400,
+                     contains=f"prompt_logprob_token_ids.{where}")
 
 
 def test_uint64_ids_never_wrap(client) -> None:
@@ -305,6 +310,14 @@ def test_x_request_id_is_read_and_echoed(client) -> None:
     bad = client.post(GEN, json={"token_ids": [], "request_id": "bad-9"}, headers={"X-Request-Id": "t"})
     assert_error(bad, 400)
     assert bad.headers["x-request-id"] == "bad-9"
+    long = "run42/step7/" + "a" * 1000  # valid as a header: echoed whole, as sent
+    r = client.post(GEN, json=GOOD, headers={"X-Request-Id": long})
+    assert r.json()["request_id"] == long and r.headers["x-request-id"] == long
+    huge = "é" * 5000  # neither: percent-encoded, cut at a whole character to 4096 bytes
+    r = client.post(GEN, json={**GOOD, "request_id": huge})
+    assert r.json()["request_id"] == huge
+    echoed = r.headers["x-request-id"]
+    assert len(echoed) <= 4096 and echoed == "%C3%A9" * (4096 // 6)
 
 
 def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:

@@ -337,6 +337,35 @@ def test_sigterm_drains_in_flight_work(tmp_path) -> None:
         s.kill()
 
 
+def test_the_drain_waits_for_an_answer_still_being_built(tmp_path, monkeypatch) -> None:
+    """A request the engine has finished is not in flight for the engine, but its answer is
+    still being written (classic prompt_logprobs: up to seconds of work): a drain that starts
+    then lets it finish with 200, instead of cutting it off with a 503."""
+    from teacher_server.server import app as app_mod
+    from teacher_server.server import lifecycle
+
+    monkeypatch.setattr(lifecycle, "_SERVER", None)
+    building = threading.Event()
+    real = app_mod.generate_body
+
+    def slow_body(*a, **kw):
+        building.set()
+        time.sleep(1.5)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(app_mod, "generate_body", slow_body)
+    cfg = Config(demo_model_dir=str(tmp_path / "m"), device="cpu", shutdown_timeout_s=30)
+    with LiveServer(cfg, drain_timeout=30) as s:
+        threads, out = post_in_threads(s.url, [body(range(1, 40), [[5, 6]] * 30, start=8, prompt_logprobs=2)])
+        assert building.wait(60)
+        assert s.app.state.aengine.in_flight == 0 and s.app.state.handling == 1
+        s.server.handle_exit(signal.SIGTERM, None)
+        threads[0].join(60)
+        assert out[0].status_code == 200, out[0].text[:300]
+        assert decode(out[0].json()["prompt_token_id_logprobs"]).shape == (30, 2)
+        wait_until(lambda: s.server.should_exit, 30, "the server to stop after the drain")
+
+
 def test_a_body_still_arriving_when_the_drain_ends_gets_the_json_503(tmp_path) -> None:
     """A request whose body is still on its way is not in flight: when the drain ends it is
     answered with the JSON 503 (not cancelled by uvicorn's shutdown, a plain-text 500)."""
@@ -516,6 +545,24 @@ def test_json_log_carries_request_id() -> None:
     rec.request_id, rec.status = "r-1", 500
     out = json.loads(JsonFormatter().format(rec))
     assert out["request_id"] == "r-1" and out["status"] == 500 and out["level"] == "warning"
+
+
+@pytest.mark.parametrize(("kind", "status", "retry"), [("overloaded", 429, "1"), ("unavailable", 503, "5"),
+                                                    ("internal", 500, None)])
+def test_a_refusal_that_comes_back_as_a_result_carries_retry_after(demo_server, monkeypatch, kind, status,
+                                                                  retry) -> None:
+    """A replica's full queue or drain reaches the front as a failed result, not as the
+    exceptions the front raises itself: the answer carries the same Retry-After."""
+    from teacher_server.engine.request import ErrorKind, ScoreResult
+
+    async def refuse(req):
+        return ScoreResult.failed(req, ErrorKind(kind), f"refused: {kind}")
+
+    monkeypatch.setattr(demo_server.app.state.aengine, "score", refuse)
+    with demo_server.client() as c:
+        r = c.post(GEN, json=body([1, 2, 3], [4]))
+    assert_error(r, status, contains=f"refused: {kind}")
+    assert r.headers.get("Retry-After") == retry
 
 
 def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:

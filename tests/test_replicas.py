@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import httpx
 import numpy as np
@@ -233,6 +234,9 @@ def test_engine_process_default(device: str, tp: int, setting: bool | None, else
     assert engine_elsewhere(cfg.model_copy(update={"data_parallel_size": 2}))
 
 
+SCORED = types.SimpleNamespace(error_kind=None)  # a replica's answer, as far as the pool looks at it
+
+
 class FakeReplica:
     """A replica of the pool's view: it takes requests (a future each) and can go down."""
 
@@ -272,8 +276,8 @@ def test_a_request_failing_over_stays_in_flight() -> None:
         (other,) = [r for r in pool.replicas if r is not first]
         assert other.requests == 1 and pool.in_flight == 1 and pool.retried == 1
         other.requests = 0  # it answers (as Replica.answer)
-        other.futs[0].set_result("scored")
-        assert await task == "scored" and pool.in_flight == 0
+        other.futs[0].set_result(SCORED)
+        assert await task is SCORED and pool.in_flight == 0
 
     asyncio.run(run())
 
@@ -296,6 +300,66 @@ def test_a_request_is_sent_on_once_not_to_every_replica() -> None:
         assert pool.retried == 1 and sum(len(r.futs) for r in pool.replicas) == 2  # the third never got it
 
     asyncio.run(run())
+
+
+def test_a_replica_refusing_with_a_full_queue_passes_the_request_on_or_gives_a_429() -> None:
+    """A replica's own queue can be full while the front's count of it is not (a request the
+    front cancelled is still there until its abort arrives): its OVERLOADED answer sends the
+    request to a replica with room, and with none left the front answers as for its own full
+    queues (EngineOverloaded: a 429 with Retry-After), not with the replica's bare result."""
+    from teacher_server.engine.async_engine import EngineOverloaded
+    from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
+    from teacher_server.replicas.pool import ReplicaPool
+
+    def req(name: str) -> ScoreRequest:
+        return ScoreRequest(name, np.arange(40), 30, np.zeros((9, 2), np.int64))
+
+    def refuse(rep: FakeReplica, r: ScoreRequest) -> None:
+        rep.requests = 0
+        rep.futs[-1].set_result(ScoreResult.failed(r, ErrorKind.OVERLOADED, "queue full (1 requests, 40 tokens)"))
+
+    async def run() -> None:
+        pool = ReplicaPool(Config(device="cpu", data_parallel_size=2), factory=lambda cfg: None)
+        pool.replicas = [FakeReplica(0), FakeReplica(1)]
+        a = req("a")
+        task = asyncio.create_task(pool.score(a))
+        await asyncio.sleep(0)
+        first = next(r for r in pool.replicas if r.requests)
+        refuse(first, a)
+        await asyncio.sleep(0)
+        (other,) = [r for r in pool.replicas if r is not first]
+        assert other.requests == 1 and len(first.futs) == 1  # sent on, not back to the full one
+        other.requests = 0
+        other.futs[-1].set_result(SCORED)
+        assert await task is SCORED
+        b = req("b")
+        task = asyncio.create_task(pool.score(b))
+        for _ in range(2):
+            await asyncio.sleep(0)
+            refuse(next(r for r in pool.replicas if r.requests), b)
+        with pytest.raises(EngineOverloaded):
+            await asyncio.wait_for(task, 10)
+        assert [len(r.futs) for r in pool.replicas] == [2, 2]  # each tried once
+
+    asyncio.run(run())
+
+
+def test_a_replica_whose_engine_died_hands_its_failures_back() -> None:
+    """A request failed by a dead engine (mid-step: INTERNAL; or refused on arrival:
+    UNAVAILABLE) goes back to the front to be scored elsewhere; a live engine's refusals
+    (draining, a full queue) and a request's own failure are answered as they are."""
+    from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
+    from teacher_server.replicas.messages import LostMsg, ResultMsg
+    from teacher_server.replicas.worker import answer
+
+    req = ScoreRequest("r", np.arange(40), 30, np.zeros((9, 2), np.int64))
+    for kind, alive, lost in [(ErrorKind.INTERNAL, False, True), (ErrorKind.UNAVAILABLE, False, True),
+                              (ErrorKind.INTERNAL, True, False), (ErrorKind.UNAVAILABLE, True, False),
+                              (ErrorKind.OVERLOADED, True, False), (ErrorKind.TIMEOUT, False, False)]:
+        msg = answer(ScoreResult.failed(req, kind, "x"), alive)
+        assert isinstance(msg, LostMsg if lost else ResultMsg), (kind, alive)
+        assert (msg.uid if lost else msg.res.uid) == req.uid
+    assert isinstance(answer(ScoreResult.failed(req, ErrorKind.INTERNAL, "x"), False), LostMsg)
 
 
 def _loads_for_minutes(cfg: Config) -> None:

@@ -149,12 +149,13 @@ class ReplicaPool:
         lo, hi = req.logit_range()
         key = self.router.key(req.token_ids, lo if hi > lo else 0, req.cache_salt)
         tried: set[str] = set()
+        full: set[str] = set()  # replicas that refused it with a full queue (their count ran ahead of ours)
         while True:
             live = [r for r in self.replicas if r.state == "ready" and r.name not in tried]
             if not live:
                 raise EngineUnavailable(self.fatal_error or "no replica can serve")
             room = [r for r in live if r.requests < self.max_queue_requests
-                    and r.tokens + req.length <= self.max_queue_tokens]
+                    and r.tokens + req.length <= self.max_queue_tokens and r.name not in full]
             if not room:
                 raise EngineOverloaded(f"queue full on every replica ({sum(r.requests for r in live)} requests, "
                                        f"{sum(r.tokens for r in live)} tokens)")
@@ -162,7 +163,12 @@ class ReplicaPool:
             rep = self.replicas[int(name)]
             fut = rep.submit(req)
             try:
-                return await fut
+                res = await fut
+                # A replica still holding a request the front has let go (cancelled, its abort
+                # not yet there) may find its queue full: another replica, or a 429 as from the front.
+                if res.error_kind != ErrorKind.OVERLOADED:
+                    return res
+                full.add(name)
             except ReplicaLost as e:
                 tried.add(name)
                 if len(tried) > MAX_REPLICAS_LOST:  # more likely what brings replicas down than bad luck

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from teacher_server.config import Config
+from teacher_server.engine.request import ErrorKind, ScoreResult
 from teacher_server.replicas.messages import (
     AddMsg,
     CancelMsg,
@@ -87,10 +88,19 @@ class _Sender:
                 pass
 
 
+def answer(res: ScoreResult, engine_alive: bool) -> ResultMsg | LostMsg:
+    """What the front gets for a request's result: ``LostMsg`` when this replica's engine died
+    under it or before it (its INTERNAL or UNAVAILABLE failure is the replica's, not the
+    request's: the front sends it to another replica), else the result."""
+    if res.error_kind in (ErrorKind.INTERNAL, ErrorKind.UNAVAILABLE) and not engine_alive:
+        return LostMsg(res.uid)
+    return ResultMsg(res)
+
+
 async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], inbox: mp.Queue,
                  out: _Sender) -> int:
     from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
-    from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
+    from teacher_server.engine.request import ScoreRequest
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -110,10 +120,7 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
             res = ScoreResult.failed(req, e.kind, str(e))
         finally:
             tasks.pop(req.uid, None)
-        if res.error_kind == ErrorKind.INTERNAL and not ae.alive:
-            out.send(LostMsg(req.uid))  # the engine died under it: the front retries it elsewhere
-        else:
-            out.send(ResultMsg(res))
+        out.send(answer(res, ae.alive))
 
     def handle(msg: object) -> None:  # on the loop
         match msg:

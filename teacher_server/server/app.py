@@ -28,6 +28,7 @@ from teacher_server import __version__, b64
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ErrorKind
 from teacher_server.replicas.lifecycle import start_replicas
 from teacher_server.replicas.pool import engine_elsewhere
 from teacher_server.server import parsing
@@ -61,6 +62,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         st.aengine, st.engine, st.status, st.started = None, None, "loading", int(time.time())
         st.loop = asyncio.get_running_loop()
         st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
+        st.handling = 0  # requests handed to the engine whose answer is not written yet (the drain waits for them)
         st.body_gate = BodyGate(cfg.body_read_slots)
         st.io_pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="teacher-io")
         # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
@@ -163,8 +165,12 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         cutoff = asyncio.ensure_future(st.cutoff.wait())
         try:
             await asyncio.wait({work, cutoff}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and info.scored:  # its result is in: the answer is being built, not dropped
+                await asyncio.wait({work})
         finally:
             cutoff.cancel()
+            if info.admitted:
+                st.handling -= 1
         if work.done():
             resp = work.result()
         else:  # shutdown stopped waiting: drop the work (frees its KV) and say so
@@ -194,19 +200,41 @@ class _RequestInfo:
         self.request_id = header_request_id
         self.tokens = 0
         self.rows = 0
+        self.admitted = False  # handed to the engine (counted in ``app.state.handling``)
+        self.scored = False  # the engine's result is in
 
 
-_HEADER_SAFE = re.compile(r"[\x21-\x7e]([\x20-\x7e]{0,254}[\x21-\x7e])?")
+_HEADER_ID_MAX = 4096  # characters of a request id echoed in X-Request-Id (clients take 8-16 KB of headers)
+_HEADER_SAFE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
 
 
 def _header_safe(rid: str) -> str:
-    """A request id as a header value: as is when it is printable ASCII, else percent-encoded."""
-    return rid if _HEADER_SAFE.fullmatch(rid) else urllib.parse.quote(rid[:256], safe="")
+    """A request id as a header value: as is when it is printable ASCII (no edge spaces) and at
+    most ``_HEADER_ID_MAX`` characters, else percent-encoded, cut to that length at a whole
+    character (the body's ``request_id`` always has it whole)."""
+    if len(rid) <= _HEADER_ID_MAX and _HEADER_SAFE.fullmatch(rid):
+        return rid
+    out, used = [], 0
+    for ch in rid:
+        q = urllib.parse.quote(ch, safe="")
+        if used + len(q) > _HEADER_ID_MAX:
+            break
+        out.append(q)
+        used += len(q)
+    return "".join(out)
 
 
 def _request_id_header(rid: str | None) -> dict[str, str]:
     """The response's ``X-Request-Id`` for a request's id (none without one)."""
     return {"X-Request-Id": _header_safe(rid)} if rid is not None else {}
+
+
+_RETRY_AFTER_S = {ErrorKind.OVERLOADED: "1", ErrorKind.UNAVAILABLE: "5"}
+
+
+def _retry_after(kind: ErrorKind | None) -> dict[str, str]:
+    """``Retry-After`` for the errors a retry can get past: a full queue (429), a drain (503)."""
+    return {"Retry-After": _RETRY_AFTER_S[kind]} if kind in _RETRY_AFTER_S else {}
 
 
 def _json(status: int, obj: dict) -> Response:
@@ -258,6 +286,8 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
                              f"(max_queue_tokens={cfg.max_queue_tokens})", "token_ids")
         if cfg.request_timeout_s is not None:
             req.deadline = t0 + cfg.request_timeout_s
+        info.admitted = True
+        app.state.handling += 1
         task = asyncio.ensure_future(ae.score(req))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         try:
@@ -269,6 +299,7 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
         if task not in done:  # the client went away: drop its work and free its KV
             raise ClientGone("client disconnected")
         res = task.result()
+        info.scored = True
     except BadRequest as e:
         info.request_id = e.request_id or info.request_id
         m.labels(m.failures, reason={400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(
@@ -277,15 +308,12 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
     except ClientGone as e:
         m.labels(m.failures, reason="disconnected").inc()
         return error_response(499, str(e))  # nobody reads it; the access line records it
-    except EngineOverloaded as e:
-        m.labels(m.failures, reason="overloaded").inc()
-        return error_response(HTTP_STATUS[e.kind], str(e), headers={"Retry-After": "1"})
-    except EngineUnavailable as e:
-        m.labels(m.failures, reason="unavailable").inc()
-        return error_response(HTTP_STATUS[e.kind], str(e), headers={"Retry-After": "5"})
-    if res.error is not None:
+    except (EngineOverloaded, EngineUnavailable) as e:
+        m.labels(m.failures, reason=e.kind.value).inc()
+        return error_response(HTTP_STATUS[e.kind], str(e), headers=_retry_after(e.kind))
+    if res.error is not None:  # (a replica's full queue or drain comes back as a result: Retry-After too)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
-        return error_response(http_status(res.error_kind), res.error)
+        return error_response(http_status(res.error_kind), res.error, headers=_retry_after(res.error_kind))
     m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
     if res.scheduled_at:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))

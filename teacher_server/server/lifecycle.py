@@ -82,6 +82,12 @@ def cut_off(app: FastAPI) -> None:
         _call_soon(st.loop, st.cutoff.set)
 
 
+def in_flight(app: FastAPI, ae: AsyncEngine) -> int:
+    """Requests a drain waits for: those the engine holds, and those scored whose answer is
+    still being built (the engine counts them done)."""
+    return max(ae.in_flight, getattr(app.state, "handling", 0))
+
+
 async def stop_engine(app: FastAPI, cfg: Config) -> None:
     st = app.state
     ae: AsyncEngine | None = st.aengine
@@ -91,10 +97,13 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
             pool.shutdown()
         return
     ae.stop_accepting()
-    if ae.in_flight and not st.cutoff.is_set():
-        log.info("draining %d in-flight request(s) (timeout %.0fs)", ae.in_flight, cfg.shutdown_timeout_s)
-        if not await ae.drain(cfg.shutdown_timeout_s):
-            log.warning("shutdown timeout: %d request(s) still in flight", ae.in_flight)
+    if in_flight(app, ae) and not st.cutoff.is_set():
+        log.info("draining %d in-flight request(s) (timeout %.0fs)", in_flight(app, ae), cfg.shutdown_timeout_s)
+        deadline = time.monotonic() + cfg.shutdown_timeout_s
+        while in_flight(app, ae) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if in_flight(app, ae):
+            log.warning("shutdown timeout: %d request(s) still in flight", in_flight(app, ae))
     st.cutoff.set()
     await ae.drain(GRACE_S)  # the cut-off requests' aborts reach the engine thread
     ae.shutdown()
@@ -171,19 +180,20 @@ class DrainingServer(uvicorn.Server):
     def _drain(self, ae: AsyncEngine, why: str) -> None:
         self._draining = True
         ae.stop_accepting()
-        log.info("%s: draining %d in-flight request(s), at most %.0fs", why, ae.in_flight, self.drain_timeout)
+        log.info("%s: draining %d in-flight request(s), at most %.0fs", why, in_flight(self.app, ae),
+                 self.drain_timeout)
 
         def drain_then_exit() -> None:
             deadline = time.monotonic() + self.drain_timeout
-            while ae.in_flight and time.monotonic() < deadline:
+            while in_flight(self.app, ae) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if ae.in_flight:
-                log.warning("drain timeout: answering %d in-flight request(s) with 503", ae.in_flight)
+            if in_flight(self.app, ae):
+                log.warning("drain timeout: answering %d in-flight request(s) with 503", in_flight(self.app, ae))
             # What is still in flight, and requests still sending their bodies (not in flight yet:
             # uvicorn's own shutdown would cancel them, a plain-text 500), get their JSON 503 now.
             cut_off(self.app)
             grace = time.monotonic() + GRACE_S
-            while ae.in_flight and time.monotonic() < grace:
+            while in_flight(self.app, ae) and time.monotonic() < grace:
                 time.sleep(0.05)
             time.sleep(0.2)  # (the answers to bodies still arriving are written)
             self.should_exit = True

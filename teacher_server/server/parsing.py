@@ -107,14 +107,41 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
     return body, req
 
 
+def _is_branch(p: object) -> bool:
+    """A union-branch marker pydantic puts in an error's location (e.g. 'list[int]', 'str')."""
+    return isinstance(p, str) and ("[" in p or p in ("str", "int", "bool", "float"))
+
+
+def _union_choice(errors: list, e: dict) -> dict:
+    """Of the union's branches at ``e``'s first marker, the error of the branch that got
+    furthest into the value: the latest first bad element (a per-row list whose row 1 is not a
+    list names row 1, not the flat branch's complaint about row 0), then the deepest error."""
+    loc = tuple(e.get("loc", ()))
+    at = next((i for i, p in enumerate(loc) if _is_branch(p)), None)
+    if at is None:
+        return e
+    branches: dict[object, list] = {}
+    for x in errors:
+        xl = tuple(x.get("loc", ()))
+        if len(xl) > at and xl[:at] == loc[:at] and _is_branch(xl[at]):
+            branches.setdefault(xl[at], []).append(x)
+
+    def first_bad(errs: list) -> int:  # -1: the value itself is not of the branch's kind
+        return min((x["loc"][at + 1] if len(x["loc"]) > at + 1 and isinstance(x["loc"][at + 1], int) else -1)
+                   for x in errs)
+
+    best = max(branches.values(), key=lambda errs: (first_bad(errs), max(len(x["loc"]) for x in errs)))
+    return max(best, key=lambda x: len(x["loc"]))
+
+
 def pydantic_message(errors: list) -> tuple[str, str | None]:
     """(message, param) of the deepest pydantic error (the first of those), naming the field:
-    of a union's branches, the one that got furthest into the value (a per-row candidate list
-    with a bad element names that element, not the flat branch's complaint about row 0)."""
+    of a union's branches, the one that got furthest into the value (``_union_choice``)."""
     e = max(errors, key=lambda x: len(x.get("loc", ()))) if errors else {"loc": (), "msg": "invalid request"}
+    e = _union_choice(errors, e) if errors else e
     loc = [str(p) for p in e.get("loc", ()) if p not in ("body",)]
     # Drop union-branch markers pydantic adds (e.g. 'list[int]'), keep field names and indices.
-    loc = [p for p in loc if not ("[" in p or p in ("str", "int", "bool", "float"))]
+    loc = [p for p in loc if not _is_branch(p)]
     param = ".".join(p for p in loc if not p.isdigit()) or None
     where = ".".join(loc) or "body"
     msg = str(e.get("msg", "invalid value"))
