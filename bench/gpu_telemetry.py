@@ -13,6 +13,7 @@ Without nvidia-smi (the CPU) ``GpuTelemetry.start`` gives None and nothing is sa
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import subprocess
 import threading
@@ -117,7 +118,9 @@ class GpuTelemetry:
         proc = subprocess.Popen([exe, f"--id={ids}", "--query-gpu=" + ",".join(_fields(prefix)),
                                  "--format=csv,noheader,nounits", f"-lms={interval_ms}"],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        return cls(proc, offset, static)
+        tel = cls(proc, offset, static)
+        atexit.register(tel.close)  # a benchmark that fails leaves no sampler running
+        return tel
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -141,6 +144,8 @@ class GpuTelemetry:
         return summarize(samples, t0, t1, max(clocks) if clocks else None, min(limits) if limits else None)
 
     def close(self) -> None:
+        if self.proc.poll() is not None:
+            return
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
