@@ -31,6 +31,7 @@ from teacher_server.client import (
     pad_scores,
     retry_after_seconds,
 )
+from teacher_server.client.retry import RetryPolicy
 
 ROOT = Path(__file__).resolve().parents[1]
 GEN = "/inference/v1/generate"
@@ -499,16 +500,31 @@ def test_wrong_model_is_404_not_retried(demo_server) -> None:
     assert ei.value.status == 404 and ei.value.type == "NotFoundError" and transport.count == 1
 
 
-def test_retry_after_429_honours_retry_after(demo_server) -> None:
+def test_retry_after_429_is_the_least_wait(demo_server) -> None:
     toks, cands = seq(25), [4, 5, 6]
-    transport = CountingTransport(fail=3, status=429, headers={"Retry-After": "0"})
+    transport = CountingTransport(fail=2, status=429, headers={"Retry-After": "1"})
     t0 = time.monotonic()
-    # A 30 s backoff would make this test crawl: Retry-After: 0 must take its place.
-    with TeacherClient(demo_server.url, max_retries=3, backoff=30.0, transport=transport) as client:
+    with TeacherClient(demo_server.url, max_retries=3, backoff=0.01, transport=transport) as client:
         got = client.score(toks, cands, 2)
-    assert time.monotonic() - t0 < 10
-    assert transport.count == 4  # three injected 429s, then the real answer
+    assert 2.0 <= time.monotonic() - t0 < 20  # two waits of at least the server's 1 s, not the 0.01 s backoff
+    assert transport.count == 3  # two injected 429s, then the real answer
     np.testing.assert_allclose(got, raw_scores(demo_server, toks, cands, 2), rtol=0, atol=1e-5)
+
+
+def test_retry_waits_grow_past_a_constant_retry_after() -> None:
+    """A server that keeps answering 429 with ``Retry-After: 1`` through a long overload: the
+    waits still grow (exponential, jittered, at least the hint, capped), so the retries span
+    more than the hint times their number."""
+    policy = RetryPolicy(max_retries=5, backoff=0.5, max_backoff=30.0)
+    busy = httpx.Response(429, headers={"Retry-After": "1"})
+    for _ in range(200):
+        waits = [policy.delay(a, busy) for a in range(1, 7)]
+        assert all(1.0 <= w <= 30.0 for w in waits)
+        assert waits[4] >= 4.0 and waits[5] >= 8.0  # 0.5 * 2**4 = 8 s, half of it fixed
+        assert sum(waits) >= 1.0 * 6 + 5
+    capped = RetryPolicy(max_retries=5, backoff=0.5, max_backoff=2.0)
+    assert capped.delay(1, httpx.Response(503, headers={"Retry-After": "60"})) == 2.0
+    assert policy.delay(1, httpx.Response(503)) <= 0.5  # no hint: the backoff alone
 
 
 def test_retry_after_503_then_success_async(demo_server) -> None:
@@ -573,6 +589,7 @@ def test_retry_after_parsing() -> None:
         return retry_after_seconds(httpx.Response(429, headers={} if value is None else {"Retry-After": value}))
 
     assert parsed("3") == 3.0 and parsed("0") == 0.0 and parsed(None) is None and parsed("soon") is None
+    assert parsed("nan") is None and parsed("-5") == 0.0 and parsed("inf") == float("inf")  # (capped by the policy)
     assert 50 < parsed(formatdate(time.time() + 60, usegmt=True)) <= 61
     assert parsed(formatdate(time.time() - 60, usegmt=True)) == 0.0
 
@@ -650,3 +667,120 @@ def test_async_batch_sends_its_first_requests_before_encoding_the_rest(monkeypat
     assert events.count("encode") == 10 and events.count("sent") == 10
     # two slots: two bodies encoded and sent; the others only as answers free the slots
     assert events[:events.index("answered")].count("encode") == 2
+
+
+# --- failures that are not the server's error shape, batches given up -----------------------
+
+def _ok_body(rows: int, k: int) -> bytes:
+    return json.dumps({"request_id": "x", "model": "m", "created": 0,
+                       "choices": [{"index": 0, "token_ids": [], "finish_reason": "length", "logprobs": None}],
+                       "prompt_token_id_logprobs": npy_b64(np.zeros((rows, k), np.float32))}).encode()
+
+
+@pytest.mark.parametrize(("headers", "content", "kind"), [
+    ({"content-type": "text/html"}, b"<html>sign in</html>", "invalid_response"),
+    ({"content-type": "application/json"}, b"[1, 2]", "invalid_response"),
+    ({"content-type": "application/json"}, b'{"prompt_token_id_logprobs": "bm90IGFuIG5weQ=="}', "invalid_response"),
+    ({"content-type": "application/json", "content-encoding": "gzip"}, b"not gzip", "DecodingError"),
+])
+def test_an_answer_that_is_not_a_scoring_answer_raises_teacher_server_error(headers, content, kind) -> None:
+    """A 200 from something else (a proxy's page, a truncated or mangled body) fails as every
+    other failure does, with ``TeacherServerError``, once (not retried)."""
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(200, headers=headers, content=content)
+
+    with TeacherClient("http://teacher.test", transport=httpx.MockTransport(answer), max_retries=3) as c:
+        with pytest.raises(TeacherServerError) as ei:
+            c.score([1, 2, 3], [4])
+    assert ei.value.type == kind and len(calls) == 1
+
+    async def go() -> None:
+        async with AsyncTeacherClient("http://teacher.test", transport=httpx.MockTransport(answer)) as c:
+            await c.score([1, 2, 3], [4])
+
+    with pytest.raises(TeacherServerError):
+        asyncio.run(go())
+
+
+def test_a_failed_batch_raises_at_once_not_after_the_slow_requests() -> None:
+    """The first failure of a sync batch is raised when it happens; requests still being sent
+    are not waited for (and are not sent again)."""
+    calls = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if json.loads(request.content)["token_ids"][0] == 99:
+            return httpx.Response(400, json={"error": {"message": "bad", "type": "BadRequestError", "param": None,
+                                                       "code": 400}})
+        time.sleep(3.0)
+        return httpx.Response(503, headers={"Retry-After": "0"})  # (would be retried, were the batch going on)
+
+    with TeacherClient("http://teacher.test", transport=httpx.MockTransport(answer), max_concurrency=4,
+                       backoff=0.01) as c:
+        t0 = time.monotonic()
+        with pytest.raises(TeacherServerError) as ei:
+            c.score_batch([([1, 2, 3], [4]), ([1, 2, 3], [4]), ([99, 2, 3], [4]), ([1, 2, 3], [4])])
+        assert time.monotonic() - t0 < 2.0 and ei.value.status == 400
+        time.sleep(3.5)  # the slow ones end: none is sent again (one not started yet is not sent at all)
+    assert 3 <= len(calls) <= 4
+
+
+def test_a_transport_factory_gives_each_event_loop_its_own() -> None:
+    """Loops in two threads at once: with a factory each loop has its own transport."""
+    made = []
+
+    def factory() -> httpx.AsyncBaseTransport:
+        made.append(1)
+
+        async def answer(request: httpx.Request) -> httpx.Response:
+            await asyncio.sleep(0.005)
+            return httpx.Response(200, content=_ok_body(2, 1))
+
+        return httpx.MockTransport(answer)
+
+    client = AsyncTeacherClient("http://teacher.test", transport=factory, max_retries=0, max_concurrency=4)
+    errors = []
+
+    def worker(n: int) -> None:
+        async def main() -> None:
+            for _ in range(n):
+                assert [m.shape for m in await client.score_batch([([1, 2, 3], [4])] * 4)] == [(2, 1)] * 4
+
+        try:
+            asyncio.run(main())
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (3, 10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(made) == 2
+
+
+def test_no_timeout_means_no_limit_but_on_connecting() -> None:
+    with TeacherClient("http://teacher.test", timeout=None) as c:
+        t = c._http.timeout
+    assert t.read is None and t.write is None and t.connect == 10.0
+
+
+def test_async_with_stops_the_health_checks_and_a_later_use_starts_them_again() -> None:
+    async def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=_ok_body(2, 1))
+
+    client = AsyncTeacherClient(["http://a.test", "http://b.test"], transport=httpx.MockTransport(answer),
+                                health_interval=3600)
+
+    async def use() -> None:
+        async with client:
+            await client.score([1, 2, 3], [4])
+            assert client.endpoints._thread is not None and client.endpoints._thread.is_alive()
+
+    asyncio.run(use())
+    assert client.endpoints._thread is None  # stopped with `async with`
+    asyncio.run(use())  # used again: running again while in use
+    assert client.endpoints._thread is None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncGenerator, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, cast
 
@@ -22,7 +22,7 @@ from teacher_server.client.protocol import (
     TeacherRequest,
     as_request,
 )
-from teacher_server.client.retry import RETRY_EXCEPTIONS
+from teacher_server.client.retry import RETRY_EXCEPTIONS, unretried
 from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing
 
 
@@ -51,16 +51,18 @@ class AsyncTeacherClient(ClientBase):
     Connections and the concurrency limit belong to an event loop, so they are made on first
     use in each loop, not at construction: one client serves successive ``asyncio.run`` calls
     (or loops in several threads). At most ``max_concurrency`` requests are in flight at once
-    per loop. ``aclose()`` (or ``async with``) closes the current loop's connections, and
-    ``asyncio.run`` closes them when its loop ends. ``transport`` takes an ``httpx.AsyncBaseTransport``,
-    shared by every loop's connection pool. Several servers (``base_url`` a list, or
+    per loop. ``aclose()`` closes the current loop's connections, ``asyncio.run`` closes them
+    when its loop ends, and ``async with`` does both that and ``close()``. ``transport``: an
+    ``httpx.AsyncBaseTransport``, for one event loop (it is closed with that loop's connections),
+    or a callable returning one, called for each loop. Several servers (``base_url`` a list, or
     ``resolve=True``) as in ``TeacherClient``; ``close()`` stops their health checks.
     """
 
     def __init__(self, base_url: str | Sequence[str], api_key: str | None = None,
-                 timeout: float | httpx.Timeout = 600.0, max_retries: int = 5, backoff: float = 0.5,
+                 timeout: float | httpx.Timeout | None = 600.0, max_retries: int = 5, backoff: float = 0.5,
                  max_concurrency: int = 16, *, max_backoff: float = 30.0, model: str | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, resolve: bool = False,
+                 transport: httpx.AsyncBaseTransport | Callable[[], httpx.AsyncBaseTransport] | None = None,
+                 resolve: bool = False,
                  routing: Routing = "affinity", block_size: int = BLOCK_SIZE, spill_tokens: int = SPILL_TOKENS,
                  health_interval: float = 5.0) -> None:
         super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model,
@@ -78,7 +80,10 @@ class AsyncTeacherClient(ClientBase):
             st = self._loops.get(loop)
             if st is not None:
                 return st
-            http = httpx.AsyncClient(transport=self._transport, **self._client_kw)
+            transport = self._transport
+            if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+                transport = transport()  # a factory: this loop's own
+            http = httpx.AsyncClient(transport=transport, **self._client_kw)
             st = self._loops[loop] = _LoopState(http, asyncio.Semaphore(self.max_concurrency), _closer(http))
         await st.closer.__anext__()  # runs to its yield: now the loop tracks it
         return st
@@ -88,9 +93,11 @@ class AsyncTeacherClient(ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+        self.close()
 
     def close(self) -> None:
-        """Stop the health checks of several servers (``aclose`` closes a loop's connections)."""
+        """Stop the health checks of several servers (``aclose`` closes a loop's connections);
+        they start again if the client is used again."""
         if self.endpoints is not None:
             self.endpoints.close()
 
@@ -164,10 +171,13 @@ class AsyncTeacherClient(ClientBase):
                 async with st.slots:
                     if content is None:
                         content = self._encode(req)
+                    headers, extensions = (JSON_HEADERS, None) if url is None else self._target(url)
                     resp = await st.http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
-                                              content=content, headers=JSON_HEADERS)
+                                              content=content, headers=headers, extensions=extensions)
             except RETRY_EXCEPTIONS as e:
                 err = e
+            except httpx.HTTPError as e:  # not retried (a body that cannot be decoded, ...)
+                raise unretried(e, attempt) from e
             finally:
                 if url is not None:
                     self.endpoints.end(url, tokens)

@@ -20,10 +20,11 @@ DOWN_EXCEPTIONS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtoco
                    httpx.WriteError)
 
 
-def _timeout(timeout: float | httpx.Timeout) -> httpx.Timeout:
+def _timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout:
     if isinstance(timeout, httpx.Timeout):
         return timeout
-    return httpx.Timeout(timeout, connect=min(timeout, 10.0))  # fail over fast when nobody listens
+    # fail over fast when nobody listens; None: no limit but on connecting
+    return httpx.Timeout(timeout, connect=10.0 if timeout is None else min(timeout, 10.0))
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -41,7 +42,7 @@ class ClientBase:
     or ``resolve=True`` (the URL's host resolves to one address per server, as a Kubernetes
     headless Service does): ``endpoints`` routes each request (see ``Endpoints``)."""
 
-    def __init__(self, base_url: str | Sequence[str], api_key: str | None, timeout: float | httpx.Timeout,
+    def __init__(self, base_url: str | Sequence[str], api_key: str | None, timeout: float | httpx.Timeout | None,
                  max_retries: int, backoff: float, max_backoff: float, max_concurrency: int, model: str | None,
                  *, resolve: bool = False, routing: Routing = "affinity", block_size: int = BLOCK_SIZE,
                  spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0,
@@ -72,6 +73,12 @@ class ClientBase:
             return None
         return self.endpoints.router.key(req.token_ids, reusable_tokens(req.start, req.prompt_logprobs),
                                          req.cache_salt)
+
+    def _target(self, url: str) -> tuple[dict[str, str], dict[str, str] | None]:
+        """Headers and httpx extensions of a request to server ``url`` (a resolved address keeps
+        the name it was reached by: ``endpoints.origin``)."""
+        host, extensions = self.endpoints.request_kw(url)
+        return ({**JSON_HEADERS, **host} if host else JSON_HEADERS), (extensions or None)
 
     def _fail_over(self, url: str | None, resp: httpx.Response | None, err: Exception | None) -> bool:
         """After a failed attempt on ``url``: take that server out when it is not there, and

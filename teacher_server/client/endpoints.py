@@ -30,9 +30,9 @@ log = logging.getLogger("teacher_server.client")
 DOWN_STATUSES = frozenset({502, 503})
 
 
-def resolve_urls(url: str) -> list[str]:
+def resolve_urls(url: str) -> list[str] | None:
     """``url`` with its host replaced by each address it resolves to (sorted, deduplicated);
-    ``[url]`` when it resolves to one address or not at all."""
+    ``[url]`` when it resolves to one address; None when it does not resolve now."""
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
     if host is None:
@@ -40,12 +40,24 @@ def resolve_urls(url: str) -> list[str]:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError:
-        return [url]
+        return None
     addrs = sorted({info[4][0] for info in infos})
     if len(addrs) <= 1:
         return [url]
     netlocs = [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addrs]
     return [urllib.parse.urlunsplit(parts._replace(netloc=n)) for n in netlocs]
+
+
+def origin(seed: str, url: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(headers, httpx extensions) of a request to ``url``, an address ``seed`` resolved to: the
+    name it was reached by as ``Host`` and, over https, as the TLS server name (SNI and the
+    certificate check), so a pod's certificate for the Service name verifies; nothing for the
+    seed itself."""
+    if url == seed:
+        return {}, {}
+    parts = urllib.parse.urlsplit(seed)
+    headers = {"host": parts.netloc.rsplit("@", 1)[-1]}
+    return headers, ({"sni_hostname": parts.hostname} if parts.scheme == "https" and parts.hostname else {})
 
 
 class Endpoints:
@@ -64,11 +76,24 @@ class Endpoints:
         self._load: dict[str, int] = {}  # url -> outstanding tokens (this client's)
         self._down: set[str] = set()
         self._timeouts: dict[str, int] = {}  # health probes that timed out in a row, by server
+        self._resolved: dict[str, list[str]] = {}  # seed -> its addresses at the last resolution that worked
+        self._origin: dict[str, tuple[dict[str, str], dict[str, str]]] = {}  # url -> ``origin(seed, url)``
         self._set_urls(self._discover())
-        self._probe_http = httpx.Client(headers=headers, timeout=httpx.Timeout(5.0), transport=probe_transport)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="teacher-client-health", daemon=True)
-        self._thread.start()
+        self._probe_kw = dict(headers=headers, timeout=httpx.Timeout(5.0), transport=probe_transport)
+        self._watch_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._start_watch()
+
+    def _start_watch(self) -> None:
+        """The health checks' thread (again, after ``close``: a client used after ``async with``)."""
+        with self._watch_lock:
+            if self._thread is not None:
+                return
+            self._probe_http = httpx.Client(**self._probe_kw)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._watch, args=(self._stop,), name="teacher-client-health",
+                                            daemon=True)
+            self._thread.start()
 
     # --- routing -----------------------------------------------------------------------
     @property
@@ -86,6 +111,8 @@ class Endpoints:
         """The server for a request with routing key ``key`` (``Router.key``), among those up
         (all of them when none is, so the caller's retries and backoff go on as with one
         server); ``avoid``, the one that just failed, only when it is the only choice."""
+        if self._thread is None:
+            self._start_watch()
         with self._lock:
             up = {u: n for u, n in self._load.items() if u not in self._down}
             if avoid is not None and len(up) > 1:
@@ -111,15 +138,35 @@ class Endpoints:
             return bool(set(self._load) - self._down)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._probe_http.close()
+        """Stop the health checks (they start again if the client is used again)."""
+        with self._watch_lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            self._stop.set()
+            thread.join(timeout=10)
+            self._probe_http.close()
 
     # --- discovery and health ----------------------------------------------------------
     def _discover(self) -> list[str]:
+        """The servers now: each seed's addresses; a seed that does not resolve this time keeps
+        those it had (a DNS blip does not take out every pod), or stands for itself at first."""
         if not self.resolve:
             return list(self.seeds)
-        return sorted({u for seed in self.seeds for u in resolve_urls(seed)})
+        for seed in self.seeds:
+            got = resolve_urls(seed)
+            if got is not None:
+                self._resolved[seed] = got
+            elif seed not in self._resolved:
+                self._resolved[seed] = [seed]
+        with self._lock:
+            self._origin.update((u, origin(seed, u)) for seed in self.seeds for u in self._resolved[seed])
+        return sorted({u for seed in self.seeds for u in self._resolved[seed]})
+
+    def request_kw(self, url: str) -> tuple[dict[str, str], dict[str, str]]:
+        """(headers, extensions) a request to ``url`` needs: see ``origin``."""
+        with self._lock:
+            return self._origin.get(url, ({}, {}))
 
     def _set_urls(self, urls: list[str]) -> None:
         with self._lock:
@@ -134,8 +181,9 @@ class Endpoints:
 
     def _healthy(self, url: str) -> bool | None:
         """True: 200; False: another answer, or no connection; None: the probe timed out."""
+        headers, extensions = self.request_kw(url)
         try:
-            return self._probe_http.get(url + "/health").status_code == 200
+            return self._probe_http.get(url + "/health", headers=headers, extensions=extensions).status_code == 200
         except httpx.TimeoutException:
             return None
         except httpx.HTTPError:
@@ -162,8 +210,8 @@ class Endpoints:
                     log.warning("teacher server %s taken out: health check failed", url)
                     self._down.add(url)
 
-    def _watch(self) -> None:
-        while not self._stop.wait(self.health_interval):
+    def _watch(self, stop: threading.Event) -> None:
+        while not stop.wait(self.health_interval):
             try:
                 self.check()
             except Exception:  # never let the watcher die: routing would freeze on a stale view

@@ -12,7 +12,7 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.done, self._bar, self._last = total, 0, None, 0.0
-        self.enabled = enabled
+        self.enabled, self._closed = enabled, False
         self._lock = threading.Lock()  # updated from worker threads
         if not enabled:
             return
@@ -25,7 +25,7 @@ class Progress:
     def update(self) -> None:
         with self._lock:
             self.done += 1
-            if not self.enabled:
+            if not self.enabled or self._closed:  # (a request of a batch given up, ending late)
                 return
             if self._bar is not None:
                 self._bar.update(1)
@@ -37,6 +37,8 @@ class Progress:
                 sys.stderr.flush()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         if self._bar is not None:
             self._bar.close()
         elif self.enabled and self.total:

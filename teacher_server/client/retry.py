@@ -3,11 +3,17 @@
 Retried: 429 and 503 (the server is overloaded or draining and says when to come back with
 ``Retry-After``), 502 and 504 (an ingress or load balancer in front of the server lost the
 upstream or timed out), and connection errors and timeouts. Scoring is idempotent, so sending
-a request again is always safe. Every other status fails at once.
+a request again is always safe. Every other status fails at once, and so does a 200 whose
+body is not a scoring answer (a proxy's page, a truncated body): ``TeacherServerError`` either way.
+
+The wait before a retry grows exponentially (with jitter); a ``Retry-After`` from the server is
+the least it waits, so a server that keeps saying "1 s" under a long overload is not asked again
+every second until the retries run out.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from email.utils import parsedate_to_datetime
@@ -27,13 +33,23 @@ def retry_after_seconds(resp: httpx.Response) -> float | None:
     if value is None:
         return None
     try:
-        return max(float(value), 0.0)
+        seconds = float(value)
     except ValueError:
         pass
+    else:
+        return max(seconds, 0.0) if not math.isnan(seconds) else None
     try:
         return max(parsedate_to_datetime(value).timestamp() - time.time(), 0.0)
     except (TypeError, ValueError):
         return None
+
+
+def unretried(err: httpx.HTTPError, attempts: int) -> TeacherServerError:
+    """An httpx failure that is not retried (an answer that cannot be decoded, too many
+    redirects, ...) as the ``TeacherServerError`` every failure is."""
+    resp = getattr(err, "response", None)  # (HTTPStatusError only)
+    return TeacherServerError(f"{type(err).__name__}: {str(err)[:300]}", type=type(err).__name__,
+                              status=resp.status_code if resp is not None else None, attempts=attempts)
 
 
 def error_from_response(resp: httpx.Response, attempts: int) -> TeacherServerError:
@@ -64,7 +80,11 @@ class RetryPolicy:
         """Attempt number ``attempt`` (1-based) gave ``resp`` or failed with ``err``: the parsed
         output on 200; None to try again; raises when the failure is final."""
         if resp is not None and resp.status_code == 200:
-            return parse_output(resp.json())
+            try:
+                return parse_output(resp.json())
+            except (ValueError, TypeError, KeyError, AttributeError) as e:  # not our answer (a proxy's page, ...)
+                raise TeacherServerError(f"unreadable answer: {type(e).__name__}: {str(e)[:200]}", status=200,
+                                         type="invalid_response", attempts=attempt) from e
         retryable = resp is None or resp.status_code in RETRY_STATUSES
         if retryable and attempt <= self.max_retries:
             return None
@@ -74,12 +94,13 @@ class RetryPolicy:
         raise error_from_response(resp, attempt)
 
     def delay(self, attempt: int, resp: httpx.Response | None) -> float:
-        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
-        if resp is not None:
-            hinted = retry_after_seconds(resp)
-            if hinted is not None:
-                return min(hinted, self.max_backoff)
-        # Exponential backoff with "equal jitter": half fixed, half random, so clients that
-        # failed together do not come back together.
+        """Seconds to wait after failed attempt number ``attempt`` (1-based): exponential backoff
+        with "equal jitter" (half fixed, half random, so clients that failed together do not
+        come back together), at least the server's ``Retry-After`` (itself spread by up to a
+        fifth), at most ``max_backoff``."""
         d = min(self.backoff * 2 ** (attempt - 1), self.max_backoff)
-        return d / 2 + self._rng.uniform(0, d / 2)
+        wait = d / 2 + self._rng.uniform(0, d / 2)
+        hinted = retry_after_seconds(resp) if resp is not None else None
+        if hinted is not None:
+            wait = max(wait, hinted * self._rng.uniform(1.0, 1.2))
+        return min(wait, self.max_backoff)

@@ -20,9 +20,10 @@ from teacher_server.client.protocol import (
     RequestLike,
     ScoreOutput,
     TeacherRequest,
+    TeacherServerError,
     as_request,
 )
-from teacher_server.client.retry import RETRY_EXCEPTIONS
+from teacher_server.client.retry import RETRY_EXCEPTIONS, unretried
 from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing
 
 
@@ -37,10 +38,12 @@ class TeacherClient(ClientBase):
             otherwise. A server that fails connections or ``/health`` is taken out (its requests
             go to another at once) and put back when ``/health`` answers 200 again.
         api_key: sent as ``Authorization: Bearer <key>`` when given.
-        timeout: seconds per attempt (connect capped at 10 s), or an ``httpx.Timeout``.
+        timeout: seconds httpx waits at each step of an attempt (connecting, capped at 10 s; sending;
+            each read of the answer), not for the attempt as a whole; None for no limit; or an
+            ``httpx.Timeout``. The server's own ``request_timeout_s`` bounds a request's time there.
         max_retries: retries after the first attempt on 429/502/503/504, connection errors and timeouts.
         backoff: first backoff in seconds; doubles per retry, with jitter, up to ``max_backoff``.
-            A ``Retry-After`` header replaces the computed wait.
+            A ``Retry-After`` header is the least wait.
         max_concurrency: requests in flight at once (threads of ``score_batch``, pooled connections).
         model: sent as ``model``; the server answers 404 when it serves another one.
         transport: a custom ``httpx.BaseTransport`` (TLS settings, proxies, tests).
@@ -53,7 +56,7 @@ class TeacherClient(ClientBase):
     """
 
     def __init__(self, base_url: str | Sequence[str], api_key: str | None = None,
-                 timeout: float | httpx.Timeout = 600.0, max_retries: int = 5, backoff: float = 0.5,
+                 timeout: float | httpx.Timeout | None = 600.0, max_retries: int = 5, backoff: float = 0.5,
                  max_concurrency: int = 16, *, max_backoff: float = 30.0, model: str | None = None,
                  transport: httpx.BaseTransport | None = None, resolve: bool = False, routing: Routing = "affinity",
                  block_size: int = BLOCK_SIZE, spill_tokens: int = SPILL_TOKENS,
@@ -115,23 +118,28 @@ class TeacherClient(ClientBase):
         """As ``score_batch``, returning ``ScoreOutput``s."""
         reqs = [as_request(r) for r in requests]
         bar = Progress(len(reqs), progress)
+        # After a failure the batch is given up: requests not started are cancelled, those
+        # being sent stop at their next retry (``stop``), and the failure is raised at once,
+        # not after the pool's threads have finished.
+        stop = threading.Event()
+        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(reqs), 1)),
+                                  thread_name_prefix="teacher-client")
         try:
-            with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(reqs), 1)),
-                                    thread_name_prefix="teacher-client") as pool:
-                futures = [pool.submit(self._send, r) for r in reqs]
-                for f in futures:
-                    f.add_done_callback(lambda f: f.cancelled() or bar.update())
-                if return_exceptions:
-                    wait(futures)
-                    return [f.exception() or f.result() for f in futures]
-                _, pending = wait(futures, return_when=FIRST_EXCEPTION)
-                failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
-                if failed is not None:
-                    for f in pending:
-                        f.cancel()
-                    raise failed.exception()  # type: ignore[misc]
-                return [f.result() for f in futures]
+            futures = [pool.submit(self._send, r, stop) for r in reqs]
+            for f in futures:
+                f.add_done_callback(lambda f: f.cancelled() or bar.update())
+            if return_exceptions:
+                wait(futures)
+                return [f.exception() or f.result() for f in futures]
+            wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
+            if failed is not None:
+                stop.set()
+                raise failed.exception()  # type: ignore[misc]
+            return [f.result() for f in futures]
         finally:
+            stop.set()  # (a no-op once every request is done)
+            pool.shutdown(wait=False, cancel_futures=True)
             bar.close()
 
     def score_batch_padded(self, requests: Iterable[RequestLike], *, length: int | None = None,
@@ -143,22 +151,29 @@ class TeacherClient(ClientBase):
         # without return_exceptions every entry is a matrix
         return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
 
-    def _send(self, req: TeacherRequest) -> ScoreOutput:
+    def _send(self, req: TeacherRequest, stop: threading.Event | None = None) -> ScoreOutput:
+        """One request with its retries; ``stop``: its batch was given up (no further attempt)."""
         content = self._encode(req)
         key, tokens = self._route_key(req), len(req.token_ids)
         attempt, url = 0, None
         while True:
+            if stop is not None and stop.is_set():
+                raise TeacherServerError("not sent again: another request of its batch failed", type="cancelled",
+                                         attempts=attempt)
             attempt += 1
             resp = err = None
             url = None if self.endpoints is None else self.endpoints.pick(key, avoid=url)
             if url is not None:
                 self.endpoints.begin(url, tokens)
             try:
+                headers, extensions = (JSON_HEADERS, None) if url is None else self._target(url)
                 with self._slots:
                     resp = self._http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
-                                           content=content, headers=JSON_HEADERS)
+                                           content=content, headers=headers, extensions=extensions)
             except RETRY_EXCEPTIONS as e:
                 err = e
+            except httpx.HTTPError as e:  # not retried (a body that cannot be decoded, ...)
+                raise unretried(e, attempt) from e
             finally:
                 if url is not None:
                     self.endpoints.end(url, tokens)
@@ -167,4 +182,8 @@ class TeacherClient(ClientBase):
             if out is not None:
                 return out
             if not elsewhere:  # another server is up: go there now, no backoff
-                time.sleep(self.retry.delay(attempt, resp))
+                pause = self.retry.delay(attempt, resp)
+                if stop is not None:
+                    stop.wait(pause)
+                else:
+                    time.sleep(pause)
