@@ -36,13 +36,39 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
     help_text = f"{field.description or name.replace('_', ' ')} (default: {field.default})".replace("%", "%%")
     flag = "--" + name.replace("_", "-")
     if kind is bool:
-        parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                            help=help_text)
+        parser.add_argument(flag, dest=name, action=_OptionalBool if optional else argparse.BooleanOptionalAction,
+                            default=argparse.SUPPRESS, help=help_text)
         return
     convert = _converter(kind, optional)
     parser.add_argument(flag, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,
                         choices=[*choices, *([None] if optional else [])] if choices else None,
                         metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper())
+
+
+class _OptionalBool(argparse.Action):
+    """A setting that is true, false or none (decided by the server): ``--x`` / ``--no-x`` as
+    for other booleans, and ``--x none`` (or ``--x true`` / ``--x false``)."""
+
+    WORDS = {"none": None, "null": None, "true": True, "false": False}
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
+        names = [*option_strings, *("--no-" + o[2:] for o in option_strings if o.startswith("--"))]
+        super().__init__(names, dest, nargs="?", metavar="{none,true,false}", **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        if option_string is not None and option_string.startswith("--no-"):
+            if values is not None:
+                parser.error(f"{option_string} takes no value")
+            setattr(namespace, self.dest, False)
+            return
+        if values is None:
+            setattr(namespace, self.dest, True)
+            return
+        word = str(values).lower()
+        if word not in self.WORDS:
+            parser.error(f"{option_string}: expected none, true or false, not {values!r}")
+        setattr(namespace, self.dest, self.WORDS[word])
 
 
 def _field_kind(annotation: object) -> tuple[type, list[str], bool]:

@@ -8,6 +8,7 @@ Sources, lowest to highest precedence: field defaults < YAML file < environment
 from __future__ import annotations
 
 import os
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -178,15 +179,21 @@ class Config(BaseModel):
             path = Path(file)
             if not path.is_file():
                 raise ConfigError(f"config file not found: {path}")
-            loaded = yaml.safe_load(path.read_text()) or {}
+            try:
+                loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+            except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+                raise ConfigError(f"config file {path} cannot be read as YAML: {str(e)[:300]}") from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"config file {path} must hold a mapping of settings")
             values.update(loaded)
         env = dict(os.environ) if env is None else env
-        for name in cls.model_fields:
+        for name, field in cls.model_fields.items():
             key = ENV_PREFIX + name.upper()
             if key in env:
-                values[name] = env[key]
+                value: Any = env[key]
+                if value.strip().lower() in ("none", "null") and type(None) in typing.get_args(field.annotation):
+                    value = None  # as `--flag none`: the default of an optional setting
+                values[name] = value
         for k, v in (overrides or {}).items():  # None: not given
             if v is not None:
                 values[k] = v

@@ -13,7 +13,7 @@ from engine_util import fail_on_token
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreRequest
+from teacher_server.engine.request import ErrorKind, ScoreRequest
 
 
 def slow_engine(tmp_path, fatal_token: int | None = None) -> Engine:
@@ -83,6 +83,11 @@ def test_fatal_error_answers_queued_requests(tmp_path) -> None:
         results = await asyncio.wait_for(asyncio.gather(a, *others, return_exceptions=True), 10)
         for r in results:
             assert isinstance(r, Exception) or r.error is not None, r
+        # the failing step's own request: INTERNAL (500); the others were never scored and are
+        # not at fault: UNAVAILABLE (a 503 with Retry-After, so a client goes to another server)
+        assert results[0].error_kind == ErrorKind.INTERNAL
+        queued = [r for r in results[1:] if not isinstance(r, Exception) and r.error_kind != ErrorKind.INTERNAL]
+        assert queued and all(r.error_kind == ErrorKind.UNAVAILABLE for r in queued)
         assert ae.in_flight == 0 and not ae.alive
         for _ in range(200):  # on_fatal runs in the engine thread right after the answers
             if fired:

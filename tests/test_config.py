@@ -91,3 +91,33 @@ def test_generated_flags_parse_to_typed_values(tmp_path) -> None:
         config_from_args(["serve", "--attention-backend", "magic"])
     with pytest.raises(ConfigError, match="header_timeout_s"):
         config_from_args(["serve", "--header-timeout-s", "0"])
+
+
+def test_settings_that_may_be_none_take_none_from_flags_and_the_environment(tmp_path, monkeypatch) -> None:
+    """Optional booleans (``warm_up``, ``engine_process``: none lets the server decide) take
+    ``--x`` / ``--no-x`` and ``--x none``; ``none`` in a variable is None too, and a flag's
+    ``none`` beats a variable's value (``--api-key none`` turns off TEACHER_SERVER_API_KEY)."""
+    f = tmp_path / "c.yaml"
+    f.write_text("warm_up: false\nengine_process: true\n")
+    cfg = config_from_args(["serve", "--config", str(f), "--warm-up", "none", "--engine-process", "none"])
+    assert cfg.warm_up is None and cfg.engine_process is None
+    assert config_from_args(["serve", "--warm-up"]).warm_up is True
+    assert config_from_args(["serve", "--no-warm-up", "--engine-process", "false"]).engine_process is False
+    with pytest.raises(SystemExit):
+        config_from_args(["serve", "--warm-up", "maybe"])
+    monkeypatch.setenv("TEACHER_SERVER_WARM_UP", "none")
+    monkeypatch.setenv("TEACHER_SERVER_MAX_MODEL_LEN", "None")
+    monkeypatch.setenv("TEACHER_SERVER_API_KEY", "secret")
+    cfg = config_from_args(["serve", "--config", str(f)])
+    assert cfg.warm_up is None and cfg.max_model_len is None and cfg.api_key == "secret"
+    assert config_from_args(["serve", "--api-key", "none"]).api_key is None
+    with pytest.raises(ConfigError, match="max_logprobs"):  # none only where a setting may be None
+        Config.load(env={"TEACHER_SERVER_MAX_LOGPROBS": "none"})
+
+
+@pytest.mark.parametrize("content", [b"port: [1\n", b"port: \xff\xfe\n"])
+def test_a_config_file_that_is_not_yaml_is_a_config_error(tmp_path, content: bytes) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_bytes(content)
+    with pytest.raises(ConfigError, match="cannot be read as YAML"):
+        Config.load(f, env={})

@@ -565,6 +565,28 @@ def test_a_refusal_that_comes_back_as_a_result_carries_retry_after(demo_server, 
     assert r.headers.get("Retry-After") == retry
 
 
+def test_the_deadline_holds_when_the_engine_does_not_answer(tmp_path_factory, monkeypatch) -> None:
+    """request_timeout_s bounds a request's time even when its engine never answers (a step that
+    does not end: a hung GPU or tensor-parallel worker): a 504 shortly after the deadline, its
+    work cancelled."""
+    cancelled = []
+
+    async def never(req):
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(req.request_id)
+            raise
+
+    with LiveServer(demo_cfg(tmp_path_factory, request_timeout_s=1.0)) as s, s.client() as c:
+        monkeypatch.setattr(s.app.state.aengine, "score", never)
+        t0 = time.monotonic()
+        r = c.post(GEN, json={**body([1, 2, 3], [7]), "request_id": "stuck"})
+        assert 1.0 <= time.monotonic() - t0 < 10
+        assert_error(r, 504, contains="deadline")
+        assert cancelled == ["stuck"]
+
+
 def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:
     with LiveServer(demo_cfg(tmp_path_factory, max_queue_tokens=100)) as s, s.client() as c:
         assert_error(c.post(GEN, json=body(range(1, 200), [1])), 400, "token_ids", "max_queue_tokens")

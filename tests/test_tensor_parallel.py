@@ -294,6 +294,28 @@ def test_heads_must_split(odd_vocab: Path) -> None:
         Engine(Config(model=str(odd_vocab), device="cpu", tensor_parallel_size=3))
 
 
+def test_every_split_the_model_needs_is_checked_at_start_up() -> None:
+    """The MLP's width and the KV heads are checked as the attention heads are (a ValueError
+    before any worker starts), not by an assert deep in the load that ``python -O`` drops."""
+    from dataclasses import replace
+
+    from teacher_server.engine.rank_setup import check_split
+    from teacher_server.layers.parallel import TensorParallel
+    from teacher_server.models.spec import ModelSpec
+
+    spec = ModelSpec(family="qwen2", architecture="Qwen2ForCausalLM", vocab_size=64, hidden_size=64,
+                     intermediate_size=96, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=8, rms_norm_eps=1e-6,
+                     rope_theta=1e4)
+    check_split(spec, 2)
+    check_split(spec, 8)  # 4 KV heads replicated over 8 ranks
+    with pytest.raises(ValueError, match="intermediate size 90"):
+        check_split(replace(spec, intermediate_size=90), 4)
+    with pytest.raises(ValueError, match="6 KV heads"):
+        check_split(replace(spec, num_heads=12, num_kv_heads=6), 4)
+    with pytest.raises(ValueError, match="does not split over 4 ranks"):
+        TensorParallel(4, 0).split(90, "gate rows")
+
+
 def test_a_start_up_check_failing_after_the_workers_started_stops_them(odd_vocab: Path) -> None:
     """A KV pool too small for max_model_len is found after the workers joined: they stop and
     the process group is left, so a corrected engine starts in the same process."""

@@ -222,7 +222,11 @@ class AsyncEngine:
         self._built.set()
         try:
             self._loop()
-        except BaseException as e:  # fatal: the step already failed its own requests
+        except BaseException as e:  # fatal: the step failed its own requests (INTERNAL), answered first
+            try:
+                self._deliver_all(self.engine.take_failed())
+            except Exception:  # (answering them must not keep the rest from being answered)
+                log.exception("answering a failed step's requests")
             self._die(e)
             return
         self.engine.close()
@@ -261,7 +265,9 @@ class AsyncEngine:
                     break
                 if isinstance(msg, AddMsg):
                     self._pending[msg.pending.req.uid] = msg.pending
+        # Not scored, and not for anything they did (a step's own requests were failed with it):
+        # UNAVAILABLE, a 503 with Retry-After, so a client sends them to another server.
         for p in list(self._pending.values()):
-            self._deliver(ScoreResult.failed(p.req, ErrorKind.INTERNAL, self.fatal_error))
+            self._deliver(ScoreResult.failed(p.req, ErrorKind.UNAVAILABLE, self.fatal_error))
         if self.on_fatal is not None:
             self.on_fatal(e)

@@ -385,6 +385,12 @@ class Engine:
             raise handoff.error
         return handoff.results
 
+    def take_failed(self) -> list[ScoreResult]:
+        """The results of requests a failed step failed, not yet returned by ``step`` (it raised:
+        the failure is fatal)."""
+        out, self._failed = self._failed, []
+        return out
+
     def _fail_step(self, chunks: list[Chunk], e: Exception) -> None:
         """Fail only this step's requests; the engine goes on serving (unless CUDA is gone)."""
         log.exception("forward step failed; failing its %d request(s)", len(chunks))

@@ -62,6 +62,17 @@ def check_split(spec: ModelSpec, size: int) -> None:
     """Refuse a tensor-parallel size the model cannot be split by (ValueError, at start-up)."""
     if spec.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {spec.num_heads} attention heads")
+    dense = [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
+    if dense and spec.intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the MLP's intermediate size "
+                         f"{spec.intermediate_size}")
+    kv = spec.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(f"tensor_parallel_size={size} neither divides the model's {kv} KV heads nor is a "
+                         f"multiple of them (KV heads are split, or replicated evenly)")
+    if spec.shared_expert_intermediate_size and spec.shared_expert_intermediate_size % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the shared expert's intermediate size "
+                         f"{spec.shared_expert_intermediate_size}")
     if spec.num_experts and spec.moe_intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
                          f"{spec.moe_intermediate_size}")

@@ -15,7 +15,7 @@ slots) fit its memory; the engine takes the minimum (an all-reduce MIN done by h
 thread waits on the workers' process sentinels: a worker that dies or raises (it exits
 non-zero) is noticed at once, even while rank 0 sits in a collective, and reported to the
 failure hook (the server's: unhealthy, then exit). Workers exit when the engine's process
-is gone (a thread polls the parent pid) and ignore SIGINT (the engine stops them).
+is gone (a thread polls the parent pid) and ignore SIGINT and SIGTERM (the engine stops them).
 """
 
 from __future__ import annotations
@@ -241,7 +241,8 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
                 conn: Connection, parent: int) -> None:
     """A worker's life: join, load its shard, agree on the KV size, then run steps."""
     set_nccl_env()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the group's signals are the engine's process's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_orphan_guard, args=(parent,), daemon=True).start()
     logging.basicConfig(level=cfg_dict.get("log_level", "info").upper(),
                         format=f"%(asctime)s tp{rank} %(levelname)s %(name)s: %(message)s")

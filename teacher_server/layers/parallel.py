@@ -38,18 +38,21 @@ class TensorParallel:
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of n (rows, heads, ...); n must divide evenly."""
-        assert n % self.size == 0, f"{what} = {n} does not split over {self.size} ranks"
+        if n % self.size:  # (also under python -O: a wrong split would give wrong scores)
+            raise ValueError(f"{what} = {n} does not split over {self.size} ranks")
         return n // self.size
 
     def rows(self, n: int, what: str, unit: int = 1) -> tuple[int, int]:
         """(first row, row count) of this rank's slice of n rows split in units of ``unit``
         rows; units are replicated when there are fewer of them than ranks."""
-        assert n % unit == 0, f"{what} = {n} is not a whole number of units of {unit}"
+        if n % unit:
+            raise ValueError(f"{what} = {n} is not a whole number of units of {unit}")
         units = n // unit
         if units >= self.size:
             per = self.split(units, what)
             return self.rank * per * unit, per * unit
-        assert self.size % units == 0, f"{what}: {units} units cannot be replicated evenly over {self.size} ranks"
+        if self.size % units:
+            raise ValueError(f"{what}: {units} units cannot be replicated evenly over {self.size} ranks")
         return (self.rank // (self.size // units)) * unit, unit
 
     def vocab(self, n: int) -> tuple[int, int]:

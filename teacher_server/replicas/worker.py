@@ -63,6 +63,11 @@ def run_replica(index: int, cfg: Config, factory: Callable[[Config], object], de
 
     setup_logging(cfg.log_level, cfg.log_json)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack
+    # The front stops a replica through its inbox, and a replica exits when the front is gone: a
+    # signal to the whole process group (Ctrl-C, a service manager's SIGTERM) is the front's to
+    # handle (it drains), not a replica's to die of with the requests it holds.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if devices is None:
         import torch
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import re
 import time
 import urllib.parse
@@ -104,7 +103,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     open_paths = {"/health"} if cfg.auth_exempt_health else set()
     if cfg.auth_exempt_metrics:
         open_paths.add("/metrics")
-    api_key = cfg.api_key or os.environ.get("TEACHER_SERVER_API_KEY") or None
+    # (``Config.load`` reads TEACHER_SERVER_API_KEY like every setting's variable, under the flag:
+    # ``--api-key none`` turns it off)
+    api_key = cfg.api_key or None
 
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
@@ -229,6 +230,7 @@ def _request_id_header(rid: str | None) -> dict[str, str]:
     return {"X-Request-Id": _header_safe(rid)} if rid is not None else {}
 
 
+_DEADLINE_GRACE_S = 1.0  # past a request's deadline, before the front answers for an engine that has not
 _RETRY_AFTER_S = {ErrorKind.OVERLOADED: "1", ErrorKind.UNAVAILABLE: "5"}
 
 
@@ -290,12 +292,19 @@ async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo
         app.state.handling += 1
         task = asyncio.ensure_future(ae.score(req))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
+        # The engine answers a request past its deadline itself (504) between steps; this bound
+        # holds when it cannot (a step that does not end: a hung GPU or worker).
+        limit = None if req.deadline is None else max(req.deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
         try:
-            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=limit)
         finally:
             watcher.cancel()
-            if not task.done():  # cancelled from outside (shutdown) or the client went away
+            if not task.done():  # cancelled from outside (shutdown), the client went away, or the deadline
                 task.cancel()
+        if not done:
+            m.labels(m.failures, reason="timeout").inc()
+            return error_response(504, "request deadline exceeded (request_timeout_s): the engine did not "
+                                       "answer in time")
         if task not in done:  # the client went away: drop its work and free its KV
             raise ClientGone("client disconnected")
         res = task.result()
