@@ -151,6 +151,41 @@ def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None
         assert _metric(s.url, "teacher_server_healthy") == {"0": 1.0, "1": 0.0}
 
 
+def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, reference, monkeypatch) -> None:
+    """A replica that stops answering without exiting (SIGSTOP: a hang, not a death) sends no
+    heartbeat: after ``SILENT_S`` it is killed, what it held is scored by the other replica, and
+    the server turns unhealthy as for a dead replica, instead of waiting on it for good."""
+    from teacher_server.replicas.pool import ReplicaPool
+
+    monkeypatch.setattr(ReplicaPool, "SILENT_S", 3.0)
+    reqs = [r for g in _groups(3, 40, 4, prompt=(10, 40), response=(2, 24)) for r in g]
+    ref = reference(reqs)
+    fatal: list[int] = []
+    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2)
+    with LiveServer(cfg, on_fatal=lambda: fatal.append(1)) as s, \
+            TeacherClient(s.url, max_concurrency=32, backoff=0.05) as c:
+        pool = s.app.state.aengine
+        victim = pool.replicas[0]
+        stopped = threading.Event()
+
+        def stop() -> None:
+            wait_until(lambda: victim.requests > 0)
+            os.kill(victim.pid, signal.SIGSTOP)
+            stopped.set()
+
+        threading.Thread(target=stop).start()
+        t0 = time.monotonic()
+        outs = c.score_batch(reqs)
+        assert stopped.is_set() and time.monotonic() - t0 < 60
+        for got, want in zip(outs, ref, strict=True):
+            np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+        wait_until(lambda: victim.state == "down")
+        assert "no heartbeat" in (victim.error or "")
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "replica 0 down" in health.json()["error"]["message"]
+        assert fatal
+
+
 def test_client_over_two_servers_survives_a_restart(checkpoints, single, reference) -> None:
     cfg = _cfg(checkpoints["qwen3"])
     # 16 groups: the rendezvous hash over the two URLs (b's port is new each run) gives b none of

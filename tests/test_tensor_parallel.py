@@ -393,13 +393,13 @@ def test_tp8_moe(tmp_path: Path) -> None:
 class Serve:
     """`python -m teacher_server serve --tensor-parallel-size 2 --device cpu` on a free port."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--tensor-parallel-size", "2",
              "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--max-num-batched-tokens",
-             "64", "--num-kv-blocks", "256", "--block-size", "8"],
+             "64", "--num-kv-blocks", "256", "--block-size", "8", *extra],
             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
 
@@ -498,6 +498,31 @@ def test_killed_worker_makes_the_process_exit_non_zero(odd_vocab: Path) -> None:
         os.kill(worker, signal.SIGKILL)
         assert s.proc.wait(60) == 3  # the engine-failure exit code, within a bounded time
     finally:
+        s.stop()
+
+
+def test_a_hung_worker_does_not_keep_the_server_from_exiting(odd_vocab: Path) -> None:
+    """A worker stopped mid-request (SIGSTOP: a hang, no exit) holds the engine's thread in a
+    collective. The request still gets its answer by its deadline (504), SIGTERM still ends the
+    server in bounded time (the stuck engine's workers are killed), and no worker outlives it."""
+    s = Serve(odd_vocab, "--request-timeout-s", "3", "--shutdown-timeout-s", "2")
+    try:
+        s.wait_ready()
+        (worker,) = s.workers()
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.monotonic()
+        r = httpx.post(s.url + GEN, json=body(range(1, 200), [1, 2]), timeout=60)
+        assert r.status_code == 504 and time.monotonic() - t0 < 15, (r.status_code, r.text[:200])
+        t0 = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(60)
+        assert time.monotonic() - t0 < 45
+        assert wait_gone([worker], 20), "the stopped worker outlived the server"
+    finally:
+        try:
+            os.kill(worker, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
         s.stop()
 
 

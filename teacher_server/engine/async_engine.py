@@ -133,7 +133,11 @@ class AsyncEngine:
         self._stop.set()
         self._inbox.put(ExitMsg())
         if self._thread.is_alive():
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=10)
+        if self._thread.is_alive() and self.engine is not None:  # stuck in a step (a hung worker or GPU)
+            log.warning("the engine thread did not stop in 10s: killing its tensor-parallel workers")
+            self.engine.kill_workers()
+            self._thread.join(timeout=20)
 
     # --- requests ----------------------------------------------------------------------
     async def score(self, req: ScoreRequest) -> ScoreResult:
@@ -269,5 +273,7 @@ class AsyncEngine:
         # UNAVAILABLE, a 503 with Retry-After, so a client sends them to another server.
         for p in list(self._pending.values()):
             self._deliver(ScoreResult.failed(p.req, ErrorKind.UNAVAILABLE, self.fatal_error))
+        if self.engine is not None:  # workers still running (a peer died, or this thread failed) go now
+            self.engine.kill_workers()
         if self.on_fatal is not None:
             self.on_fatal(e)

@@ -179,6 +179,14 @@ class Engine:
         """Process ids of the tensor-parallel workers (ranks 1..N-1; none at size 1)."""
         return [] if self._workers is None else [p.pid for p in self._workers.procs]
 
+    def kill_workers(self) -> None:
+        """Kill the tensor-parallel workers at once (any thread): the engine is dead, or its
+        thread is stuck in a step and will not stop them itself. A collective it sits in then
+        fails (its peers are gone) instead of waiting out its timeout."""
+        workers = self._workers
+        if workers is not None:
+            workers.kill()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers (none at size 1). The engine cannot step after."""
         if self._trace is not None:

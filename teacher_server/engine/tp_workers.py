@@ -206,6 +206,16 @@ class TPWorkers:
                     self._hook(TensorParallelError(self.failure))
                 return
 
+    def kill(self) -> None:
+        """SIGKILL every worker still running (from any thread: no reaping here)."""
+        self._closing = True
+        for p in self.procs:
+            if p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def _kill(self) -> None:
         for p in self.procs:
             if p.is_alive():

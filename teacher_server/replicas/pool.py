@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,6 +49,8 @@ MAX_REPLICAS_LOST = 1
 class ReplicaPool:
     """Start with ``start()`` (on the event loop), then ``await ready()``."""
 
+    SILENT_S = 30.0  # a ready replica silent this long (it sends a heartbeat each second) is killed
+
     def __init__(self, cfg: Config, factory: Callable[[Config], object],
                  on_stats: Callable[[int, EngineStats], None] | None = None,
                  on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int | None = None) -> None:
@@ -78,6 +81,21 @@ class ReplicaPool:
         self._started = self._loop.create_future()
         for r in self.replicas:
             r.start(self._post)
+        threading.Thread(target=self._watch_silence, name="teacher-replica-heartbeat", daemon=True).start()
+
+    def _watch_silence(self) -> None:
+        """A ready replica that sends nothing for ``SILENT_S`` (its process stopped or hung: no
+        heartbeat, so no exit either) is killed: its requests then fail over and the pool goes
+        unhealthy, as when a replica dies."""
+        while not self._stopping:
+            time.sleep(1.0)
+            now = time.monotonic()
+            for r in self.replicas:
+                # (not is_alive(): it reaps the process, which only the loop thread may)
+                if r.state == "ready" and r.error is None and now - r.last_heard > self.SILENT_S:
+                    log.critical("replica %d (pid %s) sent nothing for %.0fs (stopped or hung): killing it",
+                                 r.index, r.pid, now - r.last_heard)
+                    r.kill(f"no heartbeat for {now - r.last_heard:.0f}s")
 
     async def ready(self) -> ReplicaInfo:
         """Wait until every replica is ready; raise when one fails to start (all are stopped)."""

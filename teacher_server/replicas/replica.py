@@ -41,6 +41,7 @@ class Replica:
         self.state = "starting"
         self.error: str | None = None
         self.requests = 0  # sent, not yet answered
+        self.last_heard = time.monotonic()  # its last message (replicas send one at least every HEARTBEAT_S)
         self.tokens = 0  # their tokens: the load the router balances
         self._pending: dict[int, tuple[ScoreRequest, asyncio.Future]] = {}
         self._inbox: mp.Queue = ctx.Queue()
@@ -69,6 +70,7 @@ class Replica:
                 msg = self._reader.recv()
             except (EOFError, OSError):
                 break
+            self.last_heard = time.monotonic()
             on_message(self, msg)
         # Wait for the exit without reaping it: only the loop thread reaps (``exitcode``,
         # ``join``); two threads waiting on one process race for its status.
@@ -119,6 +121,17 @@ class Replica:
         """Ask the process to exit (its engine shuts down); ``join`` waits for it."""
         if self.process.is_alive():
             self._inbox.put(StopMsg())
+
+    def kill(self, why: str) -> None:
+        """End a process that no longer answers (its threads' stacks first, where it still runs:
+        a hang rather than a stop); its exit then reads as any other (``went_down``)."""
+        self.error = why
+        try:
+            os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
+            time.sleep(0.5)
+            self.process.kill()
+        except (ProcessLookupError, TypeError):  # exited meanwhile (or never started)
+            pass
 
     def join(self, timeout: float) -> None:
         self.process.join(timeout)

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -36,6 +37,7 @@ from teacher_server.replicas.messages import (
 
 log = logging.getLogger("teacher_server.replicas")
 STATS_INTERVAL_S = 0.25  # how often a changed engine snapshot is sent to the front (metrics)
+HEARTBEAT_S = 1.0  # the snapshot is sent at least this often, changed or not: the front sees the process is there
 
 
 def replica_devices(index: int, per_replica: int, visible: str | None) -> str:
@@ -169,13 +171,13 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
         log.warning("replica %d: the front process is gone; stopping", index)
         post(StopMsg())
 
-    def report() -> None:  # the engine's snapshot, when it changed, for the front's metrics
-        last = None
+    def report() -> None:  # the engine's snapshot, when it changed (the front's metrics), and as a heartbeat
+        last, sent = None, 0.0
         while not stop.is_set():
             s = engine.stats()
-            if s != last:
+            if s != last or time.monotonic() - sent >= HEARTBEAT_S:
                 out.send(StatsMsg(s))
-                last = s
+                last, sent = s, time.monotonic()
             stop_wait.wait(STATS_INTERVAL_S)
 
     threading.Thread(target=read, name=f"teacher-replica{index}-in", daemon=True).start()
