@@ -110,45 +110,54 @@ def test_round_robin_splits_groups(checkpoints) -> None:
     assert all(g[1].cached_tokens == 0 for g in outs), [[o.cached_tokens for o in g] for g in outs]
 
 
-def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None:
-    reqs = [r for g in _groups(2, 125, 4, prompt=(10, 40), response=(2, 24)) for r in g]  # 500 small requests
+def _one_of_two_replicas_fails(checkpoints, reference, reqs, victim_index: int, fail) -> tuple:
+    """Score ``reqs`` over two replicas while ``fail(victim)`` (a ``Replica``) runs on a thread
+    beside the batch: every result must equal the reference, then ``/health`` names the victim
+    down and the fatal hook has run. Returns (the pool, the victim, the server's URL)."""
     ref = reference(reqs)
     fatal: list[int] = []
     cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2)
     with LiveServer(cfg, on_fatal=lambda: fatal.append(1)) as s, \
             TeacherClient(s.url, max_concurrency=32, backoff=0.05) as c:
         pool = s.app.state.aengine
-        victim = pool.replicas[1]
-
-        def kill() -> None:
-            # Kill it while it holds requests it has not answered: stop it, let the reader drain
-            # any answer already in its pipe, and kill it only if some request is still unanswered
-            # (else let it run on and try again), so that the retry below is certain to happen.
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                wait_until(lambda: victim.requests > 0)
-                os.kill(victim.pid, signal.SIGSTOP)
-                held = -1
-                while held != victim.requests:  # until no answer has arrived for 0.3 s
-                    held = victim.requests
-                    time.sleep(0.3)
-                if held > 0:
-                    os.kill(victim.pid, signal.SIGKILL)
-                    return
-                os.kill(victim.pid, signal.SIGCONT)
-            os.kill(victim.pid, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill)
-        killer.start()
+        victim = pool.replicas[victim_index]
+        failing = threading.Thread(target=fail, args=(victim,))
+        failing.start()
         outs = c.score_batch(reqs)
-        killer.join()
+        failing.join()
         for got, want in zip(outs, ref, strict=True):
             np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-        assert pool.retried > 0  # what the killed replica held was sent to the other one
+        wait_until(lambda: victim.state == "down")
         health = httpx.get(s.url + "/health")
-        assert health.status_code == 503 and "replica 1 down" in health.json()["error"]["message"]
+        assert health.status_code == 503 and f"replica {victim_index} down" in health.json()["error"]["message"]
         assert fatal  # the process would now drain and exit non-zero
-        assert _metric(s.url, "teacher_server_healthy") == {"0": 1.0, "1": 0.0}
+        assert _metric(s.url, "teacher_server_healthy") == {str(victim_index): 0.0, str(1 - victim_index): 1.0}
+        return pool, victim
+
+
+def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None:
+    reqs = [r for g in _groups(2, 125, 4, prompt=(10, 40), response=(2, 24)) for r in g]  # 500 small requests
+
+    def kill(victim) -> None:
+        # Kill it while it holds requests it has not answered: stop it, let the reader drain
+        # any answer already in its pipe, and kill it only if some request is still unanswered
+        # (else let it run on and try again), so that the retry below is certain to happen.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            wait_until(lambda: victim.requests > 0)
+            os.kill(victim.pid, signal.SIGSTOP)
+            held = -1
+            while held != victim.requests:  # until no answer has arrived for 0.3 s
+                held = victim.requests
+                time.sleep(0.3)
+            if held > 0:
+                os.kill(victim.pid, signal.SIGKILL)
+                return
+            os.kill(victim.pid, signal.SIGCONT)
+        os.kill(victim.pid, signal.SIGKILL)
+
+    pool, _ = _one_of_two_replicas_fails(checkpoints, reference, reqs, 1, kill)
+    assert pool.retried > 0  # what the killed replica held was sent to the other one
 
 
 def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, reference, monkeypatch) -> None:
@@ -159,31 +168,14 @@ def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, ref
 
     monkeypatch.setattr(ReplicaPool, "SILENT_S", 3.0)
     reqs = [r for g in _groups(3, 40, 4, prompt=(10, 40), response=(2, 24)) for r in g]
-    ref = reference(reqs)
-    fatal: list[int] = []
-    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2)
-    with LiveServer(cfg, on_fatal=lambda: fatal.append(1)) as s, \
-            TeacherClient(s.url, max_concurrency=32, backoff=0.05) as c:
-        pool = s.app.state.aengine
-        victim = pool.replicas[0]
-        stopped = threading.Event()
 
-        def stop() -> None:
-            wait_until(lambda: victim.requests > 0)
-            os.kill(victim.pid, signal.SIGSTOP)
-            stopped.set()
+    def stop(victim) -> None:
+        wait_until(lambda: victim.requests > 0)
+        os.kill(victim.pid, signal.SIGSTOP)
 
-        threading.Thread(target=stop).start()
-        t0 = time.monotonic()
-        outs = c.score_batch(reqs)
-        assert stopped.is_set() and time.monotonic() - t0 < 60
-        for got, want in zip(outs, ref, strict=True):
-            np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-        wait_until(lambda: victim.state == "down")
-        assert "no heartbeat" in (victim.error or "")
-        health = httpx.get(s.url + "/health")
-        assert health.status_code == 503 and "replica 0 down" in health.json()["error"]["message"]
-        assert fatal
+    t0 = time.monotonic()
+    _, victim = _one_of_two_replicas_fails(checkpoints, reference, reqs, 0, stop)
+    assert time.monotonic() - t0 < 90 and "no heartbeat" in (victim.error or "")
 
 
 def test_client_over_two_servers_survives_a_restart(checkpoints, single, reference) -> None:
