@@ -74,6 +74,14 @@ def test_same_request_id_from_two_callers(tmp_path: Path) -> None:
 def test_fatal_error_answers_queued_requests(tmp_path) -> None:
     fired = []
     ae = AsyncEngine(slow_engine(tmp_path, fatal_token=3999), 100, 10 ** 6, on_fatal=fired.append)
+    alive_at_answer = {}
+    deliver = ae._deliver
+
+    def recording(res):  # the engine's state as each answer goes out (a replica reads it then)
+        alive_at_answer[res.request_id] = ae.alive
+        deliver(res)
+
+    ae._deliver = recording
     ae.start()
 
     async def main() -> None:
@@ -86,6 +94,7 @@ def test_fatal_error_answers_queued_requests(tmp_path) -> None:
         # the failing step's own request: INTERNAL (500); the others were never scored and are
         # not at fault: UNAVAILABLE (a 503 with Retry-After, so a client goes to another server)
         assert results[0].error_kind == ErrorKind.INTERNAL
+        assert alive_at_answer["a"] is False  # dead before its answer: a replica hands it back
         queued = [r for r in results[1:] if not isinstance(r, Exception) and r.error_kind != ErrorKind.INTERNAL]
         assert queued and all(r.error_kind == ErrorKind.UNAVAILABLE for r in queued)
         assert ae.in_flight == 0 and not ae.alive

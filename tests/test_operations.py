@@ -364,6 +364,7 @@ def test_the_drain_waits_for_an_answer_still_being_built(tmp_path, monkeypatch) 
         assert out[0].status_code == 200, out[0].text[:300]
         assert decode(out[0].json()["prompt_token_id_logprobs"]).shape == (30, 2)
         wait_until(lambda: s.server.should_exit, 30, "the server to stop after the drain")
+        assert s.app.state.handling == 0
 
 
 def test_a_body_still_arriving_when_the_drain_ends_gets_the_json_503(tmp_path) -> None:
@@ -585,6 +586,7 @@ def test_the_deadline_holds_when_the_engine_does_not_answer(tmp_path_factory, mo
         assert 1.0 <= time.monotonic() - t0 < 10
         assert_error(r, 504, contains="deadline")
         assert cancelled == ["stuck"]
+        wait_until(lambda: s.app.state.handling == 0, 10, "the request counted out")
 
 
 def test_request_larger_than_queue_is_400_not_429(tmp_path_factory) -> None:
@@ -858,3 +860,43 @@ def test_a_fatal_error_drains_without_a_signal(tmp_path, monkeypatch) -> None:
     app.state.aengine = None  # failed to start
     lifecycle.terminate_self()
     assert idle.should_exit and not idle._captured_signals
+
+
+def test_a_handler_cancelled_while_its_body_arrives_leaves_nothing_counted(tmp_path) -> None:
+    """The server's own shutdown may cancel a handler whose body is still on its way: its work is
+    cancelled with it, so it is never admitted later and counted in flight for good (a drain
+    would then wait its whole timeout for nothing)."""
+    from teacher_server.server.app import create_app
+
+    app = create_app(Config(demo_model_dir=str(tmp_path / "m"), device="cpu"))
+    payload = json.dumps(body(range(1, 40), [1, 2])).encode()
+
+    async def main() -> None:
+        async with app.router.lifespan_context(app):
+            st = app.state
+            while st.aengine is None:
+                await asyncio.sleep(0.05)
+            arrived = asyncio.Event()
+
+            async def receive() -> dict:
+                await arrived.wait()
+                return {"type": "http.request", "body": payload, "more_body": False}
+
+            async def send(message: dict) -> None:
+                pass
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                     "scheme": "http", "path": GEN, "raw_path": GEN.encode(), "query_string": b"", "root_path": "",
+                     "headers": [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(payload)).encode())],
+                     "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2), "state": {}, "app": app}
+            handler = asyncio.create_task(app(scope, receive, send))
+            await asyncio.sleep(0.3)
+            handler.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await handler
+            arrived.set()  # the body arrives after all
+            await asyncio.sleep(1.0)
+            assert st.handling == 0 and st.aengine.in_flight == 0
+
+    asyncio.run(main())

@@ -93,7 +93,7 @@ class AsyncTeacherClient(ClientBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-        self.close()
+        await asyncio.to_thread(self.close)  # (it waits for a health check under way: not on the loop)
 
     def close(self) -> None:
         """Stop the health checks of several servers (``aclose`` closes a loop's connections);

@@ -227,6 +227,8 @@ class AsyncEngine:
         try:
             self._loop()
         except BaseException as e:  # fatal: the step failed its own requests (INTERNAL), answered first
+            with self._lock:  # dead before they go out: a replica reads ``alive`` to hand them back
+                self.alive = False
             try:
                 self._deliver_all(self.engine.take_failed())
             except Exception:  # (answering them must not keep the rest from being answered)

@@ -184,7 +184,7 @@ class Engine:
         thread is stuck in a step and will not stop them itself. A collective it sits in then
         fails (its peers are gone) instead of waiting out its timeout."""
         workers = self._workers
-        if workers is not None:
+        if workers is not None and workers.failure is None:  # (after a failure its watchdog killed them)
             workers.kill()
 
     def close(self) -> None:

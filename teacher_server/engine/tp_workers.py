@@ -96,6 +96,7 @@ class TPWorkers:
         self.size, self.device = size, device
         self.store = make_store(0, size)  # held while the group lives
         self._closing = False
+        self._reaped: set[int | None] = set()  # pids the watchdog has reaped (never signalled again)
         self._hook: Callable[[BaseException], None] | None = None
         self.failure: str | None = None
         ctx = mp.get_context("spawn")
@@ -199,6 +200,7 @@ class TPWorkers:
                 if self._closing:
                     return
                 p.join(1.0)  # reaped, so its exit code is known
+                self._reaped.add(p.pid)
                 self.failure = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
                 log.critical("%s; stopping the other ranks", self.failure)
                 self._kill()
@@ -210,7 +212,7 @@ class TPWorkers:
         """SIGKILL every worker still running (from any thread: no reaping here)."""
         self._closing = True
         for p in self.procs:
-            if p.pid is not None:
+            if p.pid is not None and p.pid not in self._reaped:
                 try:
                     os.kill(p.pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -87,9 +87,14 @@ class ReplicaPool:
         """A ready replica that sends nothing for ``SILENT_S`` (its process stopped or hung: no
         heartbeat, so no exit either) is killed: its requests then fail over and the pool goes
         unhealthy, as when a replica dies."""
+        last = time.monotonic()
         while not self._stopping:
             time.sleep(1.0)
             now = time.monotonic()
+            if now - last > self.SILENT_S / 2:  # this process was paused too (a frozen container): the
+                for r in self.replicas:  # replicas' heartbeats are still in the pipes, not missing
+                    r.last_heard = max(r.last_heard, now)
+            last = now
             for r in self.replicas:
                 # (not is_alive(): it reaps the process, which only the loop thread may)
                 if r.state == "ready" and r.error is None and now - r.last_heard > self.SILENT_S:

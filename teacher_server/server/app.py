@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import re
 import time
 import urllib.parse
@@ -103,9 +104,11 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     open_paths = {"/health"} if cfg.auth_exempt_health else set()
     if cfg.auth_exempt_metrics:
         open_paths.add("/metrics")
-    # (``Config.load`` reads TEACHER_SERVER_API_KEY like every setting's variable, under the flag:
-    # ``--api-key none`` turns it off)
-    api_key = cfg.api_key or None
+    # ``Config.load`` reads TEACHER_SERVER_API_KEY like every setting's variable, under the flag
+    # (``--api-key none`` turns it off); a Config made without it falls back to the variable.
+    api_key = cfg.api_key if "api_key" in cfg.model_fields_set else \
+        (cfg.api_key or os.environ.get("TEACHER_SERVER_API_KEY"))
+    api_key = api_key or None
 
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
@@ -168,10 +171,11 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
             await asyncio.wait({work, cutoff}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done() and info.scored:  # its result is in: the answer is being built, not dropped
                 await asyncio.wait({work})
+        except BaseException:  # this handler was cancelled (the server's own shutdown): so is its work
+            work.cancel()
+            raise
         finally:
             cutoff.cancel()
-            if info.admitted:
-                st.handling -= 1
         if work.done():
             resp = work.result()
         else:  # shutdown stopped waiting: drop the work (frees its KV) and say so
@@ -265,6 +269,14 @@ class ApiKeyMiddleware:
 
 
 async def _generate(request: Request, cfg: Config, t0: float, info: _RequestInfo) -> Response:
+    try:
+        return await _generate_counted(request, cfg, t0, info)
+    finally:
+        if info.admitted:  # counted at admission (``app.state.handling``), uncounted on every way out
+            request.app.state.handling -= 1
+
+
+async def _generate_counted(request: Request, cfg: Config, t0: float, info: _RequestInfo) -> Response:
     app = request.app
     m: Metrics = app.state.metrics
     engine: Engine | None = app.state.engine
