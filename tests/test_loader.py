@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -112,3 +113,53 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
         assert model_class(arch) is Qwen3_5MoeForCausalLM
     assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                                           "qwen2_moe", "mixtral", "qwen3_5", "qwen3_5_moe"}
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"hidden_act": "relu"}, "hidden_act='relu'"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "without low_freq_factor, high_freq_factor"),
+])
+def test_what_changes_the_math_and_is_not_built_is_refused_by_name(change: dict, says: str) -> None:
+    """A config the engine would score differently from transformers (another activation) or
+    fail on with a misleading message (biases it has no place for, quantized weights) is
+    refused at once, naming what is not supported."""
+    from teacher_server.models.spec import ModelSpec, UnsupportedModelError
+
+    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "hidden_act": "silu", "max_position_embeddings": 256}
+    ModelSpec.from_dict(base)
+    with pytest.raises(UnsupportedModelError, match=re.escape(says)):
+        ModelSpec.from_dict({**base, **change})
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_bias": True}
+    assert ModelSpec.from_dict(qwen2).attention_bias  # Qwen2's q/k/v biases are built
+    llama3 = ModelSpec.from_dict({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0}})
+    assert llama3.rope_scaling["original_max_position_embeddings"] == 256  # as transformers defaults it
+
+
+def test_the_config_decides_whether_the_head_is_tied(tmp_path) -> None:
+    """``tie_word_embeddings: false`` without ``lm_head.weight`` is a missing weight, not a
+    silently tied head; a stray export beside ``model.safetensors`` is not read."""
+    from reference import make_checkpoint
+    from safetensors.torch import save_file
+
+    ckpt = make_checkpoint("llama", tmp_path / "m")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as sf:
+        tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+    assert "lm_head.weight" in tensors
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(ckpt / "consolidated.safetensors"))
+    Engine(Config(model=str(ckpt), device="cpu"))  # the stray export is not read
+    del tensors["lm_head.weight"]
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(Exception, match="missing weights for: head.weight"):
+        Engine(Config(model=str(ckpt), device="cpu"))

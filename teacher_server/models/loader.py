@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -29,7 +30,10 @@ def checkpoint_files(path: Path) -> list[Path]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path}")
-    return files
+    # transformers' own names, where present: another export beside them (Mistral's
+    # consolidated.safetensors) is not part of this checkpoint
+    ours = [f for f in files if f.name == "model.safetensors" or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f.name)]
+    return ours or files
 
 
 def read_slice(sf: object, name: str, sl: tuple[int, int, int] | None) -> torch.Tensor:
@@ -61,7 +65,11 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             names.update(sf.keys())
-    tied = spec.tie_word_embeddings is True or "lm_head.weight" not in names
+    # config.json decides when it says; an untied model without lm_head.weight is then an error
+    # (missing weights below), a tied one with it ignores it (as vLLM)
+    tied = spec.tie_word_embeddings is True or (spec.tie_word_embeddings is None and "lm_head.weight" not in names)
+    if spec.tie_word_embeddings is True and "lm_head.weight" in names:
+        log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp)
     filled: dict[str, int] = {}  # our parameter name -> count of parts written
     dev = "cpu" if device.type == "cpu" else str(device)

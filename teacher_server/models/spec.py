@@ -164,6 +164,24 @@ class ModelSpec:
             raise UnsupportedModelError(
                 f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         merged["rope_type"] = rope_type
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in merged]
+            if missing:
+                raise UnsupportedModelError(f"llama3 rope scaling without {', '.join(missing)}")
+            merged.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+        # What changes the math and is not built: refused by name rather than scored differently
+        # (an activation) or failing on a checkpoint tensor with "no place" (biases, quantized weights).
+        act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (SiLU-gated MLPs only)")
+        if d.get("quantization_config"):
+            method = (d["quantization_config"] or {}).get("quant_method", "?")
+            raise UnsupportedModelError(f"quantized checkpoints are not supported (quantization_config: {method})")
+        if d.get("mlp_bias"):
+            raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
+        if d.get("attention_bias") and not entry.attention_bias:
+            raise UnsupportedModelError(f"{arch} with attention_bias=true (biases on q, k, v and o) is not supported; "
+                                        f"Qwen2's q/k/v biases are")
         sliding = None
         if entry.sliding_window:
             sliding = d.get("sliding_window")
