@@ -39,7 +39,7 @@ class Config(BaseModel):
     download_dir: str | None = Field(
         None, description="Hub cache for hub id models; default HF_HUB_CACHE (~/.cache/huggingface/hub).")
     served_model_name: str | None = Field(
-        None, description="Name clients use in `model`; defaults to the directory name.")
+        None, description="Name clients use in `model`; defaults to the model as given (its path or hub id).")
     load_format: Literal["auto", "safetensors", "dummy"] = Field(
         "auto", description="dummy: random weights made in place from config.json (benchmarks).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field(
@@ -55,7 +55,8 @@ class Config(BaseModel):
                                    "of at least 1024 rows). 1: one GEMM, then one all-reduce. Deterministic mode uses "
                                    "1.")
     demo_model_dir: str | None = Field(
-        None, description="Where the demo checkpoint is written; default ~/.cache/teacher-server/demo-qwen3.")
+        None, description="Where the demo checkpoint is written; default "
+                          "$XDG_CACHE_HOME/teacher-server/demo-qwen3-v<N> (~/.cache when unset).")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(

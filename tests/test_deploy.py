@@ -679,7 +679,27 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("empty-dir-size-garbage", {"model": {"source": "emptyDir", "emptyDir": {"sizeLimit": "big"}}}, "sizeLimit"),
     ("api-key-twice", {"apiKey": {"existingSecret": "k", "create": True, "value": "v"}}, "apiKey"),
     ("hpa-min-above-max", {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
+    # Prometheus scrapes without the API key
+    ("monitor-needs-open-metrics", {"serviceMonitor": {"enabled": True}, "config": {"auth_exempt_metrics": False}},
+     "auth_exempt_metrics"),
+    ("data-parallel-under-config", {"config": {"data_parallel_size": 2}}, "data_parallel_size"),  # dataParallelSize
 ]
+
+
+def test_the_service_monitor_scrapes_each_pod_once(helm: ModuleType) -> None:
+    """With the headless Service beside the ClusterIP one (both select the pods, both name a port
+    `http`), the ServiceMonitor selects only the ClusterIP Service: one target per pod."""
+    docs = manifests(render(helm, {"serviceMonitor": {"enabled": True}, "service": {"headless": {"enabled": True}}}))
+    services = {d["metadata"]["name"]: d["metadata"]["labels"] for d in docs if d["kind"] == "Service"}
+    assert len(services) == 2
+    sm = one(docs, "ServiceMonitor")["spec"]["selector"]
+
+    def selected(labels: dict[str, str]) -> bool:
+        return sm["matchLabels"].items() <= labels.items() and all(
+            e["operator"] == "DoesNotExist" and e["key"] not in labels for e in sm.get("matchExpressions", []))
+
+    chosen = [n for n, labels in services.items() if selected(labels)]
+    assert len(chosen) == 1 and not chosen[0].endswith("-headless"), chosen
 
 
 @pytest.mark.parametrize("values,needle", [r[1:] for r in REJECTED], ids=[r[0] for r in REJECTED])
