@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
@@ -784,3 +785,31 @@ def test_async_with_stops_the_health_checks_and_a_later_use_starts_them_again() 
     assert client.endpoints._thread is None  # stopped with `async with`
     asyncio.run(use())  # used again: running again while in use
     assert client.endpoints._thread is None
+
+
+def test_a_given_up_batch_does_not_hold_the_interpreter_exit(tmp_path) -> None:
+    """A request of a failed batch still waiting on an answer (its server silent) must not keep
+    the trainer's process from exiting: the batch's threads are daemons."""
+    script = tmp_path / "exit.py"
+    script.write_text(textwrap.dedent('''
+        import json, threading
+        import httpx
+        from teacher_server.client import TeacherClient, TeacherServerError
+
+        never = threading.Event()
+
+        def answer(request):
+            if json.loads(request.content)["token_ids"][0] == 99:
+                return httpx.Response(400, json={"error": {"message": "bad", "type": "BadRequestError",
+                                                           "param": None, "code": 400}})
+            never.wait()  # a server that never answers
+
+        with TeacherClient("http://teacher.test", transport=httpx.MockTransport(answer), max_concurrency=2) as c:
+            try:
+                c.score_batch([([1, 2, 3], [4]), ([99, 2, 3], [4])])
+            except TeacherServerError as e:
+                print("raised", e.status)
+    '''))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and "raised 400" in r.stdout, r.stderr[-2000:]

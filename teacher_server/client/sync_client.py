@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Literal, cast
 
 import httpx
@@ -120,27 +120,49 @@ class TeacherClient(ClientBase):
         bar = Progress(len(reqs), progress)
         # After a failure the batch is given up: requests not started are cancelled, those
         # being sent stop at their next retry (``stop``), and the failure is raised at once,
-        # not after the pool's threads have finished.
+        # not after the threads have finished. The threads are daemons: one still waiting on
+        # an answer nobody wants does not hold the interpreter's exit (an executor's would).
         stop = threading.Event()
-        pool = ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(reqs), 1)),
-                                  thread_name_prefix="teacher-client")
+        futures = self._run_batch(reqs, stop)
+        for f in futures:
+            f.add_done_callback(lambda f: f.cancelled() or bar.update())
         try:
-            futures = [pool.submit(self._send, r, stop) for r in reqs]
-            for f in futures:
-                f.add_done_callback(lambda f: f.cancelled() or bar.update())
             if return_exceptions:
                 wait(futures)
                 return [f.exception() or f.result() for f in futures]
             wait(futures, return_when=FIRST_EXCEPTION)
             failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception()), None)
             if failed is not None:
-                stop.set()
                 raise failed.exception()  # type: ignore[misc]
             return [f.result() for f in futures]
         finally:
             stop.set()  # (a no-op once every request is done)
-            pool.shutdown(wait=False, cancel_futures=True)
+            for f in futures:
+                f.cancel()  # those not started (the others run to their end)
             bar.close()
+
+    def _run_batch(self, reqs: list[TeacherRequest], stop: threading.Event) -> list[Future]:
+        """A future per request, run by up to ``max_concurrency`` daemon threads in order."""
+        futures: list[Future] = [Future() for _ in reqs]
+        order = iter(range(len(reqs)))
+        lock = threading.Lock()
+
+        def work() -> None:
+            while not stop.is_set():
+                with lock:
+                    i = next(order, None)
+                if i is None:
+                    return
+                if not futures[i].set_running_or_notify_cancel():
+                    continue
+                try:
+                    futures[i].set_result(self._send(reqs[i], stop))
+                except BaseException as e:  # (the batch raises it)
+                    futures[i].set_exception(e)
+
+        for n in range(min(self.max_concurrency, len(reqs))):
+            threading.Thread(target=work, name=f"teacher-client-{n}", daemon=True).start()
+        return futures
 
     def score_batch_padded(self, requests: Iterable[RequestLike], *, length: int | None = None,
                            fill: float = 0.0, return_tensors: Literal["np", "pt"] = "np",
