@@ -13,7 +13,7 @@ import typing
 from pydantic.fields import FieldInfo
 
 from teacher_server import __version__
-from teacher_server.config import Config, ConfigError
+from teacher_server.config import NONE_WORDS, Config, ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ class _OptionalBool(argparse.Action):
     """A setting that is true, false or none (decided by the server): ``--x`` / ``--no-x`` as
     for other booleans, and ``--x none`` (or ``--x true`` / ``--x false``)."""
 
-    WORDS = {"none": None, "null": None, "true": True, "false": False}
+    WORDS = {**dict.fromkeys(NONE_WORDS), "true": True, "false": False}
 
     def __init__(self, option_strings: list[str], dest: str, **kw: object) -> None:
         names = [*option_strings, *("--no-" + o[2:] for o in option_strings if o.startswith("--"))]
@@ -84,7 +84,7 @@ def _field_kind(annotation: object) -> tuple[type, list[str], bool]:
 
 def _converter(kind: type, optional: bool):  # noqa: ANN202
     def convert(text: str):  # noqa: ANN202
-        if optional and text.lower() in ("none", "null"):
+        if optional and text.lower() in NONE_WORDS:
             return None
         return kind(text)
     convert.__name__ = kind.__name__  # argparse names the type in its error messages

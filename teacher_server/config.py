@@ -21,6 +21,8 @@ LogprobsMode = Literal["raw_logprobs", "raw_logits"]
 AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash_attn"]
 
 
+NONE_WORDS = ("none", "null")  # an optional setting's None, in a flag or a variable
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
@@ -192,7 +194,7 @@ class Config(BaseModel):
             key = ENV_PREFIX + name.upper()
             if key in env:
                 value: Any = env[key]
-                if value.strip().lower() in ("none", "null") and type(None) in typing.get_args(field.annotation):
+                if value.strip().lower() in NONE_WORDS and type(None) in typing.get_args(field.annotation):
                     value = None  # as `--flag none`: the default of an optional setting
                 values[name] = value
         for k, v in (overrides or {}).items():  # None: not given

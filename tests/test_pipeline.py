@@ -46,6 +46,16 @@ def paced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pipeline: bool, ahead
     return eng, log
 
 
+def answers(eng: Engine) -> dict:
+    """Step until nothing is left: each request's result by id, every request answered once."""
+    out = {}
+    while eng.has_unfinished():
+        for r in eng.step():
+            assert r.request_id not in out
+            out[r.request_id] = r
+    return out
+
+
 def forwards(log: list) -> list[tuple[int, int, list]]:
     """(start index, end index, layer events recorded inside) of each forward in the log."""
     starts = [i for i, (k, _) in enumerate(log) if k == "fwd_start"]
@@ -99,11 +109,7 @@ def test_launch_failure_fails_only_that_step(tmp_path: Path, pipeline: bool) -> 
     bad = ScoreRequest("bad", np.array([1, 2, poison, 3]), 0, np.array([5]))
     for r in good[:2] + [bad] + good[2:]:
         eng.add_request(r)
-    out = {}
-    while eng.has_unfinished():
-        for r in eng.step():
-            assert r.request_id not in out
-            out[r.request_id] = r
+    out = answers(eng)
     assert out["bad"].error_kind == ErrorKind.INTERNAL and "inference failed" in out["bad"].error
     alone = engine(tmp_path, False).run_to_completion([ScoreRequest("x", np.arange(1, 40), 3, np.array([5, 6]))])
     assert all(out[g.request_id].error is None for g in good)
@@ -132,11 +138,7 @@ def test_a_failure_completing_a_step_inside_the_next_launch_fails_only_its_reque
     rng = np.random.default_rng(0)
     long = ScoreRequest("long", rng.integers(0, 4096, 64), 50, rng.choice(4096, 3, replace=False))
     eng.add_request(long)
-    out = {}
-    while eng.has_unfinished():
-        for r in eng.step():
-            assert r.request_id not in out
-            out[r.request_id] = r
+    out = answers(eng)
     assert calls["n"] >= 2 and out["long"].error_kind == ErrorKind.INTERNAL
     assert eng.stats().kv_blocks_used == 0 and eng.stats().active_requests == 0
     after = ScoreRequest("after", rng.integers(0, 4096, 40), 5, rng.choice(4096, 3, replace=False))

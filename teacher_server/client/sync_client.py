@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Literal, cast
@@ -175,11 +174,12 @@ class TeacherClient(ClientBase):
 
     def _send(self, req: TeacherRequest, stop: threading.Event | None = None) -> ScoreOutput:
         """One request with its retries; ``stop``: its batch was given up (no further attempt)."""
+        stop = stop or threading.Event()
         content = self._encode(req)
         key, tokens = self._route_key(req), len(req.token_ids)
         attempt, url = 0, None
         while True:
-            if stop is not None and stop.is_set():
+            if stop.is_set():
                 raise TeacherServerError("not sent again: another request of its batch failed", type="cancelled",
                                          attempts=attempt)
             attempt += 1
@@ -204,8 +204,4 @@ class TeacherClient(ClientBase):
             if out is not None:
                 return out
             if not elsewhere:  # another server is up: go there now, no backoff
-                pause = self.retry.delay(attempt, resp)
-                if stop is not None:
-                    stop.wait(pause)
-                else:
-                    time.sleep(pause)
+                stop.wait(self.retry.delay(attempt, resp))

@@ -292,7 +292,7 @@ class Engine:
         blocks, freed blocks) is done at launch: the GPU runs steps in launch order on one
         stream, so a later step may reuse blocks or cached KV of an earlier one that has not
         finished."""
-        results, self._failed = self._failed, []
+        results = self.take_failed()
         cur = self._inflight if self._inflight is not None else self.launch()
         self._inflight = None
         if cur is not None:
@@ -305,8 +305,7 @@ class Engine:
                 results += self._finish(handoff)
             else:
                 results += self.complete(cur)
-        results += self._failed
-        self._failed = []
+        results += self.take_failed()
         return results
 
     def launch(self, handoff: Handoff | None = None) -> InFlightStep | None:

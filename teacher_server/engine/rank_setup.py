@@ -62,7 +62,7 @@ def check_split(spec: ModelSpec, size: int) -> None:
     """Refuse a tensor-parallel size the model cannot be split by (ValueError, at start-up)."""
     if spec.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {spec.num_heads} attention heads")
-    dense = [i for i in range(spec.num_layers) if not spec.is_moe_layer(i)]
+    dense = any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
     if dense and spec.intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the MLP's intermediate size "
                          f"{spec.intermediate_size}")

@@ -126,8 +126,11 @@ class Replica:
         """End a process that no longer answers (its threads' stacks first, where it still runs:
         a hang rather than a stop); its exit then reads as any other (``went_down``)."""
         self.error = why
+        self._dump_and_kill()
+
+    def _dump_and_kill(self) -> None:
         try:
-            os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
+            os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints its threads' stacks
             time.sleep(0.5)
             self.process.kill()
         except (ProcessLookupError, TypeError):  # exited meanwhile (or never started)
@@ -138,10 +141,5 @@ class Replica:
         if self.process.is_alive():
             log.warning("replica %d did not exit in %.0fs; killing it (its threads' stacks follow)", self.index,
                         timeout)
-            try:
-                os.kill(self.process.pid, signal.SIGUSR1)  # the replica's faulthandler prints them
-                time.sleep(0.5)
-                self.process.kill()
-            except ProcessLookupError:  # it exited meanwhile
-                pass
+            self._dump_and_kill()
             self.process.join(5)

@@ -106,9 +106,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         open_paths.add("/metrics")
     # ``Config.load`` reads TEACHER_SERVER_API_KEY like every setting's variable, under the flag
     # (``--api-key none`` turns it off); a Config made without it falls back to the variable.
-    api_key = cfg.api_key if "api_key" in cfg.model_fields_set else \
-        (cfg.api_key or os.environ.get("TEACHER_SERVER_API_KEY"))
-    api_key = api_key or None
+    from_env = None if "api_key" in cfg.model_fields_set else os.environ.get("TEACHER_SERVER_API_KEY")
+    api_key = cfg.api_key or from_env or None
 
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
@@ -137,7 +136,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     async def models(request: Request) -> Response:
         e: Engine | None = request.app.state.engine
         if e is None:
-            return error_response(503, "engine is loading", headers={"Retry-After": "5"})
+            return error_response(503, "engine is loading", headers=_retry_after(ErrorKind.UNAVAILABLE))
         return _json(200, {"object": "list", "data": [{
             "id": e.served_model_name, "object": "model", "created": request.app.state.started,
             "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len}]})
@@ -182,7 +181,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
             work.cancel()
             m.labels(m.failures, reason="shutdown").inc()
             resp = error_response(503, "server shut down before the request finished; retry on another replica",
-                                  headers={"Retry-After": "5"})
+                                  headers=_retry_after(ErrorKind.UNAVAILABLE))
         dt = time.monotonic() - t0
         m.labels(m.requests, status=str(resp.status_code)).inc()
         m.labels(m.e2e).observe(dt)
