@@ -34,7 +34,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -136,16 +136,25 @@ def gpu_window(out: dict, t0: float, t1: float) -> None:
 
 def summarize(name: str, cfg: dict, reqs: list[Req], seconds: float, lat: list[float], peak: float,
               cached: list[int] | None = None, gpus: int | None = None) -> dict:
-    """MFU is per GPU: achieved FLOP/s over the peak of the GPUs used."""
+    """MFU is per GPU: achieved FLOP/s over the peak of the GPUs used. ``cached``: each
+    request's tokens the prefix cache served (not computed, so not counted in the MFU; tokens/s
+    counts every token, as served). A run with hits also gives ``mfu_all_tokens``, the MFU as
+    if they had been computed."""
     gpus = GPUS if gpus is None else gpus
     tokens = sum(len(r.tokens) for r in reqs)
     rows = sum(r.rows for r in reqs)
-    f = flops(cfg, reqs, computed_only=cached is not None, cached=cached)
-    return {"workload": name, "seconds": seconds, "tokens": tokens, "scored_rows": rows, "gpus": gpus,
-            "tokens_per_s": tokens / seconds, "scored_tokens_per_s": rows / seconds,
-            "tokens_per_s_per_gpu": tokens / seconds / gpus,
-            "mfu": f / seconds / (H200_PEAK * gpus), "peak_gib": peak / 2**30,
-            "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
+    hits = sum(cached) if cached else 0
+    f = flops(cfg, reqs, computed_only=hits > 0, cached=cached)
+    out = {"workload": name, "seconds": seconds, "tokens": tokens, "scored_rows": rows, "gpus": gpus,
+           "tokens_per_s": tokens / seconds, "scored_tokens_per_s": rows / seconds,
+           "tokens_per_s_per_gpu": tokens / seconds / gpus,
+           "mfu": f / seconds / (H200_PEAK * gpus), "peak_gib": peak / 2**30,
+           "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99)}
+    if cached is not None:
+        out["cached_tokens"] = hits
+    if hits:
+        out["mfu_all_tokens"] = flops(cfg, reqs) / seconds / (H200_PEAK * gpus)
+    return out
 
 
 def bench_engine(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int) -> dict:
@@ -183,8 +192,9 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     m1 = time.monotonic()
     assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
     assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
-    assert all(np.isfinite(r.token_id_logprobs).all() for r in res[:4])
-    out = summarize(name, cfg, reqs, dt, lat, peak_bytes())
+    bad = [r.request_id for r in res if not np.isfinite(r.token_id_logprobs).all()]
+    assert not bad, f"non-finite scores in {len(bad)} results: {bad[:3]}"  # a row never computed stays NaN
+    out = summarize(name, cfg, reqs, dt, lat, peak_bytes(), cached=[r.cached_tokens for r in res])
     gpu_window(out, m0, m1)
     after = engine.stats()
     out["_timing"] = {k: round(v, 4) for k, v in asdict(after.timing.minus(before.timing)).items()}
@@ -324,16 +334,26 @@ async def raw_post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
         writer.close()
 
 
-async def http_run(url: str, reqs: list[Req], concurrency: int,
-                   client: str = "httpx") -> tuple[float, list[float], float]:
-    """(seconds from the first request sent to the last answer read, latencies, ``time.monotonic()``
-    at the first send). client: ``httpx`` (one AsyncClient, its connection pool) or ``raw``
-    (``raw_post``: a fresh connection per request, no client library)."""
+@dataclass
+class HttpRun:
+    seconds: float  # from the first request sent to the last answer read
+    latencies: list[float]
+    start: float  # ``time.monotonic()`` at the first send
+    cached: list[int]  # each request's prefix-cache hits, as its answer's usage reports them
+
+
+async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "httpx") -> HttpRun:
+    """``reqs`` through the server at ``url``, ``concurrency`` at a time. client: ``httpx`` (one
+    AsyncClient, its connection pool) or ``raw`` (``raw_post``: a fresh connection per request,
+    no client library). Every answer must be a 200 with a finite matrix of the request's shape
+    (checked after the clock stops)."""
     import httpx
 
     bodies = [http_body(r) for r in reqs]
     sem = asyncio.Semaphore(concurrency)
     lat = [0.0] * len(reqs)
+    mats: list = [None] * len(reqs)
+    cached = [0] * len(reqs)
 
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=concurrency)) as c:
         async def post(i: int) -> tuple[int, bytes]:
@@ -347,13 +367,18 @@ async def http_run(url: str, reqs: list[Req], concurrency: int,
                 s = time.perf_counter()
                 status, data = await post(i)
                 assert status == 200, data[:300]
-                m = np.load(io.BytesIO(base64.b64decode(json.loads(data)["prompt_token_id_logprobs"])))
-                assert m.shape == reqs[i].cand.shape
+                body = json.loads(data)
+                mats[i] = np.load(io.BytesIO(base64.b64decode(body["prompt_token_id_logprobs"])))
+                cached[i] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
                 lat[i] = time.perf_counter() - s
 
         t0, clock = time.perf_counter(), time.monotonic()
         await asyncio.gather(*(one(i) for i in range(len(reqs))))
-        return time.perf_counter() - t0, lat, clock
+        dt = time.perf_counter() - t0
+    for i, (m, r) in enumerate(zip(mats, reqs)):
+        assert m.shape == r.cand.shape, (i, m.shape, r.cand.shape)
+        assert np.isfinite(m).all(), f"request {i}: non-finite scores"
+    return HttpRun(dt, lat, clock, cached)
 
 
 def server_stages(url: str) -> dict[str, float]:
@@ -417,6 +442,25 @@ def _variants(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_process: bool | None,
+                extra: list[str], key: str) -> list[str]:
+    """The arguments of ``teacher_server serve`` for an HTTP run (``extra``: a variant's)."""
+    out = ["--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
+           *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
+           "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
+           "--load-format", args.load_format,
+           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else [])]
+    if engine_process is not None:
+        out.append("--engine-process" if engine_process else "--no-engine-process")
+    # The in-process runs reset the prefix cache between runs; the server cannot, and repeats
+    # of the same requests would hit it. Off, both sides do the same work: given after the
+    # variant's arguments, so that a variant cannot turn it back on (the last flag wins).
+    out += [*extra, "--no-enable-prefix-caching"]
+    if args.step_trace:
+        out += ["--step-trace", f"{args.step_trace}http-{key}.jsonl"]
+    return out
+
+
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
                engine_process: bool | None = None, extra: list[str] = (), key: str = "") -> dict:
     """``name`` through a real server; ``engine_process`` None: the server's default (the engine
@@ -424,23 +468,12 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
     ``key``: the run's name in the results (its step trace's file name)."""
     port = 18000 + os.getpid() % 1000
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(model_dir), "--port", str(port),
-           "--host", "127.0.0.1", *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
-           "--log-level", "warning",
-           # The in-process runs reset the prefix cache between runs; the server cannot, and
-           # repeats of the same requests would hit it. Off, both sides do the same work.
-           "--no-enable-prefix-caching", "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--load-format", args.load_format,
-           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else [])]
-    if engine_process is not None:
-        cmd.append("--engine-process" if engine_process else "--no-engine-process")
-    else:  # the server's own rule, as it will apply it
+    cmd = [sys.executable, "-m", "teacher_server", "serve",
+           *server_args(model_dir, args, port, engine_process, extra, key or name)]
+    if engine_process is None:  # the server's own rule, as it will apply it
         from teacher_server.replicas.pool import engine_elsewhere
 
         engine_process = engine_elsewhere(Config(tensor_parallel_size=args.tensor_parallel_size))
-    cmd += list(extra)
-    if args.step_trace:
-        cmd += ["--step-trace", f"{args.step_trace}http-{key or name}.jsonl"]
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -459,8 +492,10 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
             for client in clients:
                 time.sleep(settle)
                 before = server_stages(url)
-                dt, lat, start = asyncio.run(http_run(url, reqs, args.concurrency, client))
-                runs.append(summarize(name + "-http", cfg, reqs, dt, lat, float("nan")))
+                run = asyncio.run(http_run(url, reqs, args.concurrency, client))
+                assert not any(run.cached), "the server's prefix cache served tokens: its runs would not be comparable"
+                dt, start = run.seconds, run.start
+                runs.append(summarize(name + "-http", cfg, reqs, dt, run.latencies, float("nan"), cached=run.cached))
                 runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
                 runs[-1]["http_client"] = client
                 gpu_window(runs[-1], start, start + dt)
@@ -626,7 +661,7 @@ def main() -> None:
                  for n in set(names + base_names + http_names + abl_names + cmp_names)}
     max_len = max([args.max_model_len] + [len(r.tokens) for w in workloads.values() for r in w])
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                     "torch": torch.__version__,
+                     "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)", "tensor_parallel_size": GPUS,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
@@ -715,6 +750,8 @@ def main() -> None:
         results["baseline"][n] = summarize(n + "-transformers", cfg, workloads[workload_of(n)], b["seconds"],
                                            b["finish"], b["peak_bytes"], gpus=1)
         results["baseline"][n]["runs_seconds"] = b["runs_seconds"]
+        if "clock" in b:  # its median run's power and clock (the telemetry ran beside it)
+            gpu_window(results["baseline"][n], *b["clock"])
         if "packed" in b:  # hybrid models: which batch layout (see hf_baseline.resolve_layout)
             results["baseline"][n]["layout"] = "packed" if b["packed"] else "padded"
         print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
@@ -728,6 +765,36 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1))
     print_table(results)
     print(json.dumps(results["summary"], indent=1))
+
+
+def provenance() -> dict:
+    """What produced a results file: the code's commit (``git``, else ``TEACHER_SERVER_COMMIT``:
+    a copy of the tree without its history), whether the tree had changes, the command line, and
+    the versions of the libraries the numbers depend on."""
+    import importlib.metadata as md
+
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*a: str) -> str | None:
+        try:
+            return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    versions = {}
+    for dist in ("torch", "triton", "transformers", "numpy", "nvidia-cudnn-frontend", "fla-core", "flash-attn"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    if torch.backends.cudnn.is_available():
+        versions["cudnn"] = torch.backends.cudnn.version()
+    return {"commit": commit or os.environ.get("TEACHER_SERVER_COMMIT"),
+            "tree_changed": bool(status) if status is not None else None,
+            "argv": sys.argv, "versions": versions}
 
 
 def workload_of(name: str) -> str:
@@ -745,6 +812,8 @@ def summary(results: dict) -> dict:
         ours = results["engine"].get(w) or results["prefix_cache"].get(w, {}).get("on")
         if ours:
             out[f"{n}_x_transformers"] = base["seconds"] / ours["seconds"]
+            if ours["gpus"] > base["gpus"]:  # tensor parallel against the one-GPU baseline
+                out[f"{n}_x_transformers_per_gpu"] = base["seconds"] / ours["seconds"] * base["gpus"] / ours["gpus"]
             out[f"{n}_mfu"] = ours["mfu"]
             out[f"{n}_transformers_mfu"] = base["mfu"]
     for n, d in results["prefix_cache"].items():

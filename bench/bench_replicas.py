@@ -76,16 +76,16 @@ def bench_setting(ckpt: Path, name: str, args: argparse.Namespace, workloads: li
             runs = []
             for r in range(args.repeats):
                 reqs = make_workload(w, QWEN3_8B["vocab_size"], seed=r)
+                time.sleep(1.0)  # replicas report their counters every 0.25 s: the warm-up's or last run's too
                 h0, q0 = prefix_counters(url)
-                dt, lat, _ = asyncio.run(http_run(url, reqs, args.concurrency))
-                time.sleep(1.0)  # replicas report their counters every 0.25 s
+                res = asyncio.run(http_run(url, reqs, args.concurrency))
+                time.sleep(1.0)
                 h1, q1 = prefix_counters(url)
-                run = summarize(f"{w}-{name}", QWEN3_8B, reqs, dt, lat, float("nan"), gpus=dp)
+                # MFU counts the computed tokens only: each answer's cache hits are left out
+                run = summarize(f"{w}-{name}", QWEN3_8B, reqs, res.seconds, res.latencies, float("nan"),
+                                cached=res.cached, gpus=dp)
                 run["prefix_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
                 run["prefix_hit_tokens"] = h1 - h0
-                # MFU of the computed tokens only (cache hits are not computed): the FLOPs of all
-                # tokens scaled by the computed share (approximate: attention is not linear in it).
-                run["mfu_computed"] = run["mfu"] * (1 - (h1 - h0) / run["tokens"])
                 runs.append(run)
                 print(name, w, f"run {r}: {run['tokens_per_s']:.0f} tok/s, hit rate {run['prefix_hit_rate']:.3f}",
                       flush=True)

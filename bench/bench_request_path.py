@@ -127,7 +127,7 @@ def front_cpu(requests: int, concurrency: int) -> dict:
         wait_ready(url, proc, 300)
         asyncio.run(http_run(url, reqs[:4], concurrency))  # warm-up
         c0 = cpu_s()
-        wall, _, _ = asyncio.run(http_run(url, reqs, concurrency))
+        wall = asyncio.run(http_run(url, reqs, concurrency)).seconds
         c1 = cpu_s()
     finally:
         proc.terminate()

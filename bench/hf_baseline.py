@@ -369,11 +369,15 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
             run(model, reqs)  # untimed: every batch shape of the timed runs compiled and tuned
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            runs = [run(model, reqs, warmup=False) for _ in range(repeats)]  # the pass above warmed up
+            runs, clocks = [], []
+            for _ in range(repeats):  # the pass above warmed up
+                m0 = time.monotonic()  # the system's clock: the caller's GPU telemetry reads it too
+                runs.append(run(model, reqs, warmup=False))
+                clocks.append([m0, time.monotonic()])
             secs = [r[0] for r in runs]
             mid = sorted(range(repeats), key=lambda i: secs[i])[repeats // 2]
             key = n if li == 0 else f"{n}@{'packed' if pack else 'padded'}"
-            out[key] = {"runs_seconds": secs, "seconds": secs[mid], "finish": runs[mid][2],
+            out[key] = {"runs_seconds": secs, "seconds": secs[mid], "finish": runs[mid][2], "clock": clocks[mid],
                         "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan"),
                         "packed": pack}
             if not dummy:  # same weights as the engine's: a sample of cells to check it against

@@ -47,7 +47,8 @@ def test_raw_client_matches_httpx(demo_server) -> None:
     status, data = asyncio.run(bench_engine.raw_post(demo_server.url, "/inference/v1/generate", b"{"))
     assert status == 400 and "error" in json.loads(data)
     for client in ("raw", "httpx"):
-        dt, lat, _ = asyncio.run(bench_engine.http_run(demo_server.url, reqs, 2, client))
+        run = asyncio.run(bench_engine.http_run(demo_server.url, reqs, 2, client))
+        dt, lat = run.seconds, run.latencies
         assert dt > 0 and all(x > 0 for x in lat)
 
 
