@@ -163,3 +163,98 @@ def test_the_config_decides_whether_the_head_is_tied(tmp_path) -> None:
     save_file(tensors, str(ckpt / "model.safetensors"))
     with pytest.raises(Exception, match="missing weights for: head.weight"):
         Engine(Config(model=str(ckpt), device="cpu"))
+
+
+def tiny_configs() -> dict:
+    """A tiny config of each supported text architecture, from its transformers config class."""
+    import transformers as tf
+
+    base = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+    made = {
+        "LlamaForCausalLM": ("LlamaConfig", dict(intermediate_size=96)),
+        "MistralForCausalLM": ("MistralConfig", dict(intermediate_size=96, sliding_window=64)),
+        "Qwen2ForCausalLM": ("Qwen2Config", dict(intermediate_size=96)),
+        "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=16, intermediate_size=96)),
+        "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(head_dim=16, intermediate_size=96, num_experts=8, **moe)),
+        "Qwen2MoeForCausalLM": ("Qwen2MoeConfig", dict(intermediate_size=96, num_experts=8,
+                                                       shared_expert_intermediate_size=48, **moe)),
+        "MixtralForCausalLM": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
+        "Qwen3_5ForCausalLM": ("Qwen3_5TextConfig", dict(head_dim=16, intermediate_size=96)),
+        "Qwen3_5MoeForCausalLM": ("Qwen3_5MoeTextConfig", dict(head_dim=16, num_experts=8,
+                                                               shared_expert_intermediate_size=48, **moe)),
+    }
+    return {arch: getattr(tf, cls)(**base, **kw) for arch, (cls, kw) in made.items() if hasattr(tf, cls)}
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                                  "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_a_key_config_json_leaves_out_means_what_it_means_to_transformers(arch: str, tmp_path) -> None:
+    """Each key of a saved config.json left out in turn: the spec of what is left equals the
+    spec of the config transformers makes of it (its class default in the key's place: Mistral's
+    4096-token window, Mixtral's rope_theta 1e6 and rms_norm_eps 1e-5, Qwen3's head_dim 128...).
+    Not ``tie_word_embeddings``: without it the checkpoint decides (a head from lm_head.weight
+    when there is one, else the tied embedding; transformers would make a random head)."""
+    from dataclasses import asdict
+
+    import transformers as tf
+
+    from teacher_server.models.spec import ModelSpec
+
+    cfg = tiny_configs().get(arch)
+    if cfg is None:
+        pytest.skip(f"this transformers has no config class for {arch}")
+    cfg.architectures = [arch]
+    cfg.save_pretrained(tmp_path)
+    full = json.loads((tmp_path / "config.json").read_text())
+    compared = 0
+    for key in sorted(set(full) - {"architectures", "model_type", "transformers_version", "tie_word_embeddings"}):
+        left = {k: v for k, v in full.items() if k != key}
+        (tmp_path / "config.json").write_text(json.dumps(left))
+        try:
+            theirs = tf.AutoConfig.from_pretrained(tmp_path).to_dict()
+        except Exception:
+            continue
+        theirs["architectures"] = [arch]
+        assert asdict(ModelSpec.from_dict(left)) == asdict(ModelSpec.from_dict(theirs)), key
+        compared += 1
+    assert compared >= 10
+
+
+def test_rope_theta_in_rope_parameters_wins_over_the_top_level_one(tmp_path) -> None:
+    """A config.json with rope_theta in rope_parameters and (another) at the top level: transformers
+    takes rope_parameters', and so does the spec."""
+    import transformers as tf
+
+    from teacher_server.models.spec import ModelSpec
+
+    cfg = tiny_configs()["Qwen3ForCausalLM"]
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    d["rope_theta"] = 5.0
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert tf.AutoConfig.from_pretrained(tmp_path).rope_parameters["rope_theta"] == 1e6
+    assert ModelSpec.from_dict(d).rope_theta == 1e6
+    assert ModelSpec.from_dict({k: v for k, v in d.items() if k != "rope_parameters"}).rope_theta == 5.0
+
+
+def test_a_vision_language_config_is_read_at_its_top_level_too() -> None:
+    """A ...ForConditionalGeneration config.json: the head is tied as its top level says (what
+    transformers' model does), and a quantization_config there is refused by name."""
+    from teacher_server.models.spec import ModelSpec, UnsupportedModelError
+
+    text = {"model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8, "tie_word_embeddings": True}
+    vl = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+          "vision_config": {"depth": 1}, "tie_word_embeddings": False}
+    assert ModelSpec.from_dict(vl).tie_word_embeddings is False
+    assert ModelSpec.from_dict({**vl, "tie_word_embeddings": True, "text_config": {**text, "tie_word_embeddings": False}
+                                }).tie_word_embeddings is True
+    assert ModelSpec.from_dict({k: v for k, v in vl.items() if k != "tie_word_embeddings"}).tie_word_embeddings is None
+    with pytest.raises(UnsupportedModelError, match="quantized checkpoints"):
+        ModelSpec.from_dict({**vl, "quantization_config": {"quant_method": "fp8"}})

@@ -137,8 +137,7 @@ def test_sparse_moe_matches_loop_over_experts(shared: int, tokens: int) -> None:
 
 def test_padded_fallback_gives_the_same_layer_output() -> None:
     """With torch's grouped GEMM refused, the padded bmm fallback computes the same output."""
-    fast, slow = GroupedGemm(), GroupedGemm()
-    slow._fast[("cpu", torch.float32)] = False  # as if its start-up check had failed
+    fast, slow = GroupedGemm(), GroupedGemm(allow_torch=False)  # as if its check had failed
     h = torch.randn(37, 32)
     torch.testing.assert_close(bound_moe(gemm=slow)(h), bound_moe(gemm=fast)(h), rtol=1e-5, atol=1e-5)
 
@@ -248,3 +247,65 @@ def test_moe_parity_gpu_bfloat16(family: str, checkpoints) -> None:
     ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
     print(f"{family}: bf16 mean abs error vs fp32 reference: ours {ours_mae:.5f}, transformers bf16 {theirs_mae:.5f}")
     assert ours_mae <= theirs_mae, (ours_mae, theirs_mae)
+
+
+def tiny_moe(path, cls_name: str, seed: int = 0, **kw):
+    """A tiny random MoE checkpoint from a transformers config class (large router weights,
+    as ``reference.make_moe_checkpoint``), and its float32 reference model registered for
+    ``check`` with its experts run as a loop."""
+    import transformers as tf
+    from reference import _MODELS, ROUTER, randomize_weights
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-6)
+    cfg = getattr(tf, cls_name.replace("ForCausalLM", "Config"))(**{**common, **kw})
+    torch.manual_seed(seed)
+    model = getattr(tf, cls_name)(cfg).to(torch.float32).eval()
+    randomize_weights(model, (ROUTER,))
+    model.save_pretrained(path, safe_serialization=True)
+    _MODELS[f"{path}:{torch.float32}"] = tf.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
+    return path
+
+
+def test_expert_widths_torch_grouped_gemm_refuses_take_the_fallback(tmp_path) -> None:
+    """A float32 expert 10 wide (rows of 40 bytes: torch's grouped GEMM wants multiples of 16)
+    on the CPU: the shape is checked on first use and its GEMMs take the padded bmm, so the
+    engine scores as transformers does instead of failing every request."""
+    path = tiny_moe(tmp_path / "m", "Qwen3MoeForCausalLM", head_dim=16, intermediate_size=96,
+                    moe_intermediate_size=10, num_experts=4, num_experts_per_tok=2)
+    reqs = make_requests(np.random.default_rng(5))
+    check(path, reqs, engine(path).run_to_completion(reqs))
+    gemm = GroupedGemm()
+    assert gemm.use_torch(torch.device("cpu"), torch.float32, ((64, 48), (48, 64))) == gemm.use_torch(
+        torch.device("cpu"), torch.float32, ((64, 48),))
+    assert not gemm.use_torch(torch.device("cpu"), torch.float32, ((64, 20), (10, 64)))  # not the first shapes' answer
+
+
+def test_a_zero_width_shared_expert_is_no_shared_expert(tmp_path) -> None:
+    """Qwen2-MoE with shared_expert_intermediate_size 0: transformers' shared expert adds zero;
+    the engine loads the checkpoint (its [0, 64] tensors and the gate are not read) and scores
+    the same."""
+    path = tiny_moe(tmp_path / "m", "Qwen2MoeForCausalLM", intermediate_size=96, moe_intermediate_size=32,
+                    num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=0)
+    reqs = make_requests(np.random.default_rng(6))
+    check(path, reqs, engine(path).run_to_completion(reqs))
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3_5MoeForCausalLM"])
+def test_sparse_step_keys_apply_only_where_transformers_reads_them(arch: str) -> None:
+    """decoder_sparse_step / mlp_only_layers make Qwen2/3-MoE layers dense; transformers'
+    Mixtral and Qwen3.5-MoE route every layer whatever they say, and so does the spec. A step
+    below 1 is refused by name (transformers divides by it)."""
+    d = {"architectures": [arch], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 8, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+         "linear_value_head_dim": 8, "mlp_only_layers": [1], "decoder_sparse_step": 2}
+    assert all(ModelSpec.from_dict(d).is_moe_layer(i) for i in range(4))
+    q3 = ModelSpec.from_dict({**d, "architectures": ["Qwen3MoeForCausalLM"]})
+    assert [q3.is_moe_layer(i) for i in range(4)] == [False, False, False, True]
+    from teacher_server.models.spec import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="decoder_sparse_step=0"):
+        ModelSpec.from_dict({**d, "architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 0})

@@ -278,3 +278,35 @@ def test_all_full_attention_layers(tmp_path) -> None:
     assert eng.stats().state_slots_total == 0
     reqs = make_requests(np.random.default_rng(1))
     check(tmp_path / "m", reqs, eng.run_to_completion(reqs))
+
+
+def test_an_odd_rotary_width_rotates_as_transformers_does(tmp_path) -> None:
+    """head_dim 20 x partial_rotary_factor 0.25 = 5 rotary dims: transformers takes 3 frequencies
+    and rotates 6 dims; the engine scores the same matrix."""
+    import transformers as tf
+
+    cfg = tf.Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=20,
+                               layer_types=["linear_attention", "full_attention"], max_position_embeddings=4096,
+                               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                               linear_value_head_dim=8,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "partial_rotary_factor": 0.25})
+    torch.manual_seed(0)
+    tf.Qwen3_5ForCausalLM(cfg).float().save_pretrained(tmp_path / "m", safe_serialization=True)
+    assert ModelSpec.from_dir(tmp_path / "m").rotary_dim == 5
+    reqs = make_requests(np.random.default_rng(2))
+    check(tmp_path / "m", reqs, engine(tmp_path / "m").run_to_completion(reqs))
+
+
+def test_a_model_without_a_full_attention_layer_is_refused_by_name() -> None:
+    """layer_types all linear attention: refused at start-up (the engine's memory plan keeps KV
+    for some layer), not failing later in the planner or the warm-up."""
+    from teacher_server.models.spec import UnsupportedModelError
+
+    d = {"architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8}
+    ModelSpec.from_dict({**d, "layer_types": ["linear_attention", "full_attention"]})
+    with pytest.raises(UnsupportedModelError, match="no full_attention layer"):
+        ModelSpec.from_dict({**d, "layer_types": ["linear_attention"] * 2})

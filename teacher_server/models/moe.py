@@ -19,7 +19,7 @@ from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.grouped_mm import GroupedGemm
 
 # The grouped GEMM every expert layer of this process calls; its check result is a fact of
-# (torch, device, dtype), so one per process.
+# (torch, device, dtype, shape), so one per process.
 GROUPED_GEMM = GroupedGemm()
 
 # "model.layers.N.<mlp | block_sparse_moe>.<rest>": Mixtral's hub checkpoints say block_sparse_moe.
@@ -50,10 +50,13 @@ class MoeModel:
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
         """Expert weights go to ``layers.N.mlp.experts`` (see ``layers.moe.expert_param``);
-        ``block_sparse_moe`` is read as ``mlp``; everything else as the dense families."""
+        ``block_sparse_moe`` is read as ``mlp``; everything else as the dense families.
+        A zero-width shared expert's tensors (shape [0, ...]) and its gate are not read."""
         m = _MLP.match(hf_name)
         if m:
             layer, rest = m.groups()
+            if rest.startswith("shared_expert") and not self.spec.shared_expert_intermediate_size:  # type: ignore[attr-defined]
+                return None  # a shared expert of width 0 (and its gate) adds exactly nothing, as in transformers
             if rest.startswith("experts."):
                 place = expert_param(rest.removeprefix("experts."))
                 if place is not None:

@@ -73,7 +73,9 @@ class Qwen3_5Attention(Qwen3Attention):
         """h: normed input [T, hidden]; cs: the step's rotary rows [T, rotary_dim]."""
         rt, hd = self.rt, self.heads
         t, d = h.shape[0], hd.d
-        assert cs.shape[1] == self.rotary_dim, "the rope table must be built at the rotary width (spec.rotary_dim)"
+        # (an odd rotary width rotates one more dim, as transformers does: the table has a column
+        # pair per frequency)
+        assert cs.shape[1] == self.rotary_dim + self.rotary_dim % 2, "the rope table must be built at spec.rotary_dim"
         qkv = self.qkv_proj(h)
         qg, k, v = qkv.split([2 * hd.n_q * d, hd.n_kv * d, hd.n_kv * d], dim=-1)
         qg = qg.view(t, hd.n_q, 2 * d)

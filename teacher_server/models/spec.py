@@ -133,9 +133,11 @@ class ModelSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ModelSpec:
         archs = d.get("architectures") or []
+        top = d
         if isinstance(d.get("text_config"), dict):  # a vision-language checkpoint: its text model
+            # (transformers' ...ForConditionalGeneration ties the head as the top level says)
             d = {**d["text_config"], "architectures": archs,
-                 "tie_word_embeddings": d["text_config"].get("tie_word_embeddings", d.get("tie_word_embeddings")),
+                 "tie_word_embeddings": d.get("tie_word_embeddings"),
                  "model_type": d["text_config"].get("model_type", d.get("model_type"))}
         arch = next((a for a in archs if a in ARCHITECTURES), None)
         if arch is None:
@@ -148,12 +150,14 @@ class ModelSpec:
                 + ", ".join(ARCHITECTURES))
         entry = ARCHITECTURES[arch]
         family = entry.family
+        refuse_unbuilt(arch, entry.attention_bias, top if top is d else {**top, **d})
+        d = {**entry.defaults, **d}  # a key left out: transformers' default for the family
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // num_heads
         rope_params = dict(d.get("rope_parameters") or {})
         scaling = dict(d.get("rope_scaling") or {})
-        theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))  # transformers' order
         # The newer layout keeps the scaling keys in rope_parameters next to rope_theta.
         # (Qwen3.5's multimodal rope keys: its text positions are the same on every axis, so it is
         # plain rope; the partial rotary factor is a field of its own.)
@@ -169,19 +173,6 @@ class ModelSpec:
             if missing:
                 raise UnsupportedModelError(f"llama3 rope scaling without {', '.join(missing)}")
             merged.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
-        # What changes the math and is not built: refused by name rather than scored differently
-        # (an activation) or failing on a checkpoint tensor with "no place" (biases, quantized weights).
-        act = d.get("hidden_act", d.get("hidden_activation", "silu"))
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (SiLU-gated MLPs only)")
-        if d.get("quantization_config"):
-            method = (d["quantization_config"] or {}).get("quant_method", "?")
-            raise UnsupportedModelError(f"quantized checkpoints are not supported (quantization_config: {method})")
-        if d.get("mlp_bias"):
-            raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
-        if d.get("attention_bias") and not entry.attention_bias:
-            raise UnsupportedModelError(f"{arch} with attention_bias=true (biases on q, k, v and o) is not supported; "
-                                        f"Qwen2's q/k/v biases are")
         sliding = None
         if entry.sliding_window:
             sliding = d.get("sliding_window")
@@ -207,7 +198,7 @@ class ModelSpec:
             qk_norm=entry.qk_norm,
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
-            **(moe_facts(d, entry.always_norm_topk) if entry.moe else {}),
+            **(moe_facts(d, entry.always_norm_topk, entry.sparse_step) if entry.moe else {}),
             **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
         )
 
@@ -219,13 +210,36 @@ class ModelSpec:
         return cls.from_dict(json.loads(cfg.read_text()))
 
 
-def moe_facts(d: dict[str, Any], always_norm_topk: bool) -> dict[str, Any]:
+def refuse_unbuilt(arch: str, qkv_bias: bool, d: dict[str, Any]) -> None:
+    """What changes the math and is not built: refused by name rather than scored differently
+    (an activation) or failing on a checkpoint tensor with "no place" (biases, quantized
+    weights). ``d`` holds a vision-language config's top level and its text model's keys."""
+    act = d.get("hidden_act", d.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (SiLU-gated MLPs only)")
+    if d.get("quantization_config"):
+        method = (d["quantization_config"] or {}).get("quant_method", "?")
+        raise UnsupportedModelError(f"quantized checkpoints are not supported (quantization_config: {method})")
+    if d.get("mlp_bias"):
+        raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
+    if d.get("attention_bias") and not qkv_bias:
+        raise UnsupportedModelError(f"{arch} with attention_bias=true (biases on q, k, v and o) is not supported; "
+                                    f"Qwen2's q/k/v biases are")
+
+
+def moe_facts(d: dict[str, Any], always_norm_topk: bool, sparse_step: bool) -> dict[str, Any]:
     """The expert facts of a MoE config.json (``num_experts`` is ``num_local_experts`` in
-    Mixtral's and in what newer transformers writes for Qwen3-MoE)."""
+    Mixtral's and in what newer transformers writes for Qwen3-MoE). ``decoder_sparse_step``
+    and ``mlp_only_layers`` are read only where the family has them (``sparse_step``):
+    transformers' Mixtral and Qwen3.5-MoE route every layer whatever they say."""
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
     k = int(d.get("num_experts_per_tok") or 0)
     if experts <= 0 or not 0 < k <= experts:
         raise UnsupportedModelError(f"mixture-of-experts config with num_experts={experts}, num_experts_per_tok={k}")
+    step = d.get("decoder_sparse_step") if sparse_step else None
+    step = 1 if step is None else int(step)
+    if step < 1:
+        raise UnsupportedModelError(f"decoder_sparse_step={step}: expert layers are every step-th layer, step >= 1")
     return dict(
         num_experts=experts,
         num_experts_per_tok=k,
@@ -233,8 +247,8 @@ def moe_facts(d: dict[str, Any], always_norm_topk: bool) -> dict[str, Any]:
         moe_intermediate_size=int(d.get("moe_intermediate_size") or d["intermediate_size"]),
         shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
         norm_topk_prob=always_norm_topk or bool(d.get("norm_topk_prob", False)),
-        decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()) if sparse_step else (),
     )
 
 
@@ -246,6 +260,9 @@ def hybrid_facts(d: dict[str, Any], num_layers: int, rope_params: dict[str, Any]
                                            for i in range(num_layers)))
     if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
         raise UnsupportedModelError(f"layer_types {list(types)!r} for {num_layers} layers")
+    if "full_attention" not in types:  # nothing would hold KV: the engine's memory plan assumes some layer does
+        raise UnsupportedModelError("a hybrid model whose layers are all linear attention is not supported "
+                                    "(layer_types has no full_attention layer)")
     facts = dict(
         layer_types=types,
         linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),

@@ -15,7 +15,7 @@ group; ``offs`` [G] int32 holds the cumulative row ends (group g owns rows
 - ``grouped_mm_reference``: a loop over groups, the definition (tests and the start-up
   check only).
 
-``GroupedGemm`` picks one per (device, dtype) on first use with a start-up check against the
+``GroupedGemm`` picks one per (device, dtype, k, n) on first use with a check against the
 reference and logs one line when it falls back.
 """
 
@@ -67,35 +67,39 @@ def padded_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
 
 class GroupedGemm:
     """The grouped GEMM the expert layers of one model call (``self(a, b, offs)``): torch's
-    where it passes its check at (device, dtype), else the padded bmm."""
+    where it passed its check at (device, dtype, k, n), else the padded bmm. ``allow_torch``
+    False: always the padded bmm."""
 
-    def __init__(self) -> None:
-        self._fast: dict[tuple[str, torch.dtype], bool] = {}
+    def __init__(self, allow_torch: bool = True) -> None:
+        self.allow_torch = allow_torch
+        self._fast: dict[tuple[str, torch.dtype, int, int], bool] = {}
 
     def use_torch(self, device: torch.device, dtype: torch.dtype,
                   shapes: tuple[tuple[int, int], ...] = ((64, 48),)) -> bool:
-        """Whether torch's grouped GEMM is used at (device, dtype): checked once against the
-        reference at each width k -> n of ``shapes`` (the model's, when called at warm-up),
-        with empty groups."""
-        key = (device.type, dtype)
+        """Whether torch's grouped GEMM is used at (device, dtype) for every width k -> n of
+        ``shapes``: each new one checked once against the reference, with empty groups (the
+        warm-up checks the model's shapes; a shape first met in a forward is checked there)."""
+        return all([self._check(device, dtype, k, n) for k, n in shapes])
+
+    def _check(self, device: torch.device, dtype: torch.dtype, k: int, n: int) -> bool:
+        key = (device.type, dtype, k, n)
         if key not in self._fast:
-            ok = _TORCH_GROUPED is not None
+            ok = self.allow_torch and _TORCH_GROUPED is not None
             if ok:
                 try:
-                    for k, n in shapes:
-                        check_grouped_mm(grouped_mm, k, n, device, dtype)
+                    check_grouped_mm(grouped_mm, k, n, device, dtype)
                 except Exception as e:  # unsupported device/dtype/shape: the fallback is correct
-                    log.warning("torch grouped GEMM unavailable on %s %s (%s: %s); experts use a padded bmm",
-                                device.type, str(dtype).replace("torch.", ""), type(e).__name__,
-                                " ".join(str(e).split())[:200])
+                    log.warning("torch grouped GEMM unavailable on %s %s at %d -> %d (%s: %s); those experts "
+                                "use a padded bmm", device.type, str(dtype).replace("torch.", ""), k, n,
+                                type(e).__name__, " ".join(str(e).split())[:200])
                     ok = False
-            else:
+            elif self.allow_torch:
                 log.warning("this torch has no grouped GEMM; experts use a padded bmm")
             self._fast[key] = ok
         return self._fast[key]
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        if self.use_torch(a.device, a.dtype):
+        if self._check(a.device, a.dtype, b.shape[1], b.shape[2]):
             return grouped_mm(a, b, offs)
         return padded_grouped_mm(a, b, offs)
 
