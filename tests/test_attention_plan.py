@@ -458,3 +458,30 @@ def test_cudnn_fe_check_at_the_models_heads(heads, fe_backend) -> None:
 
     for bad in (Refusing, Wrong):
         assert not frontend_check(bad(split=CpuCudnn(16)), cpu, torch.float32, heads)
+
+
+def test_cudnn_fe_warm_up_survives_a_graph_it_cannot_build(fe_backend, monkeypatch) -> None:
+    """A graph the frontend does not build at warm-up (past the check at the model's heads)
+    turns the backend off, as when a step meets one, instead of failing the start-up."""
+    import teacher_server.attention.cudnn_check as cudnn_check
+
+    monkeypatch.setattr(cudnn_check, "frontend_check", lambda *a, **k: True)
+    built = []
+
+    class Failing(fe_backend):
+        def _handle(self, device):
+            return None
+
+        def _build(self, full, handle):
+            if len(built) == 3:
+                raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+            built.append(full)
+            self._graphs[full] = (None, 0)
+            return self._graphs[full]
+
+    attn = Failing(split=None)
+    attn.warm_up(4096, 4, 2, 128, torch.device("cuda"), torch.bfloat16)  # (no CUDA call is made)
+    assert not attn.enabled and len(built) == 3
+    attn.split = CpuCudnn(16)  # (the split's own warm-up needs CUDA): the steps now go to it
+    x, ctx, _ = make_step([(300, 300), (40, 40)], 4, 2, 32, "cpu", torch.float32)
+    assert (attn(x, ctx, 32 ** -0.5, None) - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5

@@ -183,6 +183,47 @@ def test_sharded_load_holds_each_ranks_slices(odd_vocab: Path) -> None:
         assert s[qkv].shape[0] == q // 2 + 2 * d
 
 
+
+@pytest.mark.parametrize("model", ["moe_shared", "moe_stacked"])
+def test_each_rank_reads_its_slice_of_the_experts(model: str, request: pytest.FixtureRequest, monkeypatch) -> None:
+    """Expert tensors are read sliced (a rank reads half of each at tp 2: per-expert gate, up
+    and down, a stacked down), except a stacked gate_up (two slices; read whole), and the
+    ranks' experts are their halves of the full model's."""
+    import teacher_server.models.loader as loader
+
+    path = request.getfixturevalue(model)
+    spec = ModelSpec.from_dir(path)
+    read: dict[str, tuple[int, ...]] = {}
+    real = loader.read_slice
+
+    def spy(sf, name, sl):
+        t = real(sf, name, sl)
+        read[name] = tuple(t.shape)
+        return t
+
+    full = dict(load_model(path, spec, torch.float32, torch.device("cpu")).named_parameters())
+    monkeypatch.setattr(loader, "read_slice", spy)
+    i = spec.moe_intermediate_size
+    for r in range(2):
+        read.clear()
+        shard = dict(load_model(path, spec, torch.float32, torch.device("cpu"), tp=TensorParallel(2, r))
+                     .named_parameters())
+        experts = {n: s for n, s in read.items() if ".experts." in n}
+        assert experts
+        for name, shape in experts.items():
+            if name.endswith("gate_up_proj"):  # stacked [E, 2I, H]
+                assert shape[1] == 2 * i, name
+            else:
+                assert i // 2 in shape and i not in shape, (name, shape)
+        for n in (n for n in full if n.endswith("experts.gate_up")):
+            g, u = full[n].chunk(2, dim=1)
+            h = i // 2
+            torch.testing.assert_close(shard[n], torch.cat([g[:, r * h:(r + 1) * h], u[:, r * h:(r + 1) * h]], 1),
+                                       rtol=0, atol=0)
+            d = n.replace("gate_up", "down")
+            torch.testing.assert_close(shard[d], full[d][:, :, r * h:(r + 1) * h], rtol=0, atol=0)
+
+
 def test_comm_part_spans() -> None:
     """Row parts of a row-parallel product: ``comm_parts`` of them, none under the minimum
     rows, each starting on the alignment, covering the rows once; one at size 1 or 1 part."""

@@ -162,13 +162,23 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                 self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
             return time.perf_counter() - t0
         sizes = sorted({size_class(n, self.per_octave) for n in range(64, min(max_len, WARM_MAX) + 64, 64)})
-        handle = self._handle(device)
         qs, ks = (hq * d, d, 1), (hkv * d, d, 1)
-        for bp in (1, 2, 4, 8):
-            for s in sizes:
-                full = (False, bp, s, s, hq, hkv, d, dtype, d ** -0.5, qs, ks, ks)
-                if full not in self._graphs:
-                    self._build(full, handle)
+        try:
+            handle = self._handle(device)
+            for bp in (1, 2, 4, 8):
+                for s in sizes:
+                    full = (False, bp, s, s, hq, hkv, d, dtype, d ** -0.5, qs, ks, ks)
+                    if full not in self._graphs:
+                        self._build(full, handle)
+        except torch.cuda.OutOfMemoryError:  # the other graphs build on first use
+            log.warning("cuDNN frontend attention warm-up stopped after %d graphs (out of memory)", len(self._graphs))
+            torch.cuda.empty_cache()
+        except Exception as e:  # a graph the frontend does not build: as when a step meets one
+            if "CUDA error" in str(e):  # a broken context: nothing to fall back to
+                raise
+            log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
+                        "cudnn" if self.split is not None else "varlen")
+            self.enabled = False
         if self.split is not None:
             self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
         secs = time.perf_counter() - t0

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teacher_server.layers.linear import MergedColumnLinear, RowLinear, copy_checked
+from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.ops.grouped_mm import GroupedGemm
@@ -106,8 +106,17 @@ class ExpertWeights(nn.Module):
             return 1
         return self.num_experts * (2 if param == "gate_up" else 1)
 
+    def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
+        """What of a checkpoint tensor this rank reads: its slice of the intermediate dimension
+        (a stacked gate_up is read whole: its gate and up halves are two slices)."""
+        if self.tp.size == 1 or (part is None and param == "gate_up"):
+            return None
+        dim = (2 if part is None else 1) if param == "down" else 0
+        return dim, self.tp.rank * self.i_local, self.i_local
+
     def _rows(self, full: torch.Tensor, dim: int) -> torch.Tensor:
-        """This rank's slice along ``dim`` of a full intermediate dimension (or all of it)."""
+        """This rank's slice along ``dim`` of a full intermediate dimension (or all of it: read
+        as ``checkpoint_slice`` says, it is that slice already)."""
         n = self.i_local
         return full.narrow(dim, self.tp.rank * n, n) if full.shape[dim] == n * self.tp.size else full
 
