@@ -174,11 +174,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             log.warning("cuDNN frontend attention warm-up stopped after %d graphs (out of memory)", len(self._graphs))
             torch.cuda.empty_cache()
         except Exception as e:  # a graph the frontend does not build: as when a step meets one
-            if "CUDA error" in str(e):  # a broken context: nothing to fall back to
-                raise
-            log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
-                        "cudnn" if self.split is not None else "varlen")
-            self.enabled = False
+            self._turn_off(e)
         if self.split is not None:
             self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
         secs = time.perf_counter() - t0
@@ -208,13 +204,19 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             self.split, ctx.attn_plan = None, None
             return self(x, ctx, scale, window)
         except Exception as e:  # the frontend refused a shape (a head size, a layout)
-            if "CUDA error" in str(e):  # a broken context: nothing to fall back to
-                raise
-            log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
-                        "cudnn" if self.split is not None else "varlen")
-            self.enabled, ctx.attn_plan = False, None
+            self._turn_off(e)
+            ctx.attn_plan = None
             return self(x, ctx, scale, window)
         return out
+
+    def _turn_off(self, e: Exception) -> None:
+        """The frontend refused a graph: off for good, one log line (re-raised where the CUDA
+        context is broken: nothing to fall back to)."""
+        if "CUDA error" in str(e):
+            raise e
+        log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
+                    "cudnn" if self.split is not None else "varlen")
+        self.enabled = False
 
     @staticmethod
     def _on_device(x: AttentionInputs) -> bool:

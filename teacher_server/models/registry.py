@@ -46,9 +46,12 @@ QWEN2_MOE = _defaults(151936, 2048, 5632, 24, 16, 32768, num_key_value_heads=16,
                       num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
 MIXTRAL = _defaults(32000, 4096, 14336, 32, 32, 131072, num_key_value_heads=8, num_local_experts=8,
                     num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6)
-QWEN3_5 = _defaults(248320, 4096, 12288, 32, 16, 32768, num_key_value_heads=4, head_dim=256)
+LINEAR = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+              linear_conv_kernel_dim=4)  # Qwen3.5's Gated DeltaNet layers
+QWEN3_5 = _defaults(248320, 4096, 12288, 32, 16, 32768, num_key_value_heads=4, head_dim=256, **LINEAR)
 QWEN3_5_MOE = _defaults(248320, 2048, None, 40, 16, 32768, num_key_value_heads=2, head_dim=256, num_experts=256,
-                        num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512)
+                        num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                        **LINEAR)
 
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -265,11 +265,11 @@ def hybrid_facts(d: dict[str, Any], num_layers: int, rope_params: dict[str, Any]
                                     "(layer_types has no full_attention layer)")
     facts = dict(
         layer_types=types,
-        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
-        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
-        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+        linear_num_key_heads=int(d["linear_num_key_heads"]),  # (defaults: the registry's)
+        linear_num_value_heads=int(d["linear_num_value_heads"]),
+        linear_key_head_dim=int(d["linear_key_head_dim"]),
+        linear_value_head_dim=int(d["linear_value_head_dim"]),
+        linear_conv_kernel_dim=int(d["linear_conv_kernel_dim"]),
         partial_rotary_factor=float(rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))),
         attn_output_gate=bool(d.get("attn_output_gate", True)),
         zero_centered_norm=True,
