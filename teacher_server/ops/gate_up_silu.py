@@ -67,14 +67,11 @@ def _kernels() -> dict[str, Any]:
     # M (the step's tokens) differs from step to step: not specialised on. Tiles in grouped
     # order: GROUP_M row tiles take each weight tile in turn while it is in L2.
     @triton.jit(do_not_specialize=["M"])
-    def fused(a_desc, b_desc, c_desc, M, I, K, eps, scale_ptr, BM: tl.constexpr, BN: tl.constexpr,  # noqa: E741
-              BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr,
-              WS: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr):
+    def fused(a_desc, b_desc, c_desc, M, I, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: E741
+              GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
+              EXACT: tl.constexpr):
         # EXACT: libdevice's correctly rounded exp and division, as the SiLU-mul kernel's expf
-        # and '/'; else the GPU's fast ones (the default: a lighter epilogue). NORM: the input
-        # rows are RMS-normed on the way (their sums of squares taken from the tiles the dots
-        # read, the products scaled by 1 / rms before the rounding; the norm's weight is folded
-        # into w by the caller)
+        # and '/'; else the GPU's fast ones (the default: a lighter epilogue)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(I, BN)
         per_group = GROUP_M * num_pid_n
@@ -86,24 +83,11 @@ def _kernels() -> dict[str, Any]:
             on = ((tile % per_group) // size_m) * BN
             acc_g = tl.zeros((BM, BN), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            ss = tl.zeros((BM,), dtype=tl.float32)
             for kt in range(k_tiles):
                 ok = kt * BK
                 a = a_desc.load([om, ok])
                 acc_g = tl.dot(a, b_desc.load([on, ok]).T, acc_g)
                 acc_u = tl.dot(a, b_desc.load([I + on, ok]).T, acc_u)
-                if NORM:
-                    af = a.to(tl.float32)
-                    ss += tl.sum(af * af, axis=1)
-            if NORM:
-                r = tl.rsqrt(ss / K + eps)[:, None]
-                acc_g = acc_g * r
-                acc_u = acc_u * r
-            if SCALE:  # a float32 factor per input row (the row's 1 / rms, made before)
-                rows = om + tl.arange(0, BM)
-                r = tl.load(scale_ptr + rows, mask=rows < M, other=0.0)[:, None]
-                acc_g = acc_g * r
-                acc_u = acc_u * r
             g = acc_g.to(c_desc.dtype).to(tl.float32)
             u = acc_u.to(c_desc.dtype).to(tl.float32)
             if EXACT:
@@ -162,7 +146,7 @@ def eligible(h: torch.Tensor, w: torch.Tensor, bn: int = 128) -> bool:
 
 
 def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, config: str,
-            **consts: bool | float | torch.Tensor) -> torch.Tensor:
+            **consts: bool) -> torch.Tensor:
     """out [T, cols] from kernel ``kernel`` over h [T, H] and w, in tiles of BM x ``bn``
     (BM, BK, stages, warps and grouping from ``config``), one program per SM."""
     bm, _, bk, stages, warps, group = CONFIGS[config]
@@ -180,17 +164,12 @@ def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, c
 
 
 def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
-                 warp_specialize: bool = True, exact: bool = False,
-                 norm_eps: float | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor | None:
-    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply.
-    With ``norm_eps``, h is RMS-normed first (``h * rsqrt(mean(h^2) + eps)``, no weight: fold
-    the norm's weight into w's columns), inside the kernel: no normed copy of h is made."""
+                 warp_specialize: bool = True, exact: bool = False) -> torch.Tensor | None:
+    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
     bn = CONFIGS[config][1]
     if not eligible(h, w, bn):
         return None
-    return _launch("fused", h, w, w.shape[0] // 2, bn, config, eps=0.0 if norm_eps is None else norm_eps,
-                   scale_ptr=row_scale if row_scale is not None else h, FLATTEN=flatten, WS=warp_specialize,
-                   EXACT=exact, NORM=norm_eps is not None, SCALE=row_scale is not None)
+    return _launch("fused", h, w, w.shape[0] // 2, bn, config, FLATTEN=flatten, WS=warp_specialize, EXACT=exact)
 
 
 def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False) -> torch.Tensor | None:
