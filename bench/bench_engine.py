@@ -214,8 +214,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
-    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel",
-                                                   "norm_kernel")}
+    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel")}
 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
@@ -252,11 +251,9 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references (and the
         # fused gate/up kernel off, else the dense MLP would not run SiLU-mul at all)
         "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False),
-                                    setattr(ops, "gate_up_kernel", False), setattr(ops, "norm_kernel", False)),
+                                    setattr(ops, "gate_up_kernel", False)),
         # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
-        # the decoder's RMSNorm as the compiled (or eager) stage, not the Triton kernel
-        "no_norm_kernel": lambda: setattr(ops, "norm_kernel", False),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
     }
@@ -265,16 +262,14 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     for v in only or list(variants):  # in the order asked for; a name asked for again: key 'name#2'
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
-        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "no_norm_kernel",
-                                 "all_rows_last_layer"):  # the workers' stages (and models) are their own
+        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer"):  # the workers' stages (and models) are their own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]
         apply()
         state = {"compiled_stages": [n for n in _STAGES if getattr(ops, n) is not _STAGES[n]],
                  "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel,
-                 "conv_kernel": ops.conv_kernel, "gate_up_kernel": ops.gate_up_kernel,
-                 "norm_kernel": ops.norm_kernel}  # what the variant ran with
+                 "conv_kernel": ops.conv_kernel, "gate_up_kernel": ops.gate_up_kernel}  # what the variant ran with
         try:
             out[key] = bench_engine(engine, cfg, f"{name}-{key}", reqs, repeats)
             out[key]["ops"] = state
@@ -699,7 +694,7 @@ def main() -> None:
     results["fused_stages_compiled"] = engine.fused_stages_compiled
     ops = getattr(getattr(engine, "runner", None), "ops", None)  # rank 0's switches after their start-up checks
     if ops is not None:
-        results["kernels_on"] = {n: getattr(ops, n) for n in ("silu_kernel", "qkv_kernel", "gate_up_kernel", "norm_kernel")}
+        results["kernels_on"] = {n: getattr(ops, n) for n in ("silu_kernel", "qkv_kernel", "gate_up_kernel")}
     # the pool's sizes as the engine reports them (hybrid models: its linear-state slots too)
     results["engine_stats_at_start"] = {k: v for k, v in asdict(engine.stats()).items() if k != "timing"}
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)

@@ -56,7 +56,6 @@ for step in ${STEPS:-tests}; do
         $P python3 bench/bench_attention_plans.py --heads 8b,32b --steps w1_32k,w1f,w3 --rounds 1 --sustain-s 0.5 \
           --out "$OUT/attention_plans_cudnn_$r.json" 2>&1 | tee "$OUT/attention_plans_cudnn_$r.log" | grep -E "[*]|best"
       done ;;
-    norm) python3 bench/bench_norm.py ${NORM_ARGS:-} --out "$OUT/norm.json" 2>&1 | tee "$OUT/norm.log" | tail -30 ;;
     conv) python3 bench/bench_conv_prep.py --out "$OUT/conv_prep_h200.json" 2>&1 | tee "$OUT/conv_prep.log" | tail -5 ;;
     # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers (DESIGN's padded recipe, then the
     # stronger packed one), W2's cache on vs off

@@ -1,5 +1,5 @@
 """RMSNorm: the weight of one norm and its eps, applied through the bound ``FusedOps``
-(``FusedOps.norm``: the Triton kernel on a GPU, else the compiled or eager stage)."""
+(compiled or eager; ``residual_norm`` in a model fuses it with the residual add)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class RMSNorm(RuntimeModule):
         self.weight = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.rt.ops.norm(x, self.weight, self.eps)
+        return self.rt.ops.rms_norm(x, self.weight, self.eps)
 
     def shards(self, param: str) -> int:
         return 1

@@ -91,7 +91,7 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNo
     instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden]."""
     if ops.residual_in_gemm:
         x = proj.add_into(x, a)
-        return x, ops.norm(x, norm.weight, norm.eps)
+        return x, ops.rms_norm(x, norm.weight, norm.eps)
     return ops.add_rms_norm(x, proj(a), norm.weight, norm.eps)
 
 

@@ -2,8 +2,7 @@
 how they run.
 
 - ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel), the
-  residual add inside the o/down GEMM, and the Triton kernels: the fused gate/up SiLU GEMM,
-  the decoder's RMSNorm (``ops.rms_norm_kernel``) and the Gated DeltaNet input stage
+  residual add inside the o/down GEMM, and the Gated DeltaNet input stage's Triton kernel
   (``ops.conv_prep``). None of them needs ``torch.compile``.
 - ``compile``: RMSNorm, add + RMSNorm, the Gated DeltaNet layers' input stage (q/k norms,
   contiguous q/k/v, gates) and gated RMSNorm, and the torch QKV stages through ``torch.compile``
@@ -31,7 +30,6 @@ from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
-from teacher_server.ops.rms_norm_kernel import check_rms_norm, rms_norm_rows
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
 
 if TYPE_CHECKING:
@@ -103,9 +101,6 @@ class FusedOps:
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
         # its start-up check: ``check_conv_kernel``)
         self.conv_kernel = kernels
-        # the decoder's RMSNorm (``norm``) in one Triton pass over the rows (CUDA only, after its
-        # start-up check: ``check_norm``); else the ``rms_norm`` stage
-        self.norm_kernel = kernels
         self.compiled = False
         if compile:
             try:
@@ -116,26 +111,6 @@ class FusedOps:
             else:
                 self._use(staged)
                 self.compiled = True
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of x [..., n] with weight [n] (a decoder norm: a layer's input, after
-        attention, the final one): the Triton kernel where it runs, else the ``rms_norm`` stage."""
-        if self.norm_kernel:
-            y = rms_norm_rows(x, weight, eps)
-            if y is not None:
-                return y
-        return self.rms_norm(x, weight, eps)
-
-    def check_norm(self, hidden: int, device: torch.device, dtype: torch.dtype, eps: float) -> None:
-        """Check (and compile) the RMSNorm kernel at the model's width (when on; CUDA only):
-        where it does not apply or fails, it is off (a failure logs a line: the stage is correct)."""
-        if not self.norm_kernel:
-            return
-        try:
-            self.norm_kernel = device.type == "cuda" and check_rms_norm(hidden, device, dtype, eps)
-        except Exception as e:
-            log.warning("RMSNorm kernel disabled: %s: %s", type(e).__name__, e)
-            self.norm_kernel = False
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] -> [T, I]: silu(gate) * up."""
@@ -211,7 +186,6 @@ class FusedOps:
                 self.eager_stages(e)
         self.check_silu(intermediate, device, dtype)
         self.check_gate_up(hidden, intermediate, device, dtype)
-        self.check_norm(hidden, device, dtype, heads.eps)
         if self.qkv_kernel:
             try:
                 check_qkv_rope(heads, q_norm, k_norm, cos_sin, device, dtype)
