@@ -181,6 +181,6 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
                              f"than max_prompt_logprobs_entries={limits.max_prompt_logprobs_entries}; ask for fewer, "
                              "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
     return ScoreRequest(
-        request_id=request_id or f"score-{uuid.uuid4().hex}",
+        request_id=request_id if request_id is not None else f"score-{uuid.uuid4().hex}",
         token_ids=toks, start=s, candidates=cand, prompt_logprobs=prompt_logprobs, max_tokens=mt,
         cache_salt=cache_salt, priority=priority)

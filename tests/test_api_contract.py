@@ -318,6 +318,33 @@ def test_x_request_id_is_read_and_echoed(client) -> None:
     assert r.json()["request_id"] == huge
     echoed = r.headers["x-request-id"]
     assert len(echoed) <= 4096 and echoed == "%C3%A9" * (4096 // 6)
+    r = client.post(GEN, json={**GOOD, "request_id": ""}, headers={"X-Request-Id": "t"})  # "" is an id, not absent
+    assert r.status_code == 200 and r.json()["request_id"] == "" and r.headers["x-request-id"] == ""
+
+
+def test_millions_of_wrong_values_are_one_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of wrongly typed values stops at the first: the 400 names it, and pydantic makes
+    one error per union branch, not one per value (2 million of them took seconds and
+    gigabytes of the front's memory)."""
+    import json
+
+    from teacher_server.server import parsing
+
+    seen = []
+    real = parsing.pydantic_message
+    monkeypatch.setattr(parsing, "pydantic_message", lambda errors: seen.append(len(errors)) or real(errors))
+    limits = parsing.Limits(vocab_size=4096, max_model_len=1 << 20, max_logprobs=256, max_rows_x_k=10**8)
+    for req, where in (({"token_ids": [1, 2], "sampling_params": {"prompt_logprob_token_ids": [[1.5] * 64] * 2000}},
+                         "sampling_params.prompt_logprob_token_ids.0.0"),
+                        ({"token_ids": [1, 2] + ["x"] * 100_000}, "token_ids.2"),
+                        ({"token_ids": [1], "sampling_params": {"allowed_token_ids": ["a"] * 100_000}},
+                         "sampling_params.allowed_token_ids.0"),
+                        ({"token_ids": [1], "sampling_params": {"logit_bias": {str(i): "x" for i in range(100_000)}}},
+                         "sampling_params.logit_bias.0")):
+        with pytest.raises(parsing.BadRequest) as e:
+            parsing.parse_request(json.dumps(req).encode(), limits, "m")
+        assert e.value.status == 400 and str(e.value).startswith(where), str(e.value)
+    assert seen and max(seen) <= 3, seen
 
 
 def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:
@@ -370,6 +397,24 @@ def test_a_request_http_cannot_frame_gets_the_json_error(demo_server, raw: bytes
     err = json.loads(payload)["error"]
     assert err["code"] == 400 and "invalid HTTP request" in err["message"] and set(err) == {"message", "type",
                                                                                            "param", "code"}
+
+
+def test_a_bad_chunk_gets_the_json_error_with_the_request_id(demo_server) -> None:
+    """The headers were framed, the body's chunks were not: the 400 still names the request
+    its headers named (every response carries X-Request-Id)."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=60) as sock:
+        sock.sendall(b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"X-Request-Id: chunky-1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    head, _, payload = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), head
+    assert b"\r\nx-request-id: chunky-1" in head.lower(), head
+    assert json.loads(payload)["error"]["code"] == 400
 
 
 def test_a_bad_chunk_after_the_answer_closes_the_connection_quietly(demo_server, caplog) -> None:

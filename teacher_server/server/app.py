@@ -10,9 +10,7 @@ import asyncio
 import hmac
 import logging
 import os
-import re
 import time
-import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -37,7 +35,7 @@ from teacher_server.server.http import BodyGate, ClientGone, read_body
 from teacher_server.server.lifecycle import start_engine, stop_engine, terminate_self
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
-from teacher_server.server.responses import error_body, error_response, generate_body
+from teacher_server.server.responses import error_body, error_response, generate_body, header_safe
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
@@ -208,29 +206,9 @@ class _RequestInfo:
         self.scored = False  # the engine's result is in
 
 
-_HEADER_ID_MAX = 4096  # characters of a request id echoed in X-Request-Id (clients take 8-16 KB of headers)
-_HEADER_SAFE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
-
-
-def _header_safe(rid: str) -> str:
-    """A request id as a header value: as is when it is printable ASCII (no edge spaces) and at
-    most ``_HEADER_ID_MAX`` characters, else percent-encoded, cut to that length at a whole
-    character (the body's ``request_id`` always has it whole)."""
-    if len(rid) <= _HEADER_ID_MAX and _HEADER_SAFE.fullmatch(rid):
-        return rid
-    out, used = [], 0
-    for ch in rid:
-        q = urllib.parse.quote(ch, safe="")
-        if used + len(q) > _HEADER_ID_MAX:
-            break
-        out.append(q)
-        used += len(q)
-    return "".join(out)
-
-
 def _request_id_header(rid: str | None) -> dict[str, str]:
     """The response's ``X-Request-Id`` for a request's id (none without one)."""
-    return {"X-Request-Id": _header_safe(rid)} if rid is not None else {}
+    return {"X-Request-Id": header_safe(rid)} if rid is not None else {}
 
 
 _DEADLINE_GRACE_S = 1.0  # past a request's deadline, before the front answers for an engine that has not

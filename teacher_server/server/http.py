@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from teacher_server.config import Config
-from teacher_server.server.responses import error_body
+from teacher_server.server.responses import error_body, header_safe
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
@@ -45,10 +45,22 @@ class HeaderTimeoutProtocol(H11Protocol):
         body = orjson.dumps(error_body(400, "invalid HTTP request: malformed request line, headers or framing"))
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]
+        rid = self._framed_request_id()
+        if rid is not None:  # the headers were read (the body's framing failed): the id they gave
+            head.append((b"x-request-id", header_safe(rid).encode()))
         for event in (h11.Response(status_code=400, headers=head, reason=b"Bad Request"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self.transport.close()
+
+    def _framed_request_id(self) -> str | None:
+        """The X-Request-Id of the request being read, when its headers were framed."""
+        if self.cycle is None or self.cycle.response_complete:
+            return None
+        for name, value in self.cycle.scope.get("headers", ()):
+            if name == b"x-request-id":
+                return value.decode("latin-1")
+        return None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

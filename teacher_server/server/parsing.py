@@ -96,13 +96,15 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
         if body.stream:
             raise BadRequest(STREAM_MESSAGE, "stream")
         sp = body.sampling_params
+        rid = body.request_id if body.request_id is not None else header_request_id  # "" is an id
         req = build_request(
             token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,
             start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
-            request_id=body.request_id or header_request_id, cache_salt=body.cache_salt, priority=body.priority,
+            request_id=rid, cache_salt=body.cache_salt, priority=body.priority,
             truncate_prompt_tokens=sp.truncate_prompt_tokens)
     except BadRequest as e:
-        e.request_id = _body_request_id(obj) or header_request_id
+        rid = _body_request_id(obj)
+        e.request_id = rid if rid is not None else header_request_id
         raise
     return body, req
 

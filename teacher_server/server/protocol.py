@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictBool, StrictInt, StrictStr
+
+
+class _FailFast(FailFast):
+    """pydantic's FailFast, hashable (a union of annotated types hashes its members)."""
+
+    def __hash__(self) -> int:
+        return hash(FailFast)
+
+
+# Lists and maps stop at their first bad element: a body of millions of wrong values is one
+# error, not millions (each a dict pydantic builds and the front then searches).
+_FF = _FailFast()
+IntList = Annotated[list[StrictInt], _FF]
 
 
 class SamplingParams(BaseModel):
@@ -13,7 +26,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_logprob_token_ids: list[StrictInt] | list[list[StrictInt]] | StrictStr | None = Field(
+    prompt_logprob_token_ids: IntList | Annotated[list[IntList], _FF] | StrictStr | None = Field(
         None, description="Candidates: a flat list of K ids shared by every scored row, a list of `rows` "
                           "lists of K ids (-1 pads), or a base64 `.npy` int32/int64 array of shape [K] or [rows, K].")
     prompt_logprob_start: StrictInt | None = Field(
@@ -29,9 +42,9 @@ class SamplingParams(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    stop: str | Annotated[list[str], _FF] | None = None
+    stop_token_ids: Annotated[list[int], _FF] | None = None
+    bad_words: Annotated[list[str], _FF] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -42,8 +55,8 @@ class SamplingParams(BaseModel):
     detokenize: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[int] | None = None
+    logit_bias: Annotated[dict[str, float], _FF] | None = None
+    allowed_token_ids: Annotated[list[int], _FF] | None = None
     extra_args: dict[str, Any] | None = None
     output_kind: Any = None
     structured_outputs: Any = None
@@ -61,7 +74,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: list[StrictInt] = Field(..., description="Prompt ids followed by response ids (at least one).")
+    token_ids: IntList = Field(..., description="Prompt ids followed by response ids (at least one).")
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     request_id: StrictStr | None = Field(None, description="Echoed back; generated when absent.")
     model: StrictStr | None = Field(None, description="Must name the served model.")

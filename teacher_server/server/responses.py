@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 import time
+import urllib.parse
 
 import numpy as np
 import orjson
@@ -22,6 +24,26 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 NEG_INF_JSON = -9999.0  # JSON has no infinity; vLLM clients expect this value
 PLP_SLICE = 512  # positions of prompt_logprobs serialised at a time (~ 512 * (k+1) entries)
+
+
+HEADER_ID_MAX = 4096  # characters of a request id echoed in X-Request-Id (clients take 8-16 KB of headers)
+HEADER_SAFE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?")
+
+
+def header_safe(rid: str) -> str:
+    """A request id as a header value: as is when it is printable ASCII (no edge spaces) and at
+    most ``HEADER_ID_MAX`` characters, else percent-encoded, cut to that length at a whole
+    character (the body's ``request_id`` always has it whole)."""
+    if len(rid) <= HEADER_ID_MAX and HEADER_SAFE.fullmatch(rid):
+        return rid
+    out, used = [], 0
+    for ch in rid:
+        q = urllib.parse.quote(ch, safe="")
+        if used + len(q) > HEADER_ID_MAX:
+            break
+        out.append(q)
+        used += len(q)
+    return "".join(out)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
