@@ -143,7 +143,7 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
                   cache_salt: str | None = None, priority: int = 0,
                   truncate_prompt_tokens: int | None = None) -> ScoreRequest:
     sp = "sampling_params."
-    toks = token_ids if isinstance(token_ids, np.ndarray) else _as_int_array(token_ids, "token_ids")
+    toks = _as_int_array(token_ids, "token_ids")  # an array of the in-process API too: floats and bools refused
     if toks.ndim != 1 or toks.size == 0:
         raise BadRequest("token_ids must be a non-empty list of ids", "token_ids")
     toks = toks.astype(np.int64, copy=False)

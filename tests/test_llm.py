@@ -57,6 +57,19 @@ def test_invalid_candidates_are_a_value_error(llm: LLM, cands, start: int, match
     assert getattr(ei.value, "param", None) == PARAM
 
 
+@pytest.mark.parametrize("toks", [np.array([3.9, 7.5, 11.2]), np.array([True, False, True]), np.array(["3", "7"])],
+                         ids=["float", "bool", "str"])
+def test_token_id_arrays_of_other_kinds_are_refused(llm: LLM, toks: np.ndarray) -> None:
+    """An array of token ids is checked like a list: floats are not cut to integers, bools
+    are not ids."""
+    with pytest.raises(ValueError, match="integer ids") as ei:
+        llm.generate(TokensPrompt(prompt_token_ids=toks), SamplingParams(max_tokens=1, prompt_logprob_token_ids=[1]))
+    assert getattr(ei.value, "param", None) == "token_ids"
+    out = llm.generate(TokensPrompt(prompt_token_ids=np.array([3, 7, 11], np.uint16)),
+                       SamplingParams(max_tokens=1, prompt_logprob_token_ids=[1]))  # unsigned ids still work
+    assert out[0].prompt_token_id_logprobs.shape == (2, 1)
+
+
 def test_one_rule_for_client_and_llm(llm: LLM) -> None:
     """What the client refuses before sending, the LLM refuses with the same message."""
     for cands in ([], [[1, 2], [3]], np.zeros((2, 0), np.int32)):
