@@ -146,7 +146,6 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     toks = _as_int_array(token_ids, "token_ids")  # an array of the in-process API too: floats and bools refused
     if toks.ndim != 1 or toks.size == 0:
         raise BadRequest("token_ids must be a non-empty list of ids", "token_ids")
-    toks = toks.astype(np.int64, copy=False)
     if toks.size > limits.max_model_len:
         raise BadRequest(f"token_ids has {toks.size} tokens, more than max_model_len={limits.max_model_len}",
                          "token_ids")

@@ -35,7 +35,7 @@ from teacher_server.server.http import BodyGate, ClientGone, read_body
 from teacher_server.server.lifecycle import start_engine, stop_engine, terminate_self
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
-from teacher_server.server.responses import error_body, error_response, generate_body, header_safe
+from teacher_server.server.responses import error_body, error_response, generate_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
@@ -237,9 +237,8 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             headers = dict(scope["headers"])
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                rid = headers.get(b"x-request-id")
                 answer = error_response(401, "invalid or missing API key",
-                                        headers=_request_id_header(None if rid is None else rid.decode("latin-1")))
+                                        headers=_request_id_header(scope_request_id(scope)))
                 await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from teacher_server.config import Config
-from teacher_server.server.responses import error_body, header_safe
+from teacher_server.server.responses import error_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
@@ -57,10 +57,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         """The X-Request-Id of the request being read, when its headers were framed."""
         if self.cycle is None or self.cycle.response_complete:
             return None
-        for name, value in self.cycle.scope.get("headers", ()):
-            if name == b"x-request-id":
-                return value.decode("latin-1")
-        return None
+        return scope_request_id(self.cycle.scope)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)

@@ -46,6 +46,14 @@ def header_safe(rid: str) -> str:
     return "".join(out)
 
 
+def scope_request_id(scope: dict) -> str | None:
+    """The X-Request-Id header of an ASGI request scope (as the server decoded it), or None."""
+    for name, value in scope.get("headers", ()):
+        if name == b"x-request-id":
+            return value.decode("latin-1")
+    return None
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
 
