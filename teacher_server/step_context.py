@@ -46,8 +46,9 @@ class StepContext:
     # Per prefixed sequence: how many of its leading keys are the very same pool entries as
     # the previous prefixed sequence's (0 for the first). None: no sharing known.
     prefix_shared: list[int] | None = None
-    # Per-step scratch of the attention backend (its plan), made on first use by layer 0.
-    attn_plan: Any = field(default=None, repr=False)
+    # Per-step scratch of the attention backends: their plans, keyed by (backend, plan key:
+    # the window), each made by the first layer that needs it (``attn_plan`` is the latest).
+    attn_plans: dict = field(default_factory=dict, repr=False)
     # Linear-attention state (hybrid models; all None otherwise). Sequence b's linear layers
     # start from state slot state_in[b] (0: the zero state, the sequence starts at position
     # 0); after the step, the end state of sequence state_keep[j] goes to slot state_out[j].
@@ -64,4 +65,15 @@ class StepContext:
     @property
     def has_prefix(self) -> bool:
         return self.n_prefixed > 0
+
+    @property
+    def attn_plan(self) -> Any:
+        """The attention plan made last in this step (None before the first); assigning None
+        drops every plan, so the next layer of each kind plans again."""
+        return next(reversed(self.attn_plans.values()), None)
+
+    @attn_plan.setter
+    def attn_plan(self, plan: Any) -> None:
+        assert plan is None, "plans are kept by key in attn_plans; only None (drop them all) is assigned here"
+        self.attn_plans.clear()
 

@@ -84,12 +84,12 @@ class CpuCudnn(CudnnBackend):
         self.plans.append((list(ctx.prefix_shared or []), plan.items))
         return plan
 
-    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+    def varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap=None):
         self.calls.append("varlen")
         cq, ck = cu_q.tolist(), cu_k.tolist()
         assert cq[0] == 0 and ck[0] == 0 and cq[-1] == q.shape[0] and ck[-1] == k.shape[0]
         assert max_q == max(b - a for a, b in zip(cq, cq[1:])) and max_k == max(b - a for a, b in zip(ck, ck[1:]))
-        return torch.cat([sdpa_one(q[a:b], k[c:d], v[c:d], scale, window)
+        return torch.cat([sdpa_one(q[a:b], k[c:d], v[c:d], scale, window, softcap)
                           for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])])
 
     def _sdpa(self, q, k, v, causal, lse, scale):

@@ -12,10 +12,10 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from teacher_server.cache_layout import LinearStateLayout
 from teacher_server.config import Config
 from teacher_server.engine import rank_setup
 from teacher_server.engine.engine import Engine
-from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.spec import ModelSpec
 from teacher_server.step_context import StepContext

@@ -442,7 +442,7 @@ def test_cudnn_fe_check_at_the_models_heads(heads, fe_backend) -> None:
     """The frontend backend's check (at start-up, and at the model's own heads in warm_up)
     passes where its calls are right and fails where the frontend refuses the shape or
     computes something else."""
-    from teacher_server.attention.cudnn_check import frontend_check
+    from teacher_server.attention.cudnn_fe import frontend_check
 
     cpu = torch.device("cpu")
     assert frontend_check(fe_backend(split=CpuCudnn(16)), cpu, torch.float32, heads)
@@ -463,9 +463,9 @@ def test_cudnn_fe_check_at_the_models_heads(heads, fe_backend) -> None:
 def test_cudnn_fe_warm_up_survives_a_graph_it_cannot_build(fe_backend, monkeypatch) -> None:
     """A graph the frontend does not build at warm-up (past the check at the model's heads)
     turns the backend off, as when a step meets one, instead of failing the start-up."""
-    import teacher_server.attention.cudnn_check as cudnn_check
+    import teacher_server.attention.cudnn_fe as cudnn_fe
 
-    monkeypatch.setattr(cudnn_check, "frontend_check", lambda *a, **k: True)
+    monkeypatch.setattr(cudnn_fe, "frontend_check", lambda *a, **k: True)
     built = []
 
     class Failing(fe_backend):

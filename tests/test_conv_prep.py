@@ -85,7 +85,7 @@ _ENGINE = """
 import sys, numpy as np, torch
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-import teacher_server.layers.gated_delta as layer
+import teacher_server.models.gated_delta as layer
 from test_gated_delta import make_qwen3_5
 from teacher_server.llm import LLM
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from teacher_server.cache_layout import CacheLayout
 from teacher_server.kv_pool import KVPool
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.ops.fused import FusedOps
@@ -65,7 +66,7 @@ def check_stages(ops: FusedOps) -> None:
     qn, kn = 1 + 0.1 * torch.randn(HEADS.d, generator=g), 1 + 0.1 * torch.randn(HEADS.d, generator=g)
     slots = [2 * i if i % 3 else -1 for i in range(T)]
     ctx = step(T, slots)
-    pool = KVPool(2 * T, HEADS.n_kv, HEADS.d, torch.float32, torch.device("cpu"), kv_layers=(0,))
+    pool = KVPool(2 * T, CacheLayout.uniform((0,), HEADS.n_kv, HEADS.d, torch.float32), torch.device("cpu"))
     pool.k_cache(0).zero_()
     pool.v_cache(0).zero_()
     cs = rope(ctx.positions)
@@ -179,7 +180,7 @@ def test_eager_ops_on_cpu() -> None:
 def test_pool_gathers_prefix_and_chunk_keys() -> None:
     """Packed [prefix | chunk] keys: the prefix from pool slots, the chunk from this step's
     keys, in cu_k order; rows after them are zeroed slack."""
-    pool = KVPool(16, 2, 4, torch.float32, torch.device("cpu"), kv_layers=(0, 1))
+    pool = KVPool(16, CacheLayout.uniform((0, 1), 2, 4, torch.float32), torch.device("cpu"))
     for layer in range(2):
         pool.k_cache(layer).copy_(torch.randn(16, 2, 4))
         pool.v_cache(layer).copy_(torch.randn(16, 2, 4))
@@ -212,7 +213,5 @@ def test_model_checks_ops_at_its_own_shapes(checkpoints, monkeypatch: pytest.Mon
     spec = ModelSpec.from_dir(path)
     model = load_model(path, spec, torch.float32, torch.device("cpu"))
     ops = FusedOps(kernels=True, compile=True, kernels_available=lambda: True)
-    rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 64,
-                           torch.device("cpu"))
-    model.warm_up_ops(ops, rope)
+    model.warm_up_ops(ops, model.make_ropes(64, torch.device("cpu")))
     assert not ops.compiled and kernels_on(ops)

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from reference import MATRIX, ROUTER, randomize_weights
 
 from teacher_server.attention.registry import make_backend
-from teacher_server.kv_pool import KVPool, LinearStateLayout
-from teacher_server.layers.gated_delta import GatedDeltaNet
+from teacher_server.cache_layout import CacheLayout, LinearStateLayout
+from teacher_server.kv_pool import KVPool
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import Runtime
+from teacher_server.models.gated_delta import GatedDeltaNet
 from teacher_server.models.loader import load_model
 from teacher_server.models.qwen3_5 import Qwen3_5Attention
 from teacher_server.models.spec import ModelSpec
@@ -63,8 +64,8 @@ def make_pool(spec: ModelSpec, slots: int) -> KVPool:
     the zero state), float32."""
     layout = LinearStateLayout(layers=spec.linear_layer_ids, conv_shape=(spec.linear_conv_dim, 4),
                                rec_shape=(4, 16, 8), conv_dtype=torch.float32)
-    return KVPool(16, spec.num_kv_heads, spec.head_dim, torch.float32, CPU, kv_layers=spec.kv_layer_ids,
-                  state=layout, state_slots=slots)
+    cache = CacheLayout.uniform(spec.kv_layer_ids, spec.num_kv_heads, spec.head_dim, torch.float32, layout)
+    return KVPool(16, cache, CPU, state_slots=slots)
 
 
 def step(lens: list[int], starts: list[int] | None = None, state_in: list[int] | None = None,
@@ -143,7 +144,8 @@ def make_qwen3_5(path: Path, moe: bool = False, seed: int = 0, conditional: bool
 def bind(module: torch.nn.Module, spec: ModelSpec, slots: int = 4) -> KVPool:
     pool = make_pool(spec, slots)
     rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 512, CPU)
-    module.bind(Runtime(make_backend("sdpa", CPU, torch.float32), FusedOps(kernels=False, compile=False), pool, rope))
+    module.bind(Runtime(make_backend("sdpa", CPU, torch.float32), FusedOps(kernels=False, compile=False), pool,
+                        {"default": rope}))
     return pool
 
 
@@ -297,7 +299,7 @@ def test_gated_attention_matches_transformers() -> None:
         mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
         refs.append(hf(x[None, a:a + n], rope(x[None, a:a + n], pos), mask)[0][0])
     ctx = step(lens)
-    got = ours.o_proj(ours(x, ours.rt.rope(ctx.positions), ctx))
+    got = ours.o_proj(ours(x, ours.rt.ropes["default"](ctx.positions), ctx))
     torch.testing.assert_close(got, torch.cat(refs), atol=1e-5, rtol=1e-5)
 
 
@@ -405,8 +407,7 @@ def test_warm_up_switches_off_the_fused_qkv_kernel(tmp_path: Path) -> None:
     spec = ModelSpec.from_dir(path)
     model = load_model(path, spec, torch.float32, CPU)
     ops = FusedOps(kernels=True, compile=False, kernels_available=lambda: True)
-    rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 64, CPU)
-    model.warm_up_ops(ops, rope)
+    model.warm_up_ops(ops, model.make_ropes(64, CPU))
     assert not ops.qkv_kernel and ops.silu_kernel and ops.residual_in_gemm
     assert not ops.conv_kernel  # the fused input stage is a CUDA kernel: off on the CPU
     # the gated norm is checked as the layers call it: z's columns in the in-projection's output

@@ -11,10 +11,10 @@ import pytest
 import torch
 from fake_linear import hybrid_engine
 
+from teacher_server.cache_layout import CacheLayout, LinearStateLayout
 from teacher_server.config import Config
 from teacher_server.engine.rank_setup import plan_memory
 from teacher_server.engine.request import ScoreRequest
-from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.parallel import SINGLE
 from teacher_server.models.spec import ModelSpec
 
@@ -97,12 +97,14 @@ def test_plan_memory_shares_memory_between_kv_and_state(checkpoints) -> None:
     spec = dataclasses.replace(dense, layer_types=("linear_attention", "full_attention"))
     cfg = Config(device="cpu", max_num_seqs=8, block_size=BS)
     cpu, f32 = torch.device("cpu"), torch.float32
-    kv_blocks, none, budget = plan_memory(cfg, dense, f32, cpu, 512, SINGLE)
+    cache = CacheLayout.uniform(dense.kv_layer_ids, dense.num_kv_heads, dense.head_dim, f32)
+    kv_blocks, none, budget = plan_memory(cfg, dense, cache, cpu, 512, SINGLE)
     assert none == 0 and budget == 2048
 
     def sizes(rec: tuple[int, ...], **kw: object) -> tuple[int, int, int]:
         layout = LinearStateLayout(layers=(0,), conv_shape=(2, 8), rec_shape=rec, conv_dtype=f32)
-        return (*plan_memory(cfg.model_copy(update=kw), spec, f32, cpu, 512, SINGLE, layout)[:2], layout.slot_bytes())
+        cache = CacheLayout.uniform(spec.kv_layer_ids, spec.num_kv_heads, spec.head_dim, f32, layout)
+        return (*plan_memory(cfg.model_copy(update=kw), spec, cache, cpu, 512, SINGLE)[:2], layout.slot_bytes())
 
     blocks, slots, _ = sizes((2, 4, 4))
     assert (blocks, slots) == (kv_blocks, 16)  # small states: 2 * max_num_seqs

@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from teacher_server.cache_layout import CacheLayout, LinearStateLayout
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.host_step import build_host_step
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Chunk, Sequence
 from teacher_server.engine.state_slots import StateSlots
-from teacher_server.kv_pool import KVPool, LinearStateLayout
+from teacher_server.kv_pool import KVPool
 
 BS = 4
 PROMPT = np.arange(100, 140)  # 40 tokens; rows from 39 on: cache_end = 36 (9 blocks)
@@ -225,7 +226,7 @@ def test_host_step_state_arrays_follow_step_order() -> None:
 def test_pool_state_views() -> None:
     layout = LinearStateLayout(layers=(0, 2), conv_shape=(3, 5), rec_shape=(2, 4, 6), conv_dtype=torch.bfloat16)
     assert layout.slot_bytes() == 2 * (3 * 5 * 2 + 2 * 4 * 6 * 4)
-    pool = KVPool(8, 2, 4, torch.float32, torch.device("cpu"), kv_layers=(1, 3), state=layout, state_slots=4)
+    pool = KVPool(8, CacheLayout.uniform((1, 3), 2, 4, torch.float32, layout), torch.device("cpu"), state_slots=4)
     assert pool.conv_state(2).shape == (4, 3, 5) and pool.conv_state(2).dtype == torch.bfloat16
     assert pool.rec_state(0).shape == (4, 2, 4, 6) and pool.rec_state(0).dtype == torch.float32
     assert pool.k_cache(3).shape == (8, 2, 4)

@@ -4,6 +4,7 @@ GPU sizes of 80 and 141 GB."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -14,10 +15,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from workloads import QWEN3_5_9B, QWEN3_8B, QWEN3_32B
 
+from teacher_server.cache_layout import CacheLayout, LinearStateLayout
 from teacher_server.config import Config
 from teacher_server.engine.rank_setup import ACT_SHARE, AUTO_BUDGETS, activation_bytes, plan_memory
-from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.models.registry import model_class
 from teacher_server.models.spec import ModelSpec
 
 GB = 10**9
@@ -27,11 +29,18 @@ WEIGHTS = {"8b": 16.4 * GB, "32b": 65.5 * GB}
 SPECS = {"8b": ModelSpec.from_dict(QWEN3_8B), "32b": ModelSpec.from_dict(QWEN3_32B)}
 
 
+def cache_of(spec: ModelSpec, tp: TensorParallel = SINGLE, state: LinearStateLayout | None = None) -> CacheLayout:
+    """What the model declares it caches, this rank (the model built on the meta device: no
+    memory), with the linear-state layout ``state``."""
+    model = model_class(spec.architecture)(spec, BF16, torch.device("meta"), tied=False, tp=tp)
+    return dataclasses.replace(model.cache_layout(), state=state)
+
+
 def plan(monkeypatch, spec: ModelSpec, total: float, free: float, tp: TensorParallel = SINGLE, state=None,
          max_len: int = 40960, **kw: object):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free), int(total)))
     cfg = Config(device="cuda", **kw)
-    return cfg, plan_memory(cfg, spec, BF16, CUDA, max_len, tp, state)
+    return cfg, plan_memory(cfg, spec, cache_of(spec, tp, state), CUDA, max_len, tp)
 
 
 def kv_bytes_per_token(spec: ModelSpec, tp: TensorParallel = SINGLE) -> int:
@@ -54,7 +63,7 @@ def test_budget_follows_the_memory_and_the_pool_fills_the_rest(monkeypatch, size
     free = total - WEIGHTS[size]
     cfg, p = plan(monkeypatch, spec, total, free)
     assert p.budget == want and p.slots == 0
-    left = room(cfg, total, free) - activation_bytes(cfg, spec, p.budget, 40960, SINGLE)
+    left = room(cfg, total, free) - activation_bytes(cfg, spec, p.budget, 40960, SINGLE, cache_of(spec))
     assert p.blocks == int(left // kv_bytes_per_token(spec)) // cfg.block_size
 
 
@@ -64,7 +73,7 @@ def test_budget_never_shrinks_as_memory_grows_and_never_crowds_the_pool(monkeypa
     for free_gb in range(20, 142, 3):
         cfg, p = plan(monkeypatch, spec, 141 * GB, free_gb * GB)
         r = room(cfg, 141 * GB, free_gb * GB)
-        act = activation_bytes(cfg, spec, p.budget, 40960, SINGLE)
+        act = activation_bytes(cfg, spec, p.budget, 40960, SINGLE, cache_of(spec))
         kv = p.blocks * cfg.block_size * kv_bytes_per_token(spec)
         if p.budget != AUTO_BUDGETS[-1]:  # a larger step only where it leaves the pool 4 steps
             assert act <= ACT_SHARE * r and p.blocks * cfg.block_size >= 4 * p.budget
@@ -100,7 +109,7 @@ def test_tensor_parallel_rank_plans_its_shares(monkeypatch) -> None:
     cfg, p = plan(monkeypatch, spec, 80 * GB, 80 * GB - WEIGHTS["32b"] / 2, tp=tp)
     assert p.budget == 32768
     assert kv_bytes_per_token(spec, tp) * 2 == kv_bytes_per_token(spec)
-    left = room(cfg, 80 * GB, 80 * GB - WEIGHTS["32b"] / 2) - activation_bytes(cfg, spec, 32768, 40960, tp)
+    left = room(cfg, 80 * GB, 80 * GB - WEIGHTS["32b"] / 2) - activation_bytes(cfg, spec, 32768, 40960, tp, cache_of(spec, tp))
     assert p.blocks == int(left // kv_bytes_per_token(spec, tp)) // cfg.block_size
 
 
@@ -111,6 +120,6 @@ def test_hybrid_model_plans_state_slots_with_the_budget(monkeypatch) -> None:
     layout = LinearStateLayout(layers=spec.linear_layer_ids, conv_shape=(8192, 3), rec_shape=(32, 128, 128),
                                conv_dtype=BF16)
     cfg, p = plan(monkeypatch, spec, 141 * GB, 122 * GB, state=layout, max_len=32768)
-    left = room(cfg, 141 * GB, 122 * GB) - activation_bytes(cfg, spec, 32768, 32768, SINGLE, layout)
+    left = room(cfg, 141 * GB, 122 * GB) - activation_bytes(cfg, spec, 32768, 32768, SINGLE, cache_of(spec, state=layout))
     assert p.budget == 32768 and p.slots == min(2 * cfg.max_num_seqs, int(left / 4 // layout.slot_bytes()))
     assert p.blocks == int((left - p.slots * layout.slot_bytes()) // kv_bytes_per_token(spec)) // cfg.block_size

@@ -10,10 +10,12 @@ packed ``[prefix | chunk]`` keys of the prefixed sequences (kp, vp).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from teacher_server.cache_layout import AttentionParams
 from teacher_server.step_context import StepContext
 
 
@@ -30,15 +32,30 @@ class AttentionInputs:
 
 class AttentionBackend(ABC):
     """A backend is built once (its settings are constructor arguments) and called by every
-    attention layer of every step. It may keep a per-step plan in ``ctx.attn_plan`` (made by
-    the first layer, reused by the others)."""
+    attention layer of every step. It may keep per-step plans in ``ctx.attn_plans``, one per
+    (backend, ``AttentionParams.plan_key``): made by the first layer of each kind, reused by
+    the others of that kind."""
 
     name: str = "base"
+    # The optional attention arguments this backend honours ("window", "softcap"); a model
+    # whose layers need another one is refused at start-up (``refusal``).
+    honours: frozenset[str] = frozenset({"window"})
 
     @abstractmethod
-    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
         """Causal attention of x.q over each sequence's keys; window: sliding-window length
-        (keys at most window - 1 positions back) or None. Returns [T, Hq, D]."""
+        (keys at most window - 1 positions back) or None; softcap: logits become
+        ``softcap * tanh(logits / softcap)`` before the softmax, or None. Returns [T, Hq, Dv]."""
+
+    def refusal(self, needs: Iterable[AttentionParams]) -> str | None:
+        """Why this backend cannot run layers with these arguments (None: it can)."""
+        for p in needs:
+            if p.window is not None and "window" not in self.honours:
+                return f"attention backend {self.name!r} takes no sliding window (a layer has window {p.window})"
+            if p.softcap is not None and "softcap" not in self.honours:
+                return f"attention backend {self.name!r} takes no logit soft-cap (a layer has soft-cap {p.softcap})"
+        return None
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
                 layers: int = 1) -> float:

@@ -234,14 +234,15 @@ class CudnnBackend(TorchVarlenBackend):
         return max(self._split_saves(members, s), 0.0) * self.flops_per_pair * self.layers / _VARLEN_FLOPS
 
     # --- running -----------------------------------------------------------------------
-    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
         try:
-            return super().__call__(x, ctx, scale, window)
+            return super().__call__(x, ctx, scale, window, softcap)
         except PathFailed as e:  # cuDNN refused a shape: varlen from now on, replan this step
             log.warning("cuDNN attention unavailable (%s); using varlen", e.reason)
             self.enabled = False
             ctx.attn_plan = None
-            return super().__call__(x, ctx, scale, window)
+            return super().__call__(x, ctx, scale, window, softcap)
 
     def _run_special(self, it: object, x: AttentionInputs, scale: float, out: torch.Tensor) -> None:
         try:

@@ -1,5 +1,6 @@
 """The cuDNN backend's start-up self-check: one small mixed step through every cuDNN path,
-against the float32 sdpa reference, for each setting variant until one agrees."""
+against the float32 sdpa reference, for each setting variant until one agrees (the step and
+its reference are the cudnn_fe backend's check too: ``cudnn_fe.frontend_check``)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int,
     return AttentionInputs(q, k, v, kp, vp), ctx_on
 
 
-def _check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = CHECK_HEADS,
+def check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = CHECK_HEADS,
                           ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext], torch.Tensor]:
     """The check step (``_check_step``) and its float32 sdpa reference output on the CPU."""
     x, ctx_on = _check_step(device, dtype, heads)
@@ -81,7 +82,7 @@ def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: t
     """Run the check step through backends made by ``make(native_gqa=, group_prefixes=,
     new_plans_per_step=None)`` and through the float32 sdpa reference; return the first
     settings whose backend agrees and took every cuDNN path, or None (cuDNN unusable)."""
-    x, ctx_on, ref = _check_with_reference(device, dtype)
+    x, ctx_on, ref = check_with_reference(device, dtype)
     d = x.q.shape[-1]
     for paths in _VARIANTS:
         backend = make(native_gqa=paths.native_gqa, group_prefixes=paths.group_prefixes, new_plans_per_step=None)
@@ -103,26 +104,3 @@ def self_check(make: Callable[..., CudnnBackend], device: torch.device, dtype: t
                  paths.native_gqa, paths.group_prefixes, err, sorted(t.__name__ for t in kinds))
     log.warning("cuDNN attention failed its self-check; using varlen")
     return None
-
-
-def frontend_check(backend: object, device: torch.device, dtype: torch.dtype,
-                   heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
-    """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
-    prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim) against the
-    float32 sdpa reference: True when it agrees and took its own calls for both parts."""
-    from teacher_server.attention.cudnn_fe import FeCall
-
-    x, ctx_on, ref = _check_with_reference(device, dtype, heads)
-    d = x.q.shape[-1]
-    try:
-        c = ctx_on(device)
-        got = backend(x, c, d ** -0.5, None).float().cpu()
-    except Exception as e:
-        log.warning("cuDNN frontend attention self-check raised: %s", " ".join(str(e).split())[:300])
-        return False
-    calls = sum(isinstance(it, FeCall) for it in c.attn_plan.items)
-    err = (got - ref).abs().max().item()
-    if calls == 2 and err < 2e-2:
-        return True
-    log.warning("cuDNN frontend attention failed its self-check: error %.3g, %d calls", err, calls)
-    return False

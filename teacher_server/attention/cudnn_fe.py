@@ -34,6 +34,7 @@ import torch
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket
 from teacher_server.attention.cudnn import CudnnBackend, PathFailed
+from teacher_server.attention.cudnn_check import CHECK_HEADS, check_with_reference
 from teacher_server.attention.packed import Plan, Varlen, cums
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.step_context import StepContext
@@ -150,8 +151,6 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         if device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
-        from teacher_server.attention.cudnn_check import frontend_check
-
         # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right
         if self.enabled and not frontend_check(self, device, dtype, (hq, hkv, d)):
             log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
@@ -182,13 +181,16 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         return secs
 
     # --- running -----------------------------------------------------------------------
-    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
         if window is not None or not self._on_device(x) or not self.enabled:
-            return self.split(x, ctx, scale, window) if self.split is not None else super().__call__(x, ctx, scale,
-                                                                                                     window)
-        plan = ctx.attn_plan
-        if plan is None or plan.owner is not self:
-            plan = ctx.attn_plan = self._fe_plan(x, ctx)
+            if self.split is not None:
+                return self.split(x, ctx, scale, window, softcap)
+            return super().__call__(x, ctx, scale, window, softcap)
+        key = (self, "fe")  # (the windowed layers' plans are the split's or varlen's own)
+        plan = ctx.attn_plans.get(key)
+        if plan is None:
+            plan = ctx.attn_plans[key] = self._fe_plan(x, ctx)
         out = torch.empty(x.q.shape[0], x.q.shape[1], x.v.shape[2], dtype=x.q.dtype, device=x.q.device)
         try:
             for it in plan.items:
@@ -202,11 +204,11 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             log.warning("cuDNN split attention unavailable (%s); a lone prefixed sequence takes the frontend's call",
                         e.reason)
             self.split, ctx.attn_plan = None, None
-            return self(x, ctx, scale, window)
+            return self(x, ctx, scale, window, softcap)
         except Exception as e:  # the frontend refused a shape (a head size, a layout)
             self._turn_off(e)
             ctx.attn_plan = None
-            return self(x, ctx, scale, window)
+            return self(x, ctx, scale, window, softcap)
         return out
 
     def _turn_off(self, e: Exception) -> None:
@@ -290,3 +292,24 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             entry = self._graphs[full] = (g, g.get_workspace_size())
         self.builds.append(time.perf_counter() - t)
         return entry
+
+
+def frontend_check(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
+                   heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
+    """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
+    prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim) against the
+    float32 sdpa reference: True when it agrees and took its own calls for both parts."""
+    x, ctx_on, ref = check_with_reference(device, dtype, heads)
+    d = x.q.shape[-1]
+    try:
+        c = ctx_on(device)
+        got = backend(x, c, d ** -0.5, None).float().cpu()
+    except Exception as e:
+        log.warning("cuDNN frontend attention self-check raised: %s", " ".join(str(e).split())[:300])
+        return False
+    calls = sum(isinstance(it, FeCall) for it in c.attn_plan.items)
+    err = (got - ref).abs().max().item()
+    if calls == 2 and err < 2e-2:
+        return True
+    log.warning("cuDNN frontend attention failed its self-check: error %.3g, %d calls", err, calls)
+    return False

@@ -10,6 +10,7 @@ from teacher_server.attention.packed import PackedBackend
 
 class FlashAttnBackend(PackedBackend):
     name = "flash_attn"
+    honours = frozenset({"window", "softcap"})
 
     def __init__(self, concurrent_streams: int = 3) -> None:
         super().__init__(concurrent_streams)
@@ -18,6 +19,7 @@ class FlashAttnBackend(PackedBackend):
         self._fn = flash_attn_varlen_func
 
     def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               max_q: int, max_k: int, scale: float, window: int | None) -> torch.Tensor:
+               max_q: int, max_k: int, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
         ws = (-1, -1) if window is None else (window - 1, 0)
-        return self._fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True, window_size=ws)
+        return self._fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True, window_size=ws,
+                        softcap=softcap or 0.0)

@@ -30,7 +30,7 @@ class Varlen:
 @dataclass
 class Plan:
     """A step's attention items (disjoint output rows), made by ``owner`` for the first
-    layer and reused by the others (``ctx.attn_plan``)."""
+    layer of a kind (window) and reused by the others of that kind (``ctx.attn_plans``)."""
 
     owner: object
     items: list = field(default_factory=list)
@@ -53,7 +53,7 @@ class PackedBackend(AttentionBackend):
         self._streams: dict[int | None, list[torch.cuda.Stream]] = {}
 
     def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               max_q: int, max_k: int, scale: float, window: int | None) -> torch.Tensor:
+               max_q: int, max_k: int, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """Causal varlen attention of packed sequences (cu_q / cu_k: [B + 1] int32 offsets)."""
         raise NotImplementedError
 
@@ -89,18 +89,25 @@ class PackedBackend(AttentionBackend):
         plan.items = special + plan.items
         return plan
 
-    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None) -> torch.Tensor:
-        plan = ctx.attn_plan
-        if plan is None or plan.owner is not self:
-            plan = ctx.attn_plan = self._plan(ctx, window)
-        items = plan.items
+    def plan_for(self, ctx: StepContext, window: int | None) -> Plan:
+        """This step's plan for layers with ``window`` (made by the first such layer): what a
+        query sees depends on the window, so layers of another window never share it."""
+        key = (self, window)
+        plan = ctx.attn_plans.get(key)
+        if plan is None:
+            plan = ctx.attn_plans[key] = self._plan(ctx, window)
+        return plan
+
+    def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
+                 softcap: float | None = None) -> torch.Tensor:
+        items = self.plan_for(ctx, window).items
         if len(items) == 1 and isinstance(items[0], Varlen) and items[0].t1 - items[0].t0 == x.q.shape[0]:
-            return self._run_varlen(items[0], x, scale, window)
-        out = torch.empty_like(x.q)
+            return self._run_varlen(items[0], x, scale, window, softcap)
+        out = x.q.new_empty(*x.q.shape[:2], x.v.shape[2])
         side = self._side_streams(x.q) if len(items) > 1 else None
         if side is None:
             for it in items:
-                self._run_item(it, x, scale, window, out)
+                self._run_item(it, x, scale, window, out, softcap)
             return out
         # Items are independent (disjoint output rows), so they run on side streams at once:
         # one sequence's attention leaves SMs idle in its last wave, which the next fills.
@@ -113,7 +120,7 @@ class PackedBackend(AttentionBackend):
         try:
             for i, it in enumerate(items):
                 with torch.cuda.stream(used[i % len(used)]):
-                    self._run_item(it, x, scale, window, out)
+                    self._run_item(it, x, scale, window, out, softcap)
         finally:
             for s in used:
                 main.wait_stream(s)
@@ -127,13 +134,15 @@ class PackedBackend(AttentionBackend):
             self._streams[key] = [torch.cuda.Stream(q.device) for _ in range(self.concurrent_streams)]
         return self._streams[key]
 
-    def _run_item(self, it: object, x: AttentionInputs, scale: float, window: int | None, out: torch.Tensor) -> None:
+    def _run_item(self, it: object, x: AttentionInputs, scale: float, window: int | None, out: torch.Tensor,
+                  softcap: float | None = None) -> None:
         if isinstance(it, Varlen):
-            out[it.t0:it.t1] = self._run_varlen(it, x, scale, window)
+            out[it.t0:it.t1] = self._run_varlen(it, x, scale, window, softcap)
         else:
             self._run_special(it, x, scale, out)
 
-    def _run_varlen(self, it: Varlen, x: AttentionInputs, scale: float, window: int | None) -> torch.Tensor:
+    def _run_varlen(self, it: Varlen, x: AttentionInputs, scale: float, window: int | None,
+                    softcap: float | None = None) -> torch.Tensor:
         kk, vv = (x.kp, x.vp) if it.prefixed else (x.k, x.v)
         return self.varlen(x.q[it.t0:it.t1], kk[it.k0:it.k1], vv[it.k0:it.k1], it.cu_q, it.cu_k, it.max_q, it.max_k,
-                           scale, window)
+                           scale, window, softcap)

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from teacher_server.attention.base import AttentionBackend
+from teacher_server.cache_layout import AttentionParams
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ def _cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> Att
 @register("cudnn_fe")
 def _cudnn_fe(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
     _needs_cuda("cudnn_fe", device)
-    from teacher_server.attention.cudnn_check import frontend_check
-    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, frontend_check
 
     backend = CudnnFrontendBackend(split=_checked_cudnn(device, dtype, deterministic))
     if not frontend_check(backend, device, dtype):
@@ -94,18 +94,29 @@ _AUTO_ORDER = ("cudnn_fe", "cudnn", "flash_attn", "varlen")
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16,
-                 deterministic: bool = False) -> AttentionBackend:
+                 deterministic: bool = False, needs: Iterable[AttentionParams] = ()) -> AttentionBackend:
     """Build the named backend; ``auto`` picks cudnn_fe > cudnn > flash_attn > varlen on CUDA for
-    bf16/fp16, sdpa on CPU and for float32 (the fused kernels take half precision only)."""
+    bf16/fp16, sdpa on CPU and for float32 (the fused kernels take half precision only). A
+    backend must honour ``needs``, the model's attention arguments (its ``refusal``): ``auto``
+    passes over one that does not (sdpa honours them all); a named one is refused (ValueError)."""
+    needs = tuple(needs)
     if name == "auto":
-        if device.type != "cuda" or dtype == torch.float32:
-            return BACKENDS["sdpa"](device, dtype, deterministic)
-        for cand in _AUTO_ORDER:
-            try:
-                return BACKENDS[cand](device, dtype, deterministic)
-            except Exception as e:  # missing package or op: try the next one
-                log.info("attention backend %s unavailable: %s", cand, e)
+        if device.type == "cuda" and dtype != torch.float32:
+            for cand in _AUTO_ORDER:
+                try:
+                    backend = BACKENDS[cand](device, dtype, deterministic)
+                except Exception as e:  # missing package or op: try the next one
+                    log.info("attention backend %s unavailable: %s", cand, e)
+                    continue
+                why = backend.refusal(needs)
+                if why is None:
+                    return backend
+                log.info("%s; trying the next", why)
         return BACKENDS["sdpa"](device, dtype, deterministic)
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is not available (choose auto, {', '.join(BACKENDS)})")
-    return BACKENDS[name](device, dtype, deterministic)
+    backend = BACKENDS[name](device, dtype, deterministic)
+    why = backend.refusal(needs)
+    if why is not None:
+        raise ValueError(f"{why}: choose another attention backend (auto picks one that can)")
+    return backend

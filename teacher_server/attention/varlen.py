@@ -21,7 +21,8 @@ class TorchVarlenBackend(PackedBackend):
         self._has_gqa_flag = "enable_gqa" in inspect.signature(varlen_attn).parameters
 
     def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               max_q: int, max_k: int, scale: float, window: int | None) -> torch.Tensor:
+               max_q: int, max_k: int, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
+        assert softcap is None, "torch varlen takes no soft-cap (refused at start-up: ``refusal``)"
         kw = {"scale": scale, "window_size": (-1 if window is None else window - 1, 0)}
         if self._has_gqa_flag and q.shape[1] != k.shape[1]:
             kw["enable_gqa"] = True

@@ -85,8 +85,8 @@ class Engine:
         tp = tensor_parallel(cfg, 0)
         try:
             self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
-            state = self.model.linear_state_layout()  # hybrid models: per-sequence linear-attention state
-            plan = plan_memory(cfg, self.spec, self.dtype, self.device, self.max_model_len, tp, state)
+            cache = self.model.cache_layout()  # hybrid models: per-sequence linear-attention state too
+            plan = plan_memory(cfg, self.spec, cache, self.device, self.max_model_len, tp)
             if self._workers is not None:
                 plan = self._workers.agree_memory(plan)
             num_blocks, state_slots, budget = plan
@@ -99,7 +99,7 @@ class Engine:
             self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
             sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
             self._scheduler = Scheduler(sched, self._blocks,
-                                        StateSlots(state_slots + 1) if state is not None else None)  # + the zero slot
+                                        StateSlots(state_slots + 1) if cache.state else None)  # + the zero slot
             self.runner = make_runner(cfg, self.model, self.attn, plan, self.max_model_len, self.device)
         except BaseException:
             self.close()  # the tensor-parallel workers stop and the process group is left
@@ -271,8 +271,7 @@ class Engine:
         self._scheduler.cfg.max_num_batched_tokens = t.token_budget
         self._scheduler.cfg.whole_fill = t.whole_fill
         self._prefix_caching = self._blocks.enable_prefix_caching = t.prefix_caching
-        self.runner.ops.residual_in_gemm = t.residual_in_gemm
-        self.runner.model.last_layer_rows_only = t.last_layer_rows_only
+        self.runner.set_tuning(t.residual_in_gemm, t.last_layer_rows_only)
         self._run_ahead = t.run_ahead
         self.runner.attn = self.attn = t.attention
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from torch import nn
 
 from teacher_server.attention.base import AttentionBackend
 from teacher_server.engine.host_step import HostStep, ScoringLayout, build_host_step
@@ -17,8 +16,8 @@ from teacher_server.engine.pacer import Pacer
 from teacher_server.engine.scoring import ScoringOutput, ScoringPlan, score_rows
 from teacher_server.engine.sequence import Chunk
 from teacher_server.kv_pool import KVPool
-from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import Runtime
+from teacher_server.models.base import TeacherModel
 from teacher_server.ops.fused import FusedOps
 from teacher_server.step_context import StepContext
 
@@ -42,7 +41,7 @@ def to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tens
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, attn: AttentionBackend, num_blocks: int, block_size: int,
+    def __init__(self, model: TeacherModel, attn: AttentionBackend, num_blocks: int, block_size: int,
                  max_model_len: int, device: torch.device, logits_mode: bool, logits_chunk_rows: int,
                  compile_ops: bool = True, state_slots: int = 0, step_tokens: int | None = None) -> None:
         """``state_slots``: linear-attention state slots of a hybrid model, the zero slot
@@ -50,29 +49,31 @@ class ModelRunner:
         fresh sequence's attention call can be (the attention plans built at start-up go up to
         it; None: max_model_len)."""
         self.model = model
-        self.spec = spec = model.spec
+        self.spec = model.spec
         self.device = device
         self.block_size = block_size
         self.logits_mode = logits_mode
         self.chunk_rows = logits_chunk_rows
-        dtype, cuda = model.dtype, device.type == "cuda"
-        self.tp = tp = model.tp
-        # This rank's heads (tensor parallel: its share; KV heads replicated past their count).
-        n_q, n_kv = tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1]
-        state = model.linear_state_layout()
-        self.kv = KVPool(num_blocks * block_size, n_kv, spec.head_dim, dtype, device, kv_layers=spec.kv_layer_ids,
-                         state=state, state_slots=state_slots + 1 if state is not None else 0)
-        # at the rotary width (head_dim, or its first part for partial rotary: Qwen3.5)
-        rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings,
-                               max_model_len + 1, device)
-        if cuda:  # cuDNN plans for every bucketed length a fresh sequence's call can have
-            attn.warm_up(min(max_model_len, step_tokens or max_model_len), n_q, n_kv, spec.head_dim, device, dtype,
-                         layers=len(spec.kv_layer_ids))
+        cuda = device.type == "cuda"
+        self.tp = model.tp
+        layout = model.cache_layout()  # what each layer keeps, this rank's heads
+        self.kv = KVPool(num_blocks * block_size, layout, device,
+                         state_slots=state_slots + 1 if layout.state is not None else 0)
+        ropes = model.make_ropes(max_model_len + 1, device)
+        if cuda and layout.attention:  # cuDNN plans for every bucketed length a fresh sequence's call can have
+            c = layout.widest()
+            attn.warm_up(min(max_model_len, step_tokens or max_model_len), c.q_heads or c.heads, c.heads, c.k_dim,
+                         device, layout.dtype, layers=len(layout.attention))
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
         if cuda:
-            model.warm_up_ops(self.ops, rope)
-        model.bind(Runtime(attn, self.ops, self.kv, rope))
+            model.warm_up_ops(self.ops, ropes)
+        model.bind(Runtime(attn, self.ops, self.kv, ropes))
+
+    def set_tuning(self, residual_in_gemm: bool, last_layer_rows_only: bool) -> None:
+        """The switches of the forward that may change between runs (``engine.tuning``)."""
+        self.ops.use_residual_in_gemm(residual_in_gemm)
+        self.model.last_layer_rows_only = last_layer_rows_only
 
     @property
     def attn(self) -> AttentionBackend:
@@ -81,6 +82,9 @@ class ModelRunner:
 
     @attn.setter
     def attn(self, backend: AttentionBackend) -> None:
+        why = backend.refusal(self.kv.layout.params())  # the model's windows and soft-caps
+        if why is not None:
+            raise ValueError(why)
         self.model.rt.attn = backend
 
     # --- prepare ---------------------------------------------------------------------

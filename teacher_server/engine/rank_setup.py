@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from teacher_server.attention import make_backend
 from teacher_server.attention.base import AttentionBackend
+from teacher_server.cache_layout import CacheLayout
 from teacher_server.config import Config
 from teacher_server.engine.model_runner import ModelRunner
-from teacher_server.kv_pool import LinearStateLayout
 from teacher_server.layers.parallel import TensorParallel
+from teacher_server.models.base import TeacherModel
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
 
@@ -44,12 +44,14 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
 
 
 def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-              tp: TensorParallel) -> tuple[nn.Module, AttentionBackend]:
+              tp: TensorParallel) -> tuple[TeacherModel, AttentionBackend]:
     """This rank's model shard and attention backend."""
     torch.manual_seed(cfg.seed)
     model = load_model(model_dir, spec, dtype, device, cfg.load_format, cfg.seed, tp)
-    # deterministic: a sequence's attention path must not depend on what ran before
-    return model, make_backend(cfg.attention_backend, device, dtype, deterministic=cfg.deterministic)
+    # deterministic: a sequence's attention path must not depend on what ran before; the backend
+    # must honour every layer's attention arguments (windows, soft-caps), else another is picked
+    needs = model.cache_layout().params()
+    return model, make_backend(cfg.attention_backend, device, dtype, deterministic=cfg.deterministic, needs=needs)
 
 
 def tensor_parallel(cfg: Config, rank: int) -> TensorParallel:
@@ -104,38 +106,35 @@ class MemoryPlan(NamedTuple):
     budget: int
 
 
-def rank_kv_size(spec: ModelSpec, tp: TensorParallel) -> int:
-    """One layer's key (or value) width on this rank: its KV heads times the head dim."""
-    return tp.rows(spec.num_kv_heads, "kv heads")[1] * spec.head_dim
-
-
 def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: int, tp: TensorParallel,
-                     state: LinearStateLayout | None = None) -> int:
+                     cache: CacheLayout) -> int:
     """A generous estimate of one step's activations on a rank: per token (this rank's shares of
     the heads and the MLP; the residual stream is whole, float32 bounds), one logits chunk of
-    this rank's vocab share, the packed keys of a long chunked sequence (its prefix gathered per
-    layer), and on hybrid models a linear layer's per-chunk (64 tokens) and per-sequence float32
-    states."""
-    kv_size = rank_kv_size(spec, tp)
+    this rank's vocab share, the packed keys and values of a long chunked sequence (its prefix
+    gathered per layer, at the widest layer's), and on hybrid models a linear layer's per-chunk
+    (64 tokens) and per-sequence float32 states."""
     act = budget * ((spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size) // tp.size
                     + 6 * spec.hidden_size) * 4
     act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
-    act += 2 * max_model_len * kv_size * 2 * 2
-    if state is not None:
-        act += 2 * (budget // 64 + cfg.max_num_seqs) * math.prod(state.rec_shape) * 4
+    widest = cache.widest()
+    if widest is not None:
+        act += 2 * max_model_len * widest.bytes_per_token(2)
+    if cache.state is not None:
+        act += 2 * (budget // 64 + cfg.max_num_seqs) * math.prod(cache.state.rec_shape) * 4
     return act
 
 
-def plan_memory(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.device, max_model_len: int,
-                tp: TensorParallel, state: LinearStateLayout | None = None) -> MemoryPlan:
+def plan_memory(cfg: Config, spec: ModelSpec, cache: CacheLayout, device: torch.device, max_model_len: int,
+                tp: TensorParallel) -> MemoryPlan:
     """The KV blocks, linear-state slots and token budget that fit this rank's free memory (its
     KV heads, its activations). The budget: ``max_num_batched_tokens``, or on a GPU the largest
     of ``AUTO_BUDGETS`` the memory takes (see there). The slots (0 without ``state``):
     ``linear_state_slots``, or automatically a working slot and a snapshot for each sequence a
     step may hold (2 * max_num_seqs), cut down to ``STATE_SHARE`` of the pool's memory, at least
     2. The KV blocks: ``num_kv_blocks``, or the rest of the pool; only the attention layers
-    (``spec.kv_layer_ids``) have KV."""
-    bytes_per_token = max(2 * len(spec.kv_layer_ids) * rank_kv_size(spec, tp) * dtype.itemsize, 1)
+    the model's ``cache_layout`` declares) have KV."""
+    state = cache.state
+    bytes_per_token = max(cache.bytes_per_token(), 1)
     slot_bytes = state.slot_bytes() if state is not None else 0
 
     def slots_of(pool: float) -> int:  # before the floor of 2
@@ -154,7 +153,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.
         room = free - (1 - cfg.gpu_memory_utilization) * total - (1 << 30)  # for the pool and a step
         budgets = (cfg.max_num_batched_tokens,) if cfg.max_num_batched_tokens else AUTO_BUDGETS
         for budget in budgets:
-            act = activation_bytes(cfg, spec, budget, max_model_len, tp, state)
+            act = activation_bytes(cfg, spec, budget, max_model_len, tp, cache)
             slots = slots_of(room - act)
             tokens = int((room - act - max(slots, 2 if state is not None else 0) * slot_bytes) // bytes_per_token)
             need = cfg.num_kv_blocks * cfg.block_size if cfg.num_kv_blocks else max(max_model_len, 4 * budget)
@@ -168,7 +167,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, dtype: torch.dtype, device: torch.
     return MemoryPlan(cfg.num_kv_blocks or max(tokens // cfg.block_size, 1), slots, budget)
 
 
-def make_runner(cfg: Config, model: nn.Module, attn: AttentionBackend, plan: MemoryPlan, max_model_len: int,
+def make_runner(cfg: Config, model: TeacherModel, attn: AttentionBackend, plan: MemoryPlan, max_model_len: int,
                 device: torch.device) -> ModelRunner:
     return ModelRunner(model, attn, plan.blocks, cfg.block_size, max_model_len, device,
                        cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, plan.slots, plan.budget)

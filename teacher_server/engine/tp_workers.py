@@ -279,8 +279,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         tp = tensor_parallel(cfg, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
-        conn.send(("loaded", tuple(plan_memory(cfg, spec, model.dtype, device, max_len, tp,
-                                               model.linear_state_layout()))))
+        conn.send(("loaded", tuple(plan_memory(cfg, spec, model.cache_layout(), device, max_len, tp))))
         _, agreed = conn.recv()
         runner = make_runner(cfg, model, attn, MemoryPlan(*agreed), max_len, device)
         conn.send(("built",))

@@ -3,16 +3,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from teacher_server.layers.linear import copy_checked
 from teacher_server.layers.runtime import RuntimeModule
-
-if TYPE_CHECKING:
-    from teacher_server.models.spec import ModelSpec
 
 
 class RMSNorm(RuntimeModule):
@@ -41,10 +36,3 @@ class ZeroCenteredRMSNorm(RMSNorm):
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         copy_checked(self.weight.data, 1.0 + loaded.float(), name)
-
-
-def decoder_norm(spec: ModelSpec, size: int, dtype: torch.dtype, device: torch.device) -> RMSNorm:
-    """The RMSNorm of a family's decoder (layer, final and q/k norms): zero-centred where the
-    spec says so (Qwen3.5), plain otherwise."""
-    cls = ZeroCenteredRMSNorm if spec.zero_centered_norm else RMSNorm
-    return cls(size, spec.rms_norm_eps, dtype, device)

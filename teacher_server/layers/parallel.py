@@ -55,6 +55,12 @@ class TensorParallel:
             raise ValueError(f"{what}: {units} units cannot be replicated evenly over {self.size} ranks")
         return (self.rank // (self.size // units)) * unit, unit
 
+    def heads(self, n_q: int, n_kv: int) -> tuple[int, int]:
+        """This rank's (query heads, KV heads): query heads split evenly, KV heads split or,
+        past their count, replicated (``rows`` in units of one head). The one place a rank's
+        head layout is decided."""
+        return self.split(n_q, "query heads"), self.rows(n_kv, "kv heads")[1]
+
     def vocab(self, n: int) -> tuple[int, int]:
         """(first id, id count) of this rank's vocabulary shard of n ids (uneven when needed)."""
         base, extra = divmod(n, self.size)

@@ -23,7 +23,7 @@ class Runtime:
     attn: AttentionBackend
     ops: FusedOps  # the stage functions (CUDA kernels / compiled / eager)
     kv: KVPool
-    rope: RotaryEmbedding
+    ropes: dict[str, RotaryEmbedding]  # the model's rotary tables by ``rope_key`` (its ``make_ropes``)
 
 
 class RuntimeModule(nn.Module):

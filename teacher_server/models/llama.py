@@ -14,15 +14,16 @@ import torch
 from torch import nn
 
 from teacher_server.attention.base import AttentionInputs
-from teacher_server.kv_pool import LinearStateLayout
+from teacher_server.cache_layout import FULL, SLIDING, AttentionCache, AttentionParams, CacheLayout, LinearStateLayout
 from teacher_server.layers.activation import SiluAndMul
 from teacher_server.layers.embedding import LMHead, VocabEmbedding
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
-from teacher_server.layers.norm import RMSNorm, decoder_norm
+from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.base import LayerPacer
+from teacher_server.models.norm import decoder_norm
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.qkv_rope import HeadLayout
@@ -35,21 +36,34 @@ class LlamaAttention(RuntimeModule):
     applied by the decoder layer (fused with the residual add)."""
 
     q_rows_per_head = 1  # rows of the q part per head and head dim: 2 where q_proj also makes an output gate
+    rope_key = "default"  # which of the model's rotary tables (``make_ropes``) rotates q and k
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         d, g = spec.head_dim, self.q_rows_per_head
         # Tensor parallel splits heads; with more ranks than KV heads each is replicated.
-        self.heads = HeadLayout(tp.split(spec.num_heads, "query heads"), tp.rows(spec.num_kv_heads, "kv heads")[1], d,
-                                spec.rms_norm_eps)
+        self.heads = HeadLayout(*tp.heads(spec.num_heads, spec.num_kv_heads), d, spec.rms_norm_eps)
         self.layer_id = layer_id
-        self.scale = d ** -0.5
-        self.window = spec.sliding_window
+        self.params = AttentionParams(d ** -0.5, spec.layer_window(layer_id))
         parts = {"q": g * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
                                            units={"q": g * d, "k": d, "v": d})
         self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
+
+    @property
+    def scale(self) -> float:
+        return self.params.scale
+
+    @property
+    def window(self) -> int | None:
+        return self.params.window
+
+    def cache(self) -> AttentionCache:
+        """What this layer keeps per token: its KV heads' keys and values, full or sliding."""
+        hd = self.heads
+        return AttentionCache(self.layer_id, FULL if self.params.window is None else SLIDING, hd.n_kv, hd.d, hd.d,
+                              self.params, q_heads=hd.n_q)
 
     def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Per-head RMSNorm weights of q and k ([head_dim] each), None when the family has none."""
@@ -63,7 +77,8 @@ class LlamaAttention(RuntimeModule):
         kp = vp = None
         if ctx.has_prefix:  # packed [cached prefix | chunk] keys of the prefixed sequences
             kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
-        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, self.scale, self.window)  # [T, Hq, D]
+        p = self.params
+        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, p.scale, p.window, p.softcap)  # [T, Hq, D]
         return o.reshape(o.shape[0], -1)
 
 
@@ -188,6 +203,21 @@ class LlamaForCausalLM(RuntimeModule):
         is attention with paged KV)."""
         return None
 
+    def cache_layout(self) -> CacheLayout:
+        """What this rank keeps per token (each attention layer's ``cache()``) and per
+        sequence (``linear_state_layout``): the KV pool, the memory plan and the attention
+        backend's checks are made from it."""
+        caches = tuple(layer.mixer.cache() for layer in self.layers if isinstance(layer.mixer, LlamaAttention))
+        return CacheLayout(caches, self.dtype, self.linear_state_layout())
+
+    def make_ropes(self, max_len: int, device: torch.device) -> dict[str, RotaryEmbedding]:
+        """The rotary tables of this model's attention layers (keyed by their ``rope_key``),
+        for positions below max_len: one here, at the rotary width (head_dim, or its first part
+        for partial rotary); a family whose layer kinds rotate differently makes one per kind."""
+        s = self.spec
+        return {"default": RotaryEmbedding(s.rotary_dim, s.rope_theta, s.rope_scaling, s.max_position_embeddings,
+                                           max_len, device)}
+
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
         """Where a checkpoint tensor goes: (module path, parameter, fused part or None), or None
         when it is not loaded (rotary buffers; the LM head of a tied model)."""
@@ -203,15 +233,15 @@ class LlamaForCausalLM(RuntimeModule):
         module, _, param = name.rpartition(".")
         return module, param, part
 
-    def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
+    def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
         """Compile and check ``ops``' stages at this model's shapes and q/k-norm weights."""
         attn = self.layers[0].self_attn
         # a dense MLP's width, this rank's share (an MoE model may have none: its experts are
         # checked at their own width by the MoE warm-up)
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
-        ops.warm_up(attn.heads, self.spec.hidden_size, inter, *attn.qk_norm_weights(),
-                    rope.table, rope.table.device, self.dtype)
+        table = ropes[attn.rope_key].table
+        ops.warm_up(attn.heads, self.spec.hidden_size, inter, *attn.qk_norm_weights(), table, table.device, self.dtype)
 
     @torch.inference_mode()
     def forward(self, ctx: StepContext, pacer: LayerPacer | None = None) -> torch.Tensor:
@@ -219,13 +249,14 @@ class LlamaForCausalLM(RuntimeModule):
         rt = self.rt
         assert rt is not None, "bind() the model's collaborators before its first forward"
         x = self.embed_tokens(ctx.input_ids)  # [T, hidden]
-        cs = rt.rope(ctx.positions)  # [T, D] float32: cos | sin halves
+        css = {key: rope(ctx.positions) for key, rope in rt.ropes.items()}  # each [T, D] float32: cos | sin halves
         h = self.layers[0].input_layernorm(x)
         keep = ctx.logits_idx if self.last_layer_rows_only else None  # the last layer's rows past its mixer
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if pacer is not None:
                 pacer.before_layer(i)
+            cs = css[getattr(layer.mixer, "rope_key", "default")]
             if i < last or keep is None:
                 x, h = layer(x, h, cs, ctx)
             elif keep.numel() == 0:  # nothing reaches the head: the last mixer's keys, values and states only

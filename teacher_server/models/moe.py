@@ -64,15 +64,15 @@ class MoeModel:
             hf_name = f"model.layers.{layer}.mlp.{rest}"
         return super().checkpoint_param(hf_name)  # type: ignore[misc]
 
-    def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
+    def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
         """The dense stages' checks, then SiLU-mul at the experts' width and the grouped GEMM
         at both expert GEMM shapes (each falls back alone, with one log line)."""
-        super().warm_up_ops(ops, rope)  # type: ignore[misc]
+        super().warm_up_ops(ops, ropes)  # type: ignore[misc]
         spec: ModelSpec = self.spec  # type: ignore[attr-defined]
         sparse = next((layer.mlp for layer in self.layers if layer.sparse), None)  # type: ignore[attr-defined]
         if sparse is None:
             return
         i, h = sparse.experts.i_local, spec.hidden_size
-        device, dtype = rope.table.device, self.dtype  # type: ignore[attr-defined]
+        device, dtype = next(iter(ropes.values())).table.device, self.dtype  # type: ignore[attr-defined]
         ops.check_silu(i, device, dtype)
         GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))

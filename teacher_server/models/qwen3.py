@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from teacher_server.layers.norm import decoder_norm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
+from teacher_server.models.norm import decoder_norm
 from teacher_server.models.spec import ModelSpec
 
 

@@ -1,5 +1,5 @@
 """Qwen3.5 (dense): the hybrid decoder. Each layer's mixer is either a Gated DeltaNet
-(``layers.gated_delta``: a convolution and a recurrent state per sequence, kept in the KV
+(``models.gated_delta``: a convolution and a recurrent state per sequence, kept in the KV
 pool's state slots) or gated full attention (paged KV); the MLP is Llama's. Every decoder
 RMSNorm (input, post-attention, final, q/k) scales by ``(1 + w)`` in float32.
 
@@ -17,15 +17,15 @@ The ``...ForConditionalGeneration`` checkpoints are read for their text model
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from teacher_server.attention.base import AttentionInputs
-from teacher_server.layers.gated_delta import GatedDeltaNet
+from teacher_server.cache_layout import LinearStateLayout
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
+from teacher_server.models.gated_delta import GatedDeltaNet
 from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
@@ -34,9 +34,6 @@ from teacher_server.ops.gated_delta import check_fla
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.ops.slack import alloc_with_slack
 from teacher_server.step_context import StepContext
-
-if TYPE_CHECKING:
-    from teacher_server.kv_pool import LinearStateLayout
 
 _SKIPPED = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)")
 # Names of a linear layer's own parameters (not of a projection or norm module).
@@ -90,7 +87,8 @@ class Qwen3_5Attention(Qwen3Attention):
         kp = vp = None
         if ctx.has_prefix:
             kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
-        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, self.scale, None)  # [T, Hq, D]
+        p = self.params
+        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, p.scale, p.window, p.softcap)  # [T, Hq, D]
         return (o * torch.sigmoid(gate)).reshape(t, -1)
 
 
@@ -140,8 +138,6 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         layout: the last ``kernel`` q/k/v in-projection rows, newest last) in the model dtype,
         and the recurrent state [value heads, key head dim, value head dim] float32. None
         when every layer is full attention (no state to keep)."""
-        from teacher_server.kv_pool import LinearStateLayout
-
         s = self.spec
         if not s.linear_layer_ids:
             return None
@@ -150,22 +146,22 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                                  rec_shape=(mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim),
                                  conv_dtype=self.dtype)
 
-    def warm_up_ops(self, ops: FusedOps, rope: RotaryEmbedding) -> None:
+    def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
         """The compiled stages and SiLU-mul at this model's shapes. The fused QKV kernel is
         not used here (partial rotary, the output gate): it is switched off rather than
         checked; the compiled q/k stage is checked at the rotary width of the rope table.
         On CUDA, fla-core's kernels are checked (and autotuned) at the linear layers' shapes, and
         so is the fused input stage of those layers."""
-        ops.qkv_kernel = False
+        ops.use_qkv_kernel(False)
         attn = next(layer.self_attn for layer in self.layers if not layer.linear)
+        rope = ropes[attn.rope_key]
         heads = HeadLayout(attn.heads.n_q, attn.heads.n_kv, rope.table.shape[1], attn.heads.eps)
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
         s = self.spec
         mixer = self.layers[s.linear_layer_ids[0]].linear_attn if s.linear_layer_ids else None  # this rank's shares
         if mixer is not None:  # the gated output norm of the linear layers, compiled as they call it
-            ops.gated_norm_shape = mixer.gated_norm_shape()
-            ops.linear_heads = mixer.heads_shape()
+            ops.expect_linear_layers(mixer.gated_norm_shape(), mixer.heads_shape())
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
         if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,

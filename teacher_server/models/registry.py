@@ -20,6 +20,7 @@ class Architecture:
     attention_bias: bool = False  # QKV bias when config.json does not say
     sliding_window: bool = False  # config.json's sliding_window applies
     refuse_sliding_window: bool = False  # use_sliding_window: true is not supported
+    layer_sliding: bool = False  # use_sliding_window makes layers slide one by one (layer_types, max_window_layers)
     moe: bool = False  # routed experts (num_experts, num_experts_per_tok, ... in config.json)
     always_norm_topk: bool = False  # top-k weights renormalised whatever config.json says (Mixtral)
     hybrid: bool = False  # Gated DeltaNet linear-attention layers among gated full-attention ones (Qwen3.5)
@@ -57,9 +58,9 @@ QWEN3_5_MOE = _defaults(248320, 2048, None, 40, 16, 32768, num_key_value_heads=2
 ARCHITECTURES: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture("llama", "llama:LlamaForCausalLM", defaults=LLAMA),
     "MistralForCausalLM": Architecture("mistral", "llama:LlamaForCausalLM", sliding_window=True, defaults=MISTRAL),
-    "Qwen2ForCausalLM": Architecture("qwen2", "llama:LlamaForCausalLM", attention_bias=True,
-                                     refuse_sliding_window=True, defaults=QWEN2),
-    "Qwen3ForCausalLM": Architecture("qwen3", "qwen3:Qwen3ForCausalLM", qk_norm=True, refuse_sliding_window=True,
+    "Qwen2ForCausalLM": Architecture("qwen2", "llama:LlamaForCausalLM", attention_bias=True, layer_sliding=True,
+                                     defaults=QWEN2),
+    "Qwen3ForCausalLM": Architecture("qwen3", "qwen3:Qwen3ForCausalLM", qk_norm=True, layer_sliding=True,
                                      defaults=QWEN3),
     # Mixture-of-experts families (layers/moe.py holds the expert layer).
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "qwen3_moe:Qwen3MoeForCausalLM", qk_norm=True,

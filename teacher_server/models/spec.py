@@ -50,9 +50,11 @@ class ModelSpec:
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    # Hybrid families (Qwen3.5): layer_types[i] is "linear_attention" (Gated DeltaNet: a
-    # short causal convolution and a recurrent state per sequence, no KV) or "full_attention"
-    # (gated attention with paged KV). Empty: every layer is full attention.
+    # Per-layer kinds: layer_types[i] is "full_attention", "sliding_attention" (attention
+    # over the last sliding_window keys: Qwen2/Qwen3 with use_sliding_window) or, in hybrid
+    # families (Qwen3.5), "linear_attention" (Gated DeltaNet: a short causal convolution and
+    # a recurrent state per sequence, no KV). Empty: every layer is attention with the
+    # model's one window (sliding_window, or None).
     layer_types: tuple[str, ...] = ()
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -74,6 +76,15 @@ class ModelSpec:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer``'s attention (None: full attention).
+        With ``layer_types`` only its ``sliding_attention`` layers slide (Qwen2/Qwen3 with
+        use_sliding_window: the layers from max_window_layers on); without, every layer takes
+        ``sliding_window`` (Mistral, Mixtral)."""
+        if self.layer_types:
+            return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.sliding_window
 
     def is_linear_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` is a Gated DeltaNet (linear attention) layer."""
@@ -173,9 +184,11 @@ class ModelSpec:
             if missing:
                 raise UnsupportedModelError(f"llama3 rope scaling without {', '.join(missing)}")
             merged.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
-        sliding = None
+        sliding, layer_types = None, ()
         if entry.sliding_window:
             sliding = d.get("sliding_window")
+        elif entry.layer_sliding:
+            sliding, layer_types = layer_sliding_facts(d, int(d["num_hidden_layers"]))
         elif entry.refuse_sliding_window and d.get("use_sliding_window"):
             raise UnsupportedModelError(f"{arch} sliding-window attention (use_sliding_window=true) is not supported")
         return cls(
@@ -198,6 +211,7 @@ class ModelSpec:
             qk_norm=entry.qk_norm,
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+            **({"layer_types": layer_types} if layer_types else {}),
             **(moe_facts(d, entry.always_norm_topk, entry.sparse_step) if entry.moe else {}),
             **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
         )
@@ -250,6 +264,25 @@ def moe_facts(d: dict[str, Any], always_norm_topk: bool, sparse_step: bool) -> d
         decoder_sparse_step=step,
         mlp_only_layers=tuple(int(x) for x in d.get("mlp_only_layers") or ()) if sparse_step else (),
     )
+
+
+def layer_sliding_facts(d: dict[str, Any], num_layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(window, layer_types) of a family whose layers slide or not one by one (Qwen2, Qwen3),
+    as transformers decides: no window unless use_sliding_window; then ``layer_types`` as
+    config.json gives it, else the layers from ``max_window_layers`` on slide."""
+    if not d.get("use_sliding_window"):
+        return None, ()
+    window = d.get("sliding_window")
+    if not window:
+        return None, ()
+    if int(window) < 1:
+        raise UnsupportedModelError(f"sliding_window={window}: at least 1")
+    first = int(d.get("max_window_layers", 28))
+    types = tuple(d.get("layer_types") or ("sliding_attention" if i >= first else "full_attention"
+                                           for i in range(num_layers)))
+    if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise UnsupportedModelError(f"layer_types {list(types)!r} for {num_layers} layers")
+    return int(window), types
 
 
 def hybrid_facts(d: dict[str, Any], num_layers: int, rope_params: dict[str, Any]) -> dict[str, Any]:

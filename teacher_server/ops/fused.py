@@ -91,7 +91,7 @@ class FusedOps:
         self.gated_norm_shape: tuple[int, int, int, int] | None = None
         # the linear layers' heads as ``linear_prep`` is called: key heads, key dim, value heads, value dim
         self.linear_heads: tuple[int, int, int, int] | None = None
-        loaded = kernels and kernels_available()
+        loaded = self._loaded = kernels and kernels_available()
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
@@ -111,6 +111,21 @@ class FusedOps:
             else:
                 self._use(staged)
                 self.compiled = True
+
+    def use_qkv_kernel(self, on: bool) -> None:
+        """Switch the fused QKV/rotary/KV-write kernel off (a family whose q/k preparation it
+        does not do: partial rotary, an output gate), or back on where it loaded."""
+        self.qkv_kernel = on and self._loaded
+
+    def use_residual_in_gemm(self, on: bool) -> None:
+        """The residual add in the o/down GEMM's epilogue, or a separate add (an ablation)."""
+        self.residual_in_gemm = on
+
+    def expect_linear_layers(self, gated_norm_shape: tuple[int, int, int, int],
+                             heads: tuple[int, int, int, int]) -> None:
+        """The shapes a hybrid model's linear layers call the gated norm and ``linear_prep``
+        at, for the start-up check (``warm_up``) to compile and check them there."""
+        self.gated_norm_shape, self.linear_heads = gated_norm_shape, heads
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] -> [T, I]: silu(gate) * up."""
