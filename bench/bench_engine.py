@@ -62,9 +62,7 @@ from workloads import (
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.rank_setup import rank_kv_size
 from teacher_server.engine.request import ScoreRequest
-from teacher_server.layers.parallel import TensorParallel
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -678,10 +676,10 @@ def main() -> None:
     results["attention_backend"] = engine.tuning.attention.name
     results["budget_tokens"] = engine.tuning.token_budget  # the engine's choice where --budget is not given
     results["tp_comm_parts"] = engine.runner.tp.comm_parts
-    spec, blocks = engine.spec, engine.stats().kv_blocks_total
-    kv_size = rank_kv_size(spec, TensorParallel(GPUS))  # rank 0's (KV heads replicated past their count)
-    kv_bytes = (blocks * ecfg.block_size * 2 * len(spec.kv_layer_ids) * kv_size
-                * torch.finfo(engine.dtype).bits // 8)  # hybrid models: the full-attention layers only
+    blocks = engine.stats().kv_blocks_total
+    # rank 0's cache as its model declares it (KV heads replicated past their count; hybrid models:
+    # the full-attention layers only)
+    kv_bytes = blocks * ecfg.block_size * engine.runner.kv.layout.bytes_per_token()
     results["kv_pool_gib_per_gpu"] = kv_bytes / 2**30
     results["kv_pool_tokens"] = blocks * ecfg.block_size
     print(f"KV pool per GPU: {kv_bytes / 2**30:.1f} GiB, {blocks * ecfg.block_size} tokens", flush=True)

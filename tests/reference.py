@@ -82,6 +82,17 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
     elif family == "mistral":
         cfg = tf.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
         cls = tf.MistralForCausalLM
+    elif family == "qwen2mixed":  # layer 0 global, the others sliding (max_window_layers)
+        cfg = tf.Qwen2Config(**{**common, "num_hidden_layers": 4}, rope_theta=10000.0, use_sliding_window=True,
+                             sliding_window=12, max_window_layers=1)
+        cls = tf.Qwen2ForCausalLM
+    elif family in ("qwen3mixed", "qwen3mixed_hd128"):  # global, sliding, global, sliding (layer_types)
+        big = family.endswith("hd128")  # the GPU-sized variant: head dim 128, a window past cuDNN's minimum
+        dims = {"hidden_size": 256, "intermediate_size": 512} if big else {}
+        cfg = tf.Qwen3Config(**{**common, **dims, "num_hidden_layers": 4}, head_dim=128 if big else 32,
+                             rope_theta=1000000.0, use_sliding_window=True, sliding_window=300 if big else 12,
+                             layer_types=["full_attention", "sliding_attention"] * 2)
+        cls = tf.Qwen3ForCausalLM
     else:
         raise ValueError(family)
     torch.manual_seed(seed)

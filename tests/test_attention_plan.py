@@ -410,7 +410,7 @@ def test_cudnn_fe_falls_back_when_a_shape_is_refused(fe_backend) -> None:
     """The frontend refusing a shape (a head size it does not take, say) turns it off for
     good and the step runs on the cudnn backend; the split refusing a shape hands the lone
     prefixed sequence to the frontend. Either way the result is the reference's."""
-    from teacher_server.attention.cudnn import PathFailed
+    from teacher_server.attention.cudnn_items import PathFailed
 
     lens = [(700, 2100), (300, 300), (512, 512), (40, 40)]
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket, bucket_floor
+from teacher_server.attention.cudnn_items import Fresh, Group, PathFailed, Prefixed, not_a_shape_problem
 from teacher_server.attention.packed import Plan, cums
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.ops.merge_attn import merge_attn
@@ -27,51 +27,6 @@ _VARLEN_FLOPS = 334e12
 # this process's own timing (warm_up logs that): tensor-parallel ranks plan their attention
 # each on its own, and must route alike.
 _BUILD_S = 0.045
-
-
-@dataclass
-class Fresh:
-    """cuDNN causal attention of one fresh sequence: tokens [t0, t0 + n)."""
-
-    t0: int
-    n: int
-
-
-@dataclass
-class Prefixed:
-    """cuDNN attention of one prefixed sequence: queries q[t0:t0+c], keys kp[k0:k0+p+c]
-    (p of them before the queries)."""
-
-    t0: int
-    c: int
-    k0: int
-    p: int
-
-
-@dataclass
-class Group:
-    """cuDNN attention of neighbouring prefixed sequences whose first s keys are the same
-    pool entries: one non-causal call for all their queries (q[t0 : t0 + sum(cs)]) against
-    those s keys, then per sequence i a causal square over its keys kp[k0s[i] + s :
-    k0s[i] + ps[i] + cs[i]], merged by log-sum-exp."""
-
-    t0: int
-    cs: list[int]
-    k0s: list[int]
-    ps: list[int]
-    s: int
-
-
-class PathFailed(Exception):
-    """cuDNN refused a shape (not out of memory, not a broken context)."""
-
-    def __init__(self, path: str, err: Exception) -> None:
-        super().__init__(path)
-        self.path, self.reason = path, " ".join(str(err).split())[:200]
-
-
-def _not_a_shape_problem(e: BaseException) -> bool:
-    return isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA error" in str(e)
 
 
 class CudnnBackend(TorchVarlenBackend):
@@ -254,7 +209,7 @@ class CudnnBackend(TorchVarlenBackend):
             else:
                 self._split(x, it.t0, [it.c], [it.k0], [it.p], bucket_floor(it.p), scale, out)
         except RuntimeError as e:
-            if _not_a_shape_problem(e):  # out of memory / a broken context: not cuDNN's refusal
+            if not_a_shape_problem(e):  # out of memory / a broken context: not cuDNN's refusal
                 raise
             raise PathFailed("cudnn", e) from e
 

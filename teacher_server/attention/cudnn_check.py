@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from teacher_server.attention.base import AttentionInputs
-from teacher_server.attention.cudnn import CudnnBackend, Fresh, Group, Prefixed
+from teacher_server.attention.cudnn import CudnnBackend
+from teacher_server.attention.cudnn_items import Fresh, Group, Prefixed
 from teacher_server.attention.packed import cums
 from teacher_server.attention.sdpa import SdpaBackend
 from teacher_server.step_context import StepContext

@@ -33,8 +33,9 @@ import torch
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import bucket
-from teacher_server.attention.cudnn import CudnnBackend, PathFailed
+from teacher_server.attention.cudnn import CudnnBackend
 from teacher_server.attention.cudnn_check import CHECK_HEADS, check_with_reference
+from teacher_server.attention.cudnn_items import PathFailed
 from teacher_server.attention.packed import Plan, Varlen, cums
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.step_context import StepContext
