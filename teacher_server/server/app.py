@@ -27,7 +27,6 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind
-from teacher_server.replicas.lifecycle import start_replicas
 from teacher_server.replicas.pool import engine_elsewhere
 from teacher_server.server import parsing
 from teacher_server.server.errors import HTTP_STATUS, http_status
@@ -35,6 +34,7 @@ from teacher_server.server.http import BodyGate, ClientGone, read_body
 from teacher_server.server.lifecycle import start_engine, stop_engine, terminate_self
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
+from teacher_server.server.replica_lifecycle import start_replicas
 from teacher_server.server.responses import error_body, error_response, generate_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
