@@ -249,10 +249,10 @@ def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:
     ("injected step failure", False),
 ])
 def test_which_step_errors_end_the_engine(message: str, fatal: bool) -> None:
-    from teacher_server.engine.engine import _is_fatal
+    from teacher_server.engine.fatal import is_fatal
 
-    assert _is_fatal(RuntimeError(message)) is fatal
-    assert not _is_fatal(torch.cuda.OutOfMemoryError("CUDA out of memory. CUDA error"))
+    assert is_fatal(RuntimeError(message)) is fatal
+    assert not is_fatal(torch.cuda.OutOfMemoryError("CUDA out of memory. CUDA error"))
 
 
 def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:
