@@ -18,7 +18,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from teacher_server.client.protocol import candidates_array
+from teacher_server.candidates import InvalidIds, candidate_ids
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
@@ -129,11 +129,12 @@ class LLM:
 
 
 def _candidates(value: Any) -> Any:
-    """Candidates under the client's rule (K >= 1, equal rows, integer ids) as an array;
-    base64 ``.npy`` strings and None pass through to the shared validation."""
+    """Candidates as an array, their form checked in the client's words (``candidates: ...``,
+    the same rule and message the client gives before sending); ``build_request`` adds the
+    bounds. base64 ``.npy`` strings and None pass through to it."""
     if value is None or isinstance(value, str):
         return value
     try:
-        return candidates_array(value)
-    except (ValueError, TypeError) as e:
+        return candidate_ids(value)
+    except InvalidIds as e:
         raise BadRequest(str(e), _CANDIDATES) from None

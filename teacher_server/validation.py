@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from teacher_server import b64
+from teacher_server.candidates import InvalidIds, candidate_ids, check_candidate_bounds, integer_ids, signed_ids
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.npy import load_npy
 
@@ -41,101 +42,52 @@ class Limits:
 
 
 def decode_npy(data: str, param: str) -> np.ndarray:
-    """base64 `.npy` -> int64 integer array. Never unpickles; read without `np.load` (see
+    """base64 `.npy` candidates -> int64 array of shape [K] or [rows, K] (the rules of
+    ``teacher_server.candidates``). Never unpickles; read without `np.load` (see
     `teacher_server.npy`: on the CPythons this supports, `np.load` fails now and then while
     another thread parses Python source)."""
-    return _to_int64(_decode_npy_as_sent(data, param), param)
+    try:
+        return signed_ids(candidate_ids(_load_npy(data, param), param), param).astype(np.int64, copy=False)
+    except InvalidIds as e:
+        raise BadRequest(str(e), param) from None
 
 
-def _decode_npy_as_sent(data: str, param: str) -> np.ndarray:
-    """``decode_npy`` without the int64 conversion: the integer array in the dtype it was sent in."""
+def _load_npy(data: str, param: str) -> np.ndarray:
+    """base64 `.npy` -> the array as sent (its dtype and shape are the caller's to check)."""
     try:
         raw = b64.decode(data)
     except ValueError:  # (binascii.Error too)
         raise BadRequest(f"{param} is not valid base64", param) from None
     try:
-        arr = load_npy(raw)
+        return load_npy(raw)
     except ValueError as e:  # the reader says what is wrong (no magic, truncated, object arrays, ...)
         raise BadRequest(f"{param} is not a valid .npy array: {str(e)[:200]}", param) from None
     except Exception:
         raise BadRequest(f"{param} is not a valid .npy array", param) from None
-    if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
-        raise BadRequest(f"{param} must be an integer array (int32 or int64), got {getattr(arr, 'dtype', type(arr))}",
-                         param)
-    if arr.ndim not in (1, 2):
-        raise BadRequest(f"{param} must have shape [K] or [rows, K], got {list(arr.shape)}", param)
-    return arr
-
-
-def _to_int64(arr: np.ndarray, param: str) -> np.ndarray:
-    """int64 copy; unsigned values beyond int64 are refused (they would wrap to negatives)."""
-    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise BadRequest(f"{param}: id {int(arr.max())} is out of range", param)
-    return arr.astype(np.int64, copy=False)
-
-
-def _as_int_array(x: Any, param: str) -> np.ndarray:
-    try:
-        arr = np.asarray(x)
-    except (OverflowError, ValueError, TypeError):
-        raise BadRequest(f"{param} must be a list of integer ids (or a list of equal-length rows)", param) from None
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":  # floats, bools, strings, ragged or huge (object) values
-        raise BadRequest(f"{param} must hold integer ids within int64", param)
-    return _to_int64(arr, param)
 
 
 def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.ndarray:
-    """Candidates in any accepted form -> [K] (shared) or [rows, K] (per row) int32, checked
-    in int64 first, or in the signed dtype a binary array was sent in (every id is in
-    [-1, vocab), so int32 holds it: half the bytes a request carries to the engine's process)."""
-    if isinstance(value, str):
-        arr = _decode_npy_as_sent(value, param)
-        if arr.dtype.kind == "u":  # (signed ids compare as sent: no widened copy of int32 ones)
-            arr = _to_int64(arr, param)
-        per_row = arr.ndim == 2
-    elif isinstance(value, np.ndarray):  # the in-process API's arrays: checked as the binary form is
-        arr = _as_int_array(value, param)
-        if arr.ndim not in (1, 2):
-            raise BadRequest(f"{param} must have shape [K] or [rows, K], got {list(arr.shape)}", param)
-        per_row = arr.ndim == 2
-    elif isinstance(value, (list, tuple)):
-        per_row = len(value) > 0 and isinstance(value[0], (list, tuple))
-        if per_row:
-            if any(not isinstance(r, (list, tuple)) for r in value):
-                raise BadRequest(f"{param}: mix of ids and lists; use a flat list or a list of rows", param)
-            lens = {len(r) for r in value}
-            if len(lens) != 1:
-                raise BadRequest(f"{param}: every row must have the same number of candidates "
-                                 f"(pad with -1); got lengths {sorted(lens)[:4]}", param)
-        elif any(isinstance(r, (list, tuple)) for r in value):
-            raise BadRequest(f"{param}: mix of ids and lists; use a flat list or a list of rows", param)
-        arr = _as_int_array(value, param)
-    else:
-        raise BadRequest(f"{param} must be a list of ids, a list of rows, or a base64 .npy string", param)
-    k = arr.shape[-1]
-    if k == 0:
-        raise BadRequest(f"{param}: K must be at least 1 in every form (a flat list, rows of ids, or a .npy array); "
-                         "zero rows with K candidates are a flat list of K ids or a [0, K] array", param)
-    if k > limits.max_logprobs:
-        raise BadRequest(f"{param}: K={k} exceeds max_logprobs={limits.max_logprobs}", param)
-    if per_row:
-        if arr.shape[0] != rows:
-            raise BadRequest(f"{param}: got {arr.shape[0]} candidate rows, expected rows={rows} "
-                             f"(len(token_ids) - 1 - prompt_logprob_start)", param)
-        bad = (arr < -1) | (arr >= limits.vocab_size)
-        if bad.any():
-            v = int(arr[bad][0])
-            raise BadRequest(f"{param}: id {v} is outside [0, {limits.vocab_size}) (-1 pads)", param)
-    else:
-        bad = (arr < 0) | (arr >= limits.vocab_size)
-        if bad.any():
-            v = int(arr[bad][0])
-            raise BadRequest(f"{param}: id {v} is outside [0, {limits.vocab_size})", param)
-    if rows * k > limits.max_rows_x_k:
-        raise BadRequest(f"{param}: rows*K={rows * k} exceeds the limit {limits.max_rows_x_k}", param)
+    """Candidates in any accepted form (a list, rows of ids, an integer array, or a base64 .npy
+    string of one) -> [K] (shared) or [rows, K] (per row) int32, under the rules of
+    ``teacher_server.candidates``. Signed ids are range-checked in the dtype they came in,
+    unsigned ones in int64 (every id is in [-1, vocab), so int32 holds it: half the bytes a
+    request carries to the engine's process)."""
+    try:
+        arr = signed_ids(candidate_ids(_load_npy(value, param) if isinstance(value, str) else value, param), param)
+        check_candidate_bounds(arr, rows=rows, vocab_size=limits.vocab_size, max_logprobs=limits.max_logprobs,
+                               max_rows_x_k=limits.max_rows_x_k, name=param)
+    except InvalidIds as e:
+        raise BadRequest(str(e), param) from None
     return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _token_ids(value: Any) -> np.ndarray:
+    """Token ids as int64 under the candidates' integer rule (an array of the in-process API
+    too: floats and bools refused)."""
+    try:
+        return signed_ids(integer_ids(value, "token_ids"), "token_ids").astype(np.int64, copy=False)
+    except InvalidIds as e:
+        raise BadRequest(str(e), "token_ids") from None
 
 
 def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, start: int | None = None,
@@ -143,7 +95,7 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
                   cache_salt: str | None = None, priority: int = 0,
                   truncate_prompt_tokens: int | None = None) -> ScoreRequest:
     sp = "sampling_params."
-    toks = _as_int_array(token_ids, "token_ids")  # an array of the in-process API too: floats and bools refused
+    toks = _token_ids(token_ids)
     if toks.ndim != 1 or toks.size == 0:
         raise BadRequest("token_ids must be a non-empty list of ids", "token_ids")
     if toks.size > limits.max_model_len:

@@ -249,10 +249,10 @@ def test_step_failure_fails_only_that_step(tmp_path_factory, exc) -> None:
     ("injected step failure", False),
 ])
 def test_which_step_errors_end_the_engine(message: str, fatal: bool) -> None:
-    from teacher_server.engine.engine import _is_fatal
+    from teacher_server.engine.fatal import is_fatal
 
-    assert _is_fatal(RuntimeError(message)) is fatal
-    assert not _is_fatal(torch.cuda.OutOfMemoryError("CUDA out of memory. CUDA error"))
+    assert is_fatal(RuntimeError(message)) is fatal
+    assert not is_fatal(torch.cuda.OutOfMemoryError("CUDA out of memory. CUDA error"))
 
 
 def test_unrecoverable_failure_turns_unhealthy(tmp_path_factory) -> None:
@@ -341,19 +341,18 @@ def test_the_drain_waits_for_an_answer_still_being_built(tmp_path, monkeypatch) 
     """A request the engine has finished is not in flight for the engine, but its answer is
     still being written (classic prompt_logprobs: up to seconds of work): a drain that starts
     then lets it finish with 200, instead of cutting it off with a 503."""
-    from teacher_server.server import app as app_mod
-    from teacher_server.server import lifecycle
+    from teacher_server.server import generate, lifecycle
 
     monkeypatch.setattr(lifecycle, "_SERVER", None)
     building = threading.Event()
-    real = app_mod.generate_body
+    real = generate.generate_body
 
     def slow_body(*a, **kw):
         building.set()
         time.sleep(1.5)
         return real(*a, **kw)
 
-    monkeypatch.setattr(app_mod, "generate_body", slow_body)
+    monkeypatch.setattr(generate, "generate_body", slow_body)
     cfg = Config(demo_model_dir=str(tmp_path / "m"), device="cpu", shutdown_timeout_s=30)
     with LiveServer(cfg, drain_timeout=30) as s:
         threads, out = post_in_threads(s.url, [body(range(1, 40), [[5, 6]] * 30, start=8, prompt_logprobs=2)])

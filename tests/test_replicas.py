@@ -470,3 +470,25 @@ def test_a_replica_whose_front_died_mid_message_exits(tmp_path) -> None:
             front.kill()
         if pid is not None and _running(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_replicas_do_not_import_the_http_server() -> None:
+    """The replicas are the engine's side; their glue to the app lives in
+    ``teacher_server.server.replica_lifecycle``: nothing under ``teacher_server/replicas``
+    imports the HTTP stack or the server."""
+    import ast
+    from pathlib import Path
+
+    import teacher_server.replicas
+
+    for path in Path(teacher_server.replicas.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in {"fastapi", "starlette", "uvicorn"}, (path.name, name)
+                assert not name.startswith("teacher_server.server"), (path.name, name)

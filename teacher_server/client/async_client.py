@@ -11,18 +11,16 @@ from typing import Literal, cast
 import httpx
 import numpy as np
 
-from teacher_server.client.base import JSON_HEADERS, ClientBase
+from teacher_server.client.base import ClientBase
 from teacher_server.client.padding import PaddedScores, pad_scores
 from teacher_server.client.progress import Progress
 from teacher_server.client.protocol import (
-    GENERATE_PATH,
     Candidates,
     RequestLike,
     ScoreOutput,
     TeacherRequest,
     as_request,
 )
-from teacher_server.client.retry import RETRY_EXCEPTIONS, unretried
 from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing
 
 
@@ -154,36 +152,24 @@ class AsyncTeacherClient(ClientBase):
         return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
 
     async def _send(self, req: TeacherRequest) -> ScoreOutput:
+        """One request with its retries (``Attempts``, as ``TeacherClient``'s)."""
         # Encoded once a slot is held: in a batch every task runs to its first wait before the
         # loop sends anything, so encoding them all up front would hold the first request back
         # until the last body was encoded (about 0.35 s for 128 W1 requests on a 2-core CPU).
         content: bytes | None = None
         st = await self._state()
-        key, tokens = self._route_key(req), len(req.token_ids)
-        attempt, url = 0, None
+        attempts = self._attempts(req)
         while True:
-            attempt += 1
-            resp = err = None
-            url = None if self.endpoints is None else self.endpoints.pick(key, avoid=url)
-            if url is not None:
-                self.endpoints.begin(url, tokens)
-            try:
+            with attempts.sending() as url:
                 async with st.slots:
                     if content is None:
                         content = self._encode(req)
-                    headers, extensions = (JSON_HEADERS, None) if url is None else self._target(url)
-                    resp = await st.http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
-                                              content=content, headers=headers, extensions=extensions)
-            except RETRY_EXCEPTIONS as e:
-                err = e
-            except httpx.HTTPError as e:  # not retried (a body that cannot be decoded, ...)
-                raise unretried(e, attempt) from e
-            finally:
-                if url is not None:
-                    self.endpoints.end(url, tokens)
-            elsewhere = self._fail_over(url, resp, err)
-            out = self.retry.outcome(attempt, resp, err)
+                    path, headers, extensions = self._post_args(url)
+                    attempts.resp = await st.http.post(path, content=content, headers=headers,
+                                                       extensions=extensions)
+            out = attempts.outcome()
             if out is not None:
                 return out
-            if not elsewhere:  # another server is up: go there now, no backoff
-                await asyncio.sleep(self.retry.delay(attempt, resp))
+            wait = attempts.backoff()
+            if wait is not None:
+                await asyncio.sleep(wait)

@@ -9,15 +9,12 @@ from typing import Any
 import httpx
 
 from teacher_server import __version__
-from teacher_server.client.endpoints import DOWN_STATUSES, Endpoints
-from teacher_server.client.protocol import TeacherRequest, build_body
-from teacher_server.client.retry import RetryPolicy
+from teacher_server.client.endpoints import Endpoints
+from teacher_server.client.protocol import GENERATE_PATH, TeacherRequest, build_body
+from teacher_server.client.retry import Attempts, RetryPolicy
 from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing, reusable_tokens
 
 JSON_HEADERS = {"content-type": "application/json"}
-# Failures that say the server is not there (as opposed to slow: a read timeout is not one).
-DOWN_EXCEPTIONS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                   httpx.WriteError)
 
 
 def _timeout(timeout: float | httpx.Timeout | None) -> httpx.Timeout:
@@ -74,19 +71,14 @@ class ClientBase:
         return self.endpoints.router.key(req.token_ids, reusable_tokens(req.start, req.prompt_logprobs),
                                          req.cache_salt)
 
-    def _target(self, url: str) -> tuple[dict[str, str], dict[str, str] | None]:
-        """Headers and httpx extensions of a request to server ``url`` (a resolved address keeps
-        the name it was reached by: ``endpoints.origin``)."""
-        host, extensions = self.endpoints.request_kw(url)
-        return ({**JSON_HEADERS, **host} if host else JSON_HEADERS), (extensions or None)
+    def _attempts(self, req: TeacherRequest) -> Attempts:
+        """The run of attempts of one request (``Attempts``: both clients' retry loop)."""
+        return Attempts(self.retry, self.endpoints, self._route_key(req), len(req.token_ids))
 
-    def _fail_over(self, url: str | None, resp: httpx.Response | None, err: Exception | None) -> bool:
-        """After a failed attempt on ``url``: take that server out when it is not there, and
-        say whether to go to another one at once (True) rather than after the backoff."""
-        if url is None or self.endpoints is None:
-            return False
-        if isinstance(err, DOWN_EXCEPTIONS):
-            return self.endpoints.mark_down(url, f"{type(err).__name__}: {err}")
-        if resp is not None and resp.status_code in DOWN_STATUSES:
-            return self.endpoints.mark_down(url, f"HTTP {resp.status_code}")
-        return False
+    def _post_args(self, url: str | None) -> tuple[str, dict[str, str], dict[str, str] | None]:
+        """The URL, headers and httpx extensions of an attempt to server ``url`` (None: the one
+        base URL); a resolved address keeps the name it was reached by (``endpoints.origin``)."""
+        if url is None:
+            return GENERATE_PATH, JSON_HEADERS, None
+        host, extensions = self.endpoints.request_kw(url)
+        return url + GENERATE_PATH, ({**JSON_HEADERS, **host} if host else JSON_HEADERS), (extensions or None)

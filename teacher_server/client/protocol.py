@@ -1,6 +1,6 @@
 """The wire format of ``POST /inference/v1/generate`` as the clients speak it: requests,
-candidates in binary form, decoded results and errors. numpy and httpx only (no torch), so
-the in-process API can share the candidate rules without pulling in the HTTP stack's peers."""
+candidates in binary form, decoded results and errors. numpy and httpx only (no torch); the
+candidates' rules are ``teacher_server.candidates``, shared with the server and the in-process API."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from typing import Any
 import numpy as np
 
 from teacher_server import b64
+from teacher_server.candidates import Candidates, candidate_ids, check_int32
 from teacher_server.npy import load_npy
 
 GENERATE_PATH = "/inference/v1/generate"
-_INT32 = np.iinfo(np.int32)
-
-Candidates = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
 
 
 class TeacherServerError(Exception):
@@ -85,46 +83,17 @@ def as_request(item: RequestLike) -> TeacherRequest:
 
 def candidates_array(candidates: Candidates) -> np.ndarray:
     """Candidates as an integer array of shape ``[K]`` (shared by every scored row) or
-    ``[rows, K]`` (one row per scored position, ``-1`` pads), checked before anything is sent.
-
-    One rule for the client and the in-process ``LLM``: K must be at least 1 (the server
-    answers 400 to K == 0 in every form), rows must all hold K ids, ids must be integers.
-    Raises ``ValueError`` (``TypeError`` for non-integer ids).
-    """
-    if not isinstance(candidates, np.ndarray):
-        _check_rows(candidates)
-    arr = np.asarray(candidates)
-    if arr.ndim not in (1, 2):
-        raise ValueError(f"candidates must have shape [K] or [rows, K], got {list(arr.shape)}")
-    if arr.shape[-1] == 0:
-        raise ValueError(f"candidates: K must be at least 1, got shape {list(arr.shape)}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"candidates must be integer ids, got dtype {arr.dtype}")
-    return arr
-
-
-def _check_rows(candidates: Any) -> None:
-    """Ragged rows would become an object array (or numpy's 'inhomogeneous shape' error):
-    say which row differs instead."""
-    if not isinstance(candidates, Sequence) or isinstance(candidates, (str, bytes)) or not candidates:
-        return
-    nested = [isinstance(r, (Sequence, np.ndarray)) and not isinstance(r, (str, bytes)) for r in candidates]
-    if any(nested) and not all(nested):
-        raise ValueError("candidates: a mix of ids and rows; give a flat list of K ids or a list of rows")
-    if not nested[0]:
-        return
-    k0 = len(candidates[0])
-    for i, row in enumerate(candidates):
-        if len(row) != k0:
-            raise ValueError(f"candidates: every row must hold the same number of ids (pad with -1); "
-                             f"row 0 has {k0}, row {i} has {len(row)}")
+    ``[rows, K]`` (one row per scored position, ``-1`` pads), checked before anything is sent
+    under the rules the server and the in-process ``LLM`` apply (``teacher_server.candidates``):
+    K must be at least 1, rows must all hold K ids, ids must be integers. Raises ``ValueError``
+    (``TypeError`` for non-integer ids)."""
+    return candidate_ids(candidates)
 
 
 def encode_candidates(candidates: Candidates) -> str:
     """Candidates ([K] shared or [rows, K] per row, -1 pads) -> base64 ``.npy`` int32."""
-    arr = candidates_array(candidates)
-    if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
-        raise ValueError("candidate ids must fit in int32")
+    arr = candidate_ids(candidates)
+    check_int32(arr)
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(arr, dtype="<i4"), allow_pickle=False)
     return b64.encode(buf.getbuffer())

@@ -10,11 +10,10 @@ from typing import Literal, cast
 import httpx
 import numpy as np
 
-from teacher_server.client.base import JSON_HEADERS, ClientBase
+from teacher_server.client.base import ClientBase
 from teacher_server.client.padding import PaddedScores, pad_scores
 from teacher_server.client.progress import Progress
 from teacher_server.client.protocol import (
-    GENERATE_PATH,
     Candidates,
     RequestLike,
     ScoreOutput,
@@ -22,7 +21,6 @@ from teacher_server.client.protocol import (
     TeacherServerError,
     as_request,
 )
-from teacher_server.client.retry import RETRY_EXCEPTIONS, unretried
 from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing
 
 
@@ -173,35 +171,22 @@ class TeacherClient(ClientBase):
         return pad_scores(cast(list[np.ndarray], results), length=length, fill=fill, return_tensors=return_tensors)
 
     def _send(self, req: TeacherRequest, stop: threading.Event | None = None) -> ScoreOutput:
-        """One request with its retries; ``stop``: its batch was given up (no further attempt)."""
+        """One request with its retries (``Attempts``); ``stop``: its batch was given up (no
+        further attempt)."""
         stop = stop or threading.Event()
         content = self._encode(req)
-        key, tokens = self._route_key(req), len(req.token_ids)
-        attempt, url = 0, None
+        attempts = self._attempts(req)
         while True:
             if stop.is_set():
                 raise TeacherServerError("not sent again: another request of its batch failed", type="cancelled",
-                                         attempts=attempt)
-            attempt += 1
-            resp = err = None
-            url = None if self.endpoints is None else self.endpoints.pick(key, avoid=url)
-            if url is not None:
-                self.endpoints.begin(url, tokens)
-            try:
-                headers, extensions = (JSON_HEADERS, None) if url is None else self._target(url)
+                                         attempts=attempts.number)
+            with attempts.sending() as url:
+                path, headers, extensions = self._post_args(url)
                 with self._slots:
-                    resp = self._http.post(GENERATE_PATH if url is None else url + GENERATE_PATH,
-                                           content=content, headers=headers, extensions=extensions)
-            except RETRY_EXCEPTIONS as e:
-                err = e
-            except httpx.HTTPError as e:  # not retried (a body that cannot be decoded, ...)
-                raise unretried(e, attempt) from e
-            finally:
-                if url is not None:
-                    self.endpoints.end(url, tokens)
-            elsewhere = self._fail_over(url, resp, err)
-            out = self.retry.outcome(attempt, resp, err)
+                    attempts.resp = self._http.post(path, content=content, headers=headers, extensions=extensions)
+            out = attempts.outcome()
             if out is not None:
                 return out
-            if not elsewhere:  # another server is up: go there now, no backoff
-                stop.wait(self.retry.delay(attempt, resp))
+            wait = attempts.backoff()
+            if wait is not None:
+                stop.wait(wait)

@@ -12,13 +12,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
-from teacher_server.engine.inflight import Handoff, InFlightStep
-from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
+from teacher_server.engine.inflight import InFlightStep
 from teacher_server.engine.rank_setup import (
     check_split,
     load_rank,
@@ -30,19 +26,22 @@ from teacher_server.engine.rank_setup import (
 )
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
-from teacher_server.engine.sequence import Chunk, Sequence
+from teacher_server.engine.sequence import Sequence
 from teacher_server.engine.state_slots import StateSlots
 from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
-from teacher_server.engine.tp_workers import TensorParallelError, TPWorkers, init_group, rank_device
+from teacher_server.engine.stepping import Stepping
+from teacher_server.engine.tp_workers import TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
+from teacher_server.engine.warm_up import warm_up_plan
 from teacher_server.hub import resolve_model
 from teacher_server.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-class Engine:
-    """Load a model, admit requests, run steps, hand back results. ``stats()`` reports,
-    ``tuning`` switches optimisations of the built engine."""
+
+class Engine(Stepping):
+    """Load a model, admit requests, run steps (``Stepping``), hand back results. ``stats()``
+    reports, ``tuning`` switches optimisations of the built engine."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -134,29 +133,12 @@ class Engine:
                  self.max_model_len, time.perf_counter() - t0)
 
     def warm_up(self) -> float:
-        """Score synthetic requests shaped like serving (random ids, per-row candidates): a
-        step of the full token budget over several sequences of odd lengths, one sequence
-        longer than the budget (its state carried from chunk to chunk on hybrid models), two
-        responses to one block-aligned prompt (a prefix hit; a state snapshot on hybrids), and
-        a lone short sequence. Then forgets them: the prefix cache and snapshots are reset and
-        the counters start from zero. Returns the seconds it took."""
+        """Score synthetic requests shaped like serving (``warm_up_plan``), then forget them:
+        the prefix cache and snapshots are reset and the counters start from zero. Returns the
+        seconds it took."""
         t0 = time.perf_counter()
-        budget = self._scheduler.cfg.max_num_batched_tokens
-        rng = np.random.default_rng(0)
-        vocab, cap = self.spec.vocab_size, self.max_model_len
-
-        def req(n: int, start: int | None = None, prefix: np.ndarray | None = None) -> ScoreRequest:
-            head = np.zeros(0, np.int64) if prefix is None else prefix
-            toks = np.concatenate([head, rng.integers(0, vocab, max(min(n, cap) - len(head), 1))])[:cap]
-            start = len(toks) // 2 if start is None else min(start, len(toks) - 1)
-            cand = rng.integers(0, vocab, (max(len(toks) - 1 - start, 0), 4))
-            return ScoreRequest(f"warm-up-{len(toks)}", toks.astype(np.int64), start, cand)
-
-        block = self._blocks.block_size
-        prompt = rng.integers(0, vocab, min(4 * block, cap // 2))
-        plan = [[req(budget // 6 + 2 * i + 1) for i in range(6)] + [req(budget + budget // 2)],
-                [req(len(prompt) + 40 + i, len(prompt) - 1, prompt) for i in range(2)],
-                [req(37)]]
+        plan = warm_up_plan(self.spec.vocab_size, self.max_model_len, self._scheduler.cfg.max_num_batched_tokens,
+                            self._blocks.block_size)
         for batch in plan:  # one after another: the shared prompt is cached before its second use
             for r in self.run_to_completion(batch):
                 if r.error is not None:
@@ -275,142 +257,6 @@ class Engine:
         self._run_ahead = t.run_ahead
         self.runner.attn = self.attn = t.attention
 
-    # --- stepping ----------------------------------------------------------------------
-    def step(self, deliver: Callable[[list[ScoreResult]], None] | None = None) -> list[ScoreResult]:
-        """Complete one forward step; return the results of requests that finished (or failed).
-
-        Pipelined (``pipeline``, the default): the step completed here was launched by the
-        previous call, and once it is half done this call schedules, prepares and launches the
-        next one, so the host work of step N+1 overlaps the GPU work of step N. (Launching it
-        earlier would fill the GPU's launch queue and block inside kernel launches, holding
-        the GIL that the server's event loop needs; half a step ahead is ample. Within a
-        forward, ``LaunchPacer`` keeps the host a few layers ahead for the same reason.) Step
-        N is completed inside that launch, when it first waits for the GPU: N's results are
-        ready by then (``Handoff``). With ``deliver``, they are handed to it right there; the
-        rest are returned. The scheduler's bookkeeping for a step (progress, prefix-cache
-        blocks, freed blocks) is done at launch: the GPU runs steps in launch order on one
-        stream, so a later step may reuse blocks or cached KV of an earlier one that has not
-        finished."""
-        results = self.take_failed()
-        cur = self._inflight if self._inflight is not None else self.launch()
-        self._inflight = None
-        if cur is not None:
-            if self._pipeline:
-                t0 = time.perf_counter()
-                cur.pending.pacer.wait_half()
-                self._timing.wait_s += time.perf_counter() - t0
-                handoff = Handoff(cur, self.complete, deliver)
-                self._inflight = self.launch(handoff)
-                results += self._finish(handoff)
-            else:
-                results += self.complete(cur)
-        results += self.take_failed()
-        return results
-
-    def launch(self, handoff: Handoff | None = None) -> InFlightStep | None:
-        """Schedule, prepare and launch one step (asynchronous on CUDA); None when there is
-        nothing to run or the step failed at launch (its requests failed, see ``step``).
-        ``handoff``: the step in flight, completed at this launch's first wait for the GPU
-        (by ``_finish`` after it when the launch never waits)."""
-        tm = self._timing
-        t0 = time.perf_counter()
-        launched_at = time.monotonic()  # (the step trace's clock)
-        chunks = self._scheduler.schedule()
-        t1 = time.perf_counter()
-        tm.schedule_s += t1 - t0
-        if not chunks:
-            return None
-        tokens = sum(c.end - c.start for c in chunks)
-        pacer = self._pacer(handoff)
-        try:
-            hs = self.runner.prepare(chunks)
-            if self._workers is not None:
-                self._workers.send(hs)
-            t2 = time.perf_counter()
-            pending = self.runner.launch(hs, pacer)
-        except Exception as e:
-            self._fail_step(chunks, e)
-            return None
-        t3 = time.perf_counter()
-        tm.prepare_s += t2 - t1
-        # waits for the GPU inside the launch count as wait; completing the previous step
-        # there counts as its own wait and scatter (``complete``)
-        launch_s = t3 - t2 - pacer.wait_s - pacer.first_wait_s
-        tm.launch_s += launch_s
-        tm.wait_s += pacer.wait_s
-        self._steps += 1
-        self._tokens += tokens
-        # (before finish_step moves the sequences on)
-        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting, launched_at,
-                                      launch_s) if self._tracing else None
-        done = self._scheduler.finish_step(chunks)
-        after = handoff.step.pending.pacer.done if handoff is not None else None
-        return InFlightStep(chunks, hs, pending, done, after, facts)
-
-    def _pacer(self, handoff: Handoff | None) -> Pacer:
-        if self._run_ahead is None:
-            return Unpaced()
-        return LaunchPacer(self._run_ahead, handoff.run if handoff is not None else None)
-
-    def complete(self, step: InFlightStep) -> list[ScoreResult]:
-        """Wait for a launched step and copy its results into the requests' arrays; the
-        results of the requests it finished."""
-        t0 = time.perf_counter()
-        try:
-            out = self.runner.collect(step.pending)
-            t1 = time.perf_counter()
-            self.runner.scatter_results(step.hs.scoring, out)
-        except Exception as e:
-            self._fail_step(step.chunks, e)
-            return []
-        t2 = time.perf_counter()
-        self._timing.wait_s += t1 - t0
-        self._timing.scatter_s += t2 - t1
-        busy, idle = step.pending.pacer.gpu_seconds(step.after)  # all its events are complete now
-        self._timing.gpu_s += busy
-        self._timing.gpu_idle_s += idle
-        if step.trace is not None:
-            self._trace.write(step.trace, busy, idle)
-        now = time.monotonic()
-        results = []
-        for seq in step.done:
-            if seq.result.error is not None:  # aborted while its last step ran: already answered
-                continue
-            self._seqs.pop(seq.req.uid, None)
-            seq.result.cached_tokens = seq.num_cached
-            seq.result.finished_at = now
-            results.append(seq.result)
-        return results
-
-    def _finish(self, handoff: Handoff) -> list[ScoreResult]:
-        """After a launch: complete the handed-off step if the launch did not (CPU, a short
-        forward, nothing launched), and raise what completing it raised."""
-        if not handoff.ran:
-            handoff.run()
-        if handoff.error is not None:
-            raise handoff.error
-        return handoff.results
-
-    def take_failed(self) -> list[ScoreResult]:
-        """The results of requests a failed step failed, not yet returned by ``step`` (it raised:
-        the failure is fatal)."""
-        out, self._failed = self._failed, []
-        return out
-
-    def _fail_step(self, chunks: list[Chunk], e: Exception) -> None:
-        """Fail only this step's requests; the engine goes on serving (unless CUDA is gone)."""
-        log.exception("forward step failed; failing its %d request(s)", len(chunks))
-        if isinstance(e, torch.cuda.OutOfMemoryError):
-            torch.cuda.empty_cache()
-        for c in chunks:
-            self._scheduler.abort(c.seq)  # also frees blocks of a sequence already finished at launch
-            if self._seqs.get(c.seq.req.uid) is c.seq:
-                r = self.abort_request(c.seq.req.uid, ErrorKind.INTERNAL, f"inference failed: {type(e).__name__}")
-                if r is not None:
-                    self._failed.append(r)
-        if _is_fatal(e) or self._workers is not None:  # ranks may be out of step: no way on
-            raise e
-
     def run_to_completion(self, reqs: list[ScoreRequest]) -> list[ScoreResult]:
         """Score a batch synchronously (the in-process API)."""
         results: dict[int, ScoreResult] = {}
@@ -422,23 +268,3 @@ class Engine:
             for res in self.step():
                 results[res.uid] = res
         return [results[r.uid] for r in reqs]
-
-
-# Errors after which the GPU's context (or a communicator) is not usable: CUDA's own, and the
-# libraries' statuses for a failed execution (a cuDNN status such as NOT_SUPPORTED or
-# INTERNAL_ERROR can be about a shape, not the GPU, and stays a failed step; so does running out
-# of memory, whoever reports it). Triton reports CUDA errors as "Triton Error [CUDA]".
-_FATAL_MARKS = ("CUDA error", "device-side assert", "Triton Error [CUDA]", "CUDNN_STATUS_EXECUTION_FAILED",
-                "CUDNN_STATUS_MAPPING_ERROR", "NCCL error")
-
-
-def _is_fatal(e: Exception) -> bool:
-    """CUDA errors other than out-of-memory leave the context unusable."""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        return False
-    if isinstance(e, TensorParallelError):
-        return True
-    msg = str(e)
-    if "out of memory" in msg:  # reported through another library (Triton's "[CUDA]: out of memory")
-        return False
-    return isinstance(e, RuntimeError) and any(m in msg for m in _FATAL_MARKS)

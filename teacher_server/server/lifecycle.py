@@ -23,6 +23,7 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult
+from teacher_server.server.metrics import Metrics
 from teacher_server.validation import Limits
 
 log = logging.getLogger("teacher_server.server")
@@ -107,6 +108,17 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
     st.cutoff.set()
     await ae.drain(GRACE_S)  # the cut-off requests' aborts reach the engine thread
     ae.shutdown()
+
+
+def on_engine_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None) -> None:
+    """The engine cannot recover: report unhealthy and ask the process to exit (``hook``, by
+    default ``terminate_self``) so the orchestrator restarts it."""
+    m: Metrics = app.state.metrics
+    if m.replicas == 1:  # a replica that went down has already marked its own series
+        m.set_healthy(False)
+    app.state.exit_code = 3
+    log.critical("engine failed (%s); exiting", exc)
+    (hook or terminate_self)()
 
 
 FATAL_EXIT_S = 30.0  # after a fatal engine error the process is gone by then at the latest (or after its drain)

@@ -54,6 +54,15 @@ def scope_request_id(scope: dict) -> str | None:
     return None
 
 
+def request_id_header(rid: str | None) -> dict[str, str]:
+    """The response's ``X-Request-Id`` for a request's id (none without one)."""
+    return {"X-Request-Id": header_safe(rid)} if rid is not None else {}
+
+
+def json_response(status: int, obj: dict) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type="application/json")
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
 

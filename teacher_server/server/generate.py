@@ -1,0 +1,170 @@
+"""``POST /inference/v1/generate`` from the request to its answer: read and parse the body off
+the event loop when it is large, hand the request to the engine, wait for it (or for the
+client to leave, the deadline, or the shutdown's cut-off), and build the response."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from teacher_server.config import Config
+from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ErrorKind
+from teacher_server.server import parsing
+from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
+from teacher_server.server.http import ClientGone, read_body
+from teacher_server.server.metrics import Metrics
+from teacher_server.server.responses import error_response, generate_body, request_id_header
+from teacher_server.validation import BadRequest
+
+access_log = logging.getLogger("teacher_server.access")
+
+_DEADLINE_GRACE_S = 1.0  # past a request's deadline, before the front answers for an engine that has not
+INLINE_BYTES = 256 * 1024  # bodies and results above this are (de)serialised in a worker thread
+# Threads for that work. It holds the GIL (orjson, base64, numpy on small arrays), so more
+# threads parse no faster, and each runnable one takes a share of the GIL from the engine
+# thread, whose kernel launches must keep the GPU fed: with asyncio's default pool (up to 32
+# threads) a burst of large requests starved the GPU for seconds.
+IO_THREADS = 1
+
+
+class RequestInfo:
+    """What the access line reports about a request, filled in as it is learnt."""
+
+    def __init__(self, header_request_id: str | None) -> None:
+        self.header_request_id = header_request_id
+        self.request_id = header_request_id
+        self.tokens = 0
+        self.rows = 0
+        self.admitted = False  # handed to the engine (counted in ``app.state.handling``)
+        self.scored = False  # the engine's result is in
+
+
+async def handle_generate(request: Request, cfg: Config) -> Response:
+    """The endpoint: the request's work, cut off by the shutdown (then 503 with Retry-After)
+    unless its result is in; counted, timed and logged on the access line."""
+    t0 = time.monotonic()
+    st = request.app.state
+    m: Metrics = st.metrics
+    info = RequestInfo(request.headers.get("x-request-id"))
+    work = asyncio.ensure_future(_generate(request, cfg, t0, info))
+    cutoff = asyncio.ensure_future(st.cutoff.wait())
+    try:
+        await asyncio.wait({work, cutoff}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and info.scored:  # its result is in: the answer is being built, not dropped
+            await asyncio.wait({work})
+    except BaseException:  # this handler was cancelled (the server's own shutdown): so is its work
+        work.cancel()
+        raise
+    finally:
+        cutoff.cancel()
+    if work.done():
+        resp = work.result()
+    else:  # shutdown stopped waiting: drop the work (frees its KV) and say so
+        work.cancel()
+        m.labels(m.failures, reason="shutdown").inc()
+        resp = error_response(503, "server shut down before the request finished; retry on another replica",
+                              headers=retry_after(ErrorKind.UNAVAILABLE))
+    dt = time.monotonic() - t0
+    m.labels(m.requests, status=str(resp.status_code)).inc()
+    m.labels(m.e2e).observe(dt)
+    resp.headers.update(request_id_header(info.request_id))
+    rid = (info.request_id or "-")[:128]
+    access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs", rid, resp.status_code, info.tokens, info.rows,
+                    dt, extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
+                               "tokens": info.tokens, "rows": info.rows})
+    return resp
+
+
+async def _generate(request: Request, cfg: Config, t0: float, info: RequestInfo) -> Response:
+    try:
+        return await _generate_counted(request, cfg, t0, info)
+    finally:
+        if info.admitted:  # counted at admission (``app.state.handling``), uncounted on every way out
+            request.app.state.handling -= 1
+
+
+async def _generate_counted(request: Request, cfg: Config, t0: float, info: RequestInfo) -> Response:
+    app = request.app
+    m: Metrics = app.state.metrics
+    engine: Engine | None = app.state.engine
+    ae: AsyncEngine | None = app.state.aengine
+    try:
+        if ae is None:
+            raise EngineUnavailable("engine is loading")
+        if not ae.accepting or not ae.alive:
+            raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
+        coding = request.headers.get("content-encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
+        raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
+        # Parsing and validating a large body takes a while: keep it off the event loop.
+        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id)
+        body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
+            if len(raw) > INLINE_BYTES else parsing.parse_request(*args)
+        info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows
+        if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
+            raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
+                             f"(max_queue_tokens={cfg.max_queue_tokens})", "token_ids")
+        if cfg.request_timeout_s is not None:
+            req.deadline = t0 + cfg.request_timeout_s
+        info.admitted = True
+        app.state.handling += 1
+        task = asyncio.ensure_future(ae.score(req))
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        # The engine answers a request past its deadline itself (504) between steps; this bound
+        # holds when it cannot (a step that does not end: a hung GPU or worker).
+        limit = None if req.deadline is None else max(req.deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
+        try:
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=limit)
+        finally:
+            watcher.cancel()
+            if not task.done():  # cancelled from outside (shutdown), the client went away, or the deadline
+                task.cancel()
+        if not done:
+            m.labels(m.failures, reason="timeout").inc()
+            return error_response(504, "request deadline exceeded (request_timeout_s): the engine did not "
+                                       "answer in time")
+        if task not in done:  # the client went away: drop its work and free its KV
+            raise ClientGone("client disconnected")
+        res = task.result()
+        info.scored = True
+    except BadRequest as e:
+        info.request_id = e.request_id or info.request_id
+        m.labels(m.failures, reason={400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(
+            e.status, "too_large")).inc()
+        return error_response(e.status, e.message, e.param)
+    except ClientGone as e:
+        m.labels(m.failures, reason="disconnected").inc()
+        return error_response(499, str(e))  # nobody reads it; the access line records it
+    except (EngineOverloaded, EngineUnavailable) as e:
+        m.labels(m.failures, reason=e.kind.value).inc()
+        return error_response(HTTP_STATUS[e.kind], str(e), headers=retry_after(e.kind))
+    if res.error is not None:  # (a replica's full queue or drain comes back as a result: Retry-After too)
+        m.labels(m.failures, reason=res.error_kind or "internal").inc()
+        return error_response(http_status(res.error_kind), res.error, headers=retry_after(res.error_kind))
+    m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
+    if res.scheduled_at:
+        m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
+    m.labels(m.prompt_tokens).inc(req.length)
+    m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
+    build = lambda: generate_body(req, res, engine.served_model_name, bool(body.return_token_ids))  # noqa: E731
+    pool = app.state.plp_pool if req.prompt_logprobs is not None else \
+        app.state.io_pool if req.rows * max(req.k, 1) > INLINE_BYTES // 4 else None
+    content = await asyncio.get_running_loop().run_in_executor(pool, build) if pool is not None else build()
+    return Response(content, media_type="application/json")
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Return once the client has gone. The body has been read, so the server's next ASGI
+    message for this request is ``http.disconnect``, sent when the connection closes: waiting
+    for it costs nothing while the request waits, where polling ``is_disconnected`` ran a
+    cancelled receive four times a second per waiting request on the event loop (small each
+    time, ~10 us measured, but work that shares the GIL with the engine thread)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.25)  # (no server sends more of a body it has finished; never busy-wait)
