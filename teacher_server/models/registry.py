@@ -12,6 +12,10 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+class UnsupportedModelError(ValueError):
+    """A config.json (architecture, setting or weight format) that is not built, named."""
+
+
 @dataclass(frozen=True)
 class Architecture:
     family: str
