@@ -127,8 +127,7 @@ class ModelRunner:
             argmax_rows=argmax_rows if n_arg else None,
             plp_rows_host=sc.plp_rows, argmax_rows_host=sc.argmax_rows,
         )
-        return score_rows(hidden, self.model.lm_head, plan, self.logits_mode, self.chunk_rows, self.tp,
-                          self.model.lm_vocab_start)
+        return score_rows(hidden, self.model.logits_layer, plan, self.logits_mode, self.chunk_rows, self.tp)
 
     def launch(self, hs: HostStep, pacer: Pacer) -> PendingOutput:
         """Run the step and queue the copies of its results to pinned host memory; on CUDA

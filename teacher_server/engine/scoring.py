@@ -1,5 +1,5 @@
-"""The scoring stage: hidden states of scored rows -> float32 logits in row chunks ->
-gather-logprob kernel. The full [rows, vocab] matrix never exists beyond one chunk.
+"""The scoring stage: hidden states of scored rows -> float32 logits in row chunks (the
+head layer's ``logits``) -> gather-logprob kernel. The full [rows, vocab] matrix never exists beyond one chunk.
 
 Classic ``prompt_logprobs`` (top-k + the actual token, with ranks) and the greedy next
 token reuse the same logits chunks.
@@ -13,26 +13,9 @@ import numpy as np
 import torch
 
 from teacher_server.engine import vocab_parallel as vp
+from teacher_server.layers.embedding import VocabRows
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.ops.gather_logprob import gather_logprobs
-
-_MM_OUT_DTYPE: bool | None = None  # does torch.mm(..., out_dtype=float32) work here?
-
-
-def lm_head_fp32(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """[r, H] x [V, H]^T -> [r, V] float32, accumulated and stored in float32 (no bf16
-    rounding of logits: it costs ~0.06 nats at logit 16)."""
-    global _MM_OUT_DTYPE
-    if w.dtype == torch.float32:
-        return h.float() @ w.t()
-    if h.is_cuda and _MM_OUT_DTYPE is not False:
-        try:
-            out = torch.mm(h, w.t(), out_dtype=torch.float32)
-            _MM_OUT_DTYPE = True
-            return out
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE = False
-    return h.float() @ w.float().t()
 
 
 @dataclass
@@ -118,18 +101,19 @@ class _VocabShard(_WholeVocab):
         return vp.argmax(rows, self.start, self.tp)
 
 
-def score_rows(hidden: torch.Tensor, lm_head: torch.Tensor, plan: ScoringPlan, logits_mode: bool,
-               chunk_rows: int, tp: TensorParallel = SINGLE, vocab_start: int = 0) -> ScoringOutput:
-    """hidden: [R, H] final-normed; lm_head: [V, H] (with tp > 1 this rank's vocab shard
-    [Vr, H] of ids from ``vocab_start``: the shards are combined as ``vocab_parallel`` says,
-    collectives per chunk)."""
-    ops = _WholeVocab() if tp.size == 1 else _VocabShard(vocab_start, tp)
+def score_rows(hidden: torch.Tensor, head: VocabRows, plan: ScoringPlan, logits_mode: bool,
+               chunk_rows: int, tp: TensorParallel = SINGLE) -> ScoringOutput:
+    """hidden: [R, H] final-normed; head: the layer of the [V, H] output weight (the LM head
+    or the tied embedding), which makes the float32 logits (with tp > 1 of its vocab shard
+    [Vr, H], ids from ``head.vocab_start``: the shards are combined as ``vocab_parallel``
+    says, collectives per chunk)."""
+    ops = _WholeVocab() if tp.size == 1 else _VocabShard(head.vocab_start, tp)
     r = hidden.shape[0]
     out = _empty_output(r, plan, hidden.device)
     n_p, n_a = (0 if x is None else x.numel() for x in (plan.plp_rows, plan.argmax_rows))
     for r0 in range(0, r, chunk_rows):
         r1 = min(r0 + chunk_rows, r)
-        logits = lm_head_fp32(hidden[r0:r1], lm_head)  # [r, V] float32 (with tp > 1: [r, Vr], this rank's shard)
+        logits = head.logits(hidden[r0:r1])  # [r, V] float32 (with tp > 1: [r, Vr], this rank's shard)
         if out.scores is not None:
             out.scores[r0:r1] = ops.candidates(logits, plan.cand[r0:r1], logits_mode)
         if n_p:

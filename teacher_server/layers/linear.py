@@ -5,17 +5,22 @@
 - Row-parallel (``RowLinear``: o, down): each rank holds a slice of the input columns and
   computes a partial sum; the partial sums are all-reduced over the ranks.
 
-Weights are [out, in] like ``nn.Linear``. Sharded loading: ``checkpoint_slice`` says which
-slice of a Hugging Face tensor this rank needs (the loader reads only that, ``get_slice``);
-``load_weight`` copies it in (given the whole tensor, it cuts the slice itself).
+Weights are [out, in] like ``nn.Linear``, held and applied through the layer's weight format
+(``fmt``: ``layers.formats``; unquantized: ``layer.weight`` in the model dtype). Sharded
+loading: ``checkpoint_slice`` says which slice of a Hugging Face tensor this rank needs (the
+loader reads only that, ``get_slice``); ``load_weight`` copies it in (given the whole tensor,
+it cuts the slice itself). ``param`` is the layer's tensor the checkpoint tensor fills:
+``weight``, ``bias`` or one of the format's extras (``weight_scale_inv``), each sliced in its
+own coordinates (``WeightFormat.span``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from teacher_server.layers.formats.base import WeightFormat
+from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 
 Slice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor
@@ -36,34 +41,37 @@ def take(loaded: torch.Tensor, sl: Slice | None) -> torch.Tensor:
     return loaded if loaded.shape[dim] == n else loaded.narrow(dim, start, n)
 
 
-def _frozen(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
 class MergedColumnLinear(nn.Module):
     """y = x W^T (+ b) for several projections of the same input fused into one GEMM:
     ``parts`` maps each part's name to its full output size (e.g. q, k, v or gate, up).
     Column-parallel: this rank holds its slice of each part (``TensorParallel.rows``, in units
     of ``units[part]`` rows, default 1: a head for q/k/v, so KV heads replicate past their
-    count), laid out part after part."""
+    count), laid out part after part. The bias stays in the model dtype whatever the format."""
+
+    role = "linear"
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel = SINGLE, units: dict[str, int] | None = None) -> None:
+                 device: torch.device, tp: TensorParallel = SINGLE, units: dict[str, int] | None = None,
+                 fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.tp = tp
+        self.fmt = fmt.for_layer(self.role)
         self.parts: dict[str, tuple[int, int]] = {}  # part -> (first row here, rows here)
         self.sources: dict[str, tuple[int, int]] = {}  # part -> (first row in the HF tensor, rows)
         off = 0
         for name, n in parts.items():
             start, local = tp.rows(n, f"{name} rows", (units or {}).get(name, 1))
+            self.fmt.check_shard(f"{name} rows", 0, start, local, n)
             self.parts[name] = (off, local)
             self.sources[name] = (start, local)
             off += local
-        self.weight = _frozen(off, in_features, dtype=dtype, device=device)
-        self.bias = _frozen(off, dtype=dtype, device=device) if bias else None
+        for name, (at, local) in self.parts.items():  # each part's place in the fused weight
+            self.fmt.check_shard(f"{name} rows in the fused weight", 0, at, local, off)
+        self.fmt.create(self, "weight", (off, in_features), dtype, device)
+        self.bias = nn.Parameter(torch.empty(off, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, sum of local parts]
+        return self.fmt.apply(self, x)  # [T, sum of local parts]
 
     def shards(self, param: str) -> int:
         """How many HF tensors fill ``param`` (one per part)."""
@@ -72,12 +80,12 @@ class MergedColumnLinear(nn.Module):
     def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
         """The rows of part ``part`` of the HF tensor this rank holds (None: all of it)."""
         start, n = self.sources[part]
-        return (0, start, n) if self.tp.size > 1 else None
+        return (0, *self.fmt.span(param, 0, start, n)) if self.tp.size > 1 else None
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         """Copy this rank's rows of part ``part`` (the whole HF tensor, or just those rows)."""
         assert part in self.parts, f"{name}: part {part!r} is not one of {list(self.parts)}"
-        off, n = self.parts[part]
+        off, n = self.fmt.span(param, 0, *self.parts[part])
         copy_checked(getattr(self, param).data[off:off + n], take(loaded, self.checkpoint_slice(param, part)), name)
 
 
@@ -85,20 +93,32 @@ class RowLinear(nn.Module):
     """y = x W^T. Row-parallel: this rank holds input columns [rank * n / tp, ...) and makes a
     partial sum; the partial sums are all-reduced (tp > 1)."""
 
+    role = "linear"
+    bias = None
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.tp = tp
+        self.fmt = fmt.for_layer(self.role)
+        self.out_features = out_features
         self.cols = tp.rows(in_features, "input columns")
-        self.weight = _frozen(out_features, self.cols[1], dtype=dtype, device=device)
+        self.fmt.check_shard("input columns", 1, *self.cols, in_features)
+        self.fmt.create(self, "weight", (out_features, self.cols[1]), dtype, device)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         spans = self.tp.spans(a.shape[0])
         if len(spans) > 1:  # in parts, each part's all-reduce under the next's GEMM
-            out = a.new_empty(a.shape[0], self.weight.shape[0])
-            w = self.weight.t()
-            return self.tp.all_reduce_parts(out, lambda lo, hi: torch.mm(a[lo:hi], w, out=out[lo:hi]), spans)
-        return self.tp.all_reduce(F.linear(a, self.weight))  # [T, out], summed over ranks
+            out = a.new_empty(a.shape[0], self.out_features)
+            return self.tp.all_reduce_parts(out, lambda lo, hi: self.fmt.apply(self, a[lo:hi], out[lo:hi]), spans)
+        return self.tp.all_reduce(self.fmt.apply(self, a))  # [T, out], summed over ranks
+
+    def add_partial(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """x += a W^T (this rank's columns, nothing reduced) in place: in the GEMM's epilogue,
+        rounded once, where the format allows, else added after. Returns x."""
+        if self.fmt.add_into(self, x, a) is None:
+            x.add_(self.fmt.apply(self, a))
+        return x
 
     def add_into(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         """x += a W^T in place, the sum made in the GEMM's epilogue and rounded once (x must
@@ -108,26 +128,24 @@ class RowLinear(nn.Module):
         where ``tp.comm_parts`` asks for them)."""
         spans = self.tp.spans(x.shape[0])
         if len(spans) > 1:
-            w = self.weight.t()
-
             def make(lo: int, hi: int) -> None:
                 if self.tp.rank == 0:
-                    x[lo:hi].addmm_(a[lo:hi], w)
+                    self.add_partial(x[lo:hi], a[lo:hi])
                 else:
-                    torch.mm(a[lo:hi], w, out=x[lo:hi])
+                    self.fmt.apply(self, a[lo:hi], x[lo:hi])
 
             return self.tp.all_reduce_parts(x, make, spans)
-        if self.tp.rank == 0:
-            x.addmm_(a, self.weight.t())
-        else:
-            torch.mm(a, self.weight.t(), out=x)
+        if self.tp.rank != 0:
+            self.fmt.apply(self, a, x)
+        elif self.fmt.add_into(self, x, a) is None:  # (``add_partial``, inlined on the per-layer path)
+            x.add_(self.fmt.apply(self, a))
         return self.tp.all_reduce(x)
 
     def shards(self, param: str) -> int:
         return 1
 
     def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
-        return (1, *self.cols) if self.tp.size > 1 else None
+        return (1, *self.fmt.span(param, 1, *self.cols)) if self.tp.size > 1 else None
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
-        copy_checked(self.weight.data, take(loaded, self.checkpoint_slice(param, part)), name)
+        copy_checked(getattr(self, param).data, take(loaded, self.checkpoint_slice(param, part)), name)

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teacher_server.layers.formats.base import WeightFormat
+from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
@@ -54,7 +56,8 @@ def expert_param(rest: str) -> tuple[str, str | None] | None:
 
 class ReplicatedLinear(nn.Module):
     """A small projection every rank holds whole (the router, the shared-expert gate); its
-    output is float32: routing decisions are made on unrounded logits."""
+    output is float32: routing decisions are made on unrounded logits. It stays in the model
+    dtype whatever the weight format (the formats are for the projections and experts)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -86,60 +89,76 @@ class ReplicatedLinear(nn.Module):
 class ExpertWeights(nn.Module):
     """All experts' weights, stacked: ``gate_up`` [E, 2 I_local, H] (gate rows, then up rows)
     and ``down`` [E, H, I_local], I_local = I / tp (this rank's slice of every expert's
-    intermediate dimension). Loads per-expert tensors (stacked here) or stacked ones."""
+    intermediate dimension), held through the weight format (``layers.formats``; the two
+    slots, each with its extras). Loads per-expert tensors (stacked here) or stacked ones."""
+
+    role = "experts"
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.tp = tp
+        self.fmt = fmt.for_layer(self.role)
         self.num_experts = num_experts
-        self.i_local = tp.split(intermediate, "expert intermediate")  # tensor-parallel split point
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.i_local, hidden, dtype=dtype, device=device),
-                                    requires_grad=False)
-        self.down = nn.Parameter(torch.empty(num_experts, hidden, self.i_local, dtype=dtype, device=device),
-                                 requires_grad=False)
+        self.i_local = n = tp.split(intermediate, "expert intermediate")  # tensor-parallel split point
+        self.fmt.check_shard("expert gate/up rows", 0, tp.rank * n, n, intermediate)
+        self.fmt.check_shard("expert up rows after the gate rows", 0, n, n, 2 * n)
+        self.fmt.check_shard("expert down columns", 1, tp.rank * n, n, intermediate)
+        self.fmt.create(self, "gate_up", (num_experts, 2 * n, hidden), dtype, device)
+        self.fmt.create(self, "down", (num_experts, hidden, n), dtype, device)
         self._stacked: set[str] = set()  # params loaded from one stacked tensor
+
+    @staticmethod
+    def _axis(param: str) -> int:
+        """The weight axis of the intermediate dimension in ``param`` (a slot or one of its
+        extras): rows of gate_up (0), columns of down (1)."""
+        return 0 if param.startswith("gate_up") else 1
+
+    def _local(self, param: str) -> tuple[int, int]:
+        """(start, length) of this rank's intermediate slice in ``param``'s coordinates."""
+        return self.fmt.span(param, self._axis(param), self.tp.rank * self.i_local, self.i_local)
 
     def shards(self, param: str) -> int:
         """How many checkpoint tensors fill ``param``: one stacked, or one per expert and part."""
         if param in self._stacked:
             return 1
-        return self.num_experts * (2 if param == "gate_up" else 1)
+        return self.num_experts * (2 if self._axis(param) == 0 else 1)
 
     def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
         """What of a checkpoint tensor this rank reads: its slice of the intermediate dimension
         (a stacked gate_up is read whole: its gate and up halves are two slices)."""
-        if self.tp.size == 1 or (part is None and param == "gate_up"):
+        axis = self._axis(param)
+        if self.tp.size == 1 or (part is None and axis == 0):
             return None
-        dim = (2 if part is None else 1) if param == "down" else 0
-        return dim, self.tp.rank * self.i_local, self.i_local
+        return axis + (1 if part is None else 0), *self._local(param)  # a stacked tensor: after the expert dim
 
-    def _rows(self, full: torch.Tensor, dim: int) -> torch.Tensor:
+    def _rows(self, param: str, full: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice along ``dim`` of a full intermediate dimension (or all of it: read
         as ``checkpoint_slice`` says, it is that slice already)."""
-        n = self.i_local
-        return full.narrow(dim, self.tp.rank * n, n) if full.shape[dim] == n * self.tp.size else full
+        start, n = self._local(param)
+        return full.narrow(dim, start, n) if full.shape[dim] == n * self.tp.size else full
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         """Copy a per-expert tensor (part "gate:E" / "up:E" / "down:E") or a stacked one."""
-        n = self.i_local
+        dst = getattr(self, param).data
+        n = self._local(param)[1]
         if part is None:  # stacked [E, 2I, H] / [E, H, I]
             self._stacked.add(param)
-            if param == "gate_up":
+            if self._axis(param) == 0:
                 half = loaded.shape[1] // 2
                 for j, rows in enumerate((loaded[:, :half], loaded[:, half:])):
-                    copy_checked(self.gate_up.data[:, j * n:(j + 1) * n], self._rows(rows, 1), name)
+                    copy_checked(dst[:, j * n:(j + 1) * n], self._rows(param, rows, 1), name)
             else:
-                copy_checked(self.down.data, self._rows(loaded, 2), name)
+                copy_checked(dst, self._rows(param, loaded, 2), name)
             return
         which, e = part.split(":")
         e = int(e)
         assert 0 <= e < self.num_experts, f"{name}: expert {e} outside 0..{self.num_experts - 1}"
         if which == "down":
-            copy_checked(self.down.data[e], self._rows(loaded, 1), name)
+            copy_checked(dst[e], self._rows(param, loaded, 1), name)
         else:
             j = 0 if which == "gate" else 1
-            copy_checked(self.gate_up.data[e, j * n:(j + 1) * n], self._rows(loaded, 0), name)
+            copy_checked(dst[e, j * n:(j + 1) * n], self._rows(param, loaded, 0), name)
 
 
 class SharedExpert(RuntimeModule):
@@ -147,11 +166,11 @@ class SharedExpert(RuntimeModule):
     sigmoid(gate); same tensor-parallel split as the dense MLP."""
 
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnLinear(hidden, {"gate": intermediate, "up": intermediate}, False, dtype,
-                                               device, tp)
-        self.down_proj = RowLinear(intermediate, hidden, dtype, device, tp)
+                                               device, tp, fmt=fmt)
+        self.down_proj = RowLinear(intermediate, hidden, dtype, device, tp, fmt)
 
     def add_into(self, out: torch.Tensor, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32); returns out."""
@@ -160,7 +179,7 @@ class SharedExpert(RuntimeModule):
         # With tp > 1 ``out`` holds this rank's partial sum of the routed experts and this adds
         # its partial sum of the shared expert (every rank adds: nothing here is reduced); the
         # layer's one all-reduce comes after.
-        return out.addmm_(a, self.down_proj.weight.t())
+        return self.down_proj.add_partial(out, a)
 
 
 class SparseMoe(RuntimeModule):
@@ -169,16 +188,16 @@ class SparseMoe(RuntimeModule):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, norm_topk: bool,
                  shared_intermediate: int, gemm: GroupedGemm, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.top_k = top_k
         self.norm_topk = norm_topk
         self.gemm = gemm
         self.gate = ReplicatedLinear(hidden, num_experts, dtype, device)  # the router
-        self.experts = ExpertWeights(num_experts, hidden, intermediate, dtype, device, tp)
+        self.experts = ExpertWeights(num_experts, hidden, intermediate, dtype, device, tp, fmt)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
-            self.shared_expert = SharedExpert(hidden, shared_intermediate, dtype, device, tp)
+            self.shared_expert = SharedExpert(hidden, shared_intermediate, dtype, device, tp, fmt)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
         # [E] 1..E: searchsorted of the sorted expert ids against it gives each expert's row end
         self.register_buffer("expert_ends", torch.arange(1, num_experts + 1, device=device), persistent=False)
@@ -201,9 +220,10 @@ class SparseMoe(RuntimeModule):
         offs = torch.searchsorted(sorted_ids, self.expert_ends, out_int32=True)  # [E] cumulative row ends
         # (expert parallel: exchange the sorted rows with their experts' owners here)
         x = h.index_select(0, order // k)  # [T*k, H] rows sorted by expert
-        gu = self.gemm(x, self.experts.gate_up.transpose(1, 2), offs)  # [T*k, 2 I_local]
+        ex = self.experts
+        gu = ex.fmt.apply_experts(ex, "gate_up", x, offs, self.gemm)  # [T*k, 2 I_local]
         a = self.rt.ops.silu_mul(gu)  # [T*k, I_local]
-        y = self.gemm(a, self.experts.down.transpose(1, 2), offs)  # [T*k, H] (partial sums with tp > 1)
+        y = ex.fmt.apply_experts(ex, "down", a, offs, self.gemm)  # [T*k, H] (partial sums with tp > 1)
         # (expert parallel: and back here)
         # Combine: token t sums w[t, j] * y[pos of slot (t, j)] over j, accumulated in float32.
         pos = torch.empty_like(order)
@@ -215,16 +235,19 @@ class SparseMoe(RuntimeModule):
 
     @torch.no_grad()
     def reference(self, h: torch.Tensor) -> torch.Tensor:
-        """The same output by a loop over experts, transformers' way (tests and checks)."""
+        """The same output by a loop over experts, transformers' way (tests and checks; plain
+        expert weights only)."""
         w, ids = self.route(h)
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
-        n = self.experts.i_local
-        for e in range(self.experts.num_experts):
+        ex = self.experts
+        n, gate_up, down = ex.i_local, ex.fmt.dense(ex, "gate_up"), ex.fmt.dense(ex, "down")
+        assert gate_up is not None and down is not None, f"the loop reference needs plain weights, not {ex.fmt.name}"
+        for e in range(ex.num_experts):
             tok, slot = torch.where(ids == e)
             if tok.numel() == 0:
                 continue
-            gu = h[tok] @ self.experts.gate_up[e].t()
-            y = (F.silu(gu[:, :n]) * gu[:, n:]) @ self.experts.down[e].t()
+            gu = h[tok] @ gate_up[e].t()
+            y = (F.silu(gu[:, :n]) * gu[:, n:]) @ down[e].t()
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         if self.shared_expert is not None:
             s = self.shared_expert

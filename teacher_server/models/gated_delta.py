@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from teacher_server.layers.formats.base import WeightFormat
+from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
 from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
@@ -47,12 +49,15 @@ class InProjection(MergedColumnLinear):
     """The linear layer's fused in-projection, parts q, k, v (the checkpoint's one
     ``in_proj_qkv`` tensor, cut here), z, b and a, each split by heads across ranks."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel,
+                 fmt: WeightFormat = UNQUANTIZED) -> None:
         kd, vd, nv = spec.linear_key_dim, spec.linear_value_dim, spec.linear_num_value_heads
         dk, dv = spec.linear_key_head_dim, spec.linear_value_head_dim
         super().__init__(spec.hidden_size, {"q": kd, "k": kd, "v": vd, "z": vd, "b": nv, "a": nv}, False, dtype,
-                         device, tp, units={"q": dk, "k": dk, "v": dv, "z": dv})
+                         device, tp, units={"q": dk, "k": dk, "v": dv, "z": dv}, fmt=fmt)
         self.qkv_rows = {"q": (0, kd), "k": (kd, kd), "v": (2 * kd, vd)}  # of in_proj_qkv
+        for sub, (start, n) in self.qkv_rows.items():
+            self.fmt.check_shard(f"{sub} rows of in_proj_qkv", 0, start, n, 2 * kd + vd)
 
     def shards(self, param: str) -> int:
         return 4  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
@@ -64,7 +69,7 @@ class InProjection(MergedColumnLinear):
         if part != "qkv":
             return super().load_weight(param, loaded, part, name)
         for sub, (start, n) in self.qkv_rows.items():
-            super().load_weight(param, loaded.narrow(0, start, n), sub, name)
+            super().load_weight(param, loaded.narrow(0, *self.fmt.span(param, 0, start, n)), sub, name)
         return None
 
 
@@ -73,7 +78,7 @@ class GatedDeltaNet(RuntimeModule):
     with tensor parallel this rank's heads (see the module docstring)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.tp = tp
@@ -83,14 +88,14 @@ class GatedDeltaNet(RuntimeModule):
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.full_key_dim = spec.linear_key_dim  # the checkpoint's convolution channels: q | k | v, all heads
-        self.in_proj = InProjection(spec, dtype, device, tp)
+        self.in_proj = InProjection(spec, dtype, device, tp, fmt)
         w = spec.linear_conv_kernel_dim
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, w, dtype=dtype, device=device),
                                         requires_grad=False)  # [D, W]; the checkpoint's conv1d.weight is [D, 1, W]
         self.A_log = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.nv, dtype=dtype, device=device), requires_grad=False)
         self.norm = RMSNorm(self.dv, spec.rms_norm_eps, dtype, device)  # plain weight * norm(x), per value head
-        self.o_proj = RowLinear(spec.linear_value_dim, spec.hidden_size, dtype, device, tp)
+        self.o_proj = RowLinear(spec.linear_value_dim, spec.hidden_size, dtype, device, tp, fmt)
 
     def shards(self, param: str) -> int:
         return 1

@@ -16,7 +16,10 @@ from torch import nn
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.cache_layout import FULL, SLIDING, AttentionCache, AttentionParams, CacheLayout, LinearStateLayout
 from teacher_server.layers.activation import SiluAndMul
-from teacher_server.layers.embedding import LMHead, VocabEmbedding
+from teacher_server.layers.embedding import LMHead, VocabEmbedding, VocabRows
+from teacher_server.layers.formats import make_format
+from teacher_server.layers.formats.base import WeightFormat
+from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
 from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
@@ -39,7 +42,7 @@ class LlamaAttention(RuntimeModule):
     rope_key = "default"  # which of the model's rotary tables (``make_ropes``) rotates q and k
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         d, g = spec.head_dim, self.q_rows_per_head
         # Tensor parallel splits heads; with more ranks than KV heads each is replicated.
@@ -48,8 +51,8 @@ class LlamaAttention(RuntimeModule):
         self.params = AttentionParams(d ** -0.5, spec.layer_window(layer_id))
         parts = {"q": g * spec.q_size, "k": spec.kv_size, "v": spec.kv_size}
         self.qkv_proj = MergedColumnLinear(spec.hidden_size, parts, spec.attention_bias, dtype, device, tp,
-                                           units={"q": g * d, "k": d, "v": d})
-        self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp)
+                                           units={"q": g * d, "k": d, "v": d}, fmt=fmt)
+        self.o_proj = RowLinear(spec.q_size, spec.hidden_size, dtype, device, tp, fmt)
 
     @property
     def scale(self) -> float:
@@ -86,16 +89,19 @@ class LlamaMLP(RuntimeModule):
     """Fused gate/up projection and SiLU-mul: [T, hidden] -> [T, intermediate]; the down
     projection is applied by the decoder layer (fused with the residual add)."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
+                 fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         i = spec.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"gate": i, "up": i}, False, dtype, device, tp)
+        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"gate": i, "up": i}, False, dtype, device, tp,
+                                               fmt=fmt)
         self.act = SiluAndMul()
-        self.down_proj = RowLinear(i, spec.hidden_size, dtype, device, tp)
+        self.down_proj = RowLinear(i, spec.hidden_size, dtype, device, tp, fmt)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         p = self.gate_up_proj
-        a = self.rt.ops.gate_up_act(h, p.weight) if p.bias is None else None  # one kernel where it runs
+        w = p.fmt.dense(p)  # [2I, H]; None: the format holds no plain weight for the fused kernel
+        a = self.rt.ops.gate_up_act(h, w) if w is not None and p.bias is None else None  # one kernel where it runs
         return a if a is not None else self.act(p(h))
 
 
@@ -112,18 +118,18 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNo
 
 class LlamaDecoderLayer(RuntimeModule):
     def __init__(self, spec: ModelSpec, layer_id: int, attention: type[LlamaAttention], dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+                 device: torch.device, tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.input_layernorm = decoder_norm(spec, spec.hidden_size, dtype, device)
-        self.self_attn = attention(spec, layer_id, dtype, device, tp)
+        self.self_attn = attention(spec, layer_id, dtype, device, tp, fmt)
         self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size, dtype, device)
-        self.mlp = self.make_mlp(spec, layer_id, dtype, device, tp)
+        self.mlp = self.make_mlp(spec, layer_id, dtype, device, tp, fmt)
         self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
 
     def make_mlp(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel) -> nn.Module:
+                 tp: TensorParallel, fmt: WeightFormat) -> nn.Module:
         """The layer's feed-forward block (expert families put their expert layer here)."""
-        return LlamaMLP(spec, dtype, device, tp)
+        return LlamaMLP(spec, dtype, device, tp, fmt)
 
     def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
         """x + mlp(h) and its norm with ``next_norm``."""
@@ -155,7 +161,7 @@ class LlamaForCausalLM(RuntimeModule):
     collaborators, then ``model(ctx, pacer)`` runs a step."""
 
     attention: type[LlamaAttention] = LlamaAttention
-    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (spec, layer_id, attention, dtype, device, tp)
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (spec, layer_id, attention, dtype, device, tp, fmt)
     # Checkpoint names (after "model.") whose tensors are parts of our fused projections.
     stacked: tuple[tuple[str, str, str], ...] = (
         (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
@@ -174,25 +180,30 @@ class LlamaForCausalLM(RuntimeModule):
         self.spec = spec
         self.tied = tied
         self.tp = tp
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp)
-        self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp)
+        # How every weight-holding layer stores its weights, decided once by the spec.
+        self.weight_format = fmt = make_format(spec.weight_format, spec.quantization_config)
+        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt)
+        self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp, fmt)
                                     for i in range(spec.num_layers))
         self.norm = decoder_norm(spec, spec.hidden_size, dtype, device)
-        self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp)
+        self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt)
         nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, norm in zip(self.layers, nexts):
             # A reference, not a child: the norm belongs to the next layer (or the model).
             object.__setattr__(layer, "next_norm", norm)
 
     @property
-    def lm_head(self) -> torch.Tensor:
-        """The LM head weight [V, hidden] (the embedding's when tied)."""
-        return (self.embed_tokens if self.head is None else self.head).weight
+    def logits_layer(self) -> VocabRows:
+        """The layer that makes the logits: the LM head, or the embedding when tied (with
+        tp > 1 its rows from ``vocab_start``)."""
+        return self.embed_tokens if self.head is None else self.head
 
     @property
-    def lm_vocab_start(self) -> int:
-        """The first vocabulary id of this rank's LM head rows (0 at tp 1)."""
-        return (self.embed_tokens if self.head is None else self.head).vocab_start
+    def lm_head(self) -> torch.Tensor | None:
+        """The plain LM head weight [V, hidden] (None where the format holds none): for tests
+        and tools; scoring asks ``logits_layer``."""
+        head = self.logits_layer
+        return head.fmt.dense(head)
 
     @property
     def dtype(self) -> torch.dtype:

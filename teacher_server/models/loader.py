@@ -1,7 +1,9 @@
 """Load an HF checkpoint directory (config.json + safetensors, sharded or not, with or
 without an index file) into the model class of its architecture, each tensor into its
 place (the fused QKV and gate/up parts included) through the owning layer's
-``load_weight``; or make random weights in place (``dummy`` load format)."""
+``load_weight``; or make random weights in place (``dummy`` load format). A tensor its
+weight format reads beside a weight (``<prefix>.weight_scale_inv``) goes to the layer of
+``<prefix>.weight``; then each format finishes its layers (``process_after_load``)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from teacher_server.layers.formats.base import WeightFormat, extra_name
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.models.registry import model_class
 from teacher_server.models.spec import ModelSpec
@@ -49,6 +52,25 @@ def read_slice(sf: object, name: str, sl: tuple[int, int, int] | None) -> torch.
     return part[index]
 
 
+def checkpoint_place(model: nn.Module, hf_name: str, extras: tuple[str, ...]) -> tuple[str, str, str | None] | None:
+    """(module path, parameter, fused part) of a checkpoint tensor, as the model maps it
+    (``checkpoint_param``); an extra tensor of the weight format goes where its weight goes,
+    under the extra's name."""
+    for suffix in extras:
+        if hf_name.endswith("." + suffix):
+            place = model.checkpoint_param(hf_name.removesuffix(suffix) + "weight")
+            return None if place is None else (place[0], extra_name(place[1], suffix), place[2])
+    return model.checkpoint_param(hf_name)
+
+
+def finish_formats(model: nn.Module) -> None:
+    """Each weight-holding layer's format, once its tensors are filled."""
+    for m in model.modules():
+        fmt = getattr(m, "fmt", None)
+        if isinstance(fmt, WeightFormat):
+            fmt.process_after_load(m)
+
+
 def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
     """The model of ``spec.architecture`` with its weights (unbound: see ``bind``); with
@@ -59,6 +81,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     if load_format == "dummy":
         model = cls(spec, dtype, device, tied=bool(spec.tie_word_embeddings), tp=tp)
         init_dummy(model, seed + 1000 * tp.rank)
+        finish_formats(model)
         return model
     files = checkpoint_files(path)
     names: set[str] = set()
@@ -72,13 +95,14 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp)
     filled: dict[str, int] = {}  # our parameter name -> count of parts written
+    extras = tuple(model.weight_format.extras)  # suffixes read beside a weight (a layer kept unquantized has none)
     dev = "cpu" if device.type == "cpu" else str(device)
     t_all = time.perf_counter()
     for i, f in enumerate(files, 1):
         t0 = time.perf_counter()
         with safe_open(str(f), framework="pt", device=dev) as sf:
             for hf_name in sf.keys():
-                place = model.checkpoint_param(hf_name)
+                place = checkpoint_place(model, hf_name, extras)
                 if place is None:
                     continue
                 module, param, part = place
@@ -104,6 +128,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     if missing:
         raise ValueError(f"checkpoint {path} is missing weights for: {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+    finish_formats(model)
     log.info("loaded %d checkpoint file(s) in %.1fs", len(files), time.perf_counter() - t_all)
     return model
 
@@ -111,11 +136,17 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int) -> None:
     """Random weights made in place (like vLLM's --load-format dummy): norms at 1,
-    matrices N(0, 0.02) so activations stay in a realistic range."""
+    matrices N(0, 0.02) so activations stay in a realistic range; a weight format's tensors
+    as the format draws them (``WeightFormat.init_random``)."""
     params = list(model.named_parameters())
     gen = torch.Generator(device=params[0][1].device).manual_seed(seed)
     for name, p in params:
-        if p.dim() == 1 and "bias" not in name:
+        module, _, param = name.rpartition(".")
+        owner = model.get_submodule(module)
+        fmt = getattr(owner, "fmt", None)
+        if isinstance(fmt, WeightFormat) and param != "bias":
+            fmt.init_random(owner, param, gen)
+        elif p.dim() == 1 and "bias" not in name:
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02, generator=gen)

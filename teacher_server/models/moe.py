@@ -10,6 +10,7 @@ import re
 import torch
 from torch import nn
 
+from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.moe import SparseMoe, expert_param
 from teacher_server.layers.parallel import TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
@@ -30,12 +31,13 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     """Attention then the expert layer (or the dense MLP in the model's dense layers)."""
 
     def make_mlp(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel) -> nn.Module:
+                 tp: TensorParallel, fmt: WeightFormat) -> nn.Module:
         self.sparse = spec.is_moe_layer(layer_id)
         if not self.sparse:
-            return super().make_mlp(spec, layer_id, dtype, device, tp)
+            return super().make_mlp(spec, layer_id, dtype, device, tp, fmt)
         return SparseMoe(spec.hidden_size, spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size,
-                         spec.norm_topk_prob, spec.shared_expert_intermediate_size, GROUPED_GEMM, dtype, device, tp)
+                         spec.norm_topk_prob, spec.shared_expert_intermediate_size, GROUPED_GEMM, dtype, device, tp,
+                         fmt)
 
     def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
         if self.sparse:  # the experts' output is combined already: a plain residual add

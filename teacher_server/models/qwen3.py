@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from teacher_server.layers.formats.base import WeightFormat
+from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
 from teacher_server.models.norm import decoder_norm
@@ -13,8 +15,8 @@ from teacher_server.models.spec import ModelSpec
 
 class Qwen3Attention(LlamaAttention):
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
-        super().__init__(spec, layer_id, dtype, device, tp)
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
+        super().__init__(spec, layer_id, dtype, device, tp, fmt)
         self.q_norm = decoder_norm(spec, spec.head_dim, dtype, device)
         self.k_norm = decoder_norm(spec, spec.head_dim, dtype, device)
 

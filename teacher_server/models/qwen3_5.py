@@ -23,6 +23,8 @@ from torch import nn
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.cache_layout import LinearStateLayout
+from teacher_server.layers.formats.base import WeightFormat
+from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.models.gated_delta import GatedDeltaNet
@@ -62,8 +64,8 @@ class Qwen3_5Attention(Qwen3Attention):
     q_rows_per_head = 2
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE) -> None:
-        super().__init__(spec, layer_id, dtype, device, tp)
+                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
+        super().__init__(spec, layer_id, dtype, device, tp, fmt)
         self.rotary_dim = spec.rotary_dim
 
     def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -97,9 +99,9 @@ class Qwen3_5DecoderLayer(LlamaDecoderLayer):
     ``spec.layer_types`` says; norms are zero-centred (``decoder_norm``: the spec says so)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, attention: type[nn.Module], dtype: torch.dtype,
-                 device: torch.device, tp: TensorParallel = SINGLE) -> None:
+                 device: torch.device, tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         linear = spec.is_linear_layer(layer_id)
-        super().__init__(spec, layer_id, GatedDeltaNet if linear else attention, dtype, device, tp)
+        super().__init__(spec, layer_id, GatedDeltaNet if linear else attention, dtype, device, tp, fmt)
         self.linear = linear
         if linear:  # the checkpoint's name for it
             self.linear_attn = self.self_attn

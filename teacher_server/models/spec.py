@@ -11,13 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from teacher_server.layers.formats import format_name
 from teacher_server.models.registry import ARCHITECTURES
+from teacher_server.unsupported import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -64,6 +62,10 @@ class ModelSpec:
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q and k
     attn_output_gate: bool = False  # q_proj also makes a per-head gate: out * sigmoid(gate)
     zero_centered_norm: bool = False  # RMSNorm scales by (1 + weight)
+    # How the weights are stored: a format of ``layers.formats`` (chosen by config.json's
+    # quantization_config, which the format reads its parameters from).
+    weight_format: str = "unquantized"
+    quantization_config: dict[str, Any] = field(default_factory=dict)
 
     @property
     def q_size(self) -> int:
@@ -161,7 +163,9 @@ class ModelSpec:
                 + ", ".join(ARCHITECTURES))
         entry = ARCHITECTURES[arch]
         family = entry.family
-        refuse_unbuilt(arch, entry.attention_bias, top if top is d else {**top, **d})
+        seen = top if top is d else {**top, **d}
+        refuse_unbuilt(arch, entry.attention_bias, seen)
+        weight_format = format_name(seen.get("quantization_config"))
         d = {**entry.defaults, **d}  # a key left out: transformers' default for the family
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -212,6 +216,8 @@ class ModelSpec:
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             **({"layer_types": layer_types} if layer_types else {}),
+            weight_format=weight_format,
+            quantization_config=dict(seen.get("quantization_config") or {}),
             **(moe_facts(d, entry.always_norm_topk, entry.sparse_step) if entry.moe else {}),
             **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
         )
@@ -226,14 +232,12 @@ class ModelSpec:
 
 def refuse_unbuilt(arch: str, qkv_bias: bool, d: dict[str, Any]) -> None:
     """What changes the math and is not built: refused by name rather than scored differently
-    (an activation) or failing on a checkpoint tensor with "no place" (biases, quantized
-    weights). ``d`` holds a vision-language config's top level and its text model's keys."""
+    (an activation) or failing on a checkpoint tensor with "no place" (biases; weight formats
+    are refused by ``layers.formats.format_name``). ``d`` holds a vision-language config's top
+    level and its text model's keys."""
     act = d.get("hidden_act", d.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (SiLU-gated MLPs only)")
-    if d.get("quantization_config"):
-        method = (d["quantization_config"] or {}).get("quant_method", "?")
-        raise UnsupportedModelError(f"quantized checkpoints are not supported (quantization_config: {method})")
     if d.get("mlp_bias"):
         raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")
     if d.get("attention_bias") and not qkv_bias:

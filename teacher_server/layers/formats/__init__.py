@@ -1,0 +1,80 @@
+"""Weight formats (``base.WeightFormat``), one file per format, and the registry from
+config.json's ``quantization_config`` to the format a model's layers are built with:
+
+- absent (or empty): ``unquantized`` (the weights in the model dtype);
+- a ``quant_method`` registered here: that format, made by its factory from the whole
+  ``quantization_config`` (block sizes, ignored modules, ...);
+- a method known but not built (``NOT_BUILT``): refused by name, as is an unknown one.
+
+A new format is one file in this package and a ``register_format`` entry here (its factory
+imports the file on first use: reading a config.json needs no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from teacher_server.unsupported import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from teacher_server.layers.formats.base import WeightFormat
+
+# A factory makes the format from config.json's quantization_config ({} when unquantized).
+Factory = Callable[[dict[str, Any]], "WeightFormat"]
+FORMATS: dict[str, Factory] = {}
+
+# quant_method values of Hugging Face checkpoints whose formats are not built: refused with
+# what they are.
+NOT_BUILT: dict[str, str] = {
+    "fp8": "FP8 e4m3 weights: block-wise with weight_scale_inv (weight_block_size), or per tensor",
+    "compressed-tensors": "compressed-tensors (FP8 per channel / per tensor, INT8, INT4, NVFP4)",
+    "fbgemm_fp8": "FP8 weights with per-row scales",
+    "gptq": "GPTQ integer weights",
+    "awq": "AWQ integer weights",
+    "bitsandbytes": "bitsandbytes 8-bit / 4-bit weights",
+    "mxfp4": "MXFP4 weights",
+    "modelopt": "ModelOpt FP8 / NVFP4 weights",
+    "gguf": "GGUF quantized weights",
+    "hqq": "HQQ integer weights",
+    "aqlm": "AQLM codebook weights",
+    "eetq": "EETQ INT8 weights",
+    "torchao": "torchao quantized weights",
+    "quark": "Quark quantized weights",
+    "bitnet": "BitNet ternary weights",
+}
+
+
+def register_format(method: str) -> Callable[[Factory], Factory]:
+    """Register the factory of the format config.json names ``quant_method: <method>``."""
+    def add(factory: Factory) -> Factory:
+        FORMATS[method] = factory
+        return factory
+
+    return add
+
+
+@register_format("unquantized")
+def _unquantized(config: dict[str, Any]) -> WeightFormat:
+    from teacher_server.layers.formats.unquantized import UNQUANTIZED
+
+    return UNQUANTIZED
+
+
+def format_name(quantization_config: Any) -> str:
+    """The registered format of config.json's ``quantization_config``; UnsupportedModelError
+    naming its ``quant_method`` where none is registered."""
+    if not quantization_config:
+        return "unquantized"
+    method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else None
+    if method in FORMATS:
+        return method
+    built = ", ".join(FORMATS)
+    what = f" ({NOT_BUILT[method]})" if method in NOT_BUILT else " (an unknown method)"
+    raise UnsupportedModelError(f"quantized checkpoints with quant_method {method!r}{what} are not supported; "
+                                f"weight formats built: {built}")
+
+
+def make_format(name: str, quantization_config: dict[str, Any]) -> WeightFormat:
+    """The format registered as ``name`` (``format_name``'s answer), made from the config."""
+    return FORMATS[name](quantization_config)

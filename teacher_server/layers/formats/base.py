@@ -1,0 +1,128 @@
+"""WeightFormat: how a layer holds its weights and multiplies by them.
+
+Every layer with a weight matrix (the fused column-parallel and row-parallel linears, the
+embedding and LM head, the stacked expert weights) makes its weights through its format,
+loads and shards them through it, and calls it for the product: ``fmt.apply(layer, x)``. A
+format is one class: ``create`` (the layer's parameters for an [out, in] weight), the
+checkpoint tensors it reads beside each ``.weight`` (``extras``, e.g. ``weight_scale_inv``)
+with the block of the weight each of their elements covers, ``process_after_load``, and the
+products (``apply``, ``add_into``, ``apply_experts``).
+
+Names. A layer's weight lives in a *slot*: ``weight`` for the linears and vocab layers,
+``gate_up`` and ``down`` for the experts. The format's tensor for the slot keeps the slot's
+name; an extra tensor with checkpoint suffix ``s`` is ``s`` on a ``weight`` slot (its
+checkpoint name, as in the checkpoint) and ``<slot>_<s>`` on another (``gate_up_weight_scale_inv``).
+The loader routes ``<prefix>.<s>`` to the layer of ``<prefix>.weight`` under that name.
+
+Shards. A block-scaled tensor holds one element per block of weight rows/columns, so a
+tensor-parallel slice (or the place of a fused part) must start on a block and span whole
+blocks (or end the axis): ``check_shard`` refuses others when the layer is built, and
+``span`` turns a slice of the weight into the matching slice of any of the layer's tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+# A grouped GEMM: [M, K] rows sorted by expert x [E, K, N] by expert, with the experts' row
+# ends [E] int32 -> [M, N] (``ops.grouped_mm.GroupedGemm``).
+GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def extra_name(slot: str, suffix: str) -> str:
+    """The attribute of the extra tensor ``suffix`` of ``slot`` (see the module docstring)."""
+    return suffix if slot == "weight" else f"{slot}_{suffix}"
+
+
+class WeightFormat(ABC):
+    """How the weights of a layer are stored and applied (one instance per model, shared by
+    its layers: it keeps no per-layer state; the layer's tensors are the layer's)."""
+
+    name: ClassVar[str]
+    # Checkpoint tensors beside each ``<prefix>.weight`` and the [rows, columns] block of the
+    # weight one of their elements covers (ceil-divided at the ends), e.g.
+    # {"weight_scale_inv": (128, 128)}.
+    extras: ClassVar[dict[str, tuple[int, int]]] = {}
+
+    def for_layer(self, role: str) -> WeightFormat:
+        """The format of a layer of ``role`` ("linear", "experts", "embedding", "lm_head"):
+        this one, or another where the checkpoint keeps that kind of layer unquantized
+        (block-wise FP8 checkpoints keep the embedding and the LM head in bf16)."""
+        return self
+
+    @property
+    def shard_unit(self) -> tuple[int, int]:
+        """The rows and columns a shard must be whole multiples of (1, 1: any slice)."""
+        return (math.lcm(1, *(b[0] for b in self.extras.values())),
+                math.lcm(1, *(b[1] for b in self.extras.values())))
+
+    def check_shard(self, what: str, axis: int, start: int, n: int, full: int) -> None:
+        """Refuse, when the layer is built, the slice [start, start + n) of a weight axis of
+        ``full`` (0: output rows, 1: input columns) that cuts one of this format's blocks."""
+        b = self.shard_unit[axis]
+        if b > 1 and (start % b or (n % b and start + n != full)):
+            kind = ("rows", "columns")[axis]
+            raise ValueError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole {b}-{kind[:-1]} blocks "
+                             f"of the {self.name} weight format (a smaller tensor-parallel size keeps them whole)")
+
+    def block(self, param: str) -> tuple[int, int]:
+        """The block of weight rows and columns one element of the layer's tensor ``param``
+        covers: (1, 1) for the weight itself and tensors not the format's (a bias)."""
+        for suffix, b in self.extras.items():
+            if param == suffix or param.endswith("_" + suffix):
+                return b
+        return (1, 1)
+
+    def span(self, param: str, axis: int, start: int, n: int) -> tuple[int, int]:
+        """The slice [start, start + n) of weight axis ``axis`` as (start, length) in the
+        layer's tensor ``param`` (block indices for a block-scaled one; ``check_shard``
+        made sure the slice is whole blocks)."""
+        b = self.block(param)[axis]
+        return (start, n) if b == 1 else (start // b, -(-n // b))
+
+    @abstractmethod
+    def create(self, layer: nn.Module, slot: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> None:
+        """Register on ``layer`` the parameters (what the checkpoint fills) of the weight
+        ``slot`` of ``shape`` ([out, in], or [E, out, in] for experts) in the model's
+        ``dtype``: the slot's tensor and one per extra."""
+
+    def init_random(self, layer: nn.Module, param: str, gen: torch.Generator) -> None:
+        """Fill the layer's tensor ``param`` with random values in place (dummy weights, drawn
+        from ``gen`` in parameter order): N(0, 0.02) here; a format whose tensors are not
+        plain weights (scales, packed integers) draws its own."""
+        getattr(layer, param).normal_(0.0, 0.02, generator=gen)
+
+    def process_after_load(self, layer: nn.Module) -> None:
+        """Called once on each of the format's layers after every tensor is loaded (or made
+        at random): repack, transpose or check the loaded tensors (none here)."""
+        return None
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ ``layer.bias``) [T, out], written into ``out`` when given (a
+        layer without a bias: the row-parallel parts)."""
+
+    def add_into(self, layer: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """out += x W^T in place, the sum made in the GEMM's epilogue and rounded once;
+        returns out, or None where the format cannot (the caller then adds ``apply``'s)."""
+        return None
+
+    def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor | None:
+        """The weight of ``slot`` as a plain tensor in the activation dtype, for kernels that
+        read it directly (the fused gate/up kernel, the float32 logits, the embedding
+        lookup); None where the format holds none (those paths are then skipped)."""
+        return None
+
+    @abstractmethod
+    def apply_experts(self, layer: nn.Module, slot: str, x: torch.Tensor, offs: torch.Tensor,
+                      gemm: GroupedMM) -> torch.Tensor:
+        """The grouped product of rows x [M, in] sorted by expert with each expert's weight
+        of ``slot`` ([E, out, in]; ``offs`` [E] int32 row ends): [M, out]. ``gemm`` is the
+        model's grouped GEMM for plain weights."""
