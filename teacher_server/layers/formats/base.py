@@ -10,8 +10,8 @@ products (``apply``, ``add_into``, ``apply_experts``).
 
 Names. A layer's weight lives in a *slot*: ``weight`` for the linears and vocab layers,
 ``gate_up`` and ``down`` for the experts. The format's tensor for the slot keeps the slot's
-name; an extra tensor with checkpoint suffix ``s`` is ``s`` on a ``weight`` slot (its
-checkpoint name, as in the checkpoint) and ``<slot>_<s>`` on another (``gate_up_weight_scale_inv``).
+name; an extra tensor with checkpoint suffix ``s`` is named ``s`` on a ``weight`` slot (as
+in the checkpoint) and ``<slot>_<s>`` on another (``gate_up_weight_scale_inv``).
 The loader routes ``<prefix>.<s>`` to the layer of ``<prefix>.weight`` under that name.
 
 Shards. A block-scaled tensor holds one element per block of weight rows/columns, so a
@@ -47,8 +47,8 @@ class WeightFormat(ABC):
     name: ClassVar[str]
     # Checkpoint tensors beside each ``<prefix>.weight`` and the [rows, columns] block of the
     # weight one of their elements covers (ceil-divided at the ends), e.g.
-    # {"weight_scale_inv": (128, 128)}.
-    extras: ClassVar[dict[str, tuple[int, int]]] = {}
+    # {"weight_scale_inv": (128, 128)}; set per instance where the checkpoint's config says.
+    extras: dict[str, tuple[int, int]] = {}
 
     def for_layer(self, role: str) -> WeightFormat:
         """The format of a layer of ``role`` ("linear", "experts", "embedding", "lm_head"):
