@@ -1,0 +1,139 @@
+"""vLLM's `vllm serve` flags on `teacher-server serve`, one-line usage errors, and the start-up
+checks that run before the engine loads (misspelled variables, a port in use)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from teacher_server import __version__
+from teacher_server.cli import config_from_args, main
+from teacher_server.config import Config, ConfigError
+from teacher_server.human_int import human_int
+
+
+def test_a_vllm_launch_line_parses() -> None:
+    notes: list[str] = []
+    cfg = config_from_args(["serve", "Qwen/Qwen3-8B", "-tp", "2", "-dp", "3", "--served-model-name", "a", "b",
+                            "--dtype", "half", "--max-model-len", "32k", "--trust-remote-code", "--enforce-eager",
+                            "--num-gpu-blocks-override", "100", "--enable-log-requests", "--disable-log-stats",
+                            "--kv-cache-dtype", "auto", "--root-path", "/teacher",
+                            "--allowed-origins", '["https://a.example", "https://b.example"]'], notes)
+    assert (cfg.model, cfg.tensor_parallel_size, cfg.data_parallel_size) == ("Qwen/Qwen3-8B", 2, 3)
+    assert cfg.served_names == ("a", "b") and cfg.served_model_name == "a"
+    assert (cfg.dtype, cfg.max_model_len, cfg.compile, cfg.num_kv_blocks) == ("float16", 32000, False, 100)
+    assert cfg.root_path == "/teacher" and cfg.allowed_origins == ["https://a.example", "https://b.example"]
+    assert any("--trust-remote-code" in n for n in notes) and any("--disable-log-stats" in n for n in notes)
+    assert config_from_args(["serve", "--dtype", "float"]).dtype == "float32"
+    assert config_from_args(["serve", "--enforce-eager", "--compile"]).compile is True  # ours wins
+
+
+def test_hf_token_sets_the_hub_token(monkeypatch) -> None:
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    config_from_args(["serve", "--hf-token", "hf_abc"])
+    import os
+
+    assert os.environ.pop("HF_TOKEN") == "hf_abc"
+    config_from_args(["serve", "--hf-token"])  # the saved login: nothing set
+    assert "HF_TOKEN" not in os.environ
+
+
+@pytest.mark.parametrize("text, value", [("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1m", 10**6),
+                                         ("2M", 2 * 2**20), ("4096", 4096)])
+def test_sizes_take_vllm_suffixes(text: str, value: int) -> None:
+    assert human_int(text) == value
+    assert config_from_args(["serve", "--max-num-batched-tokens", text]).max_num_batched_tokens == value
+    assert Config.load(env={"TEACHER_SERVER_MAX_MODEL_LEN": text}).max_model_len == value
+
+
+def test_binary_suffixes_take_whole_numbers() -> None:
+    with pytest.raises(ValueError, match="decimals"):
+        human_int("1.5K")
+    with pytest.raises(ValueError, match="not an integer"):
+        human_int("lots")
+
+
+def test_the_model_given_twice_differently_is_refused() -> None:
+    assert config_from_args(["serve", "/m", "--model", "/m"]).model == "/m"
+    with pytest.raises(ConfigError, match="given twice"):
+        config_from_args(["serve", "/m", "--model", "/n"])
+
+
+def _main_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_a_misspelled_dtype_is_one_line_naming_the_spelling(capsys) -> None:
+    err = _main_error(["serve", "--dtype", "bf16"], capsys)
+    assert err.count("\n") == 1 and "did you mean 'bfloat16'" in err, err
+
+
+def test_a_usage_mistake_is_one_line(capsys) -> None:
+    err = _main_error(["serve", "--attention-backend", "magic"], capsys)
+    assert err.count("\n") == 1 and "--attention-backend" in err and "usage:" not in err, err
+    err = _main_error(["serve", "--no-such-flag"], capsys)
+    assert err.count("\n") == 1 and "--no-such-flag" in err, err
+
+
+def test_serve_version(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == __version__
+
+
+def test_an_unbuilt_kv_cache_dtype_is_refused(capsys) -> None:
+    err = _main_error(["serve", "--kv-cache-dtype", "fp8"], capsys)
+    assert "kv_cache_dtype" in err and "not built" in err and "auto" in err
+
+
+def test_a_misspelled_variable_is_refused_with_the_closest_name(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("TEACHER_SERVER_MAX_LOGPROB", "64")
+    err = _main_error(["serve"], capsys)
+    assert "TEACHER_SERVER_MAX_LOGPROB" in err and "'TEACHER_SERVER_MAX_LOGPROBS'" in err, err
+    monkeypatch.delenv("TEACHER_SERVER_MAX_LOGPROB")
+    monkeypatch.setenv("TEACHER_SERVER_EXT_DIR", "/tmp/x")  # read by the kernel build, not a setting
+    assert Config.load().max_logprobs == 256
+
+
+def test_a_port_in_use_is_named_before_the_engine_loads(capsys) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        err = _main_error(["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"], capsys)
+    assert f"port {port}" in err and "--port" in err, err
+
+
+def test_tls_needs_both_files_and_names_a_missing_one(tmp_path, capsys) -> None:
+    with pytest.raises(ConfigError, match="ssl_keyfile and ssl_certfile"):
+        config_from_args(["serve", "--ssl-keyfile", "k.pem"])
+    err = _main_error(["serve", "--port", "0", "--ssl-keyfile", str(tmp_path / "k.pem"), "--ssl-certfile",
+                       str(tmp_path / "c.pem")], capsys)
+    assert "no file" in err and "k.pem" in err, err
+
+
+def test_aliases_cors_and_root_path_over_http(tmp_path) -> None:
+    """Every --served-model-name is accepted as `model` (an unknown one is still 404); CORS
+    answers a browser's preflight for an allowed origin only; /docs links carry root_path."""
+    from apiutil import assert_error, body
+    from conftest import LiveServer
+
+    cfg = Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=256, num_kv_blocks=256,
+                 max_model_len=512, served_model_name=["teacher", "qwen-alias"],
+                 allowed_origins=["https://ui.example"], root_path="/teacher")
+    gen = "/inference/v1/generate"
+    with LiveServer(cfg) as s, s.client() as c:
+        for name in ("teacher", "qwen-alias"):
+            r = c.post(gen, json={**body([1, 2, 3], [[4], [5]], start=0), "model": name})
+            assert r.status_code == 200 and r.json()["model"] == "teacher", r.text
+        assert_error(c.post(gen, json={**body([1, 2, 3], [4]), "model": "other"}), 404, "model")
+        pre = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
+        r = c.options(gen, headers=pre)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+        r = c.options(gen, headers={**pre, "Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+        assert "/teacher/openapi.json" in c.get("/docs").text
