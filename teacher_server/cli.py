@@ -154,7 +154,15 @@ def main(argv: list[str] | None = None) -> None:
     for note in notes:
         logging.getLogger("teacher_server").info("%s", note)
     try:
-        # before the engine loads (uvicorn binds after the app's start-up has begun it)
+        # before the engine loads (uvicorn binds after the app's start-up has begun it); a
+        # missing GPU is one line here, whichever process the engine would have run in
+        if cfg.device == "cuda":
+            from teacher_server.engine.rank_setup import resolve_device
+
+            try:
+                resolve_device("cuda")
+            except RuntimeError as e:
+                raise ConfigError(str(e)) from None
         check_port_free(cfg.host, cfg.port)
         app = create_app(cfg)
         # The drain itself is bounded by shutdown_timeout_s (DrainingServer); uvicorn's own

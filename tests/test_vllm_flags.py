@@ -137,3 +137,13 @@ def test_aliases_cors_and_root_path_over_http(tmp_path) -> None:
         r = c.options(gen, headers={**pre, "Origin": "https://evil.example"})
         assert "access-control-allow-origin" not in r.headers
         assert "/teacher/openapi.json" in c.get("/docs").text
+
+
+def test_cuda_without_a_gpu_is_one_line_in_every_engine_mode(capsys) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    for mode in ("--engine-process", "--no-engine-process"):
+        err = _main_error(["serve", "--device", "cuda", mode, "--port", "0"], capsys)
+        assert err.count("\n") == 1 and "no CUDA GPU" in err and "--device cpu" in err, err
