@@ -171,7 +171,7 @@ class Config(BaseModel):
         True, description="Also export the vllm:* names that vLLM dashboards and autoscalers read.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_json: bool = Field(False, description="One JSON object per log line.")
-    ssl_keyfile: str | None = Field(None, description="TLS: the private key file (PEM); with ssl_certfile, serve HTTPS.")
+    ssl_keyfile: str | None = Field(None, description="TLS: the private key file (PEM); with ssl_certfile: HTTPS.")
     ssl_certfile: str | None = Field(None, description="TLS: the certificate chain file (PEM).")
     root_path: str = Field(
         "", description="Path prefix the service is mounted under behind a proxy that strips it (ASGI root_path, "
