@@ -1,0 +1,88 @@
+"""The compile cache directory (compiled kernels and autotuning kept across restarts) and the
+start-up's per-phase log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from teacher_server.compile_cache import cache_summary, use_compile_cache
+from teacher_server.config import Config
+from teacher_server.engine.startup_phases import StartupPhases
+
+VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "TEACHER_SERVER_EXT_DIR",
+        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for v in VARS:
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return monkeypatch
+
+
+def test_an_explicit_directory_holds_every_cache(clean_env, tmp_path) -> None:
+    root = use_compile_cache(str(tmp_path / "cc"))
+    assert root == tmp_path / "cc" and root.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root / "inductor")
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
+    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"  # Triton times every config again without it
+    assert os.environ["TEACHER_SERVER_EXT_DIR"] == str(root / "ext")
+
+
+def test_the_default_is_under_the_user_cache_and_keeps_the_kernel_library_where_it_was(clean_env, tmp_path) -> None:
+    root = use_compile_cache(None)
+    assert root == tmp_path / "xdg" / "teacher-server" / "compile"
+    assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton") and "TEACHER_SERVER_EXT_DIR" not in os.environ
+
+
+def test_a_variable_set_by_the_user_wins_and_off_leaves_everything(clean_env, tmp_path) -> None:
+    clean_env.setenv("TRITON_CACHE_DIR", "/image/triton")
+    use_compile_cache(str(tmp_path / "cc"))
+    assert os.environ["TRITON_CACHE_DIR"] == "/image/triton"
+    for v in VARS:
+        clean_env.delenv(v, raising=False)
+    assert use_compile_cache("off") is None and not any(v in os.environ for v in VARS)
+    assert Config(compile_cache_dir="off").compile_cache_dir == "off"
+
+
+def test_an_unwritable_directory_warns_and_starts_anyway(clean_env, tmp_path, caplog) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING):
+        assert use_compile_cache(str(blocker / "cc")) is None
+    assert "not writable" in caplog.text and "TRITON_CACHE_DIR" not in os.environ
+
+
+def test_summary_counts_what_is_kept(tmp_path) -> None:
+    assert cache_summary(None) == "off"
+    assert cache_summary(tmp_path).endswith(": 0 files, 0 MB")
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "k.cubin").write_bytes(b"x" * 3_000_000)
+    assert cache_summary(tmp_path).endswith(": 1 files, 3 MB")
+
+
+def test_phases_count_nested_work_once(monkeypatch) -> None:
+    clock = iter([0.0, 2.0, 10.0, 10.5])
+    monkeypatch.setattr("teacher_server.engine.startup_phases.time.perf_counter", lambda: next(clock))
+    p = StartupPhases()
+    p.done("weights")  # 0 -> 2
+    p.add({"attention plans": 3.0, "compile": 4.0})  # inside the next phase
+    p.done("KV pool")  # 2 -> 10, of which 7 already counted
+    p.done("warm-up requests")
+    assert p.seconds == {"weights": 2.0, "attention plans": 3.0, "compile": 4.0, "KV pool": 1.0,
+                         "warm-up requests": 0.5}
+    assert p.line() == "10.5s (weights 2.0s, attention plans 3.0s, compile 4.0s, KV pool 1.0s, warm-up requests 0.5s)"
+
+
+def test_the_engine_logs_its_start_up_phases(tmp_path, caplog) -> None:
+    from teacher_server.engine.engine import Engine
+
+    with caplog.at_level(logging.INFO, logger="teacher_server"):
+        e = Engine(Config(device="cpu", demo_model_dir=str(tmp_path / "m"), max_model_len=256, num_kv_blocks=64,
+                          warm_up=False))
+    assert {"model files", "weights", "KV pool"} <= set(e.startup_phases)
+    assert "start-up took" in caplog.text and "weights" in caplog.text
