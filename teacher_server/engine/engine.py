@@ -28,8 +28,8 @@ from teacher_server.engine.rank_setup import (
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Sequence
-from teacher_server.engine.state_slots import StateSlots
 from teacher_server.engine.startup_phases import StartupPhases
+from teacher_server.engine.state_slots import StateSlots
 from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
 from teacher_server.engine.stepping import Stepping
 from teacher_server.engine.tp_workers import TPWorkers, init_group, rank_device
