@@ -73,7 +73,7 @@ class ModelRunner:
         if cuda:
             t0 = time.perf_counter()
             model.warm_up_ops(self.ops, ropes)
-            self.startup_s["compile, kernel checks, autotuning"] = time.perf_counter() - t0
+            self.startup_s["compiles and autotuning"] = time.perf_counter() - t0
         model.bind(Runtime(attn, self.ops, self.kv, ropes))
 
     def set_tuning(self, residual_in_gemm: bool, last_layer_rows_only: bool) -> None:
