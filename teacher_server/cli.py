@@ -21,6 +21,9 @@ from teacher_server.vllm_flags import ALIASES, add_vllm_flags, apply_vllm_flags
 
 # settings whose flag takes several values (vLLM's --served-model-name a b)
 SEVERAL = {"served_model_name"}
+# choice settings whose refusal Config words (dtype: the right spelling, and vLLM's half and
+# float; kv_cache_dtype: what is built)
+OWN_MESSAGES = {"dtype", "kv_cache_dtype"}
 
 
 class OneLineErrors(argparse.ArgumentParser):
@@ -61,7 +64,7 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
     if kind is list:  # several values, or vLLM's one JSON list ('["*"]'); Config takes either
         parser.add_argument(*flags, dest=name, nargs="+", default=argparse.SUPPRESS, help=help_text, metavar="STR")
         return
-    if name == "dtype":  # Config names the right spelling and takes vLLM's (half, float)
+    if name in OWN_MESSAGES:  # Config's message is clearer than argparse's list of choices
         choices = []
     convert = _converter(kind, optional)
     parser.add_argument(*flags, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,

@@ -118,7 +118,7 @@ class Config(BaseModel):
         None, description="Append one JSON line per forward step to this file (when it was launched, its tokens, "
                           "sequences, chunks continuing or continued in another step, scored rows, host launch "
                           "and GPU time): for looking into throughput. None: off.")
-    kv_cache_dtype: str = Field(
+    kv_cache_dtype: Literal["auto"] = Field(
         "auto", description="KV cache dtype: auto (the model's dtype) is the only one built; fp8 and others are "
                             "refused (vLLM's flag, accepted for launch scripts that pass auto).")
     compile_cache_dir: str | None = Field(
