@@ -879,11 +879,14 @@ def test_dockerfile_builds_what_the_tests_exercise() -> None:
     top = args_of(st[""], "ARG")
     build, runtime = st["build"], st["runtime"]
 
-    # CUDA 12.x devel to build, runtime to run, and the torch wheel index for that CUDA
+    # CUDA 13.x devel to build, runtime to run (the stack the GPU numbers were measured with: torch
+    # 2.11 + CUDA 13), each pinned by tag and digest, and the torch wheel index for that CUDA
     cuda = top["CUDA_VERSION"]
-    assert re.fullmatch(r"12\.\d+\.\d+", cuda), cuda
-    assert build[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-")
-    assert runtime[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-runtime-")
+    assert re.fullmatch(r"13\.\d+\.\d+", cuda), cuda
+    assert build[0][1] == "nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION}@${CUDA_DEVEL_DIGEST}"
+    assert runtime[0][1] == "nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}@${CUDA_RUNTIME_DIGEST}"
+    for digest in ("CUDA_DEVEL_DIGEST", "CUDA_RUNTIME_DIGEST"):
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", top[digest]), (digest, top[digest])
     bargs = args_of(build, "ARG")
     major, minor = cuda.split(".")[:2]
     assert bargs["TORCH_INDEX"] == f"cu{major}{minor}", "torch wheels must match the base image's CUDA"
@@ -901,9 +904,15 @@ def test_dockerfile_builds_what_the_tests_exercise() -> None:
     assert any(req.startswith("flash-attn") for req in extra), extra
     from packaging.requirements import Requirement
 
-    pinned = bargs["FLASH_ATTN_VERSION"]
+    # every version comes from the one lock (tests/test_lock.py checks it against pyproject.toml)
+    lock = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
     (fa_req,) = [Requirement(r) for r in extra if r.startswith("flash-attn")]
-    assert fa_req.specifier.contains(pinned, prereleases=True), (pinned, str(fa_req))
+    assert fa_req.specifier.contains(lock["flash-attn"], prereleases=True), (lock["flash-attn"], str(fa_req))
+    text = " ".join(runs)
+    for what in ("^torch==", "^flash-attn==", "-r /src/requirements.lock"):
+        assert what in text, f"the build installs {what} from requirements.lock"
+    assert "--no-deps -r /src/requirements.lock" in text and "pip check" in text
 
     # the kernel extension is built at image build time and copied to the runtime
     # (its archs: test_image_runs_the_fast_path)
@@ -938,9 +947,11 @@ def test_dockerfile_builds_what_the_tests_exercise() -> None:
     assert renv["XDG_CACHE_HOME"] == values["cache"]["mountPath"]
     assert values["containerPort"] == port
 
-    # exec-form entrypoint = the console script pyproject.toml installs
+    # exec-form entrypoint = the console script pyproject.toml installs, under tini as PID 1 (it
+    # forwards SIGTERM and reaps the engine and worker processes)
     (entry,) = [a for i, a in runtime if i == "ENTRYPOINT"]
-    assert json.loads(entry) == ["teacher-server", "serve"]
+    assert json.loads(entry) == ["/usr/bin/tini", "--", "teacher-server", "serve"]
+    assert "tini" in " ".join(a for i, a in runtime if i == "RUN" and "apt-get install" in a).split()
     assert "teacher-server" in pyproject["project"]["scripts"]
     assert not [a for i, a in runtime if i == "CMD"], "flags come from the deployment, not a baked CMD"
     (health,) = [a for i, a in runtime if i == "HEALTHCHECK"]
