@@ -147,3 +147,21 @@ def test_cuda_without_a_gpu_is_one_line_in_every_engine_mode(capsys) -> None:
     for mode in ("--engine-process", "--no-engine-process"):
         err = _main_error(["serve", "--device", "cuda", mode, "--port", "0"], capsys)
         assert err.count("\n") == 1 and "no CUDA GPU" in err and "--device cpu" in err, err
+
+
+def test_docs_cli_lists_every_flag() -> None:
+    """docs/cli.md's flag table is the parser's (regenerate: python -m teacher_server.cli_reference --write),
+    and its vLLM table names each vLLM flag this command takes."""
+    from teacher_server.cli_reference import DOC, render, serve_parser
+    from teacher_server.vllm_flags import ALIASES, NO_EFFECT
+
+    doc = DOC.read_text()
+    assert render(doc) == doc, "docs/cli.md's flag table is stale: python -m teacher_server.cli_reference --write"
+    vllm_table = doc.split("## vLLM's flags", 1)[1].split("## Start-up errors", 1)[0]
+    vllm = [o for a in serve_parser()._actions if a.dest.startswith("vllmflag_") for o in a.option_strings
+            if not o.startswith("--no-")]
+    vllm += [f for fs in ALIASES.values() for f in fs] + ["--" + n.replace("_", "-") for n in NO_EFFECT]
+    vllm += ["--served-model-name", "--dtype", "--max-model-len", "--kv-cache-dtype", "--ssl-keyfile",
+             "--ssl-certfile", "--root-path", "--allowed-origins"]
+    for flag in vllm:
+        assert f"`{flag}" in vllm_table, flag
