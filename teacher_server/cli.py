@@ -159,13 +159,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         # before the engine loads (uvicorn binds after the app's start-up has begun it); a
         # missing GPU is one line here, whichever process the engine would have run in
-        if cfg.device == "cuda":
-            from teacher_server.engine.rank_setup import resolve_device
+        from teacher_server.engine.rank_setup import check_gpus
 
-            try:
-                resolve_device("cuda")
-            except RuntimeError as e:
-                raise ConfigError(str(e)) from None
+        try:
+            check_gpus(cfg.device, cfg.tensor_parallel_size, cfg.data_parallel_size)
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
         check_port_free(cfg.host, cfg.port)
         app = create_app(cfg)
         # The drain itself is bounded by shutdown_timeout_s (DrainingServer); uvicorn's own

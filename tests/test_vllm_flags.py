@@ -165,3 +165,16 @@ def test_docs_cli_lists_every_flag() -> None:
              "--ssl-certfile", "--root-path", "--allowed-origins"]
     for flag in vllm:
         assert f"`{flag}" in vllm_table, flag
+
+
+def test_too_few_gpus_for_the_replicas_is_one_line(monkeypatch) -> None:
+    import torch
+
+    from teacher_server.engine.rank_setup import check_gpus
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_gpus("auto", 2, 1)
+    with pytest.raises(RuntimeError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs 4 GPUs, 2 visible"):
+        check_gpus("cuda", 2, 2)
+    check_gpus("cpu", 2, 2)  # gloo processes on the CPU

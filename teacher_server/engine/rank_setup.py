@@ -36,6 +36,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_gpus(device: str, tensor_parallel_size: int, data_parallel_size: int) -> None:
+    """Before anything starts: RuntimeError saying what to do when ``device`` asks for GPUs
+    that are not there (cuda without any, or fewer than the replicas x ranks need)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(no_gpu_message())
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    need, have = tensor_parallel_size * data_parallel_size, torch.cuda.device_count()
+    if have < need:
+        raise RuntimeError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} "
+                           f"needs {need} GPUs, {have} visible (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower them or make more visible")
+
+
 def no_gpu_message() -> str:
     """Why device=cuda cannot start here, and what to do."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
