@@ -148,8 +148,12 @@ def main() -> None:
         cmd = server_command(model, cache, free_port(), args)
         starts.append(one_start(name, cmd, env, work / f"server_{i}.log", args.timeout_s))
 
+    first, last = starts[0], starts[-1]
+    # what the kept cache saved, phase by phase (positive: the restart was faster there)
+    saved = {k: round(v - last.get("phases", {}).get(k, 0.0), 2) for k, v in first.get("phases", {}).items()}
     result = {"model_size": args.model_size, "device": "cuda" if gpu else "cpu", "cache_dir": str(cache),
               "server_args": args.server_args, "starts": starts,
+              "restart_saved_s": round(first["ready_s"] - last["ready_s"], 2), "restart_saved_by_phase_s": saved,
               "restart_target_s": TARGETS.get(args.model_size) if gpu else None,
               "restart_within_target": (all(s["ready_s"] <= TARGETS[args.model_size] for s in starts[1:])
                                         if gpu and args.model_size in TARGETS else None),

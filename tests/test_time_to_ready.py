@@ -34,5 +34,5 @@ def test_two_starts_on_cpu_write_json(tmp_path) -> None:
     assert [s["name"] for s in res["starts"]] == ["first start (empty cache)", "restart 1 (cache kept)"]
     for s in res["starts"]:
         assert 0 < s["ready_s"] < 300 and s["engine_s"] >= 0 and "compile_cache" in s
-    assert res["device"] == "cpu" and res["restart_within_target"] is None
+    assert res["device"] == "cpu" and res["restart_within_target"] is None and "restart_saved_s" in res
     assert "ready in" in r.stdout
