@@ -15,7 +15,7 @@ import typing
 from pydantic.fields import FieldInfo
 
 from teacher_server import __version__
-from teacher_server.config import NONE_WORDS, Config, ConfigError
+from teacher_server.config import DTYPE_ALIASES, NONE_WORDS, Config, ConfigError
 from teacher_server.human_int import human_int
 from teacher_server.vllm_flags import ALIASES, add_vllm_flags, apply_vllm_flags
 
@@ -64,13 +64,14 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
     if kind is list:  # several values, or vLLM's one JSON list ('["*"]'); Config takes either
         parser.add_argument(*flags, dest=name, nargs="+", default=argparse.SUPPRESS, help=help_text, metavar="STR")
         return
+    metavar = "{" + ",".join([*choices, *(DTYPE_ALIASES if name == "dtype" else [])]) + "}" if choices \
+        else kind.__name__.upper()
     if name in OWN_MESSAGES:  # Config's message is clearer than argparse's list of choices
         choices = []
     convert = _converter(kind, optional)
     parser.add_argument(*flags, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,
-                        nargs="+" if name in SEVERAL else None,
-                        choices=[*choices, *([None] if optional else [])] if choices else None,
-                        metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper())
+                        nargs="+" if name in SEVERAL else None, metavar=metavar,
+                        choices=[*choices, *([None] if optional else [])] if choices else None)
 
 
 class _OptionalBool(argparse.Action):
