@@ -86,3 +86,16 @@ def test_the_engine_logs_its_start_up_phases(tmp_path, caplog) -> None:
                           warm_up=False))
     assert {"model files", "weights", "KV pool"} <= set(e.startup_phases)
     assert "start-up took" in caplog.text and "weights" in caplog.text
+
+
+def test_the_warm_up_logs_each_batch(tmp_path, caplog) -> None:
+    from teacher_server.engine.engine import Engine
+    from teacher_server.engine.warm_up import WARM_UP_BATCHES, warm_up_plan
+
+    assert len(WARM_UP_BATCHES) == len(warm_up_plan(100, 64, 32, 4))
+    with caplog.at_level(logging.INFO, logger="teacher_server"):
+        Engine(Config(device="cpu", demo_model_dir=str(tmp_path / "m"), max_model_len=64, num_kv_blocks=64,
+                      max_num_batched_tokens=32, warm_up=True))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up:"))
+    assert all(name in line for name in WARM_UP_BATCHES), line
+    assert "warm-up requests" in caplog.text

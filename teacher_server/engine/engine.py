@@ -34,7 +34,7 @@ from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
 from teacher_server.engine.stepping import Stepping
 from teacher_server.engine.tp_workers import TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
-from teacher_server.engine.warm_up import warm_up_plan
+from teacher_server.engine.warm_up import WARM_UP_BATCHES, warm_up_plan
 from teacher_server.hub import resolve_model
 from teacher_server.models.spec import ModelSpec
 
@@ -157,15 +157,19 @@ class Engine(Stepping):
         t0 = time.perf_counter()
         plan = warm_up_plan(self.spec.vocab_size, self.max_model_len, self._scheduler.cfg.max_num_batched_tokens,
                             self._blocks.block_size)
+        spent = []  # seconds per batch, for the log line: where one-time compiles still happen
         for batch in plan:  # one after another: the shared prompt is cached before its second use
+            t = time.perf_counter()
             for r in self.run_to_completion(batch):
                 if r.error is not None:
                     raise RuntimeError(f"start-up warm-up failed: {r.error}")
+            spent.append(time.perf_counter() - t)
         self.reset_prefix_cache()
         self._blocks.query_tokens = self._blocks.hit_tokens = 0
         self._timing, self._steps, self._tokens = StepTiming(), 0, 0
         dt = time.perf_counter() - t0
-        log.info("warm-up: %d synthetic requests in %.1fs", sum(map(len, plan)), dt)
+        log.info("warm-up: %d synthetic requests in %.1fs (%s)", sum(map(len, plan)), dt,
+                 ", ".join(f"{name} {s:.1f}s" for name, s in zip(WARM_UP_BATCHES, spent)))
         return dt
 
     def watch_workers(self, hook: Callable[[BaseException], None]) -> None:
