@@ -8,6 +8,7 @@ Sources, lowest to highest precedence: field defaults < YAML file < environment
 from __future__ import annotations
 
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -123,7 +124,8 @@ class Config(BaseModel):
                             "refused (vLLM's flag, accepted for launch scripts that pass auto).")
     compile_cache_dir: str | None = Field(
         None, description="Where compiled kernels and autotuning results are kept across restarts (torch "
-                          "inductor's and Triton's caches, Triton autotuning, our CUDA kernel library): a restart "
+                          "inductor's and Triton's caches, Triton autotuning; set explicitly, our CUDA kernel "
+                          "library too): a restart "
                           "with it kept skips those compiles. None: $XDG_CACHE_HOME/teacher-server/compile "
                           "(~/.cache when unset); off: leave the libraries' own defaults (often /tmp).")
 
@@ -311,11 +313,22 @@ def did_you_mean(word: str, choices: list[str], hints: dict[str, str] | None = N
     return f"; did you mean {best!r}?" if best else ""
 
 
+# Kubernetes' service links of a Service named teacher-server (TEACHER_SERVER_SERVICE_HOST,
+# TEACHER_SERVER_PORT_8000_TCP_ADDR, ...): not settings, and not misspellings
+_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
+
+
 def check_env_names(env: dict[str, str], fields: dict[str, Any]) -> None:
     """Refuse a TEACHER_SERVER_* variable that names no setting (a misspelling, which would
     otherwise be ignored silently: the chart's extraEnv makes that easy), with the closest name."""
+    port = env.get(ENV_PREFIX + "PORT", "")
+    if port.startswith(("tcp://", "udp://")):
+        raise ConfigError(f"{ENV_PREFIX}PORT={port[:60]} is a Kubernetes service link (a Service named "
+                          f"teacher-server in the namespace): set enableServiceLinks: false on the pod (the chart "
+                          f"does), or set {ENV_PREFIX}PORT to the port to listen on")
     known = [ENV_PREFIX + name.upper() for name in fields]
-    bad = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in OTHER_ENV)
+    bad = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in OTHER_ENV
+                 and not _SERVICE_LINK.fullmatch(k))
     if bad:
         hints = [f"{k}{did_you_mean(k, known)}" for k in bad]
         raise ConfigError(f"unknown environment variable(s): {'; '.join(hints)} (each TEACHER_SERVER_<FIELD> "

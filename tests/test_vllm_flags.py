@@ -178,3 +178,11 @@ def test_too_few_gpus_for_the_replicas_is_one_line(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match=r"data_parallel_size=2 x tensor_parallel_size=2 needs 4 GPUs, 2 visible"):
         check_gpus("cuda", 2, 2)
     check_gpus("cpu", 2, 2)  # gloo processes on the CPU
+
+
+def test_kubernetes_service_links_are_not_misspellings() -> None:
+    links = {"TEACHER_SERVER_SERVICE_HOST": "10.0.0.1", "TEACHER_SERVER_SERVICE_PORT": "8000",
+             "TEACHER_SERVER_SERVICE_PORT_HTTP": "8000", "TEACHER_SERVER_PORT_8000_TCP_ADDR": "10.0.0.1"}
+    assert Config.load(env=links).port == 8000
+    with pytest.raises(ConfigError, match="service link.*enableServiceLinks"):
+        Config.load(env={**links, "TEACHER_SERVER_PORT": "tcp://10.0.0.1:8000"})
