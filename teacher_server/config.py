@@ -315,7 +315,8 @@ def did_you_mean(word: str, choices: list[str], hints: dict[str, str] | None = N
 
 # Kubernetes' service links of a Service named teacher-server (TEACHER_SERVER_SERVICE_HOST,
 # TEACHER_SERVER_PORT_8000_TCP_ADDR, ...): not settings, and not misspellings
-_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
+_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_HOST|SERVICE_PORT(_\w+)?"
+                           r"|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
 
 
 def check_env_names(env: dict[str, str], fields: dict[str, Any]) -> None:
