@@ -757,6 +757,7 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("ingress-path-type", {"ingress": {"enabled": True, "hosts": [{"paths": [{"path": "/", "pathType": "Any"}]}]}},
      "pathType"),
     ("config-kv-cache-fp8", {"config": {"kv_cache_dtype": "fp8"}}, "kv_cache_dtype"),
+    ("config-chart-owned-compile-cache", {"config": {"compile_cache_dir": "/x"}}, "compile_cache_dir"),
     # Prometheus scrapes without the API key
     ("monitor-needs-open-metrics", {"serviceMonitor": {"enabled": True}, "config": {"auth_exempt_metrics": False}},
      "auth_exempt_metrics"),
