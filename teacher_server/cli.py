@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", help="YAML config file (see config.yaml)")
     for name, field in Config.model_fields.items():
         add_field_flag(s, name, field)
+    # its flags are its own parser's (teacher_server/benchmark/command.py); main() hands it the arguments
+    sub.add_parser("bench", add_help=False, help="benchmark the canonical workloads against a running server (--url), "
+                                                 "a checkpoint (--model) or a model shape: `teacher-server bench -h`")
     return p
 
 
@@ -102,6 +105,11 @@ def config_from_args(argv: list[str] | None = None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from teacher_server.benchmark.command import main as bench_main
+
+        return bench_main(argv[1:])
     try:
         cfg = config_from_args(argv)
     except ConfigError as e:
