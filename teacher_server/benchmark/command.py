@@ -23,7 +23,7 @@ from pathlib import Path
 from teacher_server import __version__
 from teacher_server.benchmark import workloads as wl
 from teacher_server.benchmark.report import plot, table
-from teacher_server.client import fetch_model_card
+from teacher_server.client import fetch_model_card, normalise_base_url
 
 SHAPES = {"qwen3-8b": wl.QWEN3_8B, "qwen3-32b": wl.QWEN3_32B, "qwen3-30b-a3b": wl.QWEN3_30B_A3B,
           "qwen3.5-9b": wl.QWEN3_5_9B, "llama-3.3-70b": wl.LLAMA33_70B}
@@ -45,6 +45,8 @@ def build_parser(prog: str = "teacher-server bench") -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per workload; the median is reported")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--wait-ready-s", type=float, default=0.0,
+                   help="with --url, wait up to this long for the server's /health to be 200 (a server still loading)")
     p.add_argument("--model-config", help="the model's config.json for the FLOP count (default: the served "
                                           "checkpoint's, when this machine can read it)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -73,7 +75,11 @@ def _run(args: argparse.Namespace, out: Path) -> dict:
     names = (args.workloads or ("W1:tiny,W2:tiny" if args.tiny else "W1")).split(",")
     names = [n + ":tiny" if args.tiny and not n.endswith(":tiny") else n for n in names if n]
     if args.url:
-        return _measure(args, args.url.rstrip("/"), names, local_gpu=None)
+        from teacher_server.benchmark.local_server import wait_ready
+
+        url = normalise_base_url(args.url)
+        wait_ready(url, args.wait_ready_s, args.api_key)
+        return _measure(args, url, names, local_gpu=None)
     from teacher_server.benchmark.local_server import local_server
 
     serve = args.serve_args.split()

@@ -52,3 +52,22 @@ def local_server(serve_args: list[str], log_path: str, ready_timeout_s: float = 
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def wait_ready(url: str, timeout_s: float, api_key: str | None = None) -> None:
+    """Return once ``url``'s ``/health`` is 200; SystemExit naming the URL and what it answered
+    when that has not happened within ``timeout_s`` (0: one try)."""
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline, last = time.monotonic() + timeout_s, "no answer"
+    while True:
+        try:
+            r = httpx.get(url + "/health", headers=headers, timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() >= deadline:
+            raise SystemExit(f"teacher-server bench: {url} is not ready ({last}); is the server running there? "
+                             "(--wait-ready-s waits for one still loading)")
+        time.sleep(1.0)

@@ -1,6 +1,6 @@
 """A progress bar on stderr (no dependency): ``W1 [#######.......] 64/128 12.3s``, redrawn at
-most ten times a second and once at the end; nothing when stderr is not a terminal and
-``always`` is off (logs stay one line per run)."""
+most ten times a second on a terminal; where stderr is not one (a log file) only the finished
+bar is written, one line per pass."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ class ProgressBar:
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self._draw(time.monotonic())
-            self.stream.write("\n")
-            self.stream.flush()
+        self._draw(time.monotonic())
+        self.stream.write("\n")
+        self.stream.flush()
