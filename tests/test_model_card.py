@@ -68,3 +68,10 @@ def test_models_reports_vocab_size_and_tokenizer(teacher, demo_server, tmp_path)
         check_tokenizer(teacher.url, student)
     with pytest.raises(TokenizerMismatch, match="no tokenizer files"):
         check_tokenizer(demo_server.url, student)
+
+
+def test_hub_downloads_the_files_the_identity_reads() -> None:
+    from teacher_server import hub
+    from teacher_server.client import tokenizer
+
+    assert hub.TOKENIZER_FILES == tokenizer.TOKENIZER_FILES

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 
 MODELS_PATH = "/v1/models"
+# what tokenizer_identity reads, in its order (the hub download fetches them: teacher_server/hub.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 class TokenizerMismatch(ValueError):
