@@ -113,3 +113,48 @@ def test_py_typed_ships_with_the_package() -> None:
 def test_models_and_version_answer(demo_server) -> None:
     card = httpx.get(demo_server.url + "/v1/models", timeout=30).json()["data"][0]
     assert isinstance(card["vocab_size"], int) and card["vocab_size"] > 0
+
+
+def test_docs_page_script_renders_the_spec(tmp_path) -> None:
+    """The page's script, run by node against a stub of the DOM and this app's openapi.json, lists
+    every endpoint with a table of its request body's fields (skipped where node is absent)."""
+    import json
+    import shutil
+
+    from teacher_server.config import Config
+    from teacher_server.server.app import create_app
+    from teacher_server.server.docs_page import PAGE
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    spec = create_app(Config(device="cpu")).openapi()
+    (tmp_path / "openapi.json").write_text(json.dumps(spec))
+    (tmp_path / "page.js").write_text(re.search(r"<script>(.*)</script>", PAGE, flags=re.S).group(1))
+    (tmp_path / "run.js").write_text("""
+const fs = require("fs");
+function node(tag) { return {tag, children: [], textContent: "", className: "", rows: [],
+  append(...xs) { this.children.push(...xs); }, insertRow() { const r = node("tr"); this.rows.push(r); return r; },
+  insertCell() { const c = node("td"); this.children.push(c); return c; } }; }
+const els = {title: node("h1"), desc: node("p"), api: node("div")};
+global.document = {createElement: node, getElementById: id => els[id]};
+const spec = JSON.parse(fs.readFileSync(process.argv[2] + "/openapi.json"));
+global.fetch = () => Promise.resolve({json: () => Promise.resolve(spec)});
+eval(fs.readFileSync(process.argv[2] + "/page.js", "utf8"));
+setTimeout(() => {
+  const out = {title: els.title.textContent, endpoints: els.api.children.filter(c => c.tag === "h2")
+    .map(h => h.children.map(c => c.textContent || c).join(" ")),
+    fields: []};
+  const walk = n => { if (n.tag === "table") out.fields.push(...n.rows.slice(1).map(r => r.children[0].textContent));
+    (n.children || []).forEach(c => typeof c === "object" && walk(c)); };
+  walk(els.api);
+  console.log(JSON.stringify(out));
+}, 200);
+""")
+    r = subprocess.run([node, str(tmp_path / "run.js"), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["title"].startswith("teacher-server")
+    assert any("POST" in e and "/inference/v1/generate" in e for e in out["endpoints"]), out["endpoints"]
+    assert len(out["endpoints"]) == sum(len(ops) for ops in spec["paths"].values())
+    assert {"token_ids *", "sampling_params", "prompt_logprob_token_ids"} <= set(out["fields"]), out["fields"]
