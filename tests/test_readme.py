@@ -182,3 +182,24 @@ def test_headline_plot_is_drawn_from_the_results(tmp_path) -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     assert out.read_bytes() == (ROOT / "docs" / "headline.png").read_bytes()
     assert "](docs/headline.png)" in README
+
+
+def test_shell_block_commands_of_ours_parse() -> None:
+    """The ```shell blocks' `teacher-server ...` lines (not run: they need a GPU or a checkpoint)
+    are valid command lines of the commands they name; `make` targets exist (`make -n`)."""
+    import shlex
+
+    from teacher_server.benchmark.command import build_parser as bench_parser
+    from teacher_server.cli import build_parser as serve_parser
+
+    lines = [line.split("  #")[0].strip() for block in re.findall(r"```shell\n(.*?)```", README, flags=re.S)
+             for line in block.replace("\\\n", " ").splitlines()]
+    ours = [shlex.split(line) for line in lines if line.startswith("teacher-server ")]
+    assert any(a[1] == "bench" for a in ours)
+    for argv in ours:
+        if argv[1] == "bench":
+            bench_parser().parse_args(argv[2:])  # SystemExit on an unknown or malformed flag
+        else:
+            serve_parser().parse_args(argv[1:])
+    targets = {line.split()[1] for line in lines if line.startswith("make ")}
+    assert targets == {"run", "test"}, targets
