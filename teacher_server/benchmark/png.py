@@ -125,7 +125,8 @@ def bar_chart_png(panels: Sequence[Panel], title: str = "", panel_width: int = 4
                 colour = COLOURS[s_i % len(COLOURS)]
                 c.rect(x + s_i * bar_w, bottom - h, x + (s_i + 1) * bar_w - 2, bottom, colour)
                 c.text(x + s_i * bar_w + bar_w // 2, bottom - h - 12, p.fmt(v), scale=1, anchor="centre")
-            c.text(left + g * group_w + group_w // 2, bottom + 10, label, anchor="centre")
+            scale = 2 if text_width(label, 2) < group_w - 4 else 1  # many groups: the small font
+            c.text(left + g * group_w + group_w // 2, bottom + 10, label, scale=scale, anchor="centre")
         if len(p.series) > 1:
             y = bottom + 30
             x = left
