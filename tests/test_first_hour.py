@@ -111,8 +111,11 @@ def test_py_typed_ships_with_the_package() -> None:
 
 
 def test_models_and_version_answer(demo_server) -> None:
+    from teacher_server import __version__
+
     card = httpx.get(demo_server.url + "/v1/models", timeout=30).json()["data"][0]
-    assert isinstance(card["vocab_size"], int) and card["vocab_size"] > 0
+    assert isinstance(card["vocab_size"], int) and card["vocab_size"] > 0 and card["tokenizer"] is None
+    assert httpx.get(demo_server.url + "/version", timeout=30).json() == {"version": __version__}
 
 
 def test_docs_page_script_renders_the_spec(tmp_path) -> None:
