@@ -114,6 +114,17 @@ for step in ${STEPS:-tests}; do
            python3 bench/time_to_ready.py --model-size "$size" --restarts ${TTR_RESTARTS:-1} \
              --out "$OUT/time_to_ready_${size}_h200.json" 2>&1 | tee "$OUT/time_to_ready_$size.log" | grep -E "ready in|wrote"
          done ;;
+    # `teacher-server bench` as a user runs it: a server of the $BENCH_SHAPE shape (default qwen3-8b, dummy
+    # weights) started on its own, then the command against its URL ($BENCH_ARGS: default W1,W1f,W2); the
+    # table in the log, bench.json and bench.png under $OUT/bench
+    benchcmd) shape_dir=/tmp/ts-benchcmd/${BENCH_SHAPE:-qwen3-8b}; mkdir -p "$shape_dir"
+      python3 -c "import json, sys; from teacher_server.benchmark.command import SHAPES; \
+        open(sys.argv[1] + '/config.json', 'w').write(json.dumps(SHAPES[sys.argv[2]]))" "$shape_dir" "${BENCH_SHAPE:-qwen3-8b}"
+      python3 -m teacher_server serve --model "$shape_dir" --load-format dummy --port 8000 > "$OUT/benchcmd_server.log" 2>&1 &
+      server=$!
+      python3 -m teacher_server bench --url http://127.0.0.1:8000 --wait-ready-s 900 ${BENCH_ARGS:---workloads W1,W1f,W2} \
+        --out "$OUT/bench" 2>&1 | tee "$OUT/benchcmd.log" | tail -12
+      kill -TERM $server; wait $server ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

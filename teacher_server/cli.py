@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, field in Config.model_fields.items():
         add_field_flag(s, name, field)
     add_vllm_flags(s)
+    # its flags are its own parser's (teacher_server/benchmark/command.py); main() hands it the arguments
+    sub.add_parser("bench", add_help=False, help="benchmark the canonical workloads against a running server (--url), "
+                                                 "a checkpoint (--model) or a model shape: `teacher-server bench -h`")
     return p
 
 
@@ -144,6 +147,11 @@ def config_from_args(argv: list[str] | None = None, notes: list[str] | None = No
 
 def main(argv: list[str] | None = None) -> None:
     notes: list[str] = []
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from teacher_server.benchmark.command import main as bench_main
+
+        return bench_main(argv[1:])
     try:
         cfg = config_from_args(argv, notes)
     except ConfigError as e:

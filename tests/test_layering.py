@@ -23,7 +23,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"validation", "client"}),  # request rules; the HTTP client (numpy only)
     frozenset({"llm", "replicas"}),  # the in-process API; engine replicas in processes of their own
     frozenset({"server"}),
-    frozenset({"cli", "__main__", "vllm_flags", "cli_reference"}),
+    frozenset({"cli", "__main__", "vllm_flags", "cli_reference", "benchmark"}),  # the command line; `teacher-server bench` (client, engine shapes)
 )
 # Modules may be longer than this only where the list below says why.
 MAX_LINES = 350

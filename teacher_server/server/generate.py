@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
+import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -73,12 +75,27 @@ async def handle_generate(request: Request, cfg: Config) -> Response:
     dt = time.monotonic() - t0
     m.labels(m.requests, status=str(resp.status_code)).inc()
     m.labels(m.e2e).observe(dt)
+    if info.request_id is None:  # refused before an id was read: one of ours, so the caller can quote it
+        info.request_id = f"score-{uuid.uuid4().hex}"
     resp.headers.update(request_id_header(info.request_id))
-    rid = (info.request_id or "-")[:128]
-    access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs", rid, resp.status_code, info.tokens, info.rows,
-                    dt, extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
-                               "tokens": info.tokens, "rows": info.rows})
+    rid = info.request_id[:128]
+    reason = error_reason(resp)
+    access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs%s", rid, resp.status_code, info.tokens, info.rows,
+                    dt, f" reason={reason}" if reason else "",
+                    extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
+                           "tokens": info.tokens, "rows": info.rows, **({"reason": reason} if reason else {})})
     return resp
+
+
+def error_reason(resp: Response, limit: int = 200) -> str | None:
+    """An error response's message (its first ``limit`` characters) for the access line, so a
+    refused request's line says why without the client's copy of the answer."""
+    if resp.status_code < 400:
+        return None
+    try:
+        return str(orjson.loads(resp.body)["error"]["message"])[:limit]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def _generate(request: Request, cfg: Config, t0: float, info: RequestInfo) -> Response:

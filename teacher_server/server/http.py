@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import socket
+import uuid
 from collections.abc import AsyncIterator
 
 import h11
@@ -23,6 +24,7 @@ from teacher_server.server.responses import error_body, header_safe, scope_reque
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
+access_log = logging.getLogger("teacher_server.access")
 
 
 class ClientGone(Exception):
@@ -47,9 +49,11 @@ class HeaderTimeoutProtocol(H11Protocol):
         body = orjson.dumps(error_body(400, "invalid HTTP request: malformed request line, headers or framing"))
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]
-        rid = self._framed_request_id()
-        if rid is not None:  # the headers were read (the body's framing failed): the id they gave
-            head.append((b"x-request-id", header_safe(rid).encode()))
+        # the headers were read (the body's framing failed): the id they gave; else one of ours
+        rid = self._framed_request_id() or f"score-{uuid.uuid4().hex}"
+        head.append((b"x-request-id", header_safe(rid).encode()))
+        access_log.info("%s -> 400 reason=invalid HTTP request: %s", rid[:128], msg[:200],
+                        extra={"request_id": rid[:128], "status": 400, "reason": f"invalid HTTP request: {msg[:200]}"})
         for event in (h11.Response(status_code=400, headers=head, reason=b"Bad Request"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
