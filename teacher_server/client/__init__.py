@@ -20,6 +20,7 @@ from teacher_server.client.padding import PaddedScores, pad_scores
 from teacher_server.client.protocol import (
                                             GENERATE_PATH,
                                             ScoreOutput,
+                                            Targets,
                                             TeacherRequest,
                                             TeacherServerError,
                                             build_body,
@@ -30,6 +31,6 @@ from teacher_server.client.protocol import (
 from teacher_server.client.retry import RETRY_STATUSES, error_from_response, retry_after_seconds
 from teacher_server.client.sync_client import TeacherClient
 
-__all__ = ["TeacherClient", "AsyncTeacherClient", "TeacherRequest", "ScoreOutput", "TeacherServerError",
-           "PaddedScores", "pad_scores", "RETRY_STATUSES", "GENERATE_PATH", "retry_after_seconds",
+__all__ = ["TeacherClient", "AsyncTeacherClient", "TeacherRequest", "Targets", "ScoreOutput",
+           "TeacherServerError", "PaddedScores", "pad_scores", "RETRY_STATUSES", "GENERATE_PATH", "retry_after_seconds",
            "error_from_response", "build_body", "candidates_array", "encode_candidates", "parse_output"]
