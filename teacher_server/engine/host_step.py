@@ -200,7 +200,9 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
         if b > a:
             plp_k = max(plp_k, req.plp_width)
             plp_rows.extend(range(r_off, r_off + b - a))
-            plp_act.append(req.token_ids[a + 1:b + 1])
+            act = req.token_ids[a + 1:b + 1]
+            # the last position (``next_top``) has no actual token: any id fills its slot
+            plp_act.append(act if act.size == b - a else np.append(act, 0))
             tail_k.append(np.full(b - a, req.top_k if req.tail else -1, dtype=np.int64))
             any_tail |= req.tail
             want_lse |= req.logsumexp

@@ -181,15 +181,17 @@ class ModelRunner:
             a, b = c.plp_positions()
             if b > a:
                 sl = slice(span.plp_at, span.plp_at + b - a)
-                if req.prompt_logprobs is not None:
+                if res.plp_token_logprob is not None:
+                    k = req.plp_cols
                     res.plp_token_logprob[a:b] = pa[sl]
                     res.plp_token_rank[a:b] = pr[sl]
-                    res.plp_topk_logprobs[a:b] = tv[sl, :req.prompt_logprobs]
-                    res.plp_topk_ids[a:b] = ti[sl, :req.prompt_logprobs]
-                lo_t = max(a, req.start)  # the row targets: positions from start, row = position - start
-                if b > lo_t and req.row_targets:
-                    ts = slice(span.plp_at + lo_t - a, span.plp_at + b - a)
-                    rs = slice(lo_t - req.start, b - req.start)
+                    res.plp_topk_logprobs[a:b] = tv[sl, :k]
+                    res.plp_topk_ids[a:b] = ti[sl, :k]
+                # the row targets: positions [start, L-1), row = position - start
+                lo_t, hi_t = max(a, req.start), min(b, req.length - 1)
+                if hi_t > lo_t and req.row_targets:
+                    ts = slice(span.plp_at + lo_t - a, span.plp_at + hi_t - a)
+                    rs = slice(lo_t - req.start, hi_t - req.start)
                     if req.top_k:
                         res.topk_ids[rs] = ti[ts, :req.top_k]
                         res.topk_logprobs[rs] = tv[ts, :req.top_k]

@@ -49,6 +49,10 @@ class ScoreRequest:
     tail: bool = False  # log of the probability mass outside candidates and top-K
     logsumexp: bool = False  # the row's log normalizer
     temperature: float = 1.0  # logits / temperature before the softmax (vLLM's processed_logprobs)
+    # The classic reductions at the last position too (the next token's distribution: entry
+    # L-1 of the prompt_logprobs arrays), ``next_top`` columns wide: the OpenAI ``logprobs`` of
+    # a generated token.
+    next_top: int | None = None
     cache_salt: str | None = None
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -76,7 +80,14 @@ class ScoreRequest:
     @property
     def plp_width(self) -> int:
         """Top-k columns this request needs from the classic prompt_logprobs' reductions."""
-        return max(self.prompt_logprobs or 0, self.top_k)
+        return max(self.prompt_logprobs or 0, self.top_k, self.next_top or 0)
+
+    @property
+    def plp_cols(self) -> int | None:
+        """Columns of the result's prompt_logprobs arrays (None: the request has none)."""
+        if self.prompt_logprobs is None and self.next_top is None:
+            return None
+        return max(self.prompt_logprobs or 0, self.next_top or 0)
 
     @property
     def per_row(self) -> bool:
@@ -127,12 +138,12 @@ class ScoreResult:
         res = cls(req.request_id, req.uid, req.length)
         if req.candidates is not None:
             res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
-        if req.prompt_logprobs is not None:
-            n = max(req.length - 1, 0)
+        if req.plp_cols is not None:
+            n, k = max(req.length - 1, 0) + (req.next_top is not None), req.plp_cols
             res.plp_token_logprob = np.zeros(n, dtype=np.float32)
             res.plp_token_rank = np.zeros(n, dtype=np.int64)
-            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
-            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
+            res.plp_topk_ids = np.zeros((n, k), dtype=np.int64)
+            res.plp_topk_logprobs = np.zeros((n, k), dtype=np.float32)
         if req.top_k:
             res.topk_ids = np.zeros((req.rows, req.top_k), dtype=np.int32)
             res.topk_logprobs = np.zeros((req.rows, req.top_k), dtype=np.float32)
