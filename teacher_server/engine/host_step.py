@@ -90,6 +90,7 @@ class ScoringLayout:
     tail_k: np.ndarray | None = None  # [Rp] int64
     row_temp: np.ndarray | None = None  # [R] float32
     want_lse: bool = False
+    want_rank: bool = False  # a request reads the actual token's rank (classic prompt_logprobs, next_top)
 
     @property
     def kmax(self) -> int:
@@ -179,7 +180,7 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
     arg_rows: list[int] = []
     tail_k: list[np.ndarray] = []
     temps: list[tuple[int, int, float]] = []  # (row offset, n rows, temperature) where not 1
-    any_tail = want_lse = False
+    any_tail = want_lse = want_rank = False
     spans = []
     r_off = kmax = plp_k = 0
     for c, q_off in zip(chunks, cu_q.tolist()):
@@ -206,6 +207,7 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
             tail_k.append(np.full(b - a, req.top_k if req.tail else -1, dtype=np.int64))
             any_tail |= req.tail
             want_lse |= req.logsumexp
+            want_rank |= req.plp_cols is not None
         if req.temperature != 1.0:
             temps.append((r_off, nr, req.temperature))
         if c.has_next_token:
@@ -222,7 +224,7 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
     return ScoringLayout(logits_idx=_cat(lidx), cand=cand, plp_rows=np.asarray(plp_rows, dtype=np.int64),
                          plp_actual=_cat(plp_act), plp_k=plp_k, argmax_rows=np.asarray(arg_rows, dtype=np.int64),
                          spans=spans, tail_k=_cat(tail_k) if any_tail else None, row_temp=row_temp,
-                         want_lse=want_lse)
+                         want_lse=want_lse, want_rank=want_rank)
 
 
 def plan_state(chunks: list[Chunk]) -> StatePlan:

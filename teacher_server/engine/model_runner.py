@@ -131,7 +131,7 @@ class ModelRunner:
             argmax_rows=argmax_rows if n_arg else None,
             plp_rows_host=sc.plp_rows, argmax_rows_host=sc.argmax_rows, tail_k=tail_k,
             row_temp=None if sc.row_temp is None else torch.from_numpy(sc.row_temp).to(self.device),
-            want_lse=sc.want_lse,
+            want_lse=sc.want_lse, want_rank=sc.want_rank,
         )
         return score_rows(hidden, self.model.logits_layer, plan, self.logits_mode, self.chunk_rows, self.tp)
 

@@ -37,6 +37,7 @@ class ScoringPlan:
     tail_k: torch.Tensor | None = None  # [Rp] int64 top-k columns in each plp row's tail set, -1: none
     row_temp: torch.Tensor | None = None  # [R] float32 temperature of each row (None: all 1)
     want_lse: bool = False  # the log normalizer is asked for itself (else only made to normalise)
+    want_rank: bool = True  # a request reads the actual token's rank (classic prompt_logprobs)
 
 
 @dataclass
@@ -73,9 +74,10 @@ class _WholeVocab:
     def candidates(self, logits: torch.Tensor, cand: torch.Tensor, logits_mode: bool) -> torch.Tensor:
         return gather_logprobs(logits, cand, logits_mode=logits_mode)
 
-    def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor,
+                        rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         act = sub.gather(1, actual[:, None])  # [p, 1]
-        return act, (sub > act).sum(-1) + 1
+        return act, (sub > act).sum(-1) + 1 if rank else None
 
     def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
         return torch.logsumexp(sub, dim=-1, keepdim=True)
@@ -101,8 +103,9 @@ class _VocabShard(_WholeVocab):
     def candidates(self, logits: torch.Tensor, cand: torch.Tensor, logits_mode: bool) -> torch.Tensor:
         return vp.candidate_logprobs(logits, cand, self.start, logits_mode)
 
-    def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return vp.actual_and_rank(sub, actual, self.start)
+    def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor,
+                        rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return vp.actual_and_rank(sub, actual, self.start, rank)
 
     def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
         return vp.log_normalizer(sub)
@@ -134,11 +137,19 @@ def score_rows(hidden: torch.Tensor, head: VocabRows, plan: ScoringPlan, logits_
             logits.div_(plan.row_temp[r0:r1, None])
         if out.scores is not None:
             out.scores[r0:r1] = ops.candidates(logits, plan.cand[r0:r1], logits_mode)
+        if n_a:  # before the plp rows: their tail masks the logits in place
+            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
+            if b > a:
+                out.argmax[a:b] = ops.argmax(logits[plan.argmax_rows[a:b] - r0])
         if n_p:
             a, b = np.searchsorted(plan.plp_rows_host, [r0, r1])
             if b > a:
-                sub = logits[plan.plp_rows[a:b] - r0]  # [p, V]
-                act, out.plp_rank[a:b] = ops.actual_and_rank(sub, plan.plp_actual[a:b])
+                lo, hi = int(plan.plp_rows_host[a]), int(plan.plp_rows_host[b - 1]) + 1
+                # [p, V]: a view where the rows are one run (the row targets: a request's rows), else a copy
+                sub = logits[lo - r0:hi - r0] if hi - lo == b - a else logits[plan.plp_rows[a:b] - r0]
+                act, rank = ops.actual_and_rank(sub, plan.plp_actual[a:b], plan.want_rank)
+                if rank is not None:
+                    out.plp_rank[a:b] = rank
                 norm = ops.log_normalizer(sub) if not logits_mode or plan.want_lse else None  # [p, 1]
                 lse = 0.0 if logits_mode else norm
                 if norm is not None:
@@ -149,10 +160,6 @@ def score_rows(hidden: torch.Tensor, head: VocabRows, plan: ScoringPlan, logits_
                     out.plp_topk_vals[a:b] = v - lse
                 if out.plp_tail is not None:
                     out.plp_tail[a:b] = _tail(ops, sub, plan, a, b, out.plp_topk_ids, lse)
-        if n_a:
-            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
-            if b > a:
-                out.argmax[a:b] = ops.argmax(logits[plan.argmax_rows[a:b] - r0])
         del logits
     return out
 
@@ -162,7 +169,7 @@ def _tail(ops: _WholeVocab, sub: torch.Tensor, plan: ScoringPlan, a: int, b: int
     """[p] log of the mass outside each plp row's set (its candidates and its first ``tail_k``
     top-k ids) in the units of the returned values (log-probs; logits in raw_logits mode):
     the log-sum-exp of the row with the set masked, minus the normaliser. Masks ``sub`` (a
-    copy of the rows) in place: it is the last use of it."""
+    view or a copy of the chunk's rows) in place: it is the last use of them."""
     k_row = plan.tail_k[a:b]  # [p]
     rows = plan.plp_rows[a:b]  # [p] into R
     parts = []
