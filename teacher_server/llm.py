@@ -100,7 +100,7 @@ class LLM:
         self.config = cfg
         self.engine = Engine(cfg)
         self.limits = Limits(self.engine.spec.vocab_size, self.engine.max_model_len, cfg.max_logprobs,
-                             cfg.max_rows_x_k)
+                             cfg.max_rows_x_k, processed=cfg.logprobs_mode == "processed_logprobs")
         self._ids = itertools.count()
 
     def generate(self, prompts: TokensPrompt | Sequence[TokensPrompt] | Sequence[int],
@@ -120,7 +120,7 @@ class LLM:
                               candidates=_candidates(sp.prompt_logprob_token_ids), start=sp.prompt_logprob_start,
                               prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
                               request_id=str(next(self._ids)), cache_salt=p.get("cache_salt"),
-                              targets=sp.targets)
+                              targets=sp.targets, sampling_temperature=sp.extra.get("temperature"))
                 for p, sp in zip(prompts, sps)]
         results = self.engine.run_to_completion(reqs)
         return [self._output(r, res) for r, res in zip(reqs, results)]

@@ -40,6 +40,8 @@ class Limits:
     # Cap on (len(token_ids) - 1) * (prompt_logprobs + 1), the entries of the classic JSON
     # prompt_logprobs (the HTTP response's largest part); None: no cap (in-process API).
     max_prompt_logprobs_entries: int | None = None
+    # logprobs_mode processed_logprobs: a request's sampling temperature scales its scores
+    processed: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,11 @@ def _token_ids(value: Any) -> np.ndarray:
 def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, start: int | None = None,
                   prompt_logprobs: int | None = None, max_tokens: int | None = 1, request_id: str | None = None,
                   cache_salt: str | None = None, priority: int = 0,
-                  truncate_prompt_tokens: int | None = None, targets: RowTargets | None = None) -> ScoreRequest:
-    """``targets``: what else to return for the scored rows (``RowTargets``; None: nothing)."""
+                  truncate_prompt_tokens: int | None = None, targets: RowTargets | None = None,
+                  sampling_temperature: Any = None) -> ScoreRequest:
+    """``targets``: what else to return for the scored rows (``RowTargets``; None: nothing);
+    ``sampling_temperature``: the request's sampling temperature, which divides its logits in
+    ``processed_logprobs`` mode (unless ``targets`` names a temperature; 0 and None: 1)."""
     tg = targets if targets is not None else RowTargets()
     sp = "sampling_params."
     toks = _token_ids(token_ids)
@@ -175,8 +180,13 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
                              f"than max_prompt_logprobs_entries={limits.max_prompt_logprobs_entries}; ask for fewer, "
                              "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
     tg.check(rows, cand is not None, limits)
+    temp = tg.temperature
+    st = sampling_temperature
+    if temp is None and limits.processed and isinstance(st, int | float) and not isinstance(st, bool) \
+            and math.isfinite(st) and st > 1e-5:  # (vLLM's greedy threshold: below it, no scaling)
+        temp = float(st)
     return ScoreRequest(
         request_id=request_id if request_id is not None else f"score-{uuid.uuid4().hex}",
         token_ids=toks, start=s, candidates=cand, prompt_logprobs=prompt_logprobs, max_tokens=mt,
         cache_salt=cache_salt, priority=priority, top_k=tg.topk or 0, union=tg.union, actual=tg.actual,
-        tail=tg.tail, logsumexp=tg.logsumexp, temperature=1.0 if tg.temperature is None else float(tg.temperature))
+        tail=tg.tail, logsumexp=tg.logsumexp, temperature=1.0 if temp is None else float(temp))

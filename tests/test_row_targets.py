@@ -251,3 +251,22 @@ def test_http_and_clients_return_the_targets(qwen3_server, checkpoints) -> None:
     np.testing.assert_array_equal(lout.prompt_topk_token_ids, ids)
     np.testing.assert_allclose(lout.prompt_tail_logprobs, res.tail_logprobs, atol=1e-5)
     np.testing.assert_array_equal(lout.prompt_union_token_ids, u_ids)
+
+
+def test_processed_logprobs_mode_applies_the_sampling_temperature(checkpoints) -> None:
+    """``--logprobs-mode processed_logprobs``: a request's sampling temperature divides its
+    logits (vLLM's mode); 0 (greedy) leaves them; ``prompt_logprob_temperature`` wins over it."""
+    from teacher_server.llm import LLM, SamplingParams
+
+    path = checkpoints["qwen3"]
+    llm = LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, logprobs_mode="processed_logprobs")
+    toks = np.random.default_rng(7).integers(0, 512, 30)
+    for sampling, field, want in ((0.5, None, 0.5), (0.0, None, 1.0), (0.5, 2.0, 2.0)):
+        (out,) = llm.generate({"prompt_token_ids": toks.tolist()},
+                              SamplingParams(max_tokens=0, temperature=sampling, prompt_logprob_topk=4,
+                                             prompt_logprob_start=10, prompt_logprob_actual=True,
+                                             prompt_logprob_temperature=field))
+        req = ScoreRequest("p", toks, 10, None, top_k=4, actual=True, temperature=want)
+        res = ScoreResult("p", 0, 30, topk_ids=out.prompt_topk_token_ids, topk_logprobs=out.prompt_topk_logprobs,
+                          actual_logprobs=out.prompt_actual_logprobs)
+        assert_targets(path, req, res)

@@ -67,7 +67,21 @@ def test_openai_completions_create(server) -> None:
         client.completions.create(model="another", prompt=prompts[0], max_tokens=1)
 
 
-def test_trl_async_distillation_teacher_scoring(server) -> None:
+@pytest.fixture(scope="module")
+def processed_server(server):
+    """The same checkpoint in ``processed_logprobs`` mode (a request's temperature scales its scores)."""
+    cfg = Config(model=str(server.path), device="cpu", max_num_batched_tokens=64, block_size=8, num_kv_blocks=512,
+                 max_model_len=1024, max_logprobs=64, logprobs_mode="processed_logprobs")
+    with LiveServer(cfg) as s:
+        s.path = server.path
+        yield s
+
+
+@pytest.mark.parametrize(("which", "temperature"), [("server", 1.0), ("processed_server", 0.7)])
+def test_trl_async_distillation_teacher_scoring(which: str, temperature: float, request) -> None:
+    """TRL's teacher call as its rollout loop makes it; ``teacher_temperature`` reaches the scores on a
+    server in processed_logprobs mode, as TRL's docs say of vLLM."""
+    server = request.getfixturevalue(which)
     import aiohttp
     from accelerate.state import PartialState
     from datasets import Dataset
@@ -79,7 +93,7 @@ def test_trl_async_distillation_teacher_scoring(server) -> None:
         model_name="student", dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}]),
         processing_class=None, eos_token_ids=[0], rollout_buffer=queue.Queue(), model_version_value=None,
         heartbeat_value=None, failed_event=None, exception_info_queue=queue.Queue(), metrics_queue=queue.Queue(),
-        teacher_server_urls={"default": server.url}, teacher_top_k=k, teacher_temperature=1.0)
+        teacher_server_urls={"default": server.url}, teacher_top_k=k, teacher_temperature=temperature)
     rng = np.random.default_rng(1)
     prompt_ids, completion_ids = rng.integers(0, VOCAB, 20).tolist(), rng.integers(0, VOCAB, 50).tolist()
 
@@ -92,7 +106,11 @@ def test_trl_async_distillation_teacher_scoring(server) -> None:
 
     ids, lps = asyncio.run(score())
     toks = prompt_ids + completion_ids
-    ref = reference_logprobs(server.path, toks)
+    if temperature == 1.0:
+        ref = reference_logprobs(server.path, toks)
+    else:  # log_softmax(logits / T) from the reference's log-probs (a shift per row leaves the softmax)
+        x = reference_logprobs(server.path, toks) / temperature
+        ref = x - np.logaddexp.reduce(x, axis=1, keepdims=True)
     assert len(ids) == len(completion_ids)
     for i, (row_ids, row_lps) in enumerate(zip(ids, lps)):
         p = len(prompt_ids) + i  # scores toks[p] given toks[:p]: reference row p - 1

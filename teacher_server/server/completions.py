@@ -122,7 +122,8 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     for i, ids in enumerate(prompts):
         try:
             req = build_request(token_ids=ids, limits=limits, prompt_logprobs=plp, max_tokens=mt,
-                                request_id=f"{rid}-{i}", cache_salt=body.cache_salt, priority=body.priority)
+                                request_id=f"{rid}-{i}", cache_salt=body.cache_salt, priority=body.priority,
+                                sampling_temperature=(body.model_extra or {}).get("temperature"))
         except BadRequest as e:
             raise BadRequest(e.message, "prompt" if e.param == "token_ids" else (e.param or "").removeprefix(
                 "sampling_params."), e.status) from None

@@ -108,7 +108,8 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
             token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,
             start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
             request_id=rid, cache_salt=body.cache_salt, priority=body.priority,
-            truncate_prompt_tokens=sp.truncate_prompt_tokens, targets=row_targets(sp))
+            truncate_prompt_tokens=sp.truncate_prompt_tokens, targets=row_targets(sp),
+            sampling_temperature=sp.temperature)
     except BadRequest as e:
         rid = _body_request_id(obj)
         e.request_id = rid if rid is not None else header_request_id

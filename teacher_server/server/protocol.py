@@ -57,7 +57,8 @@ class SamplingParams(BaseModel):
         None, description="Divide the logits by this (> 0) before the softmax, for every score of the request "
                           "(candidates, top-K, prompt_logprobs, actual, tail, logsumexp): vLLM's "
                           "`--logprobs-mode processed_logprobs` semantics (logits / T, then log_softmax). Default 1. "
-                          "`temperature` itself never changes scores.")
+                          "`temperature` changes scores only with `--logprobs-mode processed_logprobs` (this "
+                          "field wins over it).")
     truncate_prompt_tokens: StrictInt | None = Field(None, description="Not supported: inputs are never truncated.")
     # Accepted for compatibility; they do not change the scores.
     temperature: float | None = None

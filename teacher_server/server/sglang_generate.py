@@ -150,6 +150,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None)
             req = build_request(token_ids=ids, limits=limits, max_tokens=mn, start=cand_start if rows else None,
                                 candidates=tids if rows and tids is not None else None,
                                 targets=RowTargets(topk=top or None, actual=True) if rows else None,
+                                sampling_temperature=sp.get("temperature"),
                                 request_id=(_per(rid, i, n, "rid") if rid is not None else None)
                                 or f"{uuid.uuid4().hex}")
         except BadRequest as e:
