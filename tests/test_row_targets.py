@@ -50,22 +50,23 @@ def expected(path: Path, req: ScoreRequest, logits_mode: bool = False) -> dict[s
     return out
 
 
-def assert_targets(path: Path, req: ScoreRequest, res: ScoreResult, logits_mode: bool = False) -> None:
+def assert_targets(path: Path, req: ScoreRequest, res: ScoreResult, logits_mode: bool = False,
+                   tol: float = 1e-4) -> None:
     assert res.error is None, res.error
     e = expected(path, req, logits_mode)
     if req.top_k:
         np.testing.assert_array_equal(res.topk_ids, e["topk_ids"])
-        np.testing.assert_allclose(res.topk_logprobs, e["topk_lp"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(res.topk_logprobs, e["topk_lp"], atol=tol, rtol=0)
     if req.actual:
-        np.testing.assert_allclose(res.actual_logprobs, e["actual"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(res.actual_logprobs, e["actual"], atol=tol, rtol=0)
     if req.logsumexp:
-        np.testing.assert_allclose(res.logsumexp, e["logsumexp"], atol=TOL, rtol=1e-6)
+        np.testing.assert_allclose(res.logsumexp, e["logsumexp"], atol=tol, rtol=1e-6)
     if req.tail:
-        np.testing.assert_allclose(res.tail_logprobs, e["tail"], atol=TOL, rtol=0)
+        np.testing.assert_allclose(res.tail_logprobs, e["tail"], atol=tol, rtol=0)
     if req.candidates is not None:
         fin = np.isfinite(e["scores"])
         np.testing.assert_array_equal(np.isfinite(res.token_id_logprobs), fin)
-        np.testing.assert_allclose(res.token_id_logprobs[fin], e["scores"][fin], atol=TOL, rtol=0)
+        np.testing.assert_allclose(res.token_id_logprobs[fin], e["scores"][fin], atol=tol, rtol=0)
 
 
 def make_requests(vocab: int, seed: int = 0) -> list[ScoreRequest]:
@@ -92,7 +93,8 @@ def make_requests(vocab: int, seed: int = 0) -> list[ScoreRequest]:
 
 
 def run(path: Path, tp: int = 1, **settings: object) -> tuple[list[ScoreRequest], list[ScoreResult], int]:
-    cfg = Config(model=str(path), device="cpu", max_num_batched_tokens=32, num_kv_blocks=128, block_size=8,
+    settings = {"device": "cpu", **settings}
+    cfg = Config(model=str(path), max_num_batched_tokens=32, num_kv_blocks=128, block_size=8,
                  max_model_len=512, tensor_parallel_size=tp, **settings)
     eng = Engine(cfg)
     try:
@@ -113,6 +115,19 @@ def test_targets_equal_the_float32_reference(checkpoints) -> None:
     cold, res = reqs[2], results[2]
     lp = expected(path, cold)
     np.testing.assert_allclose(res.plp_token_logprob, lp["actual"], atol=TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("logits_mode", [False, True])
+def test_targets_on_cuda_equal_the_reference(checkpoints, logits_mode: bool) -> None:
+    """The CUDA path (the gather kernel's one-pass normalizer, the in-place tail mask on a view of
+    the chunk) in float32, within the GPU parity tests' bound."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = checkpoints["qwen3"]
+    reqs, results, _ = run(path, device="cuda", dtype="float32",
+                           **({"logprobs_mode": "raw_logits"} if logits_mode else {}))
+    for req, res in zip(reqs, results):
+        assert_targets(path, req, res, logits_mode=logits_mode, tol=1e-3)
 
 
 def test_targets_in_raw_logits_mode(checkpoints) -> None:

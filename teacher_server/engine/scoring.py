@@ -18,7 +18,7 @@ import torch
 from teacher_server.engine import vocab_parallel as vp
 from teacher_server.layers.embedding import VocabRows
 from teacher_server.layers.parallel import SINGLE, TensorParallel
-from teacher_server.ops.gather_logprob import gather_logprobs, mask_ids_
+from teacher_server.ops.gather_logprob import gather_logprobs, gather_logprobs_partial, mask_ids_
 
 
 @dataclass
@@ -80,6 +80,14 @@ class _WholeVocab:
         return act, (sub > act).sum(-1) + 1 if rank else None
 
     def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
+        """[p, 1]: the row max and sum-exp in one pass (the gather kernel's partial mode with no
+        candidate) where torch's logsumexp makes three and a [p, V] temporary."""
+        none = torch.full((sub.shape[0], 1), -1, dtype=torch.int64, device=sub.device)
+        m, se, _ = gather_logprobs_partial(sub, none, 0)
+        return (torch.where(torch.isfinite(m), m, torch.zeros_like(m)) + torch.log(se))[:, None]
+
+    def masked_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
+        """``log_normalizer`` of rows that may be all -inf (a tail with nothing left): -inf there."""
         return torch.logsumexp(sub, dim=-1, keepdim=True)
 
     def top_k(self, sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +117,9 @@ class _VocabShard(_WholeVocab):
 
     def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
         return vp.log_normalizer(sub)
+
+    def masked_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
+        return vp.log_normalizer(sub)  # (its merge is safe for all -inf rows)
 
     def top_k(self, sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return vp.top_k(sub, k, self.start, self.tp)
@@ -180,4 +191,4 @@ def _tail(ops: _WholeVocab, sub: torch.Tensor, plan: ScoringPlan, a: int, b: int
         parts.append(topk_ids[a:b].masked_fill(cols >= k_row[:, None], -1))  # [p, k]: this row's top_k
     if parts:
         ops.mask_ids_(sub, torch.cat(parts, dim=1))
-    return (ops.log_normalizer(sub) - lse).squeeze(1)
+    return (ops.masked_normalizer(sub) - lse).squeeze(1)
