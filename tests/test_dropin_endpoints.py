@@ -77,6 +77,14 @@ def test_completions_token_ids_text_prompt_and_max_tokens_0(tok_server) -> None:
         assert [list(e) for e in ch["prompt_logprobs"][1:]] == [["9"], ["11"], ["2"]]  # k = 0: the actual only
         assert ch["prompt_logprobs"][1]["9"]["decoded_token"] == "token_id:9"
         assert ch["text"] == "w5 w9 w11 w2" and ch["token_ids"] is None
+        # no echo: the logprobs of the generated token alone (its row is the last position's)
+        toks = [7, 300, 41, 9, 250]
+        r = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 2})
+    ref = reference_logprobs(tok_server.path, toks)
+    lp = r.json()["choices"][0]["logprobs"]
+    greedy = int(ref[-1].argmax())
+    assert lp["tokens"] == [f"w{greedy}"] and abs(lp["token_logprobs"][0] - ref[-1, greedy]) < TOL
+    assert list(lp["top_logprobs"][0]) == [f"w{t}" for t in np.argsort(-ref[-1], kind="stable")[:2]]
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
