@@ -161,3 +161,42 @@ def test_sglang_generate(tok_server) -> None:
                                ref[np.arange(24, 39), toks[25:]], atol=TOL)
     assert first["meta_info"]["input_token_logprobs"][0][2] is None  # text only with return_text_in_logprobs
     assert "input_token_logprobs" not in second["meta_info"]
+
+
+def test_prompt_logprobs_json_equals_the_entries_as_dicts() -> None:
+    """The byte-template builder gives what serialising the entries as dicts gives: the actual
+    token first, then the top-k by rank without it, -inf as -9999.0, decoded tokens escaped."""
+    import orjson
+
+    from teacher_server.engine.request import ScoreRequest, ScoreResult
+    from teacher_server.server.completions import _Names, prompt_logprobs_json
+
+    rng = np.random.default_rng(3)
+    n, k = 700, 5  # more than one slice
+    toks = rng.integers(0, 50, n)
+    req = ScoreRequest("r", toks, prompt_logprobs=k)
+    res = ScoreResult.empty_for(req)
+    res.plp_token_logprob[:] = -rng.random(n - 1) * 5
+    res.plp_token_logprob[3] = -np.inf
+    res.plp_token_rank[:] = rng.integers(1, 50, n - 1)
+    for j in range(n - 1):
+        res.plp_topk_ids[j] = rng.choice(50, k, replace=False)
+    res.plp_topk_logprobs[:] = -np.sort(rng.random((n - 1, k)) * 5, axis=1)
+    res.plp_topk_logprobs[5, -1] = -np.inf
+
+    class Tok:
+        def pieces(self, ids):
+            return {i: f'w"{i}\\n' for i in ids}  # characters JSON must escape
+
+    names = _Names(Tok(), False, np.arange(50))
+    want = [None]
+    for j in range(1, n):
+        t = int(toks[j])
+        e = {str(t): {"logprob": max(float(res.plp_token_logprob[j - 1]), -9999.0),
+                      "rank": int(res.plp_token_rank[j - 1]), "decoded_token": names(t)}}
+        for r, (i, v) in enumerate(zip(res.plp_topk_ids[j - 1].tolist(), res.plp_topk_logprobs[j - 1].tolist()), 1):
+            if i != t:
+                e[str(i)] = {"logprob": max(v, -9999.0), "rank": r, "decoded_token": names(i)}
+        want.append(e)
+    got = prompt_logprobs_json(req, res, k, names)
+    assert got == orjson.dumps(want)

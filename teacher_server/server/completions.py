@@ -150,33 +150,52 @@ class _Names:
             return f"token_id:{i}"
         return None if self.pieces is None else self.pieces[i]
 
+    def json_table(self, ids: set[int]) -> dict[int, bytes] | None:
+        """Each id's name as JSON bytes (None: every name is null)."""
+        if self.as_ids:
+            return {i: b'"token_id:%d"' % i for i in ids}
+        if self.pieces is None:
+            return None
+        return {i: orjson.dumps(self.pieces[i]) for i in ids}
+
 
 def _lp(x: float) -> float:
     return x if x > NEG_INF_JSON else NEG_INF_JSON  # (-inf and NaN-free: JSON has no infinity)
 
 
-def _plp_entry(a: int, lp: float, rk: int, ids: list[int], vals: list[float], k: int, name: _Names) -> dict:
-    """One position's ``{"<id>": {logprob, rank, decoded_token}}``: the actual token, then the top-k."""
-    out = {str(a): {"logprob": _lp(lp), "rank": rk, "decoded_token": name(a)}}
-    for r, (t, v) in enumerate(zip(ids[:k], vals[:k]), start=1):
-        if t != a:
-            out[str(t)] = {"logprob": _lp(v), "rank": r, "decoded_token": name(t)}
-    return out
-
-
 def prompt_logprobs_json(req: ScoreRequest, res: ScoreResult, k: int, name: _Names) -> bytes:
-    """``choices[i].prompt_logprobs`` as JSON bytes, ``PLP_SLICE`` positions at a time (the
-    Python objects of one slice exist at once)."""
+    """``choices[i].prompt_logprobs`` as JSON bytes: ``null``, then per position
+    ``{"<id>": {"logprob", "rank", "decoded_token"}}``, the actual token first, then the top-k
+    by rank (without repeating the actual token). Built ``PLP_SLICE`` positions at a time from
+    byte templates: orjson formats a slice's floats in one call (the same digits it gives a
+    dict's floats) and each entry is one bytes formatting, ~4x faster than building a dict
+    per entry and about a fifth of a microsecond of GIL per entry."""
     n = req.length
     toks = req.token_ids.tolist()
+    tok_json = name.json_table(set(toks) | set(np.unique(res.plp_topk_ids[:n - 1, :k]).tolist()) if n > 1 else set())
+    item = b'"%d":{"logprob":%b,"rank":%d,"decoded_token":' + (b"%b}" if tok_json is not None else b"null}")
+    head, item = b"{" + item, b"," + item
     parts = [b"[null"]
     for a in range(1, n, PLP_SLICE):
         b = min(a + PLP_SLICE, n)
         rows = slice(a - 1, b - 1)
-        lp, rk = res.plp_token_logprob[rows].tolist(), res.plp_token_rank[rows].tolist()
-        ids, vals = res.plp_topk_ids[rows, :k].tolist(), res.plp_topk_logprobs[rows, :k].tolist()
-        chunk = [_plp_entry(toks[j], lp[j - a], rk[j - a], ids[j - a], vals[j - a], k, name) for j in range(a, b)]
-        parts.append(b"," + orjson.dumps(chunk)[1:-1])
+        # -inf as -9999.0 (JSON has no infinity); one orjson call formats all of a slice's floats
+        act = orjson.dumps(np.maximum(res.plp_token_logprob[rows], NEG_INF_JSON).tolist())[1:-1].split(b",")
+        rk = res.plp_token_rank[rows].tolist()
+        ids = res.plp_topk_ids[rows, :k].tolist()
+        vals = orjson.dumps(np.maximum(res.plp_topk_logprobs[rows, :k], NEG_INF_JSON).tolist())[2:-2].split(b"],[") \
+            if k else [b""] * (b - a)
+        for j in range(a, b):
+            t0, i = toks[j], j - a
+            fl = vals[i].split(b",") if k else ()
+            if tok_json is None:  # every name is null: the templates hold it
+                out = [b",", head % (t0, act[i], rk[i])]
+                out += [item % (t, f, r) for r, (t, f) in enumerate(zip(ids[i], fl), start=1) if t != t0]
+            else:
+                out = [b",", head % (t0, act[i], rk[i], tok_json[t0])]
+                out += [item % (t, f, r, tok_json[t]) for r, (t, f) in enumerate(zip(ids[i], fl), start=1) if t != t0]
+            out.append(b"}")
+            parts.append(b"".join(out))
         time.sleep(0)  # let the engine thread and the event loop run
     parts.append(b"]")
     return b"".join(parts)
