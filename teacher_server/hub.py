@@ -98,9 +98,16 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None, weig
     except errors.RevisionNotFoundError:
         raise ModelNotFoundError(f"model {repo_id!r} has no revision {revision!r} on the hub") from None
     except errors.LocalEntryNotFoundError as e:
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
-        raise ModelNotFoundError(f"model {repo_id!r}: no such directory; {why} and the hub cache {where} has no "
-                                 f"complete snapshot of it (revision {revision or 'main'}) "
+        # huggingface_hub's own text suggests a code change (local_files_only=False): say what to run instead
+        get = f"python -m teacher_server.hub {repo_id}" + (f" --revision {revision}" if revision else "")
+        if offline:
+            raise ModelNotFoundError(f"model {repo_id!r} is not in the hub cache {where} (HF_HUB_OFFLINE is set, "
+                                     f"revision {revision or 'main'}: no complete snapshot of it): download it "
+                                     f"first on a machine with network ({get}, with the same HF_HUB_CACHE), or "
+                                     f"unset HF_HUB_OFFLINE") from None
+        raise ModelNotFoundError(f"model {repo_id!r}: no such directory; the hub could not be reached and the hub "
+                                 f"cache {where} has no complete snapshot of it (revision {revision or 'main'}): "
+                                 f"check the network (HTTPS_PROXY) or download it first ({get}) "
                                  f"({_first_line(e)})") from None
     except errors.HFValidationError as e:
         raise ModelNotFoundError(f"model {repo_id!r}: no such directory, and not a valid hub id "

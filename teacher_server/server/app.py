@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -100,6 +101,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         return error_response(500, "internal server error")
 
     add_api_key(app, cfg)
+    if cfg.allowed_origins:  # outermost, so a browser's preflight OPTIONS is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})

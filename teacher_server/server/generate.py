@@ -104,7 +104,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
             raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
         # Parsing and validating a large body takes a while: keep it off the event loop.
-        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id)
+        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id, cfg.served_names)
         body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
             if len(raw) > INLINE_BYTES else parsing.parse_request(*args)
         info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows

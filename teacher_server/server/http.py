@@ -7,6 +7,8 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 
 import h11
@@ -16,7 +18,7 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from teacher_server.config import Config
+from teacher_server.config import Config, ConfigError
 from teacher_server.server.responses import error_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
@@ -102,12 +104,34 @@ class HeaderTimeoutProtocol(H11Protocol):
 KEEP_ALIVE_S = 30
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError naming the port when it cannot be bound (another server holds it), with
+    how to pick another; bound as uvicorn binds (SO_REUSEADDR), then released at once."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"port {port} on {host} is not free ({e.strerror}): another process listens there; "
+                              f"pick another with --port N (or TEACHER_SERVER_PORT=N), or stop that "
+                              f"process") from None
+
+
 def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int | None = None,
                    **kw: object) -> uvicorn.Config:
     """uvicorn settings of the service (the CLI and the tests serve through this)."""
     protocol = type("TeacherHTTPProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": cfg.header_timeout_s})
+    for name in ("ssl_keyfile", "ssl_certfile"):  # a clear line now, not uvicorn's traceback at bind time
+        path = getattr(cfg, name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{name}: no file {path}")
+    tls = {"ssl_keyfile": cfg.ssl_keyfile, "ssl_certfile": cfg.ssl_certfile} if cfg.ssl_keyfile else {}
     return uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port, http=protocol,
-                          log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S, **kw)
+                          log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                          **{"root_path": cfg.root_path, **tls, **kw})
 
 
 class BodyGate:
