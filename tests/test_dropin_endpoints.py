@@ -139,6 +139,7 @@ def test_sglang_generate(tok_server) -> None:
     assert meta["prompt_tokens"] == 40 and meta["completion_tokens"] == 1
     assert meta["finish_reason"] == {"type": "length", "length": 1}
     assert isinstance(meta["id"], str) and isinstance(meta["e2e_latency"], float)
+    assert meta["weight_version"] == "default" and meta["total_retractions"] == 0 and meta["cached_tokens"] == 0
     itl = meta["input_token_logprobs"]
     assert len(itl) == 40 and itl[0] == [None, toks[0], f"w{toks[0]}"]
     np.testing.assert_allclose([e[0] for e in itl[1:]], ref[np.arange(39), toks[1:]], atol=TOL)

@@ -4,7 +4,8 @@
 ``top_logprobs_num``, ``token_ids_logprob`` (each a value or a per-prompt list, as SGLang
 takes them), ``return_text_in_logprobs``. The answer is SGLang's: ``text``, ``output_ids``,
 ``meta_info`` with ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
-``cached_tokens``, ``e2e_latency`` and, with ``return_logprob``:
+``cached_tokens``, ``e2e_latency``, ``weight_version`` ("default": weights never change here),
+``total_retractions`` (0: nothing is retracted) and, with ``return_logprob``:
 
 - ``input_token_logprobs``: ``[logprob, token_id, text]`` per input position from
   ``logprob_start_len`` (logprob ``None`` at position 0, which nothing predicts);
@@ -214,6 +215,7 @@ def build_sglang(parsed: ParsedSGLang, results: list[ScoreResult], model: str, t
         meta: dict[str, Any] = {
             "id": it.rid, "finish_reason": {"type": "length", "length": it.max_new},
             "prompt_tokens": req.length, "completion_tokens": len(out_ids), "cached_tokens": res.cached_tokens,
+            "weight_version": "default", "total_retractions": 0,
             "e2e_latency": max(res.finished_at - req.arrival, 0.0)}
         if it.logprob:
             text = None
