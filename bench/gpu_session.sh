@@ -32,7 +32,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 for step in ${STEPS:-tests}; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests)   python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests)   python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py \
+      tests/test_row_targets.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     # the GPU tests that compile no fla-core float32 kernels (those autotune for minutes on a fresh machine)
     quicktests) python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gpu_engine.py tests/test_moe.py \
       tests/test_qwen3_5_gpu.py -k "not qwen3_5_parity_gpu_float32" 2>&1 | tee "$OUT/gpu_quick_tests.log" | tail -25 ;;
