@@ -104,6 +104,21 @@ def test_completions_errors(tok_server, body: dict, status: int, param: str) -> 
         assert_error(c.post("/v1/completions", json=body), status, param)
 
 
+def test_native_targets_on_zero_rows(qwen3_server) -> None:
+    """A single token (or a start at the end) has no scored rows: [0, K] and [0] arrays, never null."""
+    from apiutil import decode
+
+    with qwen3_server.client() as c:
+        r = c.post("/inference/v1/generate", json={"token_ids": [5], "sampling_params": {
+            "prompt_logprob_topk": 3, "prompt_logprob_actual": True, "max_tokens": 0}})
+        assert r.status_code == 200, r.text
+        assert decode(r.json()["prompt_topk_token_ids"]).shape == (0, 3)
+        assert decode(r.json()["prompt_actual_logprobs"]).shape == (0,)
+        r = c.post("/inference/v1/generate", json={"token_ids": [5, 6, 7], "sampling_params": {
+            "prompt_logprob_tail": True, "prompt_logprob_topk": 2, "prompt_logprob_start": 2}})
+        assert r.status_code == 200 and decode(r.json()["prompt_tail_logprobs"]).shape == (0,)
+
+
 def test_text_needs_a_tokenizer(qwen3_server) -> None:
     """The checkpoint has no tokenizer.json: text and token strings are a 400 saying to send ids."""
     with qwen3_server.client() as c:
@@ -133,6 +148,14 @@ def test_sglang_generate(tok_server) -> None:
                      400, "sampling_params.max_new_tokens")
         assert_error(c.post("/generate", json={"input_ids": [toks, toks], "logprob_start_len": [0]}),
                      400, "logprob_start_len")
+        assert_error(c.post("/generate", json={"input_ids": toks, "return_logprob": True, "logprob_start_len": 0,
+                                               "token_ids_logprob": [3, VOCAB]}), 400, "token_ids_logprob")
+        assert_error(c.post("/generate", json={"input_ids": toks, "return_logprob": True, "logprob_start_len": 0,
+                                               "top_logprobs_num": 65}), 400, "top_logprobs_num")
+        assert_error(c.post("/generate", json={"input_ids": list(range(200)), "return_logprob": True,
+                                               "logprob_start_len": 0, "top_logprobs_num": 30}),
+                     400, "top_logprobs_num", contains="max_prompt_logprobs_entries")  # the JSON cap
+        assert_error(c.post("/generate", json={"text": "w1", "input_ids": [1]}), 400, "input_ids")
     meta = out["meta_info"]
     greedy = int(ref[-1].argmax())
     assert out["output_ids"] == [greedy] and out["text"] == f"w{greedy}"
