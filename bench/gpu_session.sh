@@ -32,7 +32,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.
 for step in ${STEPS:-tests}; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests)   python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests)   python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gather_logprob.py tests/test_gpu_engine.py \
+      tests/test_row_targets.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     # the GPU tests that compile no fla-core float32 kernels (those autotune for minutes on a fresh machine)
     quicktests) python3 -m pytest $PT -m gpu tests/test_parity.py tests/test_gpu_engine.py tests/test_moe.py \
       tests/test_qwen3_5_gpu.py -k "not qwen3_5_parity_gpu_float32" 2>&1 | tee "$OUT/gpu_quick_tests.log" | tail -25 ;;
@@ -41,6 +42,8 @@ for step in ${STEPS:-tests}; do
     attention) python3 bench/bench_attention.py --out "$OUT/attention_h200.json" 2>&1 | tee "$OUT/attention.log" | tail -20 ;;
     kernel)  python3 bench/bench_kernel.py --out "$OUT/kernel_h200.json" 2>&1 | tee "$OUT/kernel.log" | tail -30 ;;
     engine8b) python3 bench/bench_engine.py ${ENGINE_ARGS:-} --out "$OUT/engine_8b_h200.json" 2>&1 | tee "$OUT/engine8b.log" | tail -30 ;;
+    # the trainers' ways to the teacher's top-K beside the candidate path (W1, K=64), and one 131,072-token request
+    dropin) python3 bench/bench_dropin.py ${DROPIN_ARGS:-} --out "$OUT/dropin_h200.json" 2>&1 | tee "$OUT/dropin.log" | tail -40 ;;
     replicas) python3 bench/bench_replicas.py ${REPLICA_ARGS:-} --out "$OUT/replicas_8b_h200.json" 2>&1 | tee "$OUT/replicas.log" | tail -20 ;;
     qwen35tests) python3 -m pytest $PT -m gpu tests/test_conv_prep.py tests/test_qwen3_5_gpu.py 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
     # the linear layers' fused input stage against the two passes it replaces, at the 9B shapes

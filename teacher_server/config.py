@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENV_PREFIX = "TEACHER_SERVER_"
 
-LogprobsMode = Literal["raw_logprobs", "raw_logits"]
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs"]
 AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash_attn"]
 
 
@@ -74,7 +74,10 @@ class Config(BaseModel):
         None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
     max_logprobs: int = Field(
         256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
-    logprobs_mode: LogprobsMode = Field("raw_logprobs", description="raw_logits: the matrix holds logits.")
+    logprobs_mode: LogprobsMode = Field(
+        "raw_logprobs", description="raw_logits: the matrix holds logits. processed_logprobs: a request's sampling "
+                                    "temperature divides its logits before the softmax, as vLLM's mode of that name "
+                                    "(0 and absent: 1).")
     max_rows_x_k: int = Field(64 * 1024 * 1024, ge=1, description="Cap on rows*K of one result matrix.")
     max_prompt_logprobs_entries: int = Field(
         512 * 1024, ge=1, description="Cap on the entries of classic prompt_logprobs in one response, "

@@ -23,7 +23,8 @@ from teacher_server.candidates import InvalidIds, candidate_ids
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
-from teacher_server.validation import BadRequest, Limits, build_request
+from teacher_server.targets import union_columns
+from teacher_server.validation import BadRequest, Limits, RowTargets, build_request
 
 _CANDIDATES = "sampling_params.prompt_logprob_token_ids"
 # vLLM's other SamplingParams fields, the names the HTTP endpoint accepts and ignores
@@ -35,7 +36,9 @@ VLLM_IGNORED_FIELDS = frozenset({
     "ignore_eos", "min_tokens", "logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
     "logit_bias", "allowed_token_ids", "extra_args", "output_kind", "structured_outputs", "guided_decoding", "n",
     "best_of", "flat_logprobs", "logits_processors", "skip_reading_prefix_cache", "skip_clone"})
-_SCORING_FIELDS = ("max_tokens", "prompt_logprob_token_ids", "prompt_logprob_start", "prompt_logprobs")
+_SCORING_FIELDS = ("max_tokens", "prompt_logprob_token_ids", "prompt_logprob_start", "prompt_logprobs",
+                   "prompt_logprob_topk", "prompt_logprob_union", "prompt_logprob_actual", "prompt_logprob_tail",
+                   "prompt_logprob_logsumexp", "prompt_logprob_temperature")
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -50,10 +53,18 @@ class SamplingParams:
 
     def __init__(self, max_tokens: int = 1, prompt_logprob_token_ids: Any = None,
                  prompt_logprob_start: int | None = None, prompt_logprobs: int | None = None,
+                 prompt_logprob_topk: int | None = None, prompt_logprob_union: bool = False,
+                 prompt_logprob_actual: bool = False, prompt_logprob_tail: bool = False,
+                 prompt_logprob_logsumexp: bool = False, prompt_logprob_temperature: float | None = None,
                  **ignored: Any) -> None:
         unknown = sorted(set(ignored) - VLLM_IGNORED_FIELDS)
         if unknown:
             raise TypeError(f"SamplingParams got an unknown field {unknown[0]!r}{_closest(unknown[0])}")
+        """The ``prompt_logprob_topk`` ... ``prompt_logprob_temperature`` row targets are the HTTP
+        endpoint's (``teacher_server.server.protocol.SamplingParams`` documents them); their
+        arrays come back in ``RequestOutput``."""
+        self.targets = RowTargets(prompt_logprob_topk, prompt_logprob_union, prompt_logprob_actual,
+                                  prompt_logprob_tail, prompt_logprob_logsumexp, prompt_logprob_temperature)
         self.max_tokens = max_tokens
         # [K] or [rows, K] (-1 pads): lists or numpy integer arrays, or a base64 .npy string
         self.prompt_logprob_token_ids = prompt_logprob_token_ids
@@ -87,6 +98,14 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None
     num_cached_tokens: int = 0
     finished: bool = True
+    # the row targets, when asked (one entry per scored row)
+    prompt_topk_token_ids: np.ndarray | None = None  # [rows, K] int32
+    prompt_topk_logprobs: np.ndarray | None = None  # [rows, K] float32
+    prompt_union_token_ids: np.ndarray | None = None  # [rows, Kc + K] int32, -1 pads
+    prompt_union_logprobs: np.ndarray | None = None  # [rows, Kc + K] float32
+    prompt_actual_logprobs: np.ndarray | None = None  # [rows] float32
+    prompt_tail_logprobs: np.ndarray | None = None  # [rows] float32
+    prompt_logsumexp: np.ndarray | None = None  # [rows] float32
 
 
 class LLM:
@@ -98,7 +117,7 @@ class LLM:
         self.config = cfg
         self.engine = Engine(cfg)
         self.limits = Limits(self.engine.spec.vocab_size, self.engine.max_model_len, cfg.max_logprobs,
-                             cfg.max_rows_x_k)
+                             cfg.max_rows_x_k, processed=cfg.logprobs_mode == "processed_logprobs")
         self._ids = itertools.count()
 
     def generate(self, prompts: TokensPrompt | Sequence[TokensPrompt] | Sequence[int],
@@ -124,7 +143,8 @@ class LLM:
         reqs = [build_request(token_ids=p["prompt_token_ids"], limits=self.limits,
                               candidates=_candidates(sp.prompt_logprob_token_ids), start=sp.prompt_logprob_start,
                               prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
-                              request_id=str(next(self._ids)), cache_salt=p.get("cache_salt"))
+                              request_id=str(next(self._ids)), cache_salt=p.get("cache_salt"),
+                              targets=sp.targets, sampling_temperature=sp.extra.get("temperature"))
                 for p, sp in zip(prompts, sps)]
         results = self.engine.run_to_completion(reqs)
         return [self._output(r, res) for r, res in zip(reqs, results)]
@@ -146,8 +166,15 @@ class LLM:
             plp = [None if e is None else {t: Logprob(v, r) for t, v, r in e}
                    for e in prompt_logprob_entries(req.token_ids, res)]
         nxt = [res.next_token] if req.max_tokens and res.next_token is not None else []
-        return RequestOutput(req.request_id, req.token_ids.tolist(), [CompletionOutput(0, nxt)],
-                             res.token_id_logprobs, plp, res.cached_tokens)
+        out = RequestOutput(req.request_id, req.token_ids.tolist(), [CompletionOutput(0, nxt)],
+                            res.token_id_logprobs, plp, res.cached_tokens,
+                            prompt_topk_token_ids=res.topk_ids, prompt_topk_logprobs=res.topk_logprobs,
+                            prompt_actual_logprobs=res.actual_logprobs, prompt_tail_logprobs=res.tail_logprobs,
+                            prompt_logsumexp=res.logsumexp)
+        if req.union:
+            out.prompt_union_token_ids, out.prompt_union_logprobs = union_columns(
+                req.candidates, res.token_id_logprobs, res.topk_ids, res.topk_logprobs)
+        return out
 
 
 def _closest(name: str) -> str:

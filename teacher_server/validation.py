@@ -5,6 +5,7 @@ Shared by the HTTP server and the in-process Python API, so both enforce one con
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,47 @@ class Limits:
     # Cap on (len(token_ids) - 1) * (prompt_logprobs + 1), the entries of the classic JSON
     # prompt_logprobs (the HTTP response's largest part); None: no cap (in-process API).
     max_prompt_logprobs_entries: int | None = None
+    # logprobs_mode processed_logprobs: a request's sampling temperature scales its scores
+    processed: bool = False
+
+
+@dataclass(frozen=True)
+class RowTargets:
+    """What a request asks of its scored rows besides the candidates (the native endpoint's
+    ``prompt_logprob_topk`` ... ``prompt_logprob_temperature``; the in-process API's fields)."""
+
+    topk: int | None = None
+    union: bool = False
+    actual: bool = False
+    tail: bool = False
+    logsumexp: bool = False
+    temperature: float | None = None
+
+    @property
+    def any_rows(self) -> bool:
+        return bool(self.topk or self.actual or self.tail or self.logsumexp)
+
+    def check(self, rows: int, has_candidates: bool, limits: Limits) -> None:
+        """Raise BadRequest naming the field for values the engine cannot honour."""
+        sp = "sampling_params."
+        if self.topk is not None:
+            cap = min(limits.max_logprobs, limits.vocab_size)
+            if not 1 <= self.topk <= cap:
+                raise BadRequest(f"prompt_logprob_topk must be in [1, {cap}], got {self.topk}",
+                                 sp + "prompt_logprob_topk")
+            if rows * self.topk > limits.max_rows_x_k:
+                raise BadRequest(f"prompt_logprob_topk={self.topk} on {rows} rows is {rows * self.topk} values, more "
+                                 f"than max_rows_x_k={limits.max_rows_x_k}", sp + "prompt_logprob_topk")
+        if self.union and not (has_candidates and self.topk):
+            raise BadRequest("prompt_logprob_union needs prompt_logprob_token_ids and prompt_logprob_topk",
+                             sp + "prompt_logprob_union")
+        if self.tail and not (has_candidates or self.topk):
+            raise BadRequest("prompt_logprob_tail needs columns to be outside of: prompt_logprob_token_ids and/or "
+                             "prompt_logprob_topk", sp + "prompt_logprob_tail")
+        t = self.temperature
+        if t is not None and not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
+            raise BadRequest(f"prompt_logprob_temperature must be a finite number > 0, got {t!r}",
+                             sp + "prompt_logprob_temperature")
 
 
 def decode_npy(data: str, param: str) -> np.ndarray:
@@ -93,7 +135,12 @@ def _token_ids(value: Any) -> np.ndarray:
 def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, start: int | None = None,
                   prompt_logprobs: int | None = None, max_tokens: int | None = 1, request_id: str | None = None,
                   cache_salt: str | None = None, priority: int = 0,
-                  truncate_prompt_tokens: int | None = None) -> ScoreRequest:
+                  truncate_prompt_tokens: int | None = None, targets: RowTargets | None = None,
+                  sampling_temperature: Any = None) -> ScoreRequest:
+    """``targets``: what else to return for the scored rows (``RowTargets``; None: nothing);
+    ``sampling_temperature``: the request's sampling temperature, which divides its logits in
+    ``processed_logprobs`` mode (unless ``targets`` names a temperature; 0 and None: 1)."""
+    tg = targets if targets is not None else RowTargets()
     sp = "sampling_params."
     toks = _token_ids(token_ids)
     if toks.ndim != 1 or toks.size == 0:
@@ -113,8 +160,9 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     if mt not in (0, 1):
         raise BadRequest(f"max_tokens must be 0 or 1 (this server scores, it does not generate); got {mt}",
                          sp + "max_tokens")
-    if start is not None and candidates is None:
-        raise BadRequest("prompt_logprob_start needs prompt_logprob_token_ids", sp + "prompt_logprob_start")
+    if start is not None and candidates is None and not tg.any_rows:
+        raise BadRequest("prompt_logprob_start needs prompt_logprob_token_ids (or a row target such as "
+                         "prompt_logprob_topk)", sp + "prompt_logprob_start")
     s = 0 if start is None else start
     if s < 0:
         raise BadRequest(f"prompt_logprob_start must be >= 0, got {s}", sp + "prompt_logprob_start")
@@ -131,7 +179,14 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
             raise BadRequest(f"prompt_logprobs={prompt_logprobs} on {toks.size} tokens makes {entries} entries, more "
                              f"than max_prompt_logprobs_entries={limits.max_prompt_logprobs_entries}; ask for fewer, "
                              "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
+    tg.check(rows, cand is not None, limits)
+    temp = tg.temperature
+    st = sampling_temperature
+    if temp is None and limits.processed and isinstance(st, int | float) and not isinstance(st, bool) \
+            and math.isfinite(st) and st > 1e-5:  # (vLLM's greedy threshold: below it, no scaling)
+        temp = float(st)
     return ScoreRequest(
         request_id=request_id if request_id is not None else f"score-{uuid.uuid4().hex}",
         token_ids=toks, start=s, candidates=cand, prompt_logprobs=prompt_logprobs, max_tokens=mt,
-        cache_salt=cache_salt, priority=priority)
+        cache_salt=cache_salt, priority=priority, top_k=tg.topk or 0, union=tg.union, actual=tg.actual,
+        tail=tg.tail, logsumexp=tg.logsumexp, temperature=1.0 if temp is None else float(temp))

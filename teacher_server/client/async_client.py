@@ -18,6 +18,7 @@ from teacher_server.client.protocol import (
     Candidates,
     RequestLike,
     ScoreOutput,
+    Targets,
     TeacherRequest,
     as_request,
 )
@@ -114,13 +115,13 @@ class AsyncTeacherClient(ClientBase):
                                     prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority)
         return out.scores
 
-    async def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
-                         cache_salt: str | None = None, request_id: str | None = None,
+    async def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates | None, start: int = 0,
+                         *, cache_salt: str | None = None, request_id: str | None = None,
                          prompt_logprobs: int | None = None, max_tokens: int = 0,
-                         priority: int = 0) -> ScoreOutput:
+                         priority: int = 0, targets: Targets | None = None) -> ScoreOutput:
         """See ``TeacherClient.score_full``."""
         return await self._send(TeacherRequest(token_ids, candidates, start, cache_salt, request_id,
-                                               prompt_logprobs, max_tokens, priority))
+                                               prompt_logprobs, max_tokens, priority, targets))
 
     async def score_batch(self, requests: Iterable[RequestLike], *, progress: bool = False,
                           return_exceptions: bool = False) -> list[np.ndarray | Exception]:

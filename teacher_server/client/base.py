@@ -74,7 +74,8 @@ class ClientBase:
 
     def _attempts(self, req: TeacherRequest) -> Attempts:
         """The run of attempts of one request (``Attempts``: both clients' retry loop)."""
-        return Attempts(self.retry, self.endpoints, self._route_key(req), len(req.token_ids))
+        return Attempts(self.retry, self.endpoints, self._route_key(req), len(req.token_ids),
+                        expect_scores=req.candidates is not None)
 
     def _post_args(self, url: str | None) -> tuple[str, dict[str, str], dict[str, str] | None]:
         """The URL, headers and httpx extensions of an attempt to server ``url`` (None: the one

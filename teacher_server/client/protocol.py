@@ -40,6 +40,36 @@ class TeacherServerError(Exception):
 
 
 @dataclass(frozen=True)
+class Targets:
+    """More of the scored rows than the candidates' log-probs, from the same prefill (the
+    endpoint's ``prompt_logprob_topk`` ... ``prompt_logprob_temperature``; they come back in
+    ``ScoreOutput``): ``topk`` the teacher's own top-K ids and log-probs; ``union`` the
+    candidates' columns then the top-K ids not among them (-1 pads); ``actual`` the scored
+    token's log-prob; ``tail`` the log of the mass outside the candidates and the top-K;
+    ``logsumexp`` the log normalizer; ``temperature`` divides the logits before the softmax
+    (vLLM's processed_logprobs) for every score of the request, the candidates' too."""
+
+    topk: int | None = None
+    union: bool = False
+    actual: bool = False
+    tail: bool = False
+    logsumexp: bool = False
+    temperature: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The sampling parameters that ask for them."""
+        out: dict[str, Any] = {}
+        if self.topk is not None:
+            out["prompt_logprob_topk"] = int(self.topk)
+        for name in ("union", "actual", "tail", "logsumexp"):
+            if getattr(self, name):
+                out["prompt_logprob_" + name] = True
+        if self.temperature is not None:
+            out["prompt_logprob_temperature"] = float(self.temperature)
+        return out
+
+
+@dataclass(frozen=True)
 class TeacherRequest:
     """One scoring request for ``score_batch``; the fields are ``score``'s arguments.
 
@@ -47,26 +77,35 @@ class TeacherRequest:
     """
 
     token_ids: Sequence[int] | np.ndarray
-    candidates: Candidates
+    candidates: Candidates | None  # None: only ``targets`` are asked
     start: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
     prompt_logprobs: int | None = None
     max_tokens: int = 0
     priority: int = 0
+    targets: Targets | None = None
 
 
 @dataclass(frozen=True)
 class ScoreOutput:
     """A scored request: the matrix plus what the server reported about it."""
 
-    scores: np.ndarray  # [rows, K] float32 teacher log-probs (logits in raw_logits mode)
+    scores: np.ndarray | None  # [rows, K] float32 teacher log-probs (logits in raw_logits mode); None: no candidates
     request_id: str
     model: str
     next_token: int | None  # greedy next token when max_tokens=1
     prompt_tokens: int
     cached_tokens: int  # tokens whose KV came from the prefix cache
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None  # vLLM's classic layout, when asked
+    # the asked ``Targets`` (None otherwise), one entry per scored row
+    topk_ids: np.ndarray | None = None  # [rows, K] int32, by rank
+    topk_logprobs: np.ndarray | None = None  # [rows, K] float32
+    union_ids: np.ndarray | None = None  # [rows, Kc + K] int32, -1 pads
+    union_logprobs: np.ndarray | None = None  # [rows, Kc + K] float32, -inf at padding
+    actual_logprobs: np.ndarray | None = None  # [rows] float32
+    tail_logprobs: np.ndarray | None = None  # [rows] float32
+    logsumexp: np.ndarray | None = None  # [rows] float32
 
 
 RequestLike = TeacherRequest | Mapping[str, Any] | Sequence[Any]
@@ -106,8 +145,13 @@ def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
         raise ValueError(f"token_ids must be a flat sequence of ids, got shape {list(toks.shape)}")
     if toks.size and toks.dtype.kind not in "iu":
         raise TypeError(f"token_ids must be integer ids, got dtype {toks.dtype}")
-    sp: dict[str, Any] = {"prompt_logprob_token_ids": encode_candidates(req.candidates),
-                          "prompt_logprob_start": int(req.start), "max_tokens": int(req.max_tokens)}
+    sp: dict[str, Any] = {"prompt_logprob_start": int(req.start), "max_tokens": int(req.max_tokens)}
+    if req.candidates is not None:
+        sp["prompt_logprob_token_ids"] = encode_candidates(req.candidates)
+    elif req.targets is None or not req.targets.fields():
+        raise ValueError("candidates is None and no targets are asked: nothing to score")
+    if req.targets is not None:
+        sp.update(req.targets.fields())
     if req.prompt_logprobs is not None:
         sp["prompt_logprobs"] = int(req.prompt_logprobs)
     body: dict[str, Any] = {"token_ids": toks.astype(np.int64).tolist(), "sampling_params": sp}
@@ -119,17 +163,28 @@ def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
     return body
 
 
-def parse_output(data: Mapping[str, Any]) -> ScoreOutput:
+def parse_output(data: Mapping[str, Any], expect_scores: bool = True) -> ScoreOutput:
     """A 200 response body -> ``ScoreOutput`` (the matrix decoded without unpickling, and
     without ``np.load``, which fails now and then on worker threads: see ``teacher_server.npy``)."""
     raw = data.get("prompt_token_id_logprobs")
-    if raw is None:
+    if raw is None and expect_scores:
         raise TeacherServerError("response has no prompt_token_id_logprobs", status=200)
-    scores = load_npy(b64.decode(raw, validate=False)).astype(np.float32, copy=False)
+    scores = None if raw is None else _npy(raw).astype(np.float32, copy=False)
+    targets = {name: None if data.get(key) is None else _npy(data[key]) for name, key in _TARGET_FIELDS.items()}
     toks = (data.get("choices") or [{}])[0].get("token_ids") or []
     usage = data.get("usage") or {}
     return ScoreOutput(scores=scores, request_id=data.get("request_id", ""), model=data.get("model", ""),
                        next_token=int(toks[0]) if toks else None,
                        prompt_tokens=int(usage.get("prompt_tokens", 0)),
                        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)),
-                       prompt_logprobs=data.get("prompt_logprobs"))
+                       prompt_logprobs=data.get("prompt_logprobs"), **targets)
+
+
+_TARGET_FIELDS = {"topk_ids": "prompt_topk_token_ids", "topk_logprobs": "prompt_topk_logprobs",
+                  "union_ids": "prompt_union_token_ids", "union_logprobs": "prompt_union_logprobs",
+                  "actual_logprobs": "prompt_actual_logprobs", "tail_logprobs": "prompt_tail_logprobs",
+                  "logsumexp": "prompt_logsumexp"}
+
+
+def _npy(raw: str) -> np.ndarray:
+    return load_npy(b64.decode(raw, validate=False))

@@ -87,12 +87,14 @@ class RetryPolicy:
         self.max_backoff = max_backoff
         self._rng = random.Random()
 
-    def outcome(self, attempt: int, resp: httpx.Response | None, err: Exception | None) -> ScoreOutput | None:
+    def outcome(self, attempt: int, resp: httpx.Response | None, err: Exception | None,
+                expect_scores: bool = True) -> ScoreOutput | None:
         """Attempt number ``attempt`` (1-based) gave ``resp`` or failed with ``err``: the parsed
-        output on 200; None to try again; raises when the failure is final."""
+        output on 200 (``expect_scores``: the request sent candidates); None to try again;
+        raises when the failure is final."""
         if resp is not None and resp.status_code == 200:
             try:
-                return parse_output(resp.json())
+                return parse_output(resp.json(), expect_scores)
             except (ValueError, TypeError, KeyError, AttributeError) as e:  # not our answer (a proxy's page, ...)
                 raise TeacherServerError(f"unreadable answer: {type(e).__name__}: {str(e)[:200]}", status=200,
                                          type="invalid_response", attempts=attempt) from e
@@ -133,8 +135,10 @@ class Attempts:
                 sleep(wait)
     """
 
-    def __init__(self, policy: RetryPolicy, endpoints: Endpoints | None, key: bytes | None, tokens: int) -> None:
+    def __init__(self, policy: RetryPolicy, endpoints: Endpoints | None, key: bytes | None, tokens: int,
+                 expect_scores: bool = True) -> None:
         self.policy = policy
+        self.expect_scores = expect_scores  # the request sent candidates: an answer must hold their scores
         self.endpoints = endpoints
         self.key = key  # the request's routing key (None with one server)
         self.tokens = tokens  # counted in flight on the server an attempt goes to
@@ -172,7 +176,7 @@ class Attempts:
         raises ``TeacherServerError`` when the failure is final. A server that is not there is
         taken out first."""
         self._elsewhere = self._fail_over()
-        return self.policy.outcome(self.number, self.resp, self.err)
+        return self.policy.outcome(self.number, self.resp, self.err, self.expect_scores)
 
     def backoff(self) -> float | None:
         """Seconds to wait before the next attempt; None when another server is up to take it

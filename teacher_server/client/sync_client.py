@@ -17,6 +17,7 @@ from teacher_server.client.protocol import (
     Candidates,
     RequestLike,
     ScoreOutput,
+    Targets,
     TeacherRequest,
     TeacherServerError,
     as_request,
@@ -91,12 +92,16 @@ class TeacherClient(ClientBase):
         return self.score_full(token_ids, candidates, start, cache_salt=cache_salt, request_id=request_id,
                                prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority).scores
 
-    def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
+    def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates | None, start: int = 0, *,
                    cache_salt: str | None = None, request_id: str | None = None,
-                   prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0) -> ScoreOutput:
-        """As ``score``, returning a ``ScoreOutput`` (matrix, next token, usage, prompt_logprobs, request id)."""
+                   prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0,
+                   targets: Targets | None = None) -> ScoreOutput:
+        """As ``score``, returning a ``ScoreOutput`` (matrix, next token, usage, prompt_logprobs, request id).
+        ``targets`` (``Targets``) asks for more of the scored rows: the teacher's top-K, the union,
+        the actual token's log-prob, the tail mass, the log normalizer, a temperature; they come
+        back as numpy arrays in the ``ScoreOutput`` (``candidates`` may then be None)."""
         return self._send(TeacherRequest(token_ids, candidates, start, cache_salt, request_id, prompt_logprobs,
-                                         max_tokens, priority))
+                                         max_tokens, priority, targets))
 
     def score_batch(self, requests: Iterable[RequestLike], *, progress: bool = False,
                     return_exceptions: bool = False) -> list[np.ndarray | Exception]:

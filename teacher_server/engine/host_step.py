@@ -84,6 +84,13 @@ class ScoringLayout:
     plp_k: int  # top-k width of those rows (max over requests)
     argmax_rows: np.ndarray  # [Ra] int64 ascending rows needing the greedy next token
     spans: list[RowSpan]
+    # The row targets: per plp row the top-k columns in its tail's set, -1 = no tail asked
+    # (None: no row asks); per row the temperature its logits are divided by (None: all 1);
+    # whether a request asks for the log normalizer itself (raw_logits mode skips it otherwise).
+    tail_k: np.ndarray | None = None  # [Rp] int64
+    row_temp: np.ndarray | None = None  # [R] float32
+    want_lse: bool = False
+    want_rank: bool = False  # a request reads the actual token's rank (classic prompt_logprobs, next_top)
 
     @property
     def kmax(self) -> int:
@@ -171,6 +178,9 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
     cand_blocks: list[tuple[int, int, np.ndarray]] = []  # (row offset, n rows, [n, K] or [K])
     plp_rows: list[int] = []
     arg_rows: list[int] = []
+    tail_k: list[np.ndarray] = []
+    temps: list[tuple[int, int, float]] = []  # (row offset, n rows, temperature) where not 1
+    any_tail = want_lse = want_rank = False
     spans = []
     r_off = kmax = plp_k = 0
     for c, q_off in zip(chunks, cu_q.tolist()):
@@ -189,18 +199,32 @@ def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
             cand_blocks.append((r_off + a - lo, b - a, block))
         a, b = c.plp_positions()
         if b > a:
-            plp_k = max(plp_k, req.prompt_logprobs)
+            plp_k = max(plp_k, req.plp_width)
             plp_rows.extend(range(r_off, r_off + b - a))
-            plp_act.append(req.token_ids[a + 1:b + 1])
+            act = req.token_ids[a + 1:b + 1]
+            # the last position (``next_top``) has no actual token: any id fills its slot
+            plp_act.append(act if act.size == b - a else np.append(act, 0))
+            tail_k.append(np.full(b - a, req.top_k if req.tail else -1, dtype=np.int64))
+            any_tail |= req.tail
+            want_lse |= req.logsumexp
+            want_rank |= req.plp_cols is not None
+        if req.temperature != 1.0:
+            temps.append((r_off, nr, req.temperature))
         if c.has_next_token:
             arg_rows.append(r_off + hi - 1 - lo)
         r_off += nr
     cand = np.full((r_off, kmax), -1, dtype=np.int64)
     for off, n, block in cand_blocks:
         cand[off:off + n, :block.shape[-1]] = block
+    row_temp = None
+    if temps:
+        row_temp = np.ones(r_off, dtype=np.float32)
+        for off, n, t in temps:
+            row_temp[off:off + n] = t
     return ScoringLayout(logits_idx=_cat(lidx), cand=cand, plp_rows=np.asarray(plp_rows, dtype=np.int64),
                          plp_actual=_cat(plp_act), plp_k=plp_k, argmax_rows=np.asarray(arg_rows, dtype=np.int64),
-                         spans=spans)
+                         spans=spans, tail_k=_cat(tail_k) if any_tail else None, row_temp=row_temp,
+                         want_lse=want_lse, want_rank=want_rank)
 
 
 def plan_state(chunks: list[Chunk]) -> StatePlan:

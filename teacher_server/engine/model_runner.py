@@ -105,10 +105,14 @@ class ModelRunner:
         arrays = [tok.input_ids, tok.positions, tok.cu_q, tok.cu_k, kv.write_src, kv.write_slots, kv.tok_slots,
                   kv.new_pos, kv.prefix_pos, kv.prefix_slots, sc.logits_idx, sc.cand.reshape(-1), sc.plp_rows,
                   sc.plp_actual, sc.argmax_rows]
+        if sc.tail_k is not None:  # the row targets' tail sets travel in the same copy
+            arrays.append(sc.tail_k)
         if st is not None:  # hybrid models: the state slots travel in the same copy
             arrays += [st.state_in, st.keep, st.out]
         (input_ids, positions, cu_q, cu_k, write_src, write_slots, tok_slots, new_pos, prefix_pos, prefix_slots,
-         logits_idx, cand, plp_rows, plp_actual, argmax_rows, *state) = to_device(arrays, self.device)
+         logits_idx, cand, plp_rows, plp_actual, argmax_rows, *rest) = to_device(arrays, self.device)
+        tail_k = rest.pop(0) if sc.tail_k is not None else None
+        state = rest
         writes, prefixed = kv.has_writes, kv.n_prefixed > 0
         ctx = StepContext(
             input_ids=input_ids, positions=positions, cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32),
@@ -131,7 +135,9 @@ class ModelRunner:
             cand=cand.view(-1, sc.kmax) if sc.kmax else cand.view(0, 0), kmax=sc.kmax,
             plp_rows=plp_rows if n_plp else None, plp_actual=plp_actual if n_plp else None, plp_k=sc.plp_k,
             argmax_rows=argmax_rows if n_arg else None,
-            plp_rows_host=sc.plp_rows, argmax_rows_host=sc.argmax_rows,
+            plp_rows_host=sc.plp_rows, argmax_rows_host=sc.argmax_rows, tail_k=tail_k,
+            row_temp=None if sc.row_temp is None else torch.from_numpy(sc.row_temp).to(self.device),
+            want_lse=sc.want_lse, want_rank=sc.want_rank,
         )
         return score_rows(hidden, self.model.logits_layer, plan, self.logits_mode, self.chunk_rows, self.tp)
 
@@ -166,8 +172,9 @@ class ModelRunner:
     def scatter_results(layout: ScoringLayout, out: ScoringOutput) -> None:
         """Copy one step's host results into the requests' arrays."""
         to_np = lambda t: None if t is None else t.numpy()  # noqa: E731
-        scores, pa, pr, tv, ti, am = map(to_np, (out.scores, out.plp_actual, out.plp_rank,
-                                                 out.plp_topk_vals, out.plp_topk_ids, out.argmax))
+        scores, pa, pr, tv, ti, am, lse, tail = map(to_np, (out.scores, out.plp_actual, out.plp_rank,
+                                                           out.plp_topk_vals, out.plp_topk_ids, out.argmax,
+                                                           out.plp_lse, out.plp_tail))
         for span in layout.spans:
             c = span.chunk
             req, res = c.seq.req, c.seq.result
@@ -180,9 +187,23 @@ class ModelRunner:
             a, b = c.plp_positions()
             if b > a:
                 sl = slice(span.plp_at, span.plp_at + b - a)
-                res.plp_token_logprob[a:b] = pa[sl]
-                res.plp_token_rank[a:b] = pr[sl]
-                res.plp_topk_logprobs[a:b] = tv[sl, :req.prompt_logprobs]
-                res.plp_topk_ids[a:b] = ti[sl, :req.prompt_logprobs]
+                if res.plp_token_logprob is not None:
+                    k = req.plp_cols
+                    res.plp_token_logprob[a:b] = pa[sl]
+                    res.plp_token_rank[a:b] = pr[sl]
+                    res.plp_topk_logprobs[a:b] = tv[sl, :k]
+                    res.plp_topk_ids[a:b] = ti[sl, :k]
+                # the row targets: positions [start, L-1), row = position - start
+                lo_t, hi_t = max(a, req.start), min(b, req.length - 1)
+                if hi_t > lo_t and req.row_targets:
+                    ts = slice(span.plp_at + lo_t - a, span.plp_at + hi_t - a)
+                    rs = slice(lo_t - req.start, hi_t - req.start)
+                    if req.top_k:
+                        res.topk_ids[rs] = ti[ts, :req.top_k]
+                        res.topk_logprobs[rs] = tv[ts, :req.top_k]
+                    for name, wanted, src in (("actual_logprobs", req.actual, pa), ("tail_logprobs", req.tail, tail),
+                                              ("logsumexp", req.logsumexp, lse)):
+                        if wanted:
+                            getattr(res, name)[rs] = src[ts]
             if c.has_next_token:
                 res.next_token = int(am[span.argmax_at])

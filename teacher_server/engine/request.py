@@ -42,6 +42,17 @@ class ScoreRequest:
     candidates: np.ndarray | None = None  # [K] shared or [rows, K] per row, int32, -1 = padding
     prompt_logprobs: int | None = None  # classic top-k over every position
     max_tokens: int = 0  # 1: also return the greedy next token
+    # Targets over the scored rows (the candidate rows [start, L-1)), from the same logits:
+    top_k: int = 0  # the teacher's own top-K ids and log-probs per row
+    union: bool = False  # candidates + the teacher's top-K ids not among them (built from both)
+    actual: bool = False  # the log-prob of the actual next token
+    tail: bool = False  # log of the probability mass outside candidates and top-K
+    logsumexp: bool = False  # the row's log normalizer
+    temperature: float = 1.0  # logits / temperature before the softmax (vLLM's processed_logprobs)
+    # The classic reductions at the last position too (the next token's distribution: entry
+    # L-1 of the prompt_logprobs arrays), ``next_top`` columns wide: the OpenAI ``logprobs`` of
+    # a generated token.
+    next_top: int | None = None
     cache_salt: str | None = None
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -61,6 +72,24 @@ class ScoreRequest:
         return 0 if self.candidates is None else int(self.candidates.shape[-1])
 
     @property
+    def row_targets(self) -> bool:
+        """Anything other than candidates asked of the scored rows (computed with the classic
+        prompt_logprobs' reductions: top-k, actual token, log normalizer)."""
+        return bool(self.top_k or self.actual or self.tail or self.logsumexp)
+
+    @property
+    def plp_width(self) -> int:
+        """Top-k columns this request needs from the classic prompt_logprobs' reductions."""
+        return max(self.prompt_logprobs or 0, self.top_k, self.next_top or 0)
+
+    @property
+    def plp_cols(self) -> int | None:
+        """Columns of the result's prompt_logprobs arrays (None: the request has none)."""
+        if self.prompt_logprobs is None and self.next_top is None:
+            return None
+        return max(self.prompt_logprobs or 0, self.next_top or 0)
+
+    @property
     def per_row(self) -> bool:
         return self.candidates is not None and self.candidates.ndim == 2
 
@@ -69,7 +98,7 @@ class ScoreRequest:
         Candidate rows need [start, L-1); prompt_logprobs [0, L-1); max_tokens=1 {L-1}."""
         lo, hi = None, 0
         n = self.length
-        if self.candidates is not None and self.rows > 0:
+        if (self.candidates is not None or self.row_targets) and self.rows > 0:
             lo, hi = self.start, n - 1
         if self.prompt_logprobs is not None and n > 1:
             lo, hi = 0, n - 1
@@ -90,6 +119,12 @@ class ScoreResult:
     plp_token_rank: np.ndarray | None = None  # [L-1] int64
     plp_topk_ids: np.ndarray | None = None  # [L-1, k] int64
     plp_topk_logprobs: np.ndarray | None = None  # [L-1, k] float32
+    # the row targets (``ScoreRequest.top_k`` ...), one entry per scored row
+    topk_ids: np.ndarray | None = None  # [rows, top_k] int32
+    topk_logprobs: np.ndarray | None = None  # [rows, top_k] float32
+    actual_logprobs: np.ndarray | None = None  # [rows] float32
+    tail_logprobs: np.ndarray | None = None  # [rows] float32
+    logsumexp: np.ndarray | None = None  # [rows] float32
     next_token: int | None = None
     cached_tokens: int = 0
     error: str | None = None
@@ -103,12 +138,19 @@ class ScoreResult:
         res = cls(req.request_id, req.uid, req.length)
         if req.candidates is not None:
             res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
-        if req.prompt_logprobs is not None:
-            n = max(req.length - 1, 0)
+        if req.plp_cols is not None:
+            n, k = max(req.length - 1, 0) + (req.next_top is not None), req.plp_cols
             res.plp_token_logprob = np.zeros(n, dtype=np.float32)
             res.plp_token_rank = np.zeros(n, dtype=np.int64)
-            res.plp_topk_ids = np.zeros((n, req.prompt_logprobs), dtype=np.int64)
-            res.plp_topk_logprobs = np.zeros((n, req.prompt_logprobs), dtype=np.float32)
+            res.plp_topk_ids = np.zeros((n, k), dtype=np.int64)
+            res.plp_topk_logprobs = np.zeros((n, k), dtype=np.float32)
+        if req.top_k:
+            res.topk_ids = np.zeros((req.rows, req.top_k), dtype=np.int32)
+            res.topk_logprobs = np.zeros((req.rows, req.top_k), dtype=np.float32)
+        for name, wanted in (("actual_logprobs", req.actual), ("tail_logprobs", req.tail),
+                             ("logsumexp", req.logsumexp)):
+            if wanted:
+                setattr(res, name, np.zeros(req.rows, dtype=np.float32))
         return res
 
     @classmethod

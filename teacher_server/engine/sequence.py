@@ -105,11 +105,12 @@ class Chunk:
         return max(self.logit_lo, req.start), min(self.logit_hi, req.length - 1)
 
     def plp_positions(self) -> tuple[int, int]:
-        """Positions needing classic prompt_logprobs: [lo, min(hi, L-1))."""
+        """Positions needing classic prompt_logprobs or the row targets: [lo, min(hi, L-1))
+        (the targets' rows are those from ``req.start``)."""
         req = self.seq.req
-        if req.prompt_logprobs is None:
+        if req.plp_cols is None and not req.row_targets:
             return 0, 0
-        return self.logit_lo, min(self.logit_hi, req.length - 1)
+        return self.logit_lo, min(self.logit_hi, req.length - 1 + (req.next_top is not None))
 
     @property
     def has_next_token(self) -> bool:

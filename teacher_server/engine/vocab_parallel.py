@@ -58,12 +58,16 @@ def log_normalizer(sub: torch.Tensor) -> torch.Tensor:
     return (torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)) + torch.log(se))[:, None]
 
 
-def actual_and_rank(sub: torch.Tensor, actual: torch.Tensor, vocab_start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The actual tokens' logits [p, 1] and their ranks [p] (1 + ids with a larger logit)."""
+def actual_and_rank(sub: torch.Tensor, actual: torch.Tensor, vocab_start: int,
+                    rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The actual tokens' logits [p, 1] and their ranks [p] (1 + ids with a larger logit; None
+    without ``rank``: one pass over the shard and a collective fewer)."""
     local = actual - vocab_start
     inside = (local >= 0) & (local < sub.shape[1])
     act = sub.gather(1, local.clamp(0, sub.shape[1] - 1)[:, None]).masked_fill(~inside[:, None], 0.0)
     dist.all_reduce(act)
+    if not rank:
+        return act, None
     rank = (sub > act).sum(-1)
     dist.all_reduce(rank)
     return act, rank + 1

@@ -100,6 +100,18 @@ def gather_logprobs_partial(logits: torch.Tensor, cand: torch.Tensor, vocab_star
     return gather_logprobs_partial_reference(logits, cand, vocab_start, logits_mode)
 
 
+def mask_ids_(x: torch.Tensor, ids: torch.Tensor, vocab_start: int = 0) -> torch.Tensor:
+    """Set ``x[r, ids[r, j] - vocab_start]`` to -inf in place (x: [R, Vr] float32, this shard's
+    ids from ``vocab_start``; ids: [R, J] int64 global ids); negative ids (padding) and ids of
+    other shards leave x alone. The log-sum-exp of what is left is the mass outside the ids.
+    A scatter of min(x, +inf / -inf): padding and repeated ids may share a column, and the
+    result does not depend on the order the scatter visits them."""
+    local = ids - vocab_start
+    inside = (ids >= 0) & (local >= 0) & (local < x.shape[1])  # [R, J]
+    src = torch.where(inside, float("-inf"), float("inf")).to(x.dtype)
+    return x.scatter_reduce_(1, local.clamp(0, x.shape[1] - 1), src, reduce="amin", include_self=True)
+
+
 def gather_logprobs(
     logits: torch.Tensor,
     cand: torch.Tensor,

@@ -30,6 +30,8 @@ from teacher_server.replicas.pool import engine_elsewhere
 from teacher_server.server import parsing
 from teacher_server.server.api_key import add_api_key
 from teacher_server.server.docs_page import add_docs_page
+from teacher_server.server.batch_scoring import handle_scoring
+from teacher_server.server.completions import CompletionRequest, build_completion, parse_completion
 from teacher_server.server.errors import retry_after
 from teacher_server.server.generate import IO_THREADS, handle_generate
 from teacher_server.server.http import BodyGate
@@ -39,6 +41,7 @@ from teacher_server.server.openapi import register_schemas
 from teacher_server.server.protocol import ErrorResponse, GenerateRequest, GenerateResponse
 from teacher_server.server.replica_lifecycle import start_replicas
 from teacher_server.server.responses import error_body, error_response, json_response, request_id_header
+from teacher_server.server.sglang_generate import SGLangGenerateRequest, build_sglang, parse_sglang
 
 log = logging.getLogger("teacher_server.server")
 
@@ -135,12 +138,12 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         e: Engine | None = st.engine
         if e is None:
             return error_response(503, "engine is loading", headers=retry_after(ErrorKind.UNAVAILABLE))
-        if not hasattr(st, "tokenizer"):  # read once (a tokenizer.json is megabytes), off the event loop
-            st.tokenizer = await asyncio.to_thread(tokenizer_identity, e.model_dir)
+        if not hasattr(st, "tokenizer_identity"):  # read once (a tokenizer.json is megabytes), off the event loop
+            st.tokenizer_identity = await asyncio.to_thread(tokenizer_identity, e.model_dir)
         return json_response(200, {"object": "list", "data": [{
             "id": e.served_model_name, "object": "model", "created": st.started,
             "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len,
-            "vocab_size": st.limits.vocab_size, "tokenizer": st.tokenizer}]})
+            "vocab_size": st.limits.vocab_size, "tokenizer": st.tokenizer_identity}]})
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
@@ -162,6 +165,26 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         `X-Request-Id` names the request when the body has no `request_id`; the response
         carries the request's id in `X-Request-Id`."""
         return await handle_generate(request, cfg)
+
+    @app.post("/v1/completions", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                                            429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": CompletionRequest.model_json_schema()}}}})
+    async def completions(request: Request) -> Response:
+        """vLLM's OpenAI `/v1/completions` for teacher scoring: token-id prompts (or a batch, or
+        text with a tokenizer), `max_tokens` 0/1, `echo`, `prompt_logprobs`, `logprobs`,
+        `return_tokens_as_token_ids`; vLLM's response and error shapes (see docs/trainers.md)."""
+        return await handle_scoring(request, cfg, "completions", parse_completion, build_completion)
+
+    @app.post("/generate", responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+                                      503: {"model": ErrorResponse}},
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": SGLangGenerateRequest.model_json_schema()}}}})
+    async def sglang_generate(request: Request) -> Response:
+        """SGLang's native `/generate` for teacher scoring: `input_ids`, `return_logprob`,
+        `logprob_start_len`, `top_logprobs_num`, `token_ids_logprob`, `max_new_tokens` 0/1;
+        SGLang's `meta_info` (see docs/trainers.md)."""
+        return await handle_scoring(request, cfg, "sglang-generate", parse_sglang, build_sglang)
 
     register_schemas(app)
     add_docs_page(app)

@@ -169,10 +169,10 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
     if res.scheduled_at:
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
-    m.labels(m.scored_rows).inc(req.rows if req.candidates is not None else 0)
+    m.labels(m.scored_rows).inc(req.rows if req.candidates is not None or req.row_targets else 0)
     build = lambda: generate_body(req, res, engine.served_model_name, bool(body.return_token_ids))  # noqa: E731
     pool = app.state.plp_pool if req.prompt_logprobs is not None else \
-        app.state.io_pool if req.rows * max(req.k, 1) > INLINE_BYTES // 4 else None
+        app.state.io_pool if req.rows * max(req.k + 2 * req.top_k, 1) > INLINE_BYTES // 4 else None
     content = await asyncio.get_running_loop().run_in_executor(pool, build) if pool is not None else build()
     return Response(content, media_type="application/json")
 

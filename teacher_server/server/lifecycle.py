@@ -42,7 +42,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
     def ready(ae: AsyncEngine) -> None:
         engine = ae.engine
         st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
-                           cfg.max_prompt_logprobs_entries)
+                           cfg.max_prompt_logprobs_entries, processed=cfg.logprobs_mode == "processed_logprobs")
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,

@@ -10,8 +10,8 @@ import orjson
 from pydantic import ValidationError
 
 from teacher_server.engine.request import ScoreRequest
-from teacher_server.server.protocol import GenerateRequest
-from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, build_request
+from teacher_server.server.protocol import GenerateRequest, SamplingParams
+from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, RowTargets, build_request
 
 # `"token_ids": [` as a key: inside a JSON string every `"` is escaped, so this only
 # matches a key (the top-level one, or a key of some nested object; see below).
@@ -55,6 +55,13 @@ def max_commas(limits: Limits) -> int:
     plus a vocabulary's worth. A body of many times a request's values is what it refuses."""
     cand = min(limits.max_rows_x_k, limits.max_model_len * limits.max_logprobs)
     return 2 * (2 * limits.max_model_len + cand) + limits.vocab_size + 65536
+
+
+def row_targets(sp: SamplingParams) -> RowTargets:
+    """The row targets a request's sampling parameters ask for."""
+    return RowTargets(topk=sp.prompt_logprob_topk, union=bool(sp.prompt_logprob_union),
+                      actual=bool(sp.prompt_logprob_actual), tail=bool(sp.prompt_logprob_tail),
+                      logsumexp=bool(sp.prompt_logprob_logsumexp), temperature=sp.prompt_logprob_temperature)
 
 
 def _body_request_id(obj: object) -> str | None:
@@ -103,7 +110,8 @@ def parse_request(raw: bytes, limits: Limits, served_model_name: str,
             token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,
             start=sp.prompt_logprob_start, prompt_logprobs=sp.prompt_logprobs, max_tokens=sp.max_tokens,
             request_id=rid, cache_salt=body.cache_salt, priority=body.priority,
-            truncate_prompt_tokens=sp.truncate_prompt_tokens)
+            truncate_prompt_tokens=sp.truncate_prompt_tokens, targets=row_targets(sp),
+            sampling_temperature=sp.temperature)
     except BadRequest as e:
         rid = _body_request_id(obj)
         e.request_id = rid if rid is not None else header_request_id

@@ -35,6 +35,30 @@ class SamplingParams(BaseModel):
         None, description="Classic per-position top-k (teacher's top-k plus the actual token).")
     max_tokens: StrictInt | None = Field(
         1, description="0 or 1; 1 also returns the greedy next token. This server does not generate.")
+    # The row targets: more of the scored rows (those of prompt_logprob_start, one per scored
+    # token), all from the same prefill; returned as base64 `.npy` arrays.
+    prompt_logprob_topk: StrictInt | None = Field(
+        None, description="The teacher's own top-K per scored row: `prompt_topk_token_ids` ([rows, K] int32) and "
+                          "`prompt_topk_logprobs` ([rows, K] float32), by rank. Needs no candidates.")
+    prompt_logprob_union: StrictBool | None = Field(
+        None, description="With candidates and `prompt_logprob_topk`: `prompt_union_token_ids` / "
+                          "`prompt_union_logprobs` ([rows, Kc + K]): the candidates' columns, then the top-K ids "
+                          "not among that row's candidates by rank, then -1 padding (-inf).")
+    prompt_logprob_actual: StrictBool | None = Field(
+        None, description="`prompt_actual_logprobs` ([rows] float32): the log-prob of each scored (actual next) token.")
+    prompt_logprob_tail: StrictBool | None = Field(
+        None, description="`prompt_tail_logprobs` ([rows] float32): log of the probability mass outside the returned "
+                          "columns (the row's candidates and its top-K ids, each id once); -inf when nothing is left. "
+                          "With raw_logits: log-sum-exp of the other logits.")
+    prompt_logprob_logsumexp: StrictBool | None = Field(
+        None, description="`prompt_logsumexp` ([rows] float32): the log normalizer of each row's (temperature-scaled) "
+                          "logits; log-prob = logit / T - logsumexp.")
+    prompt_logprob_temperature: float | None = Field(
+        None, description="Divide the logits by this (> 0) before the softmax, for every score of the request "
+                          "(candidates, top-K, prompt_logprobs, actual, tail, logsumexp): vLLM's "
+                          "`--logprobs-mode processed_logprobs` semantics (logits / T, then log_softmax). Default 1. "
+                          "`temperature` changes scores only with `--logprobs-mode processed_logprobs` (this "
+                          "field wins over it).")
     truncate_prompt_tokens: StrictInt | None = Field(None, description="Not supported: inputs are never truncated.")
     # Accepted for compatibility; they do not change the scores.
     temperature: float | None = None
@@ -120,6 +144,19 @@ class GenerateResponse(BaseModel):
     prompt_token_id_logprobs: str | None = Field(
         None, description="base64 of np.save bytes of the [rows, K] float32 matrix.")
     prompt_token_ids: list[int] | None = None
+    prompt_topk_token_ids: str | None = Field(
+        None, description="When `prompt_logprob_topk` = K: base64 `.npy` [rows, K] int32, the teacher's top-K ids.")
+    prompt_topk_logprobs: str | None = Field(None, description="base64 `.npy` [rows, K] float32, their log-probs.")
+    prompt_union_token_ids: str | None = Field(
+        None, description="When `prompt_logprob_union`: base64 `.npy` [rows, Kc + K] int32 (-1 pads).")
+    prompt_union_logprobs: str | None = Field(
+        None, description="base64 `.npy` [rows, Kc + K] float32 (-inf at padding).")
+    prompt_actual_logprobs: str | None = Field(
+        None, description="When `prompt_logprob_actual`: base64 `.npy` [rows] float32.")
+    prompt_tail_logprobs: str | None = Field(
+        None, description="When `prompt_logprob_tail`: base64 `.npy` [rows] float32, log of the mass outside.")
+    prompt_logsumexp: str | None = Field(
+        None, description="When `prompt_logprob_logsumexp`: base64 `.npy` [rows] float32.")
 
 
 class ErrorInfo(BaseModel):

@@ -61,7 +61,7 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
             (on_start_failure or terminate_self)()
             return
         st.limits = Limits(info.vocab_size, info.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
-                           cfg.max_prompt_logprobs_entries)
+                           cfg.max_prompt_logprobs_entries, processed=cfg.logprobs_mode == "processed_logprobs")
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
         m.set_healthy(True)
         what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"

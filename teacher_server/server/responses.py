@@ -17,6 +17,7 @@ from fastapi.responses import Response
 
 from teacher_server import b64
 from teacher_server.engine.request import ScoreRequest, ScoreResult, prompt_logprob_entries
+from teacher_server.targets import union_columns
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowed", 408: "RequestTimeoutError", 409: "ConflictError",
@@ -74,9 +75,9 @@ def error_response(status: int, message: str, param: str | None = None,
                     media_type="application/json", headers=headers)
 
 
-def encode_npy(arr: np.ndarray) -> str:
+def encode_npy(arr: np.ndarray, dtype: str = "<f4") -> str:
     buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(arr, dtype="<f4"), allow_pickle=False)
+    np.save(buf, np.ascontiguousarray(arr, dtype=dtype), allow_pickle=False)
     return b64.encode(buf.getbuffer())  # (a view of the buffer: no copy)
 
 
@@ -111,6 +112,23 @@ def prompt_logprobs_json(req_tokens: np.ndarray, res: ScoreResult) -> bytes:
     return b"".join(parts)
 
 
+def row_target_fields(req: ScoreRequest, res: ScoreResult) -> dict[str, str]:
+    """The asked row targets as base64 ``.npy`` members (ids int32, values float32)."""
+    out = {}
+    if req.top_k:
+        out["prompt_topk_token_ids"] = encode_npy(res.topk_ids, "<i4")
+        out["prompt_topk_logprobs"] = encode_npy(res.topk_logprobs)
+    if req.union:
+        ids, lps = union_columns(req.candidates, res.token_id_logprobs, res.topk_ids, res.topk_logprobs)
+        out["prompt_union_token_ids"] = encode_npy(ids, "<i4")
+        out["prompt_union_logprobs"] = encode_npy(lps)
+    for key, arr in (("prompt_actual_logprobs", res.actual_logprobs), ("prompt_tail_logprobs", res.tail_logprobs),
+                     ("prompt_logsumexp", res.logsumexp)):
+        if arr is not None:
+            out[key] = encode_npy(arr)
+    return out
+
+
 def generate_body(req: ScoreRequest, res: ScoreResult, model_name: str, return_token_ids: bool) -> bytes:
     """The JSON bytes of a successful generate response."""
     mt = req.max_tokens
@@ -126,6 +144,7 @@ def generate_body(req: ScoreRequest, res: ScoreResult, model_name: str, return_t
     }
     if return_token_ids:
         out["prompt_token_ids"] = req.token_ids.tolist()
+    out.update(row_target_fields(req, res))
     if req.prompt_logprobs is None:
         out["prompt_logprobs"] = None
         return orjson.dumps(out)

@@ -1,0 +1,137 @@
+"""The request flow of the trainers' endpoints (``/v1/completions``, SGLang's ``/generate``):
+read the body, parse it into engine requests (one per prompt of a batch), score them all
+concurrently, and build the endpoint's JSON off the event loop. The endpoint modules give the
+parsing and the building; this holds what they share with the native endpoint's flow: the
+engine's availability, the deadline, a client that leaves (its requests are dropped), the
+status and access line."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from teacher_server.config import Config
+from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
+from teacher_server.server.generate import INLINE_BYTES, _wait_disconnect
+from teacher_server.server.http import ClientGone, read_body
+from teacher_server.server.metrics import Metrics
+from teacher_server.server.responses import error_response, request_id_header
+from teacher_server.server.tokenizer import Tokenizer
+from teacher_server.validation import BadRequest, Limits
+
+access_log = logging.getLogger("teacher_server.access")
+_DEADLINE_GRACE_S = 1.0
+
+
+class Parsed(Protocol):
+    """What an endpoint's parser gives: the engine requests, in the response's order."""
+
+    reqs: list[ScoreRequest]
+
+
+Parse = Callable[[bytes, Limits, str, "Tokenizer | None"], Any]
+Build = Callable[[Any, list[ScoreResult], str, "Tokenizer | None"], bytes]
+
+
+def tokenizer_of(request: Request) -> Tokenizer | None:
+    """The served checkpoint's tokenizer, loaded on first use (None: the model has none)."""
+    st = request.app.state
+    if not hasattr(st, "tokenizer"):
+        st.tokenizer = Tokenizer.load(getattr(st.engine, "model_dir", None))
+    return st.tokenizer
+
+
+async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse, build: Build) -> Response:
+    """One call of a trainers' endpoint ``name``: parse -> score every prompt -> build."""
+    t0 = time.monotonic()
+    m: Metrics = request.app.state.metrics
+    rid = request.headers.get("x-request-id")
+    tokens = 0
+    try:
+        resp, tokens = await _score(request, cfg, t0, parse, build)
+    except BadRequest as e:
+        m.labels(m.failures, reason="validation" if e.status == 400 else "unknown_model").inc()
+        resp = error_response(e.status, e.message, e.param)
+    except ClientGone as e:
+        m.labels(m.failures, reason="disconnected").inc()
+        resp = error_response(499, str(e))
+    except (EngineOverloaded, EngineUnavailable) as e:
+        m.labels(m.failures, reason=e.kind.value).inc()
+        resp = error_response(HTTP_STATUS[e.kind], str(e), headers=retry_after(e.kind))
+    dt = time.monotonic() - t0
+    m.labels(m.requests, status=str(resp.status_code)).inc()
+    m.labels(m.e2e).observe(dt)
+    resp.headers.update(request_id_header(rid))
+    access_log.info("%s %s -> %d tokens=%d %.3fs", name, (rid or "-")[:128], resp.status_code, tokens, dt,
+                    extra={"request_id": rid or "-", "status": resp.status_code, "latency_s": round(dt, 4),
+                           "tokens": tokens})
+    return resp
+
+
+async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: Build) -> tuple[Response, int]:
+    app = request.app
+    ae: AsyncEngine | None = app.state.aengine
+    if ae is None:
+        raise EngineUnavailable("engine is loading")
+    if not ae.accepting or not ae.alive:
+        raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):
+        raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
+    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
+    loop = asyncio.get_running_loop()
+    tok = tokenizer_of(request)
+    model = app.state.engine.served_model_name
+    args = (raw, app.state.limits, model, tok)
+    parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
+    reqs: list[ScoreRequest] = parsed.reqs
+    tokens = sum(r.length for r in reqs)
+    if tokens > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
+        raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "
+                         f"(max_queue_tokens={cfg.max_queue_tokens})", "prompt")
+    if cfg.request_timeout_s is not None:
+        for r in reqs:
+            r.deadline = t0 + cfg.request_timeout_s
+    app.state.handling += 1
+    try:
+        tasks = [asyncio.ensure_future(ae.score(r)) for r in reqs]
+        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        gathered = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+        limit = None if cfg.request_timeout_s is None else cfg.request_timeout_s + _DEADLINE_GRACE_S
+        try:
+            done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=limit)
+        finally:
+            watcher.cancel()
+            if not gathered.done():
+                for t in tasks:
+                    t.cancel()  # drops their work and frees their KV
+                gathered.cancel()
+        if not done:
+            return error_response(504, "request deadline exceeded (request_timeout_s): the engine did not "
+                                       "answer in time"), tokens
+        if gathered not in done:
+            raise ClientGone("client disconnected")
+        results: list[ScoreResult] = gathered.result()
+        refused = next((r for r in results if isinstance(r, BaseException)), None)
+        if refused is not None:  # not admitted (a full queue, a drain): the whole call is refused
+            for t in tasks:
+                t.cancel()
+            raise refused
+    finally:
+        app.state.handling -= 1
+    failed = next((r for r in results if r.error is not None), None)
+    if failed is not None:
+        return error_response(http_status(failed.error_kind), failed.error,
+                              headers=retry_after(failed.error_kind)), tokens
+    m: Metrics = app.state.metrics
+    m.labels(m.prompt_tokens).inc(tokens)
+    content = await loop.run_in_executor(app.state.plp_pool, build, parsed, results, model, tok)
+    return Response(content, media_type="application/json"), tokens

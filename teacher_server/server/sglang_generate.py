@@ -1,0 +1,233 @@
+"""``POST /generate`` as SGLang's native endpoint answers it, for what teacher scoring uses:
+``input_ids`` (one list or a batch; ``text`` where the checkpoint has a tokenizer),
+``sampling_params.max_new_tokens`` 0 or 1, ``return_logprob``, ``logprob_start_len``,
+``top_logprobs_num``, ``token_ids_logprob`` (each a value or a per-prompt list, as SGLang
+takes them), ``return_text_in_logprobs``. The answer is SGLang's: ``text``, ``output_ids``,
+``meta_info`` with ``id``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``,
+``cached_tokens``, ``e2e_latency``, ``weight_version`` ("default": weights never change here),
+``total_retractions`` (0: nothing is retracted) and, with ``return_logprob``:
+
+- ``input_token_logprobs``: ``[logprob, token_id, text]`` per input position from
+  ``logprob_start_len`` (logprob ``None`` at position 0, which nothing predicts);
+- ``input_top_logprobs`` (``top_logprobs_num`` > 0): per position the top-k as such triples
+  (``None`` at position 0);
+- ``input_token_ids_logprobs`` (``token_ids_logprob``): per position the given ids' triples;
+- ``output_token_logprobs`` / ``output_top_logprobs`` / ``output_token_ids_logprobs`` for the
+  greedy token when ``max_new_tokens`` is 1 (``output_token_ids_logprobs`` holds ``None``:
+  the given ids are scored on the input rows only).
+
+``text`` of a triple is ``None`` unless ``return_text_in_logprobs`` (then the checkpoint's
+tokenizer decodes it). ``-inf`` is written as -9999.0 (JSON has no infinity). The JSON is built
+with orjson and bounded by ``max_prompt_logprobs_entries`` over the batch, as
+``/v1/completions`` is."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import numpy as np
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.server.parsing import pydantic_message
+from teacher_server.server.protocol import _FF, IntList
+from teacher_server.server.responses import NEG_INF_JSON
+from teacher_server.server.tokenizer import Tokenizer, require
+from teacher_server.validation import BadRequest, Limits, RowTargets, build_request
+
+_Many = Annotated[list[StrictInt], _FF]
+
+
+class SGLangGenerateRequest(BaseModel):
+    """Body of ``POST /generate`` (SGLang's ``GenerateReqInput``). Per-prompt fields take a value
+    for every prompt or a list with one per prompt. Other SGLang fields are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input_ids: IntList | Annotated[list[IntList], _FF] | None = Field(
+        None, description="Token ids of one prompt, or a batch (a list of lists).")
+    text: StrictStr | Annotated[list[StrictStr], _FF] | None = Field(
+        None, description="Text, where the checkpoint has a tokenizer.json (one of text / input_ids).")
+    sampling_params: dict[str, Any] | Annotated[list[dict[str, Any]], _FF] | None = Field(
+        None, description="`max_new_tokens` 0 or 1 (absent: 1); the other sampling fields do not change scores.")
+    return_logprob: StrictBool | Annotated[list[StrictBool], _FF] | None = None
+    logprob_start_len: StrictInt | _Many | None = Field(
+        None, description="First input position with logprobs; -1 (default): none of the input's.")
+    top_logprobs_num: StrictInt | _Many | None = Field(None, description="Top-k per position (0: none).")
+    token_ids_logprob: IntList | Annotated[list[IntList], _FF] | None = Field(
+        None, description="Ids whose logprobs are returned at every input position (one list, or one per prompt).")
+    return_text_in_logprobs: StrictBool = False
+    rid: StrictStr | Annotated[list[StrictStr], _FF] | None = None
+    stream: StrictBool = False
+
+
+@dataclass
+class _Item:
+    """One prompt's asks."""
+
+    logprob: bool
+    start: int  # first input position returned (len(ids): none)
+    top: int
+    ids: list[int] | None
+    max_new: int
+    rid: str
+
+
+@dataclass
+class ParsedSGLang:
+    body: SGLangGenerateRequest
+    reqs: list[ScoreRequest]
+    items: list[_Item]
+    batch: bool
+
+
+def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
+    """The value of prompt ``i`` of ``n``: a list with one per prompt, or one for all."""
+    if isinstance(value, list) and (not nested or (value and isinstance(value[0], list))):
+        if len(value) != n:
+            raise BadRequest(f"{name} has {len(value)} entries for {n} prompts", name)
+        return value[i]
+    return value
+
+
+def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None) -> ParsedSGLang:
+    """JSON bytes -> one engine request per prompt; BadRequest otherwise."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        body = SGLangGenerateRequest.model_validate(obj)
+    except ValidationError as e:
+        raise BadRequest(*pydantic_message(e.errors())) from None
+    if body.stream:
+        raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
+    if (body.input_ids is None) == (body.text is None):
+        raise BadRequest("give exactly one of input_ids and text", "input_ids")
+    if body.text is not None:
+        t = require(tok, "text")
+        batch = isinstance(body.text, list)
+        prompts = [t.encode(x) for x in (body.text if batch else [body.text])]
+    else:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = body.input_ids if batch else [body.input_ids]
+    if not prompts:
+        raise BadRequest("input_ids must not be empty", "input_ids")
+    if body.return_text_in_logprobs:
+        require(tok, "return_text_in_logprobs")
+    n = len(prompts)
+    cap = min(limits.max_logprobs, limits.vocab_size)
+    rid = body.rid
+    reqs, items, entries = [], [], 0
+    for i, ids in enumerate(prompts):
+        sp = _per(body.sampling_params, i, n, "sampling_params") or {}
+        mn = sp.get("max_new_tokens", 1)
+        if isinstance(mn, bool) or not isinstance(mn, int) or mn not in (0, 1):
+            raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
+                             f"generate); got {mn!r}", "sampling_params.max_new_tokens")
+        want = bool(_per(body.return_logprob, i, n, "return_logprob"))
+        start = _per(body.logprob_start_len, i, n, "logprob_start_len")
+        start = -1 if start is None else start
+        top = _per(body.top_logprobs_num, i, n, "top_logprobs_num") or 0
+        tids = _per(body.token_ids_logprob, i, n, "token_ids_logprob", nested=True)
+        if start < -1:
+            raise BadRequest(f"logprob_start_len must be >= -1, got {start}", "logprob_start_len")
+        if not 0 <= top <= cap:
+            raise BadRequest(f"top_logprobs_num must be in [0, {cap}] (max_logprobs), got {top}", "top_logprobs_num")
+        if tids is not None and not tids:
+            tids = None
+        length = len(ids)
+        first = length if start == -1 else min(start, length)  # the first input position returned
+        # Rows: position p (>= 1) is scored by causal row p - 1; the given ids as shared candidates from there.
+        cand_start = max(first - 1, 0)
+        rows = want and first < length
+        try:
+            req = build_request(token_ids=ids, limits=limits, max_tokens=mn, start=cand_start if rows else None,
+                                candidates=tids if rows and tids is not None else None,
+                                targets=RowTargets(topk=top or None, actual=True) if rows else None,
+                                sampling_temperature=sp.get("temperature"),
+                                request_id=(_per(rid, i, n, "rid") if rid is not None else None)
+                                or f"{uuid.uuid4().hex}")
+        except BadRequest as e:
+            name = {"token_ids": "input_ids", "sampling_params.prompt_logprob_token_ids": "token_ids_logprob"}
+            raise BadRequest(e.message, name.get(e.param, (e.param or "").removeprefix("sampling_params.")),
+                             e.status) from None
+        if want and mn == 1:
+            req.next_top = max(top, 1)
+        entries += (length - first) * (top + 1 + len(tids or ())) if want else 0
+        reqs.append(req)
+        items.append(_Item(want, first, top, tids, mn, req.request_id))
+    if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
+        raise BadRequest(f"the requested logprobs make {entries} JSON entries, more than max_prompt_logprobs_entries="
+                         f"{limits.max_prompt_logprobs_entries}; ask for fewer, or use POST /inference/v1/generate "
+                         "with prompt_logprob_topk (binary arrays)", "top_logprobs_num")
+    return ParsedSGLang(body, reqs, items, batch)
+
+
+def _lp(x: float) -> float:
+    return x if x > NEG_INF_JSON else NEG_INF_JSON
+
+
+def _meta_logprobs(req: ScoreRequest, res: ScoreResult, it: _Item, text: dict[int, str] | None) -> dict[str, Any]:
+    """The ``meta_info`` logprob fields of one prompt. Input position p >= 1 is scored by the
+    request's row p - 1 - start (its rows begin at causal row ``req.start``)."""
+    name = (lambda i: text[i]) if text is not None else (lambda i: None)
+    toks = req.token_ids.tolist()
+    pos = range(it.start, req.length)
+    row = [p - 1 - req.start for p in pos]  # (position 0's is never read)
+    out: dict[str, Any] = {}
+    act = res.actual_logprobs.tolist() if res.actual_logprobs is not None else []
+    out["input_token_logprobs"] = [[None if p == 0 else _lp(act[r]), toks[p], name(toks[p])] for p, r in zip(pos, row)]
+    nxt = res.next_token if it.max_new and res.next_token is not None else None
+    last_ids = last_vals = None
+    if nxt is not None:  # the next token's distribution (``next_top``)
+        last_ids, last_vals = res.plp_topk_ids[-1].tolist(), res.plp_topk_logprobs[-1].tolist()
+        g = last_vals[last_ids.index(nxt)] if nxt in last_ids else last_vals[0]
+        out["output_token_logprobs"] = [[_lp(g), nxt, name(nxt)]]
+    else:
+        out["output_token_logprobs"] = []
+    if it.top > 0:
+        ids = res.topk_ids.tolist() if res.topk_ids is not None else []
+        vals = res.topk_logprobs.tolist() if res.topk_logprobs is not None else []
+        out["input_top_logprobs"] = [None if p == 0 else [[_lp(v), t, name(t)] for t, v in zip(ids[r], vals[r])]
+                                     for p, r in zip(pos, row)]
+        out["output_top_logprobs"] = [] if nxt is None else [
+            [[_lp(v), t, name(t)] for t, v in zip(last_ids[:it.top], last_vals[:it.top])]]
+    if it.ids is not None:
+        m = res.token_id_logprobs.tolist() if res.token_id_logprobs is not None else []
+        out["input_token_ids_logprobs"] = [None if p == 0 else [[_lp(v), t, name(t)] for t, v in zip(it.ids, m[r])]
+                                           for p, r in zip(pos, row)]
+        out["output_token_ids_logprobs"] = [] if nxt is None else [None]
+    return out
+
+
+def build_sglang(parsed: ParsedSGLang, results: list[ScoreResult], model: str, tok: Tokenizer | None) -> bytes:
+    """SGLang's answer: one object per prompt (a list for a batch)."""
+    outs = []
+    for req, res, it in zip(parsed.reqs, results, parsed.items):
+        out_ids = [res.next_token] if it.max_new and res.next_token is not None else []
+        meta: dict[str, Any] = {
+            "id": it.rid, "finish_reason": {"type": "length", "length": it.max_new},
+            "prompt_tokens": req.length, "completion_tokens": len(out_ids), "cached_tokens": res.cached_tokens,
+            "weight_version": "default", "total_retractions": 0,
+            "e2e_latency": max(res.finished_at - req.arrival, 0.0)}
+        if it.logprob:
+            text = None
+            if parsed.body.return_text_in_logprobs and tok is not None:
+                used = [req.token_ids, out_ids]
+                if res.plp_topk_ids is not None:
+                    used.append(res.plp_topk_ids.reshape(-1))
+                if it.ids is not None:
+                    used.append(it.ids)
+                text = tok.pieces(np.unique(np.concatenate([np.asarray(u, dtype=np.int64) for u in used])).tolist())
+            meta.update(_meta_logprobs(req, res, it, text))
+        outs.append({"text": tok.decode(out_ids) if tok is not None else "", "output_ids": out_ids,
+                     "meta_info": meta})
+        time.sleep(0)  # let the engine thread and the event loop run between prompts
+    return orjson.dumps(outs if parsed.batch else outs[0])

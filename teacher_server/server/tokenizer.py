@@ -1,0 +1,54 @@
+"""The checkpoint's tokenizer for the trainers' endpoints (text prompts, ``decoded_token``):
+``tokenizer.json`` from the model directory, read with the ``tokenizers`` package (the fast
+tokenizer format every recent checkpoint ships; no ``transformers`` at run time). A
+checkpoint without one serves token ids only: text is refused with a 400 that says so."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from teacher_server.validation import BadRequest
+
+NO_TOKENIZER = ("this model directory has no tokenizer.json, so {what} is not available: send the prompt as "
+                "token ids{hint}")
+
+
+class Tokenizer:
+    """Encode text, decode single ids (cached: a response repeats the same ids many times)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self._pieces: dict[int, str] = {}
+
+    @classmethod
+    def load(cls, model_dir: str | Path | None) -> Tokenizer | None:
+        """The tokenizer of ``model_dir`` (None when it has no tokenizer.json)."""
+        path = Path(model_dir) / "tokenizer.json" if model_dir is not None else None
+        if path is None or not path.is_file():
+            return None
+        from tokenizers import Tokenizer as HFTokenizer  # (the server extra's dependency)
+
+        return cls(HFTokenizer.from_file(str(path)))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids, skip_special_tokens=False)
+
+    def pieces(self, ids: Iterable[int]) -> dict[int, str]:
+        """Each id decoded alone (``decoded_token``), the new ones in one batch call."""
+        new = sorted({int(i) for i in ids} - self._pieces.keys())
+        if new:
+            for i, text in zip(new, self.inner.decode_batch([[i] for i in new], skip_special_tokens=False)):
+                self._pieces[i] = text
+        return self._pieces
+
+
+def require(tok: Tokenizer | None, what: str, hint: str = "") -> Tokenizer:
+    """The tokenizer, or the 400 that says the model has none."""
+    if tok is None:
+        raise BadRequest(NO_TOKENIZER.format(what=what, hint=hint))
+    return tok
