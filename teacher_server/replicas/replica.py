@@ -43,6 +43,7 @@ class Replica:
         self.requests = 0  # sent, not yet answered
         self.last_heard = time.monotonic()  # its last message (replicas send one at least every HEARTBEAT_S)
         self.tokens = 0  # their tokens: the load the router balances
+        self.ready_at: float | None = None  # when it became ready (time.monotonic())
         self._pending: dict[int, tuple[ScoreRequest, asyncio.Future]] = {}
         self._inbox: mp.Queue = ctx.Queue()
         self._inbox.cancel_join_thread()  # never block exit on a replica that stopped reading

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from teacher_server.config import Config
+from teacher_server.server.byte_budget import BODY_FACTOR, Hold, over_budget
 from teacher_server.server.responses import error_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
@@ -170,17 +171,23 @@ class BodyGate:
                 self._release()
 
 
-async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGate | None = None) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGate | None = None,
+                    hold: Hold | None = None) -> bytes:
     """The whole body, at most ``limit`` bytes (413) and within ``timeout_s`` (408) of its
     turn at ``gate``; a client that goes away meanwhile raises ClientGone. A declared
     Content-Length above the limit is refused before reading, unless Transfer-Encoding is
     present (chunked framing overrides Content-Length, so the size is then enforced while
-    reading)."""
+    reading). ``hold`` takes the body's share of the in-flight byte budget (``BODY_FACTOR``
+    bytes per byte): all of it before reading when the size is declared, else as the bytes
+    arrive; OverBudget when it does not fit (the rest of the body is then never read)."""
     declared = request.headers.get("content-length")
     chunked = "transfer-encoding" in request.headers
     size = int(declared) if not chunked and declared is not None and declared.isdigit() else None
     if size is not None and size > limit:
         raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+    hold = hold or Hold(None)
+    if size is not None and not hold.take(BODY_FACTOR * size):
+        raise over_budget(hold)
 
     async def receive_all() -> bytes:
         chunks, got = [], 0
@@ -188,6 +195,8 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
             got += len(part)
             if got > limit:
                 raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
+            if size is None and not hold.take(BODY_FACTOR * len(part)):
+                raise over_budget(hold)
             chunks.append(part)
         return b"".join(chunks)
 
@@ -201,3 +210,4 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
         raise ClientGone("client disconnected while sending the body") from None
     except asyncio.TimeoutError:
         raise BadRequest(f"request body not received within {timeout_s:g}s (body_timeout_s)", status=408) from None
+
