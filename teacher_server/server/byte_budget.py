@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import math
 
-# What a body costs while it is read and parsed, per byte: the bytes themselves and their
-# parsed copy (orjson's strings and lists; a large ignored field is copied whole).
+# What a body of declared size costs while it is read and parsed, per byte: the bytes
+# themselves (read into one buffer) and their parsed copy (orjson's strings and lists; a large
+# ignored field is copied whole).
 BODY_FACTOR = 2
+# A chunked body (size unknown) is read as a list of parts joined at the end; the freed parts
+# stay resident in the allocator's arenas while the joined bytes are parsed: one more copy.
+CHUNKED_FACTOR = 3
 # What a result matrix costs until its answer is sent, per float32 byte: the matrix, its
 # base64 text (4/3) and the JSON body holding that text (4/3 again): about 3.7, taken as 4.
 RESULT_FACTOR = 4
