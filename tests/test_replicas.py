@@ -226,6 +226,68 @@ def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, ref
     assert detected[0] < 2.0 + 2.0, detected  # the bound, a watch tick, and the kill's 0.5 s
 
 
+HANG_MARKER = "TEACHER_TEST_HANG_MARKER"  # (spawned replicas inherit the environment)
+
+
+def _engine_that_hangs_once(cfg: Config) -> object:
+    """An engine factory (module level: replica processes import it) whose forward of a step
+    holding token 511 never ends, in the first process to see one (a marker file records it):
+    a hung GPU, once."""
+    from engine_util import around_forward
+
+    from teacher_server.engine.engine import Engine
+
+    eng = Engine(cfg)
+    marker = os.environ[HANG_MARKER]
+
+    def hang(ctx) -> None:
+        if 511 in ctx.input_ids.tolist() and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(3600)
+
+    around_forward(eng, before=hang)
+    return eng
+
+
+def test_a_stalled_replica_is_restarted_and_its_requests_scored_elsewhere(checkpoints, reference, tmp_path,
+                                                                          monkeypatch) -> None:
+    """A replica whose engine completes no step for ``stall_timeout_s`` while it holds work (its
+    heartbeats go on: only the engine is stuck) exits; what it held, the request it hung on
+    too, is scored by the other replica, the server stays up (degraded, never 503) and the
+    replica is restarted."""
+    monkeypatch.setenv(HANG_MARKER, str(tmp_path / "hung"))
+    reqs = [r for g in _groups(11, 10, 4, prompt=(10, 40), response=(2, 24)) for r in g]
+    poison = TeacherRequest(np.array([5, 6, 7, 511, 8, 9]), np.array([[1, 2]] * 3), 2)
+    reqs.insert(7, poison)
+    ref = reference(reqs)
+    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2, stall_timeout_s=2.0, replica_restart_backoff_s=0.5)
+    with LiveServer(cfg, engine_factory=_engine_that_hangs_once) as s, \
+            TeacherClient(s.url, max_concurrency=16, max_retries=0) as c:
+        pool = s.app.state.aengine
+        first = list(pool.replicas)
+        health: list[int] = []
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                health.append(httpx.get(s.url + "/health", timeout=30).status_code)
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            outs = c.score_batch(reqs)
+            for got, want in zip(outs, ref, strict=True):
+                np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+            (victim,) = [r for r in first if r.state == "down"]
+            assert "code 3" in victim.error
+            wait_until(lambda: pool.replicas[victim.index].state == "ready", 120, "the stalled replica's restart")
+        finally:
+            stop.set()
+            poller.join()
+        assert set(health) == {200} and pool.retried > 0 and pool.restarts[victim.index] == 1
+
+
 def test_client_over_two_servers_survives_a_restart(checkpoints, single, reference) -> None:
     cfg = _cfg(checkpoints["qwen3"])
     # 16 groups: the rendezvous hash over the two URLs (b's port is new each run) gives b none of
