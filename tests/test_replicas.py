@@ -223,6 +223,7 @@ def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, ref
 
     _, victim, _ = _one_of_two_replicas_fails(checkpoints, reference, reqs, 0, stop, heartbeat_timeout_s=2.0)
     assert "no heartbeat" in (victim.error or "")
+    print(f"a SIGSTOPped replica was killed {detected[0]:.1f}s after its stop (heartbeat_timeout_s=2)")
     assert detected[0] < 2.0 + 2.0, detected  # the bound, a watch tick, and the kill's 0.5 s
 
 
@@ -607,3 +608,45 @@ def test_replicas_do_not_import_the_http_server() -> None:
             for name in names:
                 assert name.split(".")[0] not in {"fastapi", "starlette", "uvicorn"}, (path.name, name)
                 assert not name.startswith("teacher_server.server"), (path.name, name)
+
+
+def test_restart_backoff_doubles_for_quick_failures_and_resets_after_serving() -> None:
+    """A replica going down again soon after a restart waits twice as long each time (at most
+    64 x the backoff); one that served ``STABLE_S`` first restarts after the first backoff. A
+    restart made after the pool began to stop, or for a replica already replaced, does nothing."""
+    from teacher_server.replicas.pool import ReplicaPool
+
+    pool = ReplicaPool(Config(device="cpu", data_parallel_size=2, replica_restart_backoff_s=2.0), factory=lambda c: None)
+    later: list[tuple[float, object]] = []
+    pool._loop = types.SimpleNamespace(call_later=lambda delay, fn, rep: later.append((delay, rep)))
+    pool._started = types.SimpleNamespace(done=lambda: True)
+    started: list[int] = []
+
+    def fake(index: int) -> object:
+        rep = pool.replicas[index].__class__.__new__(pool.replicas[index].__class__)
+        rep.__dict__.update(index=index, name=str(index), state="starting", error=None, ready_at=None, down_at=None,
+                            requests=0, tokens=0, _pending={}, process=types.SimpleNamespace(join=lambda t: None,
+                                                                                                exitcode=3, pid=None))
+        rep.start = lambda post: started.append(index)
+        return rep
+
+    pool._make = fake
+    pool.replicas = [fake(0), fake(1)]
+
+    def go_down(served_s: float) -> float:
+        rep = pool.replicas[0]
+        rep.state, rep.ready_at = "ready", time.monotonic() - served_s
+        pool._exited(rep)
+        delay, old = later[-1]
+        pool._restart(old)
+        return delay
+
+    assert [go_down(1.0) for _ in range(9)] == [2, 4, 8, 16, 32, 64, 128, 128, 128]
+    assert go_down(ReplicaPool.STABLE_S + 1) == 2.0
+    assert pool.restarts == [10, 0] and started == [0] * 10 and pool.replicas[0].error == "process exited with code 3"
+    stale = pool.replicas[0]
+    pool.replicas[0] = fake(0)
+    pool._restart(stale)  # replaced meanwhile: not started again
+    pool._stopping = True
+    pool._restart(pool.replicas[0])
+    assert len(started) == 10

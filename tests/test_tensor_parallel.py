@@ -595,11 +595,13 @@ def test_a_stuck_worker_turns_health_503_within_the_bound_and_the_server_exits(o
                 break
             time.sleep(0.1)
         assert health and health[-1][1] == 503 and health[-1][0] < bound + 2.5, health
+        print(f"stuck worker: /health 503 {health[-1][0]:.1f}s after the request (stall_timeout_s={bound:g})")
         poster.join(30)
         assert out and out[0].status_code == 503 and "Retry-After" in out[0].headers, out
         assert "no step completed" in out[0].json()["error"]["message"]
         assert s.proc.wait(60) == 3
         assert time.monotonic() - t0 < 60
+        print(f"stuck worker: the server exited 3, {time.monotonic() - t0:.1f}s after the request")
         assert wait_gone([worker], 20), "the stopped worker outlived the server"
     finally:
         if worker is not None:
