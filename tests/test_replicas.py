@@ -333,6 +333,49 @@ def test_replicas_of_tensor_parallel_groups(checkpoints, reference) -> None:
         _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """Pids of the processes ``pid`` spawned (multiprocessing's spawn: tensor-parallel workers)."""
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if d.name.isdigit() and ppid == pid and b"spawn_main" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_tensor_parallel_group_fails_and_restarts_as_one_replica(checkpoints, reference) -> None:
+    """DP2 x TP2: a worker of one replica's group stopped mid-run (SIGSTOP) holds that engine in a
+    collective; past ``stall_timeout_s`` the replica fails as a unit (its workers killed, its
+    process exits), its requests are scored by the other group, and the whole group is started
+    again while the other serves."""
+    reqs = [r for g in _groups(12, 15, 4, prompt=(10, 40), response=(2, 24)) for r in g]
+    stopped: list[int] = []
+
+    def stop_a_worker(victim) -> None:
+        wait_until(lambda: victim.requests > 0)
+        (worker,) = _spawned_children(victim.pid)
+        os.kill(worker, signal.SIGSTOP)
+        stopped.append(worker)
+
+    try:
+        _, victim, _ = _one_of_two_replicas_fails(checkpoints, reference, reqs, 1, stop_a_worker,
+                                                  tensor_parallel_size=2, stall_timeout_s=2.0)
+        assert "code 3" in victim.error  # (the new group served the batch after it: checked there)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_engine_in_a_process_of_its_own(checkpoints, reference) -> None:
     """``engine_process``: one engine, in a process of its own behind the front. Same results
     as the engine on the server's thread, prefix reuse within a group, the engine's metrics
