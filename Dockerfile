@@ -16,6 +16,11 @@
 # after the image name. The root filesystem may be read-only: the process writes only
 # to /tmp and $XDG_CACHE_HOME. --stop-timeout: the server drains for up to
 # TEACHER_SERVER_SHUTDOWN_TIMEOUT_S (30) after SIGTERM; docker's default 10 s cuts it short.
+# PID 1 is tini (no `docker run --init` needed): it forwards SIGTERM to the server and reaps
+# the engine and worker processes the server starts, should one outlive it.
+# Compiled kernels and autotuning results go to $XDG_CACHE_HOME/teacher-server/compile (or
+# TEACHER_SERVER_COMPILE_CACHE_DIR): mount a volume there (-v ts-compile:/home/teacher/.cache)
+# and a restart skips those compiles (docs/deploy.md).
 #
 # GPU architectures: TORCH_CUDA_ARCH_LIST, 8.0;8.6;8.9;9.0 (A100; A10/A40/RTX 30xx;
 # L4/L40S/RTX 40xx; H100/H200). Our CUDA kernel is built for each of them at image build
@@ -27,23 +32,27 @@
 # stage) and torch.compile/Triton, which compiles small C launchers with gcc against the
 # Python headers, both present in the final stage.
 #
-# Build args: CUDA_VERSION / UBUNTU_VERSION pick the nvidia/cuda base images; TORCH_VERSION
-# and TORCH_INDEX (the PyTorch wheel index matching CUDA 12.x) pick torch;
-# FLASH_ATTN_VERSION and MAX_JOBS control the flash-attn source build.
+# Versions: requirements.lock (the one lock, which the GPU benchmark runs install too) pins
+# torch 2.11.0 (from the PyTorch CUDA 13.0 index, TORCH_INDEX=cu130), flash-attn, fla-core,
+# the cuDNN frontend and every server dependency; the base images are pinned by tag and by
+# digest (CUDA_DEVEL_DIGEST / CUDA_RUNTIME_DIGEST: the multi-platform index digests of
+# nvidia/cuda:13.0.1-{devel,runtime}-ubuntu24.04; another CUDA_VERSION needs the digests of its
+# tags, from `docker buildx imagetools inspect nvidia/cuda:<tag>`). MAX_JOBS bounds the
+# flash-attn source build.
 
-ARG CUDA_VERSION=12.8.1
+ARG CUDA_VERSION=13.0.1
 ARG UBUNTU_VERSION=24.04
+ARG CUDA_DEVEL_DIGEST=sha256:7d2f6a8c2071d911524f95061a0db363e24d27aa51ec831fcccf9e76eb72bc92
+ARG CUDA_RUNTIME_DIGEST=sha256:c3fde347d52d578c84fd644bc177bc7ec333feaf11550d990da4084d7612e4c7
 # GPU architectures of the prebuilt kernel; the runtime stage keys its kernel cache on the
 # same list, so both stages must see one value (this ARG).
 ARG TORCH_CUDA_ARCH_LIST="8.0;8.6;8.9;9.0"
 
 # ---------------------------------------------------------------------------------------
 # build: compilers + CUDA toolkit; produces /opt/venv and the prebuilt kernel extension.
-FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS build
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION}@${CUDA_DEVEL_DIGEST} AS build
 
-ARG TORCH_VERSION=2.11.0
-ARG TORCH_INDEX=cu128
-ARG FLASH_ATTN_VERSION=2.8.3.post2
+ARG TORCH_INDEX=cu130
 ARG MAX_JOBS=8
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -65,10 +74,14 @@ RUN python3.12 -m venv /opt/venv
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# torch first, from the CUDA wheel index, so the later installs keep this build; then
-# the build tools flash-attn needs (its setup.py imports torch: --no-build-isolation).
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "https://download.pytorch.org/whl/${TORCH_INDEX}" \
-    && pip install --no-cache-dir setuptools==80.9.0 wheel==0.45.1 packaging==25.0 psutil==7.1.0 ninja==1.13.0
+# torch first, the lock's version from the CUDA wheel index, so the later installs keep this
+# build; then the build tools flash-attn needs (its setup.py imports torch: --no-build-isolation).
+COPY requirements.lock /src/requirements.lock
+RUN pip install --no-cache-dir "torch==$(sed -n 's/^torch==//p' /src/requirements.lock)" \
+        --index-url "https://download.pytorch.org/whl/${TORCH_INDEX}" \
+    && pip install --no-cache-dir setuptools==80.9.0 wheel==0.45.1 psutil==7.1.0 \
+        "$(grep -E '^packaging==' /src/requirements.lock)" \
+        "$(grep -E '^ninja==' /src/requirements.lock)"
 
 # One arch list for everything built here: torch's extension tooling reads
 # TORCH_CUDA_ARCH_LIST, the kernel build and its cache key TEACHER_SERVER_CUDA_ARCH.
@@ -80,20 +93,24 @@ ENV TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST}" \
     TEACHER_SERVER_CUDA_ARCH="${TORCH_CUDA_ARCH_LIST}"
 
 # Its own layer: the slowest step, kept cached when only the project's sources change.
-RUN MAX_JOBS="${MAX_JOBS}" pip install --no-cache-dir --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
+RUN MAX_JOBS="${MAX_JOBS}" pip install --no-cache-dir --no-build-isolation \
+        "$(grep -E '^flash-attn==' /src/requirements.lock)"
+
+# Everything else at the lock's versions, without resolving: the lock is the whole set (torch
+# and flash-attn, installed above, already match it). This includes fla-core (the Triton
+# kernels of the Qwen3.5 linear-attention layers) and cuDNN's Python frontend (the cudnn_fe
+# attention backend), whose own dependencies serve its CuTe DSL kernels, which it does not call.
+RUN pip install --no-cache-dir --no-deps -r /src/requirements.lock
 
 WORKDIR /src
 COPY . .
 
-# The same install the tests exercise: the package with its `cuda` extra (which brings
-# fla-core, the Triton kernels of the Qwen3.5 linear-attention layers; pure Python).
-RUN pip install --no-cache-dir --no-build-isolation "/src[cuda]"
-
-# cuDNN's Python frontend (the cudnn_fe attention backend) over the cuDNN that torch brings.
-# Without its dependencies: they serve its CuTe DSL kernels (for CUDA 13), which this backend
-# does not call; its SDPA graphs run on the cuDNN library alone.
-ARG CUDNN_FRONTEND_VERSION=1.32.0
-RUN pip install --no-cache-dir --no-deps "nvidia-cudnn-frontend==${CUDNN_FRONTEND_VERSION}"
+# The same install the tests exercise: the package with its `cuda` extra, whose requirements
+# the lock holds (--no-deps: nothing beyond the lock comes in); then pip checks that the lock
+# is complete and consistent (the cuDNN frontend's CuTe DSL dependencies excepted, see above).
+RUN pip install --no-cache-dir --no-deps --no-build-isolation "/src[cuda]" \
+    && problems="$(pip check 2>&1 | grep -v -e '^nvidia-cudnn-frontend ' -e '^No broken requirements' || true)" \
+    && { [ -z "$problems" ] || { echo "requirements.lock is incomplete: $problems"; exit 1; }; }
 
 # Build the CUDA kernel library now, for every arch in the list (no GPU needed, nvcc is
 # here). Prebuilt rather than built at start: the runtime stage has no CUDA toolkit (a few
@@ -106,7 +123,7 @@ RUN mkdir -p "${TEACHER_SERVER_EXT_DIR}" \
 
 # ---------------------------------------------------------------------------------------
 # runtime: CUDA runtime libraries, Python, and the C compiler Triton needs; no CUDA toolkit.
-FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION} AS runtime
+FROM nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}@${CUDA_RUNTIME_DIGEST} AS runtime
 
 ARG APP_UID=10001
 ARG TORCH_CUDA_ARCH_LIST
@@ -120,11 +137,11 @@ LABEL org.opencontainers.image.title="teacher-server" \
 
 # gcc + libc6-dev + python3.12-dev: torch.compile's Triton kernels are launched through a
 # small C extension that Triton compiles on first use (cc -shared ... -I<Python.h dir>
-# -lcuda); g++ for inductor's C++ code paths (host-side kernels of a compiled graph).
-# See the note in the build stage on apt pinning.
+# -lcuda); g++ for inductor's C++ code paths (host-side kernels of a compiled graph). tini:
+# the init process (PID 1). See the note in the build stage on apt pinning.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3.12 python3.12-dev gcc g++ libc6-dev \
+    && apt-get install -y --no-install-recommends python3.12 python3.12-dev gcc g++ libc6-dev tini \
     && rm -rf /var/lib/apt/lists/*
 
 # Fixed numeric UID/GID so Kubernetes' runAsNonRoot can verify it and volume
@@ -142,17 +159,16 @@ COPY --from=build /opt/teacher-server/ext /opt/teacher-server/ext
 # toolkit's stub (soname libcuda.so.1) works on every host and loads the host's driver.
 COPY --from=build /usr/local/cuda/lib64/stubs/libcuda.so /opt/teacher-server/libcuda-stub/libcuda.so
 
-# Caches (triton, inductor, HF) live under XDG_CACHE_HOME and /tmp, the only paths that
-# need to be writable; Kubernetes mounts emptyDirs there.
+# Caches live under XDG_CACHE_HOME and /tmp, the only paths that need to be writable (the
+# compile cache too, unless TEACHER_SERVER_COMPILE_CACHE_DIR points elsewhere: the chart mounts
+# a volume of its own there); Kubernetes mounts emptyDirs there.
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/teacher \
     XDG_CACHE_HOME=/home/teacher/.cache \
-    TRITON_CACHE_DIR=/home/teacher/.cache/triton \
     TRITON_LIBCUDA_PATH=/opt/teacher-server/libcuda-stub \
-    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
     TEACHER_SERVER_EXT_DIR=/opt/teacher-server/ext \
     TEACHER_SERVER_CUDA_ARCH="${TORCH_CUDA_ARCH_LIST}" \
     TEACHER_SERVER_MODEL=/models \
@@ -175,7 +191,8 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('TEACHER_SERVER_PORT', '8000'), timeout=4)"]
 
-# SIGTERM (the default stop signal) goes straight to the server, which drains: new
-# requests get 503, in-flight ones finish within TEACHER_SERVER_SHUTDOWN_TIMEOUT_S.
+# SIGTERM (the default stop signal) goes to tini, which passes it to the server, which drains:
+# new requests get 503, in-flight ones finish within TEACHER_SERVER_SHUTDOWN_TIMEOUT_S. tini
+# also reaps any child that outlives its parent (a PID 1 that is the server would leave zombies).
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["teacher-server", "serve"]
+ENTRYPOINT ["/usr/bin/tini", "--", "teacher-server", "serve"]

@@ -50,7 +50,7 @@ bench-kernel: setup-test
 	$(PY) bench/bench_kernel.py
 
 bench-engine: setup-test
-	$(PY) bench/bench_engine.py
+	$(PY) bench/bench_engine.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

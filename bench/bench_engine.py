@@ -56,6 +56,7 @@ from workloads import (
     flop_ideal_speedup,
     flops,
     make_workload,
+    tiny,
     write_config,
     write_random_checkpoint,
 )
@@ -568,19 +569,6 @@ def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict
 MODELS = {"8b": (QWEN3_8B, "qwen3", True), "32b": (QWEN3_32B, "qwen3", False), "70b": (LLAMA33_70B, "llama3.3", False),
           "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "235b-a22b": (QWEN3_235B_A22B, "qwen3", False),
           "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True)}
-
-
-def tiny(cfg: dict) -> dict:
-    """A small model of ``cfg``'s family and layer pattern (its first four layers), for smoke
-    runs of the benchmark's path on the CPU."""
-    small = dict(cfg, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-    if cfg.get("layer_types"):
-        small |= {"layer_types": cfg["layer_types"][:4], "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-                  "linear_key_head_dim": 32, "linear_value_head_dim": 32}
-    if cfg.get("num_experts"):
-        small |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
-    return small
 
 
 def main() -> None:

@@ -4,19 +4,20 @@
 #   STEPS="tests kernel engine8b" bash bench/gpu_session.sh
 #   STEPS="qwen35tests qwen35" bash bench/gpu_session.sh   (Qwen3.5: fla-core and einops wheels in .whl/)
 # Wheels: the server's (fastapi, uvicorn, pydantic, orjson, ...) plus pybase64 and nvidia-cudnn-frontend, and fla-core
-# and einops for Qwen3.5.
+# and einops for Qwen3.5, at the versions of requirements.lock (the image's lock): fill .whl/ with
+# `python3 bench/lock_wheels.py download .whl` (LOCK_STRICT=1 refuses a wheel of another version).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
-  # one wheel per distribution, the newest: two versions of one (a second download) make pip
-  # refuse the whole install
-  wheels=$(ls .whl/*.whl | sort -V | awk -F/ '{n = $NF; sub(/-.*/, "", n); last[n] = $0} END {for (k in last) print last[k]}')
-  [ "$(echo "$wheels" | wc -l)" -lt "$(ls .whl/*.whl | wc -l)" ] && echo "WARNING: .whl/ holds several versions of a wheel; installing the newest of each"
+  # the locked version of each distribution (two versions of one make pip refuse the whole install)
+  wheels=$(python3 bench/lock_wheels.py select .whl ${LOCK_STRICT:+--strict}) || exit 1
   # shellcheck disable=SC2086
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
+# what this run has against the lock (torch, triton, numpy come from the machine's image)
+python3 bench/lock_wheels.py check > "$OUT/lock_check.txt" 2>&1; tail -1 "$OUT/lock_check.txt"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
 # pybase64 is a server requirement the GPU image lacks: without it the HTTP runs decode and encode
 # every .npy payload with the standard library (fetch it with EXTRA_WHEELS="pybase64 ...")
@@ -110,6 +111,23 @@ for step in ${STEPS:-tests}; do
         --workloads W4 --tensor-parallel-size 2 --tp-comm-parts $parts --repeats 2 \
         --out "$OUT/engine_32b_w4_tp2_run${i}_parts$parts.json" 2>&1 | tee -a "$OUT/tp_parts.log" | grep -E "^W4 |KV pool|loaded"
       done ;;
+    # seconds to /health ready: a first start with an empty compile cache, then a restart keeping it
+    # (dummy weights; $TTR_SIZES picks the shapes, default Qwen3-8B and Qwen3.5-9B)
+    ttr) for size in ${TTR_SIZES:-8b qwen3.5-9b}; do
+           python3 bench/time_to_ready.py --model-size "$size" --restarts ${TTR_RESTARTS:-1} \
+             --out "$OUT/time_to_ready_${size}_h200.json" 2>&1 | tee "$OUT/time_to_ready_$size.log" | grep -E "ready in|wrote"
+         done ;;
+    # `teacher-server bench` as a user runs it: a server of the $BENCH_SHAPE shape (default qwen3-8b, dummy
+    # weights) started on its own, then the command against its URL ($BENCH_ARGS: default W1,W1f,W2); the
+    # table in the log, bench.json and bench.png under $OUT/bench
+    benchcmd) shape_dir=/tmp/ts-benchcmd/${BENCH_SHAPE:-qwen3-8b}; mkdir -p "$shape_dir"
+      python3 -c "import json, sys; from teacher_server.benchmark.command import SHAPES; \
+        open(sys.argv[1] + '/config.json', 'w').write(json.dumps(SHAPES[sys.argv[2]]))" "$shape_dir" "${BENCH_SHAPE:-qwen3-8b}"
+      python3 -m teacher_server serve --model "$shape_dir" --load-format dummy --port 8000 > "$OUT/benchcmd_server.log" 2>&1 &
+      server=$!
+      python3 -m teacher_server bench --url http://127.0.0.1:8000 --wait-ready-s 900 ${BENCH_ARGS:---workloads W1,W1f,W2} \
+        --out "$OUT/bench" 2>&1 | tee "$OUT/benchcmd.log" | tail -12
+      kill -TERM $server; wait $server ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -1,178 +1,32 @@
-"""Canonical workloads (docs/design.md, section 3), model shapes, FLOP counts, and the random
-checkpoints the benchmarks load."""
+"""The canonical workloads and model shapes (now in ``teacher_server.benchmark.workloads``, so
+``teacher-server bench`` has them installed) and the random checkpoints the benchmarks load."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
 from pathlib import Path
 
-import numpy as np
+from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for the bench scripts and tests)
+    H200_PEAK,
+    LLAMA33_70B,
+    QWEN3_5_9B,
+    QWEN3_8B,
+    QWEN3_30B_A3B,
+    QWEN3_32B,
+    QWEN3_235B_A22B,
+    Req,
+    checkpoint_bytes,
+    flop_ideal_speedup,
+    flops,
+    ideal_cached,
+    make_workload,
+    tiny,
+)
 
-QWEN3_8B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
-}
-QWEN3_32B = dict(QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                 num_attention_heads=64, num_key_value_heads=8)
-# Llama-3.3-70B's shape (dummy weights: 140 GB does not fit the GPU machine's disk); TP2.
-LLAMA33_70B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 8192,
-    "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
-    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
-}
-# W5: Qwen3-30B-A3B (its config.json's shape; every layer routed, 128 experts, top-8).
-QWEN3_30B_A3B = dict(QWEN3_8B, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                     intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
-                     decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=40960)
-# W7: Qwen3.5-9B, the defaults of transformers' Qwen3_5TextConfig (tests/test_bench_qwen3_5.py checks
-# them against it): 32 layers, every 4th full attention (16 heads of 256, 4 KV heads, an output gate,
-# rotary on a quarter of the head), the others Gated DeltaNet (16 key heads and 32 value heads of 128).
-# Qwen3-235B-A22B's shape (dummy weights, ~470 GB in bf16: tensor parallel 4 or 8).
-QWEN3_235B_A22B = dict(QWEN3_30B_A3B, hidden_size=4096, intermediate_size=12288, num_hidden_layers=94,
-                       num_attention_heads=64, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8,
-                       moe_intermediate_size=1536)
-QWEN3_5_9B = {
-    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096,
-    "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
-    "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)],
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
-}
-H200_PEAK = 989e12  # dense bf16 FLOP/s
-
-
-@dataclass
-class Req:
-    tokens: np.ndarray  # [L] int64
-    start: int  # first scored row = len(prompt) - 1
-    cand: np.ndarray  # [rows, K] int32, unique per row
-
-    @property
-    def rows(self) -> int:
-        return len(self.tokens) - 1 - self.start
-
-
-def _candidates(rng: np.random.Generator, rows: int, k: int, vocab: int) -> np.ndarray:
-    # Unique ids per row without a per-row shuffle: a + j * stride (mod vocab), stride * K < vocab.
-    a = rng.integers(0, vocab, (rows, 1))
-    stride = rng.integers(1, vocab // k, (rows, 1))
-    return ((a + np.arange(k)[None, :] * stride) % vocab).astype(np.int32)
-
-
-def make_workload(name: str, vocab: int, k: int = 64, seed: int = 0) -> list[Req]:
-    """The requests of workload ``name``; "W1:tiny" and "W2:tiny" are the same shapes scaled
-    down (CPU smoke runs of the benchmark)."""
-    rng = np.random.default_rng(seed)
-    if name.endswith(":tiny"):
-        return _tiny_workload(name.removesuffix(":tiny"), vocab, rng)
-    if name == "W1":
-        n = 128
-        prompts = rng.integers(256, 1793, n)
-        responses = rng.integers(1024, 5121, n)
-    elif name == "W1f":
-        prompts, responses = np.full(64, 1024), np.full(64, 3072)
-    elif name == "W3":
-        prompts, responses = np.full(8, 1024), np.full(8, 31744)
-    elif name == "W4":
-        prompts, responses = np.full(32, 1024), np.full(32, 3072)
-    elif name == "W2":
-        out = []
-        for _ in range(32):
-            prompt = rng.integers(0, vocab, 2048)
-            for _ in range(8):
-                toks = np.concatenate([prompt, rng.integers(0, vocab, 2048)])
-                out.append(Req(toks, 2047, _candidates(rng, 2048, k, vocab)))
-        return out
-    elif name == "G1":  # GRPO: 32 prompts, 8-16 responses each, all lengths varied
-        out = []
-        for _ in range(32):
-            prompt = rng.integers(0, vocab, int(rng.integers(1024, 2049)))
-            for r in rng.integers(512, 4097, int(rng.integers(8, 17))).tolist():
-                toks = np.concatenate([prompt, rng.integers(0, vocab, r)])
-                out.append(Req(toks, len(prompt) - 1, _candidates(rng, r, k, vocab)))
-        return out
-    elif name.startswith("L"):  # one long request, e.g. L131072
-        total = int(name[1:])
-        prompts, responses = np.array([1024]), np.array([total - 1024])
-    else:
-        raise ValueError(name)
-    out = []
-    for p, r in zip(prompts.tolist(), responses.tolist()):
-        toks = rng.integers(0, vocab, p + r)
-        out.append(Req(toks, p - 1, _candidates(rng, r, k, vocab)))
-    return out
-
-
-def _tiny_workload(name: str, vocab: int, rng: np.random.Generator, k: int = 8) -> list[Req]:
-    """W1 (8 requests, prompts of 4-28 and responses of 16-80 tokens) or W2 (2 prompts of 48
-    tokens with 8 responses of 32 each)."""
-    if name == "W1":
-        lens = zip(rng.integers(4, 29, 8).tolist(), rng.integers(16, 81, 8).tolist())
-        return [Req(rng.integers(0, vocab, p + r), p - 1, _candidates(rng, r, k, vocab)) for p, r in lens]
-    if name == "W2":
-        out = []
-        for _ in range(2):
-            prompt = rng.integers(0, vocab, 48)
-            out += [Req(np.concatenate([prompt, rng.integers(0, vocab, 32)]), 47, _candidates(rng, 32, k, vocab))
-                    for _ in range(8)]
-        return out
-    raise ValueError(f"no tiny variant of {name}")
-
-
-def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[int] | None = None) -> float:
-    """docs/design.md, section 4: 2 x non-embedding params + 2 x layers x context x attn_dim per token
-    (causal average) + 2 x hidden x vocab per scored row. For MoE models the params are the
-    active ones (the experts a token is routed to), as MFU counts them. Hybrid models (Qwen3.5)
-    count their linear-attention layers by their parameters and attention only in the
-    full-attention layers."""
-    h, n_l = cfg["hidden_size"], cfg["num_hidden_layers"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    if cfg.get("num_experts") or cfg.get("layer_types"):
-        from teacher_server.models.spec import ModelSpec
-
-        spec = ModelSpec.from_dict(cfg)
-        params, attn_layers = spec.non_embedding_params(), len(spec.kv_layer_ids)
-    else:
-        i, kv = cfg["intermediate_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
-        params, attn_layers = n_l * (h * (q + 2 * kv) + q * h + 3 * h * i), n_l
-    total = 0.0
-    for j, r in enumerate(reqs):
-        length = len(r.tokens)
-        skip = cached[j] if (computed_only and cached) else 0
-        n = length - skip
-        total += 2 * params * n + 2 * attn_layers * q * (length * length - skip * skip) + 2 * h * cfg["vocab_size"] * r.rows
-    return total
-
-
-def ideal_cached(reqs: list[Req], block: int) -> list[int]:
-    """Tokens of each request a prefix cache could skip at best, in this order: the longest
-    prefix it shares with an earlier request, cut to whole blocks that end before its first
-    scored row (that row's position is computed)."""
-    out = []
-    for j, r in enumerate(reqs):
-        best = 0
-        for e in reqs[:j]:
-            n = min(len(e.tokens), len(r.tokens), r.start)
-            diff = np.flatnonzero(e.tokens[:n] != r.tokens[:n])
-            best = max(best, int(diff[0]) if len(diff) else n)
-        out.append(best // block * block)
-    return out
-
-
-def flop_ideal_speedup(cfg: dict, reqs: list[Req], block: int) -> float:
-    """The prefix cache's speedup if time were proportional to FLOPs: all of them over those
-    left after the best reuse (``ideal_cached``)."""
-    return flops(cfg, reqs) / flops(cfg, reqs, computed_only=True, cached=ideal_cached(reqs, block))
+# Random checkpoints larger than this are written only where there is a GPU: on a CPU machine
+# an 8B one takes ~11 GB of disk and most of an hour, for a benchmark that cannot run there.
+CPU_CHECKPOINT_LIMIT_BYTES = 2 * 2**30
 
 
 def write_config(path: Path, cfg: dict) -> Path:
@@ -189,13 +43,23 @@ def write_config(path: Path, cfg: dict) -> Path:
 
 def write_random_checkpoint(path: Path, cfg: dict, seed: int = 0, shard_gb: float = 4.0) -> Path:
     """Random bf16 weights with HF names, made on the GPU (CPU when there is none), saved as
-    sharded safetensors; kept when already there."""
+    sharded safetensors; kept when already there. Without a GPU a checkpoint over
+    ``CPU_CHECKPOINT_LIMIT_BYTES`` is refused (SystemExit) before anything is written, unless
+    TEACHER_SERVER_BENCH_ALLOW_CPU_CHECKPOINT=1. Each shard is written under a ``.part`` name
+    and renamed when whole, and a write that is stopped removes its part: no half-written
+    shard is left behind or taken for a whole one."""
     import torch
     from safetensors.torch import save_file
 
-    write_config(path, cfg)
     if (path / "model.safetensors.index.json").exists():
-        return path
+        return write_config(path, cfg)
+    size = checkpoint_bytes(cfg)
+    if not torch.cuda.is_available() and size > CPU_CHECKPOINT_LIMIT_BYTES \
+            and os.environ.get("TEACHER_SERVER_BENCH_ALLOW_CPU_CHECKPOINT") != "1":
+        raise SystemExit(f"no GPU here: not writing a {size / 1e9:.1f} GB random checkpoint of "
+                         f"{cfg['architectures'][0]} to {path} (the benchmark needs a GPU at this size). "
+                         "Run with --tiny for a small model of the same family, or on a GPU machine")
+    write_config(path, cfg)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(seed)
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -250,7 +114,12 @@ def write_random_checkpoint(path: Path, cfg: dict, seed: int = 0, shard_gb: floa
         nonlocal shard, size, idx
         if shard:
             fname = f"model-{idx:05d}.safetensors"
-            save_file({k: t.cpu() for k, t in shard.items()}, str(path / fname), metadata={"format": "pt"})
+            part = path / (fname + ".part")
+            try:
+                save_file({k: t.cpu() for k, t in shard.items()}, str(part), metadata={"format": "pt"})
+                part.replace(path / fname)
+            finally:
+                part.unlink(missing_ok=True)  # stopped mid-write (Ctrl-C): no partial file left
             for k in shard:
                 weight_map[k] = fname
             files.append(fname)

@@ -20,8 +20,15 @@ _SERVER_MODULES = frozenset({"torch", "safetensors", "fastapi", "uvicorn", "star
 
 def __getattr__(name: str) -> Any:
     if name in ("LLM", "SamplingParams", "TokensPrompt", "RequestOutput"):
-        from teacher_server import llm
-
+        try:
+            from teacher_server import llm
+        except ModuleNotFoundError as e:  # a client-only install: say which extra, not which module
+            if (e.name or "").split(".")[0] not in _SERVER_MODULES:
+                raise
+            raise ImportError(f"teacher_server.{name} runs the engine in this process and needs the server's "
+                              f'dependencies ({e.name} is not installed): pip install "teacher-server[server]". '
+                              "To score against a running server, teacher_server.client needs only the core "
+                              "install", name=e.name) from None
         return getattr(llm, name)
     raise AttributeError(f"module 'teacher_server' has no attribute {name!r}")
 

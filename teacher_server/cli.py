@@ -2,29 +2,54 @@
 
 Every Config field has a flag, generated from the field (its description is the help text):
 ``--max-logprobs 64``, ``--no-enable-prefix-caching``, ``--max-model-len none``. Flags win over
-the environment and the config file."""
+the environment and the config file. vLLM's form works too: ``teacher-server serve MODEL -tp 2
+--max-model-len 32k`` (teacher_server.vllm_flags; docs/cli.md lists every flag)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import typing
 
 from pydantic.fields import FieldInfo
 
 from teacher_server import __version__
-from teacher_server.config import NONE_WORDS, Config, ConfigError
+from teacher_server.config import DTYPE_ALIASES, NONE_WORDS, Config, ConfigError
+from teacher_server.human_int import human_int
+from teacher_server.vllm_flags import ALIASES, add_vllm_flags, apply_vllm_flags
+
+# settings whose flag takes several values (vLLM's --served-model-name a b)
+SEVERAL = {"served_model_name"}
+# choice settings whose refusal Config words (dtype: the right spelling, and vLLM's half and
+# float; kv_cache_dtype: what is built)
+OWN_MESSAGES = {"dtype", "kv_cache_dtype"}
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A usage mistake is one line naming the flag (the serve usage would be ~40 lines)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`teacher-server serve` with one flag per Config field (plus `--config FILE`)."""
-    p = argparse.ArgumentParser(prog="teacher-server", description=__doc__)
+    """`teacher-server serve [MODEL]` with one flag per Config field (plus `--config FILE`)
+    and vLLM's flags (teacher_server.vllm_flags)."""
+    p = OneLineErrors(prog="teacher-server", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
     s = sub.add_parser("serve", help="run the HTTP scoring service")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                   help="the model, as --model (vLLM's `vllm serve MODEL` form)")
+    s.add_argument("--version", action="version", version=__version__)
     s.add_argument("--config", help="YAML config file (see config.yaml)")
     for name, field in Config.model_fields.items():
         add_field_flag(s, name, field)
+    add_vllm_flags(s)
+    # its flags are its own parser's (teacher_server/benchmark/command.py); main() hands it the arguments
+    sub.add_parser("bench", add_help=False, help="benchmark the canonical workloads against a running server (--url), "
+                                                 "a checkpoint (--model) or a model shape: `teacher-server bench -h`")
     return p
 
 
@@ -34,15 +59,22 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
     ``none`` can still set an optional field to None."""
     kind, choices, optional = _field_kind(field.annotation)
     help_text = f"{field.description or name.replace('_', ' ')} (default: {field.default})".replace("%", "%%")
-    flag = "--" + name.replace("_", "-")
+    flags = ["--" + name.replace("_", "-"), *ALIASES.get(name, [])]
     if kind is bool:
-        parser.add_argument(flag, dest=name, action=_OptionalBool if optional else argparse.BooleanOptionalAction,
+        parser.add_argument(*flags, dest=name, action=_OptionalBool if optional else argparse.BooleanOptionalAction,
                             default=argparse.SUPPRESS, help=help_text)
         return
+    if kind is list:  # several values, or vLLM's one JSON list ('["*"]'); Config takes either
+        parser.add_argument(*flags, dest=name, nargs="+", default=argparse.SUPPRESS, help=help_text, metavar="STR")
+        return
+    metavar = "{" + ",".join([*choices, *(DTYPE_ALIASES if name == "dtype" else [])]) + "}" if choices \
+        else kind.__name__.upper()
+    if name in OWN_MESSAGES:  # Config's message is clearer than argparse's list of choices
+        choices = []
     convert = _converter(kind, optional)
-    parser.add_argument(flag, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,
-                        choices=[*choices, *([None] if optional else [])] if choices else None,
-                        metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper())
+    parser.add_argument(*flags, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,
+                        nargs="+" if name in SEVERAL else None, metavar=metavar,
+                        choices=[*choices, *([None] if optional else [])] if choices else None)
 
 
 class _OptionalBool(argparse.Action):
@@ -78,6 +110,8 @@ def _field_kind(annotation: object) -> tuple[type, list[str], bool]:
     target = args[0] if optional and len(args) == 1 else annotation
     if typing.get_origin(target) is typing.Literal:
         return str, [str(c) for c in typing.get_args(target)], optional
+    if typing.get_origin(target) is list:
+        return list, [], optional
     assert target in (bool, int, float, str), f"no command-line form for {annotation!r}"
     return target, [], optional  # type: ignore[return-value]
 
@@ -86,15 +120,25 @@ def _converter(kind: type, optional: bool):  # noqa: ANN202
     def convert(text: str):  # noqa: ANN202
         if optional and text.lower() in NONE_WORDS:
             return None
-        return kind(text)
+        return human_int(text) if kind is int else kind(text)  # 32k, as vLLM's flags
     convert.__name__ = kind.__name__  # argparse names the type in its error messages
     return convert
 
 
-def config_from_args(argv: list[str] | None = None) -> Config:
+def config_from_args(argv: list[str] | None = None, notes: list[str] | None = None) -> Config:
+    """The configuration that ``argv`` (``serve ...``) makes; ``notes`` receives what is worth
+    a log line once logging is up (vLLM flags with no effect here)."""
     args = vars(build_parser().parse_args(argv))
     args.pop("command")
     file = args.pop("config")
+    positional = args.pop("model_tag")
+    if positional is not None:
+        if args.get("model") not in (None, positional):
+            raise ConfigError(f"the model is given twice: {positional!r} and --model {args['model']!r}")
+        args["model"] = positional
+    if args.get("served_model_name") == [None]:  # --served-model-name none
+        args["served_model_name"] = None
+    (notes if notes is not None else []).extend(apply_vllm_flags(args))
     cfg = Config.load(file, overrides=args)  # only the flags given are in args
     for name in [k for k, v in args.items() if v is None]:  # `--flag none` resets what the file or env set
         setattr(cfg, name, None)  # validated (validate_assignment)
@@ -102,21 +146,42 @@ def config_from_args(argv: list[str] | None = None) -> Config:
 
 
 def main(argv: list[str] | None = None) -> None:
+    notes: list[str] = []
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        from teacher_server.benchmark.command import main as bench_main
+
+        return bench_main(argv[1:])
     try:
-        cfg = config_from_args(argv)
+        cfg = config_from_args(argv, notes)
     except ConfigError as e:
         print(f"teacher-server: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     from teacher_server.logging_setup import setup_logging
     from teacher_server.server.app import create_app
-    from teacher_server.server.http import uvicorn_config
+    from teacher_server.server.http import check_port_free, uvicorn_config
     from teacher_server.server.lifecycle import DrainingServer
 
     setup_logging(cfg.log_level, cfg.log_json)
-    app = create_app(cfg)
-    # The drain itself is bounded by shutdown_timeout_s (DrainingServer); uvicorn's own
-    # graceful wait then only covers writing the last responses.
-    server = DrainingServer(uvicorn_config(app, cfg, timeout_graceful_shutdown=3), app, cfg.shutdown_timeout_s)
+    for note in notes:
+        logging.getLogger("teacher_server").info("%s", note)
+    try:
+        # before the engine loads (uvicorn binds after the app's start-up has begun it); a
+        # missing GPU is one line here, whichever process the engine would have run in
+        from teacher_server.engine.rank_setup import check_gpus
+
+        try:
+            check_gpus(cfg.device, cfg.tensor_parallel_size, cfg.data_parallel_size)
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
+        check_port_free(cfg.host, cfg.port)
+        app = create_app(cfg)
+        # The drain itself is bounded by shutdown_timeout_s (DrainingServer); uvicorn's own
+        # graceful wait then only covers writing the last responses.
+        server = DrainingServer(uvicorn_config(app, cfg, timeout_graceful_shutdown=3), app, cfg.shutdown_timeout_s)
+    except ConfigError as e:
+        print(f"teacher-server: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     server.run()
     raise SystemExit(getattr(app.state, "exit_code", 0))
 

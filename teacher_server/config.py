@@ -8,6 +8,7 @@ Sources, lowest to highest precedence: field defaults < YAML file < environment
 from __future__ import annotations
 
 import os
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +23,11 @@ AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash
 
 
 NONE_WORDS = ("none", "null")  # an optional setting's None, in a flag or a variable
+# vLLM's other spellings of the weight dtypes (its --dtype takes half and float too)
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+# TEACHER_SERVER_* variables that are not settings (read by the kernel build and the benchmarks);
+# any other TEACHER_SERVER_* variable that names no setting is refused (a misspelling)
+OTHER_ENV = ("TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH", "TEACHER_SERVER_COMMIT")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
@@ -59,6 +65,9 @@ class Config(BaseModel):
     demo_model_dir: str | None = Field(
         None, description="Where the demo checkpoint is written; default "
                           "$XDG_CACHE_HOME/teacher-server/demo-qwen3-v<N> (~/.cache when unset).")
+    served_model_aliases: list[str] = Field(
+        [], description="Further names accepted as `model` besides served_model_name (`--served-model-name a b` "
+                        "as vLLM: the first is the served name, the others aliases; in a variable, comma-separated).")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(
@@ -110,6 +119,15 @@ class Config(BaseModel):
         None, description="Append one JSON line per forward step to this file (when it was launched, its tokens, "
                           "sequences, chunks continuing or continued in another step, scored rows, host launch "
                           "and GPU time): for looking into throughput. None: off.")
+    kv_cache_dtype: Literal["auto"] = Field(
+        "auto", description="KV cache dtype: auto (the model's dtype) is the only one built; fp8 and others are "
+                            "refused (vLLM's flag, accepted for launch scripts that pass auto).")
+    compile_cache_dir: str | None = Field(
+        None, description="Where compiled kernels and autotuning results are kept across restarts (torch "
+                          "inductor's and Triton's caches, Triton autotuning; set explicitly, our CUDA kernel "
+                          "library too): a restart "
+                          "with it kept skips those compiles. None: $XDG_CACHE_HOME/teacher-server/compile "
+                          "(~/.cache when unset); off: leave the libraries' own defaults (often /tmp).")
 
     # --- replicas ----------------------------------------------------------------------
     data_parallel_size: int = Field(
@@ -163,6 +181,14 @@ class Config(BaseModel):
         True, description="Also export the vllm:* names that vLLM dashboards and autoscalers read.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_json: bool = Field(False, description="One JSON object per log line.")
+    ssl_keyfile: str | None = Field(None, description="TLS: the private key file (PEM); with ssl_certfile: HTTPS.")
+    ssl_certfile: str | None = Field(None, description="TLS: the certificate chain file (PEM).")
+    root_path: str = Field(
+        "", description="Path prefix the service is mounted under behind a proxy that strips it (ASGI root_path, "
+                        "as vLLM's --root-path): links of /docs and openapi.json carry it.")
+    allowed_origins: list[str] = Field(
+        [], description="Browser origins allowed by CORS (e.g. https://a.example or *); empty: no CORS headers. "
+                        "vLLM's flag takes a JSON list; a comma-separated variable works too.")
     max_inflight_bytes: int = Field(
         2 * 1024 ** 3, ge=1024 * 1024,
         description="One budget for the bytes all requests in flight hold together: a body being read counts "
@@ -186,10 +212,71 @@ class Config(BaseModel):
         1000, ge=0, description="Accepted `priority` values are -priority_limit..priority_limit (400 beyond): "
                                 "lower runs earlier, and no client can jump every queue with an extreme value.")
 
-    @field_validator("model", "served_model_name", "api_key", "demo_model_dir", "step_trace", mode="before")
+    @field_validator("model", "served_model_name", "api_key", "demo_model_dir", "step_trace", "ssl_keyfile",
+                     "ssl_certfile", "compile_cache_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and v.strip() == "" else v
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = DTYPE_ALIASES.get(v.strip().lower(), v.strip().lower())
+            choices = [*typing.get_args(cls.model_fields["dtype"].annotation), *DTYPE_ALIASES]
+            if v not in choices:
+                raise ValueError(f"{v!r} is not a dtype{did_you_mean(v, choices, DTYPE_HINTS)} "
+                                 f"(one of {', '.join(choices)})")
+        return v
+
+    @field_validator("max_model_len", "max_num_batched_tokens", "num_kv_blocks", mode="before")
+    @classmethod
+    def _suffixed(cls, v: Any) -> Any:
+        # 32k / 32K as vLLM's flags take them, in a variable or the file too
+        if isinstance(v, str) and v.strip() and v.strip()[-1] in "kmgtKMGT":
+            from teacher_server.human_int import human_int
+
+            return human_int(v)
+        return v
+
+    @field_validator("kv_cache_dtype", mode="before")
+    @classmethod
+    def _kv_dtype(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() != "auto":
+            raise ValueError(f"kv_cache_dtype={v[:40]!r} is not built: the KV cache is kept in the model's dtype; "
+                             f"use auto (or leave the flag out)")
+        return v
+
+    @field_validator("served_model_aliases", "allowed_origins", mode="before")
+    @classmethod
+    def _list_from_text(cls, v: Any) -> Any:
+        # a variable holds text: vLLM's JSON list (--allowed-origins '["*"]') or comma-separated names
+        if isinstance(v, list | tuple):  # flag values: each may be one of those texts
+            return [x for item in v for x in (cls._list_from_text(item) if isinstance(item, str) else [item])]
+        if isinstance(v, str):
+            text = v.strip()
+            if text.startswith("["):
+                try:
+                    return yaml.safe_load(text)
+                except yaml.YAMLError:
+                    raise ValueError(f"{text[:80]!r} is not a JSON list") from None
+            return [p.strip() for p in text.split(",") if p.strip()]
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _served_names(cls, values: Any) -> Any:
+        # `served_model_name: [a, b]` (vLLM's nargs="+" flag, a YAML list): a is the name, b an alias
+        if isinstance(values, dict) and isinstance(values.get("served_model_name"), list | tuple):
+            names = [str(n) for n in values["served_model_name"]]
+            values = {**values, "served_model_name": names[0] if names else None,
+                      "served_model_aliases": [*names[1:], *(values.get("served_model_aliases") or [])]}
+        return values
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name accepted as ``model``: the served name, then the aliases."""
+        return (self.served_name, *(a for a in self.served_model_aliases if a != self.served_name))
 
     @property
     def served_name(self) -> str:
@@ -200,6 +287,8 @@ class Config(BaseModel):
     def _check(self) -> Config:
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format=dummy needs a model directory with a config.json")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
         return self
 
     # ---------------------------------------------------------------------------------
@@ -220,6 +309,7 @@ class Config(BaseModel):
                 raise ConfigError(f"config file {path} must hold a mapping of settings")
             values.update(loaded)
         env = dict(os.environ) if env is None else env
+        check_env_names(env, cls.model_fields)
         for name, field in cls.model_fields.items():
             key = ENV_PREFIX + name.upper()
             if key in env:
@@ -236,5 +326,41 @@ class Config(BaseModel):
         try:
             return cls(**values)
         except ValidationError as e:
-            msgs = [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in e.errors()]
+            msgs = [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
+                    for err in e.errors()]
             raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
+
+
+# misspellings difflib does not find (a short name far from the long one)
+DTYPE_HINTS = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32"}
+
+
+def did_you_mean(word: str, choices: list[str], hints: dict[str, str] | None = None) -> str:
+    """``; did you mean 'x'?`` for the closest of ``choices`` (or a known misspelling), else ''."""
+    import difflib
+
+    best = (hints or {}).get(word.lower()) or next(iter(difflib.get_close_matches(word, choices, 1, 0.6)), None)
+    return f"; did you mean {best!r}?" if best else ""
+
+
+# Kubernetes' service links of a Service named teacher-server (TEACHER_SERVER_SERVICE_HOST,
+# TEACHER_SERVER_PORT_8000_TCP_ADDR, ...): not settings, and not misspellings
+_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_HOST|SERVICE_PORT(_\w+)?"
+                           r"|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
+
+
+def check_env_names(env: dict[str, str], fields: dict[str, Any]) -> None:
+    """Refuse a TEACHER_SERVER_* variable that names no setting (a misspelling, which would
+    otherwise be ignored silently: the chart's extraEnv makes that easy), with the closest name."""
+    port = env.get(ENV_PREFIX + "PORT", "")
+    if port.startswith(("tcp://", "udp://")):
+        raise ConfigError(f"{ENV_PREFIX}PORT={port[:60]} is a Kubernetes service link (a Service named "
+                          f"teacher-server in the namespace): set enableServiceLinks: false on the pod (the chart "
+                          f"does), or set {ENV_PREFIX}PORT to the port to listen on")
+    known = [ENV_PREFIX + name.upper() for name in fields]
+    bad = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in OTHER_ENV
+                 and not _SERVICE_LINK.fullmatch(k))
+    if bad:
+        hints = [f"{k}{did_you_mean(k, known)}" for k in bad]
+        raise ConfigError(f"unknown environment variable(s): {'; '.join(hints)} (each TEACHER_SERVER_<FIELD> "
+                          f"names a setting of config.yaml; unset it or fix its name)")

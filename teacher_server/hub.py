@@ -2,13 +2,13 @@
 
 A directory is used as it is. Anything else that reads as a hub id (``name`` or
 ``org/name``) is fetched with ``huggingface_hub.snapshot_download`` into the hub cache
-(``download_dir``, else ``HF_HUB_CACHE``, else the library default), config and weights
-only: ``config.json``, then the shards the ``model.safetensors.index.json`` names, or the
-top-level ``*.safetensors`` when there is no index (repos that also ship a consolidated
-copy of the weights are not downloaded twice). ``HF_TOKEN`` authenticates gated or
-private repos; with ``HF_HUB_OFFLINE=1`` nothing goes over the network and the id must
-already be in the cache (the Helm chart's init container fills it; the server then
-resolves offline).
+(``download_dir``, else ``HF_HUB_CACHE``, else the library default), config, tokenizer files
+and weights only: ``config.json`` (and the tokenizer files, for ``/v1/models``), then the
+shards the ``model.safetensors.index.json`` names, or the top-level ``*.safetensors`` when
+there is no index (repos that also ship a consolidated copy of the weights are not downloaded
+twice). ``HF_TOKEN`` authenticates gated or private repos; with ``HF_HUB_OFFLINE=1`` nothing
+goes over the network and the id must already be in the cache (the Helm chart's init
+container fills it; the server then resolves offline).
 
 ``python -m teacher_server.hub ORG/NAME [--revision R] [--download-dir D]`` downloads
 ahead of time and prints the snapshot directory.
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+# fetched beside config.json when the repo has them: the tokenizer identity /v1/models reports
+# (teacher_server/client/tokenizer.py reads the same files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt")
 # `name` or `org/name` of letters, digits, '-', '_', '.' (the hub's own rule, minus its
 # length and '--'/'..' corner cases, which the hub client checks itself).
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -84,7 +87,7 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None, weig
                                          allow_patterns=patterns, ignore_patterns=["*/*"]))
 
     try:
-        snap = fetch(revision, [CONFIG_FILE, INDEX_FILE])
+        snap = fetch(revision, [CONFIG_FILE, INDEX_FILE, *TOKENIZER_FILES])
         if weights:
             # The first call pinned the commit: fetch the weights of that same commit.
             shards = _shards(snap)
@@ -98,9 +101,16 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None, weig
     except errors.RevisionNotFoundError:
         raise ModelNotFoundError(f"model {repo_id!r} has no revision {revision!r} on the hub") from None
     except errors.LocalEntryNotFoundError as e:
-        why = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
-        raise ModelNotFoundError(f"model {repo_id!r}: no such directory; {why} and the hub cache {where} has no "
-                                 f"complete snapshot of it (revision {revision or 'main'}) "
+        # huggingface_hub's own text suggests a code change (local_files_only=False): say what to run instead
+        get = f"python -m teacher_server.hub {repo_id}" + (f" --revision {revision}" if revision else "")
+        if offline:
+            raise ModelNotFoundError(f"model {repo_id!r} is not in the hub cache {where} (HF_HUB_OFFLINE is set, "
+                                     f"revision {revision or 'main'}: no complete snapshot of it): download it "
+                                     f"first on a machine with network ({get}, with the same HF_HUB_CACHE), or "
+                                     f"unset HF_HUB_OFFLINE") from None
+        raise ModelNotFoundError(f"model {repo_id!r}: no such directory; the hub could not be reached and the hub "
+                                 f"cache {where} has no complete snapshot of it (revision {revision or 'main'}): "
+                                 f"check the network (HTTPS_PROXY) or download it first ({get}) "
                                  f"({_first_line(e)})") from None
     except errors.HFValidationError as e:
         raise ModelNotFoundError(f"model {repo_id!r}: no such directory, and not a valid hub id "

@@ -11,6 +11,7 @@ vLLM runs with only its import changed::
 
 from __future__ import annotations
 
+import difflib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,16 @@ from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
 from teacher_server.validation import BadRequest, Limits, build_request
 
 _CANDIDATES = "sampling_params.prompt_logprob_token_ids"
+# vLLM's other SamplingParams fields, the names the HTTP endpoint accepts and ignores
+# (teacher_server/server/protocol.py; tests/test_llm_inputs.py keeps the two lists equal). A name outside
+# them is a typo whose silent acceptance would score the wrong rows.
+VLLM_IGNORED_FIELDS = frozenset({
+    "truncate_prompt_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+    "bad_words", "presence_penalty", "frequency_penalty", "repetition_penalty", "include_stop_str_in_output",
+    "ignore_eos", "min_tokens", "logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "logit_bias", "allowed_token_ids", "extra_args", "output_kind", "structured_outputs", "guided_decoding", "n",
+    "best_of", "flat_logprobs", "logits_processors", "skip_reading_prefix_cache", "skip_clone"})
+_SCORING_FIELDS = ("max_tokens", "prompt_logprob_token_ids", "prompt_logprob_start", "prompt_logprobs")
 
 
 class TokensPrompt(TypedDict, total=False):
@@ -33,12 +44,16 @@ class TokensPrompt(TypedDict, total=False):
 
 
 class SamplingParams:
-    """The vLLM fields that matter for scoring; other vLLM sampling fields are accepted
-    as keyword arguments and do not change the scores."""
+    """The vLLM fields that matter for scoring; vLLM's other sampling fields are accepted
+    as keyword arguments and do not change the scores. Any other name raises TypeError naming
+    it and the closest valid name (``prompt_logprob_strat`` is not ``prompt_logprob_start``)."""
 
     def __init__(self, max_tokens: int = 1, prompt_logprob_token_ids: Any = None,
                  prompt_logprob_start: int | None = None, prompt_logprobs: int | None = None,
                  **ignored: Any) -> None:
+        unknown = sorted(set(ignored) - VLLM_IGNORED_FIELDS)
+        if unknown:
+            raise TypeError(f"SamplingParams got an unknown field {unknown[0]!r}{_closest(unknown[0])}")
         self.max_tokens = max_tokens
         # [K] or [rows, K] (-1 pads): lists or numpy integer arrays, or a base64 .npy string
         self.prompt_logprob_token_ids = prompt_logprob_token_ids
@@ -91,9 +106,16 @@ class LLM:
                  use_tqdm: bool = False, **_: Any) -> list[RequestOutput]:
         """Score each prompt; one RequestOutput per prompt, in order. Invalid input raises
         ``teacher_server.validation.BadRequest`` (a ValueError) naming the field."""
+        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], str)):
+            raise TypeError("prompts must be token ids, not text: this service scores token ids only (it has no "
+                            "tokenizer). Tokenize with the teacher's and student's shared tokenizer and pass "
+                            "TokensPrompt(prompt_token_ids=tokenizer(text).input_ids)")
         if isinstance(prompts, dict) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [p if isinstance(p, dict) else {"prompt_token_ids": list(p)} for p in prompts]
+        if any("prompt_token_ids" not in p for p in prompts):  # vLLM's TextPrompt, {"prompt": "..."}
+            raise TypeError("each prompt needs prompt_token_ids: this service scores token ids only (it has no "
+                            "tokenizer); pass TokensPrompt(prompt_token_ids=[...])")
         if sampling_params is None:
             sampling_params = SamplingParams()
         sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
@@ -126,6 +148,12 @@ class LLM:
         nxt = [res.next_token] if req.max_tokens and res.next_token is not None else []
         return RequestOutput(req.request_id, req.token_ids.tolist(), [CompletionOutput(0, nxt)],
                              res.token_id_logprobs, plp, res.cached_tokens)
+
+
+def _closest(name: str) -> str:
+    """`` (did you mean 'x'?)`` for the valid field nearest to a misspelt one, else ``""``."""
+    near = difflib.get_close_matches(name, [*_SCORING_FIELDS, *sorted(VLLM_IGNORED_FIELDS)], n=1, cutoff=0.6)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 def _candidates(value: Any) -> Any:

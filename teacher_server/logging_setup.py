@@ -13,7 +13,7 @@ import sys
 import orjson
 
 # fields that records may carry (``extra=``) and the JSON form writes as members
-RECORD_FIELDS = ("request_id", "status", "latency_s", "tokens", "rows")
+RECORD_FIELDS = ("request_id", "status", "latency_s", "tokens", "rows", "reason")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\u0085\u2028\u2029]")
 
 

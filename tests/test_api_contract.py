@@ -1,4 +1,4 @@
-"""The HTTP contract (README, "The contract"), over a real server and a real client:
+"""The HTTP contract (docs/api.md), over a real server and a real client:
 every validation rule gets its 400/404 in vLLM's error shape, and the server still
 answers correctly afterwards."""
 

@@ -52,7 +52,7 @@ CONFIG_FILE = "/etc/teacher-server/config.yaml"
 NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
 # Config fields the chart sets from dedicated values (environment), never from `config`.
 CHART_OWNED_FIELDS = {"model", "revision", "download_dir", "served_model_name", "host", "port", "api_key",
-                      "shutdown_timeout_s", "tensor_parallel_size", "data_parallel_size"}
+                      "shutdown_timeout_s", "tensor_parallel_size", "data_parallel_size", "compile_cache_dir"}
 # Seconds the chart must leave between the end of the drain and the kubelet's SIGKILL, for
 # the process to answer cut-off requests, stop the engine and exit.
 MIN_EXIT_MARGIN_S = 5
@@ -276,6 +276,15 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
     assert "emptyDir" in vols[mount_at(c, "/tmp")["name"]]
     cache_dir = env["XDG_CACHE_HOME"]["value"]
     assert "emptyDir" in vols[mount_at(c, cache_dir)["name"]]
+    # the compile cache: a volume of its own at the server's compile_cache_dir; no compiler variable
+    # of its own overrides it (the server leaves a variable that is set alone)
+    compile_vol = vols[mount_at(c, env["TEACHER_SERVER_COMPILE_CACHE_DIR"]["value"])["name"]]
+    assert "emptyDir" in compile_vol or "persistentVolumeClaim" in compile_vol
+    assert not {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"} & set(env), env
+    # the server refuses a TEACHER_SERVER_* variable that names no setting: the chart sets none
+    for name in env:
+        if name.startswith("TEACHER_SERVER_") and name not in NON_CONFIG_ENV:
+            assert name.removeprefix("TEACHER_SERVER_").lower() in Config.model_fields, name
     model_mount = mount_at(c, "/models")
     assert model_mount["readOnly"] is True
     model_vol = vols[model_mount["name"]]
@@ -416,6 +425,67 @@ def test_default_release(helm: ModuleType, kube: ModuleType, kube_versions: list
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert volumes_of(deploy)["model"]["persistentVolumeClaim"]["claimName"] == "teacher-models"
     assert c["image"] == "teacher-server:" + yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+
+
+def test_disruption_budget_network_policy_and_ingress(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                                    tmp_path: Path) -> None:
+    """The optional objects, each selecting the release's pods and its HTTP port."""
+    trainers = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "trainers"}}}
+    https_out = {"ports": [{"port": 443, "protocol": "TCP"}]}
+    values = {"replicaCount": 3, "podDisruptionBudget": {"enabled": True},
+              "networkPolicy": {"enabled": True, "from": [trainers], "egress": [https_out]},
+              "ingress": {"enabled": True, "className": "nginx",
+                          "annotations": {"nginx.ingress.kubernetes.io/proxy-body-size": "256m"},
+                          "hosts": [{"host": "teacher.example.com", "paths": [{"path": "/", "pathType": "Prefix"}]}],
+                          "tls": [{"secretName": "teacher-tls", "hosts": ["teacher.example.com"]}]}}
+    docs = check_release(helm, kube, kube_versions, values, tmp_path)
+    assert {"PodDisruptionBudget", "NetworkPolicy", "Ingress"} <= kinds(docs)
+    deploy, svc = one(docs, "Deployment"), one(docs, "Service")
+    pod_labels = deploy["spec"]["template"]["metadata"]["labels"]
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["apiVersion"] == "policy/v1" and pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    np_ = one(docs, "NetworkPolicy")["spec"]
+    assert np_["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert np_["policyTypes"] == ["Ingress", "Egress"] and np_["egress"] == [https_out]
+    (rule,) = np_["ingress"]
+    assert rule["from"] == [trainers] and rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    ing = one(docs, "Ingress")["spec"]
+    assert ing["ingressClassName"] == "nginx" and ing["tls"][0]["secretName"] == "teacher-tls"
+    backend = ing["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": svc["metadata"]["name"], "port": {"name": "http"}}
+
+    # minAvailable instead; a policy without egress rules leaves egress open (the hub fetch)
+    docs = manifests(render(helm, {"podDisruptionBudget": {"enabled": True, "minAvailable": "50%",
+                                                           "maxUnavailable": None},
+                                   "networkPolicy": {"enabled": True}}))
+    assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == "50%"
+    np_ = one(docs, "NetworkPolicy")["spec"]
+    assert np_["policyTypes"] == ["Ingress"] and "from" not in np_["ingress"][0]
+
+
+@pytest.mark.parametrize("source", ["emptyDir", "existingClaim", "newClaim"])
+def test_compile_cache_volume(helm: ModuleType, kube: ModuleType, kube_versions: list[str], tmp_path: Path,
+                              source: str) -> None:
+    """The server's compile cache is a volume of its own: an emptyDir (container restarts), or a
+    claim kept across pods and rolling updates (the chart's, kept on uninstall, or yours)."""
+    values = {"compileCache": {"source": source, "existingClaim": "kernels" if source == "existingClaim" else ""}}
+    docs = check_release(helm, kube, kube_versions, values, tmp_path)
+    deploy = one(docs, "Deployment")
+    c = server_container(deploy)
+    path = env_of(c)["TEACHER_SERVER_COMPILE_CACHE_DIR"]["value"]
+    assert path == "/var/cache/teacher-server" and not mount_at(c, path).get("readOnly")
+    vol = volumes_of(deploy)[mount_at(c, path)["name"]]
+    claims = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    if source == "emptyDir":
+        assert vol["emptyDir"]["sizeLimit"] and not claims
+    elif source == "existingClaim":
+        assert vol["persistentVolumeClaim"]["claimName"] == "kernels" and not claims
+    else:
+        (claim,) = claims
+        assert vol["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
 
 
 def test_production_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str], tmp_path: Path) -> None:
@@ -679,6 +749,15 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("empty-dir-size-garbage", {"model": {"source": "emptyDir", "emptyDir": {"sizeLimit": "big"}}}, "sizeLimit"),
     ("api-key-twice", {"apiKey": {"existingSecret": "k", "create": True, "value": "v"}}, "apiKey"),
     ("hpa-min-above-max", {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "minReplicas"),
+    ("compile-cache-source-enum", {"compileCache": {"source": "hostPath"}}, "source"),
+    ("compile-cache-claim-empty", {"compileCache": {"source": "existingClaim"}}, "existingClaim"),
+    ("pdb-both-bounds", {"podDisruptionBudget": {"enabled": True, "minAvailable": 1, "maxUnavailable": 1}},
+     "exactly one"),
+    ("pdb-bad-percent", {"podDisruptionBudget": {"enabled": True, "maxUnavailable": "half"}}, "maxUnavailable"),
+    ("ingress-path-type", {"ingress": {"enabled": True, "hosts": [{"paths": [{"path": "/", "pathType": "Any"}]}]}},
+     "pathType"),
+    ("config-kv-cache-fp8", {"config": {"kv_cache_dtype": "fp8"}}, "kv_cache_dtype"),
+    ("config-chart-owned-compile-cache", {"config": {"compile_cache_dir": "/x"}}, "compile_cache_dir"),
     # Prometheus scrapes without the API key
     ("monitor-needs-open-metrics", {"serviceMonitor": {"enabled": True}, "config": {"auth_exempt_metrics": False}},
      "auth_exempt_metrics"),
@@ -801,11 +880,14 @@ def test_dockerfile_builds_what_the_tests_exercise() -> None:
     top = args_of(st[""], "ARG")
     build, runtime = st["build"], st["runtime"]
 
-    # CUDA 12.x devel to build, runtime to run, and the torch wheel index for that CUDA
+    # CUDA 13.x devel to build, runtime to run (the stack the GPU numbers were measured with: torch
+    # 2.11 + CUDA 13), each pinned by tag and digest, and the torch wheel index for that CUDA
     cuda = top["CUDA_VERSION"]
-    assert re.fullmatch(r"12\.\d+\.\d+", cuda), cuda
-    assert build[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-devel-")
-    assert runtime[0][1].startswith("nvidia/cuda:${CUDA_VERSION}-runtime-")
+    assert re.fullmatch(r"13\.\d+\.\d+", cuda), cuda
+    assert build[0][1] == "nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION}@${CUDA_DEVEL_DIGEST}"
+    assert runtime[0][1] == "nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu${UBUNTU_VERSION}@${CUDA_RUNTIME_DIGEST}"
+    for digest in ("CUDA_DEVEL_DIGEST", "CUDA_RUNTIME_DIGEST"):
+        assert re.fullmatch(r"sha256:[0-9a-f]{64}", top[digest]), (digest, top[digest])
     bargs = args_of(build, "ARG")
     major, minor = cuda.split(".")[:2]
     assert bargs["TORCH_INDEX"] == f"cu{major}{minor}", "torch wheels must match the base image's CUDA"
@@ -823,9 +905,15 @@ def test_dockerfile_builds_what_the_tests_exercise() -> None:
     assert any(req.startswith("flash-attn") for req in extra), extra
     from packaging.requirements import Requirement
 
-    pinned = bargs["FLASH_ATTN_VERSION"]
+    # every version comes from the one lock (tests/test_lock.py checks it against pyproject.toml)
+    lock = dict(line.split("==") for line in (ROOT / "requirements.lock").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
     (fa_req,) = [Requirement(r) for r in extra if r.startswith("flash-attn")]
-    assert fa_req.specifier.contains(pinned, prereleases=True), (pinned, str(fa_req))
+    assert fa_req.specifier.contains(lock["flash-attn"], prereleases=True), (lock["flash-attn"], str(fa_req))
+    text = " ".join(runs)
+    for what in ("^torch==", "^flash-attn==", "-r /src/requirements.lock"):
+        assert what in text, f"the build installs {what} from requirements.lock"
+    assert "--no-deps -r /src/requirements.lock" in text and "pip check" in text
 
     # the kernel extension is built at image build time and copied to the runtime
     # (its archs: test_image_runs_the_fast_path)
@@ -860,9 +948,11 @@ def test_dockerfile_builds_what_the_tests_exercise() -> None:
     assert renv["XDG_CACHE_HOME"] == values["cache"]["mountPath"]
     assert values["containerPort"] == port
 
-    # exec-form entrypoint = the console script pyproject.toml installs
+    # exec-form entrypoint = the console script pyproject.toml installs, under tini as PID 1 (it
+    # forwards SIGTERM and reaps the engine and worker processes)
     (entry,) = [a for i, a in runtime if i == "ENTRYPOINT"]
-    assert json.loads(entry) == ["teacher-server", "serve"]
+    assert json.loads(entry) == ["/usr/bin/tini", "--", "teacher-server", "serve"]
+    assert "tini" in " ".join(a for i, a in runtime if i == "RUN" and "apt-get install" in a).split()
     assert "teacher-server" in pyproject["project"]["scripts"]
     assert not [a for i, a in runtime if i == "CMD"], "flags come from the deployment, not a baked CMD"
     (health,) = [a for i, a in runtime if i == "HEALTHCHECK"]

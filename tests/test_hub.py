@@ -63,6 +63,10 @@ def test_unresolvable_models_fail_clearly(offline_cache: Path, sharded: Path, tm
     with pytest.raises(ModelNotFoundError, match="HF_HUB_OFFLINE.*no complete snapshot") as e:
         resolve_model("acme/not-cached")
     assert "acme/not-cached" in str(e.value) and str(offline_cache) in str(e.value)
+    # what to do, not huggingface_hub's advice to its callers
+    assert "not in the hub cache" in str(e.value) and "unset HF_HUB_OFFLINE" in str(e.value)
+    assert "python -m teacher_server.hub acme/not-cached" in str(e.value)
+    assert "local_files_only" not in str(e.value)
     for path in ("/no/such/checkpoint", "./not-here", "~/not-here-either"):
         with pytest.raises(ModelNotFoundError, match="no such directory, and not a Hugging Face hub id"):
             resolve_model(path)

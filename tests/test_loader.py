@@ -52,6 +52,17 @@ def test_missing_weight_is_refused(tmp_path, checkpoints) -> None:
         score(tmp_path)
 
 
+@pytest.mark.parametrize("keep", [0.5, 0.0001])  # data cut off; the header itself cut
+def test_a_truncated_file_is_named(tmp_path, checkpoints, keep: float) -> None:
+    src = checkpoints["llama"]
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: max(int(f.stat().st_size * keep), 8)])
+    with pytest.raises(ValueError, match=re.escape(str(f)) + r".*truncated or corrupt.*fetch it again"):
+        score(tmp_path)
+
+
 def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:
     src = checkpoints["llama"]
     for f in src.iterdir():

@@ -29,7 +29,10 @@ from teacher_server.client.protocol import (
 )
 from teacher_server.client.retry import RETRY_STATUSES, error_from_response, retry_after_seconds
 from teacher_server.client.sync_client import TeacherClient
+from teacher_server.client.tokenizer import TokenizerMismatch, check_tokenizer, fetch_model_card, tokenizer_identity
+from teacher_server.client.urls import normalise_base_url
 
 __all__ = ["TeacherClient", "AsyncTeacherClient", "TeacherRequest", "ScoreOutput", "TeacherServerError",
            "PaddedScores", "pad_scores", "RETRY_STATUSES", "GENERATE_PATH", "retry_after_seconds",
-           "error_from_response", "build_body", "candidates_array", "encode_candidates", "parse_output"]
+           "error_from_response", "build_body", "candidates_array", "encode_candidates", "parse_output",
+           "TokenizerMismatch", "check_tokenizer", "fetch_model_card", "tokenizer_identity", "normalise_base_url"]

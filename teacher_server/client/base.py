@@ -12,6 +12,7 @@ from teacher_server import __version__
 from teacher_server.client.endpoints import Endpoints
 from teacher_server.client.protocol import GENERATE_PATH, TeacherRequest, build_body
 from teacher_server.client.retry import Attempts, RetryPolicy
+from teacher_server.client.urls import normalise_base_url
 from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing, reusable_tokens
 
 JSON_HEADERS = {"content-type": "application/json"}
@@ -45,9 +46,9 @@ class ClientBase:
                  spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0,
                  probe_transport: httpx.BaseTransport | None = None) -> None:
         assert max_concurrency >= 1, f"max_concurrency must be >= 1, got {max_concurrency}"
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        urls = [normalise_base_url(u) for u in ([base_url] if isinstance(base_url, str) else base_url)]
         assert urls, "give at least one base URL"
-        self.base_url = urls[0].rstrip("/")
+        self.base_url = urls[0]
         self.model = model
         self.max_concurrency = max_concurrency
         self.retry = RetryPolicy(max_retries, backoff, max_backoff)

@@ -28,9 +28,10 @@ class TeacherClient(ClientBase):
     """Synchronous client (thread-safe; ``score_batch`` runs requests on a thread pool).
 
     Args:
-        base_url: the server, e.g. ``http://127.0.0.1:8000``; or several servers (a list of base
-            URLs), over which requests are routed as the server routes over its replicas: the same
-            unscored prefix (first token blocks + ``cache_salt``) to the same server, so a GRPO
+        base_url: the server, e.g. ``http://127.0.0.1:8000`` (a trailing ``/inference/v1/generate``
+            is taken off; a URL without ``http://`` or ``https://`` raises ValueError); or several
+            servers (a list of base URLs), over which requests are routed as the server routes over
+            its replicas: the same unscored prefix (first token blocks + ``cache_salt``) to the same server, so a GRPO
             group's responses hit the server that caches its prompt; least outstanding tokens
             otherwise. A server that fails connections or ``/health`` is taken out (its requests
             go to another at once) and put back when ``/health`` answers 200 again.

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from teacher_server.compile_cache import cache_summary, use_compile_cache
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import InFlightStep
@@ -27,12 +28,13 @@ from teacher_server.engine.rank_setup import (
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
 from teacher_server.engine.sequence import Sequence
+from teacher_server.engine.startup_phases import StartupPhases
 from teacher_server.engine.state_slots import StateSlots
 from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
 from teacher_server.engine.stepping import Stepping
 from teacher_server.engine.tp_workers import TPWorkers, init_group, rank_device
 from teacher_server.engine.tuning import Tuning
-from teacher_server.engine.warm_up import warm_up_plan
+from teacher_server.engine.warm_up import WARM_UP_BATCHES, warm_up_plan
 from teacher_server.hub import resolve_model
 from teacher_server.models.spec import ModelSpec
 
@@ -47,6 +49,10 @@ class Engine(Stepping):
         self.cfg = cfg
         t0 = time.perf_counter()
         self.device = resolve_device(cfg.device)
+        # before anything compiles or fla-core is imported; the processes started below inherit it
+        self.compile_cache = use_compile_cache(cfg.compile_cache_dir) if self.device.type == "cuda" else None
+        cache_before = cache_summary(self.compile_cache)
+        phases = StartupPhases()
         if cfg.model is None:
             from teacher_server.demo_model import ensure_demo_model
 
@@ -57,6 +63,7 @@ class Engine(Stepping):
             model_dir = resolve_model(cfg.model, revision=cfg.revision, download_dir=cfg.download_dir,
                                       weights=cfg.load_format != "dummy")
         self.model_dir = Path(model_dir)
+        phases.done("model files")
         self.spec = ModelSpec.from_dir(self.model_dir)
         self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")
         self.max_model_len = cfg.max_model_len or self.spec.max_position_embeddings
@@ -82,8 +89,10 @@ class Engine(Stepping):
                 self.close()
                 raise
         tp = tensor_parallel(cfg, 0)
+        phases.done("workers")
         try:
             self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
+            phases.done("weights")
             cache = self.model.cache_layout()  # hybrid models: per-sequence linear-attention state too
             plan = plan_memory(cfg, self.spec, cache, self.device, self.max_model_len, tp)
             if self._workers is not None:
@@ -99,7 +108,10 @@ class Engine(Stepping):
             sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
             self._scheduler = Scheduler(sched, self._blocks,
                                         StateSlots(state_slots + 1) if cache.state else None)  # + the zero slot
+            phases.done("memory plan")
             self.runner = make_runner(cfg, self.model, self.attn, plan, self.max_model_len, self.device)
+            phases.add(self.runner.startup_s)  # attention plans; compiles, kernel checks and autotuning
+            phases.done("KV pool")
         except BaseException:
             self.close()  # the tensor-parallel workers stop and the process group is left
             raise
@@ -117,6 +129,7 @@ class Engine(Stepping):
             from teacher_server.ops import extension
 
             extension.available()
+            phases.done("kernel library")
         self.num_kv_blocks = num_blocks  # per rank (each holds its share of the KV heads)
         warm = cfg.warm_up if cfg.warm_up is not None else self.device.type == "cuda"
         try:
@@ -124,6 +137,11 @@ class Engine(Stepping):
         except BaseException:
             self.close()  # the tensor-parallel workers free their GPUs
             raise
+        phases.done("warm-up requests")
+        self.startup_phases = phases.seconds
+        log.info("start-up took %s; compile cache %s", phases.line(),
+                 cache_before if self.compile_cache is None else f"{cache_before} before, "
+                 f"{cache_summary(self.compile_cache).split(': ', 1)[1]} after")
         if self._trace is not None:
             self._trace.begin()
             self._tracing = True
@@ -139,15 +157,19 @@ class Engine(Stepping):
         t0 = time.perf_counter()
         plan = warm_up_plan(self.spec.vocab_size, self.max_model_len, self._scheduler.cfg.max_num_batched_tokens,
                             self._blocks.block_size)
+        spent = []  # seconds per batch, for the log line: where one-time compiles still happen
         for batch in plan:  # one after another: the shared prompt is cached before its second use
+            t = time.perf_counter()
             for r in self.run_to_completion(batch):
                 if r.error is not None:
                     raise RuntimeError(f"start-up warm-up failed: {r.error}")
+            spent.append(time.perf_counter() - t)
         self.reset_prefix_cache()
         self._blocks.query_tokens = self._blocks.hit_tokens = 0
         self._timing, self._steps, self._tokens = StepTiming(), 0, 0
         dt = time.perf_counter() - t0
-        log.info("warm-up: %d synthetic requests in %.1fs", sum(map(len, plan)), dt)
+        log.info("warm-up: %d synthetic requests in %.1fs (%s)", sum(map(len, plan)), dt,
+                 ", ".join(f"{name} {s:.1f}s" for name, s in zip(WARM_UP_BATCHES, spent)))
         return dt
 
     def watch_workers(self, hook: Callable[[BaseException], None]) -> None:

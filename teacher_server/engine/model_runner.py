@@ -5,6 +5,7 @@ forward and the scoring stage, and copies results back into each request's resul
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -60,14 +61,19 @@ class ModelRunner:
         self.kv = KVPool(num_blocks * block_size, layout, device,
                          state_slots=state_slots + 1 if layout.state is not None else 0)
         ropes = model.make_ropes(max_model_len + 1, device)
+        self.startup_s: dict[str, float] = {}  # seconds of the start-up's one-time work, by phase (the log line)
+        t0 = time.perf_counter()
         if cuda and layout.attention:  # cuDNN plans for every bucketed length a fresh sequence's call can have
             c = layout.widest()
             attn.warm_up(min(max_model_len, step_tokens or max_model_len), c.q_heads or c.heads, c.heads, c.k_dim,
                          device, layout.dtype, layers=len(layout.attention))
+            self.startup_s["attention plans"] = time.perf_counter() - t0
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
         if cuda:
+            t0 = time.perf_counter()
             model.warm_up_ops(self.ops, ropes)
+            self.startup_s["compiles and autotuning"] = time.perf_counter() - t0
         model.bind(Runtime(attn, self.ops, self.kv, ropes))
 
     def set_tuning(self, residual_in_gemm: bool, last_layer_rows_only: bool) -> None:

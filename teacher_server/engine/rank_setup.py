@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,8 +32,30 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device=cuda requested but no CUDA device is available")
+        raise RuntimeError(no_gpu_message())
     return torch.device(name)
+
+
+def check_gpus(device: str, tensor_parallel_size: int, data_parallel_size: int) -> None:
+    """Before anything starts: RuntimeError saying what to do when ``device`` asks for GPUs
+    that are not there (cuda without any, or fewer than the replicas x ranks need)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(no_gpu_message())
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    need, have = tensor_parallel_size * data_parallel_size, torch.cuda.device_count()
+    if have < need:
+        raise RuntimeError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} "
+                           f"needs {need} GPUs, {have} visible (CUDA_VISIBLE_DEVICES="
+                           f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower them or make more visible")
+
+
+def no_gpu_message() -> str:
+    """Why device=cuda cannot start here, and what to do."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f"CUDA_VISIBLE_DEVICES={visible!r}" if visible is not None else f"torch {torch.__version__}"
+    return (f"device=cuda but no CUDA GPU is available ({where}): run on a machine with an NVIDIA GPU and driver "
+            f"(in a container: --gpus all / a nvidia.com/gpu limit), or pass --device cpu (or auto)")
 
 
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:

@@ -8,6 +8,9 @@ import numpy as np
 
 from teacher_server.engine.request import ScoreRequest
 
+# what each batch of ``warm_up_plan`` is, for the log line that says where warm-up spends
+WARM_UP_BATCHES = ("full-budget steps", "a shared prompt", "a lone short sequence")
+
 
 def warm_up_plan(vocab: int, cap: int, budget: int, block: int) -> list[list[ScoreRequest]]:
     """Batches to score one after another (the shared prompt is cached before its second use),

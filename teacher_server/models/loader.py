@@ -7,14 +7,17 @@ weight format reads beside a weight (``<prefix>.weight_scale_inv``) goes to the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from teacher_server.layers.formats.base import WeightFormat, extra_name
@@ -37,6 +40,20 @@ def checkpoint_files(path: Path) -> list[Path]:
     # consolidated.safetensors) is not part of this checkpoint
     ours = [f for f in files if f.name == "model.safetensors" or re.fullmatch(r"model-\d+-of-\d+\.safetensors", f.name)]
     return ours or files
+
+
+@contextlib.contextmanager
+def open_checkpoint_file(f: Path, device: str = "cpu") -> Iterator[Any]:
+    """``safe_open`` of one checkpoint file; a file it cannot read (truncated by an interrupted
+    download or copy, corrupt, missing, unreadable) is a ValueError naming the file and what to
+    do, instead of safetensors' bare "incomplete metadata"."""
+    try:
+        with safe_open(str(f), framework="pt", device=device) as sf:
+            yield sf
+    except (SafetensorError, OSError) as e:
+        size = f"{f.stat().st_size:,} bytes" if f.is_file() else "missing"
+        raise ValueError(f"checkpoint file {f} ({size}) cannot be read: {' '.join(str(e).split())[:200]}; it is "
+                         f"truncated or corrupt (an interrupted download or copy?): fetch it again") from None
 
 
 def read_slice(sf: object, name: str, sl: tuple[int, int, int] | None) -> torch.Tensor:
@@ -86,7 +103,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     files = checkpoint_files(path)
     names: set[str] = set()
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_checkpoint_file(f) as sf:
             names.update(sf.keys())
     # config.json decides when it says; an untied model without lm_head.weight is then an error
     # (missing weights below), a tied one with it ignores it (as vLLM)
@@ -100,7 +117,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     t_all = time.perf_counter()
     for i, f in enumerate(files, 1):
         t0 = time.perf_counter()
-        with safe_open(str(f), framework="pt", device=dev) as sf:
+        with open_checkpoint_file(f, dev) as sf:
             for hf_name in sf.keys():
                 place = checkpoint_place(model, hf_name, extras)
                 if place is None:

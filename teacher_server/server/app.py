@@ -15,11 +15,13 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from teacher_server import __version__, b64
+from teacher_server.client.tokenizer import tokenizer_identity
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
 from teacher_server.engine.engine import Engine
@@ -29,6 +31,7 @@ from teacher_server.server import parsing
 from teacher_server.server.admission import QueueWait
 from teacher_server.server.api_key import add_api_key
 from teacher_server.server.byte_budget import ByteBudget
+from teacher_server.server.docs_page import add_docs_page
 from teacher_server.server.errors import retry_after
 from teacher_server.server.generate import IO_THREADS, handle_generate
 from teacher_server.server.http import BodyGate
@@ -81,7 +84,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
             st.io_pool.shutdown(wait=False)
             st.plp_pool.shutdown(wait=False)
 
-    app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan,
+    # /docs is our own page (server/docs_page.py): FastAPI's loads Swagger UI from a CDN (blank offline)
+    app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Teacher log-probs of student candidates for on-policy distillation "
                               "(vLLM teacher-scoring compatible).")
 
@@ -101,6 +105,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         return error_response(500, "internal server error")
 
     add_api_key(app, cfg)
+    if cfg.allowed_origins:  # outermost, so a browser's preflight OPTIONS is answered before the key check
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
 
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -128,12 +135,20 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
 
     @app.get("/v1/models", responses={503: {"model": ErrorResponse}})
     async def models(request: Request) -> Response:
-        e: Engine | None = request.app.state.engine
+        """The served model (vLLM's shape) with its `vocab_size` (the embedding's rows: valid ids
+        are `[0, vocab_size)`) and `tokenizer`, the identity of the checkpoint's tokenizer files
+        (`{"sha256", "source"}`, null without them), so a student can check that it shares the
+        teacher's tokenizer (`teacher_server.client.check_tokenizer`)."""
+        st = request.app.state
+        e: Engine | None = st.engine
         if e is None:
             return error_response(503, "engine is loading", headers=retry_after(ErrorKind.UNAVAILABLE))
+        if not hasattr(st, "tokenizer"):  # read once (a tokenizer.json is megabytes), off the event loop
+            st.tokenizer = await asyncio.to_thread(tokenizer_identity, e.model_dir)
         return json_response(200, {"object": "list", "data": [{
-            "id": e.served_model_name, "object": "model", "created": request.app.state.started,
-            "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len}]})
+            "id": e.served_model_name, "object": "model", "created": st.started,
+            "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len,
+            "vocab_size": st.limits.vocab_size, "tokenizer": st.tokenizer}]})
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
@@ -158,4 +173,5 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         return await handle_generate(request, cfg)
 
     register_schemas(app)
+    add_docs_page(app)
     return app

@@ -8,7 +8,9 @@ import asyncio
 import logging
 import math
 import time
+import uuid
 
+import orjson
 from fastapi import Request
 from fastapi.responses import Response
 
@@ -77,12 +79,27 @@ async def handle_generate(request: Request, cfg: Config) -> Response:
     dt = time.monotonic() - t0
     m.labels(m.requests, status=str(resp.status_code)).inc()
     m.labels(m.e2e).observe(dt)
+    if info.request_id is None:  # refused before an id was read: one of ours, so the caller can quote it
+        info.request_id = f"score-{uuid.uuid4().hex}"
     resp.headers.update(request_id_header(info.request_id))
-    rid = (info.request_id or "-")[:128]
-    access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs", rid, resp.status_code, info.tokens, info.rows,
-                    dt, extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
-                               "tokens": info.tokens, "rows": info.rows})
+    rid = info.request_id[:128]
+    reason = error_reason(resp)
+    access_log.info("generate %s -> %d tokens=%d rows=%d %.3fs%s", rid, resp.status_code, info.tokens, info.rows,
+                    dt, f" reason={reason}" if reason else "",
+                    extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
+                           "tokens": info.tokens, "rows": info.rows, **({"reason": reason} if reason else {})})
     return resp
+
+
+def error_reason(resp: Response, limit: int = 200) -> str | None:
+    """An error response's message (its first ``limit`` characters) for the access line, so a
+    refused request's line says why without the client's copy of the answer."""
+    if resp.status_code < 400:
+        return None
+    try:
+        return str(orjson.loads(resp.body)["error"]["message"])[:limit]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 async def _generate(request: Request, cfg: Config, t0: float, info: RequestInfo) -> Response:
@@ -130,7 +147,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         timeout_s = request_timeout(request, cfg)
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
         # Parsing and validating a large body takes a while: keep it off the event loop.
-        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id)
+        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id, cfg.served_names)
         body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
             if len(raw) > INLINE_BYTES else parsing.parse_request(*args)
         echo_ids = bool(body.return_token_ids)

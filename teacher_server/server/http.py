@@ -7,6 +7,9 @@ import asyncio
 import collections
 import contextlib
 import logging
+import os
+import socket
+import uuid
 from collections.abc import AsyncIterator
 
 import h11
@@ -16,12 +19,13 @@ from fastapi import FastAPI, Request
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from teacher_server.config import Config
+from teacher_server.config import Config, ConfigError
 from teacher_server.server.byte_budget import BODY_FACTOR, CHUNKED_FACTOR, Hold, over_budget
 from teacher_server.server.responses import error_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
 log = logging.getLogger("teacher_server.server")
+access_log = logging.getLogger("teacher_server.access")
 
 
 class ClientGone(Exception):
@@ -46,9 +50,11 @@ class HeaderTimeoutProtocol(H11Protocol):
         body = orjson.dumps(error_body(400, "invalid HTTP request: malformed request line, headers or framing"))
         head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                 (b"connection", b"close")]
-        rid = self._framed_request_id()
-        if rid is not None:  # the headers were read (the body's framing failed): the id they gave
-            head.append((b"x-request-id", header_safe(rid).encode()))
+        # the headers were read (the body's framing failed): the id they gave; else one of ours
+        rid = self._framed_request_id() or f"score-{uuid.uuid4().hex}"
+        head.append((b"x-request-id", header_safe(rid).encode()))
+        access_log.info("%s -> 400 reason=invalid HTTP request: %s", rid[:128], msg[:200],
+                        extra={"request_id": rid[:128], "status": 400, "reason": f"invalid HTTP request: {msg[:200]}"})
         for event in (h11.Response(status_code=400, headers=head, reason=b"Bad Request"), h11.Data(data=body),
                       h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
@@ -103,12 +109,34 @@ class HeaderTimeoutProtocol(H11Protocol):
 KEEP_ALIVE_S = 30
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ConfigError naming the port when it cannot be bound (another server holds it), with
+    how to pick another; bound as uvicorn binds (SO_REUSEADDR), then released at once."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ConfigError(f"port {port} on {host} is not free ({e.strerror}): another process listens there; "
+                              f"pick another with --port N (or TEACHER_SERVER_PORT=N), or stop that "
+                              f"process") from None
+
+
 def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int | None = None,
                    **kw: object) -> uvicorn.Config:
     """uvicorn settings of the service (the CLI and the tests serve through this)."""
     protocol = type("TeacherHTTPProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": cfg.header_timeout_s})
+    for name in ("ssl_keyfile", "ssl_certfile"):  # a clear line now, not uvicorn's traceback at bind time
+        path = getattr(cfg, name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"{name}: no file {path}")
+    tls = {"ssl_keyfile": cfg.ssl_keyfile, "ssl_certfile": cfg.ssl_certfile} if cfg.ssl_keyfile else {}
     return uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port, http=protocol,
-                          log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S, **kw)
+                          log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
+                          **{"root_path": cfg.root_path, **tls, **kw})
 
 
 class BodyGate:

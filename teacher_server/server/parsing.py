@@ -63,10 +63,12 @@ def _body_request_id(obj: object) -> str | None:
 
 
 def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str,
-                  header_request_id: str | None = None) -> tuple[GenerateRequest, ScoreRequest]:
+                  header_request_id: str | None = None,
+                  aliases: tuple[str, ...] = ()) -> tuple[GenerateRequest, ScoreRequest]:
     """JSON bytes -> (GenerateRequest, ScoreRequest); BadRequest (400/404) otherwise, with
     ``request_id`` set to the body's id when it could be read (for the log line).
-    ``header_request_id`` (X-Request-Id) names the request when the body does not."""
+    ``header_request_id`` (X-Request-Id) names the request when the body does not;
+    ``aliases``: other names accepted as ``model``."""
     if len(raw) > PRECHECK_BYTES:
         n = count_token_ids(raw, above=limits.max_model_len)
         if n is not None:
@@ -90,7 +92,7 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
             body = GenerateRequest.model_validate(obj)
         except ValidationError as e:
             raise BadRequest(*pydantic_message(e.errors())) from None
-        if body.model is not None and body.model != served_model_name:
+        if body.model is not None and body.model != served_model_name and body.model not in aliases:
             raise BadRequest(f"model {body.model[:200]!r} does not exist; this server serves {served_model_name!r}",
                              "model", status=404)
         if body.stream:

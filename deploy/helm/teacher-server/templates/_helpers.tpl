@@ -61,6 +61,14 @@ api-key
 {{- printf "%s-model" (include "teacher-server.fullname" .) | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- define "teacher-server.compileCacheClaimName" -}}
+{{- if eq .Values.compileCache.source "existingClaim" -}}
+{{- required "compileCache.existingClaim must name a claim when compileCache.source=existingClaim" .Values.compileCache.existingClaim -}}
+{{- else -}}
+{{- printf "%s-compile-cache" (include "teacher-server.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Where the server reads its config file (the ConfigMap's mount). */}}
 {{- define "teacher-server.configDir" -}}
 /etc/teacher-server

@@ -1,0 +1,163 @@
+"""What a new user meets first: a refused request's access line says why and its response
+carries an id to quote (one of ours when the request gave none), ``/docs`` renders without a
+CDN, a base URL copied with the endpoint path still works, and the in-process API in a
+client-only install names the extra it needs."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import httpx
+import pytest
+from apiutil import assert_error, body
+
+from teacher_server.client import TeacherClient, normalise_base_url
+
+GEN = "/inference/v1/generate"
+
+
+def test_a_400_logs_its_reason_and_carries_a_request_id(demo_server, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="teacher_server.access")
+    with demo_server.client() as c:
+        r = c.post(GEN, json=body([1, 2], [99999]))  # no id in the body or the headers
+        assert_error(r, 400)
+        named = c.post(GEN, json=body([1, 2], [99999]), headers={"X-Request-Id": "mine-1"})
+    rid = r.headers.get("x-request-id")
+    assert rid and re.fullmatch(r"score-[0-9a-f]{32}", rid), rid
+    assert named.headers["x-request-id"] == "mine-1"
+    lines = {rec.request_id: rec for rec in caplog.records if rec.name == "teacher_server.access"}
+    line = lines[rid]
+    assert line.status == 400 and "reason=" in line.getMessage()
+    assert line.reason == r.json()["error"]["message"] and line.reason in line.getMessage()
+    assert lines["mine-1"].reason == named.json()["error"]["message"]
+
+
+def test_a_request_http_cannot_frame_gets_an_id_and_a_logged_reason(demo_server, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="teacher_server.access")
+    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=30) as sock:
+        sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                     b"Content-Length: 6\r\n\r\nhello!")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head = reply.split(b"\r\n\r\n")[0].decode().lower()
+    assert head.startswith("http/1.1 400") and "x-request-id: score-" in head, head
+    assert any(rec.name == "teacher_server.access" and "invalid HTTP request" in getattr(rec, "reason", "")
+               for rec in caplog.records)
+
+
+def test_docs_page_loads_nothing_from_elsewhere(demo_server) -> None:
+    with demo_server.client() as c:
+        page = c.get("/docs")
+        spec = c.get("/openapi.json")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    # every src/href is relative (no CDN), and the page renders the spec it fetches
+    assert not re.findall(r"(?:src|href)=\"?(?:https?:)?//", page.text), "a remote asset"
+    assert "http://" not in page.text and "https://" not in page.text
+    assert 'fetch("/openapi.json")' in page.text and spec.status_code == 200
+    assert "/docs" not in spec.json()["paths"] and "/redoc" not in spec.json()["paths"]
+
+
+@pytest.mark.parametrize("url,want", [
+    ("http://h:8000", "http://h:8000"), ("http://h:8000/", "http://h:8000"),
+    ("http://h:8000/inference/v1/generate", "http://h:8000"), ("http://h:8000/inference/v1/generate/", "http://h:8000"),
+    ("http://h:8000/inference/v1", "http://h:8000"), ("https://h/prefix/inference/v1/generate", "https://h/prefix"),
+])
+def test_base_urls_lose_the_endpoint_path(url: str, want: str) -> None:
+    assert normalise_base_url(url) == want
+
+
+def test_a_base_url_without_a_scheme_is_refused_at_once() -> None:
+    with pytest.raises(ValueError, match="http://127.0.0.1:8000"):
+        TeacherClient("127.0.0.1:8000")
+
+
+def test_a_base_url_with_the_endpoint_path_scores(demo_server) -> None:
+    with TeacherClient(demo_server.url + GEN) as client:
+        assert client.score([1, 2, 3, 4], [[5], [6]], start=1).shape == (2, 1)
+
+
+def test_in_process_api_in_a_client_only_install_names_the_extra() -> None:
+    code = textwrap.dedent("""
+        import sys
+
+        class Block:  # yaml (a server dependency) absent, as in `pip install teacher-server[client]`
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "yaml":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+                return None
+
+        sys.meta_path.insert(0, Block())
+        from teacher_server import LLM
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError") and 'pip install "teacher-server[server]"' in last, r.stderr[-1500:]
+    assert "teacher_server.client" in last
+
+
+def test_py_typed_ships_with_the_package() -> None:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "teacher_server" / "py.typed").is_file()
+    assert '"py.typed"' in (root / "pyproject.toml").read_text()
+
+
+def test_models_and_version_answer(demo_server) -> None:
+    from teacher_server import __version__
+
+    card = httpx.get(demo_server.url + "/v1/models", timeout=30).json()["data"][0]
+    assert isinstance(card["vocab_size"], int) and card["vocab_size"] > 0 and card["tokenizer"] is None
+    assert httpx.get(demo_server.url + "/version", timeout=30).json() == {"version": __version__}
+
+
+def test_docs_page_script_renders_the_spec(tmp_path) -> None:
+    """The page's script, run by node against a stub of the DOM and this app's openapi.json, lists
+    every endpoint with a table of its request body's fields (skipped where node is absent)."""
+    import json
+    import shutil
+
+    from teacher_server.config import Config
+    from teacher_server.server.app import create_app
+    from teacher_server.server.docs_page import PAGE
+
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    spec = create_app(Config(device="cpu")).openapi()
+    (tmp_path / "openapi.json").write_text(json.dumps(spec))
+    (tmp_path / "page.js").write_text(re.search(r"<script>(.*)</script>", PAGE, flags=re.S).group(1))
+    (tmp_path / "run.js").write_text("""
+const fs = require("fs");
+function node(tag) { return {tag, children: [], textContent: "", className: "", rows: [],
+  append(...xs) { this.children.push(...xs); }, insertRow() { const r = node("tr"); this.rows.push(r); return r; },
+  insertCell() { const c = node("td"); this.children.push(c); return c; } }; }
+const els = {title: node("h1"), desc: node("p"), api: node("div")};
+global.document = {createElement: node, getElementById: id => els[id]};
+const spec = JSON.parse(fs.readFileSync(process.argv[2] + "/openapi.json"));
+global.fetch = () => Promise.resolve({json: () => Promise.resolve(spec)});
+eval(fs.readFileSync(process.argv[2] + "/page.js", "utf8"));
+setTimeout(() => {
+  const out = {title: els.title.textContent, endpoints: els.api.children.filter(c => c.tag === "h2")
+    .map(h => h.children.map(c => c.textContent || c).join(" ")),
+    fields: []};
+  const walk = n => { if (n.tag === "table") out.fields.push(...n.rows.slice(1).map(r => r.children[0].textContent));
+    (n.children || []).forEach(c => typeof c === "object" && walk(c)); };
+  walk(els.api);
+  console.log(JSON.stringify(out));
+}, 200);
+""")
+    r = subprocess.run([node, str(tmp_path / "run.js"), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["title"].startswith("teacher-server")
+    assert any("POST" in e and "/inference/v1/generate" in e for e in out["endpoints"]), out["endpoints"]
+    assert len(out["endpoints"]) == sum(len(ops) for ops in spec["paths"].values())
+    assert {"token_ids *", "sampling_params", "prompt_logprob_token_ids"} <= set(out["fields"]), out["fields"]
