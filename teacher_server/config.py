@@ -147,13 +147,9 @@ class Config(BaseModel):
         8192, ge=0, description="A new prefix leaves its preferred replica when that one's outstanding tokens "
                                 "exceed the least-loaded replica's by more than this many.")
     replica_restart_backoff_s: float = Field(
-        2.0, ge=0, description="A replica (or the engine in a process of its own) that dies or is stuck is "
-                               "restarted after this long, doubled after each restart that fails or dies again "
-                               "within 5 minutes, at most 64 times this; the other replicas serve meanwhile.")
+        2.0, ge=0, description="Delay before a failed replica restarts (doubled after quick failures, up to 64x).")
     heartbeat_timeout_s: float = Field(
-        10.0, gt=0, description="A replica process that sends nothing for this long (it sends a heartbeat each "
-                                "second from a thread of its own, whatever its engine does: silence means the "
-                                "process is stopped or hung) is killed and restarted; its requests go to the others.")
+        10.0, gt=0, description="A replica silent this long (it beats each second: stopped or hung) is killed.")
 
     # --- server ------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="Address to listen on.")
@@ -190,27 +186,15 @@ class Config(BaseModel):
         [], description="Browser origins allowed by CORS (e.g. https://a.example or *); empty: no CORS headers. "
                         "vLLM's flag takes a JSON list; a comma-separated variable works too.")
     max_inflight_bytes: int = Field(
-        2 * 1024 ** 3, ge=1024 * 1024,
-        description="One budget for the bytes all requests in flight hold together: a body being read counts "
-                    "twice its size (its bytes and their parsed copy) from its first byte, an admitted request its "
-                    "arrays and its result's estimated size until the answer is sent. A request that would go "
-                    "past it gets 429 with Retry-After, before its body is read when its size is declared "
-                    "(max_body_bytes still bounds each body).")
+        2 * 1024 ** 3, ge=1024 * 1024, description="Bytes all requests in flight hold together (bodies being read "
+                                                   "x2, arrays, results until sent); 429 with Retry-After beyond.")
     max_queue_wait_s: float | None = Field(
-        60.0, gt=0, description="Admission by estimated wait: a request is refused (429 with Retry-After) when "
-                                "the tokens already queued ahead of it, at the throughput measured over the last "
-                                "busy half-minute, would take longer than this. None: only max_queue_requests and "
-                                "max_queue_tokens bound the queue.")
+        60.0, gt=0, description="429 with Retry-After when the tokens queued ahead of a request would take longer "
+                                "than this at the measured throughput. None: off.")
     stall_timeout_s: float = Field(
-        60.0, gt=0, description="An engine that completes no step for this long while it holds work is failed "
-                                "(a hung GPU, kernel or tensor-parallel worker): its requests go elsewhere (a "
-                                "replica's to the others) and it is restarted (a replica) or the process exits "
-                                "(/health 503 at once). The longest legitimate step, the last 32k-token chunk of a "
-                                "131k-token request, takes about 4 s on an H200 for an 8B model and about 17 s for "
-                                "a 32B one.")
-    priority_limit: int = Field(
-        1000, ge=0, description="Accepted `priority` values are -priority_limit..priority_limit (400 beyond): "
-                                "lower runs earlier, and no client can jump every queue with an extreme value.")
+        60.0, gt=0, description="An engine completing no step this long while it holds work is failed (the longest "
+                                "legitimate step: ~4 s for 8B, ~17 s for 32B on an H200; docs/operations.md).")
+    priority_limit: int = Field(1000, ge=0, description="Accepted `priority` values: -limit..limit (400 beyond).")
 
     @field_validator("model", "served_model_name", "api_key", "demo_model_dir", "step_trace", "ssl_keyfile",
                      "ssl_certfile", "compile_cache_dir", mode="before")
