@@ -284,7 +284,7 @@ def test_an_engine_without_step_progress_is_failed(tmp_path) -> None:
         t0 = time.monotonic()
         stuck = await asyncio.wait_for(ae.score(ScoreRequest("stuck", np.array([4000, 1, 2]), 0, np.array([1]))), 10)
         assert stuck.error_kind == ErrorKind.UNAVAILABLE and "no step completed" in stuck.error
-        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert 1.0 <= time.monotonic() - t0 < 4.0
 
     try:
         asyncio.run(main())

@@ -257,7 +257,10 @@ class AsyncEngine:
         while not self._stop.is_set():
             try:
                 block = not self.engine.has_unfinished()
-                self._handle(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                if block:  # idle until now: the stall clock starts with this work
+                    self._progress_at = time.monotonic()
+                self._handle(msg)
                 while True:  # take everything queued before the next step
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
