@@ -45,7 +45,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from workloads import QWEN3_8B, Req, _candidates, make_workload, write_config  # noqa: E402
+from workloads import QWEN3_8B, Req, make_workload, write_config  # noqa: E402
 
 GEN = "/inference/v1/generate"
 MiB = 1 << 20
@@ -63,7 +63,7 @@ def pool_cpu() -> list[tuple[str, Req]]:
     a 64-token prompt, a 1,984-token response)."""
     v = 4096
     rng = np.random.default_rng(3)
-    long = [Req(rng.integers(0, v, 2048), 63, _candidates(rng, 1984, 8, v)) for _ in range(2)]
+    long = [Req(rng.integers(0, v, 2048), 63, rng.integers(0, v, (1984, 8)).astype(np.int32)) for _ in range(2)]
     return ([("W1", r) for r in make_workload("W1:tiny", v)] + [("W2", r) for r in make_workload("W2:tiny", v)]
             + [("W3", r) for r in long])
 
