@@ -45,6 +45,9 @@ for step in ${STEPS:-tests}; do
     # the trainers' ways to the teacher's top-K beside the candidate path (W1, K=64), and one 131,072-token request
     dropin) python3 bench/bench_dropin.py ${DROPIN_ARGS:-} --out "$OUT/dropin_h200.json" 2>&1 | tee "$OUT/dropin.log" | tail -40 ;;
     replicas) python3 bench/bench_replicas.py ${REPLICA_ARGS:-} --out "$OUT/replicas_8b_h200.json" 2>&1 | tee "$OUT/replicas.log" | tail -20 ;;
+    # a soak through HTTP (Qwen3-8B shape, dummy weights): mixed W1/W2/W3 requests and disconnects, every answer
+    # checked, memory and latency per minute; the JSON is rewritten each minute (a call cut short keeps it)
+    soak) python3 bench/soak.py ${SOAK_ARGS:---duration-s 480} --out "$OUT/soak_8b_h200.json" 2>&1 | tee "$OUT/soak.log" | tail -40 ;;
     qwen35tests) python3 -m pytest $PT -m gpu tests/test_conv_prep.py tests/test_qwen3_5_gpu.py 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
     # the linear layers' fused input stage against the two passes it replaces, at the 9B shapes
     # what a new cuDNN attention shape costs the launching thread, at the Qwen3.5-9B and Qwen3-8B shapes

@@ -16,6 +16,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from teacher_server.did_you_mean import DTYPE_HINTS, did_you_mean
+
 ENV_PREFIX = "TEACHER_SERVER_"
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs"]
@@ -149,6 +151,10 @@ class Config(BaseModel):
     routing_spill_tokens: int = Field(
         8192, ge=0, description="A new prefix leaves its preferred replica when that one's outstanding tokens "
                                 "exceed the least-loaded replica's by more than this many.")
+    replica_restart_backoff_s: float = Field(
+        2.0, ge=0, description="Delay before a failed replica restarts (doubled after quick failures, up to 64x).")
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="A replica silent this long (it beats each second: stopped or hung) is killed.")
 
     # --- server ------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="Address to listen on.")
@@ -184,6 +190,16 @@ class Config(BaseModel):
     allowed_origins: list[str] = Field(
         [], description="Browser origins allowed by CORS (e.g. https://a.example or *); empty: no CORS headers. "
                         "vLLM's flag takes a JSON list; a comma-separated variable works too.")
+    max_inflight_bytes: int = Field(
+        2 * 1024 ** 3, ge=1024 * 1024, description="Bytes all requests in flight hold together (bodies being read "
+                                                   "x2, arrays, results until sent); 429 with Retry-After beyond.")
+    max_queue_wait_s: float | None = Field(
+        60.0, gt=0, description="429 with Retry-After when the tokens queued ahead of a request would take longer "
+                                "than this at the measured throughput. None: off.")
+    stall_timeout_s: float = Field(
+        60.0, gt=0, description="An engine completing no step this long while it holds work is failed (the longest "
+                                "legitimate step: ~4 s for 8B, ~17 s for 32B on an H200; docs/operations.md).")
+    priority_limit: int = Field(1000, ge=0, description="Accepted `priority` values: -limit..limit (400 beyond).")
 
     @field_validator("model", "served_model_name", "api_key", "demo_model_dir", "step_trace", "ssl_keyfile",
                      "ssl_certfile", "compile_cache_dir", mode="before")
@@ -302,18 +318,6 @@ class Config(BaseModel):
             msgs = [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
                     for err in e.errors()]
             raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
-
-
-# misspellings difflib does not find (a short name far from the long one)
-DTYPE_HINTS = {"bf16": "bfloat16", "fp16": "float16", "f16": "float16", "fp32": "float32", "f32": "float32"}
-
-
-def did_you_mean(word: str, choices: list[str], hints: dict[str, str] | None = None) -> str:
-    """``; did you mean 'x'?`` for the closest of ``choices`` (or a known misspelling), else ''."""
-    import difflib
-
-    best = (hints or {}).get(word.lower()) or next(iter(difflib.get_close_matches(word, choices, 1, 0.6)), None)
-    return f"; did you mean {best!r}?" if best else ""
 
 
 # Kubernetes' service links of a Service named teacher-server (TEACHER_SERVER_SERVICE_HOST,

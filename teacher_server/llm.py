@@ -11,7 +11,6 @@ vLLM runs with only its import changed::
 
 from __future__ import annotations
 
-import difflib
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import numpy as np
 
 from teacher_server.candidates import InvalidIds, candidate_ids
 from teacher_server.config import Config
+from teacher_server.did_you_mean import did_you_mean
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
 from teacher_server.targets import union_columns
@@ -59,7 +59,8 @@ class SamplingParams:
                  **ignored: Any) -> None:
         unknown = sorted(set(ignored) - VLLM_IGNORED_FIELDS)
         if unknown:
-            raise TypeError(f"SamplingParams got an unknown field {unknown[0]!r}{_closest(unknown[0])}")
+            valid = [*_SCORING_FIELDS, *sorted(VLLM_IGNORED_FIELDS)]
+            raise TypeError(f"SamplingParams got an unknown field {unknown[0]!r}{did_you_mean(unknown[0], valid)}")
         """The ``prompt_logprob_topk`` ... ``prompt_logprob_temperature`` row targets are the HTTP
         endpoint's (``teacher_server.server.protocol.SamplingParams`` documents them); their
         arrays come back in ``RequestOutput``."""
@@ -175,12 +176,6 @@ class LLM:
             out.prompt_union_token_ids, out.prompt_union_logprobs = union_columns(
                 req.candidates, res.token_id_logprobs, res.topk_ids, res.topk_logprobs)
         return out
-
-
-def _closest(name: str) -> str:
-    """`` (did you mean 'x'?)`` for the valid field nearest to a misspelt one, else ``""``."""
-    near = difflib.get_close_matches(name, [*_SCORING_FIELDS, *sorted(VLLM_IGNORED_FIELDS)], n=1, cutoff=0.6)
-    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 def _candidates(value: Any) -> Any:

@@ -42,6 +42,8 @@ class Limits:
     max_prompt_logprobs_entries: int | None = None
     # logprobs_mode processed_logprobs: a request's sampling temperature scales its scores
     processed: bool = False
+    # Accepted priorities are -priority_limit..priority_limit; None: any (in-process API).
+    priority_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,9 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     bad = (toks < 0) | (toks >= limits.vocab_size)
     if bad.any():
         raise BadRequest(f"token_ids: id {int(toks[bad][0])} is outside [0, {limits.vocab_size})", "token_ids")
+    if limits.priority_limit is not None and abs(priority) > limits.priority_limit:
+        raise BadRequest(f"priority must be in [-{limits.priority_limit}, {limits.priority_limit}] "
+                         f"(priority_limit), got {priority}", "priority")
     if cache_salt is not None and cache_salt == "":
         raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
     if truncate_prompt_tokens is not None:

@@ -110,32 +110,76 @@ def test_round_robin_splits_groups(checkpoints) -> None:
     assert all(g[1].cached_tokens == 0 for g in outs), [[o.cached_tokens for o in g] for g in outs]
 
 
-def _one_of_two_replicas_fails(checkpoints, reference, reqs, victim_index: int, fail) -> tuple:
+def _one_of_two_replicas_fails(checkpoints, reference, reqs, victim_index: int, fail, **settings) -> tuple:
     """Score ``reqs`` over two replicas while ``fail(victim)`` (a ``Replica``) runs on a thread
-    beside the batch: every result must equal the reference, then ``/health`` names the victim
-    down and the fatal hook has run. Returns (the pool, the victim, the server's URL)."""
+    beside the batch, ``/health`` polled all along: every request is answered 200 by the server
+    (no retry by the client: its retries are off) with the reference's matrix, ``/health`` is
+    never 503 (degraded while the victim is down), the victim is restarted (a new process) and
+    serves again, and the fatal hook never runs. Returns (the pool, the victim, seconds from the
+    victim's end to its successor's ready)."""
     ref = reference(reqs)
     fatal: list[int] = []
-    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2)
+    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2, replica_restart_backoff_s=0.5, **settings)
+    health: list[tuple[int, str]] = []
     with LiveServer(cfg, on_fatal=lambda: fatal.append(1)) as s, \
-            TeacherClient(s.url, max_concurrency=32, backoff=0.05) as c:
+            TeacherClient(s.url, max_concurrency=32, max_retries=0) as c:
         pool = s.app.state.aengine
         victim = pool.replicas[victim_index]
+        stop = threading.Event()
+
+        def poll() -> None:
+            with httpx.Client(base_url=s.url, timeout=30) as h:
+                while not stop.is_set():
+                    r = h.get("/health")
+                    health.append((r.status_code, r.json().get("status")))
+                    time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
         failing = threading.Thread(target=fail, args=(victim,))
         failing.start()
-        outs = c.score_batch(reqs)
-        failing.join()
-        for got, want in zip(outs, ref, strict=True):
+        try:
+            outs = c.score_batch(reqs)
+            failing.join()
+            for got, want in zip(outs, ref, strict=True):
+                np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+            wait_until(lambda: victim.state == "down", 60, "the victim's end")
+            wait_until(lambda: pool.replicas[victim_index].state == "ready", 120, "the victim's restart")
+            back_s = pool.replicas[victim_index].ready_at - victim.down_at
+            wait_until(lambda: health and health[-1] == (200, "ready"), 10, "/health ready again")
+        finally:
+            stop.set()
+            poller.join()
+        successor = pool.replicas[victim_index]
+        assert successor is not victim and successor.pid != victim.pid and pool.restarts[victim_index] == 1
+        assert all(code == 200 for code, _ in health) and (200, "degraded") in health, sorted(set(health))
+        assert not fatal
+        statuses = {k: v for k, v in _requests_by_status(s.url).items() if v}
+        assert statuses == {"200": len(reqs)}, statuses
+        assert _metric(s.url, "teacher_server_healthy") == {"0": 1.0, "1": 1.0}
+        assert _metric(s.url, "teacher_server_engine_restarts_total") == {str(victim_index): 1.0,
+                                                                          str(1 - victim_index): 0.0}
+        # the restarted replica serves: a batch spread over both is right again
+        later = [r for g in _groups(9, 8, 2) for r in g]
+        for got, want in zip(c.score_batch(later), reference(later), strict=True):
             np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-        wait_until(lambda: victim.state == "down")
-        health = httpx.get(s.url + "/health")
-        assert health.status_code == 503 and f"replica {victim_index} down" in health.json()["error"]["message"]
-        assert fatal  # the process would now drain and exit non-zero
-        assert _metric(s.url, "teacher_server_healthy") == {str(victim_index): 0.0, str(1 - victim_index): 1.0}
-        return pool, victim
+        wait_until(lambda: successor.requests == 0)
+        return pool, victim, back_s
+
+
+def _requests_by_status(url: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("teacher_server_requests_total{"):
+            status = line.split('status="')[1].split('"')[0]
+            out[status] = out.get(status, 0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None:
+    """DP2, one replica killed under a load of 500 requests: all 500 are answered 200 with the
+    right matrix (what the killed one held is sent to the other), the server stays healthy
+    (degraded, never 503) and the replica is back after its restart."""
     reqs = [r for g in _groups(2, 125, 4, prompt=(10, 40), response=(2, 24)) for r in g]  # 500 small requests
 
     def kill(victim) -> None:
@@ -156,26 +200,93 @@ def test_replica_killed_mid_run_loses_no_request(checkpoints, reference) -> None
             os.kill(victim.pid, signal.SIGCONT)
         os.kill(victim.pid, signal.SIGKILL)
 
-    pool, _ = _one_of_two_replicas_fails(checkpoints, reference, reqs, 1, kill)
+    pool, _, back_s = _one_of_two_replicas_fails(checkpoints, reference, reqs, 1, kill)
+    print(f"DP2, replica 1 killed under 500 requests: serving again {back_s:.1f}s after its end "
+          f"(restart backoff 0.5 s); {pool.retried} request(s) sent to the other replica")
+    assert back_s < 0.5 + 60  # its backoff, then a process start and the model's load
     assert pool.retried > 0  # what the killed replica held was sent to the other one
 
 
-def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, reference, monkeypatch) -> None:
+def test_a_stopped_replica_is_killed_and_its_requests_fail_over(checkpoints, reference) -> None:
     """A replica that stops answering without exiting (SIGSTOP: a hang, not a death) sends no
-    heartbeat: after ``SILENT_S`` it is killed, what it held is scored by the other replica, and
-    the server turns unhealthy as for a dead replica, instead of waiting on it for good."""
-    from teacher_server.replicas.pool import ReplicaPool
-
-    monkeypatch.setattr(ReplicaPool, "SILENT_S", 3.0)
+    heartbeat: after ``heartbeat_timeout_s`` it is killed, what it held is scored by the other
+    replica, and it is restarted while the other serves, instead of being waited on for good."""
     reqs = [r for g in _groups(3, 40, 4, prompt=(10, 40), response=(2, 24)) for r in g]
+    detected: list[float] = []
 
     def stop(victim) -> None:
         wait_until(lambda: victim.requests > 0)
         os.kill(victim.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_until(lambda: victim.state == "down", 30, "the stopped replica's end")
+        detected.append(time.monotonic() - t0)
 
-    t0 = time.monotonic()
-    _, victim = _one_of_two_replicas_fails(checkpoints, reference, reqs, 0, stop)
-    assert time.monotonic() - t0 < 90 and "no heartbeat" in (victim.error or "")
+    _, victim, _ = _one_of_two_replicas_fails(checkpoints, reference, reqs, 0, stop, heartbeat_timeout_s=2.0)
+    assert "no heartbeat" in (victim.error or "")
+    print(f"a SIGSTOPped replica was killed {detected[0]:.1f}s after its stop (heartbeat_timeout_s=2)")
+    assert detected[0] < 2.0 + 2.0, detected  # the bound, a watch tick, and the kill's 0.5 s
+
+
+HANG_MARKER = "TEACHER_TEST_HANG_MARKER"  # (spawned replicas inherit the environment)
+
+
+def _engine_that_hangs_once(cfg: Config) -> object:
+    """An engine factory (module level: replica processes import it) whose forward of a step
+    holding token 511 never ends, in the first process to see one (a marker file records it):
+    a hung GPU, once."""
+    from engine_util import around_forward
+
+    from teacher_server.engine.engine import Engine
+
+    eng = Engine(cfg)
+    marker = os.environ[HANG_MARKER]
+
+    def hang(ctx) -> None:
+        if 511 in ctx.input_ids.tolist() and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(3600)
+
+    around_forward(eng, before=hang)
+    return eng
+
+
+def test_a_stalled_replica_is_restarted_and_its_requests_scored_elsewhere(checkpoints, reference, tmp_path,
+                                                                          monkeypatch) -> None:
+    """A replica whose engine completes no step for ``stall_timeout_s`` while it holds work (its
+    heartbeats go on: only the engine is stuck) exits; what it held, the request it hung on
+    too, is scored by the other replica, the server stays up (degraded, never 503) and the
+    replica is restarted."""
+    monkeypatch.setenv(HANG_MARKER, str(tmp_path / "hung"))
+    reqs = [r for g in _groups(11, 10, 4, prompt=(10, 40), response=(2, 24)) for r in g]
+    poison = TeacherRequest(np.array([5, 6, 7, 511, 8, 9]), np.array([[1, 2]] * 3), 2)
+    reqs.insert(7, poison)
+    ref = reference(reqs)
+    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2, stall_timeout_s=2.0, replica_restart_backoff_s=0.5)
+    with LiveServer(cfg, engine_factory=_engine_that_hangs_once) as s, \
+            TeacherClient(s.url, max_concurrency=16, max_retries=0) as c:
+        pool = s.app.state.aengine
+        first = list(pool.replicas)
+        health: list[int] = []
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                health.append(httpx.get(s.url + "/health", timeout=30).status_code)
+                time.sleep(0.05)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        try:
+            outs = c.score_batch(reqs)
+            for got, want in zip(outs, ref, strict=True):
+                np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+            (victim,) = [r for r in first if r.state == "down"]
+            assert "code 3" in victim.error
+            wait_until(lambda: pool.replicas[victim.index].state == "ready", 120, "the stalled replica's restart")
+        finally:
+            stop.set()
+            poller.join()
+        assert set(health) == {200} and pool.retried > 0 and pool.restarts[victim.index] == 1
 
 
 def test_client_over_two_servers_survives_a_restart(checkpoints, single, reference) -> None:
@@ -222,10 +333,54 @@ def test_replicas_of_tensor_parallel_groups(checkpoints, reference) -> None:
         _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """Pids of the processes ``pid`` spawned (multiprocessing's spawn: tensor-parallel workers)."""
+    from pathlib import Path
+
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if d.name.isdigit() and ppid == pid and b"spawn_main" in cmd:
+            out.append(int(d.name))
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_tensor_parallel_group_fails_and_restarts_as_one_replica(checkpoints, reference) -> None:
+    """DP2 x TP2: a worker of one replica's group stopped mid-run (SIGSTOP) holds that engine in a
+    collective; past ``stall_timeout_s`` the replica fails as a unit (its workers killed, its
+    process exits), its requests are scored by the other group, and the whole group is started
+    again while the other serves."""
+    reqs = [r for g in _groups(12, 15, 4, prompt=(10, 40), response=(2, 24)) for r in g]
+    stopped: list[int] = []
+
+    def stop_a_worker(victim) -> None:
+        wait_until(lambda: victim.requests > 0)
+        (worker,) = _spawned_children(victim.pid)
+        os.kill(worker, signal.SIGSTOP)
+        stopped.append(worker)
+
+    try:
+        _, victim, _ = _one_of_two_replicas_fails(checkpoints, reference, reqs, 1, stop_a_worker,
+                                                  tensor_parallel_size=2, stall_timeout_s=2.0)
+        assert "code 3" in victim.error  # (the new group served the batch after it: checked there)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_engine_in_a_process_of_its_own(checkpoints, reference) -> None:
     """``engine_process``: one engine, in a process of its own behind the front. Same results
     as the engine on the server's thread, prefix reuse within a group, the engine's metrics
-    without a replica label; its death makes the server unhealthy and calls on_fatal."""
+    without a replica label; its death makes the server unhealthy (nothing else serves) until
+    it is restarted, and the process goes on (the fatal hook does not run)."""
     groups = _groups(7, 4, 3)
     ref = reference([r for g in groups for r in g])
     fatal: list[int] = []
@@ -237,10 +392,14 @@ def test_engine_in_a_process_of_its_own(checkpoints, reference) -> None:
         wait_until(lambda: _metric(s.url, "teacher_server_engine_steps_total").get("", 0) > 0)
         assert set(_metric(s.url, "teacher_server_prefix_cache_hits_total")) == {""}  # one engine: no label
         assert not fatal
-        os.kill(pool.pids[0], signal.SIGKILL)
+        first = pool.pids[0]
+        os.kill(first, signal.SIGKILL)
         wait_until(lambda: httpx.get(s.url + "/health").status_code == 503)
         assert "replica 0 down" in httpx.get(s.url + "/health").json()["error"]["message"]
-        assert fatal  # the process would now drain and exit non-zero
+        wait_until(lambda: httpx.get(s.url + "/health").status_code == 200, 120, "the engine's restart")
+        assert pool.pids[0] != first and not fatal
+        _check_cached_and_equal(_score_groups_in_order(c, groups), groups, ref)
+        assert _metric(s.url, "teacher_server_engine_restarts_total") == {"": 1.0}
 
 
 @pytest.mark.parametrize("device,tp,setting,elsewhere", [
@@ -492,3 +651,45 @@ def test_replicas_do_not_import_the_http_server() -> None:
             for name in names:
                 assert name.split(".")[0] not in {"fastapi", "starlette", "uvicorn"}, (path.name, name)
                 assert not name.startswith("teacher_server.server"), (path.name, name)
+
+
+def test_restart_backoff_doubles_for_quick_failures_and_resets_after_serving() -> None:
+    """A replica going down again soon after a restart waits twice as long each time (at most
+    64 x the backoff); one that served ``STABLE_S`` first restarts after the first backoff. A
+    restart made after the pool began to stop, or for a replica already replaced, does nothing."""
+    from teacher_server.replicas.pool import ReplicaPool
+
+    pool = ReplicaPool(Config(device="cpu", data_parallel_size=2, replica_restart_backoff_s=2.0), factory=lambda c: None)
+    later: list[tuple[float, object]] = []
+    pool._loop = types.SimpleNamespace(call_later=lambda delay, fn, rep: later.append((delay, rep)))
+    pool._started = types.SimpleNamespace(done=lambda: True)
+    started: list[int] = []
+
+    def fake(index: int) -> object:
+        rep = pool.replicas[index].__class__.__new__(pool.replicas[index].__class__)
+        rep.__dict__.update(index=index, name=str(index), state="starting", error=None, ready_at=None, down_at=None,
+                            requests=0, tokens=0, _pending={}, process=types.SimpleNamespace(join=lambda t: None,
+                                                                                                exitcode=3, pid=None))
+        rep.start = lambda post: started.append(index)
+        return rep
+
+    pool._make = fake
+    pool.replicas = [fake(0), fake(1)]
+
+    def go_down(served_s: float) -> float:
+        rep = pool.replicas[0]
+        rep.state, rep.ready_at = "ready", time.monotonic() - served_s
+        pool._exited(rep)
+        delay, old = later[-1]
+        pool._restart(old)
+        return delay
+
+    assert [go_down(1.0) for _ in range(9)] == [2, 4, 8, 16, 32, 64, 128, 128, 128]
+    assert go_down(ReplicaPool.STABLE_S + 1) == 2.0
+    assert pool.restarts == [10, 0] and started == [0] * 10 and pool.replicas[0].error == "process exited with code 3"
+    stale = pool.replicas[0]
+    pool.replicas[0] = fake(0)
+    pool._restart(stale)  # replaced meanwhile: not started again
+    pool._stopping = True
+    pool._restart(pool.replicas[0])
+    assert len(started) == 10

@@ -567,6 +567,51 @@ def test_a_hung_worker_does_not_keep_the_server_from_exiting(odd_vocab: Path) ->
         s.stop()
 
 
+def test_a_stuck_worker_turns_health_503_within_the_bound_and_the_server_exits(odd_vocab: Path) -> None:
+    """A worker stopped mid-request (SIGSTOP) holds rank 0 in a collective: no step completes.
+    Past ``stall_timeout_s`` the engine is failed: ``/health`` 503 (it was 200 for the whole
+    collective timeout before), the request answered 503 with Retry-After, and the process
+    exits with code 3 on its own (no signal), its workers gone."""
+    bound = 3.0
+    s = Serve(odd_vocab, "--stall-timeout-s", str(bound), "--shutdown-timeout-s", "2")
+    worker = None
+    try:
+        s.wait_ready()
+        (worker,) = s.workers()
+        os.kill(worker, signal.SIGSTOP)
+        out: list[httpx.Response] = []
+        t0 = time.monotonic()
+        poster = threading.Thread(target=lambda: out.append(httpx.post(s.url + GEN, json=body(range(1, 200), [1, 2]),
+                                                                        timeout=60)))
+        poster.start()
+        health = []
+        while time.monotonic() - t0 < bound + 10:
+            try:
+                code = httpx.get(s.url + "/health", timeout=2).status_code
+            except httpx.HTTPError:  # (the server has begun to exit)
+                break
+            health.append((round(time.monotonic() - t0, 2), code))
+            if code == 503:
+                break
+            time.sleep(0.1)
+        assert health and health[-1][1] == 503 and health[-1][0] < bound + 2.5, health
+        print(f"stuck worker: /health 503 {health[-1][0]:.1f}s after the request (stall_timeout_s={bound:g})")
+        poster.join(30)
+        assert out and out[0].status_code == 503 and "Retry-After" in out[0].headers, out
+        assert "no step completed" in out[0].json()["error"]["message"]
+        assert s.proc.wait(60) == 3
+        assert time.monotonic() - t0 < 60
+        print(f"stuck worker: the server exited 3, {time.monotonic() - t0:.1f}s after the request")
+        assert wait_gone([worker], 20), "the stopped worker outlived the server"
+    finally:
+        if worker is not None:
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        s.stop()
+
+
 def test_killed_worker_makes_health_503(odd_vocab: Path, caplog) -> None:
     """In process, with the fatal hook recorded instead of exiting: /health stays 503 and
     requests get 503, mid-request too."""

@@ -39,6 +39,11 @@ class EngineUnavailable(Exception):
     kind = ErrorKind.UNAVAILABLE
 
 
+class EngineStalled(RuntimeError):
+    """The engine completed no step for ``stall_timeout_s`` while it held work (a hung GPU,
+    kernel or tensor-parallel worker): it is failed as if it had died."""
+
+
 @dataclass
 class _Pending:
     req: ScoreRequest
@@ -73,9 +78,10 @@ class AsyncEngine:
     def __init__(self, engine: Engine | None, max_queue_requests: int, max_queue_tokens: int,
                  on_step: Callable[[Engine, list[ScoreResult]], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None,
-                 factory: Callable[[], Engine] | None = None) -> None:
+                 factory: Callable[[], Engine] | None = None, stall_timeout_s: float | None = None) -> None:
         """Give either an engine, or a ``factory`` that the engine thread calls first (see
-        ``build``)."""
+        ``build``). ``stall_timeout_s``: fail the engine (``EngineStalled``) when it completes
+        no step for this long while it holds work; None: never."""
         if (engine is None) == (factory is None):
             raise ValueError("give an engine or a factory")
         self.engine = engine
@@ -96,6 +102,8 @@ class AsyncEngine:
         self.alive = True
         self.fatal_error: str | None = None
         self._thread = threading.Thread(target=self._run, name="teacher-engine", daemon=True)
+        self.stall_timeout_s = stall_timeout_s
+        self._progress_at = time.monotonic()  # the engine thread's last turn that ended (a step done, or idle)
 
     # --- lifecycle ---------------------------------------------------------------------
     @classmethod
@@ -116,6 +124,11 @@ class AsyncEngine:
 
     def stop_accepting(self) -> None:
         self.accepting = False
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(engines serving, engines): the replica pool's surface, for one engine."""
+        return (1 if self.alive and self.fatal_error is None else 0), 1
 
     @property
     def in_flight(self) -> int:
@@ -223,6 +236,9 @@ class AsyncEngine:
                 return
         # Tensor parallel: a dead worker fails the engine at once, even mid-collective.
         self.engine.watch_workers(self._die)
+        self._progress_at = time.monotonic()
+        if self.stall_timeout_s is not None:
+            threading.Thread(target=self._watch_progress, name="teacher-engine-stall", daemon=True).start()
         self._built.set()
         try:
             self._loop()
@@ -241,18 +257,39 @@ class AsyncEngine:
         while not self._stop.is_set():
             try:
                 block = not self.engine.has_unfinished()
-                self._handle(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+                msg = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                if block:  # idle until now: the stall clock starts with this work
+                    self._progress_at = time.monotonic()
+                self._handle(msg)
                 while True:  # take everything queued before the next step
                     self._handle(self._inbox.get_nowait())
             except queue.Empty:
                 pass
             self._expire()
             if not self.engine.has_unfinished():
+                self._progress_at = time.monotonic()
                 continue
             results = self.engine.step(deliver=self._deliver_all)  # a step's results may come early
             if self.on_step is not None:
                 self.on_step(self.engine, results)
             self._deliver_all(results)
+            self._progress_at = time.monotonic()
+
+    def _watch_progress(self) -> None:
+        """Fail the engine when its thread has not come round for ``stall_timeout_s`` while
+        requests wait on it. The turn of an idle engine ends every 0.5 s and a busy one's at
+        each step, so only a step that does not end (a hung kernel, a collective waiting on a
+        stopped rank) trips it; its requests are answered UNAVAILABLE at once (a replica's go
+        to the others) and the hook runs (restart, or the process exits)."""
+        bound = self.stall_timeout_s
+        assert bound is not None
+        while self.alive and not self._stop.is_set():
+            time.sleep(min(1.0, bound / 4))
+            idle_s = time.monotonic() - self._progress_at
+            if idle_s > bound and self.in_flight > 0 and self.alive and not self._stop.is_set():
+                self._die(EngineStalled(f"no step completed for {idle_s:.1f}s while holding {self.in_flight} "
+                                        f"request(s) (stall_timeout_s={bound:g})"))
+                return
 
     def _die(self, e: BaseException) -> None:
         """The engine cannot go on: answer every request it holds or that is still queued.
@@ -260,7 +297,7 @@ class AsyncEngine:
         with self._lock:
             if self.fatal_error is not None:
                 return
-            self.fatal_error = f"engine failed: {type(e).__name__}"
+            self.fatal_error = f"engine failed: {type(e).__name__}" + (f": {e}" if isinstance(e, EngineStalled) else "")
         log.critical("engine cannot recover: %s", e)
         with self._lock:  # after this no request can be queued any more
             self.alive = False

@@ -3,12 +3,14 @@
 
 Each request goes to one replica chosen by ``teacher_server.routing`` (prefix affinity, or
 least outstanding tokens), among those with room in their own queue (``max_queue_requests``
-and ``max_queue_tokens`` hold per replica). A replica that goes down hands back what it held
-unanswered, and each of those requests is sent to another replica: scoring is idempotent and
-a lost request was not scored, so no row is lost or doubled. The pool is then unhealthy
-(``/health`` 503, ``fatal_error`` names the replica; ``alive`` stays True while another replica
-serves) and ``on_fatal`` runs, as when the single engine dies: by default the process drains
-what the other replicas hold and exits non-zero, so the orchestrator restarts it whole.
+and ``max_queue_tokens`` hold per replica). A replica fails alone: one that dies, stops
+answering (no heartbeat for ``heartbeat_timeout_s``: killed) or stalls (its engine completes no
+step for ``stall_timeout_s``: it exits) hands back what it held unanswered, and each of those
+requests is sent to another replica: scoring is idempotent and a lost request was not scored,
+so no row is lost or doubled. The replica is then restarted after ``replica_restart_backoff_s``
+(doubled after each restart that fails or dies again within ``STABLE_S``) while the others
+serve; ``capacity`` says how many serve (``/health`` reports the pool degraded, and fails only
+when none does).
 """
 
 from __future__ import annotations
@@ -49,24 +51,33 @@ MAX_REPLICAS_LOST = 1
 class ReplicaPool:
     """Start with ``start()`` (on the event loop), then ``await ready()``."""
 
-    SILENT_S = 30.0  # a ready replica silent this long (it sends a heartbeat each second) is killed
+    STABLE_S = 300.0  # a replica that served this long before it went down is restarted after the first backoff
+    MAX_BACKOFF_DOUBLINGS = 6  # the restart delay is at most 64 x replica_restart_backoff_s
 
     def __init__(self, cfg: Config, factory: Callable[[Config], object],
                  on_stats: Callable[[int, EngineStats], None] | None = None,
-                 on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int | None = None) -> None:
+                 on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int | None = None,
+                 on_up: Callable[[int, bool], None] | None = None) -> None:
+        """``on_down(index, why)`` when a replica goes down (it is restarted); ``on_up(index,
+        restarted)`` when one is ready, ``restarted`` for one started again."""
         self.cfg = cfg
         self.max_queue_requests, self.max_queue_tokens = cfg.max_queue_requests, cfg.max_queue_tokens
         self.router = Router(cfg.routing, cfg.block_size, cfg.routing_spill_tokens)
-        self.on_stats, self.on_down = on_stats, on_down
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or threads
+        self.on_stats, self.on_down, self.on_up = on_stats, on_down, on_up
+        self.silent_s = cfg.heartbeat_timeout_s  # a ready replica silent this long (it beats each second) is killed
+        self._ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or threads
+        self._factory = factory
         # A replica is a whole engine: one GPU, or a tensor-parallel group of them (its own
         # worker processes start inside the replica process, on the GPUs it was given).
         if gpus_per_replica is None:
             gpus_per_replica = getattr(cfg, "tensor_parallel_size", 1)
         gpu = uses_gpu(cfg)
         visible = _visible_devices() if gpu else None
-        self.replicas = [Replica(i, ctx, cfg, factory, replica_devices(i, gpus_per_replica, visible) if gpu else None)
+        self._devices = [replica_devices(i, gpus_per_replica, visible) if gpu else None
                          for i in range(cfg.data_parallel_size)]
+        self.replicas = [self._make(i) for i in range(cfg.data_parallel_size)]
+        self.restarts = [0] * cfg.data_parallel_size  # times each replica was started again
+        self._quick_failures = [0] * cfg.data_parallel_size  # restarts in a row that did not serve STABLE_S
         self.info: ReplicaInfo | None = None
         self.accepting = True
         self.retried = 0  # requests sent again after their replica went down
@@ -83,21 +94,25 @@ class ReplicaPool:
             r.start(self._post)
         threading.Thread(target=self._watch_silence, name="teacher-replica-heartbeat", daemon=True).start()
 
+    def _make(self, index: int) -> Replica:
+        return Replica(index, self._ctx, self.cfg, self._factory, self._devices[index])
+
     def _watch_silence(self) -> None:
-        """A ready replica that sends nothing for ``SILENT_S`` (its process stopped or hung: no
-        heartbeat, so no exit either) is killed: its requests then fail over and the pool goes
-        unhealthy, as when a replica dies."""
+        """A ready replica that sends nothing for ``silent_s`` (its process stopped or hung: no
+        heartbeat, so no exit either) is killed: its requests then fail over and it is
+        restarted, as when a replica dies."""
         last = time.monotonic()
+        tick = min(1.0, self.silent_s / 4)
         while not self._stopping:
-            time.sleep(1.0)
+            time.sleep(tick)
             now = time.monotonic()
-            if now - last > self.SILENT_S / 2:  # this process was paused too (a frozen container): the
-                for r in self.replicas:  # replicas' heartbeats are still in the pipes, not missing
+            if now - last > max(self.silent_s / 2, 2 * tick + 1.0):  # this process was paused too (a frozen
+                for r in list(self.replicas):  # container): the replicas' heartbeats are in the pipes, not missing
                     r.last_heard = max(r.last_heard, now)
             last = now
-            for r in self.replicas:
+            for r in list(self.replicas):
                 # (not is_alive(): it reaps the process, which only the loop thread may)
-                if r.state == "ready" and r.error is None and now - r.last_heard > self.SILENT_S:
+                if r.state == "ready" and r.error is None and now - r.last_heard > self.silent_s:
                     log.critical("replica %d (pid %s) sent nothing for %.0fs (stopped or hung): killing it",
                                  r.index, r.pid, now - r.last_heard)
                     r.kill(f"no heartbeat for {now - r.last_heard:.0f}s")
@@ -115,12 +130,19 @@ class ReplicaPool:
 
     @property
     def alive(self) -> bool:
-        """Some replica can serve (requests are admitted); ``fatal_error`` says when one cannot."""
+        """Some replica can serve (requests are admitted); ``fatal_error`` says which cannot."""
         return any(r.state == "ready" for r in self.replicas)
 
     @property
+    def capacity(self) -> tuple[int, int]:
+        """(replicas serving, replicas)."""
+        return sum(r.state == "ready" for r in self.replicas), len(self.replicas)
+
+    @property
     def fatal_error(self) -> str | None:
-        down = [f"replica {r.index} down: {r.error}" for r in self.replicas if r.state == "down"]
+        """What is not serving and why: replicas down, and those restarting after going down."""
+        down = [f"replica {r.index} down: {r.error}" + (" (restarting)" if r.state == "starting" else "")
+                for r in self.replicas if r.state == "down" or (r.state == "starting" and r.error)]
         return "; ".join(down) or None
 
     @property
@@ -220,10 +242,15 @@ class ReplicaPool:
                 if self.on_stats is not None:
                     self.on_stats(rep.index, s)
             case ReadyMsg(info=info):
-                rep.state, self.info = "ready", self.info or info
-                log.info("replica %d ready (pid %s)", rep.index, rep.pid)
+                if rep is not self.replicas[rep.index] or self._stopping:
+                    return
+                restarted = rep.error is not None
+                rep.state, rep.error, rep.ready_at, self.info = "ready", None, time.monotonic(), self.info or info
+                log.info("replica %d ready (pid %s)%s", rep.index, rep.pid, " again" if restarted else "")
                 if all(r.state == "ready" for r in self.replicas) and not self._started.done():
                     self._started.set_result(info)
+                if self._started.done() and self.on_up is not None:
+                    self.on_up(rep.index, restarted)
             case StartFailedMsg(error=err):
                 rep.error = err
                 if not self._started.done():
@@ -240,13 +267,31 @@ class ReplicaPool:
             rep.state = "stopped"
             return
         why = rep.error or f"process exited with code {code}"
-        was_ready = rep.state == "ready"
+        served_s = time.monotonic() - rep.ready_at if rep.ready_at is not None else 0.0
         rep.went_down(why)  # its requests fail over (their waiters route them again)
         log.critical("replica %d (pid %s) went down: %s", rep.index, rep.pid, why)
         if not self._started.done():
             self._started.set_exception(RuntimeError(f"replica {rep.index} failed to start: {why}"))
-        elif was_ready and self.on_down is not None:
+            return
+        if self.on_down is not None:
             self.on_down(rep.index, why)
+        i = rep.index
+        self._quick_failures[i] = 0 if served_s >= self.STABLE_S else self._quick_failures[i] + 1
+        delay = self.cfg.replica_restart_backoff_s * 2 ** min(max(self._quick_failures[i] - 1, 0),
+                                                                self.MAX_BACKOFF_DOUBLINGS)
+        log.warning("replica %d restarts in %.1fs; %d of %d replicas serve meanwhile", i, delay,
+                    self.capacity[0], len(self.replicas))
+        self._loop.call_later(delay, self._restart, rep)
+
+    def _restart(self, old: Replica) -> None:
+        """Start replica ``old.index`` again (a new process), unless the pool is stopping."""
+        if self._stopping or self.replicas[old.index] is not old:
+            return
+        rep = self._make(old.index)
+        rep.error = old.error  # why it is starting again (until it is ready)
+        self.replicas[old.index] = rep
+        self.restarts[old.index] += 1
+        rep.start(self._post)
 
 
 def engine_elsewhere(cfg: Config) -> bool:

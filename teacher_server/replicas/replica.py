@@ -43,6 +43,8 @@ class Replica:
         self.requests = 0  # sent, not yet answered
         self.last_heard = time.monotonic()  # its last message (replicas send one at least every HEARTBEAT_S)
         self.tokens = 0  # their tokens: the load the router balances
+        self.ready_at: float | None = None  # when it became ready (time.monotonic())
+        self.down_at: float | None = None  # when its exit was seen
         self._pending: dict[int, tuple[ScoreRequest, asyncio.Future]] = {}
         self._inbox: mp.Queue = ctx.Queue()
         self._inbox.cancel_join_thread()  # never block exit on a replica that stopped reading
@@ -111,7 +113,7 @@ class Replica:
 
     def went_down(self, why: str) -> None:
         """The process has exited: nothing it held will be answered."""
-        self.state, self.error = "down", why
+        self.state, self.error, self.down_at = "down", why, time.monotonic()
         for uid in list(self._pending):
             fut = self._take(uid)
             if fut is not None and not fut.done():

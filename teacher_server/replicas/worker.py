@@ -185,7 +185,7 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
     try:
         # The front already applies the queue limits per replica; these only back them up.
         ae = await AsyncEngine.build(lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
-                                     on_fatal=on_fatal)
+                                     on_fatal=on_fatal, stall_timeout_s=cfg.stall_timeout_s)
     except BaseException as e:
         log.critical("replica %d: engine failed to start: %s: %s", index, type(e).__name__, e)
         out.send(StartFailedMsg(f"{type(e).__name__}: {e}"))
@@ -197,7 +197,11 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
     threading.Thread(target=report, name=f"teacher-replica{index}-stats", daemon=True).start()
     await stop.wait()
     stop_wait.set()
+    if fatal:  # nothing to drain: the front sends what this replica held elsewhere once it has exited;
+        log.critical("replica %d: engine failed (%s); exiting", index, fatal[0])  # an engine thread stuck
+        engine.kill_workers()  # in a step would hold a shutdown (and the GPU) for its join timeouts
+        return 3
     for t in list(tasks.values()):
         t.cancel()
     await asyncio.to_thread(ae.shutdown)
-    return 3 if fatal else 0
+    return 0

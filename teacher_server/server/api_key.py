@@ -12,7 +12,8 @@ from teacher_server.server.responses import error_response, request_id_header, s
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer KEY` on every path but the open ones; constant-time compare.
+    """`Authorization: Bearer KEY` on every path but the open ones; constant-time compare;
+    several Authorization headers are refused (400), whatever they hold.
     Pure ASGI (no BaseHTTPMiddleware) so client disconnects still reach the handlers."""
 
     def __init__(self, app, api_key: str, open_paths: frozenset[str]) -> None:  # noqa: ANN001
@@ -22,8 +23,13 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
-            headers = dict(scope["headers"])
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(given) > 1:  # a proxy or an audit log reading the first would disagree with a check of the last
+                answer = error_response(400, "more than one Authorization header: send exactly one",
+                                        headers=request_id_header(scope_request_id(scope)))
+                await answer(scope, receive, send)
+                return
+            if not hmac.compare_digest(given[0] if given else b"", self.expected):
                 answer = error_response(401, "invalid or missing API key",
                                         headers=request_id_header(scope_request_id(scope)))
                 await answer(scope, receive, send)

@@ -28,10 +28,12 @@ from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind
 from teacher_server.replicas.pool import engine_elsewhere
 from teacher_server.server import parsing
+from teacher_server.server.admission import QueueWait
 from teacher_server.server.api_key import add_api_key
-from teacher_server.server.docs_page import add_docs_page
 from teacher_server.server.batch_scoring import handle_scoring
+from teacher_server.server.byte_budget import ByteBudget
 from teacher_server.server.completions import CompletionRequest, build_completion, parse_completion
+from teacher_server.server.docs_page import add_docs_page
 from teacher_server.server.errors import retry_after
 from teacher_server.server.generate import IO_THREADS, handle_generate
 from teacher_server.server.http import BodyGate
@@ -66,6 +68,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
         st.handling = 0  # requests handed to the engine whose answer is not written yet (the drain waits for them)
         st.body_gate = BodyGate(cfg.body_read_slots)
+        st.byte_budget = ByteBudget(cfg.max_inflight_bytes)
+        st.queue_wait = QueueWait(cfg.max_queue_wait_s)
         st.io_pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="teacher-io")
         # classic prompt_logprobs bodies (up to tens of MB, seconds of work) are built on their
         # own thread, so one of them does not hold up the parsing of every other request
@@ -111,15 +115,19 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     # --- routes --------------------------------------------------------------------------
     @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Response:
-        """200 `{"status": "ready"}` when the engine (every replica) can serve; 503 with `status`
-        "loading", "draining" or "failed" (and the error shape, naming a replica that is down)
-        otherwise."""
+        """200 `{"status": "ready"}` when the engine (every replica) can serve; 200
+        `{"status": "degraded", "replicas_serving", "replicas", "message"}` while some replicas
+        serve and others are down or restarting; 503 with `status` "loading", "draining" or
+        "failed" (and the error shape, naming what is down) when none can serve."""
         st = request.app.state
         ae: AsyncEngine | None = st.aengine
-        # (a replica pool stays `alive` while one replica serves; a down replica sets fatal_error)
-        if ae is not None and ae.alive and ae.accepting and ae.fatal_error is None:
-            return Response(b'{"status":"ready"}', media_type="application/json")
-        status = st.status if ae is None else ("failed" if not ae.alive or ae.fatal_error else "draining")
+        serving, total = ae.capacity if ae is not None else (0, 1)
+        if ae is not None and ae.alive and ae.accepting and serving > 0:
+            if serving == total:
+                return Response(b'{"status":"ready"}', media_type="application/json")
+            return json_response(200, {"status": "degraded", "replicas_serving": serving, "replicas": total,
+                                       "message": ae.fatal_error or f"{total - serving} replica(s) not serving"})
+        status = st.status if ae is None else ("failed" if not ae.alive or serving == 0 else "draining")
         message = {"loading": "engine is loading", "draining": "server is shutting down"}.get(
             status, (ae.fatal_error if ae is not None else None) or "engine failed to start")
         return json_response(503, {"status": status, **error_body(503, message)})
@@ -150,6 +158,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         m: Metrics = request.app.state.metrics
         if not elsewhere and request.app.state.engine is not None:  # replicas send theirs
             m.observe_gauges(request.app.state.engine.stats())
+        m.observe_front(request.app.state.byte_budget, request.app.state.queue_wait)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/inference/v1/generate", response_model=GenerateResponse,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 
@@ -18,13 +19,16 @@ from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, En
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind
 from teacher_server.server import parsing
+from teacher_server.server.admission import QueueTooLong, QueueWait
+from teacher_server.server.byte_budget import Hold, OverBudget, held_bytes, over_budget
 from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
 from teacher_server.server.http import ClientGone, read_body
 from teacher_server.server.metrics import Metrics
-from teacher_server.server.responses import error_response, generate_body, request_id_header
+from teacher_server.server.responses import HeldResponse, error_response, generate_body, request_id_header
 from teacher_server.validation import BadRequest
 
 access_log = logging.getLogger("teacher_server.access")
+TIMEOUT_HEADER = "x-request-timeout"  # a request's own time limit, in seconds
 
 _DEADLINE_GRACE_S = 1.0  # past a request's deadline, before the front answers for an engine that has not
 INLINE_BYTES = 256 * 1024  # bodies and results above this are (de)serialised in a worker thread
@@ -99,18 +103,39 @@ def error_reason(resp: Response, limit: int = 200) -> str | None:
 
 
 async def _generate(request: Request, cfg: Config, t0: float, info: RequestInfo) -> Response:
+    hold = Hold(request.app.state.byte_budget)  # this request's bytes in flight, until its answer is sent
+    resp: Response | None = None
     try:
-        return await _generate_counted(request, cfg, t0, info)
+        resp = await _generate_counted(request, cfg, t0, info, hold)
+        return resp
     finally:
         if info.admitted:  # counted at admission (``app.state.handling``), uncounted on every way out
             request.app.state.handling -= 1
+        if not isinstance(resp, HeldResponse):  # (a held answer gives its bytes back once it is sent)
+            hold.release()
 
 
-async def _generate_counted(request: Request, cfg: Config, t0: float, info: RequestInfo) -> Response:
+def request_timeout(request: Request, cfg: Config) -> float | None:
+    """The request's time limit in seconds: the ``X-Request-Timeout`` header (a positive number
+    of seconds), within ``request_timeout_s`` when that is set; None: no deadline."""
+    text = request.headers.get(TIMEOUT_HEADER)
+    if text is None:
+        return cfg.request_timeout_s
+    try:
+        own = float(text)
+    except ValueError:
+        own = float("nan")
+    if not (0 < own < 1e9):  # (also NaN and infinity)
+        raise BadRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {text[:40]!r}", TIMEOUT_HEADER)
+    return own if cfg.request_timeout_s is None else min(own, cfg.request_timeout_s)
+
+
+async def _generate_counted(request: Request, cfg: Config, t0: float, info: RequestInfo, hold: Hold) -> Response:
     app = request.app
     m: Metrics = app.state.metrics
     engine: Engine | None = app.state.engine
     ae: AsyncEngine | None = app.state.aengine
+    queue: QueueWait = app.state.queue_wait
     try:
         if ae is None:
             raise EngineUnavailable("engine is loading")
@@ -119,23 +144,35 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         coding = request.headers.get("content-encoding", "identity").strip().lower()
         if coding not in ("", "identity"):
             raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
-        raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
+        timeout_s = request_timeout(request, cfg)
+        raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
         # Parsing and validating a large body takes a while: keep it off the event loop.
         args = (raw, app.state.limits, engine.served_model_name, info.header_request_id, cfg.served_names)
         body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
             if len(raw) > INLINE_BYTES else parsing.parse_request(*args)
+        echo_ids = bool(body.return_token_ids)
+        del raw, args, body  # the bytes and their parsed copy (a large ignored field too) are let go here
         info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows
         if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
                              f"(max_queue_tokens={cfg.max_queue_tokens})", "token_ids")
-        if cfg.request_timeout_s is not None:
-            req.deadline = t0 + cfg.request_timeout_s
+        # From here the request holds its arrays and, until it is sent, its result.
+        if not hold.resize(held_bytes(req.length, req.rows, req.k, req.prompt_logprobs)):
+            raise over_budget(hold)
+        late = queue.refuse(req.priority)
+        if late is not None:
+            raise QueueTooLong(f"queue too long: the work ahead of this request would take "
+                               f"{late + cfg.max_queue_wait_s:.0f}s at the measured throughput, more than "
+                               f"max_queue_wait_s={cfg.max_queue_wait_s:g}", math.ceil(late))
+        if timeout_s is not None:
+            req.deadline = t0 + timeout_s
         info.admitted = True
         app.state.handling += 1
+        queue.admit(req.priority, req.length)
         task = asyncio.ensure_future(ae.score(req))
         watcher = asyncio.ensure_future(_wait_disconnect(request))
-        # The engine answers a request past its deadline itself (504) between steps; this bound
-        # holds when it cannot (a step that does not end: a hung GPU or worker).
+        # The engine answers a request past its deadline itself (504) between steps and drops its
+        # work; this bound holds when it cannot (a step that does not end: a hung GPU or worker).
         limit = None if req.deadline is None else max(req.deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
         try:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=limit)
@@ -143,10 +180,11 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
             watcher.cancel()
             if not task.done():  # cancelled from outside (shutdown), the client went away, or the deadline
                 task.cancel()
+            queue.finish(req.priority, req.length, task.done() and not task.cancelled()
+                         and task.exception() is None and task.result().error is None)
         if not done:
             m.labels(m.failures, reason="timeout").inc()
-            return error_response(504, "request deadline exceeded (request_timeout_s): the engine did not "
-                                       "answer in time")
+            return error_response(504, "request deadline exceeded: the engine did not answer in time")
         if task not in done:  # the client went away: drop its work and free its KV
             raise ClientGone("client disconnected")
         res = task.result()
@@ -162,6 +200,12 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
     except (EngineOverloaded, EngineUnavailable) as e:
         m.labels(m.failures, reason=e.kind.value).inc()
         return error_response(HTTP_STATUS[e.kind], str(e), headers=retry_after(e.kind))
+    except OverBudget as e:
+        m.labels(m.failures, reason="over_budget").inc()
+        return error_response(429, str(e), headers={"Retry-After": str(e.retry_after_s)})
+    except QueueTooLong as e:
+        m.labels(m.failures, reason="queue_wait").inc()
+        return error_response(429, str(e), headers={"Retry-After": str(e.retry_after_s)})
     if res.error is not None:  # (a replica's full queue or drain comes back as a result: Retry-After too)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
         return error_response(http_status(res.error_kind), res.error, headers=retry_after(res.error_kind))
@@ -170,11 +214,11 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
     m.labels(m.prompt_tokens).inc(req.length)
     m.labels(m.scored_rows).inc(req.rows if req.candidates is not None or req.row_targets else 0)
-    build = lambda: generate_body(req, res, engine.served_model_name, bool(body.return_token_ids))  # noqa: E731
+    build = lambda: generate_body(req, res, engine.served_model_name, echo_ids)  # noqa: E731
     pool = app.state.plp_pool if req.prompt_logprobs is not None else \
         app.state.io_pool if req.rows * max(req.k + 2 * req.top_k, 1) > INLINE_BYTES // 4 else None
     content = await asyncio.get_running_loop().run_in_executor(pool, build) if pool is not None else build()
-    return Response(content, media_type="application/json")
+    return HeldResponse(content, hold)
 
 
 async def _wait_disconnect(request: Request) -> None:

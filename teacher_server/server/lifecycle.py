@@ -42,7 +42,8 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
     def ready(ae: AsyncEngine) -> None:
         engine = ae.engine
         st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
-                           cfg.max_prompt_logprobs_entries, processed=cfg.logprobs_mode == "processed_logprobs")
+                           cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
+                           processed=cfg.logprobs_mode == "processed_logprobs")
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,
@@ -59,7 +60,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
         try:
             ae = asyncio.run(AsyncEngine.build(
                 lambda: factory(cfg), cfg.max_queue_requests, cfg.max_queue_tokens,
-                on_step=on_step, on_fatal=on_fatal))
+                on_step=on_step, on_fatal=on_fatal, stall_timeout_s=cfg.stall_timeout_s))
         except BaseException as e:
             _call_soon(st.loop, failed, e)
             return

@@ -11,6 +11,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
 from teacher_server.engine.stats import EngineStats
+from teacher_server.server.admission import QueueWait
+from teacher_server.server.byte_budget import ByteBudget
 
 # No `<name>_created` series: they double the series count and dashboards do not read them.
 disable_created_metrics()
@@ -67,14 +69,23 @@ class Metrics:
                                   "configured, or as chosen from the GPU's memory).", eng, registry=r)
         self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens the KV pool holds (each tensor-parallel rank holds its "
                                "share of the heads of all of them).", eng, registry=r)
+        self.inflight_bytes = Gauge(p + "inflight_bytes", "Bytes the requests in flight hold against "
+                                    "max_inflight_bytes (bodies being read, arrays, results until sent).", lab,
+                                    registry=r)
+        self.queue_wait = Gauge(p + "estimated_queue_wait_seconds", "Tokens queued at the front over the measured "
+                                "throughput: the wait a new request of priority 0 would have (0 before a "
+                                "measurement).", lab, registry=r)
+        self.restarts = Counter(p + "engine_restarts", "Times the engine (a replica, or the engine in a process of "
+                                "its own) was restarted after it died, hung or stalled.", eng, registry=r)
         self.model_name = model_name
         self._last: dict[int | None, list[float]] = {}  # per replica: the engine totals last seen
-        for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time):
+        for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time,
+                  self.inflight_bytes, self.queue_wait):
             m.labels(model_name=model_name)  # export every series from the start
         for rep in ([None] if replicas == 1 else range(replicas)):
             for m in (self.waiting, self.running, self.kv_usage, self.state_used, self.state_snapshots,
                       self.computed_tokens, self.prefix_queries, self.prefix_hits, self.steps, self.healthy,
-                      self.token_budget, self.kv_tokens):
+                      self.token_budget, self.kv_tokens, self.restarts):
                 self.engine_labels(m, rep)
             for stage in STAGES:
                 self.engine_labels(self.stage_seconds, rep, stage=stage)
@@ -103,6 +114,11 @@ class Metrics:
         """Health of the engine, or of one replica; None with several replicas: all of them."""
         for rep in ([replica] if replica is not None or self.replicas == 1 else range(self.replicas)):
             self.engine_labels(self.healthy, rep).set(1 if ok else 0)
+
+    def observe_front(self, budget: ByteBudget, queue: QueueWait) -> None:
+        """The front's own gauges: bytes in flight and the estimated wait."""
+        self.labels(self.inflight_bytes).set(budget.used)
+        self.labels(self.queue_wait).set(queue.estimated_wait_s)
 
     def observe_engine(self, s: EngineStats, replica: int | None = None) -> None:
         """Feed an engine's snapshot: counters grow by what its running totals grew since the

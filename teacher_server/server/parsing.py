@@ -19,7 +19,7 @@ _TOKEN_IDS_KEY = re.compile(rb'"token_ids"\s*:\s*\[')
 PRECHECK_BYTES = 64 * 1024  # bodies below this are parsed at once (counting would gain nothing)
 
 
-def count_token_ids(raw: bytes, above: int = -1) -> int | None:
+def count_token_ids(raw: bytes | bytearray, above: int = -1) -> int | None:
     """The number of elements of the top-level ``token_ids`` array, counted on the bytes
     (C-speed ``find``/``count``, no Python objects per id), when it is more than ``above``;
     else, or when it cannot be told that way, None. A body of 20M ids is then refused in
@@ -69,7 +69,7 @@ def _body_request_id(obj: object) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def parse_request(raw: bytes, limits: Limits, served_model_name: str,
+def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str,
                   header_request_id: str | None = None,
                   aliases: tuple[str, ...] = ()) -> tuple[GenerateRequest, ScoreRequest]:
     """JSON bytes -> (GenerateRequest, ScoreRequest); BadRequest (400/404) otherwise, with

@@ -104,7 +104,8 @@ class GenerateRequest(BaseModel):
     model: StrictStr | None = Field(None, description="Must name the served model.")
     stream: StrictBool = False
     cache_salt: StrictStr | None = Field(None, description="Isolates prefix-cache entries between tenants.")
-    priority: StrictInt = Field(0, description="Lower values are scheduled earlier.")
+    priority: StrictInt = Field(0, description="Lower values are scheduled earlier; at most priority_limit (1000 by "
+                                               "default) either way, 400 beyond.")
     return_token_ids: StrictBool | None = Field(None, description="Echo `prompt_token_ids`.")
     # Fields of vLLM's generate request that do not apply to scoring: accepted and ignored, so
     # requests built for vLLM work unchanged. Fields no vLLM request has are still rejected.

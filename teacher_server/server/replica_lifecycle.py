@@ -34,8 +34,10 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
                    on_step: Callable | None, on_fatal: Callable[[BaseException], None],
                    on_start_failure: Callable[[], None] | None) -> None:
     """Start the replica processes (each builds its engine) and serve once all are ready;
-    ``on_fatal`` when a ready replica goes down, ``on_start_failure`` when one cannot start.
-    ``on_step`` is unused: replicas report their engines' snapshots themselves."""
+    ``on_start_failure`` when one cannot start. A replica that goes down later is restarted by
+    the pool while the others serve (its ``_healthy`` series reads 0 meanwhile, and
+    ``_engine_restarts_total`` counts it), so ``on_fatal`` is unused, as is ``on_step``:
+    replicas report their engines' snapshots themselves."""
     st = app.state
     m = st.metrics
     if cfg.data_parallel_size == 1:
@@ -45,11 +47,13 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
                  cfg.device, cfg.routing)
     t0 = time.monotonic()
 
-    def down(index: int, why: str) -> None:
-        m.set_healthy(False, index)
-        on_fatal(RuntimeError(f"replica {index} went down: {why}"))
+    def up(index: int, restarted: bool) -> None:
+        m.set_healthy(True, index)
+        if restarted:
+            m.engine_labels(m.restarts, index if m.replicas > 1 else None).inc()
 
-    pool = ReplicaPool(cfg, factory, on_stats=lambda i, s: m.observe_engine(s, i), on_down=down)
+    pool = ReplicaPool(cfg, factory, on_stats=lambda i, s: m.observe_engine(s, i),
+                       on_down=lambda index, why: m.set_healthy(False, index), on_up=up)
     pool.start()
 
     async def wait() -> None:
@@ -61,7 +65,8 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
             (on_start_failure or terminate_self)()
             return
         st.limits = Limits(info.vocab_size, info.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
-                           cfg.max_prompt_logprobs_entries, processed=cfg.logprobs_mode == "processed_logprobs")
+                           cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
+                           processed=cfg.logprobs_mode == "processed_logprobs")
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
         m.set_healthy(True)
         what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"

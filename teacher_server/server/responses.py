@@ -10,6 +10,7 @@ import math
 import re
 import time
 import urllib.parse
+from collections.abc import Callable
 
 import numpy as np
 import orjson
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 
 from teacher_server import b64
 from teacher_server.engine.request import ScoreRequest, ScoreResult, prompt_logprob_entries
+from teacher_server.server.byte_budget import Hold
 from teacher_server.targets import union_columns
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
@@ -73,6 +75,29 @@ def error_response(status: int, message: str, param: str | None = None,
     """``{"error": {message, type, param, code}}`` with ``status``."""
     return Response(orjson.dumps(error_body(status, message, param)), status_code=status,
                     media_type="application/json", headers=headers)
+
+
+class HeldResponse(Response):
+    """A JSON answer that holds its request's share of the in-flight byte budget (``hold``)
+    until its body has been handed to the connection: sent in slices, each after the
+    connection's write buffer has drained below uvicorn's high-water mark, so a client that
+    reads slowly keeps its bytes counted instead of parked unseen in a buffer."""
+
+    SLICE = 1 << 20
+
+    def __init__(self, content: bytes, hold: Hold) -> None:
+        super().__init__(content, media_type="application/json")
+        self.hold = hold
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            view = memoryview(self.body)
+            for i in range(0, len(view), self.SLICE):
+                await send({"type": "http.response.body", "body": bytes(view[i:i + self.SLICE]), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.hold.release()
 
 
 def encode_npy(arr: np.ndarray, dtype: str = "<f4") -> str:

@@ -1,0 +1,89 @@
+"""``QueueWait``: admission by estimated wait. The tokens queued ahead of a new request (same
+or more urgent priority: the scheduler takes requests in (priority, arrival) order), at the
+throughput measured while requests were waiting, is the time it would wait; beyond
+``max_queue_wait_s`` it is refused with 429 and a Retry-After of the excess. Plain Python, on
+the event loop; fed by the generate endpoint for the single engine and the replica pool alike.
+
+The throughput is tokens answered per second of busy time (time with something queued), with
+exponential forgetting over ``TAU_S`` of busy time: idle hours do not dilute it, and it follows a
+change of workload within a minute. Until ``MIN_BUSY_S`` of busy time has been seen there is no
+estimate and nothing is refused by this rule (``max_queue_tokens`` still holds)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+
+class QueueTooLong(Exception):
+    """The estimated wait is past ``max_queue_wait_s``: 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = max(1, retry_after_s)
+
+
+class QueueWait:
+    TAU_S = 30.0
+    MIN_BUSY_S = 0.5
+
+    def __init__(self, limit_s: float | None) -> None:
+        self.limit_s = limit_s
+        self.by_priority: dict[int, int] = {}  # queued tokens per priority
+        self.queued = 0
+        self._busy_s = 0.0  # forgetting sums: busy seconds and tokens answered in them
+        self._done = 0.0
+        self._seen_busy_s = 0.0  # busy time ever seen (without forgetting)
+        self._last = time.monotonic()
+
+    def _advance(self, now: float) -> None:
+        dt = max(now - self._last, 0.0)
+        self._last = now
+        if self.queued > 0 and dt > 0:
+            keep = math.exp(-dt / self.TAU_S)
+            self._busy_s = self._busy_s * keep + dt
+            self._done *= keep
+            self._seen_busy_s += dt
+
+    def rate(self) -> float | None:
+        """Measured throughput, tokens/s; None before there is a measurement."""
+        if self._seen_busy_s < self.MIN_BUSY_S or self._done <= 0 or self._busy_s <= 0:
+            return None
+        return self._done / self._busy_s
+
+    def ahead(self, priority: int) -> int:
+        return sum(n for p, n in self.by_priority.items() if p <= priority)
+
+    def refuse(self, priority: int, now: float | None = None) -> float | None:
+        """Seconds to wait before a retry when a request of ``priority`` must be refused now;
+        None when it may be admitted."""
+        self._advance(time.monotonic() if now is None else now)
+        rate = self.rate()
+        if self.limit_s is None or rate is None:
+            return None
+        wait = self.ahead(priority) / rate
+        return wait - self.limit_s if wait > self.limit_s else None
+
+    def admit(self, priority: int, tokens: int, now: float | None = None) -> None:
+        self._advance(time.monotonic() if now is None else now)
+        self.by_priority[priority] = self.by_priority.get(priority, 0) + tokens
+        self.queued += tokens
+
+    def finish(self, priority: int, tokens: int, answered: bool, now: float | None = None) -> None:
+        """A request admitted with ``admit`` has left the queue; ``answered``: it was scored
+        (its tokens count towards the throughput; a cancelled or failed one's do not)."""
+        self._advance(time.monotonic() if now is None else now)
+        left = self.by_priority[priority] - tokens
+        if left:
+            self.by_priority[priority] = left
+        else:
+            del self.by_priority[priority]
+        self.queued -= tokens
+        if answered:
+            self._done += tokens
+
+    @property
+    def estimated_wait_s(self) -> float:
+        """The wait of a request of priority 0 arriving now (0 before a measurement)."""
+        rate = self.rate()
+        return 0.0 if rate is None else self.ahead(0) / rate

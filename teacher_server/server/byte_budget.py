@@ -1,0 +1,104 @@
+"""``ByteBudget``: one bound on the bytes every request in flight holds together (bodies being
+read and their parsed copies, admitted requests' arrays, results waiting to be sent), so that
+many concurrent large bodies cannot take the host's memory: the per-body limit
+(``max_body_bytes``) alone lets N clients hold N times it. Plain Python, on the event loop."""
+
+from __future__ import annotations
+
+import math
+
+# What a body of declared size costs while it is read and parsed, per byte: the bytes
+# themselves (read into one buffer) and their parsed copy (orjson's strings and lists; a large
+# ignored field is copied whole).
+BODY_FACTOR = 2
+# A chunked body (size unknown) is read as a list of parts joined at the end; the freed parts
+# stay resident in the allocator's arenas while the joined bytes are parsed: one more copy.
+CHUNKED_FACTOR = 3
+# What a result matrix costs until its answer is sent, per float32 byte: the matrix, its
+# base64 text (4/3) and the JSON body holding that text (4/3 again): about 3.7, taken as 4.
+RESULT_FACTOR = 4
+PLP_ENTRY_BYTES = 140  # a classic prompt_logprobs entry: ~70 bytes of JSON, and its Python objects while built
+
+
+class OverBudget(Exception):
+    """A request would take the bytes in flight past the budget: 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ByteBudget:
+    """Bytes held against ``limit``. ``take(n)`` holds n more when they fit (or when nothing
+    is held: one request larger than the whole budget still runs, alone), else returns False;
+    ``give(n)`` returns them. Every ``take`` that succeeded is paired with a ``give``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.peak = 0  # the most ever held (tests and metrics read it)
+
+    def take(self, n: int) -> bool:
+        if n > 0 and self.used > 0 and self.used + n > self.limit:
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0, f"returned more bytes than were held (used {self.used} after giving {n})"
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: the budget frees as answers are sent, about a
+        second for each budget's worth of bytes held (at least 1)."""
+        return max(1, math.ceil(self.used / max(self.limit, 1)))
+
+
+def held_bytes(token_count: int, rows: int, k: int, prompt_logprobs: int | None) -> int:
+    """What an admitted request holds until its answer is sent: its token ids and candidates
+    (int64), and its result's estimated size (matrix, base64 and JSON; classic entries)."""
+    arrays = 8 * (token_count + rows * k)
+    result = RESULT_FACTOR * 4 * rows * k
+    if prompt_logprobs is not None:
+        result += PLP_ENTRY_BYTES * max(token_count - 1, 0) * (prompt_logprobs + 1)
+    return arrays + result
+
+
+class Hold:
+    """One request's share of a ``ByteBudget``: grown, resized and released as the request
+    goes from its body to its answer; ``release`` is safe to call more than once."""
+
+    def __init__(self, budget: ByteBudget | None) -> None:
+        self.budget, self.n = budget, 0
+
+    def take(self, n: int) -> bool:
+        """Hold ``n`` bytes more; False (nothing taken) when they do not fit."""
+        if self.budget is None:
+            return True
+        if not self.budget.take(n):
+            return False
+        self.n += n
+        return True
+
+    def resize(self, n: int) -> bool:
+        """Hold ``n`` bytes in all: a shrink always succeeds, a growth when it fits."""
+        if n <= self.n:
+            if self.budget is not None:
+                self.budget.give(self.n - n)
+            self.n = min(self.n, n)
+            return True
+        return self.take(n - self.n)
+
+    def release(self) -> None:
+        if self.budget is not None and self.n:
+            self.budget.give(self.n)
+        self.n = 0
+
+
+def over_budget(hold: Hold) -> OverBudget:
+    """The refusal of a request whose bytes do not fit ``hold``'s budget."""
+    b = hold.budget
+    assert b is not None, "a hold without a budget never refuses"
+    return OverBudget(f"server busy: the requests in flight hold {b.used >> 20} MiB of the {b.limit >> 20} MiB "
+                      "budget (max_inflight_bytes); retry later", b.retry_after_s())

@@ -1,0 +1,295 @@
+"""Faults and hostile load at the front: duplicate credentials, the priority range, a
+request's own deadline, admission by estimated wait, the in-flight byte budget (RSS of a
+server under 16 concurrent large bodies), and an engine that stops making progress."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from apiutil import assert_error, body, decode
+from conftest import LiveServer, free_port, wait_healthy, wait_until
+from engine_util import around_forward
+
+from teacher_server.config import Config
+from teacher_server.engine.async_engine import AsyncEngine, EngineStalled
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ErrorKind, ScoreRequest
+from teacher_server.server.admission import QueueWait
+from teacher_server.server.byte_budget import ByteBudget, Hold
+
+GEN = "/inference/v1/generate"
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def demo(tmp_path_factory, **kw) -> Config:
+    base = dict(demo_model_dir=str(tmp_path_factory.mktemp("demo") / "m"), device="cpu",
+                max_num_batched_tokens=256, num_kv_blocks=2048, max_model_len=8192, max_logprobs=64)
+    return Config(**(base | kw))
+
+
+def long_body(n: int, seed: int = 0, **kw: object) -> dict:
+    rng = np.random.default_rng(seed)
+    return body(rng.integers(0, 4096, n), [1, 2, 3], start=10) | kw
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        head = line.split(" ")[0]
+        if (head == name or head.startswith(name + "{")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """A server with an API key and small steps (a long request takes seconds)."""
+    with LiveServer(demo(tmp_path_factory, api_key="k", max_num_batched_tokens=16)) as s:
+        yield s
+
+
+AUTH = ("Authorization", "Bearer k")
+
+
+def test_duplicate_authorization_headers_are_refused(keyed) -> None:
+    """Two Authorization headers: whichever a proxy or an audit log reads, the server does not
+    pick one (the last one decided before: wrong-then-right was 200)."""
+    good = body([1, 2, 3, 4], [5, 6])
+    with keyed.client() as c:
+        assert c.post(GEN, json=good, headers=[AUTH]).status_code == 200
+        for pair in ([("Authorization", "Bearer wrong"), AUTH], [AUTH, ("Authorization", "Bearer wrong")], [AUTH, AUTH]):
+            r = c.post(GEN, json=good, headers=[*pair, ("X-Request-Id", "dup")])
+            assert_error(r, 400, contains="more than one Authorization header")
+            assert r.headers["X-Request-Id"] == "dup"
+
+
+def test_priority_has_a_documented_range(keyed) -> None:
+    with keyed.client(headers=[AUTH]) as c:
+        for p in (1000, -1000, 0):
+            assert c.post(GEN, json=body([1, 2, 3], [4]) | {"priority": p}).status_code == 200
+        for p in (2 ** 63, -(2 ** 63), 1001, -1001):
+            assert_error(c.post(GEN, json=body([1, 2, 3], [4]) | {"priority": p}), 400, "priority",
+                         contains="[-1000, 1000]")
+
+
+def test_a_request_deadline_header_gets_504_and_its_work_dropped(keyed) -> None:
+    """``X-Request-Timeout``: 504 at expiry, and the engine stops spending on the request (it
+    leaves the batch, its KV is freed, no step runs for it after)."""
+    engine: Engine = keyed.app.state.engine
+    with keyed.client(headers=[AUTH]) as c:
+        t0 = time.monotonic()
+        # 8000 tokens at 16 a step: 500 steps, many times one second on any CPU
+        r = c.post(GEN, json=long_body(8000), headers={"X-Request-Timeout": "1"})
+        assert_error(r, 504, contains="deadline")
+        assert time.monotonic() - t0 < 1 + 3
+        wait_until(lambda: engine.stats().active_requests == 0, 3, "the request's removal")
+        steps = engine.stats().steps
+        time.sleep(0.5)
+        assert engine.stats().steps == steps and engine.stats().kv_blocks_used == 0
+        assert metric(c.get("/metrics").text, "teacher_server_request_failures_total", reason="timeout") >= 1
+        for bad in ("abc", "0", "-1", "nan", "inf", ""):
+            assert_error(c.post(GEN, json=body([1, 2, 3], [4]), headers={"X-Request-Timeout": bad}), 400,
+                         "x-request-timeout")
+        assert c.post(GEN, json=body([1, 2, 3], [4]), headers={"X-Request-Timeout": "30"}).status_code == 200
+
+
+# --- admission by estimated wait -----------------------------------------------------------
+
+def test_queue_wait_estimate() -> None:
+    """Throughput is tokens answered per busy second (idle time does not dilute it); the wait
+    of a request counts the tokens of its priority and more urgent ones only."""
+    q = QueueWait(limit_s=2.0)
+    t = 1000.0
+    assert q.refuse(0, now=t) is None  # no measurement yet: admitted
+    q.admit(0, 1000, now=t)
+    q.finish(0, 1000, answered=True, now=t + 1.0)  # 1000 tokens in one busy second
+    assert q.rate() == pytest.approx(1000, rel=1e-6)
+    t += 3600  # an idle hour: the rate holds
+    assert q.refuse(0, now=t) is None and q.rate() == pytest.approx(1000, rel=1e-6)
+    q.admit(0, 2500, now=t)
+    excess = q.refuse(0, now=t)  # 2500 tokens ahead = 2.5 s > 2 s
+    assert excess == pytest.approx(0.5, rel=1e-3)
+    assert q.refuse(-1, now=t) is None  # nothing more urgent is queued
+    q.admit(5, 10 ** 6, now=t)  # less urgent work queued behind does not count
+    assert q.refuse(0, now=t) == pytest.approx(0.5, rel=1e-3)
+    q.finish(0, 2500, answered=False, now=t + 1)  # cancelled: left the queue, not counted as throughput
+    q.finish(5, 10 ** 6, answered=False, now=t + 1)
+    assert q.queued == 0 and q.by_priority == {} and q.refuse(0, now=t + 1) is None
+    assert QueueWait(None).refuse(0) is None
+
+
+def test_admission_by_estimated_wait(tmp_path_factory) -> None:
+    """A burst far beyond ``max_queue_wait_s`` of measured work: the excess gets 429 with
+    Retry-After (everything queued before), the admitted requests are answered right, and an
+    urgent request is admitted in front of the queue."""
+    cfg = demo(tmp_path_factory, max_queue_wait_s=0.5, max_num_batched_tokens=64, enable_prefix_caching=False)
+    bodies = [long_body(3000, seed=i) for i in range(40)]
+    with LiveServer(cfg) as s:
+        with s.client() as c:  # a measurement of the throughput
+            assert c.post(GEN, json=long_body(4000, seed=99)).status_code == 200
+
+        async def burst() -> tuple[list[httpx.Response], httpx.Response]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
+                tasks = [asyncio.ensure_future(c.post(GEN, json=b)) for b in bodies]
+                await asyncio.sleep(1.0)
+                urgent = await c.post(GEN, json=body([1, 2, 3], [4]) | {"priority": -1})
+                return await asyncio.gather(*tasks), urgent
+
+        rs, urgent = asyncio.run(burst())
+        codes = [r.status_code for r in rs]
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}, codes
+        assert urgent.status_code == 200
+        for r in rs:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert_error(r, 429, contains="max_queue_wait_s")
+        with s.client() as c:
+            m = c.get("/metrics").text
+            assert metric(m, "teacher_server_request_failures_total", reason="queue_wait") == codes.count(429)
+            b, r = next((b, r) for b, r in zip(bodies, rs) if r.status_code == 200)
+            alone = decode(c.post(GEN, json=b).json()["prompt_token_id_logprobs"])
+            np.testing.assert_allclose(decode(r.json()["prompt_token_id_logprobs"]), alone, atol=2e-5)
+
+
+# --- the in-flight byte budget -------------------------------------------------------------
+
+def test_byte_budget_and_holds() -> None:
+    b = ByteBudget(100)
+    assert b.take(60) and not b.take(50) and b.used == 60
+    b.give(60)
+    assert b.take(500) and b.used == 500  # alone, a request larger than the budget still runs
+    assert not b.take(1)
+    b.give(500)
+    h = Hold(b)
+    assert h.take(40) and h.resize(90) and b.used == 90
+    assert not h.resize(101) and h.n == 90  # (another hold could not be granted meanwhile either)
+    assert h.resize(10) and b.used == 10
+    h.release()
+    h.release()
+    assert b.used == 0 and b.peak == 500
+    assert Hold(None).take(10 ** 12)
+
+
+def _rss_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(field)
+
+
+def post_raw(port: int, payload: bytes, out: list, timeout: float = 120) -> None:
+    """POST ``payload`` on a socket of its own; appends the status, or "reset" when the server
+    refused it before reading it all and closed the connection under the upload."""
+    head = (f"POST {GEN} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        try:
+            sock.sendall(head)
+            sock.sendall(payload)
+        except OSError:
+            pass
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+    out.append(int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else "reset")
+
+
+def bulk_body(size: int) -> bytes:
+    """A valid request whose bulk is an ignored vLLM field (``features``)."""
+    head = b'{"token_ids":[1,2,3,4],"sampling_params":{"prompt_logprob_token_ids":[5,6]},"features":"'
+    return head + b"x" * (size - len(head) - 2) + b'"}'
+
+
+def serve_process(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen, str, int]:
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--host", "127.0.0.1",
+                             "--port", str(port), "--demo-model-dir", str(tmp_path / "m"), "--log-level", "warning",
+                             *flags], env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc)
+    return proc, url, port
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="reads a process's peak RSS from /proc")
+def test_concurrent_large_bodies_stay_within_the_byte_budget(tmp_path) -> None:
+    """16 concurrent 24 MiB bodies against a 96 MiB budget (bench/budget_rss.py runs the
+    16 x 200 MB case): the server's peak RSS grows by less than the budget plus 64 MiB (the
+    interpreter's and allocator's own slack), where before it read and parsed all 16 at once
+    (about 16 x 2 x 24 MiB). Some bodies are answered 200, the rest refused (429) or cut off
+    before they were read, and the budget is all given back."""
+    budget, size = 96 * MiB, 24 * MiB
+    proc, url, port = serve_process(tmp_path, "--max-inflight-bytes", str(budget))
+    try:
+        payload = bulk_body(size)
+        assert httpx.post(url + GEN, json=body([1, 2, 3], [4]), timeout=60).status_code == 200
+        post_raw(port, payload, [])  # one large body alone first: the allocator's arenas for it exist
+        base = _rss_kib(proc.pid, "VmRSS")
+        Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+        out: list = []
+        threads = [threading.Thread(target=post_raw, args=(port, payload, out)) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        growth = (_rss_kib(proc.pid, "VmHWM") - base) * 1024
+        print(f"16 x {size / MiB:.0f} MiB bodies, budget {budget / MiB:.0f} MiB: peak RSS growth "
+              f"{growth / MiB:.0f} MiB; answers {sorted(map(str, out))}")
+        assert len(out) == 16 and 200 in out and set(out) <= {200, 429, "reset"}, out
+        assert growth < budget + 64 * MiB, growth / MiB
+        m = httpx.get(url + "/metrics").text
+        assert metric(m, "teacher_server_inflight_bytes") == 0
+        assert metric(m, "teacher_server_request_failures_total", reason="over_budget") == 16 - out.count(200)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --- an engine that stops making progress ---------------------------------------------------
+
+def test_an_engine_without_step_progress_is_failed(tmp_path) -> None:
+    """A step that never ends (a hung kernel or collective): past ``stall_timeout_s`` the engine
+    is failed, what it holds is answered UNAVAILABLE (503 with Retry-After; a replica's go to
+    the others) and the fatal hook runs; before, its requests waited for good."""
+    eng = Engine(Config(demo_model_dir=str(tmp_path / "m"), device="cpu", max_num_batched_tokens=64,
+                        num_kv_blocks=256, max_model_len=1024))
+    hang = threading.Event()
+
+    def maybe_hang(ctx) -> None:
+        if 4000 in ctx.input_ids.tolist():
+            hang.wait(60)
+
+    around_forward(eng, before=maybe_hang)
+    fatal: list[BaseException] = []
+    ae = AsyncEngine(eng, 100, 10 ** 6, on_fatal=fatal.append, stall_timeout_s=1.0)
+    ae.start()
+
+    async def main() -> None:
+        ok = await ae.score(ScoreRequest("ok", np.arange(1, 50), 0, np.array([1, 2])))
+        assert ok.error is None  # a working engine is left alone
+        await asyncio.sleep(1.5)  # idle longer than the bound: idle is not a stall
+        assert ae.alive and not fatal
+        t0 = time.monotonic()
+        stuck = await asyncio.wait_for(ae.score(ScoreRequest("stuck", np.array([4000, 1, 2]), 0, np.array([1]))), 10)
+        assert stuck.error_kind == ErrorKind.UNAVAILABLE and "no step completed" in stuck.error
+        assert 1.0 <= time.monotonic() - t0 < 4.0
+
+    try:
+        asyncio.run(main())
+        assert len(fatal) == 1 and isinstance(fatal[0], EngineStalled)
+        assert not ae.alive and ae.capacity == (0, 1)
+    finally:
+        hang.set()
+        ae.shutdown()
