@@ -13,7 +13,7 @@ from teacher_server.config import Config
 from teacher_server.engine.startup_phases import StartupPhases
 
 VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "TEACHER_SERVER_EXT_DIR",
-        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TEACHER_SERVER_PLAN_DIR")
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def test_an_explicit_directory_holds_every_cache(clean_env, tmp_path) -> None:
     assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"  # Triton times every config again without it
     assert os.environ["TEACHER_SERVER_EXT_DIR"] == str(root / "ext")
+    assert os.environ["TEACHER_SERVER_PLAN_DIR"] == str(root / "cudnn_fe")  # the cudnn_fe backend's graphs
 
 
 def test_the_default_is_under_the_user_cache_and_keeps_the_kernel_library_where_it_was(clean_env, tmp_path) -> None:

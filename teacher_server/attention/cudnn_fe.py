@@ -37,6 +37,7 @@ from teacher_server.attention.cudnn import CudnnBackend
 from teacher_server.attention.cudnn_check import CHECK_HEADS, check_with_reference
 from teacher_server.attention.cudnn_items import PathFailed
 from teacher_server.attention.packed import Plan, Varlen, cums
+from teacher_server.attention.plan_store import PlanStore
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.step_context import StepContext
 
@@ -100,7 +101,9 @@ class CudnnFrontendBackend(TorchVarlenBackend):
 
     name = "cudnn_fe"
 
-    def __init__(self, per_octave: int = 4, split: CudnnBackend | None = None) -> None:
+    def __init__(self, per_octave: int = 4, split: CudnnBackend | None = None, plans: PlanStore | None = None,
+                 ) -> None:
+        """``plans``: where built graphs are kept across restarts (``plan_store``), or None."""
         super().__init__(concurrent_streams=0)
         import cudnn  # noqa: F401  (raises where the frontend or cuDNN is missing)
 
@@ -110,7 +113,9 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         self._graphs: dict[tuple, tuple] = {}  # full key -> (graph, workspace bytes)
         self._tls = threading.local()
         self._lock = threading.Lock()
-        self.builds: list[float] = []  # host seconds of each graph build
+        self.builds: list[float] = []  # host seconds of each graph build (or load)
+        self.plans = plans
+        self.loaded: set[tuple] = set()  # graphs read back from ``plans``, not built here
         # cuDNN heuristics whose ranked plans a graph lists (the first that builds runs)
         self.heur_modes = ("A", "FALLBACK")
 
@@ -153,7 +158,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             return 0.0
         t0 = time.perf_counter()
         # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right
-        if self.enabled and not frontend_check(self, device, dtype, (hq, hkv, d)):
+        if self.enabled and not checked(self, device, dtype, (hq, hkv, d)):
             log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
                         "cudnn" if self.split is not None else "varlen")
             self.enabled = False
@@ -178,7 +183,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         if self.split is not None:
             self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
         secs = time.perf_counter() - t0
-        log.info("attention warm-up: %d cuDNN graphs in %.1fs", len(self._graphs), secs)
+        log.info("attention warm-up: %d cuDNN graphs in %.1fs (%d of them read from %s)", len(self._graphs), secs,
+                 len(self.loaded), self.plans.dir if self.plans is not None else "no plan store")
         return secs
 
     # --- running -----------------------------------------------------------------------
@@ -254,10 +260,57 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                   handle=handle, tensor_uids=_UIDS)
 
     def _build(self, full: tuple, handle: object) -> tuple:
+        """The graph of ``full`` (and its workspace bytes): read from the plan store where it
+        holds it, else built (and saved there)."""
+        t = time.perf_counter()
+        with self._lock:
+            g = self._load(full, handle)
+            if g is None:
+                g = self._graph(full, handle)
+                g.build_plans()
+                if self.plans is not None:
+                    self._save(full, g)
+            entry = self._graphs[full] = (g, g.get_workspace_size())
+        self.builds.append(time.perf_counter() - t)
+        return entry
+
+    def _load(self, full: tuple, handle: object) -> object | None:
+        """The saved graph of ``full``, or None (not saved, or it did not load: the file is
+        dropped). Caller holds the lock."""
+        if self.plans is None:
+            return None
+        data = self.plans.load(full)
+        if data is None:
+            return None
+        import cudnn
+
+        try:
+            g = cudnn.pygraph(handle=handle)
+            g.deserialize(list(data))  # (pybind takes the bytes as a list of ints, not as bytes)
+        except Exception as e:
+            if "CUDA error" in str(e):
+                raise
+            log.info("cuDNN plan %s did not load (%s); building it", self.plans.path(full).name,
+                     " ".join(str(e).split())[:200])
+            self.plans.drop(full)
+            return None
+        self.loaded.add(full)
+        self.plans.loaded += 1
+        return g
+
+    def _save(self, full: tuple, g: object) -> None:
+        try:
+            data = bytes(g.serialize())
+        except Exception as e:  # a plan cuDNN cannot serialize: built at every start, as without a store
+            log.info("cuDNN plan not kept (%s)", " ".join(str(e).split())[:200])
+            return
+        self.plans.save(full, data)
+
+    def _graph(self, full: tuple, handle: object) -> object:
+        """The graph of ``full`` with its execution plans chosen, not yet built. Caller holds the lock."""
         import cudnn
 
         prefixed, bp, sq, sk, hq, hk, d, dtype, scale, qs, ks, vs = full
-        t = time.perf_counter()
         io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
         g = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT)
@@ -284,15 +337,28 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                       diagonal_band_right_bound=0)
         o.set_uid(_O).set_output(True).set_dim([bp, hq, sq, d]).set_stride([sq * hq * d, d, hq * d, 1])
         o.set_data_type(io).set_ragged_offset(off_o)
-        with self._lock:
-            g.validate()
-            g.build_operation_graph()
-            g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
-            g.check_support()
-            g.build_plans()
-            entry = self._graphs[full] = (g, g.get_workspace_size())
-        self.builds.append(time.perf_counter() - t)
-        return entry
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
+        g.check_support()
+        return g
+
+
+def checked(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
+            heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
+    """``frontend_check``, and where it fails after graphs were read from the plan store: the
+    store is left, every graph built here again, and the check run once more (a saved plan
+    that runs wrong costs its start-up time, never the backend)."""
+    if frontend_check(backend, device, dtype, heads):
+        return True
+    if backend.plans is None or not backend.loaded:
+        return False
+    log.warning("cuDNN frontend attention failed its check with plans read from %s; building them instead",
+                backend.plans.dir)
+    backend.plans, backend.enabled = None, True
+    backend._graphs.clear()
+    backend.loaded.clear()
+    return frontend_check(backend, device, dtype, heads)
 
 
 def frontend_check(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,

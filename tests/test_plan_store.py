@@ -1,0 +1,43 @@
+"""The cuDNN plan store's bookkeeping: a graph's saved bytes come back under the same key and
+versions only, a failed load forgets the file, an unwritable directory costs the saving only."""
+
+from __future__ import annotations
+
+import logging
+
+from teacher_server.attention.plan_store import PlanStore, store_from_env
+
+KEY = (False, 4, 1024, 1024, 32, 8, 128, "torch.bfloat16", 128 ** -0.5, (4096, 128, 1), (1024, 128, 1))
+VERSIONS = {"gpu": "NVIDIA H200", "cc": "9.0", "driver": "13000", "cudnn": "91600", "frontend": "1.32.0",
+            "torch": "2.11.0", "cuda": "13.0"}
+
+
+def test_a_saved_graph_comes_back_under_its_key_and_versions_only(tmp_path) -> None:
+    store = PlanStore(tmp_path / "cudnn_fe", VERSIONS)
+    assert store.load(KEY) is None
+    store.save(KEY, b"\x00plan\xff")
+    assert store.load(KEY) == b"\x00plan\xff" and store.saved == 1
+    assert PlanStore(tmp_path / "cudnn_fe", dict(reversed(VERSIONS.items()))).load(KEY) == b"\x00plan\xff"
+    assert store.load((True, *KEY[1:])) is None  # another graph
+    for name in VERSIONS:  # another GPU, driver, cuDNN, frontend, torch or CUDA: never read
+        other = PlanStore(tmp_path / "cudnn_fe", {**VERSIONS, name: VERSIONS[name] + "x"})
+        assert other.load(KEY) is None, name
+    assert not list((tmp_path / "cudnn_fe").glob("*.tmp"))  # written whole, then renamed
+    store.drop(KEY)
+    assert store.load(KEY) is None
+    store.drop(KEY)  # (twice: nothing to forget)
+
+
+def test_an_unwritable_directory_warns_once_and_keeps_nothing(tmp_path, caplog) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = PlanStore(blocker / "cudnn_fe", VERSIONS)
+    with caplog.at_level(logging.WARNING):
+        store.save(KEY, b"plan")
+        store.save(KEY, b"plan")
+    assert caplog.text.count("not kept") == 1 and store.load(KEY) is None and store.saved == 0
+
+
+def test_no_store_without_the_compile_cache(monkeypatch) -> None:
+    monkeypatch.delenv("TEACHER_SERVER_PLAN_DIR", raising=False)
+    assert store_from_env("cuda:0") is None
