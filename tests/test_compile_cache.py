@@ -85,7 +85,7 @@ def test_the_engine_logs_its_start_up_phases(tmp_path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="teacher_server"):
         e = Engine(Config(device="cpu", demo_model_dir=str(tmp_path / "m"), max_model_len=256, num_kv_blocks=64,
                           warm_up=False))
-    assert {"model files", "weights", "KV pool"} <= set(e.startup_phases)
+    assert {"model files", "weights", "attention checks", "KV pool"} <= set(e.startup_phases)
     assert "start-up took" in caplog.text and "weights" in caplog.text
 
 
