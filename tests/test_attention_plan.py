@@ -595,3 +595,33 @@ def test_kept_graphs_that_fail_the_check_are_built_again(stored_fe, tmp_path) ->
     attn = stored_fe(split=CpuCudnn(16), plans=PlanStore(tmp_path, {}))
     assert checked(attn, cpu, torch.float32)
     assert attn.enabled and attn.plans is None and not attn.loaded
+
+
+def test_without_plain_squares_a_short_prefix_takes_the_frontends_call(fe_backend, monkeypatch) -> None:
+    """Where cudnn_fe takes the fresh sequences, its split's warm-up builds only the squares
+    with log-sum-exp; a lone prefixed sequence whose prefix is under 64 keys (a square without
+    it, no prefix call) then takes the frontend's call instead of an unbuilt plan, until that
+    square exists. The result is the reference's either way."""
+    from teacher_server.attention.cudnn_fe import FeCall
+    from teacher_server.attention.cudnn_items import Prefixed
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    split = CpuCudnn(256)
+    split.plain_squares = False
+    split.warm_up(2048, 4, 2, 16, torch.device("cpu"), torch.float32)
+    assert split.enabled and split.shapes and all(lse for *_, lse in split.shapes)
+    assert (1024, 1024, True, True) in split.shapes and (1024, 1024, True, False) not in split.shapes
+    lens = [(300, 340), (512, 512)]  # a 40-key prefix: bucket_floor 0
+    for plain, want in ((False, FeCall), (True, Prefixed)):
+        split.plain_squares = plain
+        attn = fe_backend(split=split)
+        x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+        got = attn(x, ctx, 32 ** -0.5, None)
+        assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+        first = ctx.attn_plan.items[0]
+        assert isinstance(first, want) and (want is Prefixed or first.prefixed), ctx.attn_plan.items
+    split.plain_squares = False  # its square built now (the run above): the split again
+    attn = fe_backend(split=split)
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    attn(x, ctx, 32 ** -0.5, None)
+    assert isinstance(ctx.attn_plan.items[0], Prefixed)

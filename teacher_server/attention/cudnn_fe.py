@@ -166,6 +166,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             if self.split is not None:
                 self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
             return time.perf_counter() - t0
+        if self.split is not None:  # the fresh sequences are this backend's: the split's plain squares are not needed
+            self.split.plain_squares = False
         sizes = sorted({size_class(n, self.per_octave) for n in range(64, min(max_len, WARM_MAX) + 64, 64)})
         qs, ks = (hq * d, d, 1), (hkv * d, d, 1)
         try:
@@ -226,6 +228,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
                     "cudnn" if self.split is not None else "varlen")
         self.enabled = False
+        if self.split is not None:  # it takes the fresh sequences now
+            self.split.plain_squares = True
 
     @staticmethod
     def _on_device(x: AttentionInputs) -> bool:
