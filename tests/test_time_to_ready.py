@@ -37,7 +37,7 @@ def test_two_starts_on_cpu_write_json(tmp_path) -> None:
     out = tmp_path / "ttr.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "time_to_ready.py"), "--model-size", "demo",
                         "--device", "cpu", "--workdir", str(tmp_path / "w"), "--out", str(out),
-                        "--server-args", "--max-model-len 256 --num-kv-blocks 32"],
+                        "--server-args", "--max-model-len 256 --num-kv-blocks 32 --engine-process"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())

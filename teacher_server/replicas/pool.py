@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from teacher_server.replicas.messages import (
     StartFailedMsg,
     StatsMsg,
 )
+from teacher_server.replicas.preload import process_context
 from teacher_server.replicas.replica import Replica, ReplicaLost
 from teacher_server.replicas.worker import replica_devices
 from teacher_server.routing import Router
@@ -58,7 +58,7 @@ class ReplicaPool:
         self.max_queue_requests, self.max_queue_tokens = cfg.max_queue_requests, cfg.max_queue_tokens
         self.router = Router(cfg.routing, cfg.block_size, cfg.routing_spill_tokens)
         self.on_stats, self.on_down = on_stats, on_down
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or threads
+        ctx = process_context()  # no inherited CUDA state or threads (spawned, or forked from the preloaded server)
         # A replica is a whole engine: one GPU, or a tensor-parallel group of them (its own
         # worker processes start inside the replica process, on the GPUs it was given).
         if gpus_per_replica is None:
