@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from teacher_server.attention.plan_store import PlanStore, store_from_env
 
 KEY = (False, 4, 1024, 1024, 32, 8, 128, "torch.bfloat16", 128 ** -0.5, (4096, 128, 1), (1024, 128, 1))
@@ -41,3 +43,41 @@ def test_an_unwritable_directory_warns_once_and_keeps_nothing(tmp_path, caplog) 
 def test_no_store_without_the_compile_cache(monkeypatch) -> None:
     monkeypatch.delenv("TEACHER_SERVER_PLAN_DIR", raising=False)
     assert store_from_env("cuda:0") is None
+
+
+@pytest.mark.gpu
+def test_a_restart_reads_back_real_cudnn_plans(tmp_path) -> None:
+    """With cuDNN's frontend on the GPU: a backend's check builds and keeps its graphs; a second
+    backend (a restart) reads every one back, passes the check on them, and a step gives the
+    same output bit for bit. Prints what a build and a load take."""
+    import time
+
+    import torch
+    from attn_util import make_step
+
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, checked
+    from teacher_server.attention.plan_store import plan_versions
+
+    pytest.importorskip("cudnn")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    dev = torch.device("cuda")
+    versions = plan_versions(dev)
+    lens = [(700, 2100), (300, 800), (1300, 1300), (512, 512), (40, 40)]
+    outs, secs = [], []
+    for i in range(2):
+        attn = CudnnFrontendBackend(plans=PlanStore(tmp_path, versions))
+        t = time.perf_counter()
+        assert checked(attn, dev, torch.bfloat16)
+        x, ctx, _ = make_step(lens, 32, 8, 128, "cuda", torch.bfloat16)
+        outs.append(attn(x, ctx, 128 ** -0.5, None))
+        torch.cuda.synchronize()
+        secs.append((time.perf_counter() - t) / len(attn._graphs))
+        assert attn.enabled and attn.plans is not None
+        if i == 0:
+            assert not attn.loaded and attn.plans.saved == len(attn._graphs) > 0
+        else:
+            assert len(attn.loaded) == len(attn._graphs) and attn.plans.saved == 0
+    assert torch.equal(outs[0], outs[1])
+    print(f"per graph: built {1e3 * secs[0]:.0f} ms, read back {1e3 * secs[1]:.0f} ms; "
+          f"{sum(f.stat().st_size for f in tmp_path.glob('*.plan')) / 1e3:.0f} kB in {len(list(tmp_path.glob('*.plan')))} files")
