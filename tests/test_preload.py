@@ -13,8 +13,16 @@ from teacher_server.replicas.preload import may_need_engine_process
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_preloading_where_an_engine_may_run_in_a_process_of_its_own() -> None:
+def test_preloading_where_an_engine_may_run_in_a_process_of_its_own(monkeypatch, tmp_path) -> None:
+    from teacher_server.replicas import preload
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(preload, "NVIDIA_NODE", str(tmp_path / "nvidiactl"))
+    assert not may_need_engine_process(Config())  # device auto without a driver: the engine on a thread
+    (tmp_path / "nvidiactl").write_text("")
     assert may_need_engine_process(Config())  # device auto, one GPU engine: a process of its own
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not may_need_engine_process(Config())  # no GPU visible
     assert may_need_engine_process(Config(device="cuda"))
     assert may_need_engine_process(Config(device="cpu", data_parallel_size=2))
     assert may_need_engine_process(Config(device="cpu", engine_process=True))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 from multiprocessing.context import BaseContext
 
 from teacher_server.config import Config
@@ -27,14 +28,21 @@ log = logging.getLogger("teacher_server.replicas")
 # what a replica process imports before it builds its engine (the target, its config, the engine)
 PRELOAD = ("teacher_server.replicas.fork_server",)
 _preloading = False
+NVIDIA_NODE = "/dev/nvidiactl"  # there on a Linux host (or container) with the NVIDIA driver and a GPU given
 
 
 def may_need_engine_process(cfg: Config) -> bool:
     """Could ``cfg`` run its engine(s) in processes of their own (``pool.engine_elsewhere``)?
-    Decided without torch: a GPU that turns out absent costs one idle process only."""
+    Decided without torch (device auto: an NVIDIA driver's device node, some GPU visible); a
+    wrong guess costs an idle process, or the preloading only."""
     if cfg.data_parallel_size > 1 or cfg.engine_process:
         return True
-    return cfg.engine_process is None and cfg.tensor_parallel_size == 1 and cfg.device != "cpu"
+    if cfg.engine_process is not None or cfg.tensor_parallel_size != 1 or cfg.device == "cpu":
+        return False
+    if cfg.device == "cuda":
+        return True
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return os.path.exists(NVIDIA_NODE) and (visible is None or visible.strip() not in ("", "-1"))
 
 
 def start_preloading() -> bool:
