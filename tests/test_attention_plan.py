@@ -563,6 +563,15 @@ def test_cudnn_fe_reads_back_the_graphs_a_start_before_kept(stored_fe, tmp_path)
     other(x, ctx, 32 ** -0.5, None)
     assert FakeGraph.built == 2 * n and not other.loaded
 
+    class Changed(stored_fe):  # the code that makes the graphs changed: the plans made before are not read
+        def _graph(self, full, handle):
+            return FakeGraph(changed=True)
+
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    changed = Changed(split=None, plans=PlanStore(tmp_path, versions))
+    changed(x, ctx, 32 ** -0.5, None)
+    assert FakeGraph.built == 3 * n and not changed.loaded
+
 
 def test_cudnn_fe_builds_a_kept_graph_that_does_not_load(stored_fe, tmp_path) -> None:
     from teacher_server.attention.plan_store import PlanStore

@@ -24,6 +24,7 @@ cache on 0.6%, W1f and W3 the same.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -285,7 +286,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         dropped). Caller holds the lock."""
         if self.plans is None:
             return None
-        data = self.plans.load(full)
+        data = self.plans.load(self._store_key(full))
         if data is None:
             return None
         import cudnn
@@ -296,9 +297,9 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         except Exception as e:
             if "CUDA error" in str(e):
                 raise
-            log.info("cuDNN plan %s did not load (%s); building it", self.plans.path(full).name,
+            log.info("cuDNN plan %s did not load (%s); building it", self.plans.path(self._store_key(full)).name,
                      " ".join(str(e).split())[:200])
-            self.plans.drop(full)
+            self.plans.drop(self._store_key(full))
             return None
         self.loaded.add(full)
         self.plans.loaded += 1
@@ -310,7 +311,14 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         except Exception as e:  # a plan cuDNN cannot serialize: built at every start, as without a store
             log.info("cuDNN plan not kept (%s)", " ".join(str(e).split())[:200])
             return
-        self.plans.save(full, data)
+        self.plans.save(self._store_key(full), data)
+
+    def _store_key(self, full: tuple) -> tuple:
+        """A graph's name in the plan store: its full key, the heuristics that chose its plan, and
+        the code that makes the graph (a change to ``_graph`` never reads a plan made before it)."""
+        code = type(self)._graph.__code__
+        made_by = hashlib.sha256(code.co_code + repr((code.co_consts, code.co_names)).encode()).hexdigest()[:16]
+        return (full, self.heur_modes, made_by)
 
     def _graph(self, full: tuple, handle: object) -> object:
         """The graph of ``full`` with its execution plans chosen, not yet built. Caller holds the lock."""

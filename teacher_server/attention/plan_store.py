@@ -3,8 +3,9 @@ attention graph's execution plan instead of building it again (~55 ms a graph on
 some 5 s for the graphs the cudnn_fe backend builds at start-up).
 
 A file holds one graph's serialized form (``pygraph.serialize()``: the graph and the cuDNN
-backend's plan). Its name is a hash of the graph's full key (shapes, strides, dtype, scale)
-and of everything the plan depends on besides: the GPU's name and compute capability, the
+backend's plan). Its name is a hash of the graph's key (shapes, strides, dtype, scale, the
+heuristics, the code that makes the graph: ``CudnnFrontendBackend._store_key``) and of
+everything the plan depends on besides: the GPU's name and compute capability, the
 driver, cuDNN's and the frontend's versions, torch's. A plan from another GPU or version is
 never read: its name differs. A file that cannot be read or loaded is removed and the graph
 built again; a directory that cannot be written only costs the saving."""
