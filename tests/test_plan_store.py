@@ -81,3 +81,18 @@ def test_a_restart_reads_back_real_cudnn_plans(tmp_path) -> None:
     assert torch.equal(outs[0], outs[1])
     print(f"per graph: built {1e3 * secs[0]:.0f} ms, read back {1e3 * secs[1]:.0f} ms; "
           f"{sum(f.stat().st_size for f in tmp_path.glob('*.plan')) / 1e3:.0f} kB in {len(list(tmp_path.glob('*.plan')))} files")
+
+
+def test_the_graphs_code_digest_is_the_same_in_another_process() -> None:
+    """The store names a graph by the code that makes it: the same in every process (a digest
+    with an address in it would never read a plan back), another for other code."""
+    import subprocess
+    import sys
+
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, code_digest
+
+    here = code_digest(CudnnFrontendBackend._graph.__code__)
+    code = ("from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, code_digest; "
+            "print(code_digest(CudnnFrontendBackend._graph.__code__))")
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
+    assert here == there and here != code_digest(CudnnFrontendBackend._build.__code__)

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -316,9 +317,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     def _store_key(self, full: tuple) -> tuple:
         """A graph's name in the plan store: its full key, the heuristics that chose its plan, and
         the code that makes the graph (a change to ``_graph`` never reads a plan made before it)."""
-        code = type(self)._graph.__code__
-        made_by = hashlib.sha256(code.co_code + repr((code.co_consts, code.co_names)).encode()).hexdigest()[:16]
-        return (full, self.heur_modes, made_by)
+        return (full, self.heur_modes, code_digest(type(self)._graph.__code__))
 
     def _graph(self, full: tuple, handle: object) -> object:
         """The graph of ``full`` with its execution plans chosen, not yet built. Caller holds the lock."""
@@ -356,6 +355,15 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
         g.check_support()
         return g
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of a function's code that changes with it and not between processes (its inner
+    functions by their own digests: a code object's repr holds its address)."""
+    parts = [code.co_code, repr(code.co_names).encode()]
+    for c in code.co_consts:
+        parts.append(code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
 def checked(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
