@@ -40,6 +40,10 @@ TARGETS = {"8b": 30.0, "qwen3.5-9b": 60.0}
 # what the compilers would otherwise read or write outside the cache directory
 COMPILER_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING")
 STARTUP_LINE = re.compile(r"start-up took ([\d.]+)s \((.*?)\); compile cache (.*)")
+# the log's timestamp (text form: local time, milliseconds) and the front's line just before it
+# starts the engine (in a process of its own, or on a thread of its own)
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
+ENGINE_STARTS = re.compile(r"starting the engine of|starting \d+ replicas of|loading model ")
 
 
 def free_port() -> int:
@@ -81,6 +85,34 @@ def parse_phases(log_text: str) -> dict:
     return {"engine_s": float(m.group(1)), "phases": phases, "compile_cache": m.group(3).strip()}
 
 
+def stamp(line: str) -> float | None:
+    """The epoch seconds of a text log line, or None."""
+    m = STAMP.match(line)
+    if m is None:
+        return None
+    return time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+
+
+def outside_engine(log_text: str, launched: float, ready: float) -> dict:
+    """Where the seconds outside the engine's own start-up went (epoch ``launched`` and
+    ``ready``, the log's stamps): ``front`` from the launch to the front starting the engine
+    (the interpreter, imports, the app); ``engine process`` from there to the engine's first
+    phase (a process spawned, its imports); ``after the engine`` from its start-up line to
+    /health answering ready. {} when the log lacks a line."""
+    front_at = end_at = None
+    engine_s = None
+    for line in log_text.splitlines():
+        if front_at is None and ENGINE_STARTS.search(line):
+            front_at = stamp(line)
+        m = STARTUP_LINE.search(line)
+        if m is not None:
+            end_at, engine_s = stamp(line), float(m.group(1))
+    if front_at is None or end_at is None:
+        return {}
+    return {"front": round(front_at - launched, 2), "engine process": round(end_at - engine_s - front_at, 2),
+            "after the engine": round(ready - end_at, 2)}
+
+
 def server_command(model: Path | None, cache: Path, port: int, args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--compile-cache-dir", str(cache), "--device", args.device]
@@ -93,6 +125,7 @@ def one_start(name: str, cmd: list[str], env: dict[str, str], log_path: Path, ti
     """Start the server, time it to ready, stop it (SIGTERM, as an orchestrator does)."""
     port = int(cmd[cmd.index("--port") + 1])
     with open(log_path, "w") as log:
+        launched = time.time()
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         try:
@@ -106,9 +139,12 @@ def one_start(name: str, cmd: list[str], env: dict[str, str], log_path: Path, ti
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-    out = {"name": name, "ready_s": round(ready, 2), **parse_phases(log_path.read_text(errors="replace"))}
+    text = log_path.read_text(errors="replace")
+    out = {"name": name, "ready_s": round(ready, 2), **parse_phases(text),
+           "outside_engine": outside_engine(text, launched, launched + ready)}
     print(f"{name:<28} ready in {ready:7.1f}s   engine {out.get('engine_s', float('nan')):6.1f}s   "
-          + ", ".join(f"{k} {v:.1f}s" for k, v in out.get("phases", {}).items()), flush=True)
+          + ", ".join(f"{k} {v:.1f}s" for k, v in out.get("phases", {}).items()) + "   outside it: "
+          + ", ".join(f"{k} {v:.1f}s" for k, v in out["outside_engine"].items()), flush=True)
     return out
 
 
@@ -161,6 +197,8 @@ def main() -> None:
     out = Path(args.out or ROOT / "bench" / "results" / f"time_to_ready_{args.model_size}_{result['device']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    for i in range(len(starts)):  # the servers' logs beside the JSON: each phase's own lines
+        shutil.copyfile(work / f"server_{i}.log", out.with_name(f"{out.stem}_server_{i}.log"))
     print(f"wrote {out}")
 
 

@@ -157,6 +157,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"teacher-server: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    from teacher_server.replicas.preload import may_need_engine_process, start_preloading
+
+    if may_need_engine_process(cfg):  # the engine's process imports while this one imports the app
+        start_preloading()
     from teacher_server.logging_setup import setup_logging
     from teacher_server.server.app import create_app
     from teacher_server.server.http import check_port_free, uvicorn_config

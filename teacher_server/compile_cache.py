@@ -10,9 +10,10 @@ versions and GPU, so a stale entry is never used):
   Triton's autotuning choices (``TRITON_CACHE_AUTOTUNING=1``: without it, every process times
   every config of fla-core's kernels again, minutes for a Qwen3.5 model);
 - ``ext/``: our CUDA kernel library (``TEACHER_SERVER_EXT_DIR``), only when the directory is set
-  explicitly (by default that library keeps its own ~/.cache/teacher-server/ext).
-
-cuDNN's attention plans are built in memory at start-up and are not kept (docs/deploy.md).
+  explicitly (by default that library keeps its own ~/.cache/teacher-server/ext);
+- ``cudnn_fe/``: the cudnn_fe attention backend's built graphs (``TEACHER_SERVER_PLAN_DIR``,
+  ``attention.plan_store``: keyed by shapes, GPU and versions). The plans torch's own cuDNN
+  attention builds (the ``cudnn`` backend's) stay in memory: torch offers no way to keep them.
 A variable the user already set wins over this directory (an image that sets
 TRITON_CACHE_DIR keeps it)."""
 
@@ -50,7 +51,8 @@ def use_compile_cache(setting: str | None) -> Path | None:
                     "start", root, e.strerror or e)
         return None
     env = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
-           "TRITON_CACHE_AUTOTUNING": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+           "TRITON_CACHE_AUTOTUNING": "1", "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+           "TEACHER_SERVER_PLAN_DIR": root / "cudnn_fe"}
     if setting:
         env["TEACHER_SERVER_EXT_DIR"] = root / "ext"
     for key, value in env.items():

@@ -29,7 +29,8 @@ NONE_WORDS = ("none", "null")  # an optional setting's None, in a flag or a vari
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # TEACHER_SERVER_* variables that are not settings (read by the kernel build and the benchmarks);
 # any other TEACHER_SERVER_* variable that names no setting is refused (a misspelling)
-OTHER_ENV = ("TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH", "TEACHER_SERVER_COMMIT")
+OTHER_ENV = ("TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH", "TEACHER_SERVER_COMMIT",
+             "TEACHER_SERVER_PLAN_DIR")
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""

@@ -485,3 +485,152 @@ def test_cudnn_fe_warm_up_survives_a_graph_it_cannot_build(fe_backend, monkeypat
     attn.split = CpuCudnn(16)  # (the split's own warm-up needs CUDA): the steps now go to it
     x, ctx, _ = make_step([(300, 300), (40, 40)], 4, 2, 32, "cpu", torch.float32)
     assert (attn(x, ctx, 32 ** -0.5, None) - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+
+
+class FakeGraph:
+    """A frontend graph as the plan store sees it: built (counted), serialized (a list of
+    ints, as the bindings give it), read back; bytes b"bad" do not load, b"wrong" load as a
+    plan that computes something else."""
+
+    built = 0
+
+    def __init__(self, **kw) -> None:
+        self.data, self.wrong = b"", False
+
+    def build_plans(self) -> None:
+        FakeGraph.built += 1
+        self.data = b"plan"
+
+    def serialize(self) -> list[int]:
+        return list(self.data)
+
+    def deserialize(self, data: list[int]) -> None:
+        if bytes(data) == b"bad":
+            raise RuntimeError("cudnnBackendFinalize failed: CUDNN_STATUS_BAD_PARAM")
+        self.data, self.wrong = bytes(data), bytes(data) == b"wrong"
+
+    def get_workspace_size(self) -> int:
+        return 0
+
+
+@pytest.fixture
+def stored_fe(fe_backend, monkeypatch):
+    """The CPU cudnn_fe backend whose calls go through graphs it builds or reads from a plan
+    store (``FakeGraph``); a graph read back as ``wrong`` spoils its call's rows."""
+    import sys
+
+    monkeypatch.setattr(sys.modules["cudnn"], "pygraph", FakeGraph, raising=False)
+    monkeypatch.setattr(FakeGraph, "built", 0)
+
+    class StoredFe(fe_backend):
+        def _graph(self, full, handle):
+            return FakeGraph()
+
+        def _handle(self, device):
+            return None
+
+        def _run(self, it, x, scale, out):
+            kt, vt = (x.kp, x.vp) if it.prefixed else (x.k, x.v)
+            full = (*it.key, x.q.shape[1], kt.shape[1], x.q.shape[2], x.q.dtype, scale, x.q.stride(), kt.stride(),
+                    vt.stride())
+            g, _ = self._graphs.get(full) or self._build(full, None)
+            super()._run(it, x, scale, out)
+            if g.wrong:
+                out[it.t0:it.t1] *= 1.01
+
+    return StoredFe
+
+
+def test_cudnn_fe_reads_back_the_graphs_a_start_before_kept(stored_fe, tmp_path) -> None:
+    """A restart with the same store builds no graph: each comes back from the file the first
+    start wrote, and the step's result is the same; other versions build their own."""
+    from teacher_server.attention.plan_store import PlanStore
+
+    versions = {"gpu": "H200", "cudnn": "91600"}
+    lens = [(700, 2100), (300, 800), (300, 300), (512, 512), (40, 40)]
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    first = stored_fe(split=None, plans=PlanStore(tmp_path, versions))
+    want = first(x, ctx, 32 ** -0.5, None)
+    assert (want - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+    n = FakeGraph.built
+    assert n == 2 and first.plans.saved == n and not first.loaded  # the fresh part and the prefixed part
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    again = stored_fe(split=None, plans=PlanStore(tmp_path, versions))
+    assert torch.equal(again(x, ctx, 32 ** -0.5, None), want)
+    assert FakeGraph.built == n and len(again.loaded) == n and again.plans.loaded == n
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    other = stored_fe(split=None, plans=PlanStore(tmp_path, {**versions, "cudnn": "91700"}))
+    other(x, ctx, 32 ** -0.5, None)
+    assert FakeGraph.built == 2 * n and not other.loaded
+
+    class Changed(stored_fe):  # the code that makes the graphs changed: the plans made before are not read
+        def _graph(self, full, handle):
+            return FakeGraph(changed=True)
+
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    changed = Changed(split=None, plans=PlanStore(tmp_path, versions))
+    changed(x, ctx, 32 ** -0.5, None)
+    assert FakeGraph.built == 3 * n and not changed.loaded
+
+
+def test_cudnn_fe_builds_a_kept_graph_that_does_not_load(stored_fe, tmp_path) -> None:
+    from teacher_server.attention.plan_store import PlanStore
+
+    lens = [(300, 300), (512, 512)]
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    stored_fe(split=None, plans=PlanStore(tmp_path, {}))(x, ctx, 32 ** -0.5, None)
+    (f,) = tmp_path.glob("*.plan")
+    f.write_bytes(b"bad")
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    attn = stored_fe(split=None, plans=PlanStore(tmp_path, {}))
+    got = attn(x, ctx, 32 ** -0.5, None)
+    assert attn.enabled and not attn.loaded and FakeGraph.built == 2 and f.read_bytes() == b"plan"
+    assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+
+
+def test_kept_graphs_that_fail_the_check_are_built_again(stored_fe, tmp_path) -> None:
+    """The start-up check runs on the graphs read from the store: where they compute something
+    else it fails on them, and ``checked`` leaves the store and passes on graphs built anew."""
+    from teacher_server.attention.cudnn_fe import checked, frontend_check
+    from teacher_server.attention.plan_store import PlanStore
+
+    cpu = torch.device("cpu")
+    assert checked(stored_fe(split=CpuCudnn(16), plans=PlanStore(tmp_path, {})), cpu, torch.float32)
+    files = list(tmp_path.glob("*.plan"))
+    assert files
+    for f in files:
+        f.write_bytes(b"wrong")
+    assert not frontend_check(stored_fe(split=CpuCudnn(16), plans=PlanStore(tmp_path, {})), cpu, torch.float32)
+    attn = stored_fe(split=CpuCudnn(16), plans=PlanStore(tmp_path, {}))
+    assert checked(attn, cpu, torch.float32)
+    assert attn.enabled and attn.plans is None and not attn.loaded
+
+
+def test_without_plain_squares_a_short_prefix_takes_the_frontends_call(fe_backend, monkeypatch) -> None:
+    """Where cudnn_fe takes the fresh sequences, its split's warm-up builds only the squares
+    with log-sum-exp; a lone prefixed sequence whose prefix is under 64 keys (a square without
+    it, no prefix call) then takes the frontend's call instead of an unbuilt plan, until that
+    square exists. The result is the reference's either way."""
+    from teacher_server.attention.cudnn_fe import FeCall
+    from teacher_server.attention.cudnn_items import Prefixed
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    split = CpuCudnn(256)
+    split.plain_squares = False
+    split.warm_up(2048, 4, 2, 16, torch.device("cpu"), torch.float32)
+    assert split.enabled and split.shapes and all(lse for *_, lse in split.shapes)
+    assert (1024, 1024, True, True) in split.shapes and (1024, 1024, True, False) not in split.shapes
+    lens = [(300, 340), (512, 512)]  # a 40-key prefix: bucket_floor 0
+    for plain, want in ((False, FeCall), (True, Prefixed)):
+        split.plain_squares = plain
+        attn = fe_backend(split=split)
+        x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+        got = attn(x, ctx, 32 ** -0.5, None)
+        assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+        first = ctx.attn_plan.items[0]
+        assert isinstance(first, want) and (want is Prefixed or first.prefixed), ctx.attn_plan.items
+    split.plain_squares = False  # its square built now (the run above): the split again
+    attn = fe_backend(split=split)
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    attn(x, ctx, 32 ** -0.5, None)
+    assert isinstance(ctx.attn_plan.items[0], Prefixed)

@@ -13,7 +13,7 @@ from teacher_server.config import Config
 from teacher_server.engine.startup_phases import StartupPhases
 
 VARS = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "TEACHER_SERVER_EXT_DIR",
-        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+        "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "TEACHER_SERVER_PLAN_DIR")
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def test_an_explicit_directory_holds_every_cache(clean_env, tmp_path) -> None:
     assert os.environ["TRITON_CACHE_DIR"] == str(root / "triton")
     assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"  # Triton times every config again without it
     assert os.environ["TEACHER_SERVER_EXT_DIR"] == str(root / "ext")
+    assert os.environ["TEACHER_SERVER_PLAN_DIR"] == str(root / "cudnn_fe")  # the cudnn_fe backend's graphs
 
 
 def test_the_default_is_under_the_user_cache_and_keeps_the_kernel_library_where_it_was(clean_env, tmp_path) -> None:
@@ -84,7 +85,7 @@ def test_the_engine_logs_its_start_up_phases(tmp_path, caplog) -> None:
     with caplog.at_level(logging.INFO, logger="teacher_server"):
         e = Engine(Config(device="cpu", demo_model_dir=str(tmp_path / "m"), max_model_len=256, num_kv_blocks=64,
                           warm_up=False))
-    assert {"model files", "weights", "KV pool"} <= set(e.startup_phases)
+    assert {"model files", "weights", "attention checks", "KV pool"} <= set(e.startup_phases)
     assert "start-up took" in caplog.text and "weights" in caplog.text
 
 

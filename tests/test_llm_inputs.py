@@ -25,9 +25,8 @@ def test_vllm_fields_are_still_accepted() -> None:
 
 
 def test_ignored_fields_match_the_http_endpoint() -> None:
-    from teacher_server.server.protocol import SamplingParams as HttpSamplingParams
-
     from teacher_server.llm import _SCORING_FIELDS
+    from teacher_server.server.protocol import SamplingParams as HttpSamplingParams
 
     assert set(HttpSamplingParams.model_fields) - set(_SCORING_FIELDS) == VLLM_IGNORED_FIELDS
 

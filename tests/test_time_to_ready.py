@@ -23,11 +23,21 @@ def test_the_start_up_line_is_parsed() -> None:
     assert time_to_ready.parse_phases("no such line") == {}
 
 
+def test_the_time_outside_the_engine_is_read_from_the_log() -> None:
+    launched = time_to_ready.stamp("2026-12-04 16:00:00,000 INFO x: y")
+    log = ("2026-12-04 16:00:04,250 INFO teacher_server.server: starting the engine of m in a process of its own\n"
+           "2026-12-04 16:00:36,750 INFO teacher_server.engine.engine: start-up took 27.0s (weights 5.0s); "
+           "compile cache /c: 1 files, 0 MB before, 1 files, 0 MB after\n")
+    got = time_to_ready.outside_engine(log, launched, launched + 37.5)
+    assert got == {"front": 4.25, "engine process": 5.5, "after the engine": 0.75}
+    assert time_to_ready.outside_engine("no lines", launched, launched + 1) == {}
+
+
 def test_two_starts_on_cpu_write_json(tmp_path) -> None:
     out = tmp_path / "ttr.json"
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "time_to_ready.py"), "--model-size", "demo",
                         "--device", "cpu", "--workdir", str(tmp_path / "w"), "--out", str(out),
-                        "--server-args", "--max-model-len 256 --num-kv-blocks 32"],
+                        "--server-args", "--max-model-len 256 --num-kv-blocks 32 --engine-process"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -35,4 +45,9 @@ def test_two_starts_on_cpu_write_json(tmp_path) -> None:
     for s in res["starts"]:
         assert 0 < s["ready_s"] < 300 and s["engine_s"] >= 0 and "compile_cache" in s
     assert res["device"] == "cpu" and res["restart_within_target"] is None and "restart_saved_s" in res
+    for s in res["starts"]:  # the seconds outside the engine, each part found in the log
+        parts = s["outside_engine"]
+        assert set(parts) == {"front", "engine process", "after the engine"}, parts
+        assert 0 < parts["front"] < s["ready_s"] and abs(parts["engine process"]) < s["ready_s"]
+    assert (tmp_path / "ttr_server_1.log").read_text().count("start-up took") == 1
     assert "ready in" in r.stdout

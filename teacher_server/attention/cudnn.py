@@ -68,6 +68,12 @@ class CudnnBackend(TorchVarlenBackend):
         self.native_gqa = native_gqa
         self.enabled = True
         self.shapes: set[tuple] = set()  # cuDNN shapes run so far (each built a plan once)
+        # Whether warm_up builds the squares without log-sum-exp too: those of fresh sequences
+        # and of prefixes under 64 keys (no prefix call). Off where another backend takes the
+        # fresh sequences (cudnn_fe's split): a lone prefixed sequence with such a short prefix
+        # then takes the split only once its square exists, else the caller's own call (half
+        # the warm-up's plans, ~4 s of an 8B start on the H200).
+        self.plain_squares = True
         self._may_build: int | None = new_plans_per_step
         self._building: set[tuple] = set()
 
@@ -129,7 +135,8 @@ class CudnnBackend(TorchVarlenBackend):
                 item = Group(cq[j], ctx.q_lens[j:e], ck[j:e], prefixes, s)
             else:
                 e, c, p = j + 1, ctx.q_lens[j], ctx.k_lens[j] - ctx.q_lens[j]
-                if c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s, [(c, p)]):
+                if (c >= self.min_len and self._split_pays([(c, p)], s) and self._plan_ready(bucket(c), s, [(c, p)])
+                        and (s or self._plain_ready(p + c))):
                     item = Prefixed(cq[j], c, ck[j], p)
             if item is None:
                 run = j if run is None else run
@@ -179,6 +186,10 @@ class CudnnBackend(TorchVarlenBackend):
             return True
         self._rent[shape] = rent
         return False
+
+    def _plain_ready(self, n: int) -> bool:
+        """May a causal square of n keys without log-sum-exp run on cuDNN (``plain_squares``)?"""
+        return self.plain_squares or (bucket(n), bucket(n), True, False) in self.shapes
 
     def _varlen_extra_s(self, members: list[tuple[int, int]], s: int) -> float:
         """GPU seconds these prefixed chunks cost on varlen over the cuDNN split, over the
@@ -297,7 +308,7 @@ class CudnnBackend(TorchVarlenBackend):
             k = torch.randn(sizes[-1], hkv, d, device=device, dtype=dtype)
             builds = []
             for n in sizes:
-                for lse in (False, True):
+                for lse in (False, True) if self.plain_squares else (True,):
                     t = time.perf_counter()
                     self._sdpa(q[:n], k[:n], k[:n], True, lse, d ** -0.5)
                     builds.append(time.perf_counter() - t)

@@ -24,9 +24,11 @@ cache on 0.6%, W1f and W3 the same.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,7 @@ from teacher_server.attention.cudnn import CudnnBackend
 from teacher_server.attention.cudnn_check import CHECK_HEADS, check_with_reference
 from teacher_server.attention.cudnn_items import PathFailed
 from teacher_server.attention.packed import Plan, Varlen, cums
+from teacher_server.attention.plan_store import PlanStore
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.step_context import StepContext
 
@@ -100,7 +103,9 @@ class CudnnFrontendBackend(TorchVarlenBackend):
 
     name = "cudnn_fe"
 
-    def __init__(self, per_octave: int = 4, split: CudnnBackend | None = None) -> None:
+    def __init__(self, per_octave: int = 4, split: CudnnBackend | None = None, plans: PlanStore | None = None,
+                 ) -> None:
+        """``plans``: where built graphs are kept across restarts (``plan_store``), or None."""
         super().__init__(concurrent_streams=0)
         import cudnn  # noqa: F401  (raises where the frontend or cuDNN is missing)
 
@@ -110,7 +115,9 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         self._graphs: dict[tuple, tuple] = {}  # full key -> (graph, workspace bytes)
         self._tls = threading.local()
         self._lock = threading.Lock()
-        self.builds: list[float] = []  # host seconds of each graph build
+        self.builds: list[float] = []  # host seconds of each graph build (or load)
+        self.plans = plans
+        self.loaded: set[tuple] = set()  # graphs read back from ``plans``, not built here
         # cuDNN heuristics whose ranked plans a graph lists (the first that builds runs)
         self.heur_modes = ("A", "FALLBACK")
 
@@ -153,7 +160,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             return 0.0
         t0 = time.perf_counter()
         # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right
-        if self.enabled and not frontend_check(self, device, dtype, (hq, hkv, d)):
+        if self.enabled and not checked(self, device, dtype, (hq, hkv, d)):
             log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
                         "cudnn" if self.split is not None else "varlen")
             self.enabled = False
@@ -161,6 +168,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             if self.split is not None:
                 self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
             return time.perf_counter() - t0
+        if self.split is not None:  # the fresh sequences are this backend's: the split's plain squares are not needed
+            self.split.plain_squares = False
         sizes = sorted({size_class(n, self.per_octave) for n in range(64, min(max_len, WARM_MAX) + 64, 64)})
         qs, ks = (hq * d, d, 1), (hkv * d, d, 1)
         try:
@@ -175,10 +184,13 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             torch.cuda.empty_cache()
         except Exception as e:  # a graph the frontend does not build: as when a step meets one
             self._turn_off(e)
+        graphs_s = time.perf_counter() - t0
         if self.split is not None:
             self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
         secs = time.perf_counter() - t0
-        log.info("attention warm-up: %d cuDNN graphs in %.1fs", len(self._graphs), secs)
+        log.info("attention warm-up: %d cuDNN graphs in %.1fs (%d of them read from %s), the split's in %.1fs",
+                 len(self._graphs), graphs_s, len(self.loaded),
+                 self.plans.dir if self.plans is not None else "no plan store", secs - graphs_s)
         return secs
 
     # --- running -----------------------------------------------------------------------
@@ -220,6 +232,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
                     "cudnn" if self.split is not None else "varlen")
         self.enabled = False
+        if self.split is not None:  # it takes the fresh sequences now
+            self.split.plain_squares = True
 
     @staticmethod
     def _on_device(x: AttentionInputs) -> bool:
@@ -254,10 +268,62 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                   handle=handle, tensor_uids=_UIDS)
 
     def _build(self, full: tuple, handle: object) -> tuple:
+        """The graph of ``full`` (and its workspace bytes): read from the plan store where it
+        holds it, else built (and saved there)."""
+        t = time.perf_counter()
+        with self._lock:
+            g = self._load(full, handle)
+            if g is None:
+                g = self._graph(full, handle)
+                g.build_plans()
+                if self.plans is not None:
+                    self._save(full, g)
+            entry = self._graphs[full] = (g, g.get_workspace_size())
+        self.builds.append(time.perf_counter() - t)
+        return entry
+
+    def _load(self, full: tuple, handle: object) -> object | None:
+        """The saved graph of ``full``, or None (not saved, or it did not load: the file is
+        dropped). Caller holds the lock."""
+        if self.plans is None:
+            return None
+        data = self.plans.load(self._store_key(full))
+        if data is None:
+            return None
+        import cudnn
+
+        try:
+            g = cudnn.pygraph(handle=handle)
+            g.deserialize(list(data))  # (pybind takes the bytes as a list of ints, not as bytes)
+        except Exception as e:
+            if "CUDA error" in str(e):
+                raise
+            log.info("cuDNN plan %s did not load (%s); building it", self.plans.path(self._store_key(full)).name,
+                     " ".join(str(e).split())[:200])
+            self.plans.drop(self._store_key(full))
+            return None
+        self.loaded.add(full)
+        self.plans.loaded += 1
+        return g
+
+    def _save(self, full: tuple, g: object) -> None:
+        try:
+            data = bytes(g.serialize())
+        except Exception as e:  # a plan cuDNN cannot serialize: built at every start, as without a store
+            log.info("cuDNN plan not kept (%s)", " ".join(str(e).split())[:200])
+            return
+        self.plans.save(self._store_key(full), data)
+
+    def _store_key(self, full: tuple) -> tuple:
+        """A graph's name in the plan store: its full key, the heuristics that chose its plan, and
+        the code that makes the graph (a change to ``_graph`` never reads a plan made before it)."""
+        return (full, self.heur_modes, code_digest(type(self)._graph.__code__))
+
+    def _graph(self, full: tuple, handle: object) -> object:
+        """The graph of ``full`` with its execution plans chosen, not yet built. Caller holds the lock."""
         import cudnn
 
         prefixed, bp, sq, sk, hq, hk, d, dtype, scale, qs, ks, vs = full
-        t = time.perf_counter()
         io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
         g = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT)
@@ -284,15 +350,37 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                       diagonal_band_right_bound=0)
         o.set_uid(_O).set_output(True).set_dim([bp, hq, sq, d]).set_stride([sq * hq * d, d, hq * d, 1])
         o.set_data_type(io).set_ragged_offset(off_o)
-        with self._lock:
-            g.validate()
-            g.build_operation_graph()
-            g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
-            g.check_support()
-            g.build_plans()
-            entry = self._graphs[full] = (g, g.get_workspace_size())
-        self.builds.append(time.perf_counter() - t)
-        return entry
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
+        g.check_support()
+        return g
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of a function's code that changes with it and not between processes (its inner
+    functions by their own digests: a code object's repr holds its address)."""
+    parts = [code.co_code, repr(code.co_names).encode()]
+    for c in code.co_consts:
+        parts.append(code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def checked(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
+            heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
+    """``frontend_check``, and where it fails after graphs were read from the plan store: the
+    store is left, every graph built here again, and the check run once more (a saved plan
+    that runs wrong costs its start-up time, never the backend)."""
+    if frontend_check(backend, device, dtype, heads):
+        return True
+    if backend.plans is None or not backend.loaded:
+        return False
+    log.warning("cuDNN frontend attention failed its check with plans read from %s; building them instead",
+                backend.plans.dir)
+    backend.plans, backend.enabled = None, True
+    backend._graphs.clear()
+    backend.loaded.clear()
+    return frontend_check(backend, device, dtype, heads)
 
 
 def frontend_check(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,

@@ -82,10 +82,12 @@ def _cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> Att
 @register("cudnn_fe")
 def _cudnn_fe(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
     _needs_cuda("cudnn_fe", device)
-    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, frontend_check
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, checked
+    from teacher_server.attention.plan_store import store_from_env
 
-    backend = CudnnFrontendBackend(split=_checked_cudnn(device, dtype, deterministic))
-    if not frontend_check(backend, device, dtype):
+    # its graphs read from the compile cache where a start before kept them (the checks run on them too)
+    backend = CudnnFrontendBackend(split=_checked_cudnn(device, dtype, deterministic), plans=store_from_env(device))
+    if not checked(backend, device, dtype):
         raise RuntimeError("cuDNN frontend attention failed its self-check")
     return backend
 

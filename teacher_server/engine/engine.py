@@ -91,8 +91,8 @@ class Engine(Stepping):
         tp = tensor_parallel(cfg, 0)
         phases.done("workers")
         try:
-            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp)
-            phases.done("weights")
+            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp, phases)
+            phases.done("attention checks")
             cache = self.model.cache_layout()  # hybrid models: per-sequence linear-attention state too
             plan = plan_memory(cfg, self.spec, cache, self.device, self.max_model_len, tp)
             if self._workers is not None:

@@ -18,6 +18,7 @@ from teacher_server.attention.base import AttentionBackend
 from teacher_server.cache_layout import CacheLayout
 from teacher_server.config import Config
 from teacher_server.engine.model_runner import ModelRunner
+from teacher_server.engine.startup_phases import StartupPhases
 from teacher_server.layers.parallel import TensorParallel
 from teacher_server.models.base import TeacherModel
 from teacher_server.models.loader import load_model
@@ -67,10 +68,13 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
 
 
 def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-              tp: TensorParallel) -> tuple[TeacherModel, AttentionBackend]:
-    """This rank's model shard and attention backend."""
+              tp: TensorParallel, phases: StartupPhases | None = None) -> tuple[TeacherModel, AttentionBackend]:
+    """This rank's model shard and attention backend (``phases``: the weights' time is marked
+    there; the backend's, its self-checks, is the caller's next phase)."""
     torch.manual_seed(cfg.seed)
     model = load_model(model_dir, spec, dtype, device, cfg.load_format, cfg.seed, tp)
+    if phases is not None:
+        phases.done("weights")
     # deterministic: a sequence's attention path must not depend on what ran before; the backend
     # must honour every layer's attention arguments (windows, soft-caps), else another is picked
     needs = model.cache_layout().params()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from teacher_server.replicas.messages import (
     StartFailedMsg,
     StatsMsg,
 )
+from teacher_server.replicas.preload import process_context
 from teacher_server.replicas.replica import Replica, ReplicaLost
 from teacher_server.replicas.worker import replica_devices
 from teacher_server.routing import Router
@@ -65,7 +65,7 @@ class ReplicaPool:
         self.router = Router(cfg.routing, cfg.block_size, cfg.routing_spill_tokens)
         self.on_stats, self.on_down, self.on_up = on_stats, on_down, on_up
         self.silent_s = cfg.heartbeat_timeout_s  # a ready replica silent this long (it beats each second) is killed
-        self._ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited CUDA state or threads
+        self._ctx = process_context()  # no inherited CUDA state or threads (spawned, or forked from the preloader)
         self._factory = factory
         # A replica is a whole engine: one GPU, or a tensor-parallel group of them (its own
         # worker processes start inside the replica process, on the GPUs it was given).
