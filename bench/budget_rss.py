@@ -81,7 +81,7 @@ def main() -> None:
         proc = subprocess.Popen([sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--host",
                                  "127.0.0.1", "--port", str(port), "--demo-model-dir", str(Path(tmp) / "m"),
                                  "--log-level", "warning", "--max-inflight-bytes", str(budget)],
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=log, stderr=log)
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))), cwd=ROOT, stdout=log, stderr=log)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 300

@@ -272,7 +272,7 @@ def main() -> None:
     cmd = [sys.executable, "-m", "teacher_server", "serve", *model, "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "warning", *(["--deterministic"] if args.deterministic else []), *args.server_args.split()]
     log = open(Path(tmp) / "server.log", "w")
-    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT, stdout=log, stderr=log)
+    proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))), cwd=ROOT, stdout=log, stderr=log)
     state = {"model": name, "reqs": pool, "answers": [], "samples": [], "mismatches": [], "errors": [],
              "checked": 0, "disconnected": 0, "t0": time.monotonic(),
              "pool": {k: sum(1 for kk, _ in pool if kk == k) for k in ("W1", "W2", "W3")}}
@@ -288,7 +288,8 @@ def main() -> None:
             except httpx.HTTPError:
                 pass
             if proc.poll() is not None:
-                raise SystemExit(f"server exited during start-up; its log: {Path(tmp) / 'server.log'}")
+                tail = (Path(tmp) / "server.log").read_text()[-3000:]
+                raise SystemExit(f"server exited during start-up; the end of its log:\n{tail}")
             time.sleep(0.5)
         print(f"server ready in {time.monotonic() - t:.0f}s", flush=True)
         asyncio.run(soak(args, url, proc, state))
