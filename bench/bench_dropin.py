@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from bench_engine import MODELS, http_body, tiny, wait_ready  # noqa: E402
-from workloads import Req, make_workload, write_random_checkpoint  # noqa: E402
+from workloads import Req, make_workload, write_config, write_random_checkpoint  # noqa: E402
 
 from teacher_server.config import Config  # noqa: E402
 
@@ -181,6 +181,9 @@ def main() -> None:
     ap.add_argument("--long-tokens", type=int, default=131072, help="the long request's length (0: skip it)")
     ap.add_argument("--tiny", action="store_true", help="a small Qwen3 of the same layer pattern (CPU smoke runs)")
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
+    ap.add_argument("--load-format", choices=("auto", "dummy"), default="dummy",
+                    help="dummy: config.json only, random weights made in place (the cost does not depend on the "
+                         "weights); auto: a random safetensors checkpoint written and loaded")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -188,7 +191,10 @@ def main() -> None:
     if args.tiny:
         cfg = tiny(cfg)
     ckpt = Path(args.ckpt_dir) / (f"{family}-8b" + ("-tiny" if args.tiny else ""))
-    write_random_checkpoint(ckpt, cfg)
+    if args.load_format == "dummy":
+        write_config(ckpt, cfg)
+    else:
+        write_random_checkpoint(ckpt, cfg)
     vocab = cfg["vocab_size"]
     reqs = make_workload(args.workload + (":tiny" if args.tiny else ""), vocab, k=args.k)
     k = int(reqs[0].cand.shape[1])  # (the tiny workloads carry fewer candidates)
@@ -198,7 +204,8 @@ def main() -> None:
 
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "torch": torch.__version__, "workload": args.workload + (":tiny" if args.tiny else ""),
-                     "model": f"{cfg['architectures'][0]} 8B shape{' (tiny)' if args.tiny else ''}, random weights",
+                     "model": f"{cfg['architectures'][0]} 8B shape{' (tiny)' if args.tiny else ''}, random weights "
+                              f"({args.load_format})",
                      "k": k, "requests": len(reqs), "tokens": total_tokens, "concurrency": args.concurrency,
                      "modes": {}}
     max_len = max(len(r.tokens) for r in reqs)
@@ -206,7 +213,7 @@ def main() -> None:
     port = 18500 + os.getpid() % 500
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(ckpt), "--port", str(port),
            "--host", "127.0.0.1", "--log-level", "warning", "--max-model-len", str(max_len),
-           "--no-enable-prefix-caching", *(["--max-num-batched-tokens", str(args.budget)] if args.budget else [])]
+           "--no-enable-prefix-caching", "--load-format", args.load_format, *(["--max-num-batched-tokens", str(args.budget)] if args.budget else [])]
     proc = subprocess.Popen(cmd, cwd=str(ROOT), env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -244,7 +251,7 @@ def main() -> None:
             results["completions_over_candidate"] = round(m["completions"]["tokens_per_s"]
                                                           / m["candidate"]["tokens_per_s"], 4)
     if args.long_tokens:
-        results["long_request"] = long_request(ckpt, "auto", args.long_tokens, k, args.budget)
+        results["long_request"] = long_request(ckpt, args.load_format, args.long_tokens, k, args.budget)
     print(json.dumps(results, indent=2))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
