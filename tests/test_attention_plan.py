@@ -321,7 +321,8 @@ def test_cudnn_fe_ragged_columns() -> None:
     """The frontend backend's per-call columns: fresh sequences' keys at their queries' rows,
     prefixed ones' at the packed keys' own rows; padding sequences empty at the end; each
     column 16-byte aligned; offsets in elements of each tensor's row stride."""
-    from teacher_server.attention.cudnn_fe import batch_class, ragged_columns, size_class
+    from teacher_server.attention.buckets import batch_class, size_class
+    from teacher_server.attention.cudnn_fe import ragged_columns
 
     assert [batch_class(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
     assert [size_class(n, 4) for n in (1, 256, 257, 1024, 1025, 1280, 1281, 5000)] == [
@@ -442,7 +443,7 @@ def test_cudnn_fe_check_at_the_models_heads(heads, fe_backend) -> None:
     """The frontend backend's check (at start-up, and at the model's own heads in warm_up)
     passes where its calls are right and fails where the frontend refuses the shape or
     computes something else."""
-    from teacher_server.attention.cudnn_fe import frontend_check
+    from teacher_server.attention.cudnn_fe_check import frontend_check
 
     cpu = torch.device("cpu")
     assert frontend_check(fe_backend(split=CpuCudnn(16)), cpu, torch.float32, heads)
@@ -463,9 +464,9 @@ def test_cudnn_fe_check_at_the_models_heads(heads, fe_backend) -> None:
 def test_cudnn_fe_warm_up_survives_a_graph_it_cannot_build(fe_backend, monkeypatch) -> None:
     """A graph the frontend does not build at warm-up (past the check at the model's heads)
     turns the backend off, as when a step meets one, instead of failing the start-up."""
-    import teacher_server.attention.cudnn_fe as cudnn_fe
+    import teacher_server.attention.cudnn_fe_check as cudnn_fe_check
 
-    monkeypatch.setattr(cudnn_fe, "frontend_check", lambda *a, **k: True)
+    monkeypatch.setattr(cudnn_fe_check, "frontend_check", lambda *a, **k: True)
     built = []
 
     class Failing(fe_backend):
@@ -591,7 +592,7 @@ def test_cudnn_fe_builds_a_kept_graph_that_does_not_load(stored_fe, tmp_path) ->
 def test_kept_graphs_that_fail_the_check_are_built_again(stored_fe, tmp_path) -> None:
     """The start-up check runs on the graphs read from the store: where they compute something
     else it fails on them, and ``checked`` leaves the store and passes on graphs built anew."""
-    from teacher_server.attention.cudnn_fe import checked, frontend_check
+    from teacher_server.attention.cudnn_fe_check import checked, frontend_check
     from teacher_server.attention.plan_store import PlanStore
 
     cpu = torch.device("cpu")

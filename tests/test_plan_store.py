@@ -55,7 +55,8 @@ def test_a_restart_reads_back_real_cudnn_plans(tmp_path) -> None:
     import torch
     from attn_util import make_step
 
-    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, checked
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
+    from teacher_server.attention.cudnn_fe_check import checked
     from teacher_server.attention.plan_store import plan_versions
 
     pytest.importorskip("cudnn")
@@ -89,10 +90,11 @@ def test_the_graphs_code_digest_is_the_same_in_another_process() -> None:
     import subprocess
     import sys
 
-    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, code_digest
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
+    from teacher_server.attention.plan_store import code_digest
 
     here = code_digest(CudnnFrontendBackend._graph.__code__)
-    code = ("from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, code_digest; "
+    code = ("from teacher_server.attention.cudnn_fe import CudnnFrontendBackend; from teacher_server.attention.plan_store import code_digest; "
             "print(code_digest(CudnnFrontendBackend._graph.__code__))")
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout.strip()
     assert here == there and here != code_digest(CudnnFrontendBackend._build.__code__)

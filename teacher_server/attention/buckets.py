@@ -17,3 +17,17 @@ def bucket_floor(n: int, per_octave: int = 8) -> int:
         return 0
     g = 64 if n <= 1024 else (1 << (n.bit_length() - 1)) // per_octave
     return (n // g) * g
+
+
+def size_class(n: int, per_octave: int) -> int:
+    """A length rounded up for a graph: 256, 512 or 1024, then ``per_octave`` steps per power
+    of two."""
+    for c in (256, 512, 1024):
+        if n <= c:
+            return c
+    return bucket(n, per_octave)
+
+
+def batch_class(b: int) -> int:
+    """A sequence count rounded up to a power of two."""
+    return 1 << max(b - 1, 0).bit_length()

@@ -1,6 +1,6 @@
 """The cuDNN backend's start-up self-check: one small mixed step through every cuDNN path,
 against the float32 sdpa reference, for each setting variant until one agrees (the step and
-its reference are the cudnn_fe backend's check too: ``cudnn_fe.frontend_check``)."""
+its reference are the cudnn_fe backend's check too: ``cudnn_fe_check.frontend_check``)."""
 
 from __future__ import annotations
 

@@ -24,22 +24,20 @@ cache on 0.6%, W1f and W3 the same.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-import types
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from teacher_server.attention.base import AttentionInputs
-from teacher_server.attention.buckets import bucket
+from teacher_server.attention.buckets import batch_class, size_class
 from teacher_server.attention.cudnn import CudnnBackend
-from teacher_server.attention.cudnn_check import CHECK_HEADS, check_with_reference
 from teacher_server.attention.cudnn_items import PathFailed
 from teacher_server.attention.packed import Plan, Varlen, cums
-from teacher_server.attention.plan_store import PlanStore
+from teacher_server.attention.plan_store import PlanStore, code_digest
 from teacher_server.attention.varlen import TorchVarlenBackend
 from teacher_server.step_context import StepContext
 
@@ -49,20 +47,6 @@ log = logging.getLogger(__name__)
 _Q, _K, _V, _O, _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O = range(1, 11)
 WARM_MAX = 32768  # the longest fresh length whose graphs warm_up builds (the runner passes up to a step's tokens)
 _UIDS = (_Q, _K, _V, _O, _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O)
-
-
-def size_class(n: int, per_octave: int) -> int:
-    """A length rounded up for a graph: 256, 512 or 1024, then ``per_octave`` steps per power
-    of two."""
-    for c in (256, 512, 1024):
-        if n <= c:
-            return c
-    return bucket(n, per_octave)
-
-
-def batch_class(b: int) -> int:
-    """A sequence count rounded up to a power of two."""
-    return 1 << max(b - 1, 0).bit_length()
 
 
 def ragged_columns(q_lens: list[int], k_lens: list[int], t0: int, prefixed: bool, bp: int,
@@ -120,6 +104,9 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         self.loaded: set[tuple] = set()  # graphs read back from ``plans``, not built here
         # cuDNN heuristics whose ranked plans a graph lists (the first that builds runs)
         self.heur_modes = ("A", "FALLBACK")
+        # the start-up check (cudnn_fe_check.checked, set by the registry; it imports this module),
+        # run again at the model's heads by warm_up
+        self.check: Callable[..., bool] | None = None  # (backend, device, dtype, heads) -> passed
 
     # --- planning ----------------------------------------------------------------------
     def _fe_plan(self, x: AttentionInputs, ctx: StepContext) -> Plan:
@@ -160,7 +147,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             return 0.0
         t0 = time.perf_counter()
         # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right
-        if self.enabled and not checked(self, device, dtype, (hq, hkv, d)):
+        if self.enabled and self.check is not None and not self.check(self, device, dtype, (hq, hkv, d)):
             log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
                         "cudnn" if self.split is not None else "varlen")
             self.enabled = False
@@ -355,50 +342,3 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         g.create_execution_plans([getattr(cudnn.heur_mode, m) for m in self.heur_modes])
         g.check_support()
         return g
-
-
-def code_digest(code: types.CodeType) -> str:
-    """A digest of a function's code that changes with it and not between processes (its inner
-    functions by their own digests: a code object's repr holds its address)."""
-    parts = [code.co_code, repr(code.co_names).encode()]
-    for c in code.co_consts:
-        parts.append(code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-
-
-def checked(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
-            heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
-    """``frontend_check``, and where it fails after graphs were read from the plan store: the
-    store is left, every graph built here again, and the check run once more (a saved plan
-    that runs wrong costs its start-up time, never the backend)."""
-    if frontend_check(backend, device, dtype, heads):
-        return True
-    if backend.plans is None or not backend.loaded:
-        return False
-    log.warning("cuDNN frontend attention failed its check with plans read from %s; building them instead",
-                backend.plans.dir)
-    backend.plans, backend.enabled = None, True
-    backend._graphs.clear()
-    backend.loaded.clear()
-    return frontend_check(backend, device, dtype, heads)
-
-
-def frontend_check(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
-                   heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
-    """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
-    prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim) against the
-    float32 sdpa reference: True when it agrees and took its own calls for both parts."""
-    x, ctx_on, ref = check_with_reference(device, dtype, heads)
-    d = x.q.shape[-1]
-    try:
-        c = ctx_on(device)
-        got = backend(x, c, d ** -0.5, None).float().cpu()
-    except Exception as e:
-        log.warning("cuDNN frontend attention self-check raised: %s", " ".join(str(e).split())[:300])
-        return False
-    calls = sum(isinstance(it, FeCall) for it in c.attn_plan.items)
-    err = (got - ref).abs().max().item()
-    if calls == 2 and err < 2e-2:
-        return True
-    log.warning("cuDNN frontend attention failed its self-check: error %.3g, %d calls", err, calls)
-    return False

@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import types
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -94,3 +95,12 @@ def store_from_env(device: object) -> PlanStore | None:
     except Exception as e:  # a version the bindings do not report: no store, the graphs are built
         log.warning("cuDNN plans not kept (%s)", e)
         return None
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of a function's code that changes with it and not between processes (its inner
+    functions by their own digests: a code object's repr holds its address)."""
+    parts = [code.co_code, repr(code.co_names).encode()]
+    for c in code.co_consts:
+        parts.append(code_digest(c).encode() if isinstance(c, types.CodeType) else repr(c).encode())
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]

@@ -82,13 +82,15 @@ def _cudnn(device: torch.device, dtype: torch.dtype, deterministic: bool) -> Att
 @register("cudnn_fe")
 def _cudnn_fe(device: torch.device, dtype: torch.dtype, deterministic: bool) -> AttentionBackend:
     _needs_cuda("cudnn_fe", device)
-    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, checked
+    from teacher_server.attention.cudnn_fe import CudnnFrontendBackend
+    from teacher_server.attention.cudnn_fe_check import checked
     from teacher_server.attention.plan_store import store_from_env
 
     # its graphs read from the compile cache where a start before kept them (the checks run on them too)
     backend = CudnnFrontendBackend(split=_checked_cudnn(device, dtype, deterministic), plans=store_from_env(device))
     if not checked(backend, device, dtype):
         raise RuntimeError("cuDNN frontend attention failed its self-check")
+    backend.check = checked
     return backend
 
 
