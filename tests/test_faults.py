@@ -288,6 +288,9 @@ def test_an_engine_without_step_progress_is_failed(tmp_path) -> None:
 
     try:
         asyncio.run(main())
+        deadline = time.monotonic() + 10  # the hook runs on the watcher's thread after the answers go out
+        while not fatal and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(fatal) == 1 and isinstance(fatal[0], EngineStalled)
         assert not ae.alive and ae.capacity == (0, 1)
     finally:
