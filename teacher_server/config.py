@@ -76,7 +76,8 @@ class Config(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
     max_logprobs: int = Field(
-        256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
+        256, ge=-1, description="Largest K (candidates per row) and largest classic prompt_logprobs; -1: the "
+                                "vocabulary's size (as vLLM's -1).")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="raw_logits: the matrix holds logits. processed_logprobs: a request's sampling "
                                     "temperature divides its logits before the softmax, as vLLM's mode of that name "
@@ -272,6 +273,17 @@ class Config(BaseModel):
     def served_name(self) -> str:
         """The name clients pass as ``model`` (known before the engine is built)."""
         return self.served_model_name or (self.model if self.model else "teacher-server-demo")
+
+    @field_validator("max_logprobs")
+    @classmethod
+    def _logprobs_cap(cls, v: int) -> int:
+        if v == 0:
+            raise ValueError("max_logprobs must be at least 1, or -1 for no cap but the vocabulary")
+        return v
+
+    def logprobs_cap(self, vocab_size: int) -> int:
+        """``max_logprobs`` for a model of ``vocab_size`` ids (-1: all of them)."""
+        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
     @model_validator(mode="after")
     def _check(self) -> Config:
