@@ -27,6 +27,7 @@ from teacher_server.server.generate import (
     _wait_disconnect,
     busy_response,
     ready_engine,
+    refusal_reason,
     refuse_long_wait,
     request_timeout,
 )
@@ -69,7 +70,7 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     try:
         resp, tokens = await _score(request, cfg, t0, parse, build, hold)
     except BadRequest as e:
-        m.labels(m.failures, reason="validation" if e.status == 400 else "unknown_model").inc()
+        m.labels(m.failures, reason=refusal_reason(e)).inc()
         resp = error_response(e.status, e.message, e.param)
     except ClientGone as e:
         m.labels(m.failures, reason="disconnected").inc()

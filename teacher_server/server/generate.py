@@ -154,6 +154,11 @@ def refuse_long_wait(queue: QueueWait, cfg: Config, priority: int) -> None:
                            f"max_queue_wait_s={cfg.max_queue_wait_s:g}", math.ceil(late))
 
 
+def refusal_reason(e: BadRequest) -> str:
+    """The failure metric's reason for a request refused with ``e``."""
+    return {400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(e.status, "too_large")
+
+
 def busy_response(e: OverBudget | QueueTooLong, m: Metrics) -> Response:
     """429 with Retry-After for a request refused by the byte budget or the queue's wait."""
     m.labels(m.failures, reason="over_budget" if isinstance(e, OverBudget) else "queue_wait").inc()
@@ -210,8 +215,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         info.scored = True
     except BadRequest as e:
         info.request_id = e.request_id or info.request_id
-        m.labels(m.failures, reason={400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(
-            e.status, "too_large")).inc()
+        m.labels(m.failures, reason=refusal_reason(e)).inc()
         return error_response(e.status, e.message, e.param)
     except ClientGone as e:
         m.labels(m.failures, reason="disconnected").inc()
