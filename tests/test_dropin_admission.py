@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import orjson
 import pytest
 from apiutil import assert_error
 from conftest import LiveServer, wait_until
@@ -14,6 +15,8 @@ from conftest import LiveServer, wait_until
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.server.byte_budget import ByteBudget, Hold
+from teacher_server.server.sglang_generate import parse_sglang
+from teacher_server.validation import Limits
 
 ENDPOINTS = ("/v1/completions", "/generate")
 
@@ -93,12 +96,23 @@ def test_deadline_header_gets_504_and_the_work_dropped(server, path: str) -> Non
             == 200
 
 
-def test_completions_priority_range(server) -> None:
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_priority_range(server, path: str) -> None:
     with server.client() as c:
-        assert c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 0, "priority": -1000}) \
-            .status_code == 200
-        assert_error(c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 0, "priority": 1001}),
-                     400, "priority", contains="[-1000, 1000]")
+        for p in (-1000, 1000):
+            assert c.post(path, json=scoring_body(path, [1, 2, 3], 1) | {"priority": p}).status_code == 200
+        for p in (1001, -1001, 2 ** 63):
+            assert_error(c.post(path, json=scoring_body(path, [1, 2, 3], 1) | {"priority": p}), 400, "priority",
+                         contains=f"[-1000, 1000] (priority_limit), got {p}")
+
+
+def test_sglang_priority_order_is_negated() -> None:
+    """SGLang runs larger priorities earlier (its default); the queue here runs lower ones
+    earlier: an SGLang client's urgent request stays urgent."""
+    limits = Limits(vocab_size=64, max_model_len=64, max_logprobs=8, max_rows_x_k=10 ** 6, priority_limit=1000)
+    for sent, queued in ((5, -5), (-3, 3), (None, 0)):
+        body = {"input_ids": [[1, 2, 3], [4, 5]]} | ({} if sent is None else {"priority": sent})
+        assert [r.priority for r in parse_sglang(orjson.dumps(body), limits, "m", None).reqs] == [queued, queued]
 
 
 def test_a_hold_alone_grows_past_the_budget() -> None:
