@@ -171,6 +171,9 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None)
         raise BadRequest(f"the requested logprobs make {entries} JSON entries, more than max_prompt_logprobs_entries="
                          f"{limits.max_prompt_logprobs_entries}; ask for fewer, or use POST /inference/v1/generate "
                          "with prompt_logprob_topk (binary arrays)", "top_logprobs_num")
+    # (as parse_completion: the prompts and any large ignored field are let go here)
+    body.input_ids = body.text = body.sampling_params = None
+    body.model_extra.clear()
     return ParsedSGLang(body, reqs, items, batch)
 
 
