@@ -274,19 +274,10 @@ class Config(BaseModel):
         """The name clients pass as ``model`` (known before the engine is built)."""
         return self.served_model_name or (self.model if self.model else "teacher-server-demo")
 
-    @field_validator("max_logprobs")
-    @classmethod
-    def _logprobs_cap(cls, v: int) -> int:
-        if v == 0:
-            raise ValueError("max_logprobs must be at least 1, or -1 for no cap but the vocabulary")
-        return v
-
-    def logprobs_cap(self, vocab_size: int) -> int:
-        """``max_logprobs`` for a model of ``vocab_size`` ids (-1: all of them)."""
-        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
-
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if self.max_logprobs == 0:
+            raise ValueError("max_logprobs must be at least 1, or -1 for no cap but the vocabulary")
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):

@@ -117,8 +117,7 @@ class LLM:
         cfg = kwargs.pop("config", None) or Config.load(overrides={"model": model, **kwargs}, env={})
         self.config = cfg
         self.engine = Engine(cfg)
-        self.limits = Limits(self.engine.spec.vocab_size, self.engine.max_model_len,
-                             cfg.logprobs_cap(self.engine.spec.vocab_size),
+        self.limits = Limits(self.engine.spec.vocab_size, self.engine.max_model_len, cfg.max_logprobs,
                              cfg.max_rows_x_k, processed=cfg.logprobs_mode == "processed_logprobs")
         self._ids = itertools.count()
 

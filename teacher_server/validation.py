@@ -45,6 +45,10 @@ class Limits:
     # Accepted priorities are -priority_limit..priority_limit; None: any (in-process API).
     priority_limit: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.max_logprobs == -1:  # (vLLM's -1: no cap but the vocabulary)
+            object.__setattr__(self, "max_logprobs", self.vocab_size)
+
 
 @dataclass(frozen=True)
 class RowTargets:

@@ -41,8 +41,8 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
 
     def ready(ae: AsyncEngine) -> None:
         engine = ae.engine
-        st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.logprobs_cap(engine.spec.vocab_size),
-                           cfg.max_rows_x_k, cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
+        st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
+                           cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
                            processed=cfg.logprobs_mode == "processed_logprobs")
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)

@@ -64,7 +64,7 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
             log.critical("replicas failed to start: %s", e)
             (on_start_failure or terminate_self)()
             return
-        st.limits = Limits(info.vocab_size, info.max_model_len, cfg.logprobs_cap(info.vocab_size), cfg.max_rows_x_k,
+        st.limits = Limits(info.vocab_size, info.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
                            cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
                            processed=cfg.logprobs_mode == "processed_logprobs")
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
