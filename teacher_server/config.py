@@ -76,7 +76,8 @@ class Config(BaseModel):
     max_model_len: int | None = Field(
         None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
     max_logprobs: int = Field(
-        256, ge=1, description="Largest K (candidates per row) and largest classic prompt_logprobs.")
+        256, ge=-1, description="Largest K (candidates per row) and largest classic prompt_logprobs; -1: the "
+                                "vocabulary's size (as vLLM's -1).")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="raw_logits: the matrix holds logits. processed_logprobs: a request's sampling "
                                     "temperature divides its logits before the softmax, as vLLM's mode of that name "
@@ -275,6 +276,8 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> Config:
+        if self.max_logprobs == 0:
+            raise ValueError("max_logprobs must be at least 1, or -1 for no cap but the vocabulary")
         if self.load_format == "dummy" and self.model is None:
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):

@@ -45,6 +45,10 @@ class Limits:
     # Accepted priorities are -priority_limit..priority_limit; None: any (in-process API).
     priority_limit: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.max_logprobs == -1:  # (vLLM's -1: no cap but the vocabulary)
+            object.__setattr__(self, "max_logprobs", self.vocab_size)
+
 
 @dataclass(frozen=True)
 class RowTargets:
@@ -134,6 +138,13 @@ def _token_ids(value: Any) -> np.ndarray:
         raise BadRequest(str(e), "token_ids") from None
 
 
+def check_priority(priority: int, limits: Limits) -> None:
+    """BadRequest naming ``priority`` outside -priority_limit..priority_limit."""
+    if limits.priority_limit is not None and abs(priority) > limits.priority_limit:
+        raise BadRequest(f"priority must be in [-{limits.priority_limit}, {limits.priority_limit}] "
+                         f"(priority_limit), got {priority}", "priority")
+
+
 def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, start: int | None = None,
                   prompt_logprobs: int | None = None, max_tokens: int | None = 1, request_id: str | None = None,
                   cache_salt: str | None = None, priority: int = 0,
@@ -153,9 +164,7 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     bad = (toks < 0) | (toks >= limits.vocab_size)
     if bad.any():
         raise BadRequest(f"token_ids: id {int(toks[bad][0])} is outside [0, {limits.vocab_size})", "token_ids")
-    if limits.priority_limit is not None and abs(priority) > limits.priority_limit:
-        raise BadRequest(f"priority must be in [-{limits.priority_limit}, {limits.priority_limit}] "
-                         f"(priority_limit), got {priority}", "priority")
+    check_priority(priority, limits)
     if cache_salt is not None and cache_salt == "":
         raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
     if truncate_prompt_tokens is not None:

@@ -121,3 +121,21 @@ def test_a_config_file_that_is_not_yaml_is_a_config_error(tmp_path, content: byt
     f.write_bytes(content)
     with pytest.raises(ConfigError, match="cannot be read as YAML"):
         Config.load(f, env={})
+
+
+def test_max_logprobs_minus_one_is_the_vocabulary(checkpoints) -> None:
+    """``--max-logprobs -1`` (TRL's docs give it to vLLM): no cap but the vocabulary's size."""
+    from teacher_server.llm import LLM
+    from teacher_server.validation import BadRequest, build_request
+
+    assert config_from_args(["serve", "--max-logprobs", "-1"]).max_logprobs == -1
+    for bad in ("0", "-2"):
+        with pytest.raises(ConfigError, match="max_logprobs"):
+            config_from_args(["serve", "--max-logprobs", bad])
+    llm = LLM(str(checkpoints["qwen3"]), device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8,
+              max_logprobs=-1)
+    vocab = llm.engine.spec.vocab_size
+    assert llm.limits.max_logprobs == vocab
+    assert build_request(token_ids=[1, 2, 3], limits=llm.limits, prompt_logprobs=vocab).prompt_logprobs == vocab
+    with pytest.raises(BadRequest, match="prompt_logprobs"):
+        build_request(token_ids=[1, 2, 3], limits=llm.limits, prompt_logprobs=vocab + 1)

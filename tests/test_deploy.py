@@ -724,6 +724,8 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("probe-timeout-1s", {"probes": {"readiness": {"timeoutSeconds": 1}}}, "timeoutSeconds"),
     ("no-gpu", {"resources": {"limits": {"nvidia.com/gpu": None}}}, "nvidia.com/gpu"),
     ("zero-gpu", {"resources": {"limits": {"nvidia.com/gpu": 0}}}, "nvidia.com~1gpu"),  # JSON-pointer escaped
+    ("max-logprobs-0", {"config": {"max_logprobs": 0}}, "max_logprobs"),  # (-1: the vocabulary, as the server)
+    ("max-logprobs-below-1", {"config": {"max_logprobs": -2}}, "max_logprobs"),
     ("root-user", {"securityContext": {"runAsNonRoot": False}}, "runAsNonRoot"),
     ("privilege-escalation", {"securityContext": {"allowPrivilegeEscalation": True}}, "allowPrivilegeEscalation"),
     ("config-unknown-setting", {"config": {"max_batch_size": 8}}, "max_batch_size"),
@@ -786,6 +788,11 @@ def test_render_rejects(helm: ModuleType, values: dict[str, Any], needle: str) -
     with pytest.raises(helm.HelmError) as err:
         render(helm, values)
     assert needle in str(err.value), str(err.value)
+
+
+def test_max_logprobs_minus_one_renders(helm: ModuleType) -> None:
+    """-1 (the vocabulary, as vLLM's) is a value the server takes: the schema must too."""
+    assert "max_logprobs: -1" in "".join(render(helm, {"config": {"max_logprobs": -1}}).values())
 
 
 def test_schema_config_matches_server_settings() -> None:

@@ -118,6 +118,20 @@ def test_config_table_lists_every_setting() -> None:
         assert f"`{name}`" in table, name
 
 
+def test_api_reference_lists_every_scoring_field() -> None:
+    """docs/api.md names every request field that changes the scores and every response field
+    of the native endpoint, and each ``logprobs_mode``."""
+    from typing import get_args
+
+    from teacher_server.config import LogprobsMode
+    from teacher_server.server.protocol import GenerateResponse, SamplingParams
+
+    api = (ROOT / "docs" / "api.md").read_text()
+    names = [n for n in SamplingParams.model_fields if n.startswith("prompt_logprob")]
+    names += list(GenerateResponse.model_fields) + list(get_args(LogprobsMode))
+    assert [n for n in names if f"`{n}`" not in api and f"`{n}." not in api] == []
+
+
 def test_every_file_the_readme_names_exists() -> None:
     """Paths and file names in the README and the docs it hands over to resolve to files of the
     repository (a bare name such as ``values.yaml`` may live in a subfolder)."""

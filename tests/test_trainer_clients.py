@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import time
 
 import numpy as np
 import pytest
@@ -77,34 +78,52 @@ def processed_server(server):
         yield s
 
 
-@pytest.mark.parametrize(("which", "temperature"), [("server", 1.0), ("processed_server", 0.7)])
-def test_trl_async_distillation_teacher_scoring(which: str, temperature: float, request) -> None:
-    """TRL's teacher call as its rollout loop makes it; ``teacher_temperature`` reaches the scores on a
-    server in processed_logprobs mode, as TRL's docs say of vLLM."""
-    server = request.getfixturevalue(which)
-    import aiohttp
+def trl_loop(url: str, k: int, temperature: float = 1.0):
+    """TRL's rollout loop with one teacher at ``url``, failing fast: its request timeout (a TRL
+    setting) at 30 s, and each call tried once. TRL retries a failed teacher call (any HTTP
+    error, a 400 too) 30 times with back-off up to 16 s, 3 tries each: minutes before a test
+    against a failing server would end; its attempt counts are not settings, so the loop's own
+    ``_retry`` is called with one attempt."""
     from accelerate.state import PartialState
     from datasets import Dataset
     from trl.experimental.async_distillation.async_rollout_worker import _AsyncRolloutLoop
 
     PartialState()  # TRL's rollout child does this before building the loop (accelerate's logger needs it)
-    k = 6
     loop = _AsyncRolloutLoop(
         model_name="student", dataset=Dataset.from_list([{"prompt": [{"role": "user", "content": "x"}]}]),
         processing_class=None, eos_token_ids=[0], rollout_buffer=queue.Queue(), model_version_value=None,
         heartbeat_value=None, failed_event=None, exception_info_queue=queue.Queue(), metrics_queue=queue.Queue(),
-        teacher_server_urls={"default": server.url}, teacher_top_k=k, teacher_temperature=temperature)
-    rng = np.random.default_rng(1)
-    prompt_ids, completion_ids = rng.integers(0, VOCAB, 20).tolist(), rng.integers(0, VOCAB, 50).tolist()
+        teacher_server_urls={"default": url}, teacher_top_k=k, teacher_temperature=temperature, request_timeout=30)
+    retry = loop._retry
+    loop._retry = lambda factory, *, label, max_attempts=1: retry(factory, label=label, max_attempts=1)
+    return loop
+
+
+def trl_score(loop, url: str, prompt_ids: list[int], completion_ids: list[int]):
+    """``_resolve_teacher_model_names`` then ``_score_with_teacher``, as the rollout loop calls them."""
+    import aiohttp
 
     async def score():
         async with aiohttp.ClientSession() as session:
             loop.session = session
             await loop._resolve_teacher_model_names()
             name = loop.teacher_model_names["default"]
-            return await loop._score_with_teacher(prompt_ids, completion_ids, server.url, name)
+            return await loop._score_with_teacher(prompt_ids, completion_ids, url, name)
 
-    ids, lps = asyncio.run(score())
+    return asyncio.run(score())
+
+
+@pytest.mark.timeout(60)  # (a failing server fails the test, it does not wait out TRL's retries)
+@pytest.mark.parametrize(("which", "temperature"), [("server", 1.0), ("processed_server", 0.7)])
+def test_trl_async_distillation_teacher_scoring(which: str, temperature: float, request) -> None:
+    """TRL's teacher call as its rollout loop makes it; ``teacher_temperature`` reaches the scores on a
+    server in processed_logprobs mode, as TRL's docs say of vLLM."""
+    server = request.getfixturevalue(which)
+    k = 6
+    loop = trl_loop(server.url, k, temperature)
+    rng = np.random.default_rng(1)
+    prompt_ids, completion_ids = rng.integers(0, VOCAB, 20).tolist(), rng.integers(0, VOCAB, 50).tolist()
+    ids, lps = trl_score(loop, server.url, prompt_ids, completion_ids)
     toks = prompt_ids + completion_ids
     if temperature == 1.0:
         ref = reference_logprobs(server.path, toks)
@@ -119,3 +138,14 @@ def test_trl_async_distillation_teacher_scoring(which: str, temperature: float, 
         want = top if actual in top else top + [actual]  # by rank: the realized token last when outside
         assert row_ids == want
         np.testing.assert_allclose(row_lps, ref[p - 1, want], atol=TOL)
+
+
+@pytest.mark.timeout(60)
+def test_trl_against_a_refusing_server_fails_fast(server) -> None:
+    """A teacher that answers 400 (top-K beyond ``max_logprobs``) fails TRL's call at once."""
+    import aiohttp
+
+    t0 = time.monotonic()
+    with pytest.raises(aiohttp.ClientResponseError) as e:
+        trl_score(trl_loop(server.url, 65), server.url, [1, 2, 3], [4, 5])
+    assert e.value.status == 400 and time.monotonic() - t0 < 10

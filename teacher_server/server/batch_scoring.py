@@ -3,7 +3,7 @@ read the body, parse it into engine requests (one per prompt of a batch), score 
 concurrently, and build the endpoint's JSON off the event loop. The endpoint modules give the
 parsing and the building; this holds what they share with the native endpoint's flow: the
 engine's availability, the deadline, a client that leaves (its requests are dropped), the
-status and access line."""
+status and access line, and the admission (byte budget, estimated wait, deadline)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,23 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from teacher_server.config import Config
-from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
+from teacher_server.engine.async_engine import EngineOverloaded, EngineUnavailable
 from teacher_server.engine.request import ScoreRequest, ScoreResult
+from teacher_server.server.admission import QueueTooLong, QueueWait
+from teacher_server.server.byte_budget import Hold, OverBudget, json_held_bytes, over_budget
 from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
-from teacher_server.server.generate import INLINE_BYTES, _wait_disconnect
+from teacher_server.server.generate import (
+    INLINE_BYTES,
+    _wait_disconnect,
+    busy_response,
+    ready_engine,
+    refusal_reason,
+    refuse_long_wait,
+    request_timeout,
+)
 from teacher_server.server.http import ClientGone, read_body
 from teacher_server.server.metrics import Metrics
-from teacher_server.server.responses import error_response, request_id_header
+from teacher_server.server.responses import HeldResponse, error_response, request_id_header
 from teacher_server.server.tokenizer import Tokenizer
 from teacher_server.validation import BadRequest, Limits
 
@@ -54,11 +64,13 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     t0 = time.monotonic()
     m: Metrics = request.app.state.metrics
     rid = request.headers.get("x-request-id")
+    hold = Hold(request.app.state.byte_budget)  # the call's bytes in flight, until its answer is sent
+    resp: Response | None = None
     tokens = 0
     try:
-        resp, tokens = await _score(request, cfg, t0, parse, build)
+        resp, tokens = await _score(request, cfg, t0, parse, build, hold)
     except BadRequest as e:
-        m.labels(m.failures, reason="validation" if e.status == 400 else "unknown_model").inc()
+        m.labels(m.failures, reason=refusal_reason(e)).inc()
         resp = error_response(e.status, e.message, e.param)
     except ClientGone as e:
         m.labels(m.failures, reason="disconnected").inc()
@@ -66,6 +78,11 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     except (EngineOverloaded, EngineUnavailable) as e:
         m.labels(m.failures, reason=e.kind.value).inc()
         resp = error_response(HTTP_STATUS[e.kind], str(e), headers=retry_after(e.kind))
+    except (OverBudget, QueueTooLong) as e:
+        resp = busy_response(e, m)
+    finally:
+        if not isinstance(resp, HeldResponse):  # (a held answer gives its bytes back once it is sent)
+            hold.release()
     dt = time.monotonic() - t0
     m.labels(m.requests, status=str(resp.status_code)).inc()
     m.labels(m.e2e).observe(dt)
@@ -76,36 +93,44 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     return resp
 
 
-async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: Build) -> tuple[Response, int]:
+async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: Build,
+                 hold: Hold) -> tuple[Response, int]:
+    """The call's work, admitted as the native endpoint's is: the byte budget (the body while
+    it is read, then the requests' arrays and answer until it is sent), the queue's estimated
+    wait, and the deadline (``X-Request-Timeout`` within ``request_timeout_s``: 504, and the
+    prompts' work dropped)."""
     app = request.app
-    ae: AsyncEngine | None = app.state.aengine
-    if ae is None:
-        raise EngineUnavailable("engine is loading")
-    if not ae.accepting or not ae.alive:
-        raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
-    coding = request.headers.get("content-encoding", "identity").strip().lower()
-    if coding not in ("", "identity"):
-        raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
-    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate)
+    m: Metrics = app.state.metrics
+    queue: QueueWait = app.state.queue_wait
+    ae = ready_engine(request)
+    timeout_s = request_timeout(request, cfg)
+    raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
     loop = asyncio.get_running_loop()
     tok = tokenizer_of(request)
     model = app.state.engine.served_model_name
     args = (raw, app.state.limits, model, tok)
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
+    del raw, args
     reqs: list[ScoreRequest] = parsed.reqs
     tokens = sum(r.length for r in reqs)
     if tokens > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
         raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "
                          f"(max_queue_tokens={cfg.max_queue_tokens})", "prompt")
-    if cfg.request_timeout_s is not None:
-        for r in reqs:
-            r.deadline = t0 + cfg.request_timeout_s
+    if not hold.resize(sum(json_held_bytes(r) for r in reqs)):
+        raise over_budget(hold)
+    refuse_long_wait(queue, cfg, min(r.priority for r in reqs))
+    deadline = None if timeout_s is None else t0 + timeout_s
+    for r in reqs:
+        r.deadline = deadline
     app.state.handling += 1
+    for r in reqs:
+        queue.admit(r.priority, r.length)
     try:
         tasks = [asyncio.ensure_future(ae.score(r)) for r in reqs]
         watcher = asyncio.ensure_future(_wait_disconnect(request))
         gathered = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
-        limit = None if cfg.request_timeout_s is None else cfg.request_timeout_s + _DEADLINE_GRACE_S
+        # The engine answers a request past its deadline itself (504); this bound holds when it cannot.
+        limit = None if deadline is None else max(deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
         try:
             done, _ = await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED, timeout=limit)
         finally:
@@ -114,9 +139,12 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
                 for t in tasks:
                     t.cancel()  # drops their work and frees their KV
                 gathered.cancel()
+            for r, t in zip(reqs, tasks):
+                queue.finish(r.priority, r.length, t.done() and not t.cancelled() and t.exception() is None
+                             and t.result().error is None)
         if not done:
-            return error_response(504, "request deadline exceeded (request_timeout_s): the engine did not "
-                                       "answer in time"), tokens
+            m.labels(m.failures, reason="timeout").inc()
+            return error_response(504, "request deadline exceeded: the engine did not answer in time"), tokens
         if gathered not in done:
             raise ClientGone("client disconnected")
         results: list[ScoreResult] = gathered.result()
@@ -129,9 +157,9 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
         app.state.handling -= 1
     failed = next((r for r in results if r.error is not None), None)
     if failed is not None:
+        m.labels(m.failures, reason=failed.error_kind or "internal").inc()
         return error_response(http_status(failed.error_kind), failed.error,
                               headers=retry_after(failed.error_kind)), tokens
-    m: Metrics = app.state.metrics
     m.labels(m.prompt_tokens).inc(tokens)
     content = await loop.run_in_executor(app.state.plp_pool, build, parsed, results, model, tok)
-    return Response(content, media_type="application/json"), tokens
+    return HeldResponse(content, hold), tokens

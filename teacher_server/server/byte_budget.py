@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from teacher_server.engine.request import ScoreRequest
+
 # What a body of declared size costs while it is read and parsed, per byte: the bytes
 # themselves (read into one buffer) and their parsed copy (orjson's strings and lists; a large
 # ignored field is copied whole).
@@ -30,7 +32,8 @@ class OverBudget(Exception):
 
 class ByteBudget:
     """Bytes held against ``limit``. ``take(n)`` holds n more when they fit (or when nothing
-    is held: one request larger than the whole budget still runs, alone), else returns False;
+    is held but the taker's own ``own`` bytes: one request larger than the whole budget still
+    runs, alone, also when its share grows from its body to its answer), else returns False;
     ``give(n)`` returns them. Every ``take`` that succeeded is paired with a ``give``."""
 
     def __init__(self, limit: int) -> None:
@@ -38,8 +41,8 @@ class ByteBudget:
         self.used = 0
         self.peak = 0  # the most ever held (tests and metrics read it)
 
-    def take(self, n: int) -> bool:
-        if n > 0 and self.used > 0 and self.used + n > self.limit:
+    def take(self, n: int, own: int = 0) -> bool:
+        if n > 0 and self.used > own and self.used + n > self.limit:
             return False
         self.used += n
         self.peak = max(self.peak, self.used)
@@ -65,6 +68,14 @@ def held_bytes(token_count: int, rows: int, k: int, prompt_logprobs: int | None)
     return arrays + result
 
 
+def json_held_bytes(req: ScoreRequest) -> int:
+    """``held_bytes`` of a request whose row targets are answered as JSON entries (the
+    trainers' endpoints: one entry per candidate, top-K id and actual token of each row)
+    rather than as binary arrays."""
+    entries = req.rows * (req.k + req.top_k + 1) if req.row_targets else 0
+    return held_bytes(req.length, req.rows, req.k, req.prompt_logprobs) + PLP_ENTRY_BYTES * entries
+
+
 class Hold:
     """One request's share of a ``ByteBudget``: grown, resized and released as the request
     goes from its body to its answer; ``release`` is safe to call more than once."""
@@ -76,7 +87,7 @@ class Hold:
         """Hold ``n`` bytes more; False (nothing taken) when they do not fit."""
         if self.budget is None:
             return True
-        if not self.budget.take(n):
+        if not self.budget.take(n, self.n):
             return False
         self.n += n
         return True

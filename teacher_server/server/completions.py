@@ -135,6 +135,10 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
         raise BadRequest(f"the prompts' logprobs make {entries} JSON entries, more than max_prompt_logprobs_entries="
                          f"{limits.max_prompt_logprobs_entries}; ask for fewer, or use POST /inference/v1/generate "
                          "with prompt_logprob_topk (binary arrays)", "prompt_logprobs")
+    # The prompts live on as the requests' arrays: their JSON lists and any large ignored field
+    # are let go here, as the native endpoint lets its body go (the byte budget stops counting them).
+    body.prompt = []
+    body.model_extra.clear()
     return ParsedCompletion(body, reqs, rid)
 
 

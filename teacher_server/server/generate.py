@@ -130,20 +130,48 @@ def request_timeout(request: Request, cfg: Config) -> float | None:
     return own if cfg.request_timeout_s is None else min(own, cfg.request_timeout_s)
 
 
+def ready_engine(request: Request) -> AsyncEngine:
+    """The engine, when it takes requests and the body's encoding is one it reads;
+    EngineUnavailable (503) or BadRequest otherwise."""
+    ae: AsyncEngine | None = request.app.state.aengine
+    if ae is None:
+        raise EngineUnavailable("engine is loading")
+    if not ae.accepting or not ae.alive:
+        raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
+    coding = request.headers.get("content-encoding", "identity").strip().lower()
+    if coding not in ("", "identity"):
+        raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
+    return ae
+
+
+def refuse_long_wait(queue: QueueWait, cfg: Config, priority: int) -> None:
+    """QueueTooLong when the work ahead of a request of ``priority`` would take longer than
+    ``max_queue_wait_s`` at the measured throughput."""
+    late = queue.refuse(priority)
+    if late is not None:
+        raise QueueTooLong(f"queue too long: the work ahead of this request would take "
+                           f"{late + cfg.max_queue_wait_s:.0f}s at the measured throughput, more than "
+                           f"max_queue_wait_s={cfg.max_queue_wait_s:g}", math.ceil(late))
+
+
+def refusal_reason(e: BadRequest) -> str:
+    """The failure metric's reason for a request refused with ``e``."""
+    return {400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(e.status, "too_large")
+
+
+def busy_response(e: OverBudget | QueueTooLong, m: Metrics) -> Response:
+    """429 with Retry-After for a request refused by the byte budget or the queue's wait."""
+    m.labels(m.failures, reason="over_budget" if isinstance(e, OverBudget) else "queue_wait").inc()
+    return error_response(429, str(e), headers={"Retry-After": str(e.retry_after_s)})
+
+
 async def _generate_counted(request: Request, cfg: Config, t0: float, info: RequestInfo, hold: Hold) -> Response:
     app = request.app
     m: Metrics = app.state.metrics
     engine: Engine | None = app.state.engine
-    ae: AsyncEngine | None = app.state.aengine
     queue: QueueWait = app.state.queue_wait
     try:
-        if ae is None:
-            raise EngineUnavailable("engine is loading")
-        if not ae.accepting or not ae.alive:
-            raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
-        coding = request.headers.get("content-encoding", "identity").strip().lower()
-        if coding not in ("", "identity"):
-            raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
+        ae = ready_engine(request)
         timeout_s = request_timeout(request, cfg)
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
         # Parsing and validating a large body takes a while: keep it off the event loop.
@@ -159,11 +187,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         # From here the request holds its arrays and, until it is sent, its result.
         if not hold.resize(held_bytes(req.length, req.rows, req.k, req.prompt_logprobs)):
             raise over_budget(hold)
-        late = queue.refuse(req.priority)
-        if late is not None:
-            raise QueueTooLong(f"queue too long: the work ahead of this request would take "
-                               f"{late + cfg.max_queue_wait_s:.0f}s at the measured throughput, more than "
-                               f"max_queue_wait_s={cfg.max_queue_wait_s:g}", math.ceil(late))
+        refuse_long_wait(queue, cfg, req.priority)
         if timeout_s is not None:
             req.deadline = t0 + timeout_s
         info.admitted = True
@@ -191,8 +215,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         info.scored = True
     except BadRequest as e:
         info.request_id = e.request_id or info.request_id
-        m.labels(m.failures, reason={400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(
-            e.status, "too_large")).inc()
+        m.labels(m.failures, reason=refusal_reason(e)).inc()
         return error_response(e.status, e.message, e.param)
     except ClientGone as e:
         m.labels(m.failures, reason="disconnected").inc()
@@ -200,12 +223,8 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
     except (EngineOverloaded, EngineUnavailable) as e:
         m.labels(m.failures, reason=e.kind.value).inc()
         return error_response(HTTP_STATUS[e.kind], str(e), headers=retry_after(e.kind))
-    except OverBudget as e:
-        m.labels(m.failures, reason="over_budget").inc()
-        return error_response(429, str(e), headers={"Retry-After": str(e.retry_after_s)})
-    except QueueTooLong as e:
-        m.labels(m.failures, reason="queue_wait").inc()
-        return error_response(429, str(e), headers={"Retry-After": str(e.retry_after_s)})
+    except (OverBudget, QueueTooLong) as e:
+        return busy_response(e, m)
     if res.error is not None:  # (a replica's full queue or drain comes back as a result: Retry-After too)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
         return error_response(http_status(res.error_kind), res.error, headers=retry_after(res.error_kind))

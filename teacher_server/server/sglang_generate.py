@@ -37,7 +37,7 @@ from teacher_server.server.parsing import pydantic_message
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, RowTargets, build_request
+from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_priority
 
 _Many = Annotated[list[StrictInt], _FF]
 
@@ -63,6 +63,9 @@ class SGLangGenerateRequest(BaseModel):
     return_text_in_logprobs: StrictBool = False
     rid: StrictStr | Annotated[list[StrictStr], _FF] | None = None
     stream: StrictBool = False
+    priority: StrictInt | None = Field(
+        None, description="SGLang's: a larger value runs earlier (its default order); the queue here runs lower "
+                          "values earlier, so it is negated; within -priority_limit..priority_limit.")
 
 
 @dataclass
@@ -123,6 +126,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None)
         require(tok, "return_text_in_logprobs")
     n = len(prompts)
     cap = min(limits.max_logprobs, limits.vocab_size)
+    check_priority(body.priority or 0, limits)  # (as sent: it is negated below)
     rid = body.rid
     reqs, items, entries = [], [], 0
     for i, ids in enumerate(prompts):
@@ -151,7 +155,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None)
             req = build_request(token_ids=ids, limits=limits, max_tokens=mn, start=cand_start if rows else None,
                                 candidates=tids if rows and tids is not None else None,
                                 targets=RowTargets(topk=top or None, actual=True) if rows else None,
-                                sampling_temperature=sp.get("temperature"),
+                                sampling_temperature=sp.get("temperature"), priority=-(body.priority or 0),
                                 request_id=(_per(rid, i, n, "rid") if rid is not None else None)
                                 or f"{uuid.uuid4().hex}")
         except BadRequest as e:
@@ -167,6 +171,9 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None)
         raise BadRequest(f"the requested logprobs make {entries} JSON entries, more than max_prompt_logprobs_entries="
                          f"{limits.max_prompt_logprobs_entries}; ask for fewer, or use POST /inference/v1/generate "
                          "with prompt_logprob_topk (binary arrays)", "top_logprobs_num")
+    # (as parse_completion: the prompts and any large ignored field are let go here)
+    body.input_ids = body.text = body.sampling_params = None
+    body.model_extra.clear()
     return ParsedSGLang(body, reqs, items, batch)
 
 

@@ -1,0 +1,127 @@
+"""The trainers' endpoints (``/v1/completions``, SGLang's ``/generate``) admitted as the native
+one is: the in-flight byte budget (the body while it is read, the answer until it is sent),
+the queue's estimated wait, the ``X-Request-Timeout`` deadline and the priority range."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import orjson
+import pytest
+from apiutil import assert_error
+from conftest import LiveServer, wait_until
+
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.server.byte_budget import ByteBudget, Hold
+from teacher_server.server.sglang_generate import parse_sglang
+from teacher_server.validation import Limits
+
+ENDPOINTS = ("/v1/completions", "/generate")
+
+
+def scoring_body(path: str, ids: list[int], k: int) -> dict:
+    """A teacher-scoring call of endpoint ``path``: top-``k`` log-probs at every position."""
+    if path == "/v1/completions":
+        return {"prompt": ids, "max_tokens": 0, "prompt_logprobs": k}
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": k}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Small steps (a long prompt takes seconds) and a byte budget of 16 KiB (below what the
+    command line accepts: set on the running server)."""
+    cfg = Config(demo_model_dir=str(tmp_path_factory.mktemp("demo") / "m"), device="cpu",
+                 max_num_batched_tokens=16, num_kv_blocks=2048, max_model_len=8192, max_logprobs=64,
+                 max_prompt_logprobs_entries=10 ** 6)
+    with LiveServer(cfg) as s:
+        s.app.state.byte_budget.limit = 16 * 1024
+        yield s
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_byte_budget_refuses_large_bodies_and_answers(server, path: str) -> None:
+    """With bytes of another request held, a body too large for the rest of the budget is
+    refused before it is read, and a small body whose answer (JSON entries) would not fit is
+    refused once parsed: 429 with Retry-After. Alone, both run; every byte is given back."""
+    budget: ByteBudget = server.app.state.byte_budget
+    big = scoring_body(path, [1000 + i % 3000 for i in range(2000)], 0)  # 10 KB of JSON: twice that read and parsed
+    wide = scoring_body(path, list(range(1, 200)), 20)  # a small body; ~200 x 21 entries of answer
+    with server.client() as c:
+        budget.take(1)  # another request's bytes in flight
+        try:
+            for b in (big, wide):
+                r = c.post(path, json=b)
+                assert_error(r, 429, contains="max_inflight_bytes")
+                assert int(r.headers["Retry-After"]) >= 1
+        finally:
+            budget.give(1)
+        for b in (big, wide):
+            assert c.post(path, json=b).status_code == 200
+        wait_until(lambda: budget.used == 0, 3, "the budget given back")
+        assert budget.peak > budget.limit  # (one request alone may exceed it)
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_long_estimated_wait_is_refused(server, path: str) -> None:
+    queue = server.app.state.queue_wait
+    queue.refuse = lambda priority: 7.2  # the work ahead would take 7.2 s more than allowed
+    try:
+        with server.client() as c:
+            r = c.post(path, json=scoring_body(path, [1, 2, 3], 1))
+        assert_error(r, 429, contains="queue too long")
+        assert r.headers["Retry-After"] == "8"
+    finally:
+        del queue.refuse
+    assert queue.queued == 0
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_deadline_header_gets_504_and_the_work_dropped(server, path: str) -> None:
+    engine: Engine = server.app.state.engine
+    ids = np.random.default_rng(0).integers(0, 4096, 8000).tolist()  # 500 steps of 16 tokens: many seconds
+    with server.client() as c:
+        t0 = time.monotonic()
+        r = c.post(path, json=scoring_body(path, ids, 0), headers={"X-Request-Timeout": "1"})
+        assert_error(r, 504, contains="deadline")
+        assert time.monotonic() - t0 < 1 + 3
+        wait_until(lambda: engine.stats().active_requests == 0, 3, "the request's removal")
+        assert engine.stats().kv_blocks_used == 0 and server.app.state.queue_wait.queued == 0
+        for bad in ("abc", "0", "-1", "nan"):
+            assert_error(c.post(path, json=scoring_body(path, [1, 2, 3], 1), headers={"X-Request-Timeout": bad}),
+                         400, "x-request-timeout")
+        assert c.post(path, json=scoring_body(path, [1, 2, 3], 1), headers={"X-Request-Timeout": "30"}).status_code \
+            == 200
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_priority_range(server, path: str) -> None:
+    with server.client() as c:
+        for p in (-1000, 1000):
+            assert c.post(path, json=scoring_body(path, [1, 2, 3], 1) | {"priority": p}).status_code == 200
+        for p in (1001, -1001, 2 ** 63):
+            assert_error(c.post(path, json=scoring_body(path, [1, 2, 3], 1) | {"priority": p}), 400, "priority",
+                         contains=f"[-1000, 1000] (priority_limit), got {p}")
+
+
+def test_sglang_priority_order_is_negated() -> None:
+    """SGLang runs larger priorities earlier (its default); the queue here runs lower ones
+    earlier: an SGLang client's urgent request stays urgent."""
+    limits = Limits(vocab_size=64, max_model_len=64, max_logprobs=8, max_rows_x_k=10 ** 6, priority_limit=1000)
+    for sent, queued in ((5, -5), (-3, 3), (None, 0)):
+        body = {"input_ids": [[1, 2, 3], [4, 5]]} | ({} if sent is None else {"priority": sent})
+        assert [r.priority for r in parse_sglang(orjson.dumps(body), limits, "m", None).reqs] == [queued, queued]
+
+
+def test_a_hold_alone_grows_past_the_budget() -> None:
+    """A request alone may take more than the whole budget, also when its share grows (from
+    its body to its answer); beside another request's bytes it may not."""
+    b = ByteBudget(100)
+    h = Hold(b)
+    assert h.take(150) and h.resize(400) and b.used == 400
+    other = Hold(b)
+    assert not other.take(1)
+    h.release()
+    assert other.take(1) and not h.take(100) and h.take(99) and not h.resize(500) and b.used == 100
