@@ -21,10 +21,10 @@ from typing import Annotated, Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest, ScoreResult
-from teacher_server.server.parsing import pydantic_message
+from teacher_server.server.parsing import validated
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
@@ -87,16 +87,7 @@ def _token_prompts(body: CompletionRequest, tok: Tokenizer | None) -> list[list[
 
 def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None) -> ParsedCompletion:
     """JSON bytes -> the engine requests of each prompt; BadRequest (vLLM's 400/404) otherwise."""
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        body = CompletionRequest.model_validate(obj)
-    except ValidationError as e:
-        raise BadRequest(*pydantic_message(e.errors())) from None
+    body = validated(raw, CompletionRequest)
     if body.model is not None and body.model != served:
         raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
     if body.stream:

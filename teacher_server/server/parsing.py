@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import re
 import uuid
+from typing import TypeVar
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.server.protocol import GenerateRequest, SamplingParams
@@ -16,6 +17,7 @@ from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, RowTar
 # `"token_ids": [` as a key: inside a JSON string every `"` is escaped, so this only
 # matches a key (the top-level one, or a key of some nested object; see below).
 _TOKEN_IDS_KEY = re.compile(rb'"token_ids"\s*:\s*\[')
+M = TypeVar("M", bound=BaseModel)
 PRECHECK_BYTES = 64 * 1024  # bodies below this are parsed at once (counting would gain nothing)
 
 
@@ -67,6 +69,20 @@ def row_targets(sp: SamplingParams) -> RowTargets:
 def _body_request_id(obj: object) -> str | None:
     rid = obj.get("request_id") if isinstance(obj, dict) else None
     return rid if isinstance(rid, str) else None
+
+
+def validated(raw: bytes | bytearray, model: type[M]) -> M:
+    """JSON bytes -> ``model`` (the endpoints' request bodies); BadRequest naming the field otherwise."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise BadRequest("request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise BadRequest(*pydantic_message(e.errors())) from None
 
 
 def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str,

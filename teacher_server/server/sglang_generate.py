@@ -30,10 +30,10 @@ from typing import Annotated, Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest, ScoreResult
-from teacher_server.server.parsing import pydantic_message
+from teacher_server.server.parsing import validated
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
@@ -99,16 +99,7 @@ def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
 
 def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None) -> ParsedSGLang:
     """JSON bytes -> one engine request per prompt; BadRequest otherwise."""
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        body = SGLangGenerateRequest.model_validate(obj)
-    except ValidationError as e:
-        raise BadRequest(*pydantic_message(e.errors())) from None
+    body = validated(raw, SGLangGenerateRequest)
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
     if (body.input_ids is None) == (body.text is None):
