@@ -84,8 +84,9 @@ class RowTargets:
             raise BadRequest("prompt_logprob_tail needs columns to be outside of: prompt_logprob_token_ids and/or "
                              "prompt_logprob_topk", sp + "prompt_logprob_tail")
         t = self.temperature
-        if t is not None and not (isinstance(t, int | float) and math.isfinite(t) and t > 0):
-            raise BadRequest(f"prompt_logprob_temperature must be a finite number > 0, got {t!r}",
+        # below 1e-5 (vLLM's greedy threshold) logits / t overflow float32 and the softmax is NaN
+        if t is not None and not (isinstance(t, int | float) and math.isfinite(t) and t >= 1e-5):
+            raise BadRequest(f"prompt_logprob_temperature must be a finite number >= 1e-5, got {t!r}",
                              sp + "prompt_logprob_temperature")
 
 

@@ -125,3 +125,26 @@ def test_a_hold_alone_grows_past_the_budget() -> None:
     assert not other.take(1)
     h.release()
     assert other.take(1) and not h.take(100) and h.take(99) and not h.resize(500) and b.used == 100
+
+
+def test_a_refused_prompt_refuses_the_batch_at_once() -> None:
+    """One prompt of a batch refused (a full queue) cancels the others instead of scoring them
+    first and throwing their results away (each retry would repeat that work)."""
+    import asyncio
+
+    from teacher_server.engine.async_engine import EngineOverloaded
+    from teacher_server.server.batch_scoring import _all_scored
+
+    async def main() -> None:
+        async def refused() -> None:
+            raise EngineOverloaded("queue full")
+
+        slow = asyncio.ensure_future(asyncio.sleep(30))
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(EngineOverloaded):
+            await _all_scored([slow, asyncio.ensure_future(refused())])
+        assert asyncio.get_running_loop().time() - t0 < 5
+        await asyncio.sleep(0)
+        assert slow.cancelled()
+
+    asyncio.run(main())

@@ -428,6 +428,7 @@ class FakeReplica:
 
     def __init__(self, i: int) -> None:
         self.index, self.name, self.state, self.requests, self.tokens, self.futs = i, str(i), "ready", 0, 0, []
+        self.error: str | None = None  # set by kill, before the exit is seen
 
     def submit(self, req: object) -> asyncio.Future:
         self.requests += 1
@@ -693,3 +694,22 @@ def test_restart_backoff_doubles_for_quick_failures_and_resets_after_serving() -
     pool._stopping = True
     pool._restart(pool.replicas[0])
     assert len(started) == 10
+
+
+def test_a_replica_being_killed_is_not_served_to() -> None:
+    """``kill`` sets the replica's error before its exit is seen: from then on it is not
+    routed to, not counted as serving and named in the pool's error."""
+    from teacher_server.replicas.pool import ReplicaPool
+    from teacher_server.replicas.replica import Replica
+
+    reps = []
+    for i in range(2):
+        r = Replica.__new__(Replica)
+        r.index, r.state, r.error = i, "ready", None
+        reps.append(r)
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.replicas = reps
+    assert pool.capacity == (2, 2) and pool.fatal_error is None
+    reps[1].error = "no heartbeat for 11s"  # what kill() sets first
+    assert pool.capacity == (1, 2) and pool.alive
+    assert "replica 1" in pool.fatal_error

@@ -285,3 +285,15 @@ def test_processed_logprobs_mode_applies_the_sampling_temperature(checkpoints) -
         res = ScoreResult("p", 0, 30, topk_ids=out.prompt_topk_token_ids, topk_logprobs=out.prompt_topk_logprobs,
                           actual_logprobs=out.prompt_actual_logprobs)
         assert_targets(path, req, res)
+
+
+@pytest.mark.parametrize("t", [1e-39, 1e-6, 0.0, -1.0, float("inf")])
+def test_a_temperature_that_would_overflow_is_refused(t) -> None:
+    """logits / t past float32's range makes the softmax NaN: below vLLM's greedy threshold
+    (1e-5) the temperature is refused, naming the field."""
+    from teacher_server.validation import BadRequest, Limits, RowTargets
+
+    limits = Limits(vocab_size=512, max_model_len=128, max_logprobs=256, max_rows_x_k=10000)
+    with pytest.raises(BadRequest, match="prompt_logprob_temperature"):
+        RowTargets(topk=4, temperature=t).check(8, False, limits)
+    RowTargets(topk=4, temperature=1e-5).check(8, False, limits)

@@ -131,6 +131,11 @@ def test_aliases_cors_and_root_path_over_http(tmp_path) -> None:
             r = c.post(gen, json={**body([1, 2, 3], [[4], [5]], start=0), "model": name})
             assert r.status_code == 200 and r.json()["model"] == "teacher", r.text
         assert_error(c.post(gen, json={**body([1, 2, 3], [4]), "model": "other"}), 404, "model")
+        for name in ("teacher", "qwen-alias"):  # the trainers' endpoint takes every name too
+            r = c.post("/v1/completions", json={"model": name, "prompt": [1, 2, 3], "max_tokens": 0,
+                                                "echo": True, "prompt_logprobs": 1})
+            assert r.status_code == 200, r.text
+        assert c.post("/v1/completions", json={"model": "other", "prompt": [1, 2], "max_tokens": 0}).status_code == 404
         pre = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST"}
         r = c.options(gen, headers=pre)
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"

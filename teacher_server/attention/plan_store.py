@@ -12,6 +12,7 @@ built again; a directory that cannot be written only costs the saving."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -51,14 +52,19 @@ class PlanStore:
         """Write atomically (a file appears whole or not at all: processes may share the directory)."""
         if not self._writable:
             return
+        tmp = None
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, self.path(key))
+            tmp = None
             self.saved += 1
-        except OSError as e:  # read-only or full: the graphs are built at every start, as without a store
+        except OSError as e:
+            if tmp is not None:  # a part written (a full disk): not left behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)  # read-only or full: the graphs are built at every start, as without a store
             log.warning("cuDNN plans not kept in %s (%s)", self.dir, e.strerror or e)
             self._writable = False
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 
-import teacher_server.engine.engine
-import teacher_server.replicas.worker  # noqa: F401
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # before the imports: they take seconds
 
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+import teacher_server.engine.engine  # noqa: E402
+import teacher_server.replicas.worker  # noqa: E402, F401

@@ -48,6 +48,12 @@ log = logging.getLogger("teacher_server.replicas")
 MAX_REPLICAS_LOST = 1
 
 
+def _serving(r: Replica) -> bool:
+    """Ready and not being killed (``kill`` sets ``error`` before the exit is seen: from then on
+    nothing is routed to it, and it does not count as serving)."""
+    return r.state == "ready" and r.error is None
+
+
 class ReplicaPool:
     """Start with ``start()`` (on the event loop), then ``await ready()``."""
 
@@ -131,18 +137,19 @@ class ReplicaPool:
     @property
     def alive(self) -> bool:
         """Some replica can serve (requests are admitted); ``fatal_error`` says which cannot."""
-        return any(r.state == "ready" for r in self.replicas)
+        return any(_serving(r) for r in self.replicas)
 
     @property
     def capacity(self) -> tuple[int, int]:
         """(replicas serving, replicas)."""
-        return sum(r.state == "ready" for r in self.replicas), len(self.replicas)
+        return sum(_serving(r) for r in self.replicas), len(self.replicas)
 
     @property
     def fatal_error(self) -> str | None:
         """What is not serving and why: replicas down, and those restarting after going down."""
         down = [f"replica {r.index} down: {r.error}" + (" (restarting)" if r.state == "starting" else "")
-                for r in self.replicas if r.state == "down" or (r.state == "starting" and r.error)]
+                for r in self.replicas if r.state != "ready" and (r.state == "down" or r.error)]
+        down += [f"replica {r.index} being stopped: {r.error}" for r in self.replicas if r.state == "ready" and r.error]
         return "; ".join(down) or None
 
     @property
@@ -196,7 +203,7 @@ class ReplicaPool:
         tried: set[str] = set()
         full: set[str] = set()  # replicas that refused it with a full queue (their count ran ahead of ours)
         while True:
-            live = [r for r in self.replicas if r.state == "ready" and r.name not in tried]
+            live = [r for r in self.replicas if _serving(r) and r.name not in tried]
             if not live:
                 raise EngineUnavailable(self.fatal_error or "no replica can serve")
             room = [r for r in live if r.requests < self.max_queue_requests

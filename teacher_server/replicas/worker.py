@@ -174,10 +174,13 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
     def report() -> None:  # the engine's snapshot, when it changed (the front's metrics), and as a heartbeat
         last, sent = None, 0.0
         while not stop.is_set():
-            s = engine.stats()
-            if s != last or time.monotonic() - sent >= HEARTBEAT_S:
-                out.send(StatsMsg(s))
-                last, sent = s, time.monotonic()
+            try:
+                s = engine.stats()
+                if s != last or time.monotonic() - sent >= HEARTBEAT_S:
+                    out.send(StatsMsg(s))
+                    last, sent = s, time.monotonic()
+            except Exception:  # a failed snapshot must not end the heartbeats (a healthy replica killed as hung)
+                log.exception("replica %d: stats snapshot failed", index)
             stop_wait.wait(STATS_INTERVAL_S)
 
     threading.Thread(target=read, name=f"teacher-replica{index}-in", daemon=True).start()

@@ -59,6 +59,19 @@ def tokenizer_of(request: Request) -> Tokenizer | None:
     return st.tokenizer
 
 
+async def _all_scored(tasks: list[asyncio.Future]) -> list[ScoreResult]:
+    """Every prompt's result; as soon as one prompt is refused (a full queue, a drain: it
+    raises), the others are cancelled and the refusal raised: a batch is admitted or refused as
+    one call, and a refused one spends nothing on its other prompts."""
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    refused = next((t.exception() for t in tasks if t in done and t.exception() is not None), None)
+    if refused is not None:
+        for t in pending:
+            t.cancel()  # drops their work and frees their KV
+        raise refused
+    return [t.result() for t in tasks]
+
+
 async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse, build: Build) -> Response:
     """One call of a trainers' endpoint ``name``: parse -> score every prompt -> build."""
     t0 = time.monotonic()
@@ -108,7 +121,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     loop = asyncio.get_running_loop()
     tok = tokenizer_of(request)
     model = app.state.engine.served_model_name
-    args = (raw, app.state.limits, model, tok)
+    args = (raw, app.state.limits, model, tok, cfg.served_names)
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
     del raw, args
     reqs: list[ScoreRequest] = parsed.reqs
@@ -128,7 +141,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     try:
         tasks = [asyncio.ensure_future(ae.score(r)) for r in reqs]
         watcher = asyncio.ensure_future(_wait_disconnect(request))
-        gathered = asyncio.ensure_future(asyncio.gather(*tasks, return_exceptions=True))
+        gathered = asyncio.ensure_future(_all_scored(tasks))
         # The engine answers a request past its deadline itself (504); this bound holds when it cannot.
         limit = None if deadline is None else max(deadline - time.monotonic(), 0.0) + _DEADLINE_GRACE_S
         try:
@@ -147,12 +160,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
             return error_response(504, "request deadline exceeded: the engine did not answer in time"), tokens
         if gathered not in done:
             raise ClientGone("client disconnected")
-        results: list[ScoreResult] = gathered.result()
-        refused = next((r for r in results if isinstance(r, BaseException)), None)
-        if refused is not None:  # not admitted (a full queue, a drain): the whole call is refused
-            for t in tasks:
-                t.cancel()
-            raise refused
+        results: list[ScoreResult] = gathered.result()  # (raises a prompt's refusal: the call's)
     finally:
         app.state.handling -= 1
     failed = next((r for r in results if r.error is not None), None)

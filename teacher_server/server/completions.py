@@ -85,10 +85,12 @@ def _token_prompts(body: CompletionRequest, tok: Tokenizer | None) -> list[list[
     return [p]
 
 
-def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None) -> ParsedCompletion:
-    """JSON bytes -> the engine requests of each prompt; BadRequest (vLLM's 400/404) otherwise."""
+def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
+                     aliases: tuple[str, ...] = ()) -> ParsedCompletion:
+    """JSON bytes -> the engine requests of each prompt; BadRequest (vLLM's 400/404) otherwise.
+    ``aliases``: the other served names (``--served-model-name a b``), accepted as ``model``."""
     body = validated(raw, CompletionRequest)
-    if body.model is not None and body.model != served:
+    if body.model is not None and body.model != served and body.model not in aliases:
         raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")

@@ -97,7 +97,8 @@ def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
     return value
 
 
-def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None) -> ParsedSGLang:
+def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
+                 aliases: tuple[str, ...] = ()) -> ParsedSGLang:
     """JSON bytes -> one engine request per prompt; BadRequest otherwise."""
     body = validated(raw, SGLangGenerateRequest)
     if body.stream:
