@@ -713,3 +713,19 @@ def test_a_replica_being_killed_is_not_served_to() -> None:
     reps[1].error = "no heartbeat for 11s"  # what kill() sets first
     assert pool.capacity == (1, 2) and pool.alive
     assert "replica 1" in pool.fatal_error
+
+
+def test_the_pool_gives_up_on_a_replica_that_keeps_failing_while_none_serves() -> None:
+    """Five quick failures in a row with no replica serving end the pool (the server exits for
+    its orchestrator, as a broken GPU needs); one serving replica keeps it restarting."""
+    from teacher_server.replicas.pool import ReplicaPool
+
+    reps = [FakeReplica(0), FakeReplica(1)]
+    reps[0].state = "down"  # the one that just failed again
+    pool = ReplicaPool.__new__(ReplicaPool)
+    pool.replicas, pool.on_give_up, pool._quick_failures = reps, print, [ReplicaPool.GIVE_UP_AFTER, 0]
+    assert not pool.gives_up(0)  # replica 1 serves
+    reps[1].state = "starting"
+    assert pool.gives_up(0)
+    pool._quick_failures[0] -= 1
+    assert not pool.gives_up(0)

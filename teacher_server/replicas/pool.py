@@ -59,17 +59,21 @@ class ReplicaPool:
 
     STABLE_S = 300.0  # a replica that served this long before it went down is restarted after the first backoff
     MAX_BACKOFF_DOUBLINGS = 6  # the restart delay is at most 64 x replica_restart_backoff_s
+    GIVE_UP_AFTER = 5  # quick failures in a row, none serving: on_give_up
 
     def __init__(self, cfg: Config, factory: Callable[[Config], object],
                  on_stats: Callable[[int, EngineStats], None] | None = None,
                  on_down: Callable[[int, str], None] | None = None, gpus_per_replica: int | None = None,
-                 on_up: Callable[[int, bool], None] | None = None) -> None:
+                 on_up: Callable[[int, bool], None] | None = None,
+                 on_give_up: Callable[[str], None] | None = None) -> None:
         """``on_down(index, why)`` when a replica goes down (it is restarted); ``on_up(index,
-        restarted)`` when one is ready, ``restarted`` for one started again."""
+        restarted)`` when one is ready, ``restarted`` for one started again; ``on_give_up(why)``
+        when a replica has failed ``GIVE_UP_AFTER`` times in a row, each soon after starting, and
+        none serves (a broken GPU: the service exits for its orchestrator instead of retrying)."""
         self.cfg = cfg
         self.max_queue_requests, self.max_queue_tokens = cfg.max_queue_requests, cfg.max_queue_tokens
         self.router = Router(cfg.routing, cfg.block_size, cfg.routing_spill_tokens)
-        self.on_stats, self.on_down, self.on_up = on_stats, on_down, on_up
+        self.on_stats, self.on_down, self.on_up, self.on_give_up = on_stats, on_down, on_up, on_give_up
         self.silent_s = cfg.heartbeat_timeout_s  # a ready replica silent this long (it beats each second) is killed
         self._ctx = process_context()  # no inherited CUDA state or threads (spawned, or forked from the preloader)
         self._factory = factory
@@ -284,11 +288,21 @@ class ReplicaPool:
             self.on_down(rep.index, why)
         i = rep.index
         self._quick_failures[i] = 0 if served_s >= self.STABLE_S else self._quick_failures[i] + 1
+        if self.gives_up(i):
+            log.critical("replica %d failed %d times in a row and no replica serves: giving up", i,
+                         self._quick_failures[i])
+            self.on_give_up(f"replica {i} failed {self._quick_failures[i]} times in a row, none serving: {why}")
+            return
         delay = self.cfg.replica_restart_backoff_s * 2 ** min(max(self._quick_failures[i] - 1, 0),
                                                                 self.MAX_BACKOFF_DOUBLINGS)
         log.warning("replica %d restarts in %.1fs; %d of %d replicas serve meanwhile", i, delay,
                     self.capacity[0], len(self.replicas))
         self._loop.call_later(delay, self._restart, rep)
+
+    def gives_up(self, i: int) -> bool:
+        """Whether replica ``i``'s failures end the pool (see ``on_give_up``)."""
+        return (self.on_give_up is not None and self._quick_failures[i] >= self.GIVE_UP_AFTER
+                and self.capacity[0] == 0)
 
     def _restart(self, old: Replica) -> None:
         """Start replica ``old.index`` again (a new process), unless the pool is stopping."""

@@ -36,8 +36,9 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
     """Start the replica processes (each builds its engine) and serve once all are ready;
     ``on_start_failure`` when one cannot start. A replica that goes down later is restarted by
     the pool while the others serve (its ``_healthy`` series reads 0 meanwhile, and
-    ``_engine_restarts_total`` counts it), so ``on_fatal`` is unused, as is ``on_step``:
-    replicas report their engines' snapshots themselves."""
+    ``_engine_restarts_total`` counts it); ``on_fatal`` when the pool gives up (a replica failing
+    again and again soon after each start while none serves). ``on_step`` is unused: replicas
+    report their engines' snapshots themselves."""
     st = app.state
     m = st.metrics
     if cfg.data_parallel_size == 1:
@@ -53,7 +54,8 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
             m.engine_labels(m.restarts, index if m.replicas > 1 else None).inc()
 
     pool = ReplicaPool(cfg, factory, on_stats=lambda i, s: m.observe_engine(s, i),
-                       on_down=lambda index, why: m.set_healthy(False, index), on_up=up)
+                       on_down=lambda index, why: m.set_healthy(False, index), on_up=up,
+                       on_give_up=lambda why: on_fatal(RuntimeError(why)))
     pool.start()
 
     async def wait() -> None:
