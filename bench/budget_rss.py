@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from teacher_server.benchmark.local_server import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 GEN = "/inference/v1/generate"
 MiB = 1 << 20
@@ -60,11 +62,6 @@ def kib(pid: int, field: str) -> int:
             return int(line.split()[1])
     raise KeyError(field)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -36,7 +36,6 @@ import io
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from workloads import QWEN3_8B, Req, make_workload, write_config  # noqa: E402
+
+from teacher_server.benchmark.local_server import free_port, stop_server  # noqa: E402
 
 GEN = "/inference/v1/generate"
 MiB = 1 << 20
@@ -81,11 +82,6 @@ def body(r: Req) -> bytes:
 def matrix(data: bytes) -> np.ndarray:
     return np.load(io.BytesIO(base64.b64decode(json.loads(data)["prompt_token_id_logprobs"])))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tree(pid: int) -> list[int]:
@@ -317,11 +313,7 @@ def main() -> None:
         print(f"server ready in {time.monotonic() - t:.0f}s", flush=True)
         asyncio.run(soak(args, url, proc, state))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     res = summarize(args, state)
     print(json.dumps({k: v for k, v in res.items() if k != "samples"}, indent=1))
     if args.out:

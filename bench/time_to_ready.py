@@ -23,7 +23,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import QWEN3_5_9B, QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B, write_config
+
+from teacher_server.benchmark.local_server import free_port, stop_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"demo": None, "8b": QWEN3_8B, "qwen3.5-9b": QWEN3_5_9B, "32b": QWEN3_32B, "30b-a3b": QWEN3_30B_A3B}
@@ -45,13 +46,6 @@ STARTUP_LINE = re.compile(r"start-up took ([\d.]+)s \((.*?)\); compile cache (.*
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) ")
 ENGINE_STARTS = re.compile(r"starting the engine of|starting \d+ replicas of|loading model ")
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
@@ -132,13 +126,7 @@ def one_start(name: str, cmd: list[str], env: dict[str, str], log_path: Path, ti
             wait_ready(f"http://127.0.0.1:{port}", proc, timeout_s)
             ready = time.perf_counter() - t0  # from the launch: imports and all
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_server(proc)
     text = log_path.read_text(errors="replace")
     out = {"name": name, "ready_s": round(ready, 2), **parse_phases(text),
            "outside_engine": outside_engine(text, launched, launched + ready)}

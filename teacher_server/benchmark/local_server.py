@@ -45,13 +45,18 @@ def local_server(serve_args: list[str], log_path: str, ready_timeout_s: float = 
             time.sleep(0.5)
         yield url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM (the server drains, as under an orchestrator), then SIGKILL past ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def wait_ready(url: str, timeout_s: float, api_key: str | None = None) -> None:

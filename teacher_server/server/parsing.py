@@ -71,18 +71,28 @@ def _body_request_id(obj: object) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def validated(raw: bytes | bytearray, model: type[M]) -> M:
-    """JSON bytes -> ``model`` (the endpoints' request bodies); BadRequest naming the field otherwise."""
+def json_object(raw: bytes | bytearray) -> dict:
+    """A request body's JSON object; BadRequest when it is not valid JSON or not an object."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
         raise BadRequest("request body is not valid JSON") from None
     if not isinstance(obj, dict):
         raise BadRequest("request body must be a JSON object")
+    return obj
+
+
+def as_model(obj: dict, model: type[M]) -> M:
+    """``obj`` validated as ``model``; BadRequest naming the field otherwise."""
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise BadRequest(*pydantic_message(e.errors())) from None
+
+
+def validated(raw: bytes | bytearray, model: type[M]) -> M:
+    """JSON bytes -> ``model`` (the endpoints' request bodies); BadRequest naming the field otherwise."""
+    return as_model(json_object(raw), model)
 
 
 def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str,
@@ -104,17 +114,9 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
             raise BadRequest(f"request body holds {commas} comma-separated JSON values, more than this server parses "
                              f"in a request ({most}: twice the largest request at max_model_len="
                              f"{limits.max_model_len}, max_logprobs={limits.max_logprobs})")
+    obj = json_object(raw)
     try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRequest("request body is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise BadRequest("request body must be a JSON object")
-    try:
-        try:
-            body = GenerateRequest.model_validate(obj)
-        except ValidationError as e:
-            raise BadRequest(*pydantic_message(e.errors())) from None
+        body = as_model(obj, GenerateRequest)
         if body.model is not None and body.model != served_model_name and body.model not in aliases:
             raise BadRequest(f"model {body.model[:200]!r} does not exist; this server serves {served_model_name!r}",
                              "model", status=404)
