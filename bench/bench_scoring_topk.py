@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -25,9 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 from teacher_server.engine.scoring import ScoringPlan, score_rows  # noqa: E402
 from teacher_server.layers.embedding import VocabRows  # noqa: E402
+from teacher_server.ops import top_k as fast  # noqa: E402
 
 
-def _time(fn, repeats: int, cuda: bool) -> float:
+def _time(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
     fn()
     ts = []
     for _ in range(repeats):
@@ -88,7 +90,7 @@ def main() -> None:
                               "plp_rows_host": odd.cpu().numpy(), "want_rank": False})
     res: dict[str, float] = {}
 
-    def chunks(fn) -> None:
+    def chunks(fn: Callable[[torch.Tensor], object]) -> None:
         for r0 in range(0, a.rows, a.chunk_rows):
             fn(head.logits(h[r0:r0 + a.chunk_rows]))
 
@@ -103,6 +105,10 @@ def main() -> None:
     res["head+normalizer"] = _time(lambda: chunks(ops.log_normalizer), a.repeats, cuda)
     res["head+topk_sorted"] = _time(lambda: chunks(lambda x: x.topk(a.k, dim=-1)), a.repeats, cuda)
     res["head+topk_unsorted"] = _time(lambda: chunks(lambda x: x.topk(a.k, dim=-1, sorted=False)), a.repeats, cuda)
+    if fast.usable(h.new_empty(1, a.vocab, dtype=torch.float32), a.k):
+        fast.prepare(a.vocab, dev)
+        res["head+topk_kernel"] = _time(lambda: chunks(lambda x: fast.top_k_triton(x, a.k)), a.repeats, cuda)
+        res["head+topk_bound_only"] = _time(lambda: chunks(lambda x: fast.bound(x, a.k)), a.repeats, cuda)
     for seg in (2048, 4096, 8192):
         if seg < a.vocab:
             res[f"head+topk_two_stage_{seg}"] = _time(lambda s=seg: chunks(lambda x: two_stage_topk(x, a.k, s)),
@@ -111,13 +117,16 @@ def main() -> None:
     ref_v, ref_i = x.topk(a.k, dim=-1)
     v2, i2 = two_stage_topk(x, a.k, 4096 if a.vocab > 4096 else 256)
     exact = bool(torch.equal(ref_v, v2))
+    if fast.usable(x, a.k):
+        kv, ki = fast.top_k_triton(x, a.k)
+        exact = exact and bool(torch.equal(ref_v, kv)) and bool(torch.equal(x.gather(1, ki), kv))
     per_row = {k: v / a.rows * 1e6 for k, v in res.items()}
     over = {k: (v - res["head_logits"]) / a.rows * 1e6 for k, v in res.items() if k.startswith("head+")}
     print(f"{'case':34s} {'ms/step':>9s} {'us/row':>8s}")
     for k, v in res.items():
         print(f"{k:34s} {v * 1e3:9.2f} {per_row[k]:8.3f}")
     print("beyond the head's logits (us/row):", {k: round(v, 3) for k, v in over.items()})
-    print("two-stage equals torch.topk:", exact)
+    print("two-stage and kernel equal torch.topk:", exact)
     if a.out:
         Path(a.out).write_text(json.dumps({"args": vars(a), "device": torch.cuda.get_device_name() if cuda else "cpu",
                                            "seconds": res, "us_per_row": per_row, "us_per_row_beyond_head": over,
