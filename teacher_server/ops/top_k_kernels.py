@@ -45,7 +45,7 @@ def collect_above(x_ptr, sx, thr_ptr, v_ptr, i_ptr, V: tl.constexpr, CAP: tl.con
     row = x_ptr + r.to(tl.int64) * sx
     vo, io = v_ptr + r.to(tl.int64) * CAP, i_ptr + r.to(tl.int64) * CAP
     lo = _key(tl.load(thr_ptr + r)).to(tl.int64)
-    top = (1 << 31)  # above every key
+    top = tl.full((), 2147483648, tl.int64)  # above every key
     n = _collect(row, V, vo, io, tl.full((), 0, tl.int32), lo, top, CAP, BLOCK)
     if n > CAP:
         # bisection: count(key >= lo) > CAP, count(key >= hi) <= CAP, until they are adjacent
