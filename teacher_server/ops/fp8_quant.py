@@ -61,7 +61,7 @@ def _kernels() -> dict[str, Any]:
         if PRODUCER == 2:  # silu(gate) * up, gate the first K columns and up the next K
             g = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
             u = tl.load(x_ptr + row * sx + K + cols, mask=m, other=0.0).to(tl.float32)
-            a = libdevice.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
+            a = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
             y = (a * u).to(dt).to(tl.float32)
         else:
             x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
@@ -73,24 +73,24 @@ def _kernels() -> dict[str, Any]:
                 xf = x.to(tl.float32)
                 r = libdevice.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
                 w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-                if W_F32:  # a float32 weight (the zero-centred norm): scaled in float32, rounded once
+                if W_F32:  # a weight in another dtype (float32: the zero-centred norm): scaled in float32, rounded once
                     y = (xf * r * w).to(dt).to(tl.float32)
                 else:  # rounded, then the weight in the activation dtype
                     y = (w * (xf * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             else:
                 y = x.to(tl.float32)
         if MODE == 0:  # one scale per row
-            scale = libdevice.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor), fp8_max)
-            q = libdevice.div_rn(y, scale)
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor), fp8_max)
+            q = tl.div_rn(y, scale)
             tl.store(scale_ptr + row, scale)
         elif MODE == 1:  # one scale per GROUP columns, stored M-major: group g of row t at g * T + t
             yg = tl.reshape(y, (BLOCK // GROUP, GROUP))
-            scale = libdevice.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=1), amax_floor), fp8_max)
-            q = tl.reshape(libdevice.div_rn(yg, scale[:, None]), (BLOCK,))
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=1), amax_floor), fp8_max)
+            q = tl.reshape(tl.div_rn(yg, scale[:, None]), (BLOCK,))
             gi = tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + gi.to(tl.int64) * T + row, scale, mask=gi * GROUP < K)
         else:  # the given scale
-            q = libdevice.div_rn(y, tl.load(scale_ptr))
+            q = tl.div_rn(y, tl.load(scale_ptr))
         q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
         tl.store(q_ptr + row * sq + cols, q.to(tl.float8e4nv), mask=m)
 
@@ -148,6 +148,6 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     kern["quant_rows"][(t,)](
         x, x.stride(0), d, d.stride(0), s, s.stride(0), w, xq, xq.stride(0), sc, t, k, float(eps), float(fp8_max),
         float(amax_floor), PRODUCER=PRODUCERS[producer], HAS_DELTA=delta is not None,
-        W_F32=weight is not None and weight.dtype == torch.float32, MODE=MODES[mode], BLOCK=block, GROUP=group,
+        W_F32=weight is not None and weight.dtype != x.dtype, MODE=MODES[mode], BLOCK=block, GROUP=group,
         num_warps=_warps(block))
     return xq, sc, resid
