@@ -96,10 +96,12 @@ def test_fused_tensor_mode_needs_a_static_scale() -> None:
     static = torch.tensor([0.01])
     xq, s = fp8.rms_norm_quant(x, torch.ones(128).bfloat16(), 1e-6, "tensor", static)
     assert torch.equal(s, static)
-    with pytest.raises(AssertionError, match="static scale"):
+    with pytest.raises(ValueError, match="static scale"):
         fp8.silu_mul_quant(torch.cat([x, x], 1), "tensor")
     with pytest.raises(ValueError, match="mode"):
         fp8.silu_mul_quant(torch.cat([x, x], 1), "block")
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp8.silu_mul_quant(torch.randn(3, 2 * 96).bfloat16(), "group")
 
 
 def _weight_within_e4m3(w: torch.Tensor, wq: torch.Tensor, s: torch.Tensor, mode: str) -> None:
@@ -145,7 +147,7 @@ def _operands(t: int, k: int, n: int, mode: str, seed: int = 9):
     x = torch.randn(t, k, generator=g).bfloat16()
     w = torch.randn(n, k, generator=g) * k ** -0.5
     wq, ws = fp8.quantize_weight(w, mode)
-    xq, xs = fp8.quantize_groups(x) if mode == "block" else fp8.quantize_rows(x)
+    xq, xs = {"tensor": fp8.quantize_tensor, "row": fp8.quantize_rows, "block": fp8.quantize_groups}[mode](x)
     return x, w, xq, xs, wq, ws
 
 
@@ -217,6 +219,16 @@ def test_grouped_refuses_block_scales_and_block_to_rows() -> None:
 def test_kernels_do_not_apply_on_cpu() -> None:
     x = torch.randn(4, 128).bfloat16()
     assert fp8_quant.quantize(x, "row", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is None
+    assert not fp8.check_quant_kernels(128, 256, torch.device("cpu"), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                    reason="needs a Hopper GPU")
+def test_start_up_check_passes_at_model_widths() -> None:
+    for hidden, inter in ((4096, 12288), (5120, 25600), (2048, 768)):
+        assert fp8.check_quant_kernels(hidden, inter, torch.device("cuda"), torch.bfloat16)
+    assert not fp8.check_quant_kernels(4096, 40960, torch.device("cuda"), torch.bfloat16)  # wider than one program
 
 
 # ---------------------------------------------------------------- GPU: kernels and torch's multiplies
@@ -323,11 +335,13 @@ def test_scaled_linear_gpu(mode: str, t: int, k: int, n: int, out_dtype: torch.d
     y = fp8.scaled_linear(xq, xs, wq, ws, mode, out_dtype, bias=bias)
     assert y.dtype == out_dtype and y.shape == (t, n)
     _close(y, ref)
-    if mode == "tensor":  # a per-tensor activation scale with per-channel weights: row x row
+    if mode == "tensor":  # per-tensor scales on one side, per-row on the other: run as row x row
         wq_r, ws_r = (a.cuda() for a in fp8.quantize_weight(w.cpu(), "row"))
-        xq_t, xs_t = fp8.quantize_tensor(x)
-        _close(fp8.scaled_linear(xq_t, xs_t, wq_r, ws_r, "row", out_dtype),
-               fp8.scaled_linear_reference(xq_t, xs_t, wq_r, ws_r, "row", torch.float32))
+        _close(fp8.scaled_linear(xq, xs, wq_r, ws_r, "row", out_dtype),
+               fp8.scaled_linear_reference(xq, xs, wq_r, ws_r, "row", torch.float32))
+        xq_r, xs_r = fp8.quantize_rows(x)
+        _close(fp8.scaled_linear(xq_r, xs_r, wq, ws, "tensor", out_dtype),
+               fp8.scaled_linear_reference(xq_r, xs_r, wq, ws, "tensor", torch.float32))
     if mode == "block":
         _close(fp8.scaled_linear(xq, xs, wq, fp8.pad_block_scale(ws), mode, out_dtype, bias=bias), ref)
         if t > 1 and k > 128:

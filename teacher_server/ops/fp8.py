@@ -59,13 +59,15 @@ import torch.nn.functional as F
 
 from teacher_server.ops import fp8_quant
 from teacher_server.ops.grouped_mm import grouped_mm_reference
+from teacher_server.ops.silu_mul import silu_mul_reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # the smallest amax a scale is computed from: a zero row quantizes to zeros with a finite scale
 AMAX_FLOOR = 1e-12
 BLOCK = 128
-MODES = ("tensor", "row", "block")
+MODES = ("tensor", "row", "block")  # weight scales
+ACT_MODES = ("row", "group", "tensor")  # activation scales
 _SCALING = getattr(F, "ScalingType", None)  # torch >= 2.10: F.scaled_mm and its recipes
 
 
@@ -113,10 +115,10 @@ def _quantize_reference(y: torch.Tensor, mode: str, static_scale: torch.Tensor |
         return quantize_rows_reference(y)
     if mode == "group":
         return quantize_groups_reference(y, group)
-    if mode == "tensor":
-        assert static_scale is not None, "a fused tensor-wise quantization needs a static scale"
-        return quantize_tensor_reference(y, static_scale)
-    raise ValueError(f"activation quantization mode {mode!r}: expected 'row', 'group' or 'tensor'")
+    if static_scale is None:
+        raise ValueError("a fused tensor-wise quantization needs a static scale (the whole tensor's amax is not "
+                         "known in the pass that produces it)")
+    return quantize_tensor_reference(y, static_scale)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,11 +128,6 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     if weight.dtype != x.dtype:
         return (xf * weight).to(x.dtype)
     return weight * xf.to(x.dtype)
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
 
 
 def dequantize(wq: torch.Tensor, wscale: torch.Tensor, mode: str, block: tuple[int, int] = (BLOCK, BLOCK),
@@ -227,54 +224,65 @@ def _check_groups(k: int, group: int) -> None:
 
 
 def _quantize(x: torch.Tensor, mode: str, producer: str, static_scale: torch.Tensor | None = None,
-              group: int = BLOCK, **kw: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """The Triton kernel's result, or None where it does not apply."""
-    if mode == "tensor" and static_scale is None:
+              group: int = BLOCK, kernel: bool = True,
+              **kw: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The Triton kernel's result, or None where it does not apply (or ``kernel`` is off).
+    Refuses a mode it does not know and a group width that does not divide the row."""
+    if mode not in ACT_MODES:
+        raise ValueError(f"activation quantization mode {mode!r}: expected one of {ACT_MODES}")
+    if mode == "group":
+        _check_groups(x.shape[-1] // 2 if producer == "silu" else x.shape[-1], group)
+    if not kernel or (mode == "tensor" and static_scale is None):
         return None
-    scale = static_scale.float().reshape(1).contiguous() if static_scale is not None else None
+    scale = static_scale.float().reshape(1).to(x.device).contiguous() if static_scale is not None else None
     return fp8_quant.quantize(x, mode, producer, fp8_max=FP8_MAX, amax_floor=AMAX_FLOOR, group=group, scale=scale,
                               **kw)  # type: ignore[arg-type]
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# Each function below runs the Triton kernel where it applies (CUDA, bf16/fp16, K <= 32768) and
+# ``kernel`` is on (a caller whose start-up check failed passes False), else its torch reference.
+
+
+def quantize_rows(x: torch.Tensor, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] bf16/fp16 -> (xq [T, K] e4m3, scale [T, 1] float32): per-token dynamic."""
-    got = _quantize(x, "row", "plain")
+    got = _quantize(x, "row", "plain", kernel=kernel)
     return got[:2] if got is not None else quantize_rows_reference(x)
 
 
-def quantize_groups(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group: int = BLOCK, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32, M-major: strides (1, T), the
     layout cuBLAS's 1x128 recipe reads). K must be a multiple of ``group`` (ValueError)."""
-    _check_groups(x.shape[-1], group)
-    got = _quantize(x, "group", "plain", group=group)
+    got = _quantize(x, "group", "plain", group=group, kernel=kernel)
     return got[:2] if got is not None else quantize_groups_reference(x, group)
 
 
-def quantize_tensor(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tensor(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                    kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq e4m3, scale [1] float32): with ``static_scale`` (a checkpoint's
     ``input_scale``) one pass; without, amax(x) / 448 (a torch reduction, then the pass)."""
-    if static_scale is None and x.is_cuda:
+    if static_scale is None and x.is_cuda and kernel:
         static_scale = _scale_of(x.abs().amax().float().reshape(1))
-    got = _quantize(x, "tensor", "plain", static_scale) if static_scale is not None else None
+    got = _quantize(x, "tensor", "plain", static_scale, kernel=kernel)
     return got[:2] if got is not None else quantize_tensor_reference(x, static_scale)
 
 
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str = "row",
-                   static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   static_scale: torch.Tensor | None = None, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, K] (``ops.norm.rms_norm``'s rounding) quantized in the same pass:
     (xq, scale) as ``quantize_rows`` / ``quantize_groups`` / ``quantize_tensor`` (mode ``row``,
     ``group``, ``tensor`` with its static scale)."""
-    got = _quantize(x, mode, "norm", static_scale, weight=weight.contiguous(), eps=eps)
+    got = _quantize(x, mode, "norm", static_scale, kernel=kernel, weight=weight.contiguous(), eps=eps)
     if got is not None:
         return got[:2]
     return _quantize_reference(rms_norm_reference(x, weight, eps), mode, static_scale, BLOCK)
 
 
 def add_rms_norm_quant(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, mode: str = "row",
-                       static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       static_scale: torch.Tensor | None = None,
+                       kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(s = x + delta, xq, scale): the residual stream (as ``ops.norm.add_rms_norm`` returns it)
     and its RMSNorm quantized, in one pass."""
-    got = _quantize(x, mode, "norm", static_scale, weight=weight.contiguous(), eps=eps, delta=delta)
+    got = _quantize(x, mode, "norm", static_scale, kernel=kernel, weight=weight.contiguous(), eps=eps, delta=delta)
     if got is not None:
         xq, sc, s = got
         return s, xq, sc  # type: ignore[return-value]
@@ -282,14 +290,46 @@ def add_rms_norm_quant(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tenso
     return (s, *_quantize_reference(rms_norm_reference(s, weight, eps), mode, static_scale, BLOCK))
 
 
-def silu_mul_quant(gate_up: torch.Tensor, mode: str = "row",
-                   static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_mul_quant(gate_up: torch.Tensor, mode: str = "row", static_scale: torch.Tensor | None = None,
+                   kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """gate_up [T, 2I] -> silu(gate) * up [T, I] (``ops.silu_mul``'s rounding) quantized in the
     same pass: (hq [T, I] e4m3, scale)."""
-    got = _quantize(gate_up, mode, "silu", static_scale)
+    got = _quantize(gate_up, mode, "silu", static_scale, kernel=kernel)
     if got is not None:
         return got[:2]
     return _quantize_reference(silu_mul_reference(gate_up), mode, static_scale, BLOCK)
+
+
+def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Start-up check at a model's widths: each quantization kernel (plain, RMSNorm with and
+    without the residual add, SiLU-mul; per row and per 1x128 group) against its reference on
+    random rows, at 1 and 200 tokens. False where the kernels do not apply (no Triton, not
+    CUDA, a width over ``fp8_quant.MAX_K``): the references run instead; RuntimeError when a
+    kernel's scales differ from the reference's by more than a bf16 step or more than 1% of its
+    codes differ (the norm sums in another order; the rest give the reference's bits)."""
+    if not (device.type == "cuda" and fp8_quant.applies(torch.empty(1, 16, device=device, dtype=dtype),
+                                                        max(hidden, intermediate))):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(dtype)
+    for t in (1, 200):
+        x = torch.randn(t, hidden, device=device, generator=gen).to(dtype)
+        d = torch.randn(t, hidden, device=device, generator=gen).to(dtype)
+        gu = (4 * torch.randn(t, 2 * intermediate, device=device, generator=gen)).to(dtype)
+        for mode in ("row", "group") if hidden % BLOCK == 0 and intermediate % BLOCK == 0 else ("row",):
+            q = quantize_rows if mode == "row" else quantize_groups
+            cases = {"quantize": (q(x), q(x, kernel=False)),
+                     "rms_norm_quant": (rms_norm_quant(x, w, 1e-6, mode),
+                                        rms_norm_quant(x, w, 1e-6, mode, kernel=False)),
+                     "add_rms_norm_quant": (add_rms_norm_quant(x, d, w, 1e-6, mode)[1:],
+                                            add_rms_norm_quant(x, d, w, 1e-6, mode, kernel=False)[1:]),
+                     "silu_mul_quant": (silu_mul_quant(gu, mode), silu_mul_quant(gu, mode, kernel=False))}
+            for name, ((xq, s), (rq, rs)) in cases.items():
+                differ = (xq.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
+                if not ((s - rs).abs() <= 2 ** -7 * rs).all() or differ > 0.01:
+                    raise RuntimeError(f"FP8 {name} ({mode}) differs from its torch reference at {t} tokens: "
+                                       f"{differ:.2%} of codes, scales by up to {(s - rs).abs().max().item():.3g}")
+    return True
 
 
 # ---------------------------------------------------------------- scaled multiplies
@@ -310,7 +350,10 @@ def _block_scale_b(wscale: torch.Tensor) -> torch.Tensor:
     """[Nb, Kb] weight scales -> scale_b [L4, Nb] strides (1, L4) (module docstring)."""
     nb, kb = wscale.shape
     l4 = -(-kb // 4) * 4
-    if not (wscale.dtype == torch.float32 and (nb <= 1 or wscale.stride(0) == l4) and wscale.stride(1) == 1):
+    # pad_block_scale's view (or Kb % 4 == 0, contiguous): read in place; else a padded copy
+    in_place = (wscale.dtype == torch.float32 and wscale.stride(1) == 1 and wscale.stride(0) == l4
+                and wscale.untyped_storage().nbytes() >= 4 * (wscale.storage_offset() + nb * l4))
+    if not in_place:
         wscale = pad_block_scale(wscale)
     return wscale.as_strided((l4, nb), (1, l4))
 
