@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teacher_server.ops import fp8, fp8_quant
+from teacher_server.ops import fp8, fp8_grouped, fp8_quant
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 from teacher_server.ops.silu_mul import silu_mul_reference
 
@@ -202,18 +202,26 @@ def test_grouped_cpu_is_each_experts_product() -> None:
     assert torch.equal(y_t, fp8.grouped_scaled_linear_reference(xq, xs, wq_t, ws_t, offs, "tensor"))
 
 
-def test_grouped_refuses_block_scales_and_block_to_rows() -> None:
-    x, w, offs = _grouped([4, 4], k=256, n=128)
+def test_grouped_block_scales_and_block_to_rows() -> None:
+    x, w, offs = _grouped([4, 0, 9], k=256, n=200)
     wq, ws = fp8.quantize_weight(w, "block")
-    xq, xs = fp8.quantize_rows(x)
-    with pytest.raises(ValueError, match="block_to_rows"):
-        fp8.grouped_scaled_linear(xq, xs, wq, ws, offs)
+    xq, xs = fp8.quantize_groups(x)
+    with pytest.raises(ValueError, match="mode='block'"):
+        fp8.grouped_scaled_linear(*fp8.quantize_rows(x), wq, ws, offs)
+    y = fp8.grouped_scaled_linear(xq, xs, wq, ws, offs, "block")
+    start = 0
+    for i, c in enumerate([4, 0, 9]):  # each expert's rows: the dense block product with its weight
+        want = fp8.scaled_linear_reference(xq[start:start + c], xs[start:start + c], wq[i], ws[i], "block")
+        assert torch.equal(y[start:start + c], want)
+        start += c
+    with pytest.raises(ValueError, match=r"\[M, K/128\]"):
+        fp8.grouped_scaled_linear(*fp8.quantize_rows(x), wq, ws, offs, "block")
     wr, sr = fp8.block_to_rows(wq, ws)
-    assert sr.shape == (2, 128, 1)
+    assert sr.shape == (3, 200, 1)
     deq_b = fp8.dequantize(wq, ws, "block")
     assert torch.allclose(fp8.dequantize(wr, sr, "row"), deq_b, rtol=E4M3_REL * 1.01, atol=1e-6 * deq_b.abs().max())
     with pytest.raises(ValueError, match="offs"):
-        fp8.grouped_scaled_linear(xq, xs, wr, sr, offs[:1])
+        fp8.grouped_scaled_linear(xq, xs, wq, ws, offs[:1], "block")
 
 
 def test_kernels_do_not_apply_on_cpu() -> None:
@@ -361,3 +369,23 @@ def test_grouped_scaled_linear_gpu(counts: list[int]) -> None:
         y = fp8.grouped_scaled_linear(xq, xs, wq, ws, offs)
         assert y.dtype == torch.bfloat16 and y.shape == (sum(counts), 192)
         _close(y, fp8.grouped_scaled_linear_reference(xq, xs, wq, ws, offs, mode, torch.float32))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("counts,k,n", [([5, 0, 19, 1, 0, 7], 384, 200), ([300, 1, 0, 211, 64], 2048, 1536),
+                                        ([0, 0, 3], 768, 2048)])
+def test_grouped_block_kernel(counts: list[int], k: int, n: int) -> None:
+    """The Triton block-scaled experts' multiply against the dequantized float32 product: uneven
+    and empty experts, a partial 128-column weight block (N = 200), Qwen3-30B-A3B's widths."""
+    x, w, offs = _grouped(counts, k=k, n=n)
+    x, offs = x.cuda(), offs.cuda()
+    wq, ws = (a.cuda() for a in fp8.quantize_weight(w, "block"))
+    xq, xs = fp8.quantize_groups(x)
+    assert fp8_grouped.grouped_block_mm(xq, xs, wq, ws, offs) is not None  # the kernel ran
+    y = fp8.grouped_scaled_linear(xq, xs, wq, ws, offs, "block")
+    assert y.dtype == torch.bfloat16 and y.shape == (sum(counts), n)
+    ref = fp8.grouped_scaled_linear_reference(xq, xs, wq, ws, offs, "block", torch.float32)
+    _close(y, ref)
+    for bm, warps in ((64, 4), (32, 4)):  # the other tile heights the benchmark may pick
+        _close(fp8_grouped.grouped_block_mm(xq, xs, wq, ws, offs, bm=bm, warps=warps), ref)

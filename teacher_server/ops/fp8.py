@@ -34,9 +34,10 @@ handling", merged before 2.10; the GPU tests check each case on an H200 with tor
   tensor-wise grouped recipe). a [M, K] e4m3 row-major, b [G, K, N] a transposed view of a
   contiguous [G, N, K], offs [G] int32 group row ends, scale_a [M] float32 (1-D, contiguous),
   scale_b [G, N] float32 (stride 1 in N), output bf16 only, no bias, K and N multiples of 16.
-  ``grouped_scaled_linear`` therefore takes row (or per-expert tensor, expanded) weight scales
-  and refuses block ones: ``block_to_rows`` requantizes 128x128-block expert weights per row
-  once at load, at the cost of one more e4m3 rounding of each weight.
+  ``grouped_scaled_linear`` therefore runs row (or per-expert tensor, expanded) weight scales
+  through it, and 128x128-block expert weights through a Triton kernel of this project
+  (``ops.fp8_grouped``) that keeps the checkpoint's block scales (``block_to_rows`` is the other
+  way: requantized per row at load, one more e4m3 rounding of each weight).
 
 Layouts of this module (e4m3 = ``FP8``; every scale is float32 and *dequantizes*: x ~= xq * s):
 
@@ -44,7 +45,7 @@ Layouts of this module (e4m3 = ``FP8``; every scale is float32 and *dequantizes*
   ``tensor`` [1].
 - weight scales: ``tensor`` [1] (or []); ``row`` [N, 1]; ``block`` [ceil(N/128), ceil(K/128)],
   row stride ceil(K/128) or L4 (``pad_block_scale``). Expert weights [E, N, K] take [E, N, 1]
-  (or [E, 1, 1] / [E]: per-expert tensor scales).
+  (or [E, 1, 1] / [E]: per-expert tensor scales), or [E, ceil(N/128), K/128] block scales.
 - quantization: s = max(amax, ``AMAX_FLOOR``) / 448 (an all-zero row gets a tiny scale and
   zeros), xq = round_to_nearest_even(clamp(x / s, -448, 448)); division correctly rounded, so
   the Triton kernels (``ops.fp8_quant``) give the references' bits.
@@ -53,13 +54,16 @@ Layouts of this module (e4m3 = ``FP8``; every scale is float32 and *dequantizes*
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
-from teacher_server.ops import fp8_quant
+from teacher_server.ops import fp8_grouped, fp8_quant
 from teacher_server.ops.grouped_mm import grouped_mm_reference
 from teacher_server.ops.silu_mul import silu_mul_reference
+
+log = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -210,8 +214,8 @@ def quantize_weight(w: torch.Tensor, mode: str,
 
 def block_to_rows(wq: torch.Tensor, wscale: torch.Tensor,
                   block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
-    """128x128-block weights [..., N, K] requantized with one scale per row (the grouped FP8
-    multiply on sm90 takes row-wise scales only): one more e4m3 rounding per weight."""
+    """128x128-block weights [..., N, K] requantized with one scale per row, for torch's
+    row-wise grouped multiply instead of the block kernel: one more e4m3 rounding per weight."""
     return quantize_weight(dequantize(wq, wscale, "block", block), "row")
 
 
@@ -440,31 +444,40 @@ def _block_mm(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: 
 
 
 def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
-                          offs: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                          offs: torch.Tensor, mode: str = "row", out_dtype: torch.dtype = torch.bfloat16,
                           fast_accum: bool = False) -> torch.Tensor:
-    """The experts' multiply: xq [M, K] e4m3 with rows sorted by expert, xscale [M, 1] (or
-    [M]), wq [E, N, K] e4m3 contiguous, wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per
-    expert), offs [E] int32 cumulative row ends (offs[-1] == M, empty experts allowed) ->
-    [M, N] bf16. On CUDA torch's grouped row-wise kernel (sm90/sm100, bf16 output only; block
-    weights: ``block_to_rows`` at load); on the CPU the float32 reference."""
+    """The experts' multiply -> [M, N] bf16. xq [M, K] e4m3 with rows sorted by expert, wq
+    [E, N, K] e4m3 contiguous, offs [E] int32 cumulative row ends (offs[-1] == M, empty experts
+    allowed), and by ``mode``:
+
+    - ``row``: xscale [M, 1] (or [M]), wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per
+      expert, expanded): torch's grouped row-wise kernel (sm90/sm100; ``fast_accum`` passed on);
+    - ``block``: xscale [M, K/128] (``quantize_groups``), wscale [E, ceil(N/128), K/128]: the
+      Triton kernel of ``ops.fp8_grouped`` (the checkpoint's block scales kept; K a multiple of 128).
+
+    On the CPU the float32 reference (a loop over experts)."""
     if xq.dtype != FP8 or wq.dtype != FP8 or xq.dim() != 2 or wq.dim() != 3 or xq.shape[1] != wq.shape[2]:
         raise ValueError(f"grouped_scaled_linear takes x [M, K] and w [E, N, K] in e4m3, got "
                          f"{tuple(xq.shape)} {xq.dtype} and {tuple(wq.shape)} {wq.dtype}")
     m, (e, n, k) = xq.shape[0], wq.shape
     if offs.shape != (e,):
         raise ValueError(f"offs must hold one row end per expert ({e}), got shape {tuple(offs.shape)}")
+    if out_dtype != torch.bfloat16:
+        raise NotImplementedError(f"the grouped FP8 multiplies write bf16 only, asked for {out_dtype}")
+    if mode == "block":
+        return _grouped_block(xq, xscale, wq, wscale, offs)
+    if mode != "row":
+        raise ValueError(f"grouped_scaled_linear mode {mode!r}: expected 'row' or 'block'")
     if wscale.numel() not in (e, e * n):
-        raise ValueError(f"expert weight scales must be [E, N, 1] or [E, 1, 1] ({e}, {n}), got {tuple(wscale.shape)}; "
-                         "block-scaled experts are requantized per row at load (block_to_rows)")
+        raise ValueError(f"row-wise expert weight scales must be [E, N, 1] or [E, 1, 1] ({e}, {n}), got "
+                         f"{tuple(wscale.shape)} (block scales: mode='block')")
     if xscale.numel() != m:
-        raise ValueError(f"grouped_scaled_linear takes per-row activation scales [M, 1] ({m}), "
+        raise ValueError(f"row-wise grouped_scaled_linear takes activation scales [M, 1] ({m}), "
                          f"got {tuple(xscale.shape)}")
     sb = wscale.float().reshape(e, -1)
     sb = sb.expand(e, n).contiguous() if sb.shape[1] == 1 and n > 1 else sb  # [E, N]: per-expert scales expanded
     if not xq.is_cuda:
         return grouped_scaled_linear_reference(xq, xscale, wq, sb[..., None], offs, "row", out_dtype)
-    if out_dtype != torch.bfloat16:
-        raise NotImplementedError(f"torch's grouped FP8 multiply writes bf16 only, asked for {out_dtype}")
     if k % 16 or n % 16:
         raise ValueError(f"torch's grouped FP8 multiply needs K and N multiples of 16, got K={k}, N={n}")
     if _cc(xq)[0] not in (9, 10):
@@ -473,3 +486,25 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
         raise ValueError(f"offs must be int32, got {offs.dtype}")
     return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), xscale.float().reshape(m).contiguous(), sb,
                                     offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+    m, (e, n, k) = xq.shape[0], wq.shape
+    kb, nb = k // BLOCK, -(-n // BLOCK)
+    if k % BLOCK:
+        raise ValueError(f"block-scaled experts need K a multiple of {BLOCK}, got K={k}")
+    if xscale.shape != (m, kb):
+        raise ValueError(f"block-scaled experts take 1x128 activation scales [M, K/128] = [{m}, {kb}], "
+                         f"got {tuple(xscale.shape)}")
+    if wscale.shape != (e, nb, kb):
+        raise ValueError(f"block-scaled expert weight scales must be [E, ceil(N/128), K/128] = [{e}, {nb}, {kb}], "
+                         f"got {tuple(wscale.shape)}")
+    if xq.is_cuda:
+        if offs.dtype != torch.int32:
+            raise ValueError(f"offs must be int32, got {offs.dtype}")
+        got = fp8_grouped.grouped_block_mm(xq, xscale.float(), wq, wscale, offs)
+        if got is not None:
+            return got
+        log.warning("grouped block-FP8 kernel does not apply (no Triton, or strided operands): a loop over experts")
+    return grouped_scaled_linear_reference(xq, xscale, wq, wscale, offs, "block")
