@@ -14,8 +14,9 @@ clock and power sampled meanwhile), after a pre-heat so every case runs at the c
   kernels); the attention output before ``o`` is still quantized in a pass of its own.
 
 Then the experts' multiplies of Qwen3-30B-A3B (128 experts, top-8, hidden 2048, intermediate
-768; T tokens routed at random, so 8T rows): bf16 grouped GEMM against FP8 row-wise grouped
-(gemm only; with the quantization passes separate or fused into SiLU-mul).
+768; T tokens routed at random, so 8T rows): bf16 grouped GEMM against FP8 grouped, row-wise
+(torch's kernel) and 128x128-block (``ops.fp8_grouped``), each as GEMMs alone, with the
+quantization passes separate, and with SiLU-mul's fused.
 
 TFLOP/s counts the GEMMs' FLOPs only, so a case with passes shows its effective rate;
 ``speedup`` is against the bf16 case of the same kind (gemm against bf16_gemm, the others
@@ -177,7 +178,8 @@ class DenseLayer:
 
 
 class MoeLayer:
-    """The routed experts' two grouped multiplies of a Qwen3-MoE layer, bf16 and FP8 row-wise."""
+    """The routed experts' two grouped multiplies of a Qwen3-MoE layer: bf16, FP8 row-wise
+    (torch's grouped kernel) and FP8 128x128-block (``ops.fp8_grouped``'s Triton kernel)."""
 
     def __init__(self, cfg: dict, t: int, dev: torch.device) -> None:
         h, i, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"]
@@ -188,42 +190,53 @@ class MoeLayer:
         self.x = torch.randn(m, h, device=dev, generator=g).bfloat16()
         self.w13 = (torch.randn(e, 2 * i, h, device=dev, generator=g) * h ** -0.5).bfloat16()
         self.w2 = (torch.randn(e, h, i, device=dev, generator=g) * i ** -0.5).bfloat16()
-        self.q13, self.q2 = fp8.quantize_weight(self.w13, "row"), fp8.quantize_weight(self.w2, "row")
+        self.q = {mode: (fp8.quantize_weight(self.w13, mode), fp8.quantize_weight(self.w2, mode))
+                  for mode in ("row", "block")}
         self.mid = torch.randn(m, i, device=dev, generator=g).bfloat16()
         self.flops = 2.0 * m * h * 2 * i + 2.0 * m * i * h
         self.gg = GroupedGemm()
 
     def cases(self) -> dict[str, Callable[[], object]]:
         x, offs = self.x, self.offs
-        xq, midq = fp8.quantize_rows(x), fp8.quantize_rows(self.mid)
-        q13, q2 = self.q13, self.q2
 
         def bf16_layer() -> None:
             gu = self.gg(x, self.w13.transpose(1, 2), offs)
             self.gg(fp8.silu_mul_reference(gu), self.w2.transpose(1, 2), offs)
 
-        def separate() -> None:
-            gu = fp8.grouped_scaled_linear(*fp8.quantize_rows(x), *q13, offs)
-            fp8.grouped_scaled_linear(*fp8.quantize_rows(fp8.silu_mul_reference(gu)), *q2, offs)
-
-        def fused() -> None:
-            gu = fp8.grouped_scaled_linear(*fp8.quantize_rows(x), *q13, offs)
-            fp8.grouped_scaled_linear(*fp8.silu_mul_quant(gu, "row"), *q2, offs)
-
-        return {
+        out: dict[str, Callable[[], object]] = {
             "bf16_gemm": lambda: (self.gg(x, self.w13.transpose(1, 2), offs),
                                   self.gg(self.mid, self.w2.transpose(1, 2), offs)),
-            "bf16_layer": bf16_layer,
-            "fp8_row_gemm": lambda: (fp8.grouped_scaled_linear(*xq, *q13, offs),
-                                     fp8.grouped_scaled_linear(*midq, *q2, offs)),
-            "fp8_row_separate": separate,
-            "fp8_row_fused": fused,
-        }
+            "bf16_layer": bf16_layer}
+        for mode in ("row", "block"):
+            q13, q2 = self.q[mode]
+            quant = fp8.quantize_rows if mode == "row" else fp8.quantize_groups
+            xq, midq = quant(x), quant(self.mid)
+            am = _act_mode(mode)
+
+            def gemm(mode: str = mode, q13: tuple = q13, q2: tuple = q2, xq: tuple = xq, midq: tuple = midq) -> None:
+                fp8.grouped_scaled_linear(*xq, *q13, offs, mode)
+                fp8.grouped_scaled_linear(*midq, *q2, offs, mode)
+
+            def separate(mode: str = mode, q13: tuple = q13, q2: tuple = q2, quant: Callable = quant) -> None:
+                gu = fp8.grouped_scaled_linear(*quant(x), *q13, offs, mode)
+                fp8.grouped_scaled_linear(*quant(fp8.silu_mul_reference(gu)), *q2, offs, mode)
+
+            def fused(mode: str = mode, q13: tuple = q13, q2: tuple = q2, quant: Callable = quant,
+                      am: str = am) -> None:
+                gu = fp8.grouped_scaled_linear(*quant(x), *q13, offs, mode)
+                fp8.grouped_scaled_linear(*fp8.silu_mul_quant(gu, am), *q2, offs, mode)
+
+            out.update({f"fp8_{mode}_gemm": gemm, f"fp8_{mode}_separate": separate, f"fp8_{mode}_fused": fused})
+        return out
 
     def accuracy(self) -> dict[str, float]:
         ref = self.gg(self.x, self.w13.transpose(1, 2), self.offs).float()
-        got = fp8.grouped_scaled_linear(*fp8.quantize_rows(self.x), *self.q13, self.offs).float()
-        return {"row": ((got - ref).pow(2).sum() / ref.pow(2).sum()).sqrt().item()}
+        res = {}
+        for mode in ("row", "block"):
+            quant = fp8.quantize_rows if mode == "row" else fp8.quantize_groups
+            got = fp8.grouped_scaled_linear(*quant(self.x), *self.q[mode][0], self.offs, mode).float()
+            res[mode] = ((got - ref).pow(2).sum() / ref.pow(2).sum()).sqrt().item()
+        return res
 
 
 def run_cases(name: str, layer: DenseLayer | MoeLayer, clock: Clock, sustain_s: float, cuda: bool) -> dict:
