@@ -27,7 +27,7 @@ handling", merged before 2.10; the GPU tests check each case on an H200 with tor
     builds it once at load; an unpadded scale is padded per call here.
   * also accepted by torch (not used here): 128x128 activations x 1x128 weights, 1x128 x 1x128.
 - out_dtype bf16, fp16 or float32 (or FP8 with scale_result); bias bf16 with a bf16 output,
-  fp16 with fp16, and no bias with a float32 output (added afterwards here).
+  fp16 with fp16, and no bias with a float32 output (added afterwards here, as for ``block``).
 - ``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype,
   use_fast_accum)`` (and ``F.scaled_grouped_mm``, recipes RowWise or MX/NV FP4 only): on sm90
   **row-wise only** (a CUTLASS kernel; MXFP8 needs sm100, and there is no block-wise or
@@ -371,6 +371,10 @@ def _cc(t: torch.Tensor) -> tuple[int, int]:
     return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+def _sm(t: torch.Tensor) -> str:
+    return "".join(map(str, _cc(t)))
+
+
 def _check_mm(xq: torch.Tensor, wq: torch.Tensor) -> tuple[int, int, int]:
     if xq.dtype != FP8 or wq.dtype != FP8:
         raise ValueError(f"scaled_linear takes e4m3 operands, got {xq.dtype} and {wq.dtype}")
@@ -400,15 +404,17 @@ def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsca
         raise ValueError(f"torch's scaled matrix multiply needs K and N multiples of 16, got K={k}, N={n}")
     if not wq.is_contiguous() or xq.stride(1) != 1:
         raise ValueError("scaled_linear takes x row-major and a contiguous weight [N, K]")
-    # a float32 output takes no bias in the kernel (torch refuses it): added after
-    kbias = bias if bias is not None and out_dtype != torch.float32 else None
+    # a float32 output takes no bias in the kernel (torch refuses it), nor, to be safe, the block
+    # recipe (cuBLASLt's bias epilogue with block scales is unverified here): added after
+    kbias = bias if bias is not None and out_dtype != torch.float32 and mode != "block" else None
     if mode == "block":
-        y = _block_mm(xq, xscale, wq, wscale, out_dtype, kbias, fast_accum)
+        y = _block_mm(xq, xscale, wq, wscale, out_dtype, None, fast_accum)
     else:
         sa, sb = xscale.float(), wscale.float()
         if not (sa.numel() == 1 and sb.numel() == 1):  # row x row: expand whichever is per-tensor
-            sa = sa.reshape(1, 1).expand(t, 1).contiguous() if sa.numel() == 1 else sa.reshape(t, 1)
-            sb = sb.reshape(1, 1).expand(n, 1).contiguous() if sb.numel() == 1 else sb.reshape(n, 1)
+            sa = sa.reshape(1, 1).expand(t, 1) if sa.numel() == 1 else sa.reshape(t, 1)
+            sb = sb.reshape(1, 1).expand(n, 1) if sb.numel() == 1 else sb.reshape(n, 1)
+            sa, sb = sa.contiguous(), sb.contiguous()  # torch takes contiguous row scales only
             sb = sb.t()  # [1, N]
         else:
             sa, sb = sa.reshape(()), sb.reshape(())
@@ -426,7 +432,7 @@ def _block_mm(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: 
     kb, nb = -(-k // BLOCK), -(-n // BLOCK)
     if _cc(xq)[0] != 9:
         raise NotImplementedError(f"block-wise FP8 (1x128 x 128x128) runs on sm90 only in torch {torch.__version__}; "
-                                  f"this GPU is sm{''.join(map(str, _cc(xq)))}")
+                                  f"this GPU is sm{_sm(xq)}")
     if xscale.shape != (t, kb) or (t > 1 and kb > 1 and xscale.stride() != (1, t)):
         raise ValueError(f"block-wise FP8 needs activation scales [T, K/128] = [{t}, {kb}] M-major (strides "
                          f"(1, {t}): quantize_groups), got {tuple(xscale.shape)} strides {xscale.stride()}")
@@ -481,7 +487,7 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
     if k % 16 or n % 16:
         raise ValueError(f"torch's grouped FP8 multiply needs K and N multiples of 16, got K={k}, N={n}")
     if _cc(xq)[0] not in (9, 10):
-        raise NotImplementedError(f"torch's grouped FP8 multiply runs on sm90/sm100, this GPU is sm{_cc(xq)}")
+        raise NotImplementedError(f"torch's grouped FP8 multiply runs on sm90/sm100, this GPU is sm{_sm(xq)}")
     if offs.dtype != torch.int32:
         raise ValueError(f"offs must be int32, got {offs.dtype}")
     return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), xscale.float().reshape(m).contiguous(), sb,
