@@ -387,5 +387,5 @@ def test_grouped_block_kernel(counts: list[int], k: int, n: int) -> None:
     assert y.dtype == torch.bfloat16 and y.shape == (sum(counts), n)
     ref = fp8.grouped_scaled_linear_reference(xq, xs, wq, ws, offs, "block", torch.float32)
     _close(y, ref)
-    for bm, warps in ((64, 4), (32, 4)):  # the other tile heights the benchmark may pick
+    for bm, warps in ((64, 4),):  # the other tile height (wgmma takes 64 rows at least)
         _close(fp8_grouped.grouped_block_mm(xq, xs, wq, ws, offs, bm=bm, warps=warps), ref)
