@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from teacher_server.ops import fp8, fp8_grouped, fp8_quant
+from teacher_server.ops import fp8, fp8_grouped, fp8_mm, fp8_quant
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 from teacher_server.ops.silu_mul import silu_mul_reference
 
@@ -135,11 +135,11 @@ def test_block_scale_layout_for_cublas() -> None:
     holding ws[i, j] at [j, i] (PyTorch PR 166752): padded when Kb = 5, a view when Kb = 8."""
     for kb, l4 in ((5, 8), (8, 8)):
         ws = torch.rand(3, kb) + 0.5
-        sb = fp8._block_scale_b(ws)
+        sb = fp8_mm._block_scale_b(ws)
         assert sb.shape == (l4, 3) and sb.stride() == (1, l4)
         assert torch.equal(sb[:kb], ws.t())
         padded = fp8.pad_block_scale(ws)
-        assert fp8._block_scale_b(padded).data_ptr() == padded.data_ptr()  # prepared at load: no copy
+        assert fp8_mm._block_scale_b(padded).data_ptr() == padded.data_ptr()  # prepared at load: no copy
 
 
 def _operands(t: int, k: int, n: int, mode: str, seed: int = 9):
