@@ -23,7 +23,7 @@ TFLOP/s counts the GEMMs' FLOPs only, so a case with passes shows its effective 
 against bf16_layer). A first check gives each FP8 mode's relative RMS error against the bf16
 product. ``--tiny`` runs tiny shapes on the CPU (a smoke test of the script).
 
-  python bench/bench_fp8.py --out fp8.json                     (H200: ~4 minutes)
+  python bench/bench_fp8.py --out fp8.json                     (H200: ~3-4 minutes)
   python bench/bench_fp8.py --tiny --out /tmp/fp8_tiny.json    (CPU)
 """
 
@@ -97,7 +97,7 @@ def _quant(x: torch.Tensor, mode: str, static: torch.Tensor) -> tuple[torch.Tens
 class DenseLayer:
     """One decoder layer's weights (bf16 and each FP8 mode), inputs and the cases over them."""
 
-    def __init__(self, cfg: dict, t: int, dev: torch.device) -> None:
+    def __init__(self, cfg: dict, t: int, dev: torch.device, fast_accum: bool = False) -> None:
         h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
         nq, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         g = torch.Generator(device=dev).manual_seed(0)
@@ -116,14 +116,14 @@ class DenseLayer:
         self.static = {n: (a.float().abs().amax() / fp8.FP8_MAX).reshape(1) for n, a in
                        (("qkv", h1), ("o", self.attn), ("gate_up", h1),
                         ("down", fp8.silu_mul_reference(h1 @ self.w["gate_up"].t())))}
-        self.t, self.i = t, i
+        self.t, self.i, self.fast_accum = t, i, fast_accum
 
     def mm(self, name: str, h: torch.Tensor) -> torch.Tensor:
         return h @ self.w[name].t()
 
     def smm(self, mode: str, name: str, q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         wq, ws = self.wq[mode][name]
-        return fp8.scaled_linear(q[0], q[1], wq, ws, mode)
+        return fp8.scaled_linear(q[0], q[1], wq, ws, mode, fast_accum=self.fast_accum)
 
     def cases(self) -> dict[str, Callable[[], object]]:
         x, attn = self.x, self.attn
@@ -266,7 +266,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="8b,32b", help="dense shapes, of " + ",".join(MODELS))
     ap.add_argument("--tokens", type=int, default=16384)
-    ap.add_argument("--sustain-s", type=float, default=6.0, help="seconds each case runs back to back")
+    ap.add_argument("--sustain-s", type=float, default=5.0, help="seconds each case runs back to back")
+    ap.add_argument("--fast-accum", action="store_true", help="the dense multiplies' use_fast_accum (Hopper)")
     ap.add_argument("--preheat-s", type=float, default=5.0, help="seconds of bf16 GEMMs first, to reach the cap")
     ap.add_argument("--no-moe", action="store_true")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test)")
@@ -281,13 +282,13 @@ def main() -> None:
         models = {m: MODELS[m] for m in args.models.split(",") if m}
         t, moe, sustain, preheat = args.tokens, QWEN3_30B_A3B, args.sustain_s, args.preheat_s
     res: dict = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-                 "tokens": t, "sustain_s": sustain, "models": {}}
+                 "tokens": t, "sustain_s": sustain, "fast_accum": args.fast_accum, "models": {}}
     if cuda:
         from bench_gemm import header
         res.update(header(args.models))
     print(f"{'shape':>8} {'case':>18} {'per layer':>12} {'GEMM rate':>12}  {'vs bf16':>6}", flush=True)
     for name, cfg in models.items():
-        layer = DenseLayer(cfg, t, dev)
+        layer = DenseLayer(cfg, t, dev, args.fast_accum)
         if preheat:
             fn = layer.cases()["bf16_gemm"]
             clock.per_call(fn, max(1, int(preheat / clock.per_call(fn, 2))))
