@@ -239,6 +239,19 @@ def test_start_up_check_passes_at_model_widths() -> None:
     assert not fp8.check_quant_kernels(4096, 40960, torch.device("cuda"), torch.bfloat16)  # wider than one program
 
 
+def test_multiply_check_runs_and_can_fail(monkeypatch) -> None:
+    """The start-up check of a multiply passes on the CPU's reference path for every mode, and
+    fails on a multiply one e4m3 step off."""
+    for mode in fp8.MODES:
+        fp8.check_scaled_linear(mode, 256, 64, torch.device("cpu"))
+    fp8.check_scaled_linear("row", 256, 64, torch.device("cpu"), experts=6)
+    fp8.check_scaled_linear("block", 256, 192, torch.device("cpu"), experts=6)
+    real = fp8_mm.scaled_linear
+    monkeypatch.setattr(fp8_mm, "scaled_linear", lambda *a, **k: real(*a, **k) * 1.07)
+    with pytest.raises(RuntimeError, match="differs"):
+        fp8.check_scaled_linear("row", 256, 64, torch.device("cpu"))
+
+
 # ---------------------------------------------------------------- GPU: kernels and torch's multiplies
 
 
@@ -389,3 +402,16 @@ def test_grouped_block_kernel(counts: list[int], k: int, n: int) -> None:
     _close(y, ref)
     for bm, warps in ((64, 4),):  # the other tile height (wgmma takes 64 rows at least)
         _close(fp8_grouped.grouped_block_mm(xq, xs, wq, ws, offs, bm=bm, warps=warps), ref)
+
+
+@pytest.mark.gpu
+@hopper
+def test_multiply_checks_pass_at_model_widths() -> None:
+    """What a Qwen3-8B / Qwen3-30B-A3B layer would check at start-up, every mode."""
+    cuda = torch.device("cuda")
+    for mode in fp8.MODES:
+        for k, n in ((4096, 6144), (12288, 4096)):
+            fp8.check_scaled_linear(mode, k, n, cuda)
+    for mode in ("row", "block"):
+        fp8.check_scaled_linear(mode, 2048, 1536, cuda, experts=6)
+        fp8.check_scaled_linear(mode, 768, 2048, cuda, experts=6)

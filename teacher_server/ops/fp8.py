@@ -66,6 +66,7 @@ from teacher_server.ops.fp8_mm import (  # noqa: F401  (the API, in one place: o
     FP8_MAX,
     MODES,
     block_to_rows,
+    check_scaled_linear,
     dequantize,
     grouped_scaled_linear,
     grouped_scaled_linear_reference,

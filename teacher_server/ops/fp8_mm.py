@@ -300,3 +300,36 @@ def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsc
             return got
         log.warning("grouped block-FP8 kernel does not apply (no Triton, or strided operands): a loop over experts")
     return grouped_scaled_linear_reference(xq, xscale, wq, wscale, offs, "block")
+
+
+def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0) -> None:
+    """Start-up check of the multiply a layer will run: ``scaled_linear`` in ``mode`` at width
+    k -> n (or, with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts) against
+    its float32 reference on random operands. Raises what torch raises for a combination it does
+    not take, and RuntimeError on a mismatch beyond a bf16 step of the output's scale."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [32]
+    m = sum(counts)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(max(experts, 1), n, k, generator=gen) * k ** -0.5
+    wq, ws = quantize_weight(w if experts else w[0], mode)
+    xf = x.float()  # activation scales as the layer makes them: 1x128 groups for block weights, else rows
+    if mode == "block":
+        s = scale_from_amax(xf.view(m, -1, BLOCK).abs().amax(-1))
+        xs = (to_fp8(xf.view(m, -1, BLOCK), s[..., None]).view(m, k), s.t().contiguous().t())
+    else:
+        s = scale_from_amax(xf.abs().amax(-1, keepdim=True))
+        xs = (to_fp8(xf, s), s)
+    xq, sx = (t.to(device) for t in xs)
+    wq, ws = wq.to(device), ws.to(device)
+    if experts:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+        got = grouped_scaled_linear(xq, sx, wq, ws, offs, mode)
+        ref = grouped_scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), offs.cpu(), mode, torch.float32)
+    else:
+        got = scaled_linear(xq, sx, wq, ws, mode)
+        ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32)
+    err = (got.float().cpu() - ref).abs()
+    if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
+        raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''} differs "
+                           f"from its float32 reference by up to {err.max().item():.3g}")
