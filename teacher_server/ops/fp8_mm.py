@@ -33,13 +33,13 @@ def to_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The dequantizing scale of values whose largest magnitude is amax: amax / 448, floored."""
     return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
-
 
 
 def dequantize(wq: torch.Tensor, wscale: torch.Tensor, mode: str, block: tuple[int, int] = (BLOCK, BLOCK),
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """wq [..., N, K] e4m3 and its scales (module docstring's layouts) -> the weight in ``dtype``
+    """wq [..., N, K] e4m3 and its scales (``ops.fp8``'s layouts) -> the weight in ``dtype``
     (float32 by default: the CPU path and the references). ``block`` is the block's
     (rows, columns) for ``block``; partial edge blocks take their block's scale."""
     w = wq.float()
