@@ -21,7 +21,8 @@ quantization passes separate, and with SiLU-mul's fused.
 TFLOP/s counts the GEMMs' FLOPs only, so a case with passes shows its effective rate;
 ``speedup`` is against the bf16 case of the same kind (gemm against bf16_gemm, the others
 against bf16_layer). A first check gives each FP8 mode's relative RMS error against the bf16
-product. ``--tiny`` runs tiny shapes on the CPU (a smoke test of the script).
+product; the quantization kernels are also timed alone (GB/s at the first model's widths).
+``--tiny`` runs tiny shapes on the CPU (a smoke test of the script).
 
   python bench/bench_fp8.py --out fp8.json                     (H200: ~3-4 minutes)
   python bench/bench_fp8.py --tiny --out /tmp/fp8_tiny.json    (CPU)
@@ -262,6 +263,28 @@ def run_cases(name: str, layer: DenseLayer | MoeLayer, clock: Clock, sustain_s: 
     return res
 
 
+def quant_rates(t: int, h: int, i: int, dev: torch.device, clock: Clock) -> dict:
+    """The quantization kernels alone: GB/s moved (bytes read + written, scales left out) at a
+    layer's widths; the H200's HBM moves about 4,800 GB/s."""
+    g = torch.Generator(device=dev).manual_seed(2)
+    x, d = (torch.randn(t, h, device=dev, generator=g).bfloat16() for _ in range(2))
+    w = torch.ones(h, device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(t, 2 * i, device=dev, generator=g).bfloat16()
+    cases = {  # name: (call, bytes moved)
+        "rows": (lambda: fp8.quantize_rows(x), 3 * t * h),
+        "groups": (lambda: fp8.quantize_groups(x), 3 * t * h),
+        "add_rms_norm_rows": (lambda: fp8.add_rms_norm_quant(x, d, w, EPS, "row"), 7 * t * h),
+        "silu_mul_rows": (lambda: fp8.silu_mul_quant(gu, "row"), 5 * t * i),
+        "silu_mul_groups": (lambda: fp8.silu_mul_quant(gu, "group"), 5 * t * i),
+    }
+    res = {}
+    for name, (fn, nbytes) in cases.items():
+        s = clock.per_call(fn, 20)
+        res[name] = {"ms": s * 1e3, "gb_per_s": nbytes / s / 1e9}
+        print(f"{'quant':>8} {name:>18} {s * 1e3:9.3f} ms {nbytes / s / 1e9:7.0f} GB/s", flush=True)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="8b,32b", help="dense shapes, of " + ",".join(MODELS))
@@ -296,6 +319,8 @@ def main() -> None:
         del layer
         if cuda:
             torch.cuda.empty_cache()
+    first = next(iter(models.values()))
+    res["quant_kernels"] = quant_rates(t, first["hidden_size"], first["intermediate_size"], dev, clock)
     if not args.no_moe:
         name = "tiny_moe" if args.tiny else "30b_a3b"
         res["models"][name] = run_cases(name, MoeLayer(moe, t, dev), clock, sustain, cuda)

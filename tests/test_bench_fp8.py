@@ -25,3 +25,4 @@ def test_tiny_run_writes_every_case(tmp_path: Path) -> None:
     for mode, err in dense["rel_rms_error_vs_bf16"].items():  # FP8 on both operands: a few percent
         assert 0 < err < 0.1, (mode, err)
     assert all(c["speedup"] > 0 and c["ms"] > 0 for c in dense["cases"].values())
+    assert all(r["gb_per_s"] > 0 for r in res["quant_kernels"].values())
