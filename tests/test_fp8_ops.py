@@ -142,6 +142,29 @@ def test_block_scale_layout_for_cublas() -> None:
         assert fp8_mm._block_scale_b(padded).data_ptr() == padded.data_ptr()  # prepared at load: no copy
 
 
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "ScalingType"), reason="torch without F.scaled_mm")
+@pytest.mark.parametrize("t,k,n", [(77, 640, 384), (1, 128, 128), (1000, 4096, 1024)])
+def test_layouts_pass_torchs_own_shape_checks(t: int, k: int, n: int) -> None:
+    """The scales as the wrappers hand them to torch (quantize_groups' M-major activation scales,
+    the padded 128x128 weight scales, [T, 1] x [1, N] rows, [M] x [E, N] for the experts) pass
+    torch's shape and stride checks (its meta functions, on the 'meta' device)."""
+    F, meta = torch.nn.functional, "meta"
+    xq, wq = (torch.empty(*s, device=meta, dtype=fp8.FP8) for s in ((t, k), (n, k)))
+    kb, nb = -(-k // 128), -(-n // 128)
+    xs = torch.empty(kb, t, device=meta).t()  # quantize_groups' layout
+    sb = fp8_mm._block_scale_b(torch.empty(nb, kb, device=meta))
+    y = F.scaled_mm(xq, wq.t(), xs, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
+                    output_dtype=torch.bfloat16)
+    assert y.shape == (t, n)
+    sa, sr = torch.empty(t, 1, device=meta), torch.empty(n, 1, device=meta).t()
+    assert torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sr, out_dtype=torch.bfloat16).shape == (t, n)
+    e = 6
+    y = torch._scaled_grouped_mm(xq, torch.empty(e, n, k, device=meta, dtype=fp8.FP8).transpose(1, 2),
+                                 torch.empty(t, device=meta), torch.empty(e, n, device=meta),
+                                 offs=torch.empty(e, device=meta, dtype=torch.int32), out_dtype=torch.bfloat16)
+    assert y.shape == (t, n)
+
+
 def _operands(t: int, k: int, n: int, mode: str, seed: int = 9):
     g = _gen(seed)
     x = torch.randn(t, k, generator=g).bfloat16()
