@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from workloads import H200_PEAK, QWEN3_8B, QWEN3_30B_A3B, QWEN3_32B
 
-from teacher_server.ops import fp8
+from teacher_server.ops import fp8, fp8_grouped
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 
@@ -228,6 +228,11 @@ class MoeLayer:
                 fp8.grouped_scaled_linear(*fp8.silu_mul_quant(gu, am), *q2, offs, mode)
 
             out.update({f"fp8_{mode}_gemm": gemm, f"fp8_{mode}_separate": separate, f"fp8_{mode}_fused": fused})
+        (w13, s13), (w2, s2) = self.q["block"]
+        xq, midq = fp8.quantize_groups(x), fp8.quantize_groups(self.mid)
+        if x.is_cuda:  # the block kernel's other tile height (the default is 128 rows, 8 warps)
+            out["fp8_block_gemm_bm64"] = lambda: (fp8_grouped.grouped_block_mm(*xq, w13, s13, offs, bm=64, warps=4),
+                                                  fp8_grouped.grouped_block_mm(*midq, w2, s2, offs, bm=64, warps=4))
         return out
 
     def accuracy(self) -> dict[str, float]:

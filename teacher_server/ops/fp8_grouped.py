@@ -12,8 +12,9 @@ each block's product summed in float32 by the tensor cores, then scaled and adde
 
 Tiles: BM rows of one expert x 128 columns (one weight scale block). An expert's rows take
 ceil(count / BM) row tiles; the grid has ceil(M / BM) + E row slots (the most any split can
-need), and a slot finds its expert by comparing its index with the experts' cumulative tile
-counts (computed on the GPU: no host sync); slots past the last tile return at once.
+need) on its second axis and the column tiles on its first (a row tile's column tiles run
+together), and a slot finds its expert by comparing its index with the experts' cumulative
+tile counts (computed on the GPU: no host sync); slots past the last tile return at once.
 """
 
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
@@ -46,8 +47,10 @@ def _kernels() -> dict[str, Any]:
                       N: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
         # N, K, E: a layer's constants (one compile per expert layer shape); M varies per step
-        slot = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # the column tiles of one row tile run next to each other: its rows are read from L2 after
+        # the first, and an expert's weight stays there while its row tiles pass
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
         ei = tl.arange(0, BE)
         ends = tl.load(tiles_ptr + ei, mask=ei < E, other=2 ** 30)  # cumulative row tiles per expert
         e = tl.sum((ends <= slot).to(tl.int32), axis=0)  # the expert whose tiles hold this slot
@@ -102,7 +105,7 @@ def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
     tiles = ((counts + bm - 1) // bm).cumsum(0).to(torch.int32)  # [E] cumulative row tiles, on the GPU
     sw = sw.float().contiguous()
-    grid = (-(-m // bm) + e, -(-n // BLOCK))
+    grid = (-(-n // BLOCK), -(-m // bm) + e)
     kern["grouped_block"][grid](x, sx, sx.stride(0), sx.stride(1), w, sw, offs, tiles, out, m, n, k, e,
                                 BM=bm, BN=BLOCK, BK=BLOCK, BE=kern["next_pow2"](e), num_warps=warps,
                                 num_stages=stages)
