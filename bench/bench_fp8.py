@@ -257,7 +257,7 @@ def run_cases(name: str, layer: DenseLayer | MoeLayer, clock: Clock, sustain_s: 
                **(smp.summary() if smp is not None else {})}
         if cuda:
             row["frac_bf16_peak"] = layer.flops / s / H200_PEAK
-        kind = "gemm" if case.endswith("gemm") else "layer"
+        kind = "gemm" if "_gemm" in case else "layer"
         if case.startswith("bf16"):
             base[kind] = s
         row["speedup"] = base[kind] / s if kind in base else None
