@@ -7,6 +7,8 @@ routing picks transformers' experts; what is not built is refused by name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -127,3 +129,24 @@ def test_refusals_name_what_is_not_built(keys: dict, says: str) -> None:
          "num_attention_heads": 4, "vocab_size": 100, **keys}
     with pytest.raises(UnsupportedModelError, match=says.replace("(", r"\(")):
         ModelSpec.from_dict(d)
+
+
+def test_residual_add_in_gemm(ckpt) -> None:
+    """The CUDA default (the residual add in the o/down GEMM's epilogue) on the CPU: same results."""
+    path = ckpt["v3"]
+    eng = engine(path)
+    eng.tuning = replace(eng.tuning, residual_in_gemm=True)
+    reqs = make_requests(np.random.default_rng(4))
+    check(path, reqs, eng.run_to_completion(reqs))
+
+
+def test_tp2_equals_tp1(ckpt) -> None:
+    """Two gloo ranks: heads of q/q_b and kv_b split, o row-parallel, the latent projection and
+    the latent cache whole on each rank, experts and the shared MLP split along their
+    intermediate dimension; TP=2 gives TP=1's results (prefix hits and chunks included)."""
+    from test_tensor_parallel import assert_same, run
+
+    one, hits1 = run(ckpt["v3"], 1)
+    two, hits2 = run(ckpt["v3"], 2)
+    assert_same(one, two)
+    assert hits2 == hits1 > 0
