@@ -40,18 +40,30 @@ CONFIGS: dict[str, tuple[str, dict]] = {
                           n_shared_experts=2, routed_scaling_factor=1.0,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 }
+# GPU-sized: DeepSeek's own head widths (q/k 192, v 128, latent 512 + 64), so the fast
+# attention backends run at the shapes they will serve.
+GPU_CONFIGS: dict[str, tuple[str, dict]] = {
+    "v3_gpu": ("v3", dict(hidden_size=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                          v_head_dim=128, q_lora_rank=96, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
+                          topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          rope_parameters=YARN)),
+    "v2lite_gpu": ("v2", dict(hidden_size=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                              v_head_dim=128, q_lora_rank=None, n_routed_experts=16, num_experts_per_tok=4,
+                              topk_method="greedy", n_shared_experts=2,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
 
 
 def make_deepseek_checkpoint(name: str, path: Path, seed: int = 0, mtp: bool = True) -> Path:
-    """Save tiny random ``name`` (a key of CONFIGS) to ``path``; with ``mtp`` a fake
+    """Save tiny random ``name`` (a key of CONFIGS or GPU_CONFIGS) to ``path``; with ``mtp`` a fake
     multi-token-prediction layer's tensors are written after the last layer (to be skipped)."""
     import transformers as tf
 
-    kind, keys = CONFIGS[name]
+    kind, keys = {**CONFIGS, **GPU_CONFIGS}[name]
     if kind == "v3":
-        cfg, cls = tf.DeepseekV3Config(**COMMON, **keys), tf.DeepseekV3ForCausalLM
+        cfg, cls = tf.DeepseekV3Config(**{**COMMON, **keys}), tf.DeepseekV3ForCausalLM
     else:
-        cfg, cls = tf.DeepseekV2Config(**COMMON, **keys), tf.DeepseekV2ForCausalLM
+        cfg, cls = tf.DeepseekV2Config(**{**COMMON, **keys}), tf.DeepseekV2ForCausalLM
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32).eval()
     randomize_weights(model, (ROUTER,))
