@@ -150,3 +150,29 @@ def test_tp2_equals_tp1(ckpt) -> None:
     two, hits2 = run(ckpt["v3"], 2)
     assert_same(one, two)
     assert hits2 == hits1 > 0
+
+
+def test_rope_rows_permuted_at_load_whole_or_sliced() -> None:
+    """Interleaved rope rows become halves in every head (the unrotated rows stay), whether the
+    rank reads the whole tensor or its slice of heads; fp8 weights are moved as bytes."""
+    from teacher_server.layers.parallel import TensorParallel
+    from teacher_server.models.mla import RopeRowsLinear
+
+    def layer(rank: int) -> RopeRowsLinear:
+        return RopeRowsLinear(4, {"q": 2 * 6}, False, torch.float32, torch.device("cpu"), TensorParallel(2, rank),
+                              units={"q": 6}, rope_rows={"q": (6, 2, 4)}, interleaved=True)
+
+    w = torch.arange(12.0)[:, None].repeat(1, 4)  # row r holds r
+    for rank in (0, 1):
+        a, b = layer(rank), layer(rank)
+        a.load_weight("weight", w, "q", "q_proj.weight")
+        b.load_weight("weight", w[6 * rank:6 * rank + 6], "q", "q_proj.weight")
+        base = 6 * rank
+        want = torch.tensor([0, 1, 2, 4, 3, 5], dtype=torch.float32) + base
+        torch.testing.assert_close(a.weight[:, 0], want)
+        torch.testing.assert_close(b.weight[:, 0], want)
+    raw = torch.arange(12, dtype=torch.uint8)[:, None].repeat(1, 4).view(torch.float8_e4m3fn)
+    fp8 = RopeRowsLinear(4, {"q": 12}, False, torch.float8_e4m3fn, torch.device("cpu"), units={"q": 6},
+                         rope_rows={"q": (6, 2, 4)}, interleaved=True)
+    fp8.load_weight("weight", raw, "q", "q_proj.weight")
+    assert fp8.weight.view(torch.uint8)[:, 0].tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]

@@ -80,7 +80,9 @@ class RopeRowsLinear(MergedColumnLinear):
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         where = self.rope_rows.get(part)
-        if where is not None and param == "weight":  # (a block-wise scale spans whole 128-row blocks: unchanged)
+        # The weight's rows, and a per-row scale's ([N, 1]) with them; a block-wise scale is left as it
+        # is: a head's 64 rotated rows start at 64 h mod 128, so they never straddle a 128-row block.
+        if where is not None and (param == "weight" or (loaded.dim() == 2 and loaded.shape[1] == 1)):
             unit, first, width = where
             assert loaded.shape[0] % unit == 0, f"{name}: {loaded.shape[0]} rows are not whole units of {unit}"
             raw = loaded.view(torch.uint8) if loaded.element_size() == 1 else loaded  # (fp8: index the bytes)
