@@ -16,6 +16,7 @@ from deepseek_ref import CONFIGS, make_deepseek_checkpoint
 from reference import hf_model
 from test_parity import VOCAB, check, family_rng, make_requests
 
+from teacher_server.attention.base import AttentionInputs
 from teacher_server.cache_layout import LATENT
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -176,3 +177,23 @@ def test_rope_rows_permuted_at_load_whole_or_sliced() -> None:
                          rope_rows={"q": (6, 2, 4)}, interleaved=True)
     fp8.load_weight("weight", raw, "q", "q_proj.weight")
     assert fp8.weight.view(torch.uint8)[:, 0].tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+
+
+def test_values_padded_to_the_key_width_give_the_same_scores(ckpt, monkeypatch) -> None:
+    """A backend that takes no values narrower than keys (the GPU ones) gets v zero-padded to
+    the key width and its output cut back: the same scores (prefixed chunks included)."""
+    from teacher_server.attention.sdpa import SdpaBackend
+
+    monkeypatch.setattr(SdpaBackend, "distinct_v_width", False)
+    seen = []
+    real = SdpaBackend.__call__
+
+    def spy(self: SdpaBackend, x: AttentionInputs, *a: object, **kw: object) -> torch.Tensor:
+        seen.append((x.v.shape[2], None if x.vp is None else x.vp.shape[2]))
+        return real(self, x, *a, **kw)
+
+    monkeypatch.setattr(SdpaBackend, "__call__", spy)
+    path = ckpt["v3"]
+    reqs = make_requests(family_rng("v3-padded"))
+    check(path, reqs, engine(path).run_to_completion(reqs))
+    assert {v for v, _ in seen} == {48} and {vp for _, vp in seen} == {None, 48}  # padded from 24 to q/k's 48
