@@ -148,19 +148,25 @@ class MlaAttention(RuntimeModule):
     def qk_norm_weights(self) -> tuple[None, None]:
         return None, None
 
-    def expand(self, latent: torch.Tensor, pad_v: bool, front: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, latent: torch.Tensor, pad_v: bool, front: bool,
+               first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [N, n, 192] and values [N, n, 128] (or zero-padded to 192) of latents [N, 576],
-        each in a buffer with slack rows (the cuDNN backends pad into them)."""
+        each in a buffer with slack rows (the cuDNN backends pad into them). Rows before
+        ``first`` are zeros, not made: the step's prefixed tokens, whose keys attention reads
+        from the packed prefix keys instead."""
         m, n, t = self.mla, self.n, latent.shape[0]
-        nope = m.qk_nope_head_dim
-        kv = self.kv_b_proj(latent[:, :m.kv_lora_rank]).view(t, n, nope + m.v_head_dim)
+        nope, src = m.qk_nope_head_dim, latent[first:]
+        kv = self.kv_b_proj(src[:, :m.kv_lora_rank]).view(t - first, n, nope + m.v_head_dim)
         k = alloc_with_slack(latent, t, n, m.qk_dim, front=front)
-        k[..., :nope] = kv[..., :nope]
-        k[..., nope:] = latent[:, None, m.kv_lora_rank:]
         v = alloc_with_slack(latent, t, n, m.qk_dim if pad_v else m.v_head_dim, front=front)
-        v[..., :m.v_head_dim] = kv[..., nope:]
+        if first:
+            k[:first].zero_()
+            v[:first].zero_()
+        k[first:, :, :nope] = kv[..., :nope]
+        k[first:, :, nope:] = src[:, None, m.kv_lora_rank:]
+        v[first:, :, :m.v_head_dim] = kv[..., nope:]
         if pad_v:
-            v[..., m.v_head_dim:].zero_()
+            v[first:, :, m.v_head_dim:].zero_()
         return k, v
 
     def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -180,7 +186,7 @@ class MlaAttention(RuntimeModule):
         one = latent.view(t, 1, m.latent)
         rt.kv.store(self.layer_id, one, one, ctx)
         pad_v = not rt.attn.distinct_v_width
-        k, v = self.expand(latent, pad_v, front=True)
+        k, v = self.expand(latent, pad_v, front=True, first=ctx.tok_prefixed)
         kp = vp = None
         if ctx.has_prefix:  # packed [cached prefix | chunk] latents of the prefixed sequences, expanded
             lp, _ = rt.kv.gather_prefixed(self.layer_id, one, one, ctx)
