@@ -26,6 +26,7 @@ class Architecture:
     hybrid: bool = False  # Gated DeltaNet linear-attention layers among gated full-attention ones (Qwen3.5)
     sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers make some layers dense (Qwen2/3-MoE)
     deepseek: bool = False  # latent attention and DeepSeekMoE (``deepseek_spec`` reads their keys)
+    gpt_oss: bool = False  # attention sinks, alternating windows, clamped SwiGLU experts (``gpt_oss_spec``)
     # What a key config.json leaves out is: the default of the family's transformers config
     # class (keys whose default is derived, such as head_dim or num_key_value_heads, are not here).
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +63,13 @@ DEEPSEEK_V3 = _defaults(129280, 7168, 18432, 61, 128, 4096, moe_intermediate_siz
 DEEPSEEK_V2 = _defaults(102400, 4096, 11008, 32, 32, 2048, moe_intermediate_size=1407, n_shared_experts=2,
                         n_routed_experts=64, routed_scaling_factor=1.0, first_k_dense_replace=0, topk_method="greedy",
                         norm_topk_prob=False, **_MLA)
+# gpt-oss: transformers' GptOssConfig defaults (gpt-oss-120b's depth and experts; -20b's config
+# says 24 layers and 32 experts), its YaRN rotary included.
+GPT_OSS = _defaults(201088, 2880, 2880, 36, 64, 131072, num_key_value_heads=8, head_dim=64, num_local_experts=128,
+                    num_experts_per_tok=4, sliding_window=128, rms_norm_eps=1e-5, rope_theta=150000.0,
+                    attention_bias=True, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                          "beta_slow": 1.0, "truncate": False,
+                                                          "original_max_position_embeddings": 4096})
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -95,6 +103,10 @@ ARCHITECTURES: dict[str, Architecture] = {
                                           defaults=DEEPSEEK_V3),
     "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "deepseek:DeepseekForCausalLM", deepseek=True,
                                           defaults=DEEPSEEK_V2),
+    # Attention sinks, 128-token windows every other layer, biased experts (MXFP4 in the hub checkpoints).
+    "GptOssForCausalLM": Architecture("gpt_oss", "gpt_oss:GptOssForCausalLM", attention_bias=True,
+                                      sliding_window=True, moe=True, always_norm_topk=True, gpt_oss=True,
+                                      defaults=GPT_OSS),
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 from teacher_server.layers.deepseek_moe import ExpertRouting
 from teacher_server.layers.formats import format_name
 from teacher_server.models.deepseek_spec import MlaDims, deepseek_facts
+from teacher_server.models.gpt_oss_spec import gpt_oss_facts
 from teacher_server.models.registry import ARCHITECTURES
 from teacher_server.unsupported import UnsupportedModelError
 
@@ -72,6 +73,11 @@ class ModelSpec:
     # the expert routing rules; None in the other families.
     mla: MlaDims | None = None
     routing: ExpertRouting | None = None
+    # gpt-oss (``gpt_oss_spec``): a learned sink logit per attention head, and the experts'
+    # clamped SwiGLU (``layers.gpt_oss_moe``); off in the other families.
+    attention_sinks: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def q_size(self) -> int:
@@ -178,6 +184,8 @@ class ModelSpec:
         seen = top if top is d else {**top, **d}
         refuse_unbuilt(arch, entry.attention_bias, seen)
         weight_format = format_name(seen.get("quantization_config"))
+        if weight_format == "mxfp4" and not entry.gpt_oss:  # only gpt-oss's expert layout is read packed
+            raise UnsupportedModelError(f"{arch} with MXFP4 weights is not supported (gpt-oss's experts are)")
         d = {**entry.defaults, **d}  # a key left out: transformers' default for the family
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
@@ -235,6 +243,7 @@ class ModelSpec:
             **(moe_facts(d, entry.always_norm_topk, entry.sparse_step) if entry.moe else {}),
             **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
             **(deepseek_facts(arch, d) if entry.deepseek else {}),
+            **(gpt_oss_facts(d, int(d["num_hidden_layers"])) if entry.gpt_oss else {}),
         )
 
     @classmethod

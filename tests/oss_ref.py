@@ -1,0 +1,64 @@
+"""Tiny random gpt-oss and Qwen3-Next checkpoints written from transformers' own models, and
+their float32 transformers reference registered for ``reference.reference_scores``.
+
+gpt-oss: windows of 8 tokens (the test sequences run to 150), sinks, router logits and expert
+weights drawn large (the clamped SwiGLU's limits are reached; routing far from ties); "mxfp4"
+writes the expert weights MXFP4-packed (``layers.formats.mxfp4.quantize``) and its reference
+holds the dequantized weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from reference import _MODELS, ROUTER, randomize_weights
+from safetensors.torch import load_file, save_file
+
+from teacher_server.layers.formats.mxfp4 import dequantize, quantize
+
+GPT_OSS = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=4, sliding_window=8,
+               max_position_embeddings=131072, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096})
+OSS_RULES = (
+    ("mlp.router.weight", lambda n, p: torch.randn_like(p)),  # far from top-k ties
+    ("self_attn.sinks", lambda n, p: torch.randn_like(p)),  # sinks that take a real share of each softmax
+    ("experts.gate_up_proj", lambda n, p: 0.6 * torch.randn_like(p)),  # gate/up past the clamp limit of 7
+    ROUTER,
+)
+NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+
+
+def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0) -> Path:
+    """``name``: "plain" (transformers' save) or "mxfp4" (experts packed as the hub ships them)."""
+    import transformers as tf
+
+    cfg = tf.GptOssConfig(**GPT_OSS)
+    torch.manual_seed(seed)
+    model = tf.GptOssForCausalLM(cfg).to(torch.float32).eval()
+    randomize_weights(model, OSS_RULES)
+    if name == "plain":
+        model.save_pretrained(path, safe_serialization=True)
+        return path
+    packed = {}
+    with torch.no_grad():
+        for layer, block in enumerate(model.model.layers):
+            ex = block.mlp.experts
+            for proj in ("gate_up_proj", "down_proj"):
+                p = getattr(ex, proj)  # [E, in, out]
+                blocks, scales = quantize(p.transpose(1, 2))  # [E, out, in / 32, 16], [E, out, in / 32]
+                p.copy_(dequantize(blocks, scales).transpose(1, 2))  # the reference holds what the file says
+                packed[f"model.layers.{layer}.mlp.experts.{proj}_blocks"] = blocks
+                packed[f"model.layers.{layer}.mlp.experts.{proj}_scales"] = scales
+    model.save_pretrained(path, safe_serialization=True)
+    f = path / "model.safetensors"
+    tensors = {k: v for k, v in load_file(str(f)).items() if not k.endswith(("experts.gate_up_proj",
+                                                                               "experts.down_proj"))}
+    save_file({**tensors, **packed}, str(f), metadata={"format": "pt"})
+    d = json.loads((path / "config.json").read_text())
+    d["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
+    (path / "config.json").write_text(json.dumps(d))
+    _MODELS[f"{path}:{torch.float32}"] = model  # transformers' MXFP4 loader wants GPU kernels
+    return path
