@@ -62,3 +62,34 @@ def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0) -> Path:
     (path / "config.json").write_text(json.dumps(d))
     _MODELS[f"{path}:{torch.float32}"] = model  # transformers' MXFP4 loader wants GPU kernels
     return path
+
+
+def make_qwen3_next_checkpoint(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-Next: 4 layers (3 Gated DeltaNet, the 4th gated full attention),
+    2 key heads serving 4 value heads (the grouped in-projections take apart unevenly), 8
+    experts top-3 and the gated shared expert on layers 0, 1 and 3, layer 2 dense
+    (``mlp_only_layers``), top-k weights not renormalised; the linear layers' decay and
+    convolution drawn as ``reference.make_hybrid_checkpoint`` does."""
+    import transformers as tf
+
+    full, lin = "full_attention", "linear_attention"
+    cfg = tf.Qwen3NextConfig(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, max_position_embeddings=8192, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=8, num_hidden_layers=4, layer_types=[lin, lin, lin, full],
+                             intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[2],
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                              "partial_rotary_factor": 0.25})
+    torch.manual_seed(seed)
+    model = tf.Qwen3NextForCausalLM(cfg).to(torch.float32).eval()
+    randomize_weights(model, (
+        ("A_log", lambda n, p: torch.empty_like(p).uniform_(0.005, 0.1).log()),
+        ("dt_bias", lambda n, p: 0.5 * torch.randn_like(p)),
+        ("conv1d.weight", lambda n, p: 0.5 * torch.randn_like(p)),
+        ("linear_attn.norm.weight", lambda n, p: 1.0 + 0.2 * torch.randn_like(p)),
+        ("norm.weight", lambda n, p: 0.2 * torch.randn_like(p)),  # zero-centred: (1 + weight)
+        ROUTER,
+    ))
+    model.save_pretrained(path, safe_serialization=True)
+    return path

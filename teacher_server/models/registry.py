@@ -55,6 +55,10 @@ QWEN3_5 = _defaults(248320, 4096, 12288, 32, 16, 32768, num_key_value_heads=4, h
 QWEN3_5_MOE = _defaults(248320, 2048, None, 40, 16, 32768, num_key_value_heads=2, head_dim=256, num_experts=256,
                         num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                         **LINEAR)
+# Qwen3-Next: transformers' Qwen3NextConfig defaults (Qwen3-Next-80B-A3B's shape).
+QWEN3_NEXT = _defaults(151936, 2048, 5632, 48, 16, 32768, num_key_value_heads=2, head_dim=256, num_experts=512,
+                       num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                       norm_topk_prob=True, **LINEAR)
 # DeepSeek: transformers' DeepseekV3Config / DeepseekV2Config defaults (q_lora_rank null in a file: none).
 _MLA = dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 DEEPSEEK_V3 = _defaults(129280, 7168, 18432, 61, 128, 4096, moe_intermediate_size=2048, n_shared_experts=1,
@@ -98,6 +102,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5MoeForConditionalGeneration": Architecture("qwen3_5_moe", "qwen3_5_moe:Qwen3_5MoeForCausalLM",
                                                        qk_norm=True, hybrid=True, moe=True, always_norm_topk=True,
                                                        defaults=QWEN3_5_MOE),
+    # Qwen3.5-MoE's hybrid layers with grouped in-projections; its router and dense layers as config.json says.
+    "Qwen3NextForCausalLM": Architecture("qwen3_next", "qwen3_next:Qwen3NextForCausalLM", qk_norm=True, hybrid=True,
+                                         moe=True, sparse_step=True, defaults=QWEN3_NEXT),
     # Multi-head latent attention and DeepSeekMoE (Kimi-K2 and Moonlight are DeepseekV3ForCausalLM).
     "DeepseekV3ForCausalLM": Architecture("deepseek_v3", "deepseek:DeepseekForCausalLM", deepseek=True,
                                           defaults=DEEPSEEK_V3),
