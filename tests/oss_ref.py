@@ -31,11 +31,11 @@ OSS_RULES = (
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
-def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0) -> Path:
+def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 512) -> Path:
     """``name``: "plain" (transformers' save) or "mxfp4" (experts packed as the hub ships them)."""
     import transformers as tf
 
-    cfg = tf.GptOssConfig(**GPT_OSS)
+    cfg = tf.GptOssConfig(**{**GPT_OSS, "vocab_size": vocab})
     torch.manual_seed(seed)
     model = tf.GptOssForCausalLM(cfg).to(torch.float32).eval()
     randomize_weights(model, OSS_RULES)
