@@ -28,14 +28,18 @@ OSS_RULES = (
     ("experts.gate_up_proj", lambda n, p: 0.6 * torch.randn_like(p)),  # gate/up past the clamp limit of 7
     ROUTER,
 )
+# GPU-sized: gpt-oss's own head width (64) and window (128), so the fast backends run at its shapes.
+GPT_OSS_GPU = dict(GPT_OSS, hidden_size=256, intermediate_size=256, num_attention_heads=8, head_dim=64,
+                   sliding_window=128)
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
-def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 512) -> Path:
-    """``name``: "plain" (transformers' save) or "mxfp4" (experts packed as the hub ships them)."""
+def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 512, gpu: bool = False) -> Path:
+    """``name``: "plain" (transformers' save) or "mxfp4" (experts packed as the hub ships them);
+    ``gpu``: the GPU-sized shape."""
     import transformers as tf
 
-    cfg = tf.GptOssConfig(**{**GPT_OSS, "vocab_size": vocab})
+    cfg = tf.GptOssConfig(**{**(GPT_OSS_GPU if gpu else GPT_OSS), "vocab_size": vocab})
     torch.manual_seed(seed)
     model = tf.GptOssForCausalLM(cfg).to(torch.float32).eval()
     randomize_weights(model, OSS_RULES)
@@ -64,19 +68,21 @@ def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 5
     return path
 
 
-def make_qwen3_next_checkpoint(path: Path, seed: int = 0) -> Path:
+def make_qwen3_next_checkpoint(path: Path, seed: int = 0, gpu: bool = False) -> Path:
     """A tiny random Qwen3-Next: 4 layers (3 Gated DeltaNet, the 4th gated full attention),
     2 key heads serving 4 value heads (the grouped in-projections take apart unevenly), 8
     experts top-3 and the gated shared expert on layers 0, 1 and 3, layer 2 dense
     (``mlp_only_layers``), top-k weights not renormalised; the linear layers' decay and
-    convolution drawn as ``reference.make_hybrid_checkpoint`` does."""
+    convolution drawn as ``reference.make_hybrid_checkpoint`` does. ``gpu``: head widths of 128
+    (the fast kernels' shapes)."""
     import transformers as tf
 
     full, lin = "full_attention", "linear_attention"
-    cfg = tf.Qwen3NextConfig(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             head_dim=16, max_position_embeddings=8192, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
-                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                             linear_value_head_dim=8, num_hidden_layers=4, layer_types=[lin, lin, lin, full],
+    cfg = tf.Qwen3NextConfig(vocab_size=512, hidden_size=256 if gpu else 64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=128 if gpu else 16, max_position_embeddings=8192,
+                             rms_norm_eps=1e-6, linear_conv_kernel_dim=4, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=128 if gpu else 16,
+                             linear_value_head_dim=128 if gpu else 8, num_hidden_layers=4, layer_types=[lin, lin, lin, full],
                              intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                              num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[2],
                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
