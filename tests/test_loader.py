@@ -126,9 +126,14 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
 
     for arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         assert model_class(arch) is DeepseekForCausalLM
+    from teacher_server.models.gpt_oss import GptOssForCausalLM
+    from teacher_server.models.qwen3_next import Qwen3NextForCausalLM
+
+    assert model_class("GptOssForCausalLM") is GptOssForCausalLM
+    assert model_class("Qwen3NextForCausalLM") is Qwen3NextForCausalLM
     assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                                           "qwen2_moe", "mixtral", "qwen3_5", "qwen3_5_moe",
-                                                          "deepseek_v3", "deepseek_v2"}
+                                                          "deepseek_v3", "deepseek_v2", "gpt_oss", "qwen3_next"}
 
 
 @pytest.mark.parametrize(("change", "says"), [

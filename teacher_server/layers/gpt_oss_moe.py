@@ -3,9 +3,10 @@ router, biases and activation.
 
 - Router: logits = h W^T + b (float32), the top-k logits picked, their softmax the weights
   (the same as a softmax over all experts renormalised over the top k).
-- Experts: gate/up and down products with a bias per expert, and the clamped SwiGLU:
-  gate = min(gate, limit), up = clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha
-  * gate) (limit 7, alpha 1.702), in float32, rounded once.
+- Experts: gate/up and down products with a bias per expert, and the clamped SwiGLU
+  (``ops.clamped_swiglu``, a compiled stage on the GPU): gate = min(gate, limit), up =
+  clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate) (limit 7, alpha
+  1.702), in float32, rounded once.
 - Checkpoints: gate/up is one tensor whose rows (or, in transformers' in-memory layout
   [E, H, 2I], columns) interleave gate and up (gate at even, up at odd indices); they are
   split into the stacked [gate rows | up rows] here at load. The expert weights come plain
@@ -31,14 +32,6 @@ from teacher_server.layers.linear import copy_checked
 from teacher_server.layers.moe import ExpertWeights, ReplicatedLinear, SparseMoe
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.ops.grouped_mm import GroupedGemm
-
-
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """[M, 2I] (gate columns, then up columns) -> [M, I], computed in float32."""
-    n = gate_up.shape[1] // 2
-    gate = gate_up[:, :n].float().clamp(max=limit)
-    up = gate_up[:, n:].float().clamp(-limit, limit)
-    return ((up + 1.0) * gate * torch.sigmoid(alpha * gate)).to(gate_up.dtype)
 
 
 class BiasedRouter(ReplicatedLinear):
@@ -129,8 +122,7 @@ class GptOssMoe(SparseMoe):
         x = h.index_select(0, order // k)
         ex = self.experts
         gu = ex.fmt.apply_experts(ex, "gate_up", x, offs, self.gemm)  # [T*k, 2 I_local]
-        gu += ex.gate_up_bias.index_select(0, sorted_ids)
-        a = clamped_swiglu(gu, self.alpha, self.limit)
+        a = self.rt.ops.clamped_swiglu(gu, ex.gate_up_bias, sorted_ids, self.alpha, self.limit)  # bias added in it
         y = ex.fmt.apply_experts(ex, "down", a, offs, self.gemm)  # [T*k, H] partial sums with tp > 1
         if ex.tp.rank == 0:  # the bias once, not once per rank
             y += ex.down_bias.index_select(0, sorted_ids)

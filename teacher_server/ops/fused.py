@@ -25,6 +25,7 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
+from teacher_server.ops.clamped_swiglu import clamped_swiglu
 from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
@@ -67,7 +68,8 @@ class _Guarded:
 
 
 _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
-                                "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep}
+                                "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep,
+                                "clamped_swiglu": clamped_swiglu}
 
 
 class FusedOps:
@@ -82,6 +84,7 @@ class FusedOps:
     qkv_prep: Callable
     gated_rms_norm: Callable
     linear_prep: Callable
+    clamped_swiglu: Callable  # gpt-oss's expert activation (``ops.clamped_swiglu``)
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:
