@@ -159,3 +159,20 @@ def test_mxfp4_only_for_gpt_oss() -> None:
     d = {"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}}
     with pytest.raises(UnsupportedModelError, match="MXFP4"):
         ModelSpec.from_dict(d)
+
+
+def test_bench_shape_counts_windows_and_every_expert() -> None:
+    """The gpt-oss-20b bench shape: ~3.6B active parameters with the embeddings (3.0B without),
+    every expert in the checkpoint's bytes (~42 GB in bf16), and a sliding layer's attention
+    FLOPs counted over its window only."""
+    from teacher_server.benchmark.workloads import GPT_OSS_20B, Req, causal_pairs, checkpoint_bytes, flops
+
+    spec = ModelSpec.from_dict(GPT_OSS_20B)
+    assert 2.9e9 < spec.non_embedding_params() < 3.1e9
+    assert 41e9 < checkpoint_bytes(GPT_OSS_20B) < 43e9
+    assert causal_pairs(100, None) == causal_pairs(100, 128) == 100 * 100
+    assert causal_pairs(1000, 128) == 2 * 1000 * 128 - 128 * 128
+    req = [Req(np.zeros(1000, np.int64), 999, np.zeros((0, 1), np.int64))]
+    full = dict(GPT_OSS_20B, layer_types=["full_attention"] * 24)
+    q = 64 * 64
+    assert flops(full, req) - flops(GPT_OSS_20B, req) == 2 * q * 12 * (1000 * 1000 - causal_pairs(1000, 128))

@@ -261,7 +261,7 @@ def checkpoint_bytes(cfg: dict) -> int:
     """bf16 bytes of a checkpoint of shape ``cfg``, every expert counted."""
     from teacher_server.models.spec import ModelSpec
 
-    experts = cfg.get("num_experts") or cfg.get("n_routed_experts")
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
     every = dict(cfg, num_experts_per_tok=experts, topk_group=cfg.get("n_group")) if experts else cfg
     embed = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
     return 2 * (ModelSpec.from_dict(every).non_embedding_params() + embed)
