@@ -1,5 +1,5 @@
-"""gpt-oss's expert layer: the grouped-GEMM expert layer of ``layers.moe`` with gpt-oss's
-router, biases and activation.
+"""gpt-oss's expert layer: the grouped-GEMM expert layer of ``layers.moe`` (its stacked
+weights, token grouping and combine) with gpt-oss's router, biases and activation.
 
 - Router: logits = h W^T + b (float32), the top-k logits picked, their softmax the weights
   (the same as a softmax over all experts renormalised over the top k).
@@ -29,8 +29,9 @@ from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.mxfp4 import PACKED
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import copy_checked
-from teacher_server.layers.moe import ExpertWeights, ReplicatedLinear, SparseMoe
+from teacher_server.layers.moe import ExpertWeights, ReplicatedLinear
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.ops.grouped_mm import GroupedGemm
 
 
@@ -98,16 +99,19 @@ class GptOssExperts(ExpertWeights):
             copy_checked(dst, loaded[:, :, start:start + n], name)
 
 
-class GptOssMoe(SparseMoe):
-    """gpt-oss's expert MLP of one decoder layer: [T, hidden] -> [T, hidden] (no shared expert)."""
+class GptOssMoe(RuntimeModule):
+    """gpt-oss's expert MLP of one decoder layer: [T, hidden] -> [T, hidden] (no shared expert;
+    the token grouping and combine as ``SparseMoe``'s). ``gemm``: the model's grouped GEMM."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, alpha: float, limit: float,
                  gemm: GroupedGemm, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
                  fmt: WeightFormat = UNQUANTIZED) -> None:
-        super().__init__(hidden, num_experts, top_k, intermediate, True, 0, gemm, dtype, device, tp, fmt)
-        self.alpha, self.limit = alpha, limit
+        super().__init__()
+        self.top_k, self.alpha, self.limit, self.gemm = top_k, alpha, limit, gemm
         self.gate = BiasedRouter(hidden, num_experts, dtype, device)
         self.experts = GptOssExperts(num_experts, hidden, intermediate, dtype, device, tp, fmt)
+        # [E] 1..E: searchsorted of the sorted expert ids against it gives each expert's row end
+        self.register_buffer("expert_ends", torch.arange(1, num_experts + 1, device=device), persistent=False)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): the softmax of the top-k logits."""
