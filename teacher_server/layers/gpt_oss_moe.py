@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.layers.formats.base import WeightFormat
-from teacher_server.layers.formats.mxfp4 import PACKED
+from teacher_server.layers.formats.mxfp4 import PACKED, dequantize
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import copy_checked
 from teacher_server.layers.moe import ExpertWeights, ReplicatedLinear
@@ -77,26 +77,32 @@ class GptOssExperts(ExpertWeights):
         gate, up = w[..., 0::2, :], w[..., 1::2, :]
         return torch.cat([gate[..., start:start + n, :], up[..., start:start + n, :]], dim=-2)
 
-    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
+    def _copy_expert(self, param: str, e: int, w: torch.Tensor, name: str) -> None:
+        """Expert e's whole weight w ([out, in]) -> this rank's part of it."""
         start, n = self.tp.rank * self.i_local, self.i_local
+        dst = getattr(self, param).data[e]
+        if param == "gate_up":
+            copy_checked(dst, self._gate_up_rows(w), name)
+        else:  # down [H, I]: this rank's columns
+            copy_checked(dst, w[:, start:start + n], name)
+
+    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         if param == "gate_up_bias":  # [E, 2I] interleaved
             copy_checked(self.gate_up_bias.data, self._gate_up_rows(loaded[..., None])[..., 0], name)
-            return
-        if param == "down_bias":
+        elif param == "down_bias":
             copy_checked(self.down_bias.data, loaded, name)
-            return
-        if part in PACKED:  # one of the MXFP4 pair: the weight once both are here ([E, out, in])
+        elif part in PACKED:  # one of the MXFP4 pair: the weight once both are here, expert by expert
             self._packed.add(param)
-            loaded = self.fmt.load_packed(self, param, part, loaded)
-            if loaded is None:
-                return
-        elif part == "hf":  # transformers' [E, in, out]
-            loaded = loaded.transpose(1, 2)
-        dst = getattr(self, param).data
-        if param == "gate_up":
-            copy_checked(dst, self._gate_up_rows(loaded), name)
-        else:  # down [E, H, I]: this rank's columns
-            copy_checked(dst, loaded[:, :, start:start + n], name)
+            pair = self.fmt.load_packed(self, param, part, loaded)
+            if pair is not None:
+                blocks, scales = pair
+                assert blocks.shape[0] == self.num_experts, f"{name}: {blocks.shape[0]} experts"
+                for e in range(self.num_experts):
+                    self._copy_expert(param, e, dequantize(blocks[e], scales[e]), name)
+        else:  # transformers' [E, in, out]
+            assert part == "hf" and loaded.shape[0] == self.num_experts, (name, part, tuple(loaded.shape))
+            for e in range(self.num_experts):
+                self._copy_expert(param, e, loaded[e].t(), name)
 
 
 class GptOssMoe(RuntimeModule):

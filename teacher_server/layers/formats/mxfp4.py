@@ -59,15 +59,17 @@ class Mxfp4Experts(Unquantized):
 
     name = "mxfp4"
 
-    def load_packed(self, layer: nn.Module, slot: str, which: str, loaded: torch.Tensor) -> torch.Tensor | None:
+    def load_packed(self, layer: nn.Module, slot: str, which: str,
+                    loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Keep one of a weight's packed pair (``which`` in PACKED) on the layer until the
-        other comes; then the dequantized weight [..., out, in] float32 (the layer copies its
-        part of it), else None."""
+        other comes; then (blocks, scales), which the layer dequantizes piece by piece
+        (``dequantize``: a whole stack of experts at once would take 8x its packed bytes in
+        float32), else None."""
         pending: dict[tuple[str, str], torch.Tensor] = layer.__dict__.setdefault("_mxfp4_pending", {})
         pending[(slot, which)] = loaded
         if (slot, "blocks") not in pending or (slot, "scales") not in pending:
             return None
-        return dequantize(pending.pop((slot, "blocks")), pending.pop((slot, "scales")))
+        return pending.pop((slot, "blocks")), pending.pop((slot, "scales"))
 
 
 class Mxfp4(Unquantized):
