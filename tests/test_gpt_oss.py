@@ -176,3 +176,32 @@ def test_bench_shape_counts_windows_and_every_expert() -> None:
     full = dict(GPT_OSS_20B, layer_types=["full_attention"] * 24)
     q = 64 * 64
     assert flops(full, req) - flops(GPT_OSS_20B, req) == 2 * q * 12 * (1000 * 1000 - causal_pairs(1000, 128))
+
+
+# gpt-oss-20b's config.json as the hub ships it (the keys that matter; layer_types abridged to
+# the same alternation by the test).
+HUB_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "vocab_size": 201088, "rms_norm_eps": 1e-05,
+    "rope_theta": 150000, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                           "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                           "truncate": False},
+    "max_position_embeddings": 131072, "initial_context_length": 4096, "attention_bias": True,
+    "swiglu_limit": 7.0, "hidden_act": "silu", "tie_word_embeddings": False,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+}
+
+
+def test_hub_config_reads() -> None:
+    """The hub's gpt-oss-20b config: MXFP4 experts, windows on the even layers, YaRN x32."""
+    spec = ModelSpec.from_dict(HUB_20B)
+    assert spec.weight_format == "mxfp4" and spec.attention_bias and spec.attention_sinks
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.moe_intermediate_size) == (32, 4, 2880)
+    assert [spec.layer_window(i) for i in range(4)] == [128, None, 128, None]
+    assert spec.rope_scaling["factor"] == 32.0 and spec.rope_scaling["truncate"] is False
+    assert (spec.q_size, spec.kv_size, spec.vocab_size) == (4096, 512, 201088)
+    bare = ModelSpec.from_dict({"architectures": ["GptOssForCausalLM"]})  # transformers' defaults: -120b's shape
+    assert (bare.num_layers, bare.num_experts, bare.rope_scaling["rope_type"]) == (36, 128, "yarn")
