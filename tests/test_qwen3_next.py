@@ -102,3 +102,20 @@ def test_qwen3_6_config_reads_as_qwen3_5_moe() -> None:
     assert spec.architecture == "Qwen3_5MoeForConditionalGeneration" and spec.family == "qwen3_5_moe"
     assert spec.kv_layer_ids == tuple(range(3, 40, 4)) and spec.rotary_dim == 64 and spec.rope_theta == 1e7
     assert (spec.num_experts, spec.num_experts_per_tok, spec.norm_topk_prob) == (256, 8, True)
+
+
+def test_hub_config_reads() -> None:
+    """Qwen3-Next-80B-A3B's config.json keys: 48 layers, every 4th full attention with a quarter
+    rotary, 512 experts top-10 renormalised, a shared expert, no dense layer."""
+    spec = ModelSpec.from_dict({
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+        "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+        "partial_rotary_factor": 0.25, "rope_theta": 10000000, "vocab_size": 151936, "max_position_embeddings": 262144,
+    })
+    assert spec.kv_layer_ids == tuple(range(3, 48, 4)) and spec.rotary_dim == 64 and spec.attn_output_gate
+    assert all(spec.is_moe_layer(i) for i in range(48)) and spec.norm_topk_prob and spec.zero_centered_norm
+    assert (spec.num_experts, spec.num_experts_per_tok, spec.shared_expert_intermediate_size) == (512, 10, 512)
