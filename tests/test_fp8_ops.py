@@ -54,7 +54,11 @@ def test_groups_layout_values_and_refused_width() -> None:
     x = torch.randn(5, 384, generator=_gen(2)).bfloat16()
     x[:, 128:256] *= 100  # one group far larger: its own scale
     xq, s = fp8.quantize_groups(x)
-    assert s.shape == (5, 3) and s.stride() == (1, 5)  # M-major, as cuBLAS's 1x128 recipe reads it
+    # M-major, as cuBLAS's 1x128 recipe reads it, in buffers of 8 rows (it takes M a multiple of 4)
+    assert s.shape == (5, 3) and s.stride() == (1, 8) and xq.shape == (5, 384) and xq.stride() == (384, 1)
+    assert xq.untyped_storage().nbytes() == 8 * 384 and s.untyped_storage().nbytes() == 4 * 8 * 3
+    padding_codes = torch.empty(0, dtype=fp8.FP8).set_(xq.untyped_storage(), 0, (8, 384))[5:]
+    assert (padding_codes.float() == 0).all()  # zero rows
     ref = x.float().view(5, 3, 128).abs().amax(-1) / fp8.FP8_MAX
     assert torch.equal(s, ref)
     _within_e4m3(x, xq, s, 128)

@@ -44,7 +44,10 @@ handling", merged before 2.10; the GPU tests check each case on an H200 with tor
 
 Layouts of this module (e4m3 = ``FP8``; every scale is float32 and *dequantizes*: x ~= xq * s):
 
-- activation scales: ``row`` [T, 1] contiguous; ``group`` [T, K/128] M-major (strides (1, T));
+- activation scales: ``row`` [T, 1] contiguous; ``group`` [T, K/128] M-major, strides (1, R)
+  with R = round_up(T, 4) (``fp8_quant.padded_rows``): the scales and the codes [T, K] are views
+  of buffers of R rows (zeros past T), because cuBLASLt's 1x128 recipe takes M a multiple of 4
+  only; ``scaled_linear`` hands the R rows to cuBLAS and keeps the first T of its output;
   ``tensor`` [1].
 - weight scales: ``tensor`` [1] (or []); ``row`` [N, 1]; ``block`` [ceil(N/128), ceil(K/128)],
   row stride ceil(K/128) or L4 (``pad_block_scale``). Expert weights [E, N, K] take [E, N, 1]
@@ -93,13 +96,16 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_groups_reference(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32 M-major): one scale per 1 x group."""
+    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32 M-major): one scale per 1 x group,
+    in the kernel's layout (views of buffers of ``fp8_quant.padded_rows(T)`` rows, the padding
+    quantized from zero rows)."""
     t, k = x.shape
     _check_groups(k, group)
-    xf = x.float().view(t, k // group, group)
-    scale = scale_from_amax(xf.abs().amax(-1))  # [T, G]
-    xq = to_fp8(xf, scale[..., None]).view(t, k)
-    return xq, scale.t().contiguous().t()
+    r = fp8_quant.padded_rows(t)
+    xf = torch.nn.functional.pad(x.float(), (0, 0, 0, r - t)).view(r, k // group, group)
+    scale = scale_from_amax(xf.abs().amax(-1))  # [R, G]
+    xq = to_fp8(xf, scale[..., None]).view(r, k)
+    return xq[:t], scale.t().contiguous().t()[:t]
 
 
 def quantize_tensor_reference(x: torch.Tensor,
@@ -167,8 +173,9 @@ def quantize_rows(x: torch.Tensor, kernel: bool = True) -> tuple[torch.Tensor, t
 
 
 def quantize_groups(x: torch.Tensor, group: int = BLOCK, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32, M-major: strides (1, T), the
-    layout cuBLAS's 1x128 recipe reads). K must be a multiple of ``group`` (ValueError)."""
+    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32, M-major: strides (1, R), R =
+    round_up(T, 4), the layout cuBLAS's 1x128 recipe reads; module docstring). K must be a
+    multiple of ``group`` (ValueError)."""
     got = _quantize(x, "group", "plain", group=group, kernel=kernel)
     return got[:2] if got is not None else quantize_groups_reference(x, group)
 
