@@ -105,7 +105,9 @@ def quantize_groups_reference(x: torch.Tensor, group: int = BLOCK) -> tuple[torc
     xf = torch.nn.functional.pad(x.float(), (0, 0, 0, r - t)).view(r, k // group, group)
     scale = scale_from_amax(xf.abs().amax(-1))  # [R, G]
     xq = to_fp8(xf, scale[..., None]).view(r, k)
-    return xq[:t], scale.t().contiguous().t()[:t]
+    buf = torch.empty(k // group, r, device=x.device)  # strides (1, R) even where a dimension is 1
+    buf.copy_(scale.t())
+    return xq[:t], buf.t()[:t]
 
 
 def quantize_tensor_reference(x: torch.Tensor,

@@ -1,6 +1,7 @@
 """The FP8 matrix multiplies and the weight side of the format: torch's scaled multiplies for
-tensor-, row- and 128x128-block weight scales (``scaled_linear``), the experts' grouped multiply
-(``grouped_scaled_linear``: torch's row-wise kernel, or ``ops.fp8_grouped``'s block kernel),
+tensor-, row- and 128x128-block weight scales (``scaled_linear``; the block one as cuBLASLt
+takes it in ``ops.fp8_block``), the experts' grouped multiply (``grouped_scaled_linear``:
+``ops.fp8_grouped``'s Triton kernel with row or block scales, or torch's row-wise kernel),
 weight quantization and dequantization, and the float32 references every one of them takes on
 the CPU. What torch takes, and the layouts: ``ops.fp8``'s docstring (the API is imported from
 there)."""
@@ -13,8 +14,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from teacher_server.ops import fp8_grouped
-from teacher_server.ops.fp8_quant import padded_rows
+from teacher_server.ops import fp8_block, fp8_grouped
+from teacher_server.ops.fp8_block import pad_block_scale  # noqa: F401  (the API: ops.fp8)
 from teacher_server.ops.grouped_mm import grouped_mm_reference
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,6 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
 BLOCK = 128
 MODES = ("tensor", "row", "block")  # weight scales
-_SCALING = getattr(F, "ScalingType", None)  # torch >= 2.10: F.scaled_mm and its recipes
 
 
 def to_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -129,29 +129,6 @@ def block_to_rows(wq: torch.Tensor, wscale: torch.Tensor,
 # ---------------------------------------------------------------- scaled multiplies
 
 
-def pad_block_scale(wscale: torch.Tensor) -> torch.Tensor:
-    """A weight's block scales [Nb, Kb] as cuBLAS's 128x128 recipe reads them: the same values
-    in a buffer whose rows hold round_up(Kb, 4) floats (a [Nb, Kb] view of it). Done once at
-    load, it saves ``scaled_linear`` a small copy per call when Kb % 4 != 0."""
-    nb, kb = wscale.shape
-    l4 = -(-kb // 4) * 4
-    buf = torch.ones(nb, l4, dtype=torch.float32, device=wscale.device)
-    buf[:, :kb] = wscale
-    return buf[:, :kb]
-
-
-def _block_scale_b(wscale: torch.Tensor) -> torch.Tensor:
-    """[Nb, Kb] weight scales -> scale_b [L4, Nb] strides (1, L4) (module docstring)."""
-    nb, kb = wscale.shape
-    l4 = -(-kb // 4) * 4
-    # pad_block_scale's view (or Kb % 4 == 0, contiguous): read in place; else a padded copy
-    in_place = (wscale.dtype == torch.float32 and wscale.stride(1) == 1 and wscale.stride(0) == l4
-                and wscale.untyped_storage().nbytes() >= 4 * (wscale.storage_offset() + nb * l4))
-    if not in_place:
-        wscale = pad_block_scale(wscale)
-    return wscale.as_strided((l4, nb), (1, l4))
-
-
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -217,98 +194,17 @@ def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsca
     return out.copy_(y) if out is not None else y
 
 
-# (N, K, out dtype, bias) combinations cuBLASLt refused (CUBLAS_STATUS_NOT_SUPPORTED): the
-# block recipe's support on sm90 is narrower than the other recipes' (cuBLAS 12.9's notes:
-# "limited support for fused epilogues"); each is tried once, then run the other way
-_REFUSED: set[tuple] = set()
-
-
-def _refused(e: RuntimeError) -> bool:
-    return "CUBLAS_STATUS_NOT_SUPPORTED" in str(e)
-
-
-def _pad_rows(xq: torch.Tensor, xscale: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """xq [T, K] and its M-major scales [T, Kb] as [R, K] / [R, Kb] strides (1, R): views where
-    they already sit in buffers of R rows (``quantize_groups``' layout), else padded copies
-    (zero codes, unit scales: the extra output rows are dropped)."""
-    t, k = xq.shape
-    kb = xscale.shape[1]
-    x_room = xq.stride(0) == k and xq.untyped_storage().nbytes() >= xq.storage_offset() + r * k
-    s_room = (xscale.dtype == torch.float32 and xscale.stride(0) == 1 and (xscale.stride(1) == r or kb == 1)
-              and xscale.untyped_storage().nbytes() >= 4 * (xscale.storage_offset() + kb * r))
-    if x_room and s_room:
-        return xq.as_strided((r, k), (k, 1)), xscale.as_strided((r, kb), (1, r))
-    xp = xq.new_zeros(r, k) if r > t else xq.contiguous()
-    if r > t:
-        xp[:t] = xq
-    sp = torch.ones(kb, r, dtype=torch.float32, device=xscale.device)
-    sp[:, :t] = xscale.t()
-    return xp, sp.t()
-
-
 def _block_mm(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
               out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    """The 1x128 x 128x128 product: cuBLASLt (M padded to a multiple of 4, its rule; bias in its
-    epilogue where it takes it, else added to a float32 output), or, for a combination it
-    refuses, ``ops.fp8_grouped``'s Triton kernel as one expert. No fast accumulation (torch
-    refuses it with block scales)."""
-    t, k = xq.shape
-    n = wq.shape[0]
-    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
-    r = padded_rows(t)
     if _cc(xq)[0] != 9:
         raise NotImplementedError(f"block-wise FP8 (1x128 x 128x128) runs on sm90 only in torch {torch.__version__}; "
                                   f"this GPU is sm{_sm(xq)}")
-    if xscale.shape != (t, kb) or (t > 1 and kb > 1 and (xscale.stride(0) != 1 or xscale.stride(1) not in (t, r))):
-        raise ValueError(f"block-wise FP8 needs activation scales [T, K/128] = [{t}, {kb}] M-major (strides "
-                         f"(1, {r}) or (1, {t}): quantize_groups), got {tuple(xscale.shape)} strides {xscale.stride()}")
-    if wscale.shape != (nb, kb):
-        raise ValueError(f"block-wise FP8 weight scales must be [ceil(N/128), ceil(K/128)] = [{nb}, {kb}], "
-                         f"got {tuple(wscale.shape)}")
-    if t == 0:
-        return torch.empty(0, n, device=xq.device, dtype=out_dtype)
-    if _SCALING is None:  # torch < 2.10: the old entry point reads the recipe from the shapes (unpadded only)
-        if kb % 4:
-            raise NotImplementedError(f"block-wise FP8 with ceil(K/128) = {kb} not a multiple of 4 needs torch >= 2.10")
-    key = (n, k, out_dtype, bias is not None)
-    if key not in _REFUSED:
-        xp, sp = _pad_rows(xq, xscale, r)
-        sb = _block_scale_b(wscale)
-        try:
-            if bias is not None and (n, k, out_dtype, "epilogue") not in _REFUSED:
-                try:
-                    return _cublas_block(xp, sp, wq, sb, out_dtype, bias)[:t]
-                except RuntimeError as e:
-                    if not _refused(e):
-                        raise
-                    _REFUSED.add((n, k, out_dtype, "epilogue"))
-                    log.warning("cuBLASLt refused the bias epilogue with block-wise FP8 at %d -> %d: the bias is "
-                                "added to a float32 product", k, n)
-            if bias is None:
-                return _cublas_block(xp, sp, wq, sb, out_dtype, None)[:t]
-            y = _cublas_block(xp, sp, wq, sb, torch.float32, None)[:t]
-            return (y + bias.float()).to(out_dtype)  # rounded once, as the epilogue would
-        except RuntimeError as e:
-            if not _refused(e):
-                raise
-            _REFUSED.add(key)
-            log.warning("cuBLASLt refused block-wise FP8 at %d -> %d (%s%s): the Triton block kernel runs it", k, n,
-                        out_dtype, ", bias" if bias is not None else "")
-    offs = torch.full((1,), t, dtype=torch.int32, device=xq.device)
-    y = fp8_grouped.grouped_block_mm(xq, xscale, wq[None], wscale[..., :kb][None], offs, bm=64,
-                                     out_dtype=torch.float32 if bias is not None else out_dtype)
+    y = fp8_block.block_mm(xq, xscale, wq, wscale, out_dtype, bias)
     if y is None:
-        log.warning("block-wise FP8 at %d -> %d runs dequantized in float32 (no kernel takes it)", k, n)
+        log.warning("block-wise FP8 at %d -> %d runs dequantized in float32 (no kernel takes it)", xq.shape[1],
+                    wq.shape[0])
         return scaled_linear_reference(xq, xscale, wq, wscale, "block", out_dtype, bias)
-    return (y + bias.float()).to(out_dtype) if bias is not None else y
-
-
-def _cublas_block(xp: torch.Tensor, sp: torch.Tensor, wq: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    if _SCALING is None:
-        return torch._scaled_mm(xp, wq.t(), scale_a=sp, scale_b=sb, bias=bias, out_dtype=out_dtype)
-    return F.scaled_mm(xp, wq.t(), sp, _SCALING.BlockWise1x128, sb, _SCALING.BlockWise128x128, bias=bias,
-                       output_dtype=out_dtype)
+    return y
 
 
 def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,

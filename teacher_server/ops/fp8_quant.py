@@ -102,9 +102,10 @@ def _kernels() -> dict[str, Any]:
     # loads in flight): SiLU-mul's rows, and plain rows wider than ``CHUNKED_K``. Per row (MODE 0)
     # it takes two passes, the amax, then the codes (the row read again, mostly from L2, and its
     # values recomputed: the same bits); per group (1) and with a given scale (2), one.
+    # (K, a layer's width, is a compile-time constant: the loop's trip count and the tail's mask)
     @triton.jit(do_not_specialize=["T", "ST"])
-    def quant_chunks(x_ptr, sx, q_ptr, sq, scale_ptr, T, ST, K, fp8_max, amax_floor, SILU: tl.constexpr,
-                     MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr):
+    def quant_chunks(x_ptr, sx, q_ptr, sq, scale_ptr, T, ST, K: tl.constexpr, fp8_max, amax_floor,
+                     SILU: tl.constexpr, MODE: tl.constexpr, CHUNK: tl.constexpr, GROUP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         live = row < T
         cols = tl.arange(0, CHUNK)
