@@ -107,7 +107,7 @@ def block_mm(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: t
         try:
             if bias is not None and (n, k, out_dtype, "epilogue") not in _REFUSED:
                 try:
-                    return _cublas_block(xp, sp, wq, sb, out_dtype, bias)[:t]
+                    return _cublas_block(xp, sp, wq, sb, out_dtype, bias.to(out_dtype))[:t]
                 except RuntimeError as e:
                     if not _refused(e):
                         raise

@@ -127,7 +127,10 @@ def _kernels() -> dict[str, Any]:
             tl.store(scale_ptr + row, scale)
         elif MODE == 2:
             scale = tl.load(scale_ptr)
-        for c in range(0, K, CHUNK):
+        nc: tl.constexpr = (K + CHUNK - 1) // CHUNK
+        for i in range(nc):
+            # per row the second pass goes backwards: the chunks read last are the likeliest in L2
+            c = (nc - 1 - i) * CHUNK if MODE == 0 else i * CHUNK
             m = c + cols < K
             ml = m & live
             if SILU:
@@ -223,7 +226,7 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
         chunk = min(CHUNK, block)
         kern["quant_chunks"][(rows,)](
             x, x.stride(0), xq, xq.stride(0), sc, t, st, k, float(fp8_max), float(amax_floor),
-            SILU=producer == "silu", MODE=MODES[mode], CHUNK=chunk, GROUP=group, num_warps=4)
+            SILU=producer == "silu", MODE=MODES[mode], CHUNK=chunk, GROUP=group, num_warps=8 if chunk >= 2048 else 4)
         return xq, sc, resid
     w = weight if weight is not None else x  # unused unless producer == "norm"
     d = delta if delta is not None else x
