@@ -68,11 +68,13 @@ def pad_rows(xq: torch.Tensor, xscale: torch.Tensor, r: int) -> tuple[torch.Tens
     x_room = xq.stride(0) == k and xq.untyped_storage().nbytes() >= xq.storage_offset() + r * k
     s_room = (xscale.dtype == torch.float32 and xscale.stride(0) == 1 and (xscale.stride(1) == r or kb == 1)
               and xscale.untyped_storage().nbytes() >= 4 * (xscale.storage_offset() + kb * r))
-    if x_room and s_room:
-        return xq.as_strided((r, k), (k, 1)), xscale.as_strided((r, kb), (1, r))
-    xp = xq.new_zeros(r, k) if r > t else xq.contiguous()
-    if r > t:
+    if x_room:
+        xp = xq.as_strided((r, k), (k, 1))
+    else:
+        xp = xq.new_zeros(r, k)
         xp[:t] = xq
+    if s_room:
+        return xp, xscale.as_strided((r, kb), (1, r))
     sp = torch.ones(kb, r, dtype=torch.float32, device=xscale.device)
     sp[:, :t] = xscale.t()
     return xp, sp.t()
