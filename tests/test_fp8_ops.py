@@ -306,6 +306,42 @@ def test_grouped_block_scales_and_block_to_rows() -> None:
         fp8.grouped_scaled_linear(xq, xs, wq, ws, offs[:1], "block")
 
 
+class _Kernel:
+    """A Triton kernel's launch syntax; ``fail``: it raises as a kernel that does not compile."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail, self.launches = fail, 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.launches += 1
+            if self.fail:
+                raise RuntimeError("PassManager::run failed")
+        return launch
+
+
+def test_a_kernel_that_fails_to_compile_leaves_its_calls_to_the_reference(monkeypatch) -> None:
+    """Its first launch failing, the fused op runs its torch reference from then on (one warning,
+    no second launch); a kernel that has run once and then fails raises."""
+    chunks, rows = _Kernel(fail=True), _Kernel(fail=False)
+    monkeypatch.setattr(fp8_quant, "_K", {"quant_chunks": chunks, "quant_rows": rows,
+                                          "next_pow2": lambda k: 1 << (k - 1).bit_length()})
+    monkeypatch.setattr(fp8_quant, "_FAILED", set())
+    monkeypatch.setattr(fp8_quant, "_LAUNCHED", set())
+    monkeypatch.setattr(fp8_quant, "applies", lambda x, k: True)
+    gu = torch.randn(5, 512, generator=_gen(12)).bfloat16()
+    for _ in range(2):
+        got = fp8.silu_mul_quant(gu, "row")
+        want = fp8.quantize_rows_reference(silu_mul_reference(gu))
+        assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
+    assert chunks.launches == 1
+    x = torch.randn(5, 256, generator=_gen(13)).bfloat16()
+    assert fp8_quant.quantize(x, "row", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
+    rows.fail = True
+    with pytest.raises(RuntimeError, match="PassManager"):
+        fp8_quant.quantize(x, "row", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR)
+
+
 def test_kernels_do_not_apply_on_cpu() -> None:
     x = torch.randn(4, 128).bfloat16()
     assert fp8_quant.quantize(x, "row", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is None
@@ -399,6 +435,8 @@ def test_fused_norm_quant_kernel(wdtype: torch.dtype, mode: str, k: int) -> None
     d = torch.randn(333, k, device="cuda", generator=g).bfloat16()
     w = (1 + 0.1 * torch.randn(k, device="cuda", generator=g)).to(wdtype)
     group = 128 if mode == "group" else None
+    assert fp8_quant.quantize(x, mode, "norm", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR, weight=w,
+                              eps=1e-6) is not None  # the kernel ran
     got = fp8.rms_norm_quant(x, w, 1e-6, mode)
     _one_step(got, _ref_on(x, fp8.rms_norm_quant, x, w, 1e-6, mode), group)
     s, *got = fp8.add_rms_norm_quant(x, d, w, 1e-6, mode)
@@ -417,6 +455,7 @@ def test_fused_norm_quant_kernel(wdtype: torch.dtype, mode: str, k: int) -> None
 def test_fused_silu_mul_quant_kernel(mode: str, inter: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(inter)
     gu = (torch.randn(200, 2 * inter, device="cuda", generator=g) * 4).bfloat16()
+    assert fp8_quant.quantize(gu, mode, "silu", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
     _one_step(fp8.silu_mul_quant(gu, mode), _ref_on(gu, fp8.silu_mul_quant, gu, mode),
               128 if mode == "group" else None)
 

@@ -42,6 +42,10 @@ CHUNKED_K = 8192
 CHUNK = 2048
 MODES = {"row": 0, "group": 1, "tensor": 2}
 _K: dict[str, Any] = {}
+# (chunked, producer, mode, K, dtype) whose first launch failed (compiling) or succeeded: a failure
+# after a success is an error of the call, raised
+_FAILED: set[tuple] = set()
+_LAUNCHED: set[tuple] = set()
 
 
 def _kernels() -> dict[str, Any]:
@@ -222,18 +226,32 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     if rows == 0:
         return xq, sc, resid
     st = padded_rows(t)  # the group scales' column stride
-    if producer == "silu" or (producer == "plain" and block > CHUNKED_K):
-        chunk = min(CHUNK, block)
-        kern["quant_chunks"][(rows,)](
-            x, x.stride(0), xq, xq.stride(0), sc, t, st, k, float(fp8_max), float(amax_floor),
-            SILU=producer == "silu", MODE=MODES[mode], CHUNK=chunk, GROUP=group, num_warps=8 if chunk >= 2048 else 4)
-        return xq, sc, resid
-    w = weight if weight is not None else x  # unused unless producer == "norm"
-    d = delta if delta is not None else x
-    s = resid if resid is not None else x
-    kern["quant_rows"][(rows,)](
-        x, x.stride(0), d, d.stride(0), s, s.stride(0), w, xq, xq.stride(0), sc, t, st, k, float(eps),
-        float(fp8_max), float(amax_floor), PRODUCER=PRODUCERS[producer], HAS_DELTA=delta is not None,
-        W_F32=weight is not None and weight.dtype != x.dtype, MODE=MODES[mode], BLOCK=block, GROUP=group,
-        num_warps=_warps(block))
+    chunked = producer == "silu" or (producer == "plain" and block > CHUNKED_K)
+    key = (chunked, producer, mode, k, x.dtype)
+    if key in _FAILED:
+        return None
+    try:
+        if chunked:
+            chunk = min(CHUNK, block)
+            kern["quant_chunks"][(rows,)](
+                x, x.stride(0), xq, xq.stride(0), sc, t, st, k, float(fp8_max), float(amax_floor),
+                SILU=producer == "silu", MODE=MODES[mode], CHUNK=chunk, GROUP=group,
+                num_warps=8 if chunk >= 2048 else 4)
+        else:
+            w = weight if weight is not None else x  # unused unless producer == "norm"
+            d = delta if delta is not None else x
+            s = resid if resid is not None else x
+            kern["quant_rows"][(rows,)](
+                x, x.stride(0), d, d.stride(0), s, s.stride(0), w, xq, xq.stride(0), sc, t, st, k, float(eps),
+                float(fp8_max), float(amax_floor), PRODUCER=PRODUCERS[producer], HAS_DELTA=delta is not None,
+                W_F32=weight is not None and weight.dtype != x.dtype, MODE=MODES[mode], BLOCK=block, GROUP=group,
+                num_warps=_warps(block))
+    except Exception as e:  # a kernel that does not compile here: the torch reference takes its calls
+        if key in _LAUNCHED:
+            raise
+        _FAILED.add(key)
+        log.warning("FP8 quantization kernel (%s, %s, K=%d) failed, the torch reference runs instead: %s: %s",
+                    producer, mode, k, type(e).__name__, str(e)[:300])
+        return None
+    _LAUNCHED.add(key)
     return xq, sc, resid
