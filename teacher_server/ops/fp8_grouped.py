@@ -15,11 +15,12 @@ experts' default, because torch's grouped row-wise kernel without fast accumulat
 0.59x the bf16 grouped GEMM on an H200 (Qwen3-30B-A3B's experts; ``ops.fp8``'s docstring).
 
 Tiles: BM rows of one expert x 128 columns (one weight scale block); BM = 64 (4 warps) by
-default, which ran 1.41x faster than 128 rows (8 warps) at ~1,000 rows per expert. An expert's rows take
-ceil(count / BM) row tiles; the grid has ceil(M / BM) + E row slots (the most any split can
-need) on its second axis and the column tiles on its first (a row tile's column tiles run
-together), and a slot finds its expert by comparing its index with the experts' cumulative
-tile counts (computed on the GPU: no host sync); slots past the last tile return at once.
+default, which ran 1.41x faster than 128 rows (8 warps) at ~1,000 rows per expert. An
+expert's rows take ceil(count / BM) row tiles; the grid has ceil(M / BM) + E row slots (the
+most any split can need) on its second axis and the column tiles on its first (a row tile's
+column tiles run together), and a slot finds its expert by comparing its index with the
+experts' cumulative tile counts (computed on the GPU: no host sync); slots past the last tile
+return at once.
 """
 
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
