@@ -123,11 +123,15 @@ def _kernels() -> dict[str, Any]:
                     g = tl.load(xrow + c + cols, mask=ml, other=0.0).to(tl.float32)
                     u = tl.load(xrow + K + c + cols, mask=ml, other=0.0).to(tl.float32)
                     a = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
-                    y = (a * u).to(dt).to(tl.float32)
+                    # the product of two 16-bit values is exact in float32; rounding is monotonic,
+                    # so the largest rounded product is the largest product rounded (after the loop)
+                    amax = tl.maximum(amax, tl.abs(a * u))
                 else:
-                    y = tl.load(xrow + c + cols, mask=ml, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(y))
-            scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), fp8_max)
+                    amax = tl.maximum(amax, tl.abs(tl.load(xrow + c + cols, mask=ml, other=0.0).to(tl.float32)))
+            top = tl.max(amax, axis=0)
+            if SILU:
+                top = top.to(dt).to(tl.float32)
+            scale = tl.div_rn(tl.maximum(top, amax_floor), fp8_max)
             tl.store(scale_ptr + row, scale)
         elif MODE == 2:
             scale = tl.load(scale_ptr)
