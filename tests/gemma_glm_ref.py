@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 S, F = "sliding_attention", "full_attention"
 GEMMA_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                    num_key_value_heads=2, head_dim=32, max_position_embeddings=8192, rms_norm_eps=1e-6,
                     query_pre_attn_scalar=24, sliding_window=12)
 # name -> config keys. "gemma3": the released 5:1 pattern cut to 6 layers (window 12, so the
 # test sequences of up to 150 tokens slide), linear rope scaling on the global layer;
