@@ -24,7 +24,6 @@ from __future__ import annotations
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.cache_layout import AttentionParams
@@ -89,9 +88,9 @@ class Gemma3Attention(Qwen3Attention):
 
 
 class GeluTanhMLP(RuntimeModule):
-    """Fused gate/up projection and gelu_tanh(gate) * up, in the model dtype as transformers
-    computes it: [T, hidden] -> [T, intermediate]; the down projection is applied by the
-    decoder layer."""
+    """Fused gate/up projection and gelu_tanh(gate) * up (``FusedOps.gelu_tanh_mul``, compiled
+    where the stages are): [T, hidden] -> [T, intermediate]; the down projection is applied by
+    the decoder layer."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
                  fmt: WeightFormat = UNQUANTIZED) -> None:
@@ -102,8 +101,7 @@ class GeluTanhMLP(RuntimeModule):
         self.down_proj = RowLinear(i, spec.hidden_size, dtype, device, tp, fmt)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # (this rank's [gate | up] halves)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.rt.ops.gelu_tanh_mul(self.gate_up_proj(h))
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
