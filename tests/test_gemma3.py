@@ -53,6 +53,25 @@ def test_parity_cpu(name: str, ckpt) -> None:
     check(path, reqs, engine(path).run_to_completion(reqs))
 
 
+def test_transformers_5_names_of_the_vision_language_checkpoint(ckpt, tmp_path) -> None:
+    """The same checkpoint under transformers 5's names (``model.language_model.*``,
+    ``model.vision_tower.*``, ``model.multi_modal_projector.*``) loads the same text model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = ckpt["gemma3_vl"]
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    renamed = {("model." + k.replace("language_model.model.", "language_model.", 1)): v
+               for k, v in load_file(str(src / "model.safetensors")).items()}
+    assert any(k.startswith("model.vision_tower.") for k in renamed)
+    save_file(renamed, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reqs = [q for q in make_requests(family_rng("gemma3_vl")) if len(q.token_ids) > 40][:2]
+    a, b = engine(src).run_to_completion(reqs), engine(tmp_path).run_to_completion(reqs)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.token_id_logprobs, y.token_id_logprobs)
+
+
 def test_layers_declare_windows_ropes_and_scale(ckpt) -> None:
     """Five local layers then a global one; each local layer rotates with the local table, the
     global one with the scaled global table; the softmax scale is query_pre_attn_scalar's."""
