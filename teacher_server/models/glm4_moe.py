@@ -26,11 +26,10 @@ from teacher_server.models.deepseek import DeepseekDecoderLayer
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
 from teacher_server.models.moe import GROUPED_GEMM, MoeModel
 from teacher_server.models.norm import decoder_norm
-from teacher_server.models.qwen3_5 import rotate_partial
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.partial_rope import check_partial_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout
-from teacher_server.ops.slack import alloc_with_slack
 from teacher_server.step_context import StepContext
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -38,7 +37,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 class Glm4MoeAttention(LlamaAttention):
     """Fused QKV (with biases where attention_bias), the optional q/k norms, partial rotary,
-    attention. q and k are prepared in torch (the fused QKV kernel rotates whole heads)."""
+    attention. q and k are prepared by the ``partial_qk_prep`` stage (compiled where the
+    stages are; the fused QKV kernel rotates whole heads)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
@@ -53,15 +53,8 @@ class Glm4MoeAttention(LlamaAttention):
         rt, hd = self.rt, self.heads
         t, d = h.shape[0], hd.d
         assert cs.shape[1] == self.rotary_dim, "the rope table must be built at spec.rotary_dim"
-        q, k, v = self.qkv_proj(h).split([hd.n_q * d, hd.n_kv * d, hd.n_kv * d], dim=-1)
-        q, k = q.view(t, hd.n_q, d), k.view(t, hd.n_kv, d)
-        if hasattr(self, "q_norm"):
-            q = rt.ops.rms_norm(q, self.q_norm.weight, hd.eps)
-            k = rt.ops.rms_norm(k, self.k_norm.weight, hd.eps)
-        # q, k, v with slack rows (the cuDNN backend pads into them without copies)
-        q = rotate_partial(q, cs, alloc_with_slack(h, t, hd.n_q, d, front=True))
-        k = rotate_partial(k, cs, alloc_with_slack(h, t, hd.n_kv, d))
-        v = alloc_with_slack(h, t, hd.n_kv, d).copy_(v.view(t, hd.n_kv, d))
+        norms = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
+        q, k, v = rt.ops.partial_qk_prep(self.qkv_proj(h), cs, *norms, hd.n_q, hd.n_kv, d, hd.eps)
         rt.kv.store(self.layer_id, k, v, ctx)
         kp = vp = None
         if ctx.has_prefix:
@@ -82,8 +75,9 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
         return super().checkpoint_param(hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
 
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
-        """The compiled stages at the rotary width (the fused QKV kernel is off: partial rotary),
-        then the experts' checks: SiLU-mul at their width and the grouped GEMM at both shapes."""
+        """The compiled stages at the rotary width (the fused QKV kernel is off: partial rotary)
+        and the partial-rotary q/k stage at the layer's heads, then the experts' checks: SiLU-mul
+        at their width and the grouped GEMM at both shapes."""
         ops.use_qkv_kernel(False)
         attn, s = self.layers[0].self_attn, self.spec
         table = ropes["default"].table
@@ -91,6 +85,12 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
         dense = next((layer.mlp for layer in self.layers if not layer.sparse), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else s.moe_intermediate_size
         ops.warm_up(heads, s.hidden_size, inter, None, None, table, table.device, self.dtype)
+        if ops.compiled:  # this family's own compiled stage, at its head layout
+            norms = (attn.q_norm.weight, attn.k_norm.weight) if hasattr(attn, "q_norm") else (None, None)
+            try:
+                check_partial_qk_prep(ops.partial_qk_prep, attn.heads, *norms, table, table.device, self.dtype)
+            except Exception as e:
+                ops.eager_stages(e)
         sparse = next((layer.mlp for layer in self.layers if layer.sparse), None)
         if sparse is not None:
             i, h = sparse.experts.i_local, s.hidden_size
