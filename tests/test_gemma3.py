@@ -178,3 +178,16 @@ def test_refusals_name_what_is_not_built(keys: dict, says: str) -> None:
          "num_attention_heads": 4, "vocab_size": 100, **keys}
     with pytest.raises(UnsupportedModelError, match=says.replace("(", r"\(")):
         ModelSpec.from_dict(d)
+
+
+def test_start_up_check_of_the_gemma_stages() -> None:
+    """The compiled stages' check passes the eager definitions and names a stage that differs
+    (the model then runs every stage eagerly)."""
+    from teacher_server.models.gemma3 import check_gemma_stages
+    from teacher_server.ops.fused import FusedOps
+
+    ops = FusedOps(kernels=False, compile=False)
+    check_gemma_stages(ops, 64, 32, 1e-6, torch.device("cpu"), torch.float32)
+    ops.gelu_tanh_mul = lambda gu: gu[:, :32]  # a wrong stage: the ungated gate half
+    with pytest.raises(RuntimeError, match="compiled Gemma stage"):
+        check_gemma_stages(ops, 64, 32, 1e-6, torch.device("cpu"), torch.float32)

@@ -133,3 +133,21 @@ def test_spec_reads_glm_4_5_air() -> None:
 def test_refusals_name_what_is_not_built(keys: dict, says: str) -> None:
     with pytest.raises(UnsupportedModelError, match=says.replace("(", r"\(")):
         ModelSpec.from_dict({**HUB_AIR, **keys})
+
+
+def test_start_up_check_of_the_partial_rotary_stage() -> None:
+    """The q/k stage's check passes the eager definition and names one that rotates the whole head."""
+    from teacher_server.layers.rotary import RotaryEmbedding
+    from teacher_server.ops.partial_rope import check_partial_qk_prep, partial_qk_prep
+    from teacher_server.ops.qkv_rope import HeadLayout, qkv_prep
+
+    cpu = torch.device("cpu")
+    table = RotaryEmbedding(16, 1e4, {"rope_type": "default"}, 100, 100, cpu).table  # rotary on 16 of 32 dims
+    heads = HeadLayout(4, 2, 32, 1e-6)
+    check_partial_qk_prep(partial_qk_prep, heads, torch.ones(32), torch.ones(32), table, cpu, torch.float32)
+
+    def whole(qkv, cs, qn, kn, n_q, n_kv, d, eps):  # rotates all 32 dims
+        return qkv_prep(qkv, cs[:, None, :8].repeat(1, 1, 2), cs[:, None, 8:].repeat(1, 1, 2), qn, kn, n_q, n_kv, d, eps)
+
+    with pytest.raises(RuntimeError, match="compiled partial_qk_prep"):
+        check_partial_qk_prep(whole, heads, None, None, table, cpu, torch.float32)

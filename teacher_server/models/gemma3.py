@@ -38,7 +38,10 @@ from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from teacher_server.models.norm import decoder_norm
 from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.checks import assert_close
 from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.gelu_mul import gelu_tanh_mul
+from teacher_server.ops.norm import norm_add_rms_norm
 from teacher_server.step_context import StepContext
 
 _SKIPPED = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
@@ -126,10 +129,11 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         a = attn(h, cs, ctx)  # [T, q width]
         if keep is not None:
             x, a = x[keep], a[keep]
-        pre = self.pre_feedforward_layernorm
-        x, h = ops.add_rms_norm(x, self.post_attention_layernorm(attn.o_proj(a)), pre.weight, pre.eps)
-        y = self.post_feedforward_layernorm(self.mlp.down_proj(self.mlp(h)))
-        return ops.add_rms_norm(x, y, self.next_norm.weight, self.next_norm.eps)
+        # each: post-norm of the block's output, residual add, the next block's input norm (one eps per model)
+        x, h = ops.norm_add_rms_norm(x, attn.o_proj(a), self.post_attention_layernorm.weight,
+                                     self.pre_feedforward_layernorm.weight, self.next_norm.eps)
+        return ops.norm_add_rms_norm(x, self.mlp.down_proj(self.mlp(h)), self.post_feedforward_layernorm.weight,
+                                     self.next_norm.weight, self.next_norm.eps)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -171,3 +175,26 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         the model dtype; Gemma's are float32 ``1 + w``): the compiled q/k stage runs instead."""
         ops.use_qkv_kernel(False)
         super().warm_up_ops(ops, ropes)
+        if ops.compiled:  # this family's own compiled stages, at its widths (a failure: every stage eager)
+            table = ropes["default"].table
+            try:
+                check_gemma_stages(ops, self.spec.hidden_size, self.layers[0].mlp.down_proj.weight.shape[1],
+                                   self.spec.rms_norm_eps, table.device, self.dtype)
+            except Exception as e:
+                ops.eager_stages(e)
+
+
+def check_gemma_stages(ops: FusedOps, hidden: int, inter: int, eps: float, device: torch.device,
+                       dtype: torch.dtype) -> None:
+    """The compiled post-norm/add/norm and GELU-mul stages against their eager definitions at two
+    token counts (the static, then the dynamic graph); RuntimeError on a mismatch."""
+    for n in (16, 40):
+        x = torch.randn(n, hidden, device=device, dtype=dtype)
+        w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=torch.float32)  # (1 + w) in float32
+        gu = torch.randn(n, 2 * inter, device=device, dtype=dtype)
+        args = (x, x.flip(0), w, w.flip(0), eps)
+        pairs = [(ops.norm_add_rms_norm(*args), norm_add_rms_norm(*args)),
+                 ((ops.gelu_tanh_mul(gu),), (gelu_tanh_mul(gu),))]
+        for got, ref in pairs:
+            for g, r in zip(got, ref):
+                assert_close("compiled Gemma stage", g, r)
