@@ -7,6 +7,8 @@ hub's GLM-4.5-Air config reads as published; what is not built is refused by nam
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -64,6 +66,15 @@ def test_prefix_hits(ckpt) -> None:
     rest = eng.run_to_completion(reqs[1:])
     assert all(r.cached_tokens >= 40 for r in rest), [r.cached_tokens for r in rest]
     check(path, reqs, first + rest)
+
+
+def test_residual_add_in_gemm(ckpt) -> None:
+    """The CUDA default (the residual add in the o/down GEMM's epilogue) on the CPU: same results."""
+    path = ckpt["glm_air"]
+    eng = engine(path)
+    eng.tuning = replace(eng.tuning, residual_in_gemm=True)
+    reqs = [q for q in make_requests(family_rng("glm-gemm")) if len(q.token_ids) > 40]
+    check(path, reqs, eng.run_to_completion(reqs))
 
 
 def test_routing_matches_transformers(ckpt) -> None:
