@@ -9,6 +9,8 @@ from pathlib import Path
 
 from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for the bench scripts and tests)
     DEEPSEEK_V3_LAYERS,
+    GEMMA3_27B,
+    GLM45_AIR_LAYERS,
     GPT_OSS_20B,
     H200_PEAK,
     LLAMA33_70B,

@@ -164,18 +164,16 @@ def test_mxfp4_only_for_gpt_oss() -> None:
 def test_bench_shape_counts_windows_and_every_expert() -> None:
     """The gpt-oss-20b bench shape: ~3.6B active parameters with the embeddings (3.0B without),
     every expert in the checkpoint's bytes (~42 GB in bf16), and a sliding layer's attention
-    FLOPs counted over its window only."""
-    from teacher_server.benchmark.workloads import GPT_OSS_20B, Req, causal_pairs, checkpoint_bytes, flops
+    FLOPs counted over its window only: 2 n w - w^2 pair units instead of n^2."""
+    from teacher_server.benchmark.workloads import GPT_OSS_20B, Req, checkpoint_bytes, flops
 
     spec = ModelSpec.from_dict(GPT_OSS_20B)
     assert 2.9e9 < spec.non_embedding_params() < 3.1e9
     assert 41e9 < checkpoint_bytes(GPT_OSS_20B) < 43e9
-    assert causal_pairs(100, None) == causal_pairs(100, 128) == 100 * 100
-    assert causal_pairs(1000, 128) == 2 * 1000 * 128 - 128 * 128
     req = [Req(np.zeros(1000, np.int64), 999, np.zeros((0, 1), np.int64))]
     full = dict(GPT_OSS_20B, layer_types=["full_attention"] * 24)
-    q = 64 * 64
-    assert flops(full, req) - flops(GPT_OSS_20B, req) == 2 * q * 12 * (1000 * 1000 - causal_pairs(1000, 128))
+    q, n, w = 64 * 64, 1000, 128
+    assert flops(full, req) - flops(GPT_OSS_20B, req) == pytest.approx(2 * q * 12 * (n * n - (2 * n * w - w * w)))
 
 
 # gpt-oss-20b's config.json as the hub ships it (the keys that matter; layer_types abridged to
@@ -205,3 +203,19 @@ def test_hub_config_reads() -> None:
     assert (spec.q_size, spec.kv_size, spec.vocab_size) == (4096, 512, 201088)
     bare = ModelSpec.from_dict({"architectures": ["GptOssForCausalLM"]})  # transformers' defaults: -120b's shape
     assert (bare.num_layers, bare.num_experts, bare.rope_scaling["rope_type"]) == (36, 128, "yarn")
+
+
+def test_start_up_check_of_the_expert_activation(ckpt) -> None:
+    """A compiled expert activation that differs from its eager definition (here: no clamp) is
+    caught at start-up and every compiled stage then runs eagerly."""
+    from teacher_server.ops.clamped_swiglu import clamped_swiglu
+    from teacher_server.ops.fused import FusedOps
+
+    model = engine(ckpt["plain"]).runner.model
+    ops = FusedOps(kernels=False, compile=False)
+    ops.compiled = True  # as if compiled: its checks run
+    model.warm_up_ops(ops, model.make_ropes(64, torch.device("cpu")))
+    assert ops.compiled and ops.clamped_swiglu is clamped_swiglu
+    ops.clamped_swiglu = lambda gu, b, rows, alpha, limit: clamped_swiglu(gu, b, rows, alpha, 1e9)
+    model.warm_up_ops(ops, model.make_ropes(64, torch.device("cpu")))
+    assert not ops.compiled and ops.clamped_swiglu is clamped_swiglu

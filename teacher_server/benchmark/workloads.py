@@ -97,6 +97,29 @@ QWEN3_NEXT_80B_A3B_LAYERS = {
     "partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "max_position_embeddings": 262144,
     "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
 }
+# Gemma-3-27B's text model (google/gemma-3-27b-it's text_config as published, read as Gemma3ForCausalLM; dummy
+# weights, all 62 layers: 54 GB): 5 local layers (1,024-key window, rotary base 1e4) to 1 global (1e6, linear x8).
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376,
+    "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "attention_bias": False,
+}
+# GLM-4.5-Air's layer shape (zai-org/GLM-4.5-Air's config.json: 96 heads of 128, 8 KV heads, q/k/v biases, rotary on
+# half the head, 128 experts top-8 of 1408 and one shared, the first layer dense) at 18 of its 46 layers: the whole
+# model is 212 GB in bf16; 18 layers (82 GB) leave room for transformers' [rows, vocab] logits beside them.
+GLM45_AIR_LAYERS = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 18, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "use_qk_norm": False, "attention_bias": True,
+    "num_nextn_predict_layers": 0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
 H200_PEAK = 989e12  # dense bf16 FLOP/s
 
 
@@ -183,7 +206,8 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
     (causal average) + 2 x hidden x vocab per scored row. For MoE models the params are the
     active ones (the experts a token is routed to), as MFU counts them. Hybrid models (Qwen3.5)
     count their linear-attention layers by their parameters and attention only in the
-    full-attention layers; a sliding-window layer (gpt-oss) counts only the keys in its window."""
+    full-attention layers. Sliding-window layers (Gemma 3's local ones) count the keys they
+    attend to: at most their window."""
     h, n_l = cfg["hidden_size"], cfg["num_hidden_layers"]
     if cfg.get("kv_lora_rank"):  # latent attention: q.k over qk_nope + qk_rope, p.v over v_head_dim
         q = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) / 2
@@ -193,26 +217,31 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
         from teacher_server.models.spec import ModelSpec
 
         spec = ModelSpec.from_dict(cfg)
-        params, windows = spec.non_embedding_params(), [spec.layer_window(i) for i in spec.kv_layer_ids]
+        params, attn_layers = spec.non_embedding_params(), len(spec.kv_layer_ids)
     else:
         i, kv = cfg["intermediate_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
-        params, windows = n_l * (h * (q + 2 * kv) + q * h + 3 * h * i), [None] * n_l
+        params, attn_layers = n_l * (h * (q + 2 * kv) + q * h + 3 * h * i), n_l
+    windows: list[int | None] = [None] * attn_layers
+    if cfg.get("sliding_window"):
+        from teacher_server.models.spec import ModelSpec
+
+        spec = ModelSpec.from_dict(cfg)
+        windows = [spec.layer_window(i) for i in spec.kv_layer_ids]
     total = 0.0
     for j, r in enumerate(reqs):
         length = len(r.tokens)
         skip = cached[j] if (computed_only and cached) else 0
         n = length - skip
-        pairs = sum(causal_pairs(length, w) - causal_pairs(skip, w) for w in windows)
+        pairs = sum(length * length - skip * skip if w is None
+                    else 2 * (_window_pairs(length, w) - _window_pairs(skip, w)) for w in windows)
         total += 2 * params * n + 2 * q * pairs + 2 * h * cfg["vocab_size"] * r.rows
     return total
 
 
-def causal_pairs(n: int, window: int | None) -> int:
-    """Twice the (query, key) pairs of n causal positions (n^2 for full attention, as the
-    section 4 count), each query seeing at most ``window`` keys where a window is given."""
-    if window is None or n <= window:
-        return n * n
-    return 2 * n * window - window * window
+def _window_pairs(n: int, w: int) -> float:
+    """(query, key) pairs of the first n positions under a window of w keys, in the units of
+    the causal count n * n / 2."""
+    return n * n / 2 if n <= w else w * w / 2 + (n - w) * w
 
 
 def ideal_cached(reqs: list[Req], block: int) -> list[int]:
@@ -254,6 +283,9 @@ def tiny(cfg: dict) -> dict:
                   "v_head_dim": 32, "num_key_value_heads": 4, "n_group": min(cfg["n_group"], 4),
                   "topk_group": min(cfg["topk_group"], 2), "first_k_dense_replace": 1}
         small.pop("head_dim")
+    elif cfg.get("n_routed_experts"):  # GLM-4.5: DeepSeek's routing over fewer, narrower experts
+        small |= {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "first_k_dense_replace": 1}
     return small
 
 

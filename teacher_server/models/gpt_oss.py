@@ -24,9 +24,13 @@ from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.gpt_oss_moe import GptOssMoe
 from teacher_server.layers.linear import RowLinear, copy_checked
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
 from teacher_server.models.moe import GROUPED_GEMM, MoeDecoderLayer, MoeModel
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.checks import assert_close
+from teacher_server.ops.clamped_swiglu import clamped_swiglu
+from teacher_server.ops.fused import FusedOps
 from teacher_server.step_context import StepContext
 
 # "model.layers.N.mlp.experts.<gate_up_proj | down_proj>[_bias | _blocks | _scales]"
@@ -107,3 +111,21 @@ class GptOssForCausalLM(MoeModel, LlamaForCausalLM):
         if hf_name.endswith(".self_attn.o_proj.bias"):
             return hf_name.removeprefix("model.").removesuffix(".bias"), "out_bias", None
         return super().checkpoint_param(hf_name.replace(".mlp.router.", ".mlp.gate."))
+
+    def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
+        """The shared and expert checks, then the compiled expert activation against its eager
+        definition at two token counts (the static, then the dynamic graph): a mismatch runs
+        every compiled stage eagerly, as the shared checks do."""
+        super().warm_up_ops(ops, ropes)
+        if not ops.compiled:
+            return
+        ex = self.layers[0].mlp.experts
+        dev = ex.gate_up_bias.device
+        try:
+            for n in (16, 40):
+                gu = 4 * torch.randn(n, ex.gate_up_bias.shape[1], device=dev, dtype=self.dtype)  # past the clamp
+                rows = torch.randint(0, ex.num_experts, (n,), device=dev)
+                args = (gu, ex.gate_up_bias, rows, self.spec.swiglu_alpha, self.spec.swiglu_limit)
+                assert_close("compiled clamped_swiglu", ops.clamped_swiglu(*args), clamped_swiglu(*args))
+        except Exception as e:
+            ops.eager_stages(e)

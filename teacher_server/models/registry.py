@@ -27,6 +27,8 @@ class Architecture:
     sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers make some layers dense (Qwen2/3-MoE)
     deepseek: bool = False  # latent attention and DeepSeekMoE (``deepseek_spec`` reads their keys)
     gpt_oss: bool = False  # attention sinks, alternating windows, clamped SwiGLU experts (``gpt_oss_spec``)
+    gemma3: bool = False  # local/global layers, two rotary bases, GELU-tanh, (1 + w) norms (``gemma3_spec``)
+    glm4_moe: bool = False  # DeepSeekMoE routing, partial rotary, optional q/k norm (``glm4_moe_spec``)
     # What a key config.json leaves out is: the default of the family's transformers config
     # class (keys whose default is derived, such as head_dim or num_key_value_heads, are not here).
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +76,14 @@ GPT_OSS = _defaults(201088, 2880, 2880, 36, 64, 131072, num_key_value_heads=8, h
                     attention_bias=True, rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                           "beta_slow": 1.0, "truncate": False,
                                                           "original_max_position_embeddings": 4096})
+# Gemma 3: transformers' Gemma3TextConfig defaults (Gemma-3-4B's text model); Glm4MoeConfig's (GLM-4.5-Air).
+GEMMA3 = _defaults(262208, 2304, 9216, 26, 8, 131072, num_key_value_heads=4, head_dim=256, rope_theta=1e6,
+                   sliding_window=4096, query_pre_attn_scalar=256, rope_local_base_freq=10000.0,
+                   tie_word_embeddings=True)
+GLM4_MOE = _defaults(151552, 4096, 10944, 46, 96, 131072, num_key_value_heads=8, rms_norm_eps=1e-5,
+                     attention_bias=False, moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1,
+                     n_routed_experts=128, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+                     first_k_dense_replace=1, norm_topk_prob=True, use_qk_norm=False, partial_rotary_factor=0.5)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -114,6 +124,14 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GptOssForCausalLM": Architecture("gpt_oss", "gpt_oss:GptOssForCausalLM", attention_bias=True,
                                       sliding_window=True, moe=True, always_norm_topk=True, gpt_oss=True,
                                       defaults=GPT_OSS),
+    # Gemma 3's text model (of Gemma3ForConditionalGeneration: its language_model weights, no vision tower).
+    "Gemma3ForCausalLM": Architecture("gemma3", "gemma3:Gemma3ForCausalLM", qk_norm=True, sliding_window=True,
+                                      gemma3=True, defaults=GEMMA3),
+    "Gemma3ForConditionalGeneration": Architecture("gemma3", "gemma3:Gemma3ForCausalLM", qk_norm=True,
+                                                   sliding_window=True, gemma3=True, defaults=GEMMA3),
+    # GLM-4.5/4.6 and GLM-4.5-Air: DeepSeek-V3's router and shared expert, q/k/v biases (attention_bias).
+    "Glm4MoeForCausalLM": Architecture("glm4_moe", "glm4_moe:Glm4MoeForCausalLM", attention_bias=True,
+                                       glm4_moe=True, defaults=GLM4_MOE),
 }
 
 
