@@ -49,6 +49,7 @@ class MergedColumnLinear(nn.Module):
     count), laid out part after part. The bias stays in the model dtype whatever the format."""
 
     role = "linear"
+    slots = ("weight",)  # the weights its format holds (``WeightFormat.create``)
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel = SINGLE, units: dict[str, int] | None = None,
@@ -94,6 +95,7 @@ class RowLinear(nn.Module):
     partial sum; the partial sums are all-reduced (tp > 1)."""
 
     role = "linear"
+    slots = ("weight",)
     bias = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,

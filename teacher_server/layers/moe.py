@@ -93,6 +93,7 @@ class ExpertWeights(nn.Module):
     slots, each with its extras). Loads per-expert tensors (stacked here) or stacked ones."""
 
     role = "experts"
+    slots = ("gate_up", "down")
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
