@@ -38,6 +38,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from teacher_server.unsupported import UnsupportedModelError
+
 # A grouped GEMM: [M, K] rows sorted by expert x [E, K, N] by expert, with the experts' row
 # ends [E] int32 -> [M, N] (``ops.grouped_mm.GroupedGemm``).
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -92,13 +94,18 @@ class WeightFormat(ABC):
         return (math.lcm(1, *(b[0] for b in self.extras.values() if b[0] != WHOLE)),
                 math.lcm(1, *(b[1] for b in self.extras.values() if b[1] != WHOLE)))
 
-    def check_shard(self, what: str, axis: int, start: int, n: int, full: int) -> None:
-        """Refuse, when the layer is built, the slice [start, start + n) of a weight axis of
-        ``full`` (0: output rows, 1: input columns) that cuts one of this format's blocks."""
+    def fits(self, axis: int, start: int, n: int, full: int) -> bool:
+        """Whether the slice [start, start + n) of a weight axis of ``full`` (0: output rows, 1:
+        input columns) is whole blocks of this format (or ends the axis)."""
         b = self.shard_unit[axis]
-        if b > 1 and (start % b or (n % b and start + n != full)):
-            kind = ("rows", "columns")[axis]
-            raise ValueError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole {b}-{kind[:-1]} blocks "
+        return b == 1 or not (start % b or (n % b and start + n != full))
+
+    def check_shard(self, what: str, axis: int, start: int, n: int, full: int) -> None:
+        """Refuse (UnsupportedModelError), when the layer is built, the slice [start, start + n)
+        of a weight axis of ``full`` that cuts one of this format's blocks (``fits``)."""
+        if not self.fits(axis, start, n, full):
+            b, kind = self.shard_unit[axis], ("rows", "columns")[axis]
+            raise UnsupportedModelError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole {b}-{kind[:-1]} blocks "
                              f"of the {self.name} weight format (a smaller tensor-parallel size keeps them whole)")
 
     def block(self, param: str) -> tuple[int, int]:
