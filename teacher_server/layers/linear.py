@@ -110,6 +110,7 @@ class RowLinear(nn.Module):
 
     role = "linear"
     slots = ("weight",)
+    split_columns = ("weight",)  # the slots whose input columns ranks split
     bias = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,

@@ -94,6 +94,7 @@ class ExpertWeights(nn.Module):
 
     role = "experts"
     slots = ("gate_up", "down")
+    split_columns = ("down",)  # the slots whose input columns ranks split
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:

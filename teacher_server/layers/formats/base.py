@@ -105,8 +105,9 @@ class WeightFormat(ABC):
         of a weight axis of ``full`` that cuts one of this format's blocks (``fits``)."""
         if not self.fits(axis, start, n, full):
             b, kind = self.shard_unit[axis], ("rows", "columns")[axis]
-            raise UnsupportedModelError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole {b}-{kind[:-1]} blocks "
-                             f"of the {self.name} weight format (a smaller tensor-parallel size keeps them whole)")
+            raise UnsupportedModelError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole "
+                                        f"{b}-{kind[:-1]} blocks of the {self.name} weight format (a smaller "
+                                        f"tensor-parallel size keeps them whole)")
 
     def block(self, param: str) -> tuple[int, int]:
         """The block of weight rows and columns one element of the layer's tensor ``param``

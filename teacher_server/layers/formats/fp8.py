@@ -60,11 +60,27 @@ def fp8_compute(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., N, K] -> (e4m3 [..., N, K], scale [..., N, 1] float32): scale = the row's
-    largest magnitude / 448 (float32), the value rounded to nearest (``--quantization fp8``)."""
-    scale = w.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / fp8.FP8_MAX
+    largest magnitude (``amax`` when given: the whole row's, of which w holds some columns) /
+    448 in float32, the value rounded to nearest (``--quantization fp8``)."""
+    if amax is None:
+        amax = w.float().abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp(min=1e-12) / fp8.FP8_MAX
     return (w.float() / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8), scale
+
+
+def row_amax(layer: nn.Module, slot: str, w: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of each whole row of ``w`` [..., N, K] float32: with tensor
+    parallel, a slot whose input columns are split over ranks (``layer.split_columns``) takes
+    the maximum over the ranks, so every rank quantizes with the scales one GPU would."""
+    amax = w.abs().amax(dim=-1, keepdim=True)
+    tp = getattr(layer, "tp", None)
+    if tp is not None and tp.size > 1 and slot in getattr(layer, "split_columns", ()):
+        import torch.distributed as dist
+
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+    return amax
 
 
 def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -202,7 +218,8 @@ class Fp8Weights(WeightFormat):
         s = self.scheme
         if not s.serialized:  # quantized here, per row
             for slot in layer.slots:
-                q, scale = quantize_weight_rows(getattr(layer, slot).data)
+                w = getattr(layer, slot).data.float()
+                q, scale = quantize_weight_rows(w, row_amax(layer, slot, w))
                 setattr(layer, slot, nn.Parameter(q, requires_grad=False))
                 setattr(layer, extra_name(slot, SCALE), nn.Parameter(scale, requires_grad=False))
         device = getattr(layer, layer.slots[0]).device
@@ -220,7 +237,8 @@ class Fp8Weights(WeightFormat):
                 p = extra_name(slot, INPUT_SCALE)
                 setattr(layer, p, nn.Parameter(getattr(layer, p).amax().reshape(1), requires_grad=False))
             if self.mode(layer) == "row" and getattr(layer, extra_name(slot, SCALE)).shape[-1] != 1:
-                q, scale = quantize_weight_rows(self.weight(layer, slot))  # block scales -> per row
+                w = self.weight(layer, slot)  # block scales -> per row
+                q, scale = quantize_weight_rows(w, row_amax(layer, slot, w))
                 setattr(layer, slot, nn.Parameter(q, requires_grad=False))
                 setattr(layer, extra_name(slot, SCALE), nn.Parameter(scale, requires_grad=False))
 
