@@ -72,10 +72,8 @@ class Config(BaseModel):
         [], description="Further names accepted as `model` besides served_model_name (`--served-model-name a b` "
                         "as vLLM: the first is the served name, the others aliases; in a variable, comma-separated).")
     quantization: Literal["fp8"] | None = Field(
-        None, description="fp8: quantize a bf16 checkpoint's projections and experts to FP8 e4m3 at load (one "
-                          "scale per weight row, activations per token, as vLLM's --quantization fp8); a "
-                          "checkpoint quantized already is refused. None: the checkpoint as it is (FP8 "
-                          "checkpoints are read in their own format: docs/fp8.md).")
+        None, description="fp8: quantize a bf16 checkpoint to FP8 e4m3 at load (per-row weight scales, per-token "
+                          "activations; vLLM's flag). None: the checkpoint as it is (docs/fp8.md).")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(
