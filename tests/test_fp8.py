@@ -9,6 +9,7 @@ scale block and a missing scale are refused by name."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -312,3 +313,21 @@ def test_quantization_fp8_is_a_setting_and_refuses_a_quantized_checkpoint() -> N
     fp8 = ModelSpec.from_dict({**BASE, "quantization_config": {"quant_method": "fp8", "weight_block_size": [8, 8]}})
     with pytest.raises(UnsupportedModelError, match="quantized already \\(quant_method 'fp8'\\)"):
         fp8.with_quantization("fp8")
+
+
+def test_the_accuracy_benchmark_runs_tiny(tmp_path) -> None:
+    """bench/fp8_accuracy.py at a tiny size on the CPU (FP8 products emulated): both FP8
+    variants are close to their dequantized float32 forwards and to the bf16 model, not equal."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "acc.json"
+    subprocess.run([sys.executable, str(root / "bench" / "fp8_accuracy.py"), "--tiny", "--requests", "2", "--rows",
+                    "16", "--dir", str(tmp_path / "ckpt"), "--out", str(out)], check=True, cwd=root,
+                   capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    for variant in ("block", "online"):
+        err = result["vs_dequantized"][variant]
+        assert 0 < err["mean_abs"] <= err["max_abs"] < 0.2, err
+        assert 0 < result["kl_bf16_fp8"][variant] < 0.01, result["kl_bf16_fp8"]
