@@ -88,6 +88,8 @@ def finish_formats(model: nn.Module) -> None:
         fmt = getattr(m, "fmt", None)
         if isinstance(fmt, WeightFormat):
             fmt.process_after_load(m)
+    if torch.cuda.is_available():  # tensors a format replaced: back to the driver, so the KV pool sized from free
+        torch.cuda.empty_cache()   # memory gets what quantized weights saved
 
 
 def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
