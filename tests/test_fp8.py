@@ -76,6 +76,7 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
     ("qwen3moe", "online", (16, 16), ()),
     ("qwen3_5", "block", (16, 16), QWEN3_5_IGNORE),  # in_proj: fp8 q/k/v/z, bf16 b/a -> held whole in fp32
     ("qwen3_5_moe", "ct_channel", (16, 16), ()),
+    ("qwen3_5_vl", "block_ws", (16, 16), QWEN3_5_IGNORE),  # the vision-language checkpoint's text model
 ])
 def test_an_fp8_checkpoint_scores_as_transformers_on_its_dequantized_weights(
         family: str, layout: str, block: tuple[int, int], ignore: tuple[str, ...], fp8_checkpoints) -> None:
@@ -191,8 +192,7 @@ def test_block_scaled_experts_requantized_per_row_lose_little_more() -> None:
 
 @pytest.mark.parametrize(("family", "layout", "settings"), [
     ("qwen3moe", "block", {}),  # experts split on 16-row blocks, their scales with them
-    ("qwen3", "ct_tensor_static", {}),
-    ("qwen3", "online", {"quantization": "fp8"}),
+    ("qwen3", "online", {"quantization": "fp8"}),  # row-parallel rows quantized with the whole row's amax
 ])
 def test_tp2_equals_tp1(family: str, layout: str, settings: dict, fp8_checkpoints) -> None:
     path, _ = fp8_checkpoints(family, layout)
@@ -331,3 +331,19 @@ def test_the_accuracy_benchmark_runs_tiny(tmp_path) -> None:
         err = result["vs_dequantized"][variant]
         assert 0 < err["mean_abs"] <= err["max_abs"] < 0.2, err
         assert 0 < result["kl_bf16_fp8"][variant] < 0.01, result["kl_bf16_fp8"]
+
+
+def test_a_fused_projection_with_bf16_parts_is_held_in_the_model_dtype(fp8_checkpoints, monkeypatch) -> None:
+    """Qwen3.5-27B-FP8's layout, as on a GPU: the linear layers' in-projection (FP8 q/k/v and
+    z beside bf16 b and a) is held in the model dtype with its FP8 parts dequantized as read;
+    every other projection stays FP8."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    path, twin = fp8_checkpoints("qwen3_5", "block", (16, 16), QWEN3_5_IGNORE)
+    model = load_model(path, ModelSpec.from_dir(path), torch.float32, CPU)
+    ref = load_model(twin, ModelSpec.from_dir(twin), torch.float32, CPU)
+    for i in (0, 2):  # the linear layers
+        mixer, want = model.layers[i].linear_attn, ref.layers[i].linear_attn
+        assert mixer.in_proj.fmt is UNQUANTIZED and isinstance(mixer.o_proj.fmt, Fp8Weights)
+        torch.testing.assert_close(mixer.in_proj.weight, want.in_proj.weight, rtol=0, atol=0)
+    attn = model.layers[1].self_attn
+    assert isinstance(attn.qkv_proj.fmt, Fp8Weights) and attn.qkv_proj.weight.dtype == ops.FP8
