@@ -75,20 +75,28 @@ def check(mode: str, r: Req, k: int, data: dict) -> None:
         assert len(plp) == len(r.tokens) and plp[0] is None and len(plp[-1]) >= k
 
 
-async def run_mode(url: str, mode: str, reqs: list[Req], k: int, concurrency: int) -> tuple[float, list[float]]:
-    """Seconds for all of ``reqs`` at ``concurrency`` (one httpx pool), and each latency."""
+async def run_mode(url: str, mode: str, reqs: list[Req], k: int, concurrency: int) -> tuple[float, list[float], int]:
+    """Seconds for all of ``reqs`` at ``concurrency`` (one httpx pool), each latency, and the
+    429s answered (the server's in-flight byte budget: each retried after its Retry-After, as
+    the trainers' clients do)."""
     import httpx
 
     bodies = [body(mode, r, k) for r in reqs]
     sem = asyncio.Semaphore(concurrency)
     lat = [0.0] * len(reqs)
     answers: list = [None] * len(reqs)
+    busy = [0]
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=concurrency)) as c:
         async def one(i: int) -> None:
             async with sem:
                 s = time.perf_counter()
                 path, raw = bodies[i]
-                resp = await c.post(path, content=raw, headers={"content-type": "application/json"})
+                while True:
+                    resp = await c.post(path, content=raw, headers={"content-type": "application/json"})
+                    if resp.status_code != 429:
+                        break
+                    busy[0] += 1
+                    await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
                 assert resp.status_code == 200, resp.text[:300]
                 answers[i] = resp.content
                 lat[i] = time.perf_counter() - s
@@ -98,7 +106,7 @@ async def run_mode(url: str, mode: str, reqs: list[Req], k: int, concurrency: in
         dt = time.perf_counter() - t0
     for r, a in zip(reqs, answers):
         check(mode, r, k, json.loads(a))
-    return dt, lat
+    return dt, lat, busy[0]
 
 
 def json_build_seconds(reqs: list[Req], k: int, vocab: int) -> float:
@@ -221,15 +229,18 @@ def main() -> None:
         for mode in modes:  # warm-up: each mode once on a few requests
             asyncio.run(run_mode(url, mode, reqs[: max(2, len(reqs) // 8)], k, args.concurrency))
         runs: dict[str, list[float]] = {m: [] for m in modes}
+        busy: dict[str, int] = {m: 0 for m in modes}
         for _ in range(args.repeats):  # the modes alternate, so a drift of the machine touches all
             for mode in modes:
-                dt, lat = asyncio.run(run_mode(url, mode, reqs, k, args.concurrency))
+                dt, lat, n429 = asyncio.run(run_mode(url, mode, reqs, k, args.concurrency))
                 runs[mode].append(dt)
-                print(f"{mode}: {dt:.2f}s {total_tokens / dt:,.0f} tok/s", flush=True)
+                busy[mode] += n429
+                print(f"{mode}: {dt:.2f}s {total_tokens / dt:,.0f} tok/s ({n429} answered 429 and retried)", flush=True)
         for mode in modes:
             med = sorted(runs[mode])[len(runs[mode]) // 2]
             results["modes"][mode] = {"seconds": round(med, 3), "tokens_per_s": round(total_tokens / med, 1),
-                                      "runs_seconds": [round(x, 3) for x in runs[mode]]}
+                                      "runs_seconds": [round(x, 3) for x in runs[mode]],
+                                      "answered_429_and_retried": busy[mode]}
     finally:
         proc.terminate()
         proc.wait(timeout=120)

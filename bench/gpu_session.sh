@@ -131,6 +131,10 @@ for step in ${STEPS:-tests}; do
       python3 -m teacher_server bench --url http://127.0.0.1:8000 --wait-ready-s 900 ${BENCH_ARGS:---workloads W1,W1f,W2} \
         --out "$OUT/bench" 2>&1 | tee "$OUT/benchcmd.log" | tail -12
       kill -TERM $server; wait $server ;;
+    # issue 48 part B: the FP8 ops' GPU tests, then one layer's projections (Qwen3-8B, Qwen3-32B at 16k tokens) and
+    # Qwen3-30B-A3B's experts, bf16 against FP8 tensor/row/block, sustained ($FP8_ARGS: e.g. "--sustain-s 12")
+    fp8ops) python3 -m pytest $PT -m gpu tests/test_fp8_ops.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -25
+      python3 bench/bench_fp8.py ${FP8_ARGS:-} --out "$OUT/fp8_ops_h200.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -23,6 +23,7 @@ from teacher_server.layers.parallel import TensorParallel
 from teacher_server.models.base import TeacherModel
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops import top_k
 
 log = logging.getLogger(__name__)
 
@@ -196,5 +197,7 @@ def plan_memory(cfg: Config, spec: ModelSpec, cache: CacheLayout, device: torch.
 
 def make_runner(cfg: Config, model: TeacherModel, attn: AttentionBackend, plan: MemoryPlan, max_model_len: int,
                 device: torch.device) -> ModelRunner:
-    return ModelRunner(model, attn, plan.blocks, cfg.block_size, max_model_len, device,
-                       cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, plan.slots, plan.budget)
+    runner = ModelRunner(model, attn, plan.blocks, cfg.block_size, max_model_len, device,
+                         cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, plan.slots, plan.budget)
+    top_k.prepare(model.logits_layer.rows, device)  # the teacher's top-K kernel: checked and compiled now
+    return runner

@@ -19,6 +19,7 @@ from teacher_server.engine import vocab_parallel as vp
 from teacher_server.layers.embedding import VocabRows
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.ops.gather_logprob import gather_logprobs, gather_logprobs_partial, mask_ids_
+from teacher_server.ops.top_k import top_k
 
 
 @dataclass
@@ -91,7 +92,7 @@ class _WholeVocab:
         return torch.logsumexp(sub, dim=-1, keepdim=True)
 
     def top_k(self, sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return sub.topk(k, dim=-1)
+        return top_k(sub, k)
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.argmax(-1)

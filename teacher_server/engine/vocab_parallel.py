@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from teacher_server.layers.parallel import TensorParallel
 from teacher_server.ops.gather_logprob import finish_partials, gather_logprobs_partial
+from teacher_server.ops.top_k import top_k as shard_top_k
 
 
 def _max_over_ranks(x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def top_k(sub: torch.Tensor, k: int, vocab_start: int, tp: TensorParallel) -> tu
     kl = min(k, sub.shape[1])
     v = torch.full((p, k), float("-inf"), dtype=sub.dtype, device=sub.device)
     i = torch.full((p, k), -1, dtype=torch.int64, device=sub.device)
-    lv, li = sub.topk(kl, dim=-1)
+    lv, li = shard_top_k(sub, kl)
     v[:, :kl], i[:, :kl] = lv, li + vocab_start
     vs, ids = [torch.empty_like(v) for _ in range(tp.size)], [torch.empty_like(i) for _ in range(tp.size)]
     dist.all_gather(vs, v)

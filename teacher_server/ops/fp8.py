@@ -1,96 +1,249 @@
-"""FP8 (e4m3) activation quantization and scaled matrix multiplies: the plain-torch
-definitions (any device; the CPU path and the references of the GPU kernels).
+"""FP8 (e4m3) prefill: the API the weight formats (``layers.formats``) call. Activation
+quantization lives here (per row, per 1x128 group, per tensor; fused into RMSNorm and SiLU-mul
+through ``ops.fp8_quant``'s Triton kernel); the multiplies and the weight side (quantize,
+dequantize, ``scaled_linear``, ``grouped_scaled_linear``) in ``ops.fp8_mm``, imported here.
+Every function runs on the CPU too, through its reference (dequantize, then a float32 matmul),
+so CI covers the callers.
 
-Scales multiply: a quantized value q with scale s stands for q * s. Dynamic scales are
-amax / FP8_MAX over their group (a row, a 1 x ``group`` slice of a row, or the tensor), so the
-largest magnitude maps to FP8_MAX. Weight scales of a [N, K] weight, by ``mode``:
-"tensor" [1], "row" [N, 1], "block" [ceil(N / 128), ceil(K / 128)] (128 x 128 blocks, ceil-divided
-at the ends).
+What torch's scaled multiplies take (read from PyTorch's source for 2.11, ``ScaledBlas.cpp``,
+``GroupedBlas.cpp``, ``ScaledBlasUtils.cpp``, and PR 166752 "Fix DeepSeek scaling tensor
+handling", merged before 2.10; the GPU tests check each case on an H200 with torch 2.11 + CUDA 13):
+
+- ``torch._scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum)``:
+  a [M, K] row-major, b [K, N] column-major (b = w.t() of a contiguous weight w [N, K]: sm90
+  takes only that pair), e4m3 (e5m2 x e5m2 refused), K and N multiples of 16. The scaling is
+  read from the scales' shapes: tensor-wise (both float32, one element) or row-wise (scale_a
+  [M, 1], scale_b [1, N], float32, contiguous; cuBLAS >= 12.9 on sm90, else a CUTLASS kernel).
+  Pairs are tensor x tensor or row x row only: a per-tensor activation scale with per-channel
+  weights is expanded to [M, 1] here (and a per-tensor weight scale to [N]).
+- ``F.scaled_mm(a, b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a, swizzle_b, bias,
+  output_dtype, contraction_dim, use_fast_accum)`` (``ScalingType``: TensorWise, RowWise,
+  BlockWise1x128, BlockWise128x128, ...; ``SwizzleType`` matters only for MX/NV FP4 scales): the
+  DeepSeek-style recipes, sm90 only (``_check_deepseek_support``: capability 9.x and cuBLASLt
+  >= 12.9), e4m3 only, float32 scales, used here for ``block``:
+  * activations BlockWise1x128: scale_a [M, ceil(K/128)] **M-major**, strides (1, M): the
+    [ceil(K/128), M] contiguous buffer seen transposed (``quantize_groups`` writes that layout);
+  * weights BlockWise128x128: scale_b [L4, ceil(N/128)] with strides (1, L4),
+    L4 = round_up(ceil(K/128), 4): the weight's [ceil(N/128), ceil(K/128)] block scales in a
+    buffer whose rows are padded to a multiple of 4 (cuBLASLt's rule; before PR 166752 an
+    unpadded scale gave silently wrong results when ceil(K/128) % 4 != 0). ``pad_block_scale``
+    builds it once at load; an unpadded scale is padded per call here.
+  * also accepted by torch (not used here): 128x128 activations x 1x128 weights, 1x128 x 1x128.
+- out_dtype bf16, fp16 or float32 (or FP8 with scale_result); bias bf16 with a bf16 output,
+  fp16 with fp16, and no bias with a float32 output (added afterwards here, as for ``block``).
+- ``torch._scaled_grouped_mm(a, b, scale_a, scale_b, offs, bias, scale_result, out_dtype,
+  use_fast_accum)`` (and ``F.scaled_grouped_mm``, recipes RowWise or MX/NV FP4 only): on sm90
+  **row-wise only** (a CUTLASS kernel; MXFP8 needs sm100, and there is no block-wise or
+  tensor-wise grouped recipe). a [M, K] e4m3 row-major, b [G, K, N] a transposed view of a
+  contiguous [G, N, K], offs [G] int32 group row ends, scale_a [M] float32 (1-D, contiguous),
+  scale_b [G, N] float32 (stride 1 in N), output bf16 only, no bias, K and N multiples of 16.
+  ``grouped_scaled_linear`` therefore runs row (or per-expert tensor, expanded) weight scales
+  through it, and 128x128-block expert weights through a Triton kernel of this project
+  (``ops.fp8_grouped``) that keeps the checkpoint's block scales (``block_to_rows`` is the other
+  way: requantized per row at load, one more e4m3 rounding of each weight).
+
+Layouts of this module (e4m3 = ``FP8``; every scale is float32 and *dequantizes*: x ~= xq * s):
+
+- activation scales: ``row`` [T, 1] contiguous; ``group`` [T, K/128] M-major (strides (1, T));
+  ``tensor`` [1].
+- weight scales: ``tensor`` [1] (or []); ``row`` [N, 1]; ``block`` [ceil(N/128), ceil(K/128)],
+  row stride ceil(K/128) or L4 (``pad_block_scale``). Expert weights [E, N, K] take [E, N, 1]
+  (or [E, 1, 1] / [E]: per-expert tensor scales), or [E, ceil(N/128), K/128] block scales.
+- quantization: s = max(amax, ``AMAX_FLOOR``) / 448 (an all-zero row gets a tiny scale and
+  zeros), xq = round_to_nearest_even(clamp(x / s, -448, 448)); division correctly rounded, so
+  the Triton kernels (``ops.fp8_quant``) give the references' bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-_TINY = 1e-12  # amax floor: an all-zero group gets a tiny scale, not a division by zero
+from teacher_server.ops import fp8_quant
+from teacher_server.ops.fp8_mm import (  # noqa: F401  (the API, in one place: ops.fp8)
+    AMAX_FLOOR,
+    BLOCK,
+    FP8,
+    FP8_MAX,
+    MODES,
+    block_to_rows,
+    check_scaled_linear,
+    dequantize,
+    grouped_scaled_linear,
+    grouped_scaled_linear_reference,
+    pad_block_scale,
+    quantize_weight,
+    scale_from_amax,
+    scaled_linear,
+    scaled_linear_reference,
+    to_fp8,
+)
+from teacher_server.ops.silu_mul import silu_mul_reference
+
+ACT_MODES = ("row", "group", "tensor")  # activation scales
 
 
-def _cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x / scale rounded to e4m3, saturated at +-FP8_MAX."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+# ---------------------------------------------------------------- torch references
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token dynamic: x [T, K] -> (xq [T, K] fp8, scale [T, 1] float32)."""
-    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
-    return _cast(x, scale), scale
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] e4m3, scale [T, 1] float32): one scale per row."""
+    xf = x.float()
+    scale = scale_from_amax(xf.abs().amax(-1, keepdim=True))
+    return to_fp8(xf, scale), scale
 
 
-def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 x ``group`` dynamic: x [T, K] (K a multiple of group) -> (xq [T, K] fp8, scale
-    [T, K / group] float32, row-major: scale[t, g] covers columns [g * group, (g + 1) * group))."""
+def quantize_groups_reference(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32 M-major): one scale per 1 x group."""
     t, k = x.shape
-    assert k % group == 0, f"K={k} is not a multiple of the group {group}"
-    xg = x.float().view(t, k // group, group)
-    scale = xg.abs().amax(dim=-1).clamp(min=_TINY) / FP8_MAX  # [T, K / group]
-    return _cast(xg, scale[..., None]).view(t, k), scale
+    _check_groups(k, group)
+    xf = x.float().view(t, k // group, group)
+    scale = scale_from_amax(xf.abs().amax(-1))  # [T, G]
+    xq = to_fp8(xf, scale[..., None]).view(t, k)
+    return xq, scale.t().contiguous().t()
 
 
-def quantize_tensor(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-tensor: with ``static_scale`` (a checkpoint's input_scale) that one, else dynamic:
-    (xq fp8 like x, scale [1] float32)."""
+def quantize_tensor_reference(x: torch.Tensor,
+                              static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x -> (xq e4m3, scale [1] float32): the given scale, else amax(x) / 448."""
+    xf = x.float()
+    scale = (static_scale.float().reshape(1) if static_scale is not None
+             else scale_from_amax(xf.abs().amax().reshape(1)))
+    return to_fp8(xf, scale), scale
+
+
+def _quantize_reference(y: torch.Tensor, mode: str, static_scale: torch.Tensor | None,
+                        group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if mode == "row":
+        return quantize_rows_reference(y)
+    if mode == "group":
+        return quantize_groups_reference(y, group)
     if static_scale is None:
-        scale = x.float().abs().amax().clamp(min=_TINY).reshape(1) / FP8_MAX
-    else:
-        scale = static_scale.float().reshape(1)
-    return _cast(x, scale), scale
+        raise ValueError("a fused tensor-wise quantization needs a static scale (the whole tensor's amax is not "
+                         "known in the pass that produces it)")
+    return quantize_tensor_reference(y, static_scale)
 
 
-def dequantize(wq: torch.Tensor, wscale: torch.Tensor, mode: str,
-               block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """wq [..., N, K] fp8 with its scales (``mode``: see the module docstring; leading
-    dims, e.g. experts, on both) -> [..., N, K] float32."""
-    w = wq.float()
-    if mode in ("tensor", "row"):
-        return w * wscale.float()
-    assert mode == "block", f"unknown scale mode {mode!r}"
-    n, k = w.shape[-2:]
-    s = wscale.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-    return w * s[..., :n, :k]
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``ops.norm.rms_norm``'s rounding, written out (its CUDA path is torch's fused kernel)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:
+        return (xf * weight).to(x.dtype)
+    return weight * xf.to(x.dtype)
 
 
-def _expand_activation_scale(xscale: torch.Tensor, k: int) -> torch.Tensor:
-    """An activation scale ([1], [T, 1] or [T, K / g]) as a multiplier of [T, K]."""
-    if xscale.dim() == 2 and xscale.shape[1] > 1:
-        return xscale.repeat_interleave(k // xscale.shape[1], dim=1)
-    return xscale
+# ---------------------------------------------------------------- activation quantization
 
 
-def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor, mode: str,
-                  out_dtype: torch.dtype, bias: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """(xq * xscale) [T, K] x (wq * wscale)^T [K, N] (+ bias) -> [T, N] in ``out_dtype``, the
-    product in float32 (written into ``out`` when given)."""
-    x = xq.float() * _expand_activation_scale(xscale.float(), xq.shape[1])
-    y = x @ dequantize(wq, wscale, mode).t()
-    if bias is not None:
-        y = y + bias.float()
-    y = y.to(out_dtype)
-    return y if out is None else out.copy_(y)
+def _check_groups(k: int, group: int) -> None:
+    if k % group:
+        raise ValueError(f"1x{group} group quantization needs K a multiple of {group}, got K={k}")
 
 
-def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
-                          offs: torch.Tensor) -> torch.Tensor:
-    """Rows xq [M, K] sorted by expert (``offs`` [E] int32 row ends), per-row scales [M, 1],
-    times each expert's row-scaled weight wq [E, N, K] / wscale [E, N, 1] -> [M, N] bf16 (a
-    loop over experts: the definition)."""
-    x = xq.float() * xscale.float()
-    out = torch.zeros(xq.shape[0], wq.shape[1], dtype=torch.float32, device=xq.device)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        if end > start:
-            out[start:end] = x[start:end] @ dequantize(wq[e], wscale[e], "row").t()
-        start = end
-    return out.to(torch.bfloat16)
+def _quantize(x: torch.Tensor, mode: str, producer: str, static_scale: torch.Tensor | None = None,
+              group: int = BLOCK, kernel: bool = True,
+              **kw: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The Triton kernel's result, or None where it does not apply (or ``kernel`` is off).
+    Refuses a mode it does not know and a group width that does not divide the row."""
+    if mode not in ACT_MODES:
+        raise ValueError(f"activation quantization mode {mode!r}: expected one of {ACT_MODES}")
+    if mode == "group":
+        _check_groups(x.shape[-1] // 2 if producer == "silu" else x.shape[-1], group)
+    if not kernel or (mode == "tensor" and static_scale is None):
+        return None
+    scale = static_scale.float().reshape(1).to(x.device).contiguous() if static_scale is not None else None
+    return fp8_quant.quantize(x, mode, producer, fp8_max=FP8_MAX, amax_floor=AMAX_FLOOR, group=group, scale=scale,
+                              **kw)  # type: ignore[arg-type]
+
+
+# Each function below runs the Triton kernel where it applies (CUDA, bf16/fp16, K <= 32768) and
+# ``kernel`` is on (a caller whose start-up check failed passes False), else its torch reference.
+
+
+def quantize_rows(x: torch.Tensor, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] bf16/fp16 -> (xq [T, K] e4m3, scale [T, 1] float32): per-token dynamic."""
+    got = _quantize(x, "row", "plain", kernel=kernel)
+    return got[:2] if got is not None else quantize_rows_reference(x)
+
+
+def quantize_groups(x: torch.Tensor, group: int = BLOCK, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32, M-major: strides (1, T), the
+    layout cuBLAS's 1x128 recipe reads). K must be a multiple of ``group`` (ValueError)."""
+    got = _quantize(x, "group", "plain", group=group, kernel=kernel)
+    return got[:2] if got is not None else quantize_groups_reference(x, group)
+
+
+def quantize_tensor(x: torch.Tensor, static_scale: torch.Tensor | None = None,
+                    kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq e4m3, scale [1] float32): with ``static_scale`` (a checkpoint's
+    ``input_scale``) one pass; without, amax(x) / 448 (a torch reduction, then the pass)."""
+    if static_scale is None and x.is_cuda and kernel:
+        static_scale = scale_from_amax(x.abs().amax().float().reshape(1))
+    got = _quantize(x, "tensor", "plain", static_scale, kernel=kernel)
+    return got[:2] if got is not None else quantize_tensor_reference(x, static_scale)
+
+
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: str = "row",
+                   static_scale: torch.Tensor | None = None, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [T, K] (``ops.norm.rms_norm``'s rounding) quantized in the same pass:
+    (xq, scale) as ``quantize_rows`` / ``quantize_groups`` / ``quantize_tensor`` (mode ``row``,
+    ``group``, ``tensor`` with its static scale)."""
+    got = _quantize(x, mode, "norm", static_scale, kernel=kernel, weight=weight.contiguous(), eps=eps)
+    if got is not None:
+        return got[:2]
+    return _quantize_reference(rms_norm_reference(x, weight, eps), mode, static_scale, BLOCK)
+
+
+def add_rms_norm_quant(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, mode: str = "row",
+                       static_scale: torch.Tensor | None = None,
+                       kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s = x + delta, xq, scale): the residual stream (as ``ops.norm.add_rms_norm`` returns it)
+    and its RMSNorm quantized, in one pass."""
+    got = _quantize(x, mode, "norm", static_scale, kernel=kernel, weight=weight.contiguous(), eps=eps, delta=delta)
+    if got is not None:
+        xq, sc, s = got
+        return s, xq, sc  # type: ignore[return-value]
+    s = x + delta
+    return (s, *_quantize_reference(rms_norm_reference(s, weight, eps), mode, static_scale, BLOCK))
+
+
+def silu_mul_quant(gate_up: torch.Tensor, mode: str = "row", static_scale: torch.Tensor | None = None,
+                   kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up [T, 2I] -> silu(gate) * up [T, I] (``ops.silu_mul``'s rounding) quantized in the
+    same pass: (hq [T, I] e4m3, scale)."""
+    got = _quantize(gate_up, mode, "silu", static_scale, kernel=kernel)
+    if got is not None:
+        return got[:2]
+    return _quantize_reference(silu_mul_reference(gate_up), mode, static_scale, BLOCK)
+
+
+def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Start-up check at a model's widths: each quantization kernel (plain, RMSNorm with and
+    without the residual add, SiLU-mul; per row and per 1x128 group) against its reference on
+    random rows, at 1 and 200 tokens. False where the kernels do not apply (no Triton, not
+    CUDA, a width over ``fp8_quant.MAX_K``): the references run instead; RuntimeError when a
+    kernel's scales differ from the reference's by more than a bf16 step or more than 1% of its
+    codes differ (the norm sums in another order; the rest give the reference's bits)."""
+    if not (device.type == "cuda" and fp8_quant.applies(torch.empty(1, 16, device=device, dtype=dtype),
+                                                        max(hidden, intermediate))):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(dtype)
+    for t in (1, 200):
+        x = torch.randn(t, hidden, device=device, generator=gen).to(dtype)
+        d = torch.randn(t, hidden, device=device, generator=gen).to(dtype)
+        gu = (4 * torch.randn(t, 2 * intermediate, device=device, generator=gen)).to(dtype)
+        for mode in ("row", "group") if hidden % BLOCK == 0 and intermediate % BLOCK == 0 else ("row",):
+            q = quantize_rows if mode == "row" else quantize_groups
+            cases = {"quantize": (q(x), q(x, kernel=False)),
+                     "rms_norm_quant": (rms_norm_quant(x, w, 1e-6, mode),
+                                        rms_norm_quant(x, w, 1e-6, mode, kernel=False)),
+                     "add_rms_norm_quant": (add_rms_norm_quant(x, d, w, 1e-6, mode)[1:],
+                                            add_rms_norm_quant(x, d, w, 1e-6, mode, kernel=False)[1:]),
+                     "silu_mul_quant": (silu_mul_quant(gu, mode), silu_mul_quant(gu, mode, kernel=False))}
+            for name, ((xq, s), (rq, rs)) in cases.items():
+                differ = (xq.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
+                if not ((s - rs).abs() <= 2 ** -7 * rs).all() or differ > 0.01:
+                    raise RuntimeError(f"FP8 {name} ({mode}) differs from its torch reference at {t} tokens: "
+                                       f"{differ:.2%} of codes, scales by up to {(s - rs).abs().max().item():.3g}")
+    return True

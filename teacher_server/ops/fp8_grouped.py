@@ -1,0 +1,112 @@
+"""The experts' multiply with 128x128-block FP8 weights, in Triton: torch 2.11's grouped FP8
+multiply takes row-wise scales only on sm90 (``ops.fp8``'s docstring), and requantizing block
+weights per row costs each weight a second e4m3 rounding. This kernel keeps the checkpoint's
+block scales, as DeepSeek's and Qwen's FP8 MoE releases ship them.
+
+Operands as ``ops.grouped_mm``'s: x [M, K] e4m3 with rows sorted by expert, its 1x128 scales
+[M, K/128] (any strides: ``ops.fp8.quantize_groups`` writes them M-major), w [E, N, K] e4m3
+contiguous with scales [E, ceil(N/128), K/128], offs [E] int32 cumulative row ends. Out
+[M, N] bf16, y[m, n] = sum over K blocks b of sx[m, b] * sw[e, n // 128, b] * (x[m, Kb] . w[e, n, Kb]),
+each block's product summed in float32 by the tensor cores, then scaled and added in float32
+(the recipe's own definition: one promotion per 128-wide K block).
+
+Tiles: BM rows of one expert x 128 columns (one weight scale block). An expert's rows take
+ceil(count / BM) row tiles; the grid has ceil(M / BM) + E row slots (the most any split can
+need) on its second axis and the column tiles on its first (a row tile's column tiles run
+together), and a slot finds its expert by comparing its index with the experts' cumulative
+tile counts (computed on the GPU: no host sync); slots past the last tile return at once.
+"""
+
+# ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK = 128  # the scale block: K step and N tile
+_K: dict[str, Any] = {}
+
+
+def _kernels() -> dict[str, Any]:
+    if _K:
+        return _K
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as e:  # the CPU wheel has no triton: the reference runs instead
+        log.info("grouped block-FP8 kernel unavailable: %s: %s", type(e).__name__, e)
+        _K["missing"] = True
+        return _K
+
+    @triton.jit(do_not_specialize=["M"])
+    def grouped_block(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, tiles_ptr, out_ptr, M,
+                      N: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr):
+        # N, K, E: a layer's constants (one compile per expert layer shape); M varies per step
+        # the column tiles of one row tile run next to each other: its rows are read from L2 after
+        # the first, and an expert's weight stays there while its row tiles pass
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
+        ei = tl.arange(0, BE)
+        ends = tl.load(tiles_ptr + ei, mask=ei < E, other=2 ** 30)  # cumulative row tiles per expert
+        e = tl.sum((ends <= slot).to(tl.int32), axis=0)  # the expert whose tiles hold this slot
+        if e >= E:
+            return
+        first_tile = tl.sum(tl.where(ei == e - 1, ends, 0), axis=0)  # 0 for e == 0
+        row_end = tl.load(offs_ptr + e)
+        row_start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        rows = row_start + (slot - first_tile) * BM + tl.arange(0, BM)
+        rm = rows < row_end
+        rows = tl.where(rm, rows, row_start).to(tl.int64)  # masked rows read a valid row
+        cols = pid_n * BN + tl.arange(0, BN)
+        cm = cols < N
+        ks = tl.arange(0, BK)
+        kb_n: tl.constexpr = K // BK
+        nb_n = tl.cdiv(N, BN)  # BN is the scale block's height: one weight scale per tile and K block
+        w_base = w_ptr + e.to(tl.int64) * N * K
+        sw_base = sw_ptr + e.to(tl.int64) * nb_n * kb_n + pid_n * kb_n
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(kb_n):
+            a = tl.load(x_ptr + rows[:, None] * K + kb * BK + ks[None, :])
+            b = tl.load(w_base + cols[:, None].to(tl.int64) * K + kb * BK + ks[None, :], mask=cm[:, None], other=0.0)
+            sa = tl.load(sx_ptr + rows * sx_m + kb * sx_k)
+            sb = tl.load(sw_base + kb)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb)
+        out = out_ptr + rows[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
+
+    _K.update(grouped_block=grouped_block, next_pow2=triton.next_power_of_2)
+    return _K
+
+
+def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """CUDA, e4m3 operands, K a multiple of 128, a contiguous weight, Triton present."""
+    return (x.is_cuda and x.dtype == torch.float8_e4m3fn and w.dtype == torch.float8_e4m3fn and w.is_contiguous()
+            and x.stride(1) == 1 and x.stride(0) == x.shape[1] and x.shape[1] % BLOCK == 0
+            and "grouped_block" in _kernels())
+
+
+def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, offs: torch.Tensor,
+                     bm: int = 128, warps: int = 8, stages: int = 3) -> torch.Tensor | None:
+    """[M, K] x [E, N, K] by experts with 1x128 / 128x128 block scales -> [M, N] bf16, or None
+    where the kernel does not apply (module docstring)."""
+    if not applies(x, w):
+        return None
+    kern = _kernels()
+    m, k = x.shape
+    e, n, _ = w.shape
+    out = torch.empty(m, n, device=x.device, dtype=torch.bfloat16)
+    if m == 0 or e == 0:
+        return out
+    counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
+    tiles = ((counts + bm - 1) // bm).cumsum(0).to(torch.int32)  # [E] cumulative row tiles, on the GPU
+    sw = sw.float().contiguous()
+    grid = (-(-n // BLOCK), -(-m // bm) + e)
+    kern["grouped_block"][grid](x, sx, sx.stride(0), sx.stride(1), w, sw, offs, tiles, out, m, n, k, e,
+                                BM=bm, BN=BLOCK, BK=BLOCK, BE=kern["next_pow2"](e), num_warps=warps,
+                                num_stages=stages)
+    return out

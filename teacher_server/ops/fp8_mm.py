@@ -1,0 +1,335 @@
+"""The FP8 matrix multiplies and the weight side of the format: torch's scaled multiplies for
+tensor-, row- and 128x128-block weight scales (``scaled_linear``), the experts' grouped multiply
+(``grouped_scaled_linear``: torch's row-wise kernel, or ``ops.fp8_grouped``'s block kernel),
+weight quantization and dequantization, and the float32 references every one of them takes on
+the CPU. What torch takes, and the layouts: ``ops.fp8``'s docstring (the API is imported from
+there)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from teacher_server.ops import fp8_grouped
+from teacher_server.ops.grouped_mm import grouped_mm_reference
+
+log = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# the smallest amax a scale is computed from: a zero row quantizes to zeros with a finite scale
+AMAX_FLOOR = 1e-12
+BLOCK = 128
+MODES = ("tensor", "row", "block")  # weight scales
+_SCALING = getattr(F, "ScalingType", None)  # torch >= 2.10: F.scaled_mm and its recipes
+
+
+def to_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y float32 / scale (broadcast), clamped to the e4m3 range and rounded to nearest even."""
+    return (y / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """The dequantizing scale of values whose largest magnitude is amax: amax / 448, floored."""
+    return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+
+
+def dequantize(wq: torch.Tensor, wscale: torch.Tensor, mode: str, block: tuple[int, int] = (BLOCK, BLOCK),
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """wq [..., N, K] e4m3 and its scales (``ops.fp8``'s layouts) -> the weight in ``dtype``
+    (float32 by default: the CPU path and the references). ``block`` is the block's
+    (rows, columns) for ``block``; partial edge blocks take their block's scale."""
+    w = wq.float()
+    s = wscale.float()
+    n, k = w.shape[-2:]
+    if mode == "tensor":
+        s = s.reshape(*w.shape[:-2], 1, 1) if s.numel() > 1 else s.reshape(())
+    elif mode == "row":
+        s = s.reshape(*w.shape[:-2], n, 1)
+    elif mode == "block":
+        bn, bk = block
+        nb, kb = -(-n // bn), -(-k // bk)
+        s = s[..., :nb, :kb]  # a padded scale (pad_block_scale's buffer): its meaningful columns
+        s = s.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    else:
+        raise ValueError(f"weight scale mode {mode!r}: expected one of {MODES}")
+    return (w * s).to(dtype)
+
+
+def _dequantize_activation(xq: torch.Tensor, xscale: torch.Tensor) -> torch.Tensor:
+    """xq [T, K] with a tensor [1], row [T, 1] or group [T, K/g] scale -> float32 [T, K]."""
+    x, s = xq.float(), xscale.float()
+    if s.numel() == 1:
+        return x * s.reshape(())
+    if s.shape == (x.shape[0], 1):
+        return x * s
+    g = x.shape[1] // s.shape[1]
+    return x * s.repeat_interleave(g, 1)
+
+
+def scaled_linear_reference(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
+                            mode: str, out_dtype: torch.dtype = torch.bfloat16,
+                            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantized product in float32, rounded to ``out_dtype``: the CPU path and the tests'
+    reference."""
+    y = _dequantize_activation(xq, xscale) @ dequantize(wq, wscale, mode).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def grouped_scaled_linear_reference(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
+                                    offs: torch.Tensor, mode: str = "row",
+                                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The grouped product of the dequantized operands in float32 (a loop over groups)."""
+    x = _dequantize_activation(xq, xscale)
+    w = dequantize(wq, wscale, mode)  # [E, N, K]
+    return grouped_mm_reference(x, w.transpose(1, 2), offs).to(out_dtype)
+
+
+def quantize_weight(w: torch.Tensor, mode: str,
+                    block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [..., N, K] -> (wq e4m3, scale) in ``mode``'s layout (tensor [1] per matrix, row
+    [..., N, 1], block [..., ceil(N/bn), ceil(K/bk)]): what a bf16 checkpoint is quantized to at
+    load, and the tests' and benchmark's weights."""
+    wf = w.float()
+    n, k = wf.shape[-2:]
+    lead = wf.shape[:-2]
+    if mode == "tensor":
+        scale = scale_from_amax(wf.abs().amax((-2, -1), keepdim=True))
+        return to_fp8(wf, scale), scale.reshape(*lead, 1, 1) if lead else scale.reshape(1)
+    if mode == "row":
+        scale = scale_from_amax(wf.abs().amax(-1, keepdim=True))
+        return to_fp8(wf, scale), scale
+    if mode == "block":
+        bn, bk = block
+        nb, kb = -(-n // bn), -(-k // bk)
+        padded = F.pad(wf, (0, kb * bk - k, 0, nb * bn - n))  # zeros do not change an amax
+        tiles = padded.reshape(*lead, nb, bn, kb, bk)
+        scale = scale_from_amax(tiles.abs().amax((-3, -1)))  # [..., nb, kb]
+        q = to_fp8(tiles, scale[..., :, None, :, None]).reshape(*lead, nb * bn, kb * bk)[..., :n, :k]
+        return q.contiguous(), scale
+    raise ValueError(f"weight scale mode {mode!r}: expected one of {MODES}")
+
+
+def block_to_rows(wq: torch.Tensor, wscale: torch.Tensor,
+                  block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-block weights [..., N, K] requantized with one scale per row, for torch's
+    row-wise grouped multiply instead of the block kernel: one more e4m3 rounding per weight."""
+    return quantize_weight(dequantize(wq, wscale, "block", block), "row")
+
+
+# ---------------------------------------------------------------- scaled multiplies
+
+
+def pad_block_scale(wscale: torch.Tensor) -> torch.Tensor:
+    """A weight's block scales [Nb, Kb] as cuBLAS's 128x128 recipe reads them: the same values
+    in a buffer whose rows hold round_up(Kb, 4) floats (a [Nb, Kb] view of it). Done once at
+    load, it saves ``scaled_linear`` a small copy per call when Kb % 4 != 0."""
+    nb, kb = wscale.shape
+    l4 = -(-kb // 4) * 4
+    buf = torch.ones(nb, l4, dtype=torch.float32, device=wscale.device)
+    buf[:, :kb] = wscale
+    return buf[:, :kb]
+
+
+def _block_scale_b(wscale: torch.Tensor) -> torch.Tensor:
+    """[Nb, Kb] weight scales -> scale_b [L4, Nb] strides (1, L4) (module docstring)."""
+    nb, kb = wscale.shape
+    l4 = -(-kb // 4) * 4
+    # pad_block_scale's view (or Kb % 4 == 0, contiguous): read in place; else a padded copy
+    in_place = (wscale.dtype == torch.float32 and wscale.stride(1) == 1 and wscale.stride(0) == l4
+                and wscale.untyped_storage().nbytes() >= 4 * (wscale.storage_offset() + nb * l4))
+    if not in_place:
+        wscale = pad_block_scale(wscale)
+    return wscale.as_strided((l4, nb), (1, l4))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _cc(t: torch.Tensor) -> tuple[int, int]:
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _sm(t: torch.Tensor) -> str:
+    return "".join(map(str, _cc(t)))
+
+
+def _check_mm(xq: torch.Tensor, wq: torch.Tensor) -> tuple[int, int, int]:
+    if xq.dtype != FP8 or wq.dtype != FP8:
+        raise ValueError(f"scaled_linear takes e4m3 operands, got {xq.dtype} and {wq.dtype}")
+    if xq.dim() != 2 or wq.dim() != 2 or xq.shape[1] != wq.shape[1]:
+        raise ValueError(f"scaled_linear: x [T, K] and w [N, K], got {tuple(xq.shape)} and {tuple(wq.shape)}")
+    t, k = xq.shape
+    return t, k, wq.shape[0]
+
+
+def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor, mode: str,
+                  out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, fast_accum: bool = False) -> torch.Tensor:
+    """y [T, N] = (xq * xscale) @ (wq * wscale)^T (+ bias), in ``out_dtype`` (or into ``out``).
+
+    xq [T, K] e4m3 row-major; wq [N, K] e4m3 contiguous; ``mode`` names wscale's layout:
+    ``tensor`` [1], ``row`` [N, 1], ``block`` [ceil(N/128), ceil(K/128)] (128x128). xscale:
+    [1] or [T, 1] with ``tensor``/``row`` weights (a tensor x row pair is run as row x row);
+    [T, K/128] M-major (``quantize_groups``) with ``block``. On CUDA torch's scaled multiply
+    (K, N multiples of 16; ``block`` on sm90 only); on the CPU the float32 reference."""
+    t, k, n = _check_mm(xq, wq)
+    if mode not in MODES:
+        raise ValueError(f"weight scale mode {mode!r}: expected one of {MODES}")
+    if not xq.is_cuda:
+        y = scaled_linear_reference(xq, xscale, wq, wscale, mode, out_dtype, bias)
+        return out.copy_(y) if out is not None else y
+    if k % 16 or n % 16:
+        raise ValueError(f"torch's scaled matrix multiply needs K and N multiples of 16, got K={k}, N={n}")
+    if not wq.is_contiguous() or xq.stride(1) != 1:
+        raise ValueError("scaled_linear takes x row-major and a contiguous weight [N, K]")
+    # a float32 output takes no bias in the kernel (torch refuses it), nor, to be safe, the block
+    # recipe (cuBLASLt's bias epilogue with block scales is unverified here): added after
+    kbias = bias if bias is not None and out_dtype != torch.float32 and mode != "block" else None
+    if mode == "block":
+        y = _block_mm(xq, xscale, wq, wscale, out_dtype, None, fast_accum)
+    else:
+        sa, sb = xscale.float(), wscale.float()
+        if not (sa.numel() == 1 and sb.numel() == 1):  # row x row: expand whichever is per-tensor
+            sa = sa.reshape(1, 1).expand(t, 1) if sa.numel() == 1 else sa.reshape(t, 1)
+            sb = sb.reshape(1, 1).expand(n, 1) if sb.numel() == 1 else sb.reshape(n, 1)
+            sa, sb = sa.contiguous(), sb.contiguous()  # torch takes contiguous row scales only
+            sb = sb.t()  # [1, N]
+        else:
+            sa, sb = sa.reshape(()), sb.reshape(())
+        y = torch._scaled_mm(xq, wq.t(), scale_a=sa, scale_b=sb, bias=kbias, out_dtype=out_dtype,
+                             use_fast_accum=fast_accum)
+    if bias is not None and kbias is None:
+        y = y + bias.to(y.dtype)
+    return out.copy_(y) if out is not None else y
+
+
+def _block_mm(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
+              out_dtype: torch.dtype, bias: torch.Tensor | None, fast_accum: bool) -> torch.Tensor:
+    t, k = xq.shape
+    n = wq.shape[0]
+    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+    if _cc(xq)[0] != 9:
+        raise NotImplementedError(f"block-wise FP8 (1x128 x 128x128) runs on sm90 only in torch {torch.__version__}; "
+                                  f"this GPU is sm{_sm(xq)}")
+    if xscale.shape != (t, kb) or (t > 1 and kb > 1 and xscale.stride() != (1, t)):
+        raise ValueError(f"block-wise FP8 needs activation scales [T, K/128] = [{t}, {kb}] M-major (strides "
+                         f"(1, {t}): quantize_groups), got {tuple(xscale.shape)} strides {xscale.stride()}")
+    if wscale.shape != (nb, kb):
+        raise ValueError(f"block-wise FP8 weight scales must be [ceil(N/128), ceil(K/128)] = [{nb}, {kb}], "
+                         f"got {tuple(wscale.shape)}")
+    sb = _block_scale_b(wscale)
+    if _SCALING is None:  # torch < 2.10: the old entry point reads the recipe from the shapes (unpadded only)
+        if kb % 4:
+            raise NotImplementedError(f"block-wise FP8 with ceil(K/128) = {kb} not a multiple of 4 needs torch >= 2.10")
+        return torch._scaled_mm(xq, wq.t(), scale_a=xscale, scale_b=sb, bias=bias, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
+    return F.scaled_mm(xq, wq.t(), xscale, _SCALING.BlockWise1x128, sb, _SCALING.BlockWise128x128, bias=bias,
+                       output_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
+                          offs: torch.Tensor, mode: str = "row", out_dtype: torch.dtype = torch.bfloat16,
+                          fast_accum: bool = False) -> torch.Tensor:
+    """The experts' multiply -> [M, N] bf16. xq [M, K] e4m3 with rows sorted by expert, wq
+    [E, N, K] e4m3 contiguous, offs [E] int32 cumulative row ends (offs[-1] == M, empty experts
+    allowed), and by ``mode``:
+
+    - ``row``: xscale [M, 1] (or [M]), wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per
+      expert, expanded): torch's grouped row-wise kernel (sm90/sm100; ``fast_accum`` passed on);
+    - ``block``: xscale [M, K/128] (``quantize_groups``), wscale [E, ceil(N/128), K/128]: the
+      Triton kernel of ``ops.fp8_grouped`` (the checkpoint's block scales kept; K a multiple of 128).
+
+    On the CPU the float32 reference (a loop over experts)."""
+    if xq.dtype != FP8 or wq.dtype != FP8 or xq.dim() != 2 or wq.dim() != 3 or xq.shape[1] != wq.shape[2]:
+        raise ValueError(f"grouped_scaled_linear takes x [M, K] and w [E, N, K] in e4m3, got "
+                         f"{tuple(xq.shape)} {xq.dtype} and {tuple(wq.shape)} {wq.dtype}")
+    m, (e, n, k) = xq.shape[0], wq.shape
+    if offs.shape != (e,):
+        raise ValueError(f"offs must hold one row end per expert ({e}), got shape {tuple(offs.shape)}")
+    if out_dtype != torch.bfloat16:
+        raise NotImplementedError(f"the grouped FP8 multiplies write bf16 only, asked for {out_dtype}")
+    if mode == "block":
+        return _grouped_block(xq, xscale, wq, wscale, offs)
+    if mode != "row":
+        raise ValueError(f"grouped_scaled_linear mode {mode!r}: expected 'row' or 'block'")
+    if wscale.numel() not in (e, e * n):
+        raise ValueError(f"row-wise expert weight scales must be [E, N, 1] or [E, 1, 1] ({e}, {n}), got "
+                         f"{tuple(wscale.shape)} (block scales: mode='block')")
+    if xscale.numel() != m:
+        raise ValueError(f"row-wise grouped_scaled_linear takes activation scales [M, 1] ({m}), "
+                         f"got {tuple(xscale.shape)}")
+    sb = wscale.float().reshape(e, -1)
+    sb = sb.expand(e, n).contiguous() if sb.shape[1] == 1 and n > 1 else sb  # [E, N]: per-expert scales expanded
+    if not xq.is_cuda:
+        return grouped_scaled_linear_reference(xq, xscale, wq, sb[..., None], offs, "row", out_dtype)
+    if k % 16 or n % 16:
+        raise ValueError(f"torch's grouped FP8 multiply needs K and N multiples of 16, got K={k}, N={n}")
+    if _cc(xq)[0] not in (9, 10):
+        raise NotImplementedError(f"torch's grouped FP8 multiply runs on sm90/sm100, this GPU is sm{_sm(xq)}")
+    if offs.dtype != torch.int32:
+        raise ValueError(f"offs must be int32, got {offs.dtype}")
+    return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), xscale.float().reshape(m).contiguous(), sb,
+                                    offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+    m, (e, n, k) = xq.shape[0], wq.shape
+    kb, nb = k // BLOCK, -(-n // BLOCK)
+    if k % BLOCK:
+        raise ValueError(f"block-scaled experts need K a multiple of {BLOCK}, got K={k}")
+    if xscale.shape != (m, kb):
+        raise ValueError(f"block-scaled experts take 1x128 activation scales [M, K/128] = [{m}, {kb}], "
+                         f"got {tuple(xscale.shape)}")
+    if wscale.shape != (e, nb, kb):
+        raise ValueError(f"block-scaled expert weight scales must be [E, ceil(N/128), K/128] = [{e}, {nb}, {kb}], "
+                         f"got {tuple(wscale.shape)}")
+    if xq.is_cuda:
+        if offs.dtype != torch.int32:
+            raise ValueError(f"offs must be int32, got {offs.dtype}")
+        got = fp8_grouped.grouped_block_mm(xq, xscale.float(), wq, wscale, offs)
+        if got is not None:
+            return got
+        log.warning("grouped block-FP8 kernel does not apply (no Triton, or strided operands): a loop over experts")
+    return grouped_scaled_linear_reference(xq, xscale, wq, wscale, offs, "block")
+
+
+def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0) -> None:
+    """Start-up check of the multiply a layer will run: ``scaled_linear`` in ``mode`` at width
+    k -> n (or, with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts) against
+    its float32 reference on random operands. Raises what torch raises for a combination it does
+    not take, and RuntimeError on a mismatch beyond a bf16 step of the output's scale."""
+    gen = torch.Generator().manual_seed(0)
+    counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [32]
+    m = sum(counts)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = torch.randn(max(experts, 1), n, k, generator=gen) * k ** -0.5
+    wq, ws = quantize_weight(w if experts else w[0], mode)
+    xf = x.float()  # activation scales as the layer makes them: 1x128 groups for block weights, else rows
+    if mode == "block":
+        s = scale_from_amax(xf.view(m, -1, BLOCK).abs().amax(-1))
+        xs = (to_fp8(xf.view(m, -1, BLOCK), s[..., None]).view(m, k), s.t().contiguous().t())
+    else:
+        s = scale_from_amax(xf.abs().amax(-1, keepdim=True))
+        xs = (to_fp8(xf, s), s)
+    xq, sx = (t.to(device) for t in xs)
+    wq, ws = wq.to(device), ws.to(device)
+    if experts:
+        offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+        got = grouped_scaled_linear(xq, sx, wq, ws, offs, mode)
+        ref = grouped_scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), offs.cpu(), mode, torch.float32)
+    else:
+        got = scaled_linear(xq, sx, wq, ws, mode)
+        ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32)
+    err = (got.float().cpu() - ref).abs()
+    if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
+        raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''} differs "
+                           f"from its float32 reference by up to {err.max().item():.3g}")

@@ -1,0 +1,153 @@
+"""Activations to FP8 (e4m3) in one pass over each row, on CUDA with Triton: the row is read
+once, its scale(s) computed, and the FP8 values and scales written; the activation itself may
+be produced in the same pass, so it is never written in bf16 and read back:
+
+- ``plain``: x [T, K] as it is;
+- ``norm``: RMSNorm of x (optionally of ``x + delta``, the residual stream, which is then
+  written too), rounded as ``ops.norm`` rounds (the sum in the activation dtype, the norm in
+  float32, a bf16/fp16 weight applied after rounding, a float32 weight before it);
+- ``silu``: ``silu(gate) * up`` of a gate/up product [T, 2I], rounded as
+  ``ops.silu_mul.silu_mul_reference`` (silu rounded, then the product rounded).
+
+Scales (``ops.fp8`` documents the layouts): per row (``row``: amax / 448 over the row),
+per 1x128 group (``group``: written M-major, as cuBLAS reads them), or one given float32 scale
+(``tensor``). The quantization itself matches ``ops.fp8``'s torch references bit for bit:
+correctly rounded divisions (``div_rn``), a clamp to +-448 and round-to-nearest-even to e4m3.
+What may differ is the norm's sum of squares (another summation order).
+
+One program per row holds the whole row in registers (``BLOCK`` the next power of two of
+K), so K is at most ``MAX_K``; ``quantize`` returns None where the kernel does not apply (no
+Triton, not CUDA, a dtype or width it does not take) and the caller takes the reference.
+"""
+
+# ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MAX_K = 32768  # the widest row one program holds (Qwen3-32B's intermediate 25600 rounds up to it)
+PRODUCERS = {"plain": 0, "norm": 1, "silu": 2}
+MODES = {"row": 0, "group": 1, "tensor": 2}
+_K: dict[str, Any] = {}
+
+
+def _kernels() -> dict[str, Any]:
+    """The kernel, compiled on first use ({"missing": True} without Triton)."""
+    if _K:
+        return _K
+    try:
+        import triton
+        import triton.language as tl
+        from triton.language.extra import libdevice
+    except Exception as e:  # the CPU wheel has no triton: the torch references run instead
+        log.info("FP8 activation kernels unavailable: %s: %s", type(e).__name__, e)
+        _K["missing"] = True
+        return _K
+
+    # T (the step's tokens) differs from step to step: not specialised on
+    @triton.jit(do_not_specialize=["T"])
+    def quant_rows(x_ptr, sx, d_ptr, sd, s_ptr, ss, w_ptr, q_ptr, sq, scale_ptr, T, K, eps, fp8_max, amax_floor,
+                   PRODUCER: tl.constexpr, HAS_DELTA: tl.constexpr, W_F32: tl.constexpr, MODE: tl.constexpr,
+                   BLOCK: tl.constexpr, GROUP: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < K
+        dt = x_ptr.dtype.element_ty
+        if PRODUCER == 2:  # silu(gate) * up, gate the first K columns and up the next K
+            g = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + row * sx + K + cols, mask=m, other=0.0).to(tl.float32)
+            a = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
+            y = (a * u).to(dt).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + row * sx + cols, mask=m, other=0.0)
+            if PRODUCER == 1:
+                if HAS_DELTA:  # the residual stream: rounded to the activation dtype, and kept
+                    d = tl.load(d_ptr + row * sd + cols, mask=m, other=0.0)
+                    x = (x.to(tl.float32) + d.to(tl.float32)).to(dt)
+                    tl.store(s_ptr + row * ss + cols, x, mask=m)
+                xf = x.to(tl.float32)
+                r = libdevice.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+                w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+                if W_F32:  # a weight in another dtype (float32: the zero-centred norm): scaled in float32, rounded once
+                    y = (xf * r * w).to(dt).to(tl.float32)
+                else:  # rounded, then the weight in the activation dtype
+                    y = (w * (xf * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            else:
+                y = x.to(tl.float32)
+        if MODE == 0:  # one scale per row
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor), fp8_max)
+            q = tl.div_rn(y, scale)
+            tl.store(scale_ptr + row, scale)
+        elif MODE == 1:  # one scale per GROUP columns, stored M-major: group g of row t at g * T + t
+            yg = tl.reshape(y, (BLOCK // GROUP, GROUP))
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=1), amax_floor), fp8_max)
+            q = tl.reshape(tl.div_rn(yg, scale[:, None]), (BLOCK,))
+            gi = tl.arange(0, BLOCK // GROUP)
+            tl.store(scale_ptr + gi.to(tl.int64) * T + row, scale, mask=gi * GROUP < K)
+        else:  # the given scale
+            q = tl.div_rn(y, tl.load(scale_ptr))
+        q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
+        tl.store(q_ptr + row * sq + cols, q.to(tl.float8e4nv), mask=m)
+
+    _K.update(quant_rows=quant_rows, next_pow2=triton.next_power_of_2)
+    return _K
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+def applies(x: torch.Tensor, k: int) -> bool:
+    """Does the kernel take rows of x (CUDA bf16/fp16, unit column stride) of width k."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2 and x.stride(1) == 1
+            and 0 < k <= MAX_K and "quant_rows" in _kernels())
+
+
+def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: float, amax_floor: float,
+             group: int = 128, weight: torch.Tensor | None = None, eps: float = 0.0,
+             delta: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(xq [T, K] e4m3, scale, residual or None) of ``producer`` applied to x, or None where the
+    kernel does not apply. ``mode``: ``row`` (scale [T, 1]), ``group`` (scale [T, K / group]
+    M-major: strides (1, T)), ``tensor`` (``scale`` given, float32, one element; returned as is).
+    ``norm`` takes ``weight`` [K] and ``eps`` (and ``delta``: x + delta is normed and returned
+    as the residual); ``silu`` takes x = [T, 2K]."""
+    t = x.shape[0]
+    k = x.shape[1] // 2 if producer == "silu" else x.shape[1]
+    if not applies(x, k) or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1
+                                                     or delta.dtype != x.dtype)):
+        return None
+    if producer == "norm" and (weight is None or weight.numel() != k or not weight.is_contiguous()
+                               or weight.device != x.device):
+        return None
+    kern = _kernels()
+    block = kern["next_pow2"](k)
+    if mode == "group" and (k % group or block < group):
+        return None
+    dev = x.device
+    xq = torch.empty(t, k, device=dev, dtype=torch.float8_e4m3fn)
+    resid = torch.empty_like(x) if delta is not None else None
+    if mode == "row":
+        sc = torch.empty(t, 1, device=dev, dtype=torch.float32)
+    elif mode == "group":
+        sc = torch.empty(k // group, t, device=dev, dtype=torch.float32).t()  # [T, K/group], M-major
+    else:
+        assert scale is not None and scale.numel() == 1 and scale.dtype == torch.float32, \
+            f"tensor mode takes one float32 scale, got {None if scale is None else (scale.shape, scale.dtype)}"
+        sc = scale
+    if t == 0:
+        return xq, sc, resid
+    w = weight if weight is not None else x  # unused unless producer == "norm"
+    d = delta if delta is not None else x
+    s = resid if resid is not None else x
+    kern["quant_rows"][(t,)](
+        x, x.stride(0), d, d.stride(0), s, s.stride(0), w, xq, xq.stride(0), sc, t, k, float(eps), float(fp8_max),
+        float(amax_floor), PRODUCER=PRODUCERS[producer], HAS_DELTA=delta is not None,
+        W_F32=weight is not None and weight.dtype != x.dtype, MODE=MODES[mode], BLOCK=block, GROUP=group,
+        num_warps=_warps(block))
+    return xq, sc, resid

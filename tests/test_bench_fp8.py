@@ -1,0 +1,28 @@
+"""bench/bench_fp8.py runs on the CPU at tiny shapes (its smoke mode) and writes every case."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_tiny_run_writes_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "fp8.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_fp8.py"), "--tiny", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    dense, moe = res["models"]["tiny"], res["models"]["tiny_moe"]
+    assert set(dense["cases"]) == {"bf16_gemm", "bf16_layer"} | {f"fp8_{m}_{k}" for m in ("tensor", "row", "block")
+                                                                 for k in ("gemm", "separate", "fused")}
+    assert set(moe["cases"]) == {"bf16_gemm", "bf16_layer"} | {f"fp8_{m}_{k}" for m in ("row", "block")
+                                                               for k in ("gemm", "separate", "fused")}
+    assert set(moe["rel_rms_error_vs_bf16"]) == {"row", "block"}
+    for mode, err in dense["rel_rms_error_vs_bf16"].items():  # FP8 on both operands: a few percent
+        assert 0 < err < 0.1, (mode, err)
+    assert all(c["speedup"] > 0 and c["ms"] > 0 for c in dense["cases"].values())
+    assert all(r["gb_per_s"] > 0 for r in res["quant_kernels"].values())
