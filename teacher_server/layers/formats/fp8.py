@@ -12,12 +12,15 @@ Where the products run (``process_after_load``):
 - a device without FP8 matrix multiplies (the CPU; GPUs before compute capability 8.9), and
   weight-only checkpoints: the weights are dequantized once, to the model dtype, and the layer
   is held unquantized from then on (its products are the plain ones);
-- CUDA: ``ops.fp8``'s scaled multiplies. Block-wise 128 x 128 weights with 1 x 128 dynamic
-  activation groups ("block"); every other layer row-wise ("row": per-token activations, or
-  the static per-tensor scale broadcast to the rows). Expert weights are multiplied by the
-  grouped row-wise product, so block-scaled experts (and blocks other than 128 x 128) are
-  requantized per row at load (dequantized in float32, then one scale per row: docs/fp8.md
-  gives the extra error).
+- CUDA: ``ops.fp8``'s scaled multiplies, the mode chosen per layer at load (``layer.fp8_mode``):
+  "block" for 128 x 128 block-scaled weights whose input widths are whole 128-groups, with
+  1 x 128 dynamic activation groups (torch's block-wise multiply for linear layers, sm90;
+  ``ops.fp8_grouped``'s Triton kernel for experts), where the block multiply runs on this GPU
+  (``block_runs``, checked once per shape); "row" for every other layer (per-token
+  activations, or the static per-tensor scale; per-row weight scales), experts through
+  torch's grouped row-wise multiply. Block-scaled weights that cannot run "block" (other
+  block sizes, widths, GPUs) are requantized per row at load (dequantized in float32, then
+  one scale per row: docs/fp8.md gives the extra error).
 
 The checkpoint decides which layers are FP8 (``plan_load``): a layer whose checkpoint weights
 are not all e4m3 (kept in bf16 by the checkpoint's ignore list, wholly or for some fused parts)
@@ -25,6 +28,8 @@ is held in the model dtype, its e4m3 parts dequantized as they are read.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
@@ -43,6 +48,8 @@ from teacher_server.layers.formats.fp8_config import Fp8Scheme
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.ops import fp8
 from teacher_server.unsupported import UnsupportedModelError
+
+log = logging.getLogger(__name__)
 
 E4M3 = "F8_E4M3"  # safetensors' dtype name
 SCALE = "weight_scale_inv"  # the layer's name for a weight's scales, whatever the checkpoint's spelling
@@ -86,10 +93,30 @@ def row_amax(layer: nn.Module, slot: str, w: torch.Tensor) -> torch.Tensor:
 def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """A weight [..., N, K] from its e4m3 values and scales, float32: per row ([..., N, 1]),
     per tensor (one element) or per ``block`` (any other shape)."""
-    n = wq.shape[-2]
-    if scale.numel() == 1 or (scale.shape[-1] == 1 and scale.dim() >= 2 and scale.shape[-2] == n):
-        return fp8.dequantize(wq, scale.reshape(scale.shape if scale.numel() > 1 else (1,)), "row")
+    if scale.numel() == 1:  # (also one block covering the whole weight)
+        return fp8.dequantize(wq, scale.reshape(1), "tensor")
+    if scale.dim() >= 2 and scale.shape[-1] == 1 and scale.shape[-2] == wq.shape[-2]:
+        return fp8.dequantize(wq, scale, "row")
     return fp8.dequantize(wq, scale, "block", block)
+
+
+_BLOCK_RUNS: dict[tuple, bool] = {}  # (k, n, experts, device) -> whether the block multiply runs there
+
+
+def block_runs(k: int, n: int, experts: int, device: torch.device) -> bool:
+    """Whether the 128 x 128 block-scaled multiply (grouped with ``experts``) runs on ``device``
+    at width k -> n and matches its float32 reference (``ops.fp8.check_scaled_linear``, once per
+    shape); where not, the layer is requantized per row (one line logged)."""
+    key = (k, n, experts, str(device))
+    if key not in _BLOCK_RUNS:
+        try:
+            fp8.check_scaled_linear("block", k, n, device, experts)
+            _BLOCK_RUNS[key] = True
+        except (RuntimeError, ValueError, NotImplementedError) as e:
+            log.warning("FP8 128x128-block multiply at %d -> %d%s does not run here (%s): requantized per row",
+                        k, n, " (experts)" if experts else "", str(e)[:200])
+            _BLOCK_RUNS[key] = False
+    return _BLOCK_RUNS[key]
 
 
 def _per_row(rows: int) -> Reader:
@@ -232,42 +259,56 @@ class Fp8Weights(WeightFormat):
                 setattr(layer, slot, nn.Parameter(w, requires_grad=False))
             layer.fmt = UNQUANTIZED
             return
+        layer.fp8_mode = mode = self._gpu_mode(layer, device)
         for slot in layer.slots:
             if s.activations == "static":  # one scale for the layer's input: the largest of its parts'
                 p = extra_name(slot, INPUT_SCALE)
                 setattr(layer, p, nn.Parameter(getattr(layer, p).amax().reshape(1), requires_grad=False))
-            if self.mode(layer) == "row" and getattr(layer, extra_name(slot, SCALE)).shape[-1] != 1:
-                w = self.weight(layer, slot)  # block scales -> per row
+            scale = getattr(layer, extra_name(slot, SCALE))
+            if mode == "row" and scale.shape[-1] != 1:  # block scales -> per row
+                w = self.weight(layer, slot)
                 q, scale = quantize_weight_rows(w, row_amax(layer, slot, w))
                 setattr(layer, slot, nn.Parameter(q, requires_grad=False))
-                setattr(layer, extra_name(slot, SCALE), nn.Parameter(scale, requires_grad=False))
+            elif mode == "block" and scale.dim() == 2:  # the layout cuBLAS reads, made once
+                scale = fp8.pad_block_scale(scale.data)
+            setattr(layer, extra_name(slot, SCALE), nn.Parameter(scale, requires_grad=False))
 
     # --- products (CUDA) -------------------------------------------------------------
-    def mode(self, layer: nn.Module) -> str:
-        """How ``layer`` multiplies on the GPU: "block" (block-wise 128 x 128 weights of a
-        linear layer whose input width is whole groups of 128) or "row"."""
+    def _gpu_mode(self, layer: nn.Module, device: torch.device) -> str:
+        """How ``layer`` multiplies on the GPU: "block" (128 x 128 block scales kept, 1 x 128
+        activation groups: every slot's input width whole groups of 128, and the block
+        multiply runs on this GPU: torch's on sm90 for linear layers, ``ops.fp8_grouped``'s for
+        experts) or "row"."""
         s = self.scheme
-        if s.weights == "block" and s.block == GPU_BLOCK and layer.role != "experts" \
-                and getattr(layer, layer.slots[0]).shape[-1] % GPU_BLOCK[1] == 0:
-            return "block"
-        return "row"
+        if s.weights != "block" or s.block != GPU_BLOCK:
+            return "row"
+        experts = 6 if layer.role == "experts" else 0  # the start-up check's expert count
+        shapes = [tuple(getattr(layer, slot).shape[-2:]) for slot in layer.slots]
+        if any(k % GPU_BLOCK[1] for _, k in shapes):
+            return "row"
+        return "block" if all(block_runs(k, n, experts, device) for n, k in shapes) else "row"
 
-    def _quantize_input(self, layer: nn.Module, slot: str, x: torch.Tensor,
-                        mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        if mode == "block":
-            return fp8.quantize_groups(x, GPU_BLOCK[1])
+    def mode(self, layer: nn.Module) -> str:
+        """The GPU mode ``process_after_load`` chose for ``layer`` ("block" or "row")."""
+        return layer.fp8_mode
+
+    def _quantize_input(self, layer: nn.Module, slot: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer.fp8_mode == "block":
+            return fp8.quantize_groups(x, GPU_BLOCK[1])  # [T, K / 128] M-major scales
         if self.scheme.activations == "static":
-            xq, scale = fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)))
-            return xq, scale.expand(x.shape[0], 1)
-        return fp8.quantize_rows(x)
+            return fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)))  # [1]
+        return fp8.quantize_rows(x)  # [T, 1]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        mode = self.mode(layer)
-        xq, xs = self._quantize_input(layer, "weight", x, mode)
-        return fp8.scaled_linear(xq, xs, layer.weight, layer.weight_scale_inv, mode, x.dtype, layer.bias, out)
+        xq, xs = self._quantize_input(layer, "weight", x)
+        return fp8.scaled_linear(xq, xs, layer.weight, layer.weight_scale_inv, layer.fp8_mode, x.dtype, layer.bias,
+                                 out)
 
     def apply_experts(self, layer: nn.Module, slot: str, x: torch.Tensor, offs: torch.Tensor,
                       gemm: GroupedMM) -> torch.Tensor:
-        xq, xs = self._quantize_input(layer, slot, x, "row")
-        y = fp8.grouped_scaled_linear(xq, xs, getattr(layer, slot), getattr(layer, extra_name(slot, SCALE)), offs)
-        return y.to(x.dtype)  # [M, out]
+        xq, xs = self._quantize_input(layer, slot, x)
+        if xs.numel() == 1:  # a static per-tensor scale: the grouped multiply takes one per row
+            xs = xs.reshape(1, 1).expand(x.shape[0], 1)
+        y = fp8.grouped_scaled_linear(xq, xs, getattr(layer, slot), getattr(layer, extra_name(slot, SCALE)), offs,
+                                      layer.fp8_mode)
+        return y.to(x.dtype)  # [M, out] (the grouped multiplies write bf16)
