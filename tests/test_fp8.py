@@ -373,3 +373,20 @@ def test_a_fused_projection_with_bf16_parts_is_held_in_the_model_dtype(fp8_check
         torch.testing.assert_close(mixer.in_proj.weight, want.in_proj.weight, rtol=0, atol=0)
     attn = model.layers[1].self_attn
     assert isinstance(attn.qkv_proj.fmt, Fp8Weights) and attn.qkv_proj.weight.dtype == ops.FP8
+
+
+@pytest.mark.parametrize(("runs", "want"), [({"block", "row"}, "block"), ({"row"}, "row"), (set(), None)])
+def test_a_layer_takes_the_first_multiply_that_runs_here(runs: set[str], want: str | None, fp8_checkpoints,
+                                                         monkeypatch) -> None:
+    """Block where the block multiply runs at the layer's shape, else row (its block scales
+    requantized per row), else the weights dequantized (a GPU without the multiply)."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    monkeypatch.setattr(fp8_format, "product_runs", lambda mode, k, n, experts, device: mode in runs)
+    path, _ = fp8_checkpoints("qwen3hd128", "block", (128, 128))
+    model = load_model(path, ModelSpec.from_dir(path), torch.float32, CPU)
+    o = model.layers[0].self_attn.o_proj
+    if want is None:
+        assert o.fmt is UNQUANTIZED and o.weight.dtype == torch.float32
+    else:
+        assert o.fmt.mode(o) == want and o.weight.dtype == ops.FP8
+        assert o.weight_scale_inv.shape == ((o.weight.shape[0], 1) if want == "row" else (2, 4))

@@ -16,11 +16,12 @@ Where the products run (``process_after_load``):
   "block" for 128 x 128 block-scaled weights whose input widths are whole 128-groups, with
   1 x 128 dynamic activation groups (torch's block-wise multiply for linear layers, sm90;
   ``ops.fp8_grouped``'s Triton kernel for experts), where the block multiply runs on this GPU
-  (``block_runs``, checked once per shape); "row" for every other layer (per-token
+  (``product_runs``, checked once per shape); "row" for every other layer (per-token
   activations, or the static per-tensor scale; per-row weight scales), experts through
-  torch's grouped row-wise multiply. Block-scaled weights that cannot run "block" (other
-  block sizes, widths, GPUs) are requantized per row at load (dequantized in float32, then
-  one scale per row: docs/fp8.md gives the extra error).
+  torch's grouped row-wise multiply; a layer neither runs (widths not multiples of 16, a GPU
+  without the grouped multiply) is held dequantized. Block-scaled weights that cannot run
+  "block" (other block sizes, widths, GPUs) are requantized per row at load (dequantized in
+  float32, then one scale per row: docs/fp8.md gives the extra error).
 
 The checkpoint decides which layers are FP8 (``plan_load``): a layer whose checkpoint weights
 are not all e4m3 (kept in bf16 by the checkpoint's ignore list, wholly or for some fused parts)
@@ -100,23 +101,24 @@ def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     return fp8.dequantize(wq, scale, "block", block)
 
 
-_BLOCK_RUNS: dict[tuple, bool] = {}  # (k, n, experts, device) -> whether the block multiply runs there
+_RUNS: dict[tuple, bool] = {}  # (mode, k, n, experts, device) -> whether that multiply runs there
 
 
-def block_runs(k: int, n: int, experts: int, device: torch.device) -> bool:
-    """Whether the 128 x 128 block-scaled multiply (grouped with ``experts``) runs on ``device``
-    at width k -> n and matches its float32 reference (``ops.fp8.check_scaled_linear``, once per
-    shape); where not, the layer is requantized per row (one line logged)."""
-    key = (k, n, experts, str(device))
-    if key not in _BLOCK_RUNS:
+def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device) -> bool:
+    """Whether ``ops.fp8``'s multiply in ``mode`` ("block": 128 x 128 weight blocks, "row"),
+    grouped over ``experts`` when not 0, runs on ``device`` at width k -> n and matches its
+    float32 reference (``check_scaled_linear``, once per shape). Where not, the layer takes the
+    next mode (block, row, then its weights dequantized), with one line logged."""
+    key = (mode, k, n, experts, str(device))
+    if key not in _RUNS:
         try:
-            fp8.check_scaled_linear("block", k, n, device, experts)
-            _BLOCK_RUNS[key] = True
+            fp8.check_scaled_linear(mode, k, n, device, experts)
+            _RUNS[key] = True
         except (RuntimeError, ValueError, NotImplementedError) as e:
-            log.warning("FP8 128x128-block multiply at %d -> %d%s does not run here (%s): requantized per row",
-                        k, n, " (experts)" if experts else "", str(e)[:200])
-            _BLOCK_RUNS[key] = False
-    return _BLOCK_RUNS[key]
+            log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): the next mode is used", mode, k,
+                        n, " (experts)" if experts else "", str(e)[:200])
+            _RUNS[key] = False
+    return _RUNS[key]
 
 
 def _per_row(rows: int) -> Reader:
@@ -250,7 +252,8 @@ class Fp8Weights(WeightFormat):
                 setattr(layer, slot, nn.Parameter(q, requires_grad=False))
                 setattr(layer, extra_name(slot, SCALE), nn.Parameter(scale, requires_grad=False))
         device = getattr(layer, layer.slots[0]).device
-        if not fp8_compute(device) or s.activations == "none":  # held dequantized, in the model dtype
+        mode = self._gpu_mode(layer, device) if fp8_compute(device) and s.activations != "none" else "plain"
+        if mode == "plain":  # held dequantized, in the model dtype
             for slot in layer.slots:
                 w = self.weight(layer, slot).to(layer.model_dtype)
                 for name in (slot, extra_name(slot, SCALE), extra_name(slot, INPUT_SCALE)):
@@ -259,7 +262,7 @@ class Fp8Weights(WeightFormat):
                 setattr(layer, slot, nn.Parameter(w, requires_grad=False))
             layer.fmt = UNQUANTIZED
             return
-        layer.fp8_mode = mode = self._gpu_mode(layer, device)
+        layer.fp8_mode = mode
         for slot in layer.slots:
             if s.activations == "static":  # one scale for the layer's input: the largest of its parts'
                 p = extra_name(slot, INPUT_SCALE)
@@ -276,17 +279,17 @@ class Fp8Weights(WeightFormat):
     # --- products (CUDA) -------------------------------------------------------------
     def _gpu_mode(self, layer: nn.Module, device: torch.device) -> str:
         """How ``layer`` multiplies on the GPU: "block" (128 x 128 block scales kept, 1 x 128
-        activation groups: every slot's input width whole groups of 128, and the block
-        multiply runs on this GPU: torch's on sm90 for linear layers, ``ops.fp8_grouped``'s for
-        experts) or "row"."""
+        activation groups: every slot's input width whole groups of 128, and the block multiply
+        runs on this GPU: torch's on sm90 for linear layers, ``ops.fp8_grouped``'s for experts),
+        else "row" where the row-wise multiply runs (sm89+ linear layers, sm90/sm100 experts,
+        widths that are multiples of 16), else "plain" (the weights dequantized)."""
         s = self.scheme
-        if s.weights != "block" or s.block != GPU_BLOCK:
-            return "row"
         experts = 6 if layer.role == "experts" else 0  # the start-up check's expert count
-        shapes = [tuple(getattr(layer, slot).shape[-2:]) for slot in layer.slots]
-        if any(k % GPU_BLOCK[1] for _, k in shapes):
-            return "row"
-        return "block" if all(block_runs(k, n, experts, device) for n, k in shapes) else "row"
+        shapes = [tuple(getattr(layer, slot).shape[-2:]) for slot in layer.slots]  # (n, k) per slot
+        if s.weights == "block" and s.block == GPU_BLOCK and not any(k % GPU_BLOCK[1] for _, k in shapes) \
+                and all(product_runs("block", k, n, experts, device) for n, k in shapes):
+            return "block"
+        return "row" if all(product_runs("row", k, n, experts, device) for n, k in shapes) else "plain"
 
     def mode(self, layer: nn.Module) -> str:
         """The GPU mode ``process_after_load`` chose for ``layer`` ("block" or "row")."""
