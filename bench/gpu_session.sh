@@ -135,6 +135,10 @@ for step in ${STEPS:-tests}; do
     # Qwen3-30B-A3B's experts, bf16 against FP8 tensor/row/block, sustained ($FP8_ARGS: e.g. "--sustain-s 12")
     fp8ops) python3 -m pytest $PT -m gpu tests/test_fp8_ops.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -25
       python3 bench/bench_fp8.py ${FP8_ARGS:-} --out "$OUT/fp8_ops_h200.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40 ;;
+    # FP8 checkpoints on the GPU (each layout's modes and error against transformers' FP8 path), then the accuracy
+    # of a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, and KL(bf16 || FP8)
+    fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25
+      python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

@@ -390,3 +390,44 @@ def test_a_layer_takes_the_first_multiply_that_runs_here(runs: set[str], want: s
     else:
         assert o.fmt.mode(o) == want and o.weight.dtype == ops.FP8
         assert o.weight_scale_inv.shape == ((o.weight.shape[0], 1) if want == "row" else (2, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "layout", "block", "mode"), [
+    ("qwen3hd128", "block", (128, 128), "block"),  # torch's block-wise scaled multiply (sm90)
+    ("moe128", "block", (128, 128), "block"),  # the grouped block kernel for experts
+    ("qwen3hd128", "ct_channel", (128, 128), "row"),
+    ("qwen3hd128", "online", (128, 128), "row"),
+])
+def test_gpu_fp8_scores_as_transformers_fp8_path(family: str, layout: str, block: tuple[int, int], mode: str,
+                                                 fp8_checkpoints) -> None:
+    """On the GPU: the layers multiply in FP8 in the mode expected, and the mean abs error of
+    the scores against the float32 forward of the dequantized weights is no larger than that of
+    transformers' own FP8 path on the block-wise checkpoint (where it loads), else printed
+    beside transformers' bf16 forward of the dequantized weights."""
+    import transformers as tf
+    from reference import errors_vs_reference
+
+    path, twin = fp8_checkpoints(family, layout, block)
+    eng = Engine(Config(model=str(path), device="cuda", dtype="bfloat16", max_num_batched_tokens=64, block_size=16,
+                        num_kv_blocks=512, max_model_len=2048, quantization="fp8" if layout == "online" else None))
+    held = [m for m in eng.model.modules() if isinstance(getattr(m, "fmt", None), Fp8Weights)]
+    assert held and {m.fmt.mode(m) for m in held} == {mode}
+    reqs = requests(family)
+    results = eng.run_to_completion(reqs)
+    theirs = tf.AutoModelForCausalLM.from_pretrained(twin, dtype=torch.bfloat16).cuda().eval()
+    ours, bf16 = errors_vs_reference(twin, reqs, results, theirs)
+    ours_mae, bf16_mae = float(np.concatenate(ours).mean()), float(np.concatenate(bf16).mean())
+    line = f"{family} {layout}: FP8 mean abs error {ours_mae:.5f} (transformers bf16 of the same weights {bf16_mae:.5f})"
+    if layout == "block":
+        try:
+            fp8_tf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
+        except (ImportError, RuntimeError, ValueError) as e:  # no accelerate, ...
+            print(f"{line}; transformers' FP8 path not loaded: {str(e)[:120]}")
+        else:
+            tf_mae = float(np.concatenate(errors_vs_reference(twin, reqs, results, fp8_tf)[1]).mean())
+            print(f"{line}; transformers' FP8 path {tf_mae:.5f}")
+            assert ours_mae <= 1.1 * tf_mae, (ours_mae, tf_mae)
+            return
+    print(line)
+    assert ours_mae < 0.1, ours_mae
