@@ -6,8 +6,10 @@ Layouts: "block" (quant_method fp8, weight_scale_inv per r x c block: Qwen's and
 releases), "block_ws" (the same spelled weight_scale), "ct_channel" (compressed-tensors,
 per-row weight_scale [N, 1], dynamic per-token activations), "ct_tensor_static"
 (compressed-tensors, per-tensor weight_scale, [1] and [] shapes both, static input_scale),
-"online" (the bf16 checkpoint itself, served with --quantization fp8: its twin holds each
-projection quantized per row and back).
+"ct_block" (compressed-tensors FP8_BLOCK: weight_scale per block, 1 x 128 dynamic
+activation groups), "fp8_tensor_static" (quant_method fp8 without weight_block_size, AutoFP8's:
+per-tensor weight_scale and a static input_scale), "online" (the bf16 checkpoint itself, served
+with --quantization fp8: its twin holds each projection quantized per row and back).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ MAX = 448.0
 # The projections of every family (attention, MLP, experts, Gated DeltaNet in/out); not the
 # embedding, LM head, routers, shared-expert gates, norms or convolutions.
 PROJECTION = re.compile(r"(_proj|_proj_(qkv|z|b|a)|\.w[123])\.weight$")
-LAYOUTS = ("block", "block_ws", "ct_channel", "ct_tensor_static", "online")
+LAYOUTS = ("block", "block_ws", "ct_channel", "ct_tensor_static", "ct_block", "fp8_tensor_static", "online")
 
 
 def _amax_scale(w: torch.Tensor) -> torch.Tensor:
@@ -65,14 +67,18 @@ def quantization_config(layout: str, block: tuple[int, int], ignore: tuple[str, 
     if layout.startswith("block"):
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                 "weight_block_size": list(block), "modules_to_not_convert": ["lm_head", *ignore]}
+    if layout == "fp8_tensor_static":
+        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head", *ignore]}
     static = layout == "ct_tensor_static"
     acts = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": not static,
-            "strategy": "tensor" if static else "token"}
+            "strategy": {"ct_tensor_static": "tensor", "ct_block": "group"}.get(layout, "token")}
+    weights = {"type": "float", "num_bits": 8, "symmetric": True, "dynamic": False,
+               "strategy": {"ct_tensor_static": "tensor", "ct_block": "block"}.get(layout, "channel")}
+    if layout == "ct_block":
+        acts["group_size"], weights["block_structure"] = 128, list(block)
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": acts, "output_activations": None,
-                                          "weights": {"type": "float", "num_bits": 8, "symmetric": True,
-                                                      "dynamic": False,
-                                                      "strategy": "tensor" if static else "channel"}}},
+                                          "weights": weights}},
             "ignore": ["lm_head", *(f"re:.*{i}$" for i in ignore)], "kv_cache_scheme": None}
 
 
@@ -97,20 +103,19 @@ def make_fp8(src: Path, dst: Path, layout: str, block: tuple[int, int] = (16, 16
             q, s = quantize_rows(w.float())
             ref[name] = dequantize(q, s)
             continue
-        if layout.startswith("block"):
+        if layout.startswith("block") or layout == "ct_block":
             q, s = quantize_block(w.float(), block)
             ref[name] = dequantize(q, s, block)
         elif layout == "ct_channel":
             q, s = quantize_rows(w.float())
             ref[name] = dequantize(q, s)
-        else:  # per tensor; every other tensor scale a 0-d tensor (older exports)
+        else:  # per tensor (ct_tensor_static, fp8_tensor_static); every other scale a 0-d tensor (older exports)
             s = _amax_scale(w.float()).reshape(() if k % 2 else (1,))
             q = _q(w.float(), s)
             ref[name] = q.float() * s
             out[prefix + "input_scale"] = torch.tensor([0.02 + 0.001 * (k % 7)])
         out[name] = q
-        out[prefix + ("weight_scale" if layout in ("block_ws", "ct_channel", "ct_tensor_static")
-                      else "weight_scale_inv")] = s
+        out[prefix + ("weight_scale_inv" if layout == "block" else "weight_scale")] = s
     if layout != "online":
         cfg = json.loads((src / "config.json").read_text())
         cfg["quantization_config"] = quantization_config(layout, block, ignore)

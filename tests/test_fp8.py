@@ -88,6 +88,8 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
     ("qwen3", "ct_channel", (16, 16), ()),
     ("qwen3", "ct_tensor_static", (16, 16), ()),  # fused q/k/v, gate/up: each part its own scale
     ("qwen3", "online", (16, 16), ()),
+    ("qwen3", "ct_block", (32, 32), ()),  # llm-compressor's FP8_BLOCK
+    ("qwen3", "fp8_tensor_static", (16, 16), ()),  # AutoFP8's per-tensor static
     ("qwen3moe", "block", (16, 16), ()),  # experts' per-expert weights and scales, a dense layer
     ("qwen3moe", "ct_tensor_static", (16, 16), ()),
     ("qwen2moe", "ct_channel", (16, 16), ()),  # a shared expert, q/k/v biases
@@ -100,7 +102,8 @@ def test_an_fp8_checkpoint_scores_as_transformers_on_its_dequantized_weights(
         family: str, layout: str, block: tuple[int, int], ignore: tuple[str, ...], fp8_checkpoints) -> None:
     path, twin = fp8_checkpoints(family, layout, block, ignore)
     eng = engine(path, quantization="fp8" if layout == "online" else None)
-    want = {"block": "fp8", "block_ws": "fp8", "online": "fp8_online"}.get(layout, "compressed-tensors")
+    want = {"block": "fp8", "block_ws": "fp8", "fp8_tensor_static": "fp8", "online": "fp8_online"}.get(
+        layout, "compressed-tensors")
     assert eng.spec.weight_format == want and isinstance(eng.model.weight_format, Fp8Weights)
     # on the CPU every layer is held dequantized, in the model dtype
     assert all(getattr(m, "fmt", UNQUANTIZED) is UNQUANTIZED for m in eng.model.modules())
@@ -397,6 +400,8 @@ def test_a_layer_takes_the_first_multiply_that_runs_here(runs: set[str], want: s
     ("qwen3hd128", "block", (128, 128), "block"),  # torch's block-wise scaled multiply (sm90)
     ("moe128", "block", (128, 128), "block"),  # the grouped block kernel for experts
     ("qwen3hd128", "ct_channel", (128, 128), "row"),
+    ("qwen3hd128", "ct_block", (128, 128), "block"),
+    ("qwen3hd128", "fp8_tensor_static", (128, 128), "row"),  # static per-tensor activations
     ("qwen3hd128", "online", (128, 128), "row"),
 ])
 def test_gpu_fp8_scores_as_transformers_fp8_path(family: str, layout: str, block: tuple[int, int], mode: str,
