@@ -103,8 +103,8 @@ def _check_compressed_tensors(config: dict[str, Any]) -> None:
 # quant_method -> a check of its quantization_config (UnsupportedModelError: what is not built)
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {"fp8": _check_fp8,
                                                         "compressed-tensors": _check_compressed_tensors}
-# registered formats no checkpoint's quant_method selects
-AT_LOAD = ("fp8_online",)
+# registered formats no checkpoint's quant_method selects (a setting does: --quantization)
+FLAG_ONLY = ("fp8_online",)
 
 
 def format_name(quantization_config: Any) -> str:
@@ -113,11 +113,11 @@ def format_name(quantization_config: Any) -> str:
     if not quantization_config:
         return "unquantized"
     method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else None
-    if method in FORMATS and method not in AT_LOAD:
+    if method in FORMATS and method not in FLAG_ONLY:
         if method in CHECKS:
             CHECKS[method](quantization_config)
         return method
-    built = ", ".join(m for m in FORMATS if m not in AT_LOAD)
+    built = ", ".join(m for m in FORMATS if m not in FLAG_ONLY)
     what = f" ({NOT_BUILT[method]})" if method in NOT_BUILT else " (an unknown method)"
     raise UnsupportedModelError(f"quantized checkpoints with quant_method {method!r}{what} are not supported; "
                                 f"weight formats built: {built}")
