@@ -9,6 +9,8 @@ the transformers baseline on the same requests in the same run.
   python bench/bench_engine.py --model-size 70b --workloads W1f --tensor-parallel-size 2
   python bench/bench_engine.py --model-size 235b-a22b --workloads W1f --tensor-parallel-size 8 --profile W1f
   python bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --baseline W1,W2 --prefix-cache-compare W2
+  python bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f
+  python bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f
 
 Qwen3-8B and the hybrid Qwen3.5-9B (W7: Gated DeltaNet and gated full-attention layers; the
 baseline packs its sequences, see hf_baseline.py) are written as safetensors (random bf16
@@ -45,8 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_telemetry import GpuTelemetry, mfu_at_clock
 from hf_baseline import CHECK_REQUESTS, compare
 from workloads import (
+    DEEPSEEK_V3_LAYERS,
     H200_PEAK,
     LLAMA33_70B,
+    MOONLIGHT_16B_A3B,
     QWEN3_5_9B,
     QWEN3_8B,
     QWEN3_30B_A3B,
@@ -568,7 +572,9 @@ def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict
 # --model-size: (config, checkpoint family name, written as safetensors (else the dummy load format))
 MODELS = {"8b": (QWEN3_8B, "qwen3", True), "32b": (QWEN3_32B, "qwen3", False), "70b": (LLAMA33_70B, "llama3.3", False),
           "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "235b-a22b": (QWEN3_235B_A22B, "qwen3", False),
-          "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True)}
+          "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True),
+          # latent attention and DeepSeekMoE: Moonlight-16B-A3B, and DeepSeek-V3's layers (7 of its 61)
+          "moonlight": (MOONLIGHT_16B_A3B, "deepseek", False), "deepseek-v3-layers": (DEEPSEEK_V3_LAYERS, "deepseek", False)}
 
 
 def main() -> None:

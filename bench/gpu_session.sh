@@ -139,6 +139,15 @@ for step in ${STEPS:-tests}; do
     # of a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, and KL(bf16 || FP8)
     fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25
       python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
+    # DeepSeek-V3-class (latent attention, DeepSeekMoE): the GPU tests (each attention backend's answer to v
+    # narrower than k is printed), q/k 192 with v 128 against dense 128 per backend, Moonlight-16B-A3B on W1f in-process and through HTTP beside transformers'
+    # DeepSeek-V3 forward, then DeepSeek-V3's layer shape (7 layers: 3 dense, 4 expert) on W1f
+    mla) python3 -m pytest $PT -m gpu tests/test_deepseek_gpu.py 2>&1 | tee "$OUT/gpu_mla_tests.log" | tail -25
+      python3 bench/bench_mla_attention.py --out "$OUT/mla_attention_h200.json" 2>&1 | tee "$OUT/mla_attention.log" | tail -10
+      python3 bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f --repeats 2 \
+        --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -12
+      python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
+        --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

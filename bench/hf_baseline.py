@@ -338,7 +338,7 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
     from workloads import make_workload
 
     # MoE: transformers' grouped-GEMM experts (its fastest; the default on CUDA where it has them)
-    kw = {"experts_implementation": "grouped_mm"} if cfg.get("num_experts") else {}
+    kw = {"experts_implementation": "grouped_mm"} if cfg.get("num_experts") or cfg.get("n_routed_experts") else {}
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: smoke runs of the benchmark
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # (float32 there, as the engine's CPU runs)
 

@@ -8,8 +8,10 @@ import os
 from pathlib import Path
 
 from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for the bench scripts and tests)
+    DEEPSEEK_V3_LAYERS,
     H200_PEAK,
     LLAMA33_70B,
+    MOONLIGHT_16B_A3B,
     QWEN3_5_9B,
     QWEN3_8B,
     QWEN3_30B_A3B,

@@ -57,6 +57,9 @@ class AttentionCache:
     v_dim: int
     params: AttentionParams
     q_heads: int = 0  # this rank's query heads (the backends' warm-up shapes); 0: as heads
+    # A latent layer: (heads, key width, value width) of the keys and values it makes from the
+    # latent for attention (what the backends see, and a step's working memory); None: as kept.
+    expands_to: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -73,6 +76,17 @@ class AttentionCache:
 
     def bytes_per_token(self, itemsize: int) -> int:
         return self.heads * (self.k_dim + self.v_dim) * itemsize
+
+    @property
+    def attn_shape(self) -> tuple[int, int, int]:
+        """(KV heads, key width, value width) the attention backend is called with."""
+        return self.expands_to or self.shape
+
+    def working_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes a gathered key takes in a step: as kept, plus its heads' keys and values
+        where they are made from a latent."""
+        h, k, v = self.expands_to or (0, 0, 0)
+        return self.bytes_per_token(itemsize) + h * (k + v) * itemsize
 
 
 @dataclass(frozen=True)

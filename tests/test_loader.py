@@ -122,8 +122,13 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
         assert model_class(arch) is Qwen3_5ForCausalLM
     for arch in ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration"):
         assert model_class(arch) is Qwen3_5MoeForCausalLM
+    from teacher_server.models.deepseek import DeepseekForCausalLM
+
+    for arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
+        assert model_class(arch) is DeepseekForCausalLM
     assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
-                                                          "qwen2_moe", "mixtral", "qwen3_5", "qwen3_5_moe"}
+                                                          "qwen2_moe", "mixtral", "qwen3_5", "qwen3_5_moe",
+                                                          "deepseek_v3", "deepseek_v2"}
 
 
 @pytest.mark.parametrize(("change", "says"), [

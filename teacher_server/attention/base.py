@@ -40,6 +40,10 @@ class AttentionBackend(ABC):
     # The optional attention arguments this backend honours ("window", "softcap"); a model
     # whose layers need another one is refused at start-up (``refusal``).
     honours: frozenset[str] = frozenset({"window"})
+    # Whether values may be narrower than queries and keys (latent attention: q/k 192, v 128).
+    # Where not, the layer pads v with zeros to the key width and drops the output's extra
+    # columns (``models.mla``: 1.2x the attention FLOPs at 192/128).
+    distinct_v_width: bool = False
 
     @abstractmethod
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,

@@ -38,6 +38,7 @@ def sdpa_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, wi
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     honours = frozenset({"window", "softcap"})
+    distinct_v_width = True
 
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
                  softcap: float | None = None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from teacher_server.benchmark.report import plot, table
 from teacher_server.client import fetch_model_card, normalise_base_url
 
 SHAPES = {"qwen3-8b": wl.QWEN3_8B, "qwen3-32b": wl.QWEN3_32B, "qwen3-30b-a3b": wl.QWEN3_30B_A3B,
-          "qwen3.5-9b": wl.QWEN3_5_9B, "llama-3.3-70b": wl.LLAMA33_70B}
+          "qwen3.5-9b": wl.QWEN3_5_9B, "llama-3.3-70b": wl.LLAMA33_70B, "moonlight-16b-a3b": wl.MOONLIGHT_16B_A3B}
 # dense bf16 peak per GPU by name, for MFU when the server runs here; elsewhere --peak-tflops (default H200's)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
@@ -44,6 +44,8 @@ def build_parser(prog: str = "teacher-server bench") -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=64, help="candidates per scored row (default 64)")
     p.add_argument("--concurrency", type=int, default=128, help="requests in flight (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="timed passes per workload; the median is reported")
+    p.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                   help="time each workload cold (default: an untimed pass of an eighth of its shape first, other ids)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--wait-ready-s", type=float, default=0.0,
                    help="with --url, wait up to this long for the server's /health to be 200 (a server still loading)")
@@ -131,6 +133,9 @@ def _measure(args: argparse.Namespace, url: str, names: list[str], local_gpu: st
             print(f"skipping {name}: its longest request ({longest} tokens) exceeds the server's max_model_len "
                   f"({card['max_model_len']})", file=sys.stderr)
             continue
+        if args.warm_up:  # other random ids (no prefix of the timed pass cached), not timed
+            warm = wl.make_workload(name, card["vocab_size"], k=args.k, seed=1)
+            run_pass(url, warm[: max(2, len(warm) // 8)], args.concurrency, args.api_key, f"{name} warm-up")
         passes = [run_pass(url, reqs, args.concurrency, args.api_key, f"{name} {i + 1}/{args.repeats}")
                   for i in range(args.repeats)]
         results["workloads"][name] = _summary(reqs, passes, cfg, peak * 1e12 * args.gpus)

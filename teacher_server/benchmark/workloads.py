@@ -47,6 +47,29 @@ QWEN3_5_9B = {
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)],
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
 }
+# Moonlight-16B-A3B's shape (DeepseekV3ForCausalLM as its config.json; dummy weights): latent attention
+# without q low-rank, 64 routed experts top-6 in one group, 2 shared, the first layer dense. No MTP layer
+# (transformers' baseline would build one).
+MOONLIGHT_16B_A3B = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+    "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "norm_topk_prob": True, "num_nextn_predict_layers": 0, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0, "rope_scaling": None, "hidden_act": "silu", "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "attention_bias": False,
+}
+# DeepSeek-V3's layer shape (hidden 7168, 128 heads, q low-rank 1536, 256 experts top-8 in 8 groups, YaRN x40)
+# with as many layers as one H200 holds in bf16: its 3 dense layers and 4 expert layers (22.5 GB each).
+DEEPSEEK_V3_LAYERS = dict(
+    MOONLIGHT_16B_A3B, vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+    num_hidden_layers=7, num_attention_heads=128, num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+    num_experts_per_tok=8, routed_scaling_factor=2.5, q_lora_rank=1536, n_group=8, topk_group=4,
+    first_k_dense_replace=3, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+    rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096})
 H200_PEAK = 989e12  # dense bf16 FLOP/s
 
 
@@ -135,8 +158,11 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
     count their linear-attention layers by their parameters and attention only in the
     full-attention layers."""
     h, n_l = cfg["hidden_size"], cfg["num_hidden_layers"]
-    q = cfg["num_attention_heads"] * cfg["head_dim"]
-    if cfg.get("num_experts") or cfg.get("layer_types"):
+    if cfg.get("kv_lora_rank"):  # latent attention: q.k over qk_nope + qk_rope, p.v over v_head_dim
+        q = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) / 2
+    else:
+        q = cfg["num_attention_heads"] * cfg["head_dim"]
+    if cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("layer_types"):
         from teacher_server.models.spec import ModelSpec
 
         spec = ModelSpec.from_dict(cfg)
@@ -185,6 +211,12 @@ def tiny(cfg: dict) -> dict:
                   "linear_key_head_dim": 32, "linear_value_head_dim": 32}
     if cfg.get("num_experts"):
         small |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    if cfg.get("kv_lora_rank"):  # DeepSeek: its latent widths and expert groups, smaller
+        small |= {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "kv_lora_rank": 64,
+                  "q_lora_rank": cfg["q_lora_rank"] and 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                  "v_head_dim": 32, "num_key_value_heads": 4, "n_group": min(cfg["n_group"], 4),
+                  "topk_group": min(cfg["topk_group"], 2), "first_k_dense_replace": 1}
+        small.pop("head_dim")
     return small
 
 
@@ -192,6 +224,7 @@ def checkpoint_bytes(cfg: dict) -> int:
     """bf16 bytes of a checkpoint of shape ``cfg``, every expert counted."""
     from teacher_server.models.spec import ModelSpec
 
-    every = dict(cfg, num_experts_per_tok=cfg["num_experts"]) if cfg.get("num_experts") else cfg
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts")
+    every = dict(cfg, num_experts_per_tok=experts, topk_group=cfg.get("n_group")) if experts else cfg
     embed = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
     return 2 * (ModelSpec.from_dict(every).non_embedding_params() + embed)

@@ -65,7 +65,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         if cuda and layout.attention:  # cuDNN plans for every bucketed length a fresh sequence's call can have
             c = layout.widest()
-            attn.warm_up(min(max_model_len, step_tokens or max_model_len), c.q_heads or c.heads, c.heads, c.k_dim,
+            hkv, dk, _ = c.attn_shape  # a latent layer's backend shape is its expanded heads'
+            attn.warm_up(min(max_model_len, step_tokens or max_model_len), c.q_heads or c.heads, hkv, dk,
                          device, layout.dtype, layers=len(layout.attention))
             self.startup_s["attention plans"] = time.perf_counter() - t0
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).

@@ -146,7 +146,7 @@ def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: i
     act += 3 * cfg.logits_chunk_rows * tp.vocab(spec.vocab_size)[1] * 4
     widest = cache.widest()
     if widest is not None:
-        act += 2 * max_model_len * widest.bytes_per_token(2)
+        act += 2 * max_model_len * widest.working_bytes_per_token(2)
     if cache.state is not None:
         act += 2 * (budget // 64 + cfg.max_num_seqs) * math.prod(cache.state.rec_shape) * 4
     return act

@@ -174,10 +174,12 @@ class SharedExpert(RuntimeModule):
                                                device, tp, fmt=fmt)
         self.down_proj = RowLinear(intermediate, hidden, dtype, device, tp, fmt)
 
-    def add_into(self, out: torch.Tensor, h: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32); returns out."""
+    def add_into(self, out: torch.Tensor, h: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32; None: ungated, as
+        DeepSeek's shared experts); returns out."""
         a = self.rt.ops.silu_mul(self.gate_up_proj(h))  # [T, I_s]
-        a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
+        if gate is not None:
+            a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
         # With tp > 1 ``out`` holds this rank's partial sum of the routed experts and this adds
         # its partial sum of the shared expert (every rank adds: nothing here is reduced); the
         # layer's one all-reduce comes after.
@@ -232,7 +234,8 @@ class SparseMoe(RuntimeModule):
         pos[order] = torch.arange(t * k, device=h.device)
         out = F.embedding_bag(pos.view(t, k), y, mode="sum", per_sample_weights=w.to(y.dtype))  # [T, H]
         if self.shared_expert is not None:
-            out = self.shared_expert.add_into(out, h, self.shared_expert_gate(h))
+            gate = None if self.shared_expert_gate is None else self.shared_expert_gate(h)
+            out = self.shared_expert.add_into(out, h, gate)
         return self.experts.tp.all_reduce(out)  # tensor parallel: the sum of the ranks' partial sums
 
     @torch.no_grad()
@@ -256,5 +259,6 @@ class SparseMoe(RuntimeModule):
             gu = s.gate_up_proj(h)
             half = gu.shape[1] // 2
             shared = s.down_proj(F.silu(gu[:, :half]) * gu[:, half:])
-            out += torch.sigmoid(self.shared_expert_gate(h)) * shared.float()
+            g = self.shared_expert_gate
+            out += (1.0 if g is None else torch.sigmoid(g(h))) * shared.float()
         return out.to(h.dtype)

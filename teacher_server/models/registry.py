@@ -25,6 +25,7 @@ class Architecture:
     always_norm_topk: bool = False  # top-k weights renormalised whatever config.json says (Mixtral)
     hybrid: bool = False  # Gated DeltaNet linear-attention layers among gated full-attention ones (Qwen3.5)
     sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers make some layers dense (Qwen2/3-MoE)
+    deepseek: bool = False  # latent attention and DeepSeekMoE (``deepseek_spec`` reads their keys)
     # What a key config.json leaves out is: the default of the family's transformers config
     # class (keys whose default is derived, such as head_dim or num_key_value_heads, are not here).
     defaults: dict[str, Any] = field(default_factory=dict)
@@ -53,6 +54,14 @@ QWEN3_5 = _defaults(248320, 4096, 12288, 32, 16, 32768, num_key_value_heads=4, h
 QWEN3_5_MOE = _defaults(248320, 2048, None, 40, 16, 32768, num_key_value_heads=2, head_dim=256, num_experts=256,
                         num_experts_per_tok=8, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                         **LINEAR)
+# DeepSeek: transformers' DeepseekV3Config / DeepseekV2Config defaults (q_lora_rank null in a file: none).
+_MLA = dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+DEEPSEEK_V3 = _defaults(129280, 7168, 18432, 61, 128, 4096, moe_intermediate_size=2048, n_shared_experts=1,
+                        n_routed_experts=256, routed_scaling_factor=2.5, n_group=8, topk_group=4, num_experts_per_tok=8,
+                        first_k_dense_replace=3, norm_topk_prob=True, rope_interleave=True, **_MLA)
+DEEPSEEK_V2 = _defaults(102400, 4096, 11008, 32, 32, 2048, moe_intermediate_size=1407, n_shared_experts=2,
+                        n_routed_experts=64, routed_scaling_factor=1.0, first_k_dense_replace=0, topk_method="greedy",
+                        norm_topk_prob=False, **_MLA)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -81,6 +90,11 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3_5MoeForConditionalGeneration": Architecture("qwen3_5_moe", "qwen3_5_moe:Qwen3_5MoeForCausalLM",
                                                        qk_norm=True, hybrid=True, moe=True, always_norm_topk=True,
                                                        defaults=QWEN3_5_MOE),
+    # Multi-head latent attention and DeepSeekMoE (Kimi-K2 and Moonlight are DeepseekV3ForCausalLM).
+    "DeepseekV3ForCausalLM": Architecture("deepseek_v3", "deepseek:DeepseekForCausalLM", deepseek=True,
+                                          defaults=DEEPSEEK_V3),
+    "DeepseekV2ForCausalLM": Architecture("deepseek_v2", "deepseek:DeepseekForCausalLM", deepseek=True,
+                                          defaults=DEEPSEEK_V2),
 }
 
 

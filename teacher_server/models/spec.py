@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from teacher_server.layers.deepseek_moe import ExpertRouting
 from teacher_server.layers.formats import format_name
+from teacher_server.models.deepseek_spec import MlaDims, deepseek_facts
 from teacher_server.models.registry import ARCHITECTURES
 from teacher_server.unsupported import UnsupportedModelError
 
@@ -66,6 +68,10 @@ class ModelSpec:
     # quantization_config, which the format reads its parameters from).
     weight_format: str = "unquantized"
     quantization_config: dict[str, Any] = field(default_factory=dict)
+    # DeepSeek-V2/V3 (``deepseek_spec``): latent attention (head_dim is then q/k's width) and
+    # the expert routing rules; None in the other families.
+    mla: MlaDims | None = None
+    routing: ExpertRouting | None = None
 
     @property
     def q_size(self) -> int:
@@ -77,6 +83,8 @@ class ModelSpec:
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:  # the rope part of each q/k head
+            return self.mla.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
@@ -127,6 +135,10 @@ class ModelSpec:
         h, i = self.hidden_size, self.intermediate_size
         q_out = self.q_size * (2 if self.attn_output_gate else 1)
         attn = h * (q_out + 2 * self.kv_size) + self.q_size * h
+        if self.mla is not None:  # q (low-rank or not), the latent, its up-projection, o
+            m, n = self.mla, self.num_heads
+            q = h * m.q_lora_rank + m.q_lora_rank * self.q_size if m.q_lora_rank else h * self.q_size
+            attn = q + h * m.latent + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim) + n * m.v_head_dim * h
         # A linear layer: in-projections (q, k, v, the output gate z, b and a), the depthwise
         # convolution and the out-projection.
         nv = self.linear_num_value_heads
@@ -136,7 +148,7 @@ class ModelSpec:
         for layer in range(self.num_layers):
             if self.is_moe_layer(layer):
                 si = self.shared_expert_intermediate_size  # the shared expert and its sigmoid gate
-                shared = 3 * h * si + (h if si else 0)
+                shared = 3 * h * si + (h if si and not self.routing else 0)
                 mlp = h * self.num_experts + 3 * h * self.moe_intermediate_size * self.num_experts_per_tok + shared
             else:
                 mlp = 3 * h * i
@@ -170,6 +182,8 @@ class ModelSpec:
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // num_heads
+        if entry.deepseek:  # q/k's width (transformers' head_dim there is the rope part)
+            head_dim = int(d["qk_nope_head_dim"]) + int(d["qk_rope_head_dim"])
         rope_params = dict(d.get("rope_parameters") or {})
         scaling = dict(d.get("rope_scaling") or {})
         theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))  # transformers' order
@@ -220,6 +234,7 @@ class ModelSpec:
             quantization_config=dict(seen.get("quantization_config") or {}),
             **(moe_facts(d, entry.always_norm_topk, entry.sparse_step) if entry.moe else {}),
             **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
+            **(deepseek_facts(arch, d) if entry.deepseek else {}),
         )
 
     def with_quantization(self, quantization: str | None) -> ModelSpec:

@@ -1,0 +1,199 @@
+"""DeepSeek-V2/V3-class teachers on the CPU: the engine's matrix equals transformers' float32 one
+for V3 (with and without q low-rank, with and without expert groups, YaRN with its softmax
+correction, interleaved and half-split rope), Kimi-K2's config spelling, V2 (softmax routing,
+group-limited and greedy), over long sequences split into chunks at a 32-token budget and
+GRPO groups started from cached prefix latents; the pool keeps 576-style latents only; the
+routing picks transformers' experts; what is not built is refused by name."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from deepseek_ref import CONFIGS, make_deepseek_checkpoint
+from reference import hf_model
+from test_parity import VOCAB, check, family_rng, make_requests
+
+from teacher_server.attention.base import AttentionInputs
+from teacher_server.cache_layout import LATENT
+from teacher_server.config import Config
+from teacher_server.engine.engine import Engine
+from teacher_server.engine.request import ScoreRequest
+from teacher_server.layers.deepseek_moe import deepseek_route
+from teacher_server.models.spec import ModelSpec
+from teacher_server.unsupported import UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("deepseek")
+
+    class Lazy(dict):
+        def __missing__(self, name: str):
+            self[name] = make_deepseek_checkpoint(name, root / name)
+            return self[name]
+
+    return Lazy()
+
+
+def engine(path, budget: int = 32, **kw) -> Engine:
+    return Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=8,
+                         num_kv_blocks=256, max_model_len=512, **kw))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_parity_cpu(name: str, ckpt) -> None:
+    """float32 within 1e-4 of transformers; flat and per-row candidates, edge starts, sequences
+    of up to 150 tokens chunked at a 32-token budget (later chunks read earlier latents)."""
+    path = ckpt[name]
+    reqs = make_requests(family_rng(name))
+    check(path, reqs, engine(path).run_to_completion(reqs))
+
+
+@pytest.mark.parametrize("name", ["v3", "v2lite"])
+def test_prefix_hits(name: str, ckpt) -> None:
+    """A GRPO group computes its prompt once; later members start from its cached latents and
+    still match the reference."""
+    path = ckpt[name]
+    eng = engine(path, budget=64)
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(0, VOCAB, 45)
+    reqs = [ScoreRequest(f"g{j}", np.concatenate([prompt, rng.integers(0, VOCAB, 20 + 7 * j)]), 44,
+                         rng.choice(VOCAB, 5, replace=False), max_tokens=1) for j in range(4)]
+    first = eng.run_to_completion(reqs[:1])
+    rest = eng.run_to_completion(reqs[1:])
+    assert all(r.cached_tokens >= 40 for r in rest), [r.cached_tokens for r in rest]
+    check(path, reqs, first + rest)
+
+
+def test_pool_keeps_the_latent_only(ckpt) -> None:
+    """Every layer declares a latent cache of kv_lora_rank + qk_rope_head_dim per token, one
+    head and no values; the pool's bytes per token are that, not per-head keys and values."""
+    eng = engine(ckpt["v3"])
+    layout = eng.runner.model.cache_layout()
+    assert [c.kind for c in layout.attention] == [LATENT] * 3
+    assert {(c.heads, c.k_dim, c.v_dim) for c in layout.attention} == {(1, 32 + 16, 0)}
+    assert layout.attention[0].attn_shape == (4, 48, 24)
+    assert layout.bytes_per_token() == 3 * 48 * 4  # float32
+    assert eng.runner.kv.v_cache(0) is None
+
+
+@pytest.mark.parametrize("name", ["v3", "v2"])
+def test_routing_matches_transformers(name: str, ckpt) -> None:
+    """Our routing picks the same experts with the same weights as transformers' router on the
+    same router input (the V3 correction bias changes picks, not weights)."""
+    model = hf_model(ckpt[name])
+    gate = model.model.layers[1].mlp.gate
+    torch.manual_seed(3)
+    h = torch.randn(64, 64)
+    _, w_ref, ids_ref = gate(h)
+    spec = ModelSpec.from_dir(ckpt[name])
+    r = spec.routing
+    logits = torch.nn.functional.linear(h, gate.weight)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    w, ids = deepseek_route(logits, bias, spec.num_experts_per_tok, r.scoring, r.n_group, r.topk_group,
+                            spec.norm_topk_prob, r.routed_scaling_factor)
+    order_ref, order = ids_ref.sort(-1), ids.sort(-1)
+    torch.testing.assert_close(order.values, order_ref.values)
+    torch.testing.assert_close(w.gather(1, order.indices), w_ref.gather(1, order_ref.indices))
+    if bias is not None:  # the bias matters here: without it other experts win somewhere
+        plain = deepseek_route(logits, None, spec.num_experts_per_tok, r.scoring, r.n_group, r.topk_group,
+                               spec.norm_topk_prob, r.routed_scaling_factor)[1]
+        assert not torch.equal(plain.sort(-1).values, ids.sort(-1).values)
+
+
+def test_spec_reads_kimi_and_active_params(ckpt) -> None:
+    """Kimi-K2's config (model_type kimi_k2, old rope keys) reads as DeepSeek-V3; active
+    parameters count the top-k experts and the ungated shared MLP, not all experts."""
+    spec = ModelSpec.from_dir(ckpt["kimi"])
+    assert spec.architecture == "DeepseekV3ForCausalLM" and spec.head_dim == 48 and spec.rotary_dim == 16
+    assert spec.rope_scaling["rope_type"] == "yarn" and spec.rope_theta == 10000.0
+    assert spec.mlp_only_layers == (0,) and spec.shared_expert_intermediate_size == 32
+    h, m = 64, spec.mla
+    attn = h * 48 + 48 * 4 * 48 + h * 48 + 32 * 4 * (32 + 24) + 4 * 24 * h
+    moe = h * 12 + 3 * h * 32 * 4 + 3 * h * 32
+    assert m.latent == 48 and spec.non_embedding_params() == 3 * attn + 3 * h * 96 + 2 * moe
+
+
+@pytest.mark.parametrize(("keys", "says"), [
+    ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy'"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"n_group": 3}, "n_group=3"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+])
+def test_refusals_name_what_is_not_built(keys: dict, says: str) -> None:
+    d = {"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "vocab_size": 100, **keys}
+    with pytest.raises(UnsupportedModelError, match=says.replace("(", r"\(")):
+        ModelSpec.from_dict(d)
+
+
+def test_residual_add_in_gemm(ckpt) -> None:
+    """The CUDA default (the residual add in the o/down GEMM's epilogue) on the CPU: same results."""
+    path = ckpt["v3"]
+    eng = engine(path)
+    eng.tuning = replace(eng.tuning, residual_in_gemm=True)
+    reqs = make_requests(np.random.default_rng(4))
+    check(path, reqs, eng.run_to_completion(reqs))
+
+
+def test_tp2_equals_tp1(ckpt) -> None:
+    """Two gloo ranks: heads of q/q_b and kv_b split, o row-parallel, the latent projection and
+    the latent cache whole on each rank, experts and the shared MLP split along their
+    intermediate dimension; TP=2 gives TP=1's results (prefix hits and chunks included)."""
+    from test_tensor_parallel import assert_same, run
+
+    one, hits1 = run(ckpt["v3"], 1)
+    two, hits2 = run(ckpt["v3"], 2)
+    assert_same(one, two)
+    assert hits2 == hits1 > 0
+
+
+def test_rope_rows_permuted_at_load_whole_or_sliced() -> None:
+    """Interleaved rope rows become halves in every head (the unrotated rows stay), whether the
+    rank reads the whole tensor or its slice of heads; fp8 weights are moved as bytes."""
+    from teacher_server.layers.parallel import TensorParallel
+    from teacher_server.models.mla import RopeRowsLinear
+
+    def layer(rank: int) -> RopeRowsLinear:
+        return RopeRowsLinear(4, {"q": 2 * 6}, False, torch.float32, torch.device("cpu"), TensorParallel(2, rank),
+                              units={"q": 6}, rope_rows={"q": (6, 2, 4)}, interleaved=True)
+
+    w = torch.arange(12.0)[:, None].repeat(1, 4)  # row r holds r
+    for rank in (0, 1):
+        a, b = layer(rank), layer(rank)
+        a.load_weight("weight", w, "q", "q_proj.weight")
+        b.load_weight("weight", w[6 * rank:6 * rank + 6], "q", "q_proj.weight")
+        base = 6 * rank
+        want = torch.tensor([0, 1, 2, 4, 3, 5], dtype=torch.float32) + base
+        torch.testing.assert_close(a.weight[:, 0], want)
+        torch.testing.assert_close(b.weight[:, 0], want)
+    raw = torch.arange(12, dtype=torch.uint8)[:, None].repeat(1, 4).view(torch.float8_e4m3fn)
+    fp8 = RopeRowsLinear(4, {"q": 12}, False, torch.float8_e4m3fn, torch.device("cpu"), units={"q": 6},
+                         rope_rows={"q": (6, 2, 4)}, interleaved=True)
+    fp8.load_weight("weight", raw, "q", "q_proj.weight")
+    assert fp8.weight.view(torch.uint8)[:, 0].tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]
+
+
+def test_values_padded_to_the_key_width_give_the_same_scores(ckpt, monkeypatch) -> None:
+    """A backend that takes no values narrower than keys (the GPU ones) gets v zero-padded to
+    the key width and its output cut back: the same scores (prefixed chunks included)."""
+    from teacher_server.attention.sdpa import SdpaBackend
+
+    monkeypatch.setattr(SdpaBackend, "distinct_v_width", False)
+    seen = []
+    real = SdpaBackend.__call__
+
+    def spy(self: SdpaBackend, x: AttentionInputs, *a: object, **kw: object) -> torch.Tensor:
+        seen.append((x.v.shape[2], None if x.vp is None else x.vp.shape[2]))
+        return real(self, x, *a, **kw)
+
+    monkeypatch.setattr(SdpaBackend, "__call__", spy)
+    path = ckpt["v3"]
+    reqs = make_requests(family_rng("v3-padded"))
+    check(path, reqs, engine(path).run_to_completion(reqs))
+    assert {v for v, _ in seen} == {48} and {vp for _, vp in seen} == {None, 48}  # padded from 24 to q/k's 48
