@@ -75,7 +75,14 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
             ignore: tuple[str, ...] = ()) -> tuple[Path, Path]:
         key = (family, layout, block, ignore)
         if key not in made:
-            src = moe_128(tmp_path_factory.mktemp("moe128") / "m") if family == "moe128" else checkpoints[family]
+            if family == "moe128":
+                src = moe_128(tmp_path_factory.mktemp("moe128") / "m")
+            elif family.startswith("deepseek_"):  # DeepSeek-V3-class (latent attention, DeepSeekMoE)
+                from deepseek_ref import make_deepseek_checkpoint
+
+                src = make_deepseek_checkpoint(family.removeprefix("deepseek_"), tmp_path_factory.mktemp("ds") / "m")
+            else:
+                src = checkpoints[family]
             made[key] = make_fp8(src, tmp_path_factory.mktemp("fp8"), layout, block, ignore)
         return made[key]
 
@@ -97,6 +104,7 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
     ("qwen3_5", "block", (16, 16), QWEN3_5_IGNORE),  # in_proj: fp8 q/k/v/z, bf16 b/a -> held whole in fp32
     ("qwen3_5_moe", "ct_channel", (16, 16), ()),
     ("qwen3_5_vl", "block_ws", (16, 16), QWEN3_5_IGNORE),  # the vision-language checkpoint's text model
+    ("deepseek_v3", "block", (16, 16), ()),  # DeepSeek-V3's own FP8 layout, latent attention and its MTP layer
 ])
 def test_an_fp8_checkpoint_scores_as_transformers_on_its_dequantized_weights(
         family: str, layout: str, block: tuple[int, int], ignore: tuple[str, ...], fp8_checkpoints) -> None:
@@ -161,7 +169,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize(("family", "layout", "block"), [
     ("qwen3hd128", "block", (128, 128)), ("qwen3", "ct_tensor_static", (16, 16)), ("qwen3moe", "block", (16, 16)),
-    ("moe128", "block", (128, 128)), ("qwen3moe", "ct_tensor_static", (16, 16)),
+    ("moe128", "block", (128, 128)), ("qwen3moe", "ct_tensor_static", (16, 16)), ("deepseek_v3", "block", (16, 16)),
 ])
 def test_each_layers_fp8_product_is_its_weights_product_within_activation_rounding(
         family: str, layout: str, block: tuple[int, int], fp8_checkpoints, monkeypatch) -> None:
