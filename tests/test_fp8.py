@@ -147,6 +147,9 @@ def test_the_gpu_dispatch_scores_within_the_fp8_activation_error(family: str, la
     layer's mode says, and the scores stay within the error of FP8 activations (tiny random
     models: a few hundredths of a nat) of the dequantized checkpoint's."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    fused = []  # the dense MLPs' down-projection inputs quantized in the SiLU-mul pass
+    silu_mul_quant = ops.silu_mul_quant
+    monkeypatch.setattr(ops, "silu_mul_quant", lambda *a, **kw: fused.append(1) or silu_mul_quant(*a, **kw))
     path, twin = fp8_checkpoints(family, layout, block)
     eng = engine(path, quantization="fp8" if layout == "online" else None)
     held = [m for m in eng.model.modules() if isinstance(getattr(m, "fmt", None), Fp8Weights)]
@@ -161,6 +164,7 @@ def test_the_gpu_dispatch_scores_within_the_fp8_activation_error(family: str, la
     worst = worst_error(twin, reqs, eng.run_to_completion(reqs))
     print(f"{family} {layout}: worst abs error {worst:.4f}")
     assert 1e-4 < worst < 1.0, worst
+    assert bool(fused) == (family != "moe128")  # (its layers are all expert layers)
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -444,3 +448,20 @@ def test_gpu_fp8_scores_as_transformers_fp8_path(family: str, layout: str, block
             return
     print(line)
     assert ours_mae < 0.1, ours_mae
+
+
+def test_the_down_projection_input_quantized_in_the_silu_mul_pass_is_the_same(fp8_checkpoints,
+                                                                               monkeypatch) -> None:
+    """A dense MLP's FP8 down projection takes silu(gate) * up quantized in the SiLU-mul pass
+    (``silu_mul_input``): the same product as quantizing the activation in a pass of its own,
+    also for a slice of its rows (a row-parallel product in parts)."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    for layout, block in (("block", (128, 128)), ("ct_tensor_static", (16, 16)), ("ct_channel", (16, 16))):
+        path, _ = fp8_checkpoints("qwen3hd128", layout, block)
+        down = load_model(path, ModelSpec.from_dir(path), torch.float32, CPU).layers[0].mlp.down_proj
+        gate_up = torch.randn(40, 2 * down.weight.shape[1], generator=torch.Generator().manual_seed(1))
+        fused = down.fmt.silu_mul_input(down, gate_up)
+        plain = ops.silu_mul_reference(gate_up)
+        torch.testing.assert_close(down.fmt.apply(down, fused), down.fmt.apply(down, plain), rtol=0, atol=0)
+        torch.testing.assert_close(down.fmt.apply(down, fused[8:24]), down.fmt.apply(down, plain[8:24]), rtol=0,
+                                   atol=0)

@@ -162,6 +162,12 @@ class WeightFormat(ABC):
         returns out, or None where the format cannot (the caller then adds ``apply``'s)."""
         return None
 
+    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> object | None:
+        """silu(gate) * up of gate_up [T, 2I] made in one pass with what ``layer``'s product
+        takes as its input (``apply``'s x), or None where the format takes the plain activation
+        (the caller runs SiLU-mul). None here."""
+        return None
+
     def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor | None:
         """The weight of ``slot`` as a plain tensor in the activation dtype, for kernels that
         read it directly (the fused gate/up kernel, the float32 logits, the embedding

@@ -31,6 +31,7 @@ is held in the model dtype, its e4m3 parts dequantized as they are read.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -119,6 +120,45 @@ def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device) 
                         n, " (experts)" if experts else "", str(e)[:200])
             _RUNS[key] = False
     return _RUNS[key]
+
+
+_KERNELS: dict[tuple, bool] = {}  # (width, device, dtype) -> whether ops.fp8's quantization kernels may run
+
+
+def quant_kernels_ok(k: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``ops.fp8``'s activation quantization kernels may run at width ``k`` (checked
+    once against their references: ``check_quant_kernels``); False: the references run."""
+    key = (k, str(device), dtype)
+    if key not in _KERNELS:
+        try:
+            fp8.check_quant_kernels(k, k, device, dtype)
+            _KERNELS[key] = True
+        except RuntimeError as e:
+            log.warning("FP8 activation quantization kernels at width %d fail their check (%s): torch references",
+                        k, str(e)[:200])
+            _KERNELS[key] = False
+    return _KERNELS[key]
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """An FP8 layer's input quantized by the pass that made it (``Fp8Weights.silu_mul_input``):
+    e4m3 rows [T, K], their scales as the layer's mode takes them, and the dtype the product
+    returns. Rows slice as a tensor's do."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def __getitem__(self, rows: slice) -> QuantizedRows:
+        if self.scale.numel() == 1:
+            return QuantizedRows(self.q[rows], self.scale, self.dtype)
+        s = self.scale[rows]
+        return QuantizedRows(self.q[rows], s if s.shape[1] == 1 else s.t().contiguous().t(), self.dtype)  # M-major
 
 
 def _per_row(rows: int) -> Reader:
@@ -263,6 +303,7 @@ class Fp8Weights(WeightFormat):
             layer.fmt = UNQUANTIZED
             return
         layer.fp8_mode = mode
+        layer.fp8_kernel = quant_kernels_ok(getattr(layer, layer.slots[0]).shape[-1], device, layer.model_dtype)
         for slot in layer.slots:
             if s.activations == "static":  # one scale for the layer's input: the largest of its parts'
                 p = extra_name(slot, INPUT_SCALE)
@@ -295,14 +336,35 @@ class Fp8Weights(WeightFormat):
         """The GPU mode ``process_after_load`` chose for ``layer`` ("block" or "row")."""
         return layer.fp8_mode
 
-    def _quantize_input(self, layer: nn.Module, slot: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _act_mode(self, layer: nn.Module) -> str:
+        """How ``layer``'s input is quantized: 1 x 128 groups for block weights, else per row, or
+        with the static per-tensor scale."""
         if layer.fp8_mode == "block":
-            return fp8.quantize_groups(x, GPU_BLOCK[1])  # [T, K / 128] M-major scales
-        if self.scheme.activations == "static":
-            return fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)))  # [1]
-        return fp8.quantize_rows(x)  # [T, 1]
+            return "group"
+        return "tensor" if self.scheme.activations == "static" else "row"
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _quantize_input(self, layer: nn.Module, slot: str,
+                        x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(x, QuantizedRows):  # quantized by the pass that made it
+            return x.q, x.scale
+        mode, kernel = self._act_mode(layer), layer.fp8_kernel
+        if mode == "group":
+            return fp8.quantize_groups(x, GPU_BLOCK[1], kernel=kernel)  # [T, K / 128] M-major scales
+        if mode == "tensor":
+            return fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)), kernel=kernel)  # [1]
+        return fp8.quantize_rows(x, kernel=kernel)  # [T, 1]
+
+    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> QuantizedRows | None:
+        """silu(gate) * up of gate_up [T, 2I] as ``layer``'s input, quantized in the same pass
+        (``ops.fp8.silu_mul_quant``): the dense MLP's down projection takes it without a pass of
+        its own over the activation."""
+        mode = self._act_mode(layer)
+        static = getattr(layer, extra_name("weight", INPUT_SCALE)) if mode == "tensor" else None
+        q, scale = fp8.silu_mul_quant(gate_up, mode, static, kernel=layer.fp8_kernel)
+        return QuantizedRows(q, scale, gate_up.dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows,
+              out: torch.Tensor | None = None) -> torch.Tensor:
         xq, xs = self._quantize_input(layer, "weight", x)
         return fp8.scaled_linear(xq, xs, layer.weight, layer.weight_scale_inv, layer.fp8_mode, x.dtype, layer.bias,
                                  out)
