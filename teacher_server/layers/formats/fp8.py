@@ -30,9 +30,6 @@ is held in the model dtype, its e4m3 parts dequantized as they are read.
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -47,11 +44,10 @@ from teacher_server.layers.formats.base import (
     reformat,
 )
 from teacher_server.layers.formats.fp8_config import Fp8Scheme
+from teacher_server.layers.formats.fp8_dispatch import QuantizedRows, fp8_compute, product_runs, quant_kernels_ok
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.ops import fp8
 from teacher_server.unsupported import UnsupportedModelError
-
-log = logging.getLogger(__name__)
 
 E4M3 = "F8_E4M3"  # safetensors' dtype name
 SCALE = "weight_scale_inv"  # the layer's name for a weight's scales, whatever the checkpoint's spelling
@@ -62,11 +58,6 @@ GPU_BLOCK = (128, 128)  # the block torch's block-wise scaled multiply takes
 # N(0, 0.02), as the unquantized dummy weights (the spread keeps them off the subnormals).
 DUMMY_SPREAD = 64.0
 DUMMY_INPUT_SCALE = 0.05  # static activation scales of dummy weights (|x| up to ~22)
-
-
-def fp8_compute(device: torch.device) -> bool:
-    """Whether ``device`` multiplies in FP8 (CUDA compute capability 8.9 and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def quantize_weight_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,65 +91,6 @@ def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, i
     if scale.dim() >= 2 and scale.shape[-1] == 1 and scale.shape[-2] == wq.shape[-2]:
         return fp8.dequantize(wq, scale, "row")
     return fp8.dequantize(wq, scale, "block", block)
-
-
-_RUNS: dict[tuple, bool] = {}  # (mode, k, n, experts, device) -> whether that multiply runs there
-
-
-def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device) -> bool:
-    """Whether ``ops.fp8``'s multiply in ``mode`` ("block": 128 x 128 weight blocks, "row"),
-    grouped over ``experts`` when not 0, runs on ``device`` at width k -> n and matches its
-    float32 reference (``check_scaled_linear``, once per shape). Where not, the layer takes the
-    next mode (block, row, then its weights dequantized), with one line logged."""
-    key = (mode, k, n, experts, str(device))
-    if key not in _RUNS:
-        try:
-            fp8.check_scaled_linear(mode, k, n, device, experts)
-            _RUNS[key] = True
-        except (RuntimeError, ValueError, NotImplementedError) as e:
-            log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): the next mode is used", mode, k,
-                        n, " (experts)" if experts else "", str(e)[:200])
-            _RUNS[key] = False
-    return _RUNS[key]
-
-
-_KERNELS: dict[tuple, bool] = {}  # (width, device, dtype) -> whether ops.fp8's quantization kernels may run
-
-
-def quant_kernels_ok(k: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``ops.fp8``'s activation quantization kernels may run at width ``k`` (checked
-    once against their references: ``check_quant_kernels``); False: the references run."""
-    key = (k, str(device), dtype)
-    if key not in _KERNELS:
-        try:
-            fp8.check_quant_kernels(k, k, device, dtype)
-            _KERNELS[key] = True
-        except RuntimeError as e:
-            log.warning("FP8 activation quantization kernels at width %d fail their check (%s): torch references",
-                        k, str(e)[:200])
-            _KERNELS[key] = False
-    return _KERNELS[key]
-
-
-@dataclass(frozen=True)
-class QuantizedRows:
-    """An FP8 layer's input quantized by the pass that made it (``Fp8Weights.silu_mul_input``):
-    e4m3 rows [T, K], their scales as the layer's mode takes them, and the dtype the product
-    returns. Rows slice as a tensor's do."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def __getitem__(self, rows: slice) -> QuantizedRows:
-        if self.scale.numel() == 1:
-            return QuantizedRows(self.q[rows], self.scale, self.dtype)
-        s = self.scale[rows]
-        return QuantizedRows(self.q[rows], s if s.shape[1] == 1 else s.t().contiguous().t(), self.dtype)  # M-major
 
 
 def _per_row(rows: int) -> Reader:
