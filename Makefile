@@ -25,8 +25,11 @@ $(VENV)/.server: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[server]"
 	touch $@
 
-$(VENV)/.test: pyproject.toml $(VENV)/.server
+# requirements-swift.txt: ms-swift's GKD teacher client for tests/test_trainer_clients.py, without
+# its dependencies (they cannot be resolved beside the test extra's TRL; the file says why).
+$(VENV)/.test: pyproject.toml requirements-swift.txt $(VENV)/.server
 	$(PY) -m pip install -q -e ".[server,test]"
+	$(PY) -m pip install -q --no-deps -r requirements-swift.txt
 	touch $@
 
 setup-run: $(VENV)/.server

@@ -15,8 +15,10 @@ clock and power sampled meanwhile), after a pre-heat so every case runs at the c
 
 Then the experts' multiplies of Qwen3-30B-A3B (128 experts, top-8, hidden 2048, intermediate
 768; T tokens routed at random, so 8T rows): bf16 grouped GEMM against FP8 grouped, row-wise
-(torch's kernel) and 128x128-block (``ops.fp8_grouped``), each as GEMMs alone, with the
-quantization passes separate, and with SiLU-mul's fused.
+and 128x128-block (both ``ops.fp8_grouped``'s Triton kernel, 64-row tiles), each as GEMMs
+alone, with the quantization passes separate, and with SiLU-mul's fused; on the GPU also the
+block kernel's 128-row tiles and torch's grouped row-wise kernel (with and without fast
+accumulation), the paths not taken by default.
 
 TFLOP/s counts the GEMMs' FLOPs only, so a case with passes shows its effective rate;
 ``speedup`` is against the bf16 case of the same kind (gemm against bf16_gemm, the others
@@ -179,8 +181,8 @@ class DenseLayer:
 
 
 class MoeLayer:
-    """The routed experts' two grouped multiplies of a Qwen3-MoE layer: bf16, FP8 row-wise
-    (torch's grouped kernel) and FP8 128x128-block (``ops.fp8_grouped``'s Triton kernel)."""
+    """The routed experts' two grouped multiplies of a Qwen3-MoE layer: bf16, FP8 row-wise and
+    FP8 128x128-block (``ops.fp8_grouped``'s Triton kernel; torch's row-wise kernel on the GPU)."""
 
     def __init__(self, cfg: dict, t: int, dev: torch.device) -> None:
         h, i, e, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"], cfg["num_experts_per_tok"]
@@ -230,9 +232,15 @@ class MoeLayer:
             out.update({f"fp8_{mode}_gemm": gemm, f"fp8_{mode}_separate": separate, f"fp8_{mode}_fused": fused})
         (w13, s13), (w2, s2) = self.q["block"]
         xq, midq = fp8.quantize_groups(x), fp8.quantize_groups(self.mid)
-        if x.is_cuda:  # the block kernel's other tile height (the default is 128 rows, 8 warps)
-            out["fp8_block_gemm_bm64"] = lambda: (fp8_grouped.grouped_block_mm(*xq, w13, s13, offs, bm=64, warps=4),
-                                                  fp8_grouped.grouped_block_mm(*midq, w2, s2, offs, bm=64, warps=4))
+        if x.is_cuda:  # the paths not taken by default: the block kernel's 128-row tiles, torch's row-wise kernel
+            out["fp8_block_gemm_bm128"] = lambda: (fp8_grouped.grouped_block_mm(*xq, w13, s13, offs, bm=128),
+                                                   fp8_grouped.grouped_block_mm(*midq, w2, s2, offs, bm=128))
+            (r13, rs13), (r2, rs2) = self.q["row"]
+            xr, midr = fp8.quantize_rows(x), fp8.quantize_rows(self.mid)
+            for fast in (False, True):
+                out[f"fp8_row_gemm_torch{'_fast_accum' if fast else ''}"] = lambda fast=fast: (
+                    fp8.grouped_scaled_linear(*xr, r13, rs13, offs, "row", backend="torch", fast_accum=fast),
+                    fp8.grouped_scaled_linear(*midr, r2, rs2, offs, "row", backend="torch", fast_accum=fast))
         return out
 
     def accuracy(self) -> dict[str, float]:

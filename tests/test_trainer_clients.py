@@ -6,7 +6,12 @@ float32 transformers reference:
 - TRL (1.16.0) async distillation: ``_AsyncRolloutLoop._resolve_teacher_model_names`` and
   ``_score_with_teacher`` (trl/experimental/async_distillation/async_rollout_worker.py), the
   code that asks a vLLM teacher for ``prompt_logprobs`` over ``/v1/completions`` and parses them
-  with ``_parse_teacher_logprobs_at_position``, called as the rollout loop calls them."""
+  with ``_parse_teacher_logprobs_at_position``, called as the rollout loop calls them;
+- ms-swift (4.2.3) GKD with ``--teacher_model_server``: ``fetch_teacher_logprobs``
+  (swift/rlhf_trainers/gkd_trainer.py), which looks the model up on ``/v1/models``, asks
+  ``/v1/completions`` for ``prompt_logprobs: topk`` per sequence and returns padded top-k tensors,
+  called as ``GKDTrainer._fetch_teacher_logprobs_from_api`` calls it (tests/swift_gkd.py says
+  how it is loaded)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 import pytest
 from conftest import LiveServer
 from dropin_util import VOCAB, reference_logprobs, with_tokenizer
+from swift_gkd import fetch_teacher_logprobs
 
 from teacher_server.config import Config
 
@@ -149,3 +155,42 @@ def test_trl_against_a_refusing_server_fails_fast(server) -> None:
     with pytest.raises(aiohttp.ClientResponseError) as e:
         trl_score(trl_loop(server.url, 65), server.url, [1, 2, 3], [4, 5])
     assert e.value.status == 400 and time.monotonic() - t0 < 10
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("which", ["server", "processed_server"])
+def test_ms_swift_gkd_fetch_teacher_logprobs(which: str, request) -> None:
+    """ms-swift's teacher call for a padding-free batch, as its trainer makes it: one id list per
+    packed sequence, ``topk=gkd_logits_topk``, no multimodal inputs. It returns ``[batch,
+    longest - 1, topk]`` log-probs and ids (row p scores the token after p, by rank) and each
+    sequence's length; a shorter sequence's rows past its end are ``-inf`` / id 0. ms-swift sends
+    ``temperature: 0``, which leaves the scores unscaled on a server in processed_logprobs mode too
+    (greedy, as vLLM treats it), so one teacher serves TRL and ms-swift alike."""
+    import torch
+
+    server = request.getfixturevalue(which)
+    fetch = fetch_teacher_logprobs()
+    k = 8
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, VOCAB, n).tolist() for n in (37, 22)]
+    logprobs, indices, seq_lens = fetch(server.url, seqs, topk=k, mm_raw_inputs=None)
+    assert seq_lens == [37, 22]
+    assert logprobs.shape == indices.shape == (2, 36, k)
+    assert logprobs.dtype == torch.float32 and indices.dtype == torch.long
+    for b, toks in enumerate(seqs):
+        ref = reference_logprobs(server.path, toks)
+        n = len(toks) - 1
+        top = np.argsort(-ref[:n], axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(indices[b, :n].numpy(), top)
+        np.testing.assert_allclose(logprobs[b, :n].numpy(), np.take_along_axis(ref[:n], top, axis=1), atol=TOL)
+        assert torch.isneginf(logprobs[b, n:]).all() and not indices[b, n:].any()
+
+
+@pytest.mark.timeout(60)
+def test_ms_swift_against_a_refusing_server_fails_fast(server) -> None:
+    """A ``topk`` beyond ``max_logprobs`` is a 400, which ms-swift's session does not retry (it retries
+    500, 502 and 503): the call fails at once, naming the failed sequences."""
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"Failed indices: \[0, 1\]\..* 400 Client Error"):
+        fetch_teacher_logprobs()(server.url, [[1, 2, 3], [4, 5]], topk=65)
+    assert time.monotonic() - t0 < 10

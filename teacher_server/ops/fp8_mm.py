@@ -1,6 +1,7 @@
 """The FP8 matrix multiplies and the weight side of the format: torch's scaled multiplies for
-tensor-, row- and 128x128-block weight scales (``scaled_linear``), the experts' grouped multiply
-(``grouped_scaled_linear``: torch's row-wise kernel, or ``ops.fp8_grouped``'s block kernel),
+tensor-, row- and 128x128-block weight scales (``scaled_linear``; the block one as cuBLASLt
+takes it in ``ops.fp8_block``), the experts' grouped multiply (``grouped_scaled_linear``:
+``ops.fp8_grouped``'s Triton kernel with row or block scales, or torch's row-wise kernel),
 weight quantization and dequantization, and the float32 references every one of them takes on
 the CPU. What torch takes, and the layouts: ``ops.fp8``'s docstring (the API is imported from
 there)."""
@@ -13,7 +14,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from teacher_server.ops import fp8_grouped
+from teacher_server.ops import fp8_block, fp8_grouped
+from teacher_server.ops.fp8_block import pad_block_scale  # noqa: F401  (the API: ops.fp8)
 from teacher_server.ops.grouped_mm import grouped_mm_reference
 
 log = logging.getLogger(__name__)
@@ -24,7 +26,6 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
 BLOCK = 128
 MODES = ("tensor", "row", "block")  # weight scales
-_SCALING = getattr(F, "ScalingType", None)  # torch >= 2.10: F.scaled_mm and its recipes
 
 
 def to_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -33,8 +34,11 @@ def to_fp8(y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """The dequantizing scale of values whose largest magnitude is amax: amax / 448, floored."""
-    return amax.clamp(min=AMAX_FLOOR) / FP8_MAX
+    """The dequantizing scale of values whose largest magnitude is amax: amax / 448, floored,
+    correctly rounded on every device. (On CUDA torch turns a division by a Python number into a
+    multiplication by its reciprocal, one ulp off now and then: the divisor is a tensor here.)"""
+    a = amax.float().clamp(min=AMAX_FLOOR)
+    return a / a.new_full((), FP8_MAX)
 
 
 def dequantize(wq: torch.Tensor, wscale: torch.Tensor, mode: str, block: tuple[int, int] = (BLOCK, BLOCK),
@@ -125,29 +129,6 @@ def block_to_rows(wq: torch.Tensor, wscale: torch.Tensor,
 # ---------------------------------------------------------------- scaled multiplies
 
 
-def pad_block_scale(wscale: torch.Tensor) -> torch.Tensor:
-    """A weight's block scales [Nb, Kb] as cuBLAS's 128x128 recipe reads them: the same values
-    in a buffer whose rows hold round_up(Kb, 4) floats (a [Nb, Kb] view of it). Done once at
-    load, it saves ``scaled_linear`` a small copy per call when Kb % 4 != 0."""
-    nb, kb = wscale.shape
-    l4 = -(-kb // 4) * 4
-    buf = torch.ones(nb, l4, dtype=torch.float32, device=wscale.device)
-    buf[:, :kb] = wscale
-    return buf[:, :kb]
-
-
-def _block_scale_b(wscale: torch.Tensor) -> torch.Tensor:
-    """[Nb, Kb] weight scales -> scale_b [L4, Nb] strides (1, L4) (module docstring)."""
-    nb, kb = wscale.shape
-    l4 = -(-kb // 4) * 4
-    # pad_block_scale's view (or Kb % 4 == 0, contiguous): read in place; else a padded copy
-    in_place = (wscale.dtype == torch.float32 and wscale.stride(1) == 1 and wscale.stride(0) == l4
-                and wscale.untyped_storage().nbytes() >= 4 * (wscale.storage_offset() + nb * l4))
-    if not in_place:
-        wscale = pad_block_scale(wscale)
-    return wscale.as_strided((l4, nb), (1, l4))
-
-
 @functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -179,7 +160,10 @@ def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsca
     ``tensor`` [1], ``row`` [N, 1], ``block`` [ceil(N/128), ceil(K/128)] (128x128). xscale:
     [1] or [T, 1] with ``tensor``/``row`` weights (a tensor x row pair is run as row x row);
     [T, K/128] M-major (``quantize_groups``) with ``block``. On CUDA torch's scaled multiply
-    (K, N multiples of 16; ``block`` on sm90 only); on the CPU the float32 reference."""
+    (K, N multiples of 16; ``block`` on sm90 only, its rows padded to a multiple of 4 and the
+    Triton block kernel where cuBLASLt refuses a shape: ``_block_mm``); on the CPU the float32
+    reference. A bias is added before the one rounding to ``out_dtype`` (in the epilogue, or to
+    a float32 product), as the reference adds it."""
     t, k, n = _check_mm(xq, wq)
     if mode not in MODES:
         raise ValueError(f"weight scale mode {mode!r}: expected one of {MODES}")
@@ -190,11 +174,10 @@ def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsca
         raise ValueError(f"torch's scaled matrix multiply needs K and N multiples of 16, got K={k}, N={n}")
     if not wq.is_contiguous() or xq.stride(1) != 1:
         raise ValueError("scaled_linear takes x row-major and a contiguous weight [N, K]")
-    # a float32 output takes no bias in the kernel (torch refuses it), nor, to be safe, the block
-    # recipe (cuBLASLt's bias epilogue with block scales is unverified here): added after
-    kbias = bias if bias is not None and out_dtype != torch.float32 and mode != "block" else None
+    # a float32 output takes no bias in the kernel (torch refuses it): added after, in float32
+    kbias = bias if bias is not None and out_dtype != torch.float32 else None
     if mode == "block":
-        y = _block_mm(xq, xscale, wq, wscale, out_dtype, None, fast_accum)
+        y = _block_mm(xq, xscale, wq, wscale, out_dtype, kbias)
     else:
         sa, sb = xscale.float(), wscale.float()
         if not (sa.numel() == 1 and sb.numel() == 1):  # row x row: expand whichever is per-tensor
@@ -212,38 +195,30 @@ def scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsca
 
 
 def _block_mm(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None, fast_accum: bool) -> torch.Tensor:
-    t, k = xq.shape
-    n = wq.shape[0]
-    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+              out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     if _cc(xq)[0] != 9:
         raise NotImplementedError(f"block-wise FP8 (1x128 x 128x128) runs on sm90 only in torch {torch.__version__}; "
                                   f"this GPU is sm{_sm(xq)}")
-    if xscale.shape != (t, kb) or (t > 1 and kb > 1 and xscale.stride() != (1, t)):
-        raise ValueError(f"block-wise FP8 needs activation scales [T, K/128] = [{t}, {kb}] M-major (strides "
-                         f"(1, {t}): quantize_groups), got {tuple(xscale.shape)} strides {xscale.stride()}")
-    if wscale.shape != (nb, kb):
-        raise ValueError(f"block-wise FP8 weight scales must be [ceil(N/128), ceil(K/128)] = [{nb}, {kb}], "
-                         f"got {tuple(wscale.shape)}")
-    sb = _block_scale_b(wscale)
-    if _SCALING is None:  # torch < 2.10: the old entry point reads the recipe from the shapes (unpadded only)
-        if kb % 4:
-            raise NotImplementedError(f"block-wise FP8 with ceil(K/128) = {kb} not a multiple of 4 needs torch >= 2.10")
-        return torch._scaled_mm(xq, wq.t(), scale_a=xscale, scale_b=sb, bias=bias, out_dtype=out_dtype,
-                                use_fast_accum=fast_accum)
-    return F.scaled_mm(xq, wq.t(), xscale, _SCALING.BlockWise1x128, sb, _SCALING.BlockWise128x128, bias=bias,
-                       output_dtype=out_dtype, use_fast_accum=fast_accum)
+    y = fp8_block.block_mm(xq, xscale, wq, wscale, out_dtype, bias)
+    if y is None:
+        log.warning("block-wise FP8 at %d -> %d runs dequantized in float32 (no kernel takes it)", xq.shape[1],
+                    wq.shape[0])
+        return scaled_linear_reference(xq, xscale, wq, wscale, "block", out_dtype, bias)
+    return y
 
 
 def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wscale: torch.Tensor,
                           offs: torch.Tensor, mode: str = "row", out_dtype: torch.dtype = torch.bfloat16,
-                          fast_accum: bool = False) -> torch.Tensor:
+                          fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
     """The experts' multiply -> [M, N] bf16. xq [M, K] e4m3 with rows sorted by expert, wq
     [E, N, K] e4m3 contiguous, offs [E] int32 cumulative row ends (offs[-1] == M, empty experts
     allowed), and by ``mode``:
 
     - ``row``: xscale [M, 1] (or [M]), wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per
-      expert, expanded): torch's grouped row-wise kernel (sm90/sm100; ``fast_accum`` passed on);
+      expert, expanded): ``ops.fp8_grouped``'s Triton kernel with row scales (K a multiple of
+      128), or torch's grouped row-wise kernel (``backend="torch"``, with ``fast_accum``, or
+      where the Triton kernel does not apply; sm90/sm100): measured at 0.59x the bf16 grouped
+      GEMM without fast accumulation (``ops.fp8``'s docstring);
     - ``block``: xscale [M, K/128] (``quantize_groups``), wscale [E, ceil(N/128), K/128]: the
       Triton kernel of ``ops.fp8_grouped`` (the checkpoint's block scales kept; K a multiple of 128).
 
@@ -256,6 +231,8 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
         raise ValueError(f"offs must hold one row end per expert ({e}), got shape {tuple(offs.shape)}")
     if out_dtype != torch.bfloat16:
         raise NotImplementedError(f"the grouped FP8 multiplies write bf16 only, asked for {out_dtype}")
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"grouped_scaled_linear backend {backend!r}: expected 'auto', 'triton' or 'torch'")
     if mode == "block":
         return _grouped_block(xq, xscale, wq, wscale, offs)
     if mode != "row":
@@ -270,13 +247,21 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
     sb = sb.expand(e, n).contiguous() if sb.shape[1] == 1 and n > 1 else sb  # [E, N]: per-expert scales expanded
     if not xq.is_cuda:
         return grouped_scaled_linear_reference(xq, xscale, wq, sb[..., None], offs, "row", out_dtype)
+    if offs.dtype != torch.int32:
+        raise ValueError(f"offs must be int32, got {offs.dtype}")
+    sa = xscale.float().reshape(m)
+    if backend == "triton" or (backend == "auto" and not fast_accum):
+        got = fp8_grouped.grouped_block_mm(xq, sa, wq, sb, offs, row=True)
+        if got is not None:
+            return got
+        if backend == "triton":
+            raise ValueError(f"the Triton grouped kernel does not take these operands (K={k} a multiple of 128, "
+                             "x row-major, w contiguous)")
     if k % 16 or n % 16:
         raise ValueError(f"torch's grouped FP8 multiply needs K and N multiples of 16, got K={k}, N={n}")
     if _cc(xq)[0] not in (9, 10):
         raise NotImplementedError(f"torch's grouped FP8 multiply runs on sm90/sm100, this GPU is sm{_sm(xq)}")
-    if offs.dtype != torch.int32:
-        raise ValueError(f"offs must be int32, got {offs.dtype}")
-    return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), xscale.float().reshape(m).contiguous(), sb,
+    return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), sa.contiguous(), sb,
                                     offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
@@ -295,23 +280,27 @@ def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsc
     if xq.is_cuda:
         if offs.dtype != torch.int32:
             raise ValueError(f"offs must be int32, got {offs.dtype}")
-        got = fp8_grouped.grouped_block_mm(xq, xscale.float(), wq, wscale, offs)
+        got = fp8_grouped.grouped_block_mm(xq, xscale.float(), wq, wscale, offs)  # 64-row tiles: fp8_grouped
         if got is not None:
             return got
         log.warning("grouped block-FP8 kernel does not apply (no Triton, or strided operands): a loop over experts")
     return grouped_scaled_linear_reference(xq, xscale, wq, wscale, offs, "block")
 
 
-def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0) -> None:
+def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0,
+                        bias: bool = False) -> None:
     """Start-up check of the multiply a layer will run: ``scaled_linear`` in ``mode`` at width
-    k -> n (or, with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts) against
-    its float32 reference on random operands. Raises what torch raises for a combination it does
-    not take, and RuntimeError on a mismatch beyond a bf16 step of the output's scale."""
+    k -> n (a token count not a multiple of 4, and with a bf16 ``bias`` if the layer has one), or,
+    with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts, against its float32
+    reference on random operands. A combination cuBLAS refuses runs the other way from here on
+    (``_block_mm``); raises what torch raises otherwise, and RuntimeError on a mismatch beyond a
+    bf16 step of the output's scale."""
     gen = torch.Generator().manual_seed(0)
-    counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [32]
+    counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [33]
     m = sum(counts)
     x = torch.randn(m, k, generator=gen).bfloat16()
     w = torch.randn(max(experts, 1), n, k, generator=gen) * k ** -0.5
+    b = torch.randn(n, generator=gen).bfloat16() if bias and not experts else None
     wq, ws = quantize_weight(w if experts else w[0], mode)
     xf = x.float()  # activation scales as the layer makes them: 1x128 groups for block weights, else rows
     if mode == "block":
@@ -327,8 +316,8 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
         got = grouped_scaled_linear(xq, sx, wq, ws, offs, mode)
         ref = grouped_scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), offs.cpu(), mode, torch.float32)
     else:
-        got = scaled_linear(xq, sx, wq, ws, mode)
-        ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32)
+        got = scaled_linear(xq, sx, wq, ws, mode, bias=None if b is None else b.to(device))
+        ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32, b)
     err = (got.float().cpu() - ref).abs()
     if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
         raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''} differs "
