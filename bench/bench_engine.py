@@ -11,6 +11,10 @@ the transformers baseline on the same requests in the same run.
   python bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --baseline W1,W2 --prefix-cache-compare W2
   python bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f
   python bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f
+  python bench/bench_engine.py --model-size gpt-oss-20b --workloads W1 --http W1 --baseline W1
+  python bench/bench_engine.py --model-size qwen3-next-80b-a3b --workloads W1 --http W1 --baseline W1
+  python bench/bench_engine.py --model-size gemma3-27b --workloads W1f --http W1f --baseline W1f
+  python bench/bench_engine.py --model-size glm4.5-air --workloads W1f --http W1f --baseline W1f
 
 Qwen3-8B and the hybrid Qwen3.5-9B (W7: Gated DeltaNet and gated full-attention layers; the
 baseline packs its sequences, see hf_baseline.py) are written as safetensors (random bf16
@@ -48,6 +52,9 @@ from gpu_telemetry import GpuTelemetry, mfu_at_clock
 from hf_baseline import CHECK_REQUESTS, compare
 from workloads import (
     DEEPSEEK_V3_LAYERS,
+    GEMMA3_27B,
+    GLM45_AIR_LAYERS,
+    GPT_OSS_20B,
     H200_PEAK,
     LLAMA33_70B,
     MOONLIGHT_16B_A3B,
@@ -56,6 +63,7 @@ from workloads import (
     QWEN3_30B_A3B,
     QWEN3_32B,
     QWEN3_235B_A22B,
+    QWEN3_NEXT_80B_A3B_LAYERS,
     Req,
     flop_ideal_speedup,
     flops,
@@ -574,7 +582,12 @@ MODELS = {"8b": (QWEN3_8B, "qwen3", True), "32b": (QWEN3_32B, "qwen3", False), "
           "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "235b-a22b": (QWEN3_235B_A22B, "qwen3", False),
           "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True),
           # latent attention and DeepSeekMoE: Moonlight-16B-A3B, and DeepSeek-V3's layers (7 of its 61)
-          "moonlight": (MOONLIGHT_16B_A3B, "deepseek", False), "deepseek-v3-layers": (DEEPSEEK_V3_LAYERS, "deepseek", False)}
+          "moonlight": (MOONLIGHT_16B_A3B, "deepseek", False), "deepseek-v3-layers": (DEEPSEEK_V3_LAYERS, "deepseek", False),
+          # sinks and windows, biased clamped-SwiGLU experts; Qwen3-Next's hybrid layers at 24 of its 48
+          "gpt-oss-20b": (GPT_OSS_20B, "gpt_oss", False),
+          "qwen3-next-80b-a3b": (QWEN3_NEXT_80B_A3B_LAYERS, "qwen3_next", False),
+          # Gemma 3's local/global layers (all 62 of Gemma-3-27B's), GLM-4.5-Air's layers (18 of 46)
+          "gemma3-27b": (GEMMA3_27B, "gemma3", False), "glm4.5-air": (GLM45_AIR_LAYERS, "glm4_moe", False)}
 
 
 def main() -> None:

@@ -149,6 +149,24 @@ for step in ${STEPS:-tests}; do
         --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -12
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
+    # issue 50: gpt-oss and Qwen3-Next: the GPU tests (sinks on each fast backend against sdpa, float32 and bf16
+    # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
+    # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
+    # $OSS_GPT_ARGS / $OSS_NEXT_ARGS replace the bench arguments, e.g. with --repeats 2)
+    oss) python3 -m pytest $PT -m gpu tests/test_gpt_oss_gpu.py 2>&1 | tee "$OUT/gpu_oss_tests.log" | tail -25
+      python3 bench/bench_engine.py --model-size gpt-oss-20b ${OSS_GPT_ARGS:---workloads W1 --http W1 --baseline W1 \
+        --repeats 1 --max-model-len 8192} --out "$OUT/engine_gpt_oss_20b_h200.json" 2>&1 | tee "$OUT/engine_gpt_oss.log" | tail -12
+      python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 \
+        --repeats 1 --max-model-len 8192} --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
+    # Gemma 3 and GLM-4.5 (issue 50): their GPU tests (float32 parity, bf16 per attention backend beside transformers'
+    # bf16), then W1f in-process and through HTTP beside transformers' forward: Gemma-3-27B's text model (62 layers)
+    # and GLM-4.5-Air's layers (18 of 46); $GEMMA_REPEATS timed passes each (default 1: the step fits ~8 minutes)
+    gemma) python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
+      for shape in gemma3-27b glm4.5-air; do
+        python3 bench/bench_engine.py --model-size $shape --workloads W1f --http W1f --baseline W1f \
+          --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 --out "$OUT/engine_${shape}_h200.json" 2>&1 \
+          | tee "$OUT/engine_$shape.log" | tail -12
+      done ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac

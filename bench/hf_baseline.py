@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import time
 from dataclasses import dataclass
 
@@ -325,6 +326,17 @@ def resolve_layout(layout: str, cfg: dict) -> bool:
     raise ValueError(f"unknown baseline layout {layout!r}; one of {', '.join(LAYOUTS)}")
 
 
+# Families whose transformers model takes no sdpa: its fastest attention here (no hub kernels
+# offline), on CUDA and on the CPU. gpt-oss: flex attention, which takes its sinks on CUDA (eager
+# materialises every [L, L] score matrix); HF_BASELINE_ATTENTION overrides.
+NO_SDPA = {"gpt_oss": ("flex_attention", "eager")}
+
+
+def baseline_attention(cfg: dict) -> str:
+    cuda_cpu = NO_SDPA.get(cfg.get("model_type", ""), ("sdpa", "sdpa"))
+    return os.environ.get("HF_BASELINE_ATTENTION") or cuda_cpu[0 if torch.cuda.is_available() else 1]
+
+
 def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
             layouts: tuple[str, ...] = ("auto",)) -> dict:
     """Load the transformers model and time each workload ``repeats`` times after a warm-up;
@@ -338,7 +350,8 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
     from workloads import make_workload
 
     # MoE: transformers' grouped-GEMM experts (its fastest; the default on CUDA where it has them)
-    kw = {"experts_implementation": "grouped_mm"} if cfg.get("num_experts") or cfg.get("n_routed_experts") else {}
+    kw = ({"experts_implementation": "grouped_mm"}
+          if cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts") else {})
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: smoke runs of the benchmark
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # (float32 there, as the engine's CPU runs)
 
@@ -354,8 +367,8 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
     packs = [resolve_layout(lay, cfg) for lay in layouts]  # every layout checked before the first load
     for li, pack in enumerate(packs):
         # Hybrid (linear-attention) models are packed when fla-core is there (see the module docstring)
-        attn = register_packed_attention() if pack else "sdpa"
-        print(f"transformers baseline: {'packed sequences, ' + attn if pack else 'left-padded batches, sdpa'}"
+        attn = register_packed_attention() if pack else baseline_attention(cfg)
+        print(f"transformers baseline: {'packed sequences, ' + attn if pack else 'left-padded batches, ' + attn}"
               f" attention; fla-core {'found' if can_pack() else 'not found'}", flush=True)
         try:
             model = load(attn, **kw)

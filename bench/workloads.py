@@ -9,6 +9,9 @@ from pathlib import Path
 
 from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for the bench scripts and tests)
     DEEPSEEK_V3_LAYERS,
+    GEMMA3_27B,
+    GLM45_AIR_LAYERS,
+    GPT_OSS_20B,
     H200_PEAK,
     LLAMA33_70B,
     MOONLIGHT_16B_A3B,
@@ -17,6 +20,7 @@ from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for
     QWEN3_30B_A3B,
     QWEN3_32B,
     QWEN3_235B_A22B,
+    QWEN3_NEXT_80B_A3B_LAYERS,
     Req,
     checkpoint_bytes,
     flop_ideal_speedup,

@@ -33,6 +33,7 @@ class AttentionParams:
     scale: float
     window: int | None = None
     softcap: float | None = None
+    sinks: bool = False  # per-head learned sink logits in the softmax (``AttentionInputs.sinks``)
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:

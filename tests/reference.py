@@ -221,7 +221,7 @@ _KERNEL_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_ru
 def torch_reference_kernels() -> Iterator[None]:
     """Within: transformers' Qwen3.5 modules call their torch functions, not fla-core's."""
     saved = []
-    for name in ("qwen3_5", "qwen3_5_moe"):
+    for name in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         module = sys.modules.get(f"transformers.models.{name}.modeling_{name}")
         for func in _KERNEL_FUNCS if module is not None else ():
             f = getattr(module, func, None)

@@ -126,9 +126,21 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
 
     for arch in ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"):
         assert model_class(arch) is DeepseekForCausalLM
+    from teacher_server.models.gpt_oss import GptOssForCausalLM
+    from teacher_server.models.qwen3_next import Qwen3NextForCausalLM
+
+    assert model_class("GptOssForCausalLM") is GptOssForCausalLM
+    assert model_class("Qwen3NextForCausalLM") is Qwen3NextForCausalLM
+    from teacher_server.models.gemma3 import Gemma3ForCausalLM
+    from teacher_server.models.glm4_moe import Glm4MoeForCausalLM
+
+    for arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        assert model_class(arch) is Gemma3ForCausalLM
+    assert model_class("Glm4MoeForCausalLM") is Glm4MoeForCausalLM
     assert {a.family for a in ARCHITECTURES.values()} == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe",
                                                           "qwen2_moe", "mixtral", "qwen3_5", "qwen3_5_moe",
-                                                          "deepseek_v3", "deepseek_v2"}
+                                                          "deepseek_v3", "deepseek_v2", "gemma3", "glm4_moe",
+                                                          "gpt_oss", "qwen3_next"}
 
 
 @pytest.mark.parametrize(("change", "says"), [

@@ -222,7 +222,7 @@ BASE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_siz
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
     ({"quant_method": "awq"}, "quant_method 'awq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-    ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+    ({"quant_method": "hqq"}, "quant_method 'hqq'"),
     ({"quant_method": "sparkle"}, "quant_method 'sparkle' (an unknown method)"),
     ({"bits": 4}, "quant_method None"),
 ])

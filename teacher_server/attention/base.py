@@ -28,6 +28,9 @@ class AttentionInputs:
     v: torch.Tensor  # [T, Hkv, D]
     kp: torch.Tensor | None = None  # [ctx.total_k, Hkv, D] packed keys of the prefixed sequences; None: none
     vp: torch.Tensor | None = None  # [ctx.total_k, Hkv, D]
+    # [Hq] float32 learned sink logits (gpt-oss): one more logit per head in each softmax's
+    # denominator, with no value; None: none. Backends that honour "sinks" take them.
+    sinks: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):
@@ -59,6 +62,8 @@ class AttentionBackend(ABC):
                 return f"attention backend {self.name!r} takes no sliding window (a layer has window {p.window})"
             if p.softcap is not None and "softcap" not in self.honours:
                 return f"attention backend {self.name!r} takes no logit soft-cap (a layer has soft-cap {p.softcap})"
+            if p.sinks and "sinks" not in self.honours:
+                return f"attention backend {self.name!r} takes no attention sinks"
         return None
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,

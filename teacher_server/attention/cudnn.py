@@ -42,6 +42,8 @@ class CudnnBackend(TorchVarlenBackend):
     of neighbours sharing a prefix; ``native_gqa``, whether cuDNN takes fewer kv heads than
     q heads. ``enabled`` turns off for good (one log line) if cuDNN refuses a shape."""
 
+    sinks_by_lse = False  # its cuDNN calls return no log-sum-exp to a layer: sink models take varlen
+
     name = "cudnn"
 
     def __init__(self, min_len: int = 256, new_plans_per_step: int | None = 1, group_prefixes: bool = True,

@@ -85,6 +85,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     frontend's masked call; a one-off shape, such as most W1 continuations, takes the
     frontend's call rather than varlen), or None."""
 
+    sinks_by_lse = False  # its cuDNN calls return no log-sum-exp to a layer: sink models take varlen
+
     name = "cudnn_fe"
 
     def __init__(self, per_octave: int = 4, split: CudnnBackend | None = None, plans: PlanStore | None = None,

@@ -10,7 +10,7 @@ from teacher_server.attention.packed import PackedBackend
 
 class FlashAttnBackend(PackedBackend):
     name = "flash_attn"
-    honours = frozenset({"window", "softcap"})
+    honours = frozenset({"window", "softcap", "sinks"})
 
     def __init__(self, concurrent_streams: int = 3) -> None:
         super().__init__(concurrent_streams)
@@ -23,3 +23,11 @@ class FlashAttnBackend(PackedBackend):
         ws = (-1, -1) if window is None else (window - 1, 0)
         return self._fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True, window_size=ws,
                         softcap=softcap or 0.0)
+
+    def varlen_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   max_q: int, max_k: int, scale: float, window: int | None,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ws = (-1, -1) if window is None else (window - 1, 0)
+        out, lse, _ = self._fn(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=True, window_size=ws,
+                               softcap=softcap or 0.0, return_attn_probs=True)  # lse [Hq, T] float32
+        return out, lse

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from teacher_server.attention.base import AttentionBackend, AttentionInputs
+from teacher_server.attention.sinks import apply_sinks
 from teacher_server.step_context import StepContext
 
 
@@ -55,6 +56,13 @@ class PackedBackend(AttentionBackend):
     def varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                max_q: int, max_k: int, scale: float, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """Causal varlen attention of packed sequences (cu_q / cu_k: [B + 1] int32 offsets)."""
+        raise NotImplementedError
+
+    def varlen_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   max_q: int, max_k: int, scale: float, window: int | None,
+                   softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``varlen`` and its softmax's log-sum-exp [Hq, T] float32 (for attention sinks:
+        ``sinks.apply_sinks``); backends that honour "sinks" have it."""
         raise NotImplementedError
 
     def _route(self, ctx: StepContext, window: int | None, lo: int, hi: int, prefixed: bool, items: list,
@@ -144,5 +152,9 @@ class PackedBackend(AttentionBackend):
     def _run_varlen(self, it: Varlen, x: AttentionInputs, scale: float, window: int | None,
                     softcap: float | None = None) -> torch.Tensor:
         kk, vv = (x.kp, x.vp) if it.prefixed else (x.k, x.v)
+        if x.sinks is not None:  # the sinks rescale each row by its log-sum-exp
+            out, lse = self.varlen_lse(x.q[it.t0:it.t1], kk[it.k0:it.k1], vv[it.k0:it.k1], it.cu_q, it.cu_k,
+                                       it.max_q, it.max_k, scale, window, softcap)
+            return apply_sinks(out, lse, x.sinks)
         return self.varlen(x.q[it.t0:it.t1], kk[it.k0:it.k1], vv[it.k0:it.k1], it.cu_q, it.cu_k, it.max_q, it.max_k,
                            scale, window, softcap)

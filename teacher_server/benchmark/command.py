@@ -26,7 +26,9 @@ from teacher_server.benchmark.report import plot, table
 from teacher_server.client import fetch_model_card, normalise_base_url
 
 SHAPES = {"qwen3-8b": wl.QWEN3_8B, "qwen3-32b": wl.QWEN3_32B, "qwen3-30b-a3b": wl.QWEN3_30B_A3B,
-          "qwen3.5-9b": wl.QWEN3_5_9B, "llama-3.3-70b": wl.LLAMA33_70B, "moonlight-16b-a3b": wl.MOONLIGHT_16B_A3B}
+          "qwen3.5-9b": wl.QWEN3_5_9B, "llama-3.3-70b": wl.LLAMA33_70B, "moonlight-16b-a3b": wl.MOONLIGHT_16B_A3B,
+          "gpt-oss-20b": wl.GPT_OSS_20B, "qwen3-next-80b-a3b-24l": wl.QWEN3_NEXT_80B_A3B_LAYERS,
+          "gemma-3-27b": wl.GEMMA3_27B, "glm-4.5-air-layers": wl.GLM45_AIR_LAYERS}
 # dense bf16 peak per GPU by name, for MFU when the server runs here; elsewhere --peak-tflops (default H200's)
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 

@@ -70,6 +70,56 @@ DEEPSEEK_V3_LAYERS = dict(
     first_k_dense_replace=3, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
     rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0,
                   "original_max_position_embeddings": 4096})
+# gpt-oss-20b's config.json (GptOssForCausalLM; transformers' GptOssConfig defaults but 24 layers and
+# 32 experts): attention sinks, 128-token windows on every other layer, 32 experts top-4, YaRN.
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "attention_bias": True, "swiglu_limit": 7.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+# Qwen3-Next-80B-A3B's layer shape (Qwen3NextForCausalLM: hidden 2048, 512 experts of 512 top-10 with a
+# shared expert, 32 value / 16 key heads of 128 in the linear layers, gated attention every 4th layer)
+# at 24 of its 48 layers: all 48 are ~160 GB in bf16, 24 (~80 GB) leave one H200 room for the pool.
+QWEN3_NEXT_80B_A3B_LAYERS = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 24, "num_attention_heads": 16,
+    "num_key_value_heads": 2, "head_dim": 256, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+    "full_attention_interval": 4,
+    "layer_types": [t for _ in range(6) for t in ("linear_attention",) * 3 + ("full_attention",)],
+    "partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+# Gemma-3-27B's text model (google/gemma-3-27b-it's text_config as published, read as Gemma3ForCausalLM; dummy
+# weights, all 62 layers: 54 GB): 5 local layers (1,024-key window, rotary base 1e4) to 1 global (1e6, linear x8).
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 5376,
+    "intermediate_size": 21504, "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 128, "query_pre_attn_scalar": 168, "sliding_window": 1024, "sliding_window_pattern": 6,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16", "attention_bias": False,
+}
+# GLM-4.5-Air's layer shape (zai-org/GLM-4.5-Air's config.json: 96 heads of 128, 8 KV heads, q/k/v biases, rotary on
+# half the head, 128 experts top-8 of 1408 and one shared, the first layer dense) at 18 of its 46 layers: the whole
+# model is 212 GB in bf16; 18 layers (82 GB) leave room for transformers' [rows, vocab] logits beside them.
+GLM45_AIR_LAYERS = {
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": 4096,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 18, "num_attention_heads": 96,
+    "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 8,
+    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+    "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "use_qk_norm": False, "attention_bias": True,
+    "num_nextn_predict_layers": 0, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
 H200_PEAK = 989e12  # dense bf16 FLOP/s
 
 
@@ -156,7 +206,8 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
     (causal average) + 2 x hidden x vocab per scored row. For MoE models the params are the
     active ones (the experts a token is routed to), as MFU counts them. Hybrid models (Qwen3.5)
     count their linear-attention layers by their parameters and attention only in the
-    full-attention layers."""
+    full-attention layers. Sliding-window layers (Gemma 3's local ones) count the keys they
+    attend to: at most their window."""
     h, n_l = cfg["hidden_size"], cfg["num_hidden_layers"]
     if cfg.get("kv_lora_rank"):  # latent attention: q.k over qk_nope + qk_rope, p.v over v_head_dim
         q = cfg["num_attention_heads"] * (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]) / 2
@@ -170,14 +221,27 @@ def flops(cfg: dict, reqs: list[Req], computed_only: bool = False, cached: list[
     else:
         i, kv = cfg["intermediate_size"], cfg["num_key_value_heads"] * cfg["head_dim"]
         params, attn_layers = n_l * (h * (q + 2 * kv) + q * h + 3 * h * i), n_l
+    windows: list[int | None] = [None] * attn_layers
+    if cfg.get("sliding_window"):
+        from teacher_server.models.spec import ModelSpec
+
+        spec = ModelSpec.from_dict(cfg)
+        windows = [spec.layer_window(i) for i in spec.kv_layer_ids]
     total = 0.0
     for j, r in enumerate(reqs):
         length = len(r.tokens)
         skip = cached[j] if (computed_only and cached) else 0
         n = length - skip
-        total += (2 * params * n + 2 * attn_layers * q * (length * length - skip * skip)
-                  + 2 * h * cfg["vocab_size"] * r.rows)
+        pairs = sum(length * length - skip * skip if w is None
+                    else 2 * (_window_pairs(length, w) - _window_pairs(skip, w)) for w in windows)
+        total += 2 * params * n + 2 * q * pairs + 2 * h * cfg["vocab_size"] * r.rows
     return total
+
+
+def _window_pairs(n: int, w: int) -> float:
+    """(query, key) pairs of the first n positions under a window of w keys, in the units of
+    the causal count n * n / 2."""
+    return n * n / 2 if n <= w else w * w / 2 + (n - w) * w
 
 
 def ideal_cached(reqs: list[Req], block: int) -> list[int]:
@@ -211,12 +275,17 @@ def tiny(cfg: dict) -> dict:
                   "linear_key_head_dim": 32, "linear_value_head_dim": 32}
     if cfg.get("num_experts"):
         small |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+    if cfg.get("num_local_experts"):  # gpt-oss (experts of intermediate_size)
+        small |= {"num_local_experts": 8, "num_experts_per_tok": 2}
     if cfg.get("kv_lora_rank"):  # DeepSeek: its latent widths and expert groups, smaller
         small |= {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "kv_lora_rank": 64,
                   "q_lora_rank": cfg["q_lora_rank"] and 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
                   "v_head_dim": 32, "num_key_value_heads": 4, "n_group": min(cfg["n_group"], 4),
                   "topk_group": min(cfg["topk_group"], 2), "first_k_dense_replace": 1}
         small.pop("head_dim")
+    elif cfg.get("n_routed_experts"):  # GLM-4.5: DeepSeek's routing over fewer, narrower experts
+        small |= {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "first_k_dense_replace": 1}
     return small
 
 
@@ -224,7 +293,7 @@ def checkpoint_bytes(cfg: dict) -> int:
     """bf16 bytes of a checkpoint of shape ``cfg``, every expert counted."""
     from teacher_server.models.spec import ModelSpec
 
-    experts = cfg.get("num_experts") or cfg.get("n_routed_experts")
+    experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts")
     every = dict(cfg, num_experts_per_tok=experts, topk_group=cfg.get("n_group")) if experts else cfg
     embed = cfg["vocab_size"] * cfg["hidden_size"] * (1 if cfg.get("tie_word_embeddings") else 2)
     return 2 * (ModelSpec.from_dict(every).non_embedding_params() + embed)

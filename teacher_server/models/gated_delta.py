@@ -77,6 +77,8 @@ class GatedDeltaNet(RuntimeModule):
     """[T, hidden] normed input -> [T, value_dim] gated-normed output (before ``o_proj``);
     with tensor parallel this rank's heads (see the module docstring)."""
 
+    in_projection: type[InProjection] = InProjection  # how the checkpoint's in-projections are laid out
+
     def __init__(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
@@ -88,7 +90,7 @@ class GatedDeltaNet(RuntimeModule):
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.full_key_dim = spec.linear_key_dim  # the checkpoint's convolution channels: q | k | v, all heads
-        self.in_proj = InProjection(spec, dtype, device, tp, fmt)
+        self.in_proj = self.in_projection(spec, dtype, device, tp, fmt)
         w = spec.linear_conv_kernel_dim
         self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, w, dtype=dtype, device=device),
                                         requires_grad=False)  # [D, W]; the checkpoint's conv1d.weight is [D, 1, W]

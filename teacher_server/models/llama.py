@@ -169,6 +169,7 @@ class LlamaForCausalLM(RuntimeModule):
 
     attention: type[LlamaAttention] = LlamaAttention
     decoder_layer: type[nn.Module] = LlamaDecoderLayer  # (spec, layer_id, attention, dtype, device, tp, fmt)
+    embedding: type[VocabEmbedding] = VocabEmbedding  # (Gemma scales its rows)
     # Checkpoint names (after "model.") whose tensors are parts of our fused projections.
     stacked: tuple[tuple[str, str, str], ...] = (
         (".q_proj.", ".qkv_proj.", "q"), (".k_proj.", ".qkv_proj.", "k"), (".v_proj.", ".qkv_proj.", "v"),
@@ -189,7 +190,7 @@ class LlamaForCausalLM(RuntimeModule):
         self.tp = tp
         # How every weight-holding layer stores its weights, decided once by the spec.
         self.weight_format = fmt = make_format(spec.weight_format, spec.quantization_config)
-        self.embed_tokens = VocabEmbedding(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt)
+        self.embed_tokens = self.embedding(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt)
         self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp, fmt)
                                     for i in range(spec.num_layers))
         self.norm = decoder_norm(spec, spec.hidden_size, dtype, device)

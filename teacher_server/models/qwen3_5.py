@@ -98,10 +98,12 @@ class Qwen3_5DecoderLayer(LlamaDecoderLayer):
     """The mixer is ``linear_attn`` (Gated DeltaNet) or ``self_attn`` (gated attention), as
     ``spec.layer_types`` says; norms are zero-centred (``decoder_norm``: the spec says so)."""
 
+    linear_mixer: type[nn.Module] = GatedDeltaNet
+
     def __init__(self, spec: ModelSpec, layer_id: int, attention: type[nn.Module], dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         linear = spec.is_linear_layer(layer_id)
-        super().__init__(spec, layer_id, GatedDeltaNet if linear else attention, dtype, device, tp, fmt)
+        super().__init__(spec, layer_id, self.linear_mixer if linear else attention, dtype, device, tp, fmt)
         self.linear = linear
         if linear:  # the checkpoint's name for it
             self.linear_attn = self.self_attn

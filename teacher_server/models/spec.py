@@ -14,6 +14,9 @@ from typing import Any
 from teacher_server.layers.deepseek_moe import ExpertRouting
 from teacher_server.layers.formats import format_name
 from teacher_server.models.deepseek_spec import MlaDims, deepseek_facts
+from teacher_server.models.gemma3_spec import GemmaDims, gemma3_config, gemma3_facts
+from teacher_server.models.glm4_moe_spec import glm4_moe_facts
+from teacher_server.models.gpt_oss_spec import gpt_oss_facts
 from teacher_server.models.registry import ARCHITECTURES
 from teacher_server.unsupported import UnsupportedModelError
 
@@ -72,6 +75,13 @@ class ModelSpec:
     # the expert routing rules; None in the other families.
     mla: MlaDims | None = None
     routing: ExpertRouting | None = None
+    # gpt-oss (``gpt_oss_spec``): a learned sink logit per attention head, and the experts'
+    # clamped SwiGLU (``layers.gpt_oss_moe``); off in the other families.
+    attention_sinks: bool = False
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    # Gemma 3 (``gemma3_spec``): the local layers' rotary base, the softmax scale, the logit cap.
+    gemma: GemmaDims | None = None
 
     @property
     def q_size(self) -> int:
@@ -176,9 +186,13 @@ class ModelSpec:
         entry = ARCHITECTURES[arch]
         family = entry.family
         seen = top if top is d else {**top, **d}
-        refuse_unbuilt(arch, entry.attention_bias, seen)
+        refuse_unbuilt(arch, entry.attention_bias, seen, gelu=entry.gemma3)
         weight_format = format_name(seen.get("quantization_config"))
+        if weight_format == "mxfp4" and not entry.gpt_oss:  # only gpt-oss's expert layout is read packed
+            raise UnsupportedModelError(f"{arch} with MXFP4 weights is not supported (gpt-oss's experts are)")
         d = {**entry.defaults, **d}  # a key left out: transformers' default for the family
+        if entry.gemma3:  # its per-layer-kind rope_parameters as the hub's keys
+            d = gemma3_config(d)
         num_heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
         head_dim = d.get("head_dim") or hidden // num_heads
@@ -226,7 +240,7 @@ class ModelSpec:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=d.get("tie_word_embeddings"),
             attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", entry.attention_bias))),
-            qk_norm=entry.qk_norm,
+            qk_norm=entry.qk_norm or bool(d.get("use_qk_norm")),  # (GLM-4.5's switch)
             sliding_window=int(sliding) if sliding else None,
             torch_dtype=d.get("torch_dtype") or d.get("dtype"),
             **({"layer_types": layer_types} if layer_types else {}),
@@ -235,6 +249,9 @@ class ModelSpec:
             **(moe_facts(d, entry.always_norm_topk, entry.sparse_step) if entry.moe else {}),
             **(hybrid_facts(d, int(d["num_hidden_layers"]), rope_params) if entry.hybrid else {}),
             **(deepseek_facts(arch, d) if entry.deepseek else {}),
+            **(gpt_oss_facts(d, int(d["num_hidden_layers"])) if entry.gpt_oss else {}),
+            **(gemma3_facts(d) if entry.gemma3 else {}),
+            **(glm4_moe_facts(d, rope_params) if entry.glm4_moe else {}),
         )
 
     def with_quantization(self, quantization: str | None) -> ModelSpec:
@@ -259,13 +276,19 @@ class ModelSpec:
         return cls.from_dict(json.loads(cfg.read_text()))
 
 
-def refuse_unbuilt(arch: str, qkv_bias: bool, d: dict[str, Any]) -> None:
+def refuse_unbuilt(arch: str, qkv_bias: bool, d: dict[str, Any], gelu: bool = False) -> None:
     """What changes the math and is not built: refused by name rather than scored differently
     (an activation) or failing on a checkpoint tensor with "no place" (biases; weight formats
     are refused by ``layers.formats.format_name``). ``d`` holds a vision-language config's top
-    level and its text model's keys."""
+    level and its text model's keys. ``gelu``: the family's MLP is GELU(tanh)-gated (Gemma,
+    whose transformers code reads ``hidden_activation``)."""
     act = d.get("hidden_act", d.get("hidden_activation", "silu"))
-    if act not in ("silu", "swish"):
+    if gelu:
+        act = d.get("hidden_activation", d.get("hidden_act", "gelu_pytorch_tanh"))
+        if act != "gelu_pytorch_tanh":
+            raise UnsupportedModelError(f"{arch} with hidden_activation={act!r} is not supported "
+                                        "(gelu_pytorch_tanh-gated MLPs only)")
+    elif act not in ("silu", "swish"):
         raise UnsupportedModelError(f"{arch} with hidden_act={act!r} is not supported (SiLU-gated MLPs only)")
     if d.get("mlp_bias"):
         raise UnsupportedModelError(f"{arch} with mlp_bias=true is not supported")

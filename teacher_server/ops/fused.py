@@ -25,10 +25,13 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
+from teacher_server.ops.clamped_swiglu import clamped_swiglu
 from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
-from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, rms_norm
+from teacher_server.ops.gelu_mul import gelu_tanh_mul
+from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add_rms_norm, rms_norm
+from teacher_server.ops.partial_rope import partial_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
 
@@ -67,7 +70,9 @@ class _Guarded:
 
 
 _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
-                                "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep}
+                                "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep,
+                                "gelu_tanh_mul": gelu_tanh_mul, "partial_qk_prep": partial_qk_prep,
+                                "norm_add_rms_norm": norm_add_rms_norm, "clamped_swiglu": clamped_swiglu}
 
 
 class FusedOps:
@@ -82,6 +87,10 @@ class FusedOps:
     qkv_prep: Callable
     gated_rms_norm: Callable
     linear_prep: Callable
+    clamped_swiglu: Callable  # gpt-oss's expert activation (``ops.clamped_swiglu``)
+    gelu_tanh_mul: Callable
+    partial_qk_prep: Callable
+    norm_add_rms_norm: Callable
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:

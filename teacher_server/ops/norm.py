@@ -44,3 +44,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     """(x + delta, rms_norm(x + delta)): the residual stream and the next block's input."""
     s = x + delta
     return s, rms_norm(s, weight, eps)
+
+
+def norm_add_rms_norm(x: torch.Tensor, delta: torch.Tensor, post: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + rms_norm(delta, post), its rms_norm with ``weight``): Gemma's post-norm of a block's
+    output, the residual add and the next block's input norm, one compiled stage."""
+    return add_rms_norm(x, rms_norm(delta, post, eps), weight, eps)

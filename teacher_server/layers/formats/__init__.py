@@ -36,7 +36,6 @@ NOT_BUILT: dict[str, str] = {
     "gptq": "GPTQ integer weights",
     "awq": "AWQ integer weights",
     "bitsandbytes": "bitsandbytes 8-bit / 4-bit weights",
-    "mxfp4": "MXFP4 weights",
     "modelopt": "ModelOpt FP8 / NVFP4 weights",
     "gguf": "GGUF quantized weights",
     "hqq": "HQQ integer weights",
@@ -126,3 +125,10 @@ def format_name(quantization_config: Any) -> str:
 def make_format(name: str, quantization_config: dict[str, Any]) -> WeightFormat:
     """The format registered as ``name`` (``format_name``'s answer), made from the config."""
     return FORMATS[name](quantization_config)
+
+
+@register_format("mxfp4")
+def _mxfp4(config: dict[str, Any]) -> WeightFormat:
+    from teacher_server.layers.formats.mxfp4 import Mxfp4
+
+    return Mxfp4()  # gpt-oss's experts, dequantized at load
