@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 from attn_util import CpuCudnn
+from family_helpers import cpu_engine, lazy_checkpoints, prefix_group
 from gemma_glm_ref import make_gemma3_checkpoint
 from test_attention_plan import fe_backend  # noqa: F401  (the fixture)
 from test_parity import VOCAB, check, family_rng, make_requests
 
 from teacher_server.cache_layout import FULL, SLIDING
-from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.models.gemma3 import ScaledEmbedding
@@ -28,20 +28,12 @@ from teacher_server.unsupported import UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("gemma3")
-
-    class Lazy(dict):
-        def __missing__(self, name: str):
-            self[name] = make_gemma3_checkpoint(name, root / name)
-            return self[name]
-
-    return Lazy()
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return lazy_checkpoints(tmp_path_factory.mktemp("gemma3"), make_gemma3_checkpoint)
 
 
 def engine(path, budget: int = 32, **kw) -> Engine:
-    return Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=8,
-                         num_kv_blocks=256, max_model_len=512, **kw))
+    return cpu_engine(path, budget, **kw)
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma3_capped", "gemma3_vl"])
@@ -113,15 +105,8 @@ def test_prefix_hits(ckpt) -> None:
     """A GRPO group computes its 45-token prompt once (past the 12-key window); later members
     start from its cached keys and still match the reference."""
     path = ckpt["gemma3"]
-    eng = engine(path, budget=64)
-    rng = np.random.default_rng(8)
-    prompt = rng.integers(0, VOCAB, 45)
-    reqs = [ScoreRequest(f"g{j}", np.concatenate([prompt, rng.integers(0, VOCAB, 20 + 7 * j)]), 44,
-                         rng.choice(VOCAB, 5, replace=False), max_tokens=1) for j in range(4)]
-    first = eng.run_to_completion(reqs[:1])
-    rest = eng.run_to_completion(reqs[1:])
-    assert all(r.cached_tokens >= 40 for r in rest), [r.cached_tokens for r in rest]
-    check(path, reqs, first + rest)
+    reqs, results = prefix_group(engine(path, budget=64), VOCAB)
+    check(path, reqs, results)
 
 
 def test_tp2_equals_tp1(ckpt) -> None:

@@ -10,35 +10,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from family_helpers import cpu_engine, lazy_checkpoints, prefix_group
 from oss_ref import GPT_OSS, make_gpt_oss_checkpoint
 from reference import hf_model
 from test_parity import VOCAB, check, family_rng, make_requests
 
 from teacher_server.attention.sdpa import sdpa_one
 from teacher_server.attention.sinks import apply_sinks
-from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreRequest
 from teacher_server.layers.formats.mxfp4 import dequantize, quantize
 from teacher_server.models.spec import ModelSpec
 from teacher_server.unsupported import UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("gpt_oss")
-
-    class Lazy(dict):
-        def __missing__(self, name: str):
-            self[name] = make_gpt_oss_checkpoint(name, root / name)
-            return self[name]
-
-    return Lazy()
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return lazy_checkpoints(tmp_path_factory.mktemp("gpt_oss"), make_gpt_oss_checkpoint)
 
 
-def engine(path, budget: int = 32) -> Engine:
-    return Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=8,
-                         num_kv_blocks=256, max_model_len=512))
+def engine(path, budget: int = 32, **kw) -> Engine:
+    return cpu_engine(path, budget, **kw)
 
 
 def test_parity_cpu(ckpt) -> None:
@@ -54,15 +45,8 @@ def test_prefix_hits(ckpt) -> None:
     """A GRPO group's later members start from the cached prompt (the windowed layers read the
     prefix's keys through the window) and still match the reference."""
     path = ckpt["plain"]
-    eng = engine(path, budget=64)
-    rng = np.random.default_rng(8)
-    prompt = rng.integers(0, VOCAB, 45)
-    reqs = [ScoreRequest(f"g{j}", np.concatenate([prompt, rng.integers(0, VOCAB, 20 + 7 * j)]), 44,
-                         rng.choice(VOCAB, 5, replace=False), max_tokens=1) for j in range(4)]
-    first = eng.run_to_completion(reqs[:1])
-    rest = eng.run_to_completion(reqs[1:])
-    assert all(r.cached_tokens >= 40 for r in rest), [r.cached_tokens for r in rest]
-    check(path, reqs, first + rest)
+    reqs, results = prefix_group(engine(path, budget=64), VOCAB)
+    check(path, reqs, results)
 
 
 def test_spec_windows_and_sinks(ckpt) -> None:

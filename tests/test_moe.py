@@ -10,12 +10,12 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from family_helpers import cpu_engine, prefix_group
 from reference import MOE_FAMILIES, errors_vs_reference, hf_model
 from test_parity import VOCAB, check, family_rng, long_requests, make_requests
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreRequest
 from teacher_server.layers.moe import SparseMoe
 from teacher_server.layers.runtime import Runtime
 from teacher_server.models.loader import load_model
@@ -31,8 +31,7 @@ from teacher_server.ops.grouped_mm import (
 
 
 def engine(path, budget: int = 32, **kw) -> Engine:
-    return Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=8,
-                         num_kv_blocks=256, max_model_len=512, **kw))
+    return cpu_engine(path, budget, **kw)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -60,15 +59,8 @@ def test_moe_prefix_hits(family: str, checkpoints) -> None:
     """A GRPO-like group (one prompt, several responses) computes the prompt once and the
     later members, started from cached prefix blocks, still match the reference."""
     path = checkpoints[family]
-    eng = engine(path, budget=64)
-    rng = np.random.default_rng(8)
-    prompt = rng.integers(0, VOCAB, 45)
-    reqs = [ScoreRequest(f"g{j}", np.concatenate([prompt, rng.integers(0, VOCAB, 20 + 7 * j)]), 44,
-                         rng.choice(VOCAB, 5, replace=False), max_tokens=1) for j in range(4)]
-    first = eng.run_to_completion(reqs[:1])
-    rest = eng.run_to_completion(reqs[1:])
-    assert all(r.cached_tokens > 0 for r in rest), [r.cached_tokens for r in rest]
-    check(path, reqs, first + rest)
+    reqs, results = prefix_group(engine(path, budget=64), VOCAB, min_cached=1)
+    check(path, reqs, results)
 
 
 def hf_routing(path, token_ids: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -6,16 +6,14 @@ routing picks transformers' experts. Qwen3.6's configs load as Qwen3.5-MoE."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
+from family_helpers import cpu_engine, prefix_group
 from oss_ref import make_qwen3_next_checkpoint
 from reference import hf_model
 from test_parity import VOCAB, check, family_rng, make_requests
 
-from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ScoreRequest
 from teacher_server.models.spec import ModelSpec
 
 
@@ -24,9 +22,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory):
     return make_qwen3_next_checkpoint(tmp_path_factory.mktemp("qwen3_next") / "tiny")
 
 
-def engine(path, budget: int = 32) -> Engine:
-    return Engine(Config(model=str(path), device="cpu", max_num_batched_tokens=budget, block_size=8,
-                         num_kv_blocks=256, max_model_len=512))
+def engine(path, budget: int = 32, **kw) -> Engine:
+    return cpu_engine(path, budget, **kw)
 
 
 def test_parity_cpu(ckpt) -> None:
@@ -36,15 +33,8 @@ def test_parity_cpu(ckpt) -> None:
 
 def test_prefix_hits(ckpt) -> None:
     """Later members of a group start from the cached prompt's KV and linear states."""
-    eng = engine(ckpt, budget=64)
-    rng = np.random.default_rng(8)
-    prompt = rng.integers(0, VOCAB, 45)
-    reqs = [ScoreRequest(f"g{j}", np.concatenate([prompt, rng.integers(0, VOCAB, 20 + 7 * j)]), 44,
-                         rng.choice(VOCAB, 5, replace=False), max_tokens=1) for j in range(3)]
-    first = eng.run_to_completion(reqs[:1])
-    rest = eng.run_to_completion(reqs[1:])
-    assert all(r.cached_tokens >= 40 for r in rest), [r.cached_tokens for r in rest]
-    check(ckpt, reqs, first + rest)
+    reqs, results = prefix_group(engine(ckpt, budget=64), VOCAB, members=3)
+    check(ckpt, reqs, results)
 
 
 def test_spec_and_routing(ckpt) -> None:
