@@ -1,0 +1,128 @@
+"""Several teachers behind one service: the ``teachers`` setting read from its forms (a YAML
+list of mappings, ``NAME=MODEL,key=value,...`` texts from a flag or a variable, a JSON list)
+and each teacher's own configuration made from it.
+
+A teacher entry takes the keys of a single-teacher configuration; the top-level settings are
+its defaults. The front's settings (address, TLS, body and byte limits, the API key, ...) are
+the service's, one for all teachers, and refused in an entry; so are the top-level model
+settings beside ``teachers`` (each teacher names its own)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+if TYPE_CHECKING:
+    from teacher_server.config import Config
+
+# One per service: read by the HTTP front, never by a teacher's engine.
+FRONT_KEYS = frozenset({
+    "host", "port", "api_key", "auth_exempt_health", "auth_exempt_metrics", "max_body_bytes", "header_timeout_s",
+    "body_timeout_s", "body_read_slots", "max_inflight_bytes", "max_queue_wait_s", "request_timeout_s",
+    "shutdown_timeout_s", "vllm_metric_names", "log_level", "log_json", "ssl_keyfile", "ssl_certfile", "root_path",
+    "allowed_origins", "teachers"})
+# A teacher's own, never a default for the others.
+MODEL_KEYS = ("model", "revision", "served_model_name", "served_model_aliases")
+
+
+def parse_teachers(value: Any) -> Any:
+    """The ``teachers`` setting as a list of mappings; other shapes are left to the field's own
+    validation (its message names the field)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        if text.startswith("["):  # a JSON (YAML) list, as a variable holds it
+            try:
+                return parse_teachers(yaml.safe_load(text))
+            except yaml.YAMLError:
+                raise ValueError(f"{text[:80]!r} is not a JSON list") from None
+        return [parse_spec(text)]
+    if isinstance(value, list | tuple):
+        return [parse_spec(v) if isinstance(v, str) else v for v in value]
+    return value
+
+
+def parse_spec(text: str) -> dict[str, Any]:
+    """``NAME=MODEL,key=value,...`` (one teacher as a flag gives it) -> its mapping; a value is
+    read as YAML (numbers, booleans, lists: ``gpus=[2,3]``), and a comma inside brackets does
+    not split."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    out: dict[str, Any] = {}
+    for i, part in enumerate(p.strip() for p in parts):
+        key, sep, val = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"teacher {text[:80]!r}: {part[:40]!r} is not key=value (the form is "
+                             f"NAME=MODEL,key=value,...)")
+        key = key.strip().replace("-", "_")
+        if i == 0 and key not in _known_keys():  # NAME=MODEL
+            out["name"], out["model"] = key, val.strip()
+            continue
+        try:
+            out[key] = yaml.safe_load(val) if val.strip() else None
+        except yaml.YAMLError:
+            out[key] = val.strip()
+    return out
+
+
+def _known_keys() -> set[str]:
+    from teacher_server.config import Config
+
+    return {*Config.model_fields, "name"}
+
+
+def teacher_configs(cfg: Config) -> list[Config]:
+    """Each teacher's configuration: ``cfg`` alone without ``teachers``; else ``cfg``'s engine
+    settings overridden by each entry's. A teacher runs in processes of its own
+    (``engine_process`` on unless the entry says otherwise), so teachers never share a GIL."""
+    from teacher_server.config import Config
+
+    if not cfg.teachers:
+        return [cfg]
+    given = [k for k in MODEL_KEYS if k in cfg.model_fields_set and getattr(cfg, k) not in (None, [])]
+    if given:
+        raise ValueError(f"{', '.join(given)} belong(s) to each teacher when `teachers` is set: give them in its "
+                         f"entry")
+    base = cfg.model_dump(exclude={*FRONT_KEYS, *MODEL_KEYS})
+    out: list[Config] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(cfg.teachers):
+        entry = dict(entry)
+        if "name" in entry:
+            if "served_model_name" in entry:
+                raise ValueError(f"teachers[{i}]: name and served_model_name both given (they are one setting)")
+            entry["served_model_name"] = entry.pop("name")
+        front = sorted(set(entry) & FRONT_KEYS)
+        if front:
+            raise ValueError(f"teachers[{i}]: {', '.join(front)} is the service's (one for all teachers): set it at "
+                             f"the top level")
+        unknown = sorted(set(entry) - set(Config.model_fields))
+        if unknown:
+            from teacher_server.did_you_mean import did_you_mean
+
+            hints = [f"{k}{did_you_mean(k, list(Config.model_fields))}" for k in unknown]
+            raise ValueError(f"teachers[{i}]: unknown setting(s): {'; '.join(hints)}")
+        values = {**base, "engine_process": True, **entry}
+        try:
+            t = Config(**values)
+        except ValueError as e:  # (pydantic's ValidationError is one)
+            errs = getattr(e, "errors", None)
+            msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
+                            for err in errs()) if callable(errs) else str(e)
+            raise ValueError(f"teachers[{i}]: {msg}") from None
+        for name in t.served_names:
+            if name in seen:
+                raise ValueError(f"teachers[{i}]: the name {name!r} is teachers[{seen[name]}]'s too; give each "
+                                 f"teacher its own `name`")
+            seen[name] = i
+        out.append(t)
+    return out
