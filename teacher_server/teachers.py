@@ -9,6 +9,7 @@ settings beside ``teachers`` (each teacher names its own)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -92,7 +93,8 @@ def teacher_configs(cfg: Config) -> list[Config]:
     if given:
         raise ValueError(f"{', '.join(given)} belong(s) to each teacher when `teachers` is set: give them in its "
                          f"entry")
-    base = cfg.model_dump(exclude={*FRONT_KEYS, *MODEL_KEYS})
+    # the front's settings are carried too (a teacher's processes log as the service does)
+    base = cfg.model_dump(exclude={"teachers", *MODEL_KEYS})
     out: list[Config] = []
     seen: dict[str, int] = {}
     for i, entry in enumerate(cfg.teachers):
@@ -111,7 +113,7 @@ def teacher_configs(cfg: Config) -> list[Config]:
 
             hints = [f"{k}{did_you_mean(k, list(Config.model_fields))}" for k in unknown]
             raise ValueError(f"teachers[{i}]: unknown setting(s): {'; '.join(hints)}")
-        values = {**base, "engine_process": True, **entry}
+        values = {**base, "engine_process": True, "gpus": [], **entry}
         try:
             t = Config(**values)
         except ValueError as e:  # (pydantic's ValidationError is one)
@@ -125,4 +127,32 @@ def teacher_configs(cfg: Config) -> list[Config]:
                                  f"teacher its own `name`")
             seen[name] = i
         out.append(t)
+    return _share_gpus(cfg, out)
+
+
+def _share_gpus(cfg: Config, teachers: list[Config]) -> list[Config]:
+    """Teachers without ``gpus`` of their own take the next GPUs in order, each its
+    tensor_parallel_size x data_parallel_size of them, out of the service's (``gpus``, else
+    CUDA_VISIBLE_DEVICES, else device ordinals), leaving out those a teacher names: two teachers
+    never land on one GPU unless told to. On the CPU nothing is given."""
+    named = {g for t in teachers if t.gpus for g in t.gpus}
+    if cfg.gpus:
+        pool = list(cfg.gpus)
+    elif os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        pool = [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    else:  # ordinals, as many as asked for (the replicas say so at start-up when there are fewer)
+        pool = [str(i) for i in range(sum(t.tensor_parallel_size * t.data_parallel_size for t in teachers)
+                                      + len(named))]
+    free = [g for g in pool if g not in named]
+    out = []
+    for i, t in enumerate(teachers):
+        if t.gpus or t.device == "cpu" or "gpus" in cfg.teachers[i]:
+            out.append(t)
+            continue
+        need = t.tensor_parallel_size * t.data_parallel_size
+        if need > len(free):
+            raise ValueError(f"teachers[{i}] ({t.served_name}) needs {need} GPU(s) and {len(free)} are left of "
+                             f"{','.join(pool)}: give the teachers their `gpus`, or fewer replicas")
+        out.append(t.model_copy(update={"gpus": free[:need]}))
+        free = free[need:]
     return out
