@@ -127,7 +127,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         """200 `{"status": "ready"}` when the engine (every replica) can serve; 200
         `{"status": "degraded", "replicas_serving", "replicas", "message"}` while some replicas
         serve and others are down or restarting; 503 with `status` "loading", "draining" or
-        "failed" (and the error shape, naming what is down) when none can serve."""
+        "failed" (and the error shape, naming what is down) when none can serve. With several
+        teachers (`teachers`), the same per teacher under `teachers`, and 503 when any teacher
+        cannot serve at all (docs/teachers.md)."""
         st = request.app.state
         if st.teachers.single is None:
             return teachers_health(st)
@@ -199,14 +201,16 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         `return_tokens_as_token_ids`; vLLM's response and error shapes (see docs/trainers.md)."""
         return await handle_scoring(request, cfg, "completions", parse_completion, build_completion)
 
-    @app.post("/generate", responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+    @app.post("/generate", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                                      429: {"model": ErrorResponse},
                                       503: {"model": ErrorResponse}},
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": SGLangGenerateRequest.model_json_schema()}}}})
     async def sglang_generate(request: Request) -> Response:
         """SGLang's native `/generate` for teacher scoring: `input_ids`, `return_logprob`,
         `logprob_start_len`, `top_logprobs_num`, `token_ids_logprob`, `max_new_tokens` 0/1;
-        SGLang's `meta_info` (see docs/trainers.md)."""
+        SGLang's `meta_info` (see docs/trainers.md). With several teachers, `model` names one
+        (404 for an unknown one)."""
         return await handle_scoring(request, cfg, "sglang-generate", parse_sglang, build_sglang)
 
     register_schemas(app)
