@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from teacher_server.did_you_mean import DTYPE_HINTS, did_you_mean
+from teacher_server.teachers import TeacherSettings
 
 ENV_PREFIX = "TEACHER_SERVER_"
 
@@ -36,7 +37,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
-class Config(BaseModel):
+class Config(TeacherSettings):
     """Every setting of the service. Built once at startup, passed down explicitly."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -157,17 +158,6 @@ class Config(BaseModel):
         2.0, ge=0, description="Delay before a failed replica restarts (doubled after quick failures, up to 64x).")
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="A replica silent this long (it beats each second: stopped or hung) is killed.")
-    gpus: list[str] = Field(
-        [], description="The GPUs (CUDA device ids) the replicas take, in order, each its tensor_parallel_size of "
-                        "them; empty: those of CUDA_VISIBLE_DEVICES (all when unset). In a teacher of `teachers`: "
-                        "that teacher's GPUs.")
-    teachers: list[dict[str, Any]] = Field(
-        [], description="Several teachers behind one service, each chosen by the requests' `model` (docs/teachers.md): "
-                        "a list of mappings with the keys of a single-teacher configuration (model, name or "
-                        "served_model_name, dtype, tensor_parallel_size, data_parallel_size, gpus, ...); the "
-                        "top-level engine settings are their defaults. As a flag or variable: "
-                        "`NAME=MODEL,key=value,...` per teacher, or a JSON list. Empty: one teacher, the top-level "
-                        "model.")
 
     # --- server ------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="Address to listen on.")
@@ -249,22 +239,6 @@ class Config(BaseModel):
                              f"use auto (or leave the flag out)")
         return v
 
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _gpu_ids(cls, v: Any) -> Any:
-        if isinstance(v, int):
-            return [str(v)]
-        if isinstance(v, list | tuple):  # YAML's [0, 1]: ids as CUDA_VISIBLE_DEVICES spells them
-            return [str(x) if isinstance(x, int) else x for x in v]
-        return cls._list_from_text(v)
-
-    @field_validator("teachers", mode="before")
-    @classmethod
-    def _teacher_specs(cls, v: Any) -> Any:
-        from teacher_server.teachers import parse_teachers
-
-        return parse_teachers(v)
-
     @field_validator("served_model_aliases", "allowed_origins", mode="before")
     @classmethod
     def _list_from_text(cls, v: Any) -> Any:
@@ -309,16 +283,7 @@ class Config(BaseModel):
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
-        if self.teachers:
-            self.teacher_configs()  # each teacher's settings validated now, its errors named
         return self
-
-    def teacher_configs(self) -> list[Config]:
-        """The configuration of each teacher served: this one alone, or one per ``teachers``
-        entry (this one's settings as defaults); teacher_server.teachers."""
-        from teacher_server.teachers import teacher_configs
-
-        return teacher_configs(self)
 
     # ---------------------------------------------------------------------------------
     @classmethod

@@ -10,12 +10,12 @@ settings beside ``teachers`` (each teacher names its own)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-if TYPE_CHECKING:
-    from teacher_server.config import Config
+from teacher_server.did_you_mean import did_you_mean
 
 # One per service: read by the HTTP front, never by a teacher's engine.
 FRONT_KEYS = frozenset({
@@ -27,25 +27,69 @@ FRONT_KEYS = frozenset({
 MODEL_KEYS = ("model", "revision", "served_model_name", "served_model_aliases")
 
 
-def parse_teachers(value: Any) -> Any:
-    """The ``teachers`` setting as a list of mappings; other shapes are left to the field's own
-    validation (its message names the field)."""
+class TeacherSettings(BaseModel):
+    """The settings of several teachers, a part of ``config.Config`` (its base class)."""
+
+    gpus: list[str] = Field(
+        [], description="The GPUs (CUDA device ids) the replicas take, in order, each its tensor_parallel_size of "
+                        "them; empty: those of CUDA_VISIBLE_DEVICES (all when unset). In a teacher of `teachers`: "
+                        "that teacher's GPUs.")
+    teachers: list[dict[str, Any]] = Field(
+        [], description="Several teachers behind one service, each chosen by the requests' `model` (docs/teachers.md): "
+                        "a list of mappings with the keys of a single-teacher configuration (model, name or "
+                        "served_model_name, dtype, tensor_parallel_size, data_parallel_size, gpus, ...); the "
+                        "top-level engine settings are their defaults. As a flag or variable: "
+                        "`NAME=MODEL,key=value,...` per teacher, or a JSON list. Empty: one teacher, the top-level "
+                        "model.")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_ids(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a flag's or a variable's text: ids as CUDA_VISIBLE_DEVICES spells them
+            v = yaml.safe_load(v) if v.strip().startswith("[") else v.split(",")
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = [v]
+        if isinstance(v, list | tuple):  # (YAML's [0, 1]: numbers)
+            return [str(x).strip() if isinstance(x, int | str) and not isinstance(x, bool) else x for x in v
+                    if not (isinstance(x, str) and not x.strip())]
+        return v
+
+    @field_validator("teachers", mode="before")
+    @classmethod
+    def _teacher_specs(cls, v: Any) -> Any:
+        return parse_teachers(v, set(cls.model_fields))
+
+    @model_validator(mode="after")
+    def _check_teachers(self) -> TeacherSettings:
+        if self.teachers:
+            self.teacher_configs()  # each teacher's settings validated now, its errors named
+        return self
+
+    def teacher_configs(self) -> list[Any]:
+        """The configuration of each teacher served: this one alone, or one per ``teachers``
+        entry (this one's settings as defaults)."""
+        return teacher_configs(self)
+
+
+def parse_teachers(value: Any, known: set[str]) -> Any:
+    """The ``teachers`` setting as a list of mappings (``known``: the setting names); other
+    shapes are left to the field's own validation (its message names the field)."""
     if isinstance(value, str):
         text = value.strip()
         if not text:
             return []
         if text.startswith("["):  # a JSON (YAML) list, as a variable holds it
             try:
-                return parse_teachers(yaml.safe_load(text))
+                return parse_teachers(yaml.safe_load(text), known)
             except yaml.YAMLError:
                 raise ValueError(f"{text[:80]!r} is not a JSON list") from None
-        return [parse_spec(text)]
+        return [parse_spec(text, known)]
     if isinstance(value, list | tuple):
-        return [parse_spec(v) if isinstance(v, str) else v for v in value]
+        return [parse_spec(v, known) if isinstance(v, str) else v for v in value]
     return value
 
 
-def parse_spec(text: str) -> dict[str, Any]:
+def parse_spec(text: str, known: set[str]) -> dict[str, Any]:
     """``NAME=MODEL,key=value,...`` (one teacher as a flag gives it) -> its mapping; a value is
     read as YAML (numbers, booleans, lists: ``gpus=[2,3]``), and a comma inside brackets does
     not split."""
@@ -65,7 +109,7 @@ def parse_spec(text: str) -> dict[str, Any]:
             raise ValueError(f"teacher {text[:80]!r}: {part[:40]!r} is not key=value (the form is "
                              f"NAME=MODEL,key=value,...)")
         key = key.strip().replace("-", "_")
-        if i == 0 and key not in _known_keys():  # NAME=MODEL
+        if i == 0 and key not in known and key != "name":  # NAME=MODEL
             out["name"], out["model"] = key, val.strip()
             continue
         try:
@@ -75,18 +119,12 @@ def parse_spec(text: str) -> dict[str, Any]:
     return out
 
 
-def _known_keys() -> set[str]:
-    from teacher_server.config import Config
-
-    return {*Config.model_fields, "name"}
-
-
-def teacher_configs(cfg: Config) -> list[Config]:
+def teacher_configs(cfg: BaseModel) -> list[BaseModel]:
     """Each teacher's configuration: ``cfg`` alone without ``teachers``; else ``cfg``'s engine
     settings overridden by each entry's. A teacher runs in processes of its own
-    (``engine_process`` on unless the entry says otherwise), so teachers never share a GIL."""
-    from teacher_server.config import Config
-
+    (``engine_process`` on unless the entry says otherwise), so teachers never share a GIL.
+    (``cfg`` is a ``config.Config``, which reads this module: its class is taken from it.)"""
+    make = type(cfg)
     if not cfg.teachers:
         return [cfg]
     given = [k for k in MODEL_KEYS if k in cfg.model_fields_set and getattr(cfg, k) not in (None, [])]
@@ -95,7 +133,7 @@ def teacher_configs(cfg: Config) -> list[Config]:
                          f"entry")
     # the front's settings are carried too (a teacher's processes log as the service does)
     base = cfg.model_dump(exclude={"teachers", *MODEL_KEYS})
-    out: list[Config] = []
+    out: list[BaseModel] = []
     seen: dict[str, int] = {}
     for i, entry in enumerate(cfg.teachers):
         entry = dict(entry)
@@ -107,15 +145,13 @@ def teacher_configs(cfg: Config) -> list[Config]:
         if front:
             raise ValueError(f"teachers[{i}]: {', '.join(front)} is the service's (one for all teachers): set it at "
                              f"the top level")
-        unknown = sorted(set(entry) - set(Config.model_fields))
+        unknown = sorted(set(entry) - set(make.model_fields))
         if unknown:
-            from teacher_server.did_you_mean import did_you_mean
-
-            hints = [f"{k}{did_you_mean(k, list(Config.model_fields))}" for k in unknown]
+            hints = [f"{k}{did_you_mean(k, list(make.model_fields))}" for k in unknown]
             raise ValueError(f"teachers[{i}]: unknown setting(s): {'; '.join(hints)}")
         values = {**base, "engine_process": True, "gpus": [], **entry}
         try:
-            t = Config(**values)
+            t = make(**values)
         except ValueError as e:  # (pydantic's ValidationError is one)
             errs = getattr(e, "errors", None)
             msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
@@ -130,7 +166,7 @@ def teacher_configs(cfg: Config) -> list[Config]:
     return _share_gpus(cfg, out)
 
 
-def _share_gpus(cfg: Config, teachers: list[Config]) -> list[Config]:
+def _share_gpus(cfg: BaseModel, teachers: list[BaseModel]) -> list[BaseModel]:
     """Teachers without ``gpus`` of their own take the next GPUs in order, each its
     tensor_parallel_size x data_parallel_size of them, out of the service's (``gpus``, else
     CUDA_VISIBLE_DEVICES, else device ordinals), leaving out those a teacher names: two teachers
