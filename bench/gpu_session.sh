@@ -135,6 +135,11 @@ for step in ${STEPS:-tests}; do
     # Qwen3-30B-A3B's experts, bf16 against FP8 tensor/row/block, sustained ($FP8_ARGS: e.g. "--sustain-s 12")
     fp8ops) python3 -m pytest $PT -m gpu tests/test_fp8_ops.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -25
       python3 bench/bench_fp8.py ${FP8_ARGS:-} --out "$OUT/fp8_ops_h200.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40 ;;
+    # FP8 checkpoints on the GPU: each layout's modes and error against transformers' FP8 path
+    fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25 ;;
+    # FP8 accuracy on a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, KL(bf16 || FP8)
+    # (the checkpoints are kept under /tmp/ts-fp8-accuracy: a second call on the same machine skips writing them)
+    fp8acc) python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
     # DeepSeek-V3-class (latent attention, DeepSeekMoE): the GPU tests (each attention backend's answer to v
     # narrower than k is printed), q/k 192 with v 128 against dense 128 per backend, Moonlight-16B-A3B on W1f in-process and through HTTP beside transformers'
     # DeepSeek-V3 forward, then DeepSeek-V3's layer shape (7 layers: 3 dense, 4 expert) on W1f

@@ -72,6 +72,9 @@ class Config(TeacherSettings):
     served_model_aliases: list[str] = Field(
         [], description="Further names accepted as `model` besides served_model_name (`--served-model-name a b` "
                         "as vLLM: the first is the served name, the others aliases; in a variable, comma-separated).")
+    quantization: Literal["fp8"] | None = Field(
+        None, description="fp8: quantize a bf16 checkpoint to FP8 e4m3 at load (per-row weight scales, per-token "
+                          "activations; vLLM's flag). None: the checkpoint as it is (docs/fp8.md).")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(

@@ -19,7 +19,7 @@ from teacher_server.human_int import human_int
 PREFIX = "vllmflag_"
 
 # short forms of our own flags, by Config field
-ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"]}
+ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"], "quantization": ["-q"]}
 
 # accepted and ignored: flag -> why it means nothing here (logged once at start-up)
 NO_EFFECT = {

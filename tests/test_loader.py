@@ -148,7 +148,7 @@ def test_registry_maps_each_architecture_to_its_family_class() -> None:
     ({"hidden_act": "relu"}, "hidden_act='relu'"),
     ({"attention_bias": True}, "attention_bias=true"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantized checkpoints"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "without low_freq_factor, high_freq_factor"),
 ])
 def test_what_changes_the_math_and_is_not_built_is_refused_by_name(change: dict, says: str) -> None:
@@ -285,4 +285,4 @@ def test_a_vision_language_config_is_read_at_its_top_level_too() -> None:
                                 }).tie_word_embeddings is True
     assert ModelSpec.from_dict({k: v for k, v in vl.items() if k != "tie_word_embeddings"}).tie_word_embeddings is None
     with pytest.raises(UnsupportedModelError, match="quantized checkpoints"):
-        ModelSpec.from_dict({**vl, "quantization_config": {"quant_method": "fp8"}})
+        ModelSpec.from_dict({**vl, "quantization_config": {"quant_method": "gptq"}})

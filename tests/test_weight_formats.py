@@ -2,7 +2,8 @@
 (one class plus one registry entry), loads a block-scaled checkpoint of each kind of family
 and scores as transformers' float32 forward of the unscaled weights; its scales are sliced
 with each tensor-parallel rank's weights; formats that are not built are refused by name,
-and a shard that would cut a scale block is refused when the model is built."""
+and a shard that would cut a scale block is refused when the model is built (a fused
+projection whose parts cut them is held in the model dtype). The FP8 formats: test_fp8.py."""
 
 from __future__ import annotations
 
@@ -194,15 +195,19 @@ def test_each_rank_holds_the_scales_of_its_slice(checkpoints, block_scaled: list
 
 def test_a_shard_that_cuts_a_block_is_refused_when_built(checkpoints, block_scaled: list[BlockScaled],
                                                          tmp_path) -> None:
-    """Scale blocks must not straddle two ranks or two fused parts: the model is not built."""
+    """Scale blocks must not straddle two ranks: the model is not built. A fused projection
+    whose parts cut the blocks is held in the model dtype instead."""
     wide = block_scale(checkpoints["qwen3"], tmp_path / "wide", (16, 48))
     spec = ModelSpec.from_dir(wide)
     load_model(wide, spec, torch.float32, CPU, load_format="dummy")  # tp 1: the column blocks end the axis
     with pytest.raises(ValueError, match=r"input columns: columns \[0, 64\) of 128 are not whole 48-column blocks"):
         load_model(wide, spec, torch.float32, CPU, load_format="dummy", tp=TensorParallel(2, 0))
+    # fused parts that cut the blocks (q: 128 rows of 48-row blocks): that projection is held
+    # in the model dtype (its parts dequantized as read), the others in the format
     tall = block_scale(checkpoints["qwen3"], tmp_path / "tall", (48, 16))
-    with pytest.raises(ValueError, match=r"q rows in the fused weight: rows \[0, 128\) of 256 are not whole 48-row"):
-        load_model(tall, ModelSpec.from_dir(tall), torch.float32, CPU, load_format="dummy")
+    model = load_model(tall, ModelSpec.from_dir(tall), torch.float32, CPU, load_format="dummy")
+    attn = model.layers[0].self_attn
+    assert attn.qkv_proj.fmt is UNQUANTIZED and attn.o_proj.fmt is model.weight_format
 
 
 BASE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32,
@@ -211,8 +216,9 @@ BASE = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_siz
 
 
 @pytest.mark.parametrize(("config", "says"), [
-    ({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}, "quant_method 'fp8' (FP8 e4m3"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "fbgemm_fp8"}, "quant_method 'fbgemm_fp8' (FP8 weights with per-row scales)"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_method 'modelopt'"),
+    ({"quant_method": "fp8_online"}, "quant_method 'fp8_online' (an unknown method)"),  # chosen by a flag only
     ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
     ({"quant_method": "awq"}, "quant_method 'awq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),

@@ -275,7 +275,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         device = rank_device(torch.device(device_name), rank)
         conn.send(("joining",))
         init_group(device, rank, size, make_store(rank, size, port))
-        spec = ModelSpec.from_dir(model_dir)
+        spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization)
         tp = tensor_parallel(cfg, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)

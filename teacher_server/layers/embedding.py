@@ -42,6 +42,7 @@ class VocabRows(nn.Module):
     of a tied model)."""
 
     role = "embedding"  # which layers of a checkpoint's format this is (``WeightFormat.for_layer``)
+    slots = ("weight",)
     bias = None
 
     def __init__(self, vocab: int, hidden: int, dtype: torch.dtype, device: torch.device,

@@ -16,6 +16,8 @@ own coordinates (``WeightFormat.span``).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -23,7 +25,10 @@ from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 
+log = logging.getLogger(__name__)
+
 Slice = tuple[int, int, int]  # (dim, start, length) of a checkpoint tensor
+_HELD_PLAIN: set[tuple[str, tuple[str, ...]]] = set()  # (format, parts) already reported
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -49,24 +54,34 @@ class MergedColumnLinear(nn.Module):
     count), laid out part after part. The bias stays in the model dtype whatever the format."""
 
     role = "linear"
+    slots = ("weight",)  # the weights its format holds (``WeightFormat.create``)
 
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dtype: torch.dtype,
                  device: torch.device, tp: TensorParallel = SINGLE, units: dict[str, int] | None = None,
                  fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
         self.tp = tp
-        self.fmt = fmt.for_layer(self.role)
+        fmt = fmt.for_layer(self.role)
         self.parts: dict[str, tuple[int, int]] = {}  # part -> (first row here, rows here)
         self.sources: dict[str, tuple[int, int]] = {}  # part -> (first row in the HF tensor, rows)
         off = 0
         for name, n in parts.items():
             start, local = tp.rows(n, f"{name} rows", (units or {}).get(name, 1))
-            self.fmt.check_shard(f"{name} rows", 0, start, local, n)
             self.parts[name] = (off, local)
             self.sources[name] = (start, local)
             off += local
-        for name, (at, local) in self.parts.items():  # each part's place in the fused weight
-            self.fmt.check_shard(f"{name} rows in the fused weight", 0, at, local, off)
+        # A part whose rows here, or whose place in the fused weight, cut the format's blocks
+        # (Qwen3.5's 48-row b and a beside 128-row blocks): the fused weight is held in the model
+        # dtype instead, its quantized parts dequantized as they are read (slower, exact).
+        cut = [name for name, n in parts.items()
+               if not (fmt.fits(0, *self.sources[name], n) and fmt.fits(0, *self.parts[name], off))]
+        if cut:
+            if (fmt.name, tuple(cut)) not in _HELD_PLAIN:
+                _HELD_PLAIN.add((fmt.name, tuple(cut)))
+                log.warning("a fused projection with parts %s is held in the model dtype: their rows cut the %s "
+                            "weight format's blocks of %s rows", ", ".join(cut), fmt.name, fmt.shard_unit[0])
+            fmt = UNQUANTIZED
+        self.fmt = fmt
         self.fmt.create(self, "weight", (off, in_features), dtype, device)
         self.bias = nn.Parameter(torch.empty(off, dtype=dtype, device=device), requires_grad=False) if bias else None
 
@@ -94,6 +109,8 @@ class RowLinear(nn.Module):
     partial sum; the partial sums are all-reduced (tp > 1)."""
 
     role = "linear"
+    slots = ("weight",)
+    split_columns = ("weight",)  # the slots whose input columns ranks split
     bias = None
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device,

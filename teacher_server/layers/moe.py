@@ -93,6 +93,8 @@ class ExpertWeights(nn.Module):
     slots, each with its extras). Loads per-expert tensors (stacked here) or stacked ones."""
 
     role = "experts"
+    slots = ("gate_up", "down")
+    split_columns = ("down",)  # the slots whose input columns ranks split
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:

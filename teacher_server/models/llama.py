@@ -99,10 +99,17 @@ class LlamaMLP(RuntimeModule):
         self.down_proj = RowLinear(i, spec.hidden_size, dtype, device, tp, fmt)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        p = self.gate_up_proj
+        """[T, hidden] -> the down projection's input [T, intermediate] (an FP8 down projection's
+        quantized in the SiLU-mul pass: ``WeightFormat.silu_mul_input``)."""
+        p, d = self.gate_up_proj, self.down_proj
         w = p.fmt.dense(p)  # [2I, H]; None: the format holds no plain weight for the fused kernel
         a = self.rt.ops.gate_up_act(h, w) if w is not None and p.bias is None else None  # one kernel where it runs
-        return a if a is not None else self.act(p(h))
+        if a is not None:
+            return a
+        gate_up = p(h)
+        # (a product in row parts, tp_comm_parts > 1, slices a plain tensor)
+        a = d.fmt.silu_mul_input(d, gate_up) if d.tp.comm_parts == 1 else None
+        return a if a is not None else self.act(gate_up)
 
 
 def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm,

@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from teacher_server.layers.formats.base import WeightFormat, extra_name
+from teacher_server.layers.formats.base import TensorInfo, WeightFormat, extra_name
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.models.registry import model_class
 from teacher_server.models.spec import ModelSpec
@@ -69,14 +69,16 @@ def read_slice(sf: object, name: str, sl: tuple[int, int, int] | None) -> torch.
     return part[index]
 
 
-def checkpoint_place(model: nn.Module, hf_name: str, extras: tuple[str, ...]) -> tuple[str, str, str | None] | None:
+def checkpoint_place(model: nn.Module, hf_name: str, extras: tuple[str, ...],
+                     aliases: dict[str, str] | None = None) -> tuple[str, str, str | None] | None:
     """(module path, parameter, fused part) of a checkpoint tensor, as the model maps it
     (``checkpoint_param``); an extra tensor of the weight format goes where its weight goes,
-    under the extra's name."""
+    under the extra's name (``aliases``: the name the layer holds a second spelling under)."""
     for suffix in extras:
         if hf_name.endswith("." + suffix):
             place = model.checkpoint_param(hf_name.removesuffix(suffix) + "weight")
-            return None if place is None else (place[0], extra_name(place[1], suffix), place[2])
+            held = (aliases or {}).get(suffix, suffix)
+            return None if place is None else (place[0], extra_name(place[1], held), place[2])
     return model.checkpoint_param(hf_name)
 
 
@@ -86,6 +88,8 @@ def finish_formats(model: nn.Module) -> None:
         fmt = getattr(m, "fmt", None)
         if isinstance(fmt, WeightFormat):
             fmt.process_after_load(m)
+    if torch.cuda.is_available():  # tensors a format replaced: back to the driver, so the KV pool sized from free
+        torch.cuda.empty_cache()   # memory gets what quantized weights saved
 
 
 def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
@@ -101,10 +105,13 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         finish_formats(model)
         return model
     files = checkpoint_files(path)
-    names: set[str] = set()
+    tensors: dict[str, TensorInfo] = {}  # every tensor's dtype and shape, from the files' headers
     for f in files:
         with open_checkpoint_file(f) as sf:
-            names.update(sf.keys())
+            for n in sf.keys():
+                info = sf.get_slice(n)
+                tensors[n] = TensorInfo(info.get_dtype(), tuple(info.get_shape()), f)
+    names = set(tensors)
     # config.json decides when it says; an untied model without lm_head.weight is then an error
     # (missing weights below), a tied one with it ignores it (as vLLM)
     tied = spec.tie_word_embeddings is True or (spec.tie_word_embeddings is None and "lm_head.weight" not in names)
@@ -112,14 +119,23 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp)
     filled: dict[str, int] = {}  # our parameter name -> count of parts written
-    extras = tuple(model.weight_format.extras)  # suffixes read beside a weight (a layer kept unquantized has none)
+    fmt = model.weight_format
+    extras = tuple(fmt.extras)  # suffixes read beside a weight (a layer kept unquantized has none)
     dev = "cpu" if device.type == "cpu" else str(device)
+    readers = fmt.plan_load(model, tensors, dtype)  # tensors read otherwise than as they are, or skipped
+
+    def fetch(name: str) -> torch.Tensor:
+        with open_checkpoint_file(tensors[name].file, dev) as other:
+            return other.get_tensor(name)
     t_all = time.perf_counter()
     for i, f in enumerate(files, 1):
         t0 = time.perf_counter()
         with open_checkpoint_file(f, dev) as sf:
             for hf_name in sf.keys():
-                place = checkpoint_place(model, hf_name, extras)
+                reader = readers.get(hf_name, read_slice)
+                if reader is None:
+                    continue
+                place = checkpoint_place(model, hf_name, extras, fmt.aliases)
                 if place is None:
                     continue
                 module, param, part = place
@@ -130,9 +146,12 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                 if owner is None or not hasattr(owner, "load_weight") or getattr(owner, param, None) is None:
                     raise ValueError(f"checkpoint tensor {hf_name} has no place in {spec.architecture} "
                                      f"(config/weights mismatch)")
-                where = getattr(owner, "checkpoint_slice", None)
-                sl = where(param, part) if where is not None else None
-                owner.load_weight(param, read_slice(sf, hf_name, sl), part, hf_name)
+                if reader is read_slice:
+                    where = getattr(owner, "checkpoint_slice", None)
+                    loaded = read_slice(sf, hf_name, where(param, part) if where is not None else None)
+                else:  # read whole, then as the format says (the layer cuts its slice)
+                    loaded = reader(sf.get_tensor(hf_name), fetch)
+                owner.load_weight(param, loaded, part, hf_name)
                 key = f"{module}.{param}"
                 filled[key] = filled.get(key, 0) + 1
         log.info("loaded checkpoint file %d/%d (%s, %.2f GB) in %.1fs", i, len(files), f.name,

@@ -7,7 +7,7 @@ Parsed by hand (no ``transformers`` at run time). Handles both the classic layou
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -254,6 +254,20 @@ class ModelSpec:
             **(gemma3_facts(d) if entry.gemma3 else {}),
             **(glm4_moe_facts(d, rope_params) if entry.glm4_moe else {}),
         )
+
+    def with_quantization(self, quantization: str | None) -> ModelSpec:
+        """This spec served with ``--quantization`` (None: as it is): ``fp8`` quantizes a bf16
+        checkpoint's projections and experts at load (``fp8_online``); a checkpoint quantized
+        already is refused."""
+        if quantization is None:
+            return self
+        if quantization != "fp8":
+            raise UnsupportedModelError(f"--quantization {quantization!r}: only fp8 is built")
+        if self.weight_format != "unquantized":
+            raise UnsupportedModelError(f"--quantization fp8 quantizes a bf16 checkpoint at load; this one is "
+                                        f"quantized already (quant_method {self.weight_format!r}): serve it "
+                                        f"without --quantization")
+        return replace(self, weight_format="fp8_online", quantization_config={"quant_method": "fp8_online"})
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:

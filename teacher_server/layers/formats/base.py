@@ -18,6 +18,12 @@ Shards. A block-scaled tensor holds one element per block of weight rows/columns
 tensor-parallel slice (or the place of a fused part) must start on a block and span whole
 blocks (or end the axis): ``check_shard`` refuses others when the layer is built, and
 ``span`` turns a slice of the weight into the matching slice of any of the layer's tensors.
+A block of 0 along an axis (``WHOLE``) is one element for the whole axis (a per-row scale
+[out, 1] has one column, whatever slice of the input columns a rank holds).
+
+Loading. ``plan_load`` sees every checkpoint tensor's dtype and shape before any is read and
+may say how some are to be read (``Reader``: e.g. a per-tensor scale widened to one per row,
+an FP8 weight of a layer held in the model dtype dequantized) or skipped.
 """
 
 from __future__ import annotations
@@ -25,14 +31,37 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 from torch import nn
 
+from teacher_server.unsupported import UnsupportedModelError
+
 # A grouped GEMM: [M, K] rows sorted by expert x [E, K, N] by expert, with the experts' row
 # ends [E] int32 -> [M, N] (``ops.grouped_mm.GroupedGemm``).
 GroupedMM = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+WHOLE = 0  # a block size: one element covers the whole axis
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A checkpoint tensor as its file's header describes it (safetensors dtype, e.g.
+    "BF16", "F8_E4M3")."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+
+
+# Reads another checkpoint tensor, whole, by name (on the loading device).
+Fetch = Callable[[str], torch.Tensor]
+# How a checkpoint tensor is read: (the whole tensor, fetch) -> what the layer's load_weight
+# gets (it cuts this rank's slice itself).
+Reader = Callable[[torch.Tensor, Fetch], torch.Tensor]
 
 
 def extra_name(slot: str, suffix: str) -> str:
@@ -49,6 +78,9 @@ class WeightFormat(ABC):
     # weight one of their elements covers (ceil-divided at the ends), e.g.
     # {"weight_scale_inv": (128, 128)}; set per instance where the checkpoint's config says.
     extras: dict[str, tuple[int, int]] = {}
+    # Checkpoint suffixes (of ``extras``) held on the layer under another suffix: two
+    # spellings of one tensor (``weight_scale`` read as ``weight_scale_inv``).
+    aliases: dict[str, str] = {}
 
     def for_layer(self, role: str) -> WeightFormat:
         """The format of a layer of ``role`` ("linear", "experts", "embedding", "lm_head"):
@@ -59,17 +91,23 @@ class WeightFormat(ABC):
     @property
     def shard_unit(self) -> tuple[int, int]:
         """The rows and columns a shard must be whole multiples of (1, 1: any slice)."""
-        return (math.lcm(1, *(b[0] for b in self.extras.values())),
-                math.lcm(1, *(b[1] for b in self.extras.values())))
+        return (math.lcm(1, *(b[0] for b in self.extras.values() if b[0] != WHOLE)),
+                math.lcm(1, *(b[1] for b in self.extras.values() if b[1] != WHOLE)))
+
+    def fits(self, axis: int, start: int, n: int, full: int) -> bool:
+        """Whether the slice [start, start + n) of a weight axis of ``full`` (0: output rows, 1:
+        input columns) is whole blocks of this format (or ends the axis)."""
+        b = self.shard_unit[axis]
+        return b == 1 or not (start % b or (n % b and start + n != full))
 
     def check_shard(self, what: str, axis: int, start: int, n: int, full: int) -> None:
-        """Refuse, when the layer is built, the slice [start, start + n) of a weight axis of
-        ``full`` (0: output rows, 1: input columns) that cuts one of this format's blocks."""
-        b = self.shard_unit[axis]
-        if b > 1 and (start % b or (n % b and start + n != full)):
-            kind = ("rows", "columns")[axis]
-            raise ValueError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole {b}-{kind[:-1]} blocks "
-                             f"of the {self.name} weight format (a smaller tensor-parallel size keeps them whole)")
+        """Refuse (UnsupportedModelError), when the layer is built, the slice [start, start + n)
+        of a weight axis of ``full`` that cuts one of this format's blocks (``fits``)."""
+        if not self.fits(axis, start, n, full):
+            b, kind = self.shard_unit[axis], ("rows", "columns")[axis]
+            raise UnsupportedModelError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole "
+                                        f"{b}-{kind[:-1]} blocks of the {self.name} weight format (a smaller "
+                                        f"tensor-parallel size keeps them whole)")
 
     def block(self, param: str) -> tuple[int, int]:
         """The block of weight rows and columns one element of the layer's tensor ``param``
@@ -84,6 +122,8 @@ class WeightFormat(ABC):
         layer's tensor ``param`` (block indices for a block-scaled one; ``check_shard``
         made sure the slice is whole blocks)."""
         b = self.block(param)[axis]
+        if b == WHOLE:
+            return (0, 1)
         return (start, n) if b == 1 else (start // b, -(-n // b))
 
     @abstractmethod
@@ -98,6 +138,14 @@ class WeightFormat(ABC):
         from ``gen`` in parameter order): N(0, 0.02) here; a format whose tensors are not
         plain weights (scales, packed integers) draws its own."""
         getattr(layer, param).normal_(0.0, 0.02, generator=gen)
+
+    def plan_load(self, model: nn.Module, tensors: dict[str, TensorInfo],
+                  dtype: torch.dtype) -> dict[str, Reader | None]:
+        """Before any tensor is read (not for dummy weights): how checkpoint tensors are read
+        where not as they are (name -> ``Reader``, or None: skipped), after checking them
+        (a missing tensor: UnsupportedModelError naming it). Layers may be switched to
+        another format here (``reformat``). None here."""
+        return {}
 
     def process_after_load(self, layer: nn.Module) -> None:
         """Called once on each of the format's layers after every tensor is loaded (or made
@@ -114,6 +162,12 @@ class WeightFormat(ABC):
         returns out, or None where the format cannot (the caller then adds ``apply``'s)."""
         return None
 
+    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> object | None:
+        """silu(gate) * up of gate_up [T, 2I] made in one pass with what ``layer``'s product
+        takes as its input (``apply``'s x), or None where the format takes the plain activation
+        (the caller runs SiLU-mul). None here."""
+        return None
+
     def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor | None:
         """The weight of ``slot`` as a plain tensor in the activation dtype, for kernels that
         read it directly (the fused gate/up kernel, the float32 logits, the embedding
@@ -126,3 +180,18 @@ class WeightFormat(ABC):
         """The grouped product of rows x [M, in] sorted by expert with each expert's weight
         of ``slot`` ([E, out, in]; ``offs`` [E] int32 row ends): [M, out]. ``gemm`` is the
         model's grouped GEMM for plain weights."""
+
+
+def reformat(layer: nn.Module, fmt: WeightFormat, dtype: torch.dtype) -> None:
+    """Hold ``layer``'s weights in ``fmt`` from now on (before they are loaded): each of its
+    slots (``layer.slots``) made again by ``fmt`` at the same shape, the old format's tensors
+    dropped."""
+    old = layer.fmt
+    for slot in layer.slots:
+        w = getattr(layer, slot)
+        shape, device = tuple(w.shape), w.device
+        for name in [slot, *(extra_name(slot, s) for s in old.extras)]:
+            if name in layer._parameters:
+                delattr(layer, name)
+        fmt.create(layer, slot, shape, dtype, device)
+    layer.fmt = fmt
