@@ -24,7 +24,6 @@ ENV_PREFIX = "TEACHER_SERVER_"
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs"]
 AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash_attn"]
 
-
 NONE_WORDS = ("none", "null")  # an optional setting's None, in a flag or a variable
 # vLLM's other spellings of the weight dtypes (its --dtype takes half and float too)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
