@@ -281,7 +281,7 @@ class Config(TeacherSettings):
     def _check(self) -> Config:
         if self.max_logprobs == 0:
             raise ValueError("max_logprobs must be at least 1, or -1 for no cap but the vocabulary")
-        if self.load_format == "dummy" and self.model is None:
+        if self.load_format == "dummy" and self.model is None and not self.teachers:  # (each teacher's checked)
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")

@@ -108,9 +108,9 @@ def parse_spec(text: str, known: set[str]) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ValueError(f"teacher {text[:80]!r}: {part[:40]!r} is not key=value (the form is "
                              f"NAME=MODEL,key=value,...)")
-        key = key.strip().replace("-", "_")
-        if i == 0 and key not in known and key != "name":  # NAME=MODEL
-            out["name"], out["model"] = key, val.strip()
+        name, key = key.strip(), key.strip().replace("-", "_")  # (--flag spellings of a setting)
+        if i == 0 and key not in known and key != "name":  # NAME=MODEL: the name as written
+            out["name"], out["model"] = name, val.strip()
             continue
         try:
             out[key] = yaml.safe_load(val) if val.strip() else None

@@ -154,6 +154,8 @@ def test_teachers_from_file_flags_and_env(tmp_path, monkeypatch) -> None:
     # any engine setting passes through to its teacher alone (a weight format, here)
     fp8 = Config.load(overrides={"teachers": ["a=/m/a,quantization=fp8", "b=/m/b"]}, env={}).teacher_configs()
     assert [t.quantization for t in fp8] == ["fp8", None]
+    named = Config.load(overrides={"teachers": ["qwen3-8b=/m/a,max-model-len=64"]}, env={}).teacher_configs()
+    assert (named[0].served_name, named[0].max_model_len) == ("qwen3-8b", 64)  # a name is kept as written
     env = Config.load(env={"TEACHER_SERVER_MAX_MODEL_LEN": "4096", "TEACHER_SERVER_TEACHERS":
                            '[{name: math, model: /m/a, data_parallel_size: 2}, {name: code, model: /m/b, '
                            'tensor_parallel_size: 2, dtype: bfloat16, max_model_len: 8192}]'})
