@@ -65,7 +65,11 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
                             default=argparse.SUPPRESS, help=help_text)
         return
     if kind is list:  # several values, or vLLM's one JSON list ('["*"]'); Config takes either
-        parser.add_argument(*flags, dest=name, nargs="+", default=argparse.SUPPRESS, help=help_text, metavar="STR")
+        # teachers: one per `--teacher SPEC`, each flag adding to the list (the others: the last flag holds)
+        several = name == "teachers"
+        parser.add_argument(*flags, *(["--teacher"] if several else []), dest=name, nargs="+",
+                            action="extend" if several else "store", default=argparse.SUPPRESS, help=help_text,
+                            metavar="STR")
         return
     metavar = "{" + ",".join([*choices, *(DTYPE_ALIASES if name == "dtype" else [])]) + "}" if choices \
         else kind.__name__.upper()

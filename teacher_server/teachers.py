@@ -38,8 +38,8 @@ class TeacherSettings(BaseModel):
         [], description="Several teachers behind one service, each chosen by the requests' `model` (docs/teachers.md): "
                         "a list of mappings with the keys of a single-teacher configuration (model, name or "
                         "served_model_name, dtype, tensor_parallel_size, data_parallel_size, gpus, ...); the "
-                        "top-level engine settings are their defaults. As a flag or variable: "
-                        "`NAME=MODEL,key=value,...` per teacher, or a JSON list. Empty: one teacher, the top-level "
+                        "top-level engine settings are their defaults. As flags: `--teacher NAME=MODEL,key=value,...` "
+                        "per teacher; in a variable, that text or a JSON list. Empty: one teacher, the top-level "
                         "model.")
 
     @field_validator("gpus", mode="before")

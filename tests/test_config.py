@@ -151,6 +151,9 @@ def test_teachers_from_file_flags_and_env(tmp_path, monkeypatch) -> None:
     flags = config_from_args(["serve", "--max-model-len", "4096", "--teachers",
                               "math=/m/a,data_parallel_size=2",
                               "code=/m/b,tensor_parallel_size=2,dtype=bfloat16,max_model_len=8K"])
+    repeated = config_from_args(["serve", "--max-model-len", "4096", "--teacher", "math=/m/a,data_parallel_size=2",
+                                 "--teacher", "code=/m/b,tensor_parallel_size=2,dtype=bfloat16,max_model_len=8K"])
+    assert repeated.teachers == flags.teachers
     # any engine setting passes through to its teacher alone (a weight format, here)
     fp8 = Config.load(overrides={"teachers": ["a=/m/a,quantization=fp8", "b=/m/b"]}, env={}).teacher_configs()
     assert [t.quantization for t in fp8] == ["fp8", None]
