@@ -5,6 +5,7 @@ equal the single-teacher server's for that model on every endpoint, requests go 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -143,6 +144,32 @@ def test_metrics_carry_the_model(multi):
                        'model_name="qwen",replica="1"': 1.0}, healthy
     tokens = _series(text, "teacher_server_prompt_tokens_total")
     assert tokens['model_name="demo"'] > 0 and tokens['model_name="qwen"'] > 0, tokens
+
+
+def test_prefix_affinity_within_a_teacher_and_the_async_client(multi):
+    """A GRPO group sent to the teacher of two replicas: each member after the first finds the
+    prompt cached (the teacher's own router sent it to the replica that holds it); the async
+    client chooses the teacher per call too."""
+    from teacher_server.client import AsyncTeacherClient
+
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, VOCAB["qwen"], 40)
+    with TeacherClient(multi.url) as c:
+        outs = []
+        for _ in range(4):
+            toks = np.concatenate([prompt, rng.integers(0, VOCAB["qwen"], 12)])
+            outs.append(c.score_full(toks, rng.integers(0, VOCAB["qwen"], (12, 3)), len(prompt) - 1, model="qwen"))
+    assert all(o.cached_tokens >= 32 for o in outs[1:]), [o.cached_tokens for o in outs]
+
+    async def both() -> list[np.ndarray]:
+        async with AsyncTeacherClient(multi.url) as ac:
+            return await asyncio.gather(*(ac.score(r.token_ids, r.candidates, r.start, model=r.model)
+                                          for r in (_requests("demo", 0, 1)[0], _requests("qwen", 1, 1)[0])))
+
+    got = asyncio.run(both())
+    with TeacherClient(multi.url) as c:
+        for r, g in zip((_requests("demo", 0, 1)[0], _requests("qwen", 1, 1)[0]), got):
+            np.testing.assert_allclose(g, c.score(r.token_ids, r.candidates, r.start, model=r.model), atol=TOL, rtol=0)
 
 
 def test_a_teacher_down_leaves_the_other_serving(multi):
