@@ -144,6 +144,10 @@ def test_metrics_carry_the_model(multi):
                        'model_name="qwen",replica="1"': 1.0}, healthy
     tokens = _series(text, "teacher_server_prompt_tokens_total")
     assert tokens['model_name="demo"'] > 0 and tokens['model_name="qwen"'] > 0, tokens
+    waits = _series(text, "teacher_server_estimated_queue_wait_seconds")  # each teacher's own queue
+    assert set(waits) == {'model_name="demo"', 'model_name="qwen"'}, waits
+    teachers = multi.app.state.teachers.all
+    assert teachers[0].queue_wait is not teachers[1].queue_wait
 
 
 def test_prefix_affinity_within_a_teacher_and_the_async_client(multi):

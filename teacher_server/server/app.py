@@ -174,7 +174,10 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         for t in request.app.state.teachers.all:
             if not engine_elsewhere(t.cfg) and t.engine is not None:  # replicas send theirs
                 t.metrics.observe_gauges(t.engine.stats())
-        m.observe_front(request.app.state.byte_budget, request.app.state.queue_wait)
+        teachers = request.app.state.teachers.all
+        m.observe_front(request.app.state.byte_budget, teachers[0].queue_wait)
+        for t in teachers[1:]:  # (each teacher's estimated wait; the bytes in flight are the service's)
+            t.metrics.labels(t.metrics.queue_wait).set(t.queue_wait.estimated_wait_s)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/inference/v1/generate", response_model=GenerateResponse,

@@ -120,7 +120,6 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     wait, and the deadline (``X-Request-Timeout`` within ``request_timeout_s``: 504, and the
     prompts' work dropped)."""
     app = request.app
-    queue: QueueWait = app.state.queue_wait
     teachers: Teachers = app.state.teachers
     ae = ready_engine(request, teachers.single)
     timeout_s = request_timeout(request, cfg)
@@ -129,6 +128,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     ae = ready_engine(request, t)
     info.teacher = t
     m: Metrics = t.metrics
+    queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
     loop = asyncio.get_running_loop()
     tok = tokenizer_of(t)
     model = t.engine.served_model_name

@@ -173,7 +173,6 @@ def busy_response(e: OverBudget | QueueTooLong, m: Metrics) -> Response:
 async def _generate_counted(request: Request, cfg: Config, t0: float, info: RequestInfo, hold: Hold) -> Response:
     app = request.app
     m: Metrics = app.state.metrics
-    queue: QueueWait = app.state.queue_wait
     teachers: Teachers = app.state.teachers
     try:
         ae = ready_engine(request, teachers.single)
@@ -182,6 +181,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         t = teachers.single or await teachers.pick(raw, app.state.io_pool)  # several: the body's `model` says
         ae = ready_engine(request, t)
         info.teacher, m = t, t.metrics
+        queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
         engine: Engine = t.engine
         # Parsing and validating a large body takes a while: keep it off the event loop.
         args = (raw, t.limits, engine.served_model_name, info.header_request_id, t.cfg.served_names)

@@ -16,6 +16,7 @@ import orjson
 from starlette.datastructures import State
 
 from teacher_server.config import Config
+from teacher_server.server.admission import QueueWait
 from teacher_server.server.metrics import Metrics
 from teacher_server.validation import BadRequest
 
@@ -34,6 +35,8 @@ class Teachers:
             for i, c in enumerate(cfgs):
                 t = State()
                 t.cfg, t.status, t.engine, t.aengine, t.loop = c, "loading", None, None, app_state.loop
+                # a teacher's estimated wait: its own queue over its own measured throughput
+                t.queue_wait = app_state.queue_wait if i == 0 else QueueWait(c.max_queue_wait_s)
                 # one registry: the first teacher's series are the app's own (the front's gauges too)
                 t.metrics = metrics if i == 0 else metrics.for_model(c.served_name, c.data_parallel_size)
                 self.all.append(t)
