@@ -45,6 +45,8 @@ for step in ${STEPS:-tests}; do
     # the trainers' ways to the teacher's top-K beside the candidate path (W1, K=64), and one 131,072-token request
     dropin) python3 bench/bench_dropin.py ${DROPIN_ARGS:-} --out "$OUT/dropin_h200.json" 2>&1 | tee "$OUT/dropin.log" | tail -40 ;;
     replicas) python3 bench/bench_replicas.py ${REPLICA_ARGS:-} --out "$OUT/replicas_8b_h200.json" 2>&1 | tee "$OUT/replicas.log" | tail -20 ;;
+    # two teachers (8B and 30B-A3B shapes) on GPU 0 and 1 behind one service against each alone (two GPUs)
+    teachers) python3 bench/bench_teachers.py ${TEACHER_ARGS:-} --out "$OUT/teachers_h200x2.json" 2>&1 | tee "$OUT/teachers.log" | tail -20 ;;
     # a soak through HTTP (Qwen3-8B shape, dummy weights): mixed W1/W2/W3 requests and disconnects, every answer
     # checked, memory and latency per minute; the JSON is rewritten each minute (a call cut short keeps it)
     soak) python3 bench/soak.py ${SOAK_ARGS:---duration-s 480} --out "$OUT/soak_8b_h200.json" 2>&1 | tee "$OUT/soak.log" | tail -40 ;;

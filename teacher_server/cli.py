@@ -65,7 +65,11 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
                             default=argparse.SUPPRESS, help=help_text)
         return
     if kind is list:  # several values, or vLLM's one JSON list ('["*"]'); Config takes either
-        parser.add_argument(*flags, dest=name, nargs="+", default=argparse.SUPPRESS, help=help_text, metavar="STR")
+        # teachers: one per `--teacher SPEC`, each flag adding to the list (the others: the last flag holds)
+        several = name == "teachers"
+        parser.add_argument(*flags, *(["--teacher"] if several else []), dest=name, nargs="+",
+                            action="extend" if several else "store", default=argparse.SUPPRESS, help=help_text,
+                            metavar="STR")
         return
     metavar = "{" + ",".join([*choices, *(DTYPE_ALIASES if name == "dtype" else [])]) + "}" if choices \
         else kind.__name__.upper()
@@ -159,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     from teacher_server.replicas.preload import may_need_engine_process, start_preloading
 
-    if may_need_engine_process(cfg):  # the engine's process imports while this one imports the app
+    # the engine's process imports while this one imports the app (several teachers: each in processes of its own)
+    if cfg.teachers or may_need_engine_process(cfg):
         start_preloading()
     from teacher_server.logging_setup import setup_logging
     from teacher_server.server.app import create_app
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         from teacher_server.engine.rank_setup import check_gpus
 
         try:
-            check_gpus(cfg.device, cfg.tensor_parallel_size, cfg.data_parallel_size)
+            for t in cfg.teacher_configs():  # (several teachers: each on its own GPUs, named in its gpus)
+                check_gpus(t.device, t.tensor_parallel_size, t.data_parallel_size)
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
         check_port_free(cfg.host, cfg.port)

@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from teacher_server.did_you_mean import DTYPE_HINTS, did_you_mean
+from teacher_server.teachers import TeacherSettings
 
 ENV_PREFIX = "TEACHER_SERVER_"
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs"]
 AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash_attn"]
-
 
 NONE_WORDS = ("none", "null")  # an optional setting's None, in a flag or a variable
 # vLLM's other spellings of the weight dtypes (its --dtype takes half and float too)
@@ -36,7 +36,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
-class Config(BaseModel):
+class Config(TeacherSettings):
     """Every setting of the service. Built once at startup, passed down explicitly."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -281,7 +281,7 @@ class Config(BaseModel):
     def _check(self) -> Config:
         if self.max_logprobs == 0:
             raise ValueError("max_logprobs must be at least 1, or -1 for no cap but the vocabulary")
-        if self.load_format == "dummy" and self.model is None:
+        if self.load_format == "dummy" and self.model is None and not self.teachers:  # (each teacher's checked)
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")

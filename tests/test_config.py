@@ -139,3 +139,57 @@ def test_max_logprobs_minus_one_is_the_vocabulary(checkpoints) -> None:
     assert build_request(token_ids=[1, 2, 3], limits=llm.limits, prompt_logprobs=vocab).prompt_logprobs == vocab
     with pytest.raises(BadRequest, match="prompt_logprobs"):
         build_request(token_ids=[1, 2, 3], limits=llm.limits, prompt_logprobs=vocab + 1)
+
+
+def test_teachers_from_file_flags_and_env(tmp_path, monkeypatch) -> None:
+    """`teachers`: YAML entries, `--teachers NAME=MODEL,key=value ...` and a variable give the same
+    teachers; the top-level settings are their defaults; GPUs are shared out in order."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    f = tmp_path / "c.yaml"
+    f.write_text("max_model_len: 4096\nteachers:\n  - {name: math, model: /m/a, data_parallel_size: 2}\n"
+                 "  - {name: code, model: /m/b, tensor_parallel_size: 2, dtype: bfloat16, max_model_len: 8192}\n")
+    flags = config_from_args(["serve", "--max-model-len", "4096", "--teachers",
+                              "math=/m/a,data_parallel_size=2",
+                              "code=/m/b,tensor_parallel_size=2,dtype=bfloat16,max_model_len=8K"])
+    repeated = config_from_args(["serve", "--max-model-len", "4096", "--teacher", "math=/m/a,data_parallel_size=2",
+                                 "--teacher", "code=/m/b,tensor_parallel_size=2,dtype=bfloat16,max_model_len=8K"])
+    assert repeated.teachers == flags.teachers
+    # any engine setting passes through to its teacher alone (a weight format, here)
+    fp8 = Config.load(overrides={"teachers": ["a=/m/a,quantization=fp8", "b=/m/b"]}, env={}).teacher_configs()
+    assert [t.quantization for t in fp8] == ["fp8", None]
+    named = Config.load(overrides={"teachers": ["qwen3-8b=/m/a,max-model-len=64"]}, env={}).teacher_configs()
+    assert (named[0].served_name, named[0].max_model_len) == ("qwen3-8b", 64)  # a name is kept as written
+    env = Config.load(env={"TEACHER_SERVER_MAX_MODEL_LEN": "4096", "TEACHER_SERVER_TEACHERS":
+                           '[{name: math, model: /m/a, data_parallel_size: 2}, {name: code, model: /m/b, '
+                           'tensor_parallel_size: 2, dtype: bfloat16, max_model_len: 8192}]'})
+    for cfg in (Config.load(f, env={}), flags, env):
+        got = [(t.served_name, t.model, t.data_parallel_size, t.tensor_parallel_size, t.dtype, t.max_model_len,
+                t.gpus, t.engine_process) for t in cfg.teacher_configs()]
+        assert got == [("math", "/m/a", 2, 1, "auto", 4096, ["0", "1"], True),
+                       ("code", "/m/b", 1, 2, "bfloat16", 8192, ["2", "3"], True)], got
+    one = Config.load(env={})
+    assert one.teacher_configs() == [one]  # one teacher: the configuration itself
+
+
+@pytest.mark.parametrize("teachers,needle", [
+    (["a=/m/a", "a=/m/b"], "teachers[1]: the name 'a'"),
+    (["a=/m/a,port=9000"], "teachers[0]: port is the service's"),
+    (["a=/m/a,dtyp=float32"], "did you mean 'dtype'"),
+    (["a=/m/a,tensor_parallel_size=0"], "teachers[0]: tensor_parallel_size"),
+    (["justaname"], "not key=value"),
+    (["a=/m/a,gpus=[0]", "b=/m/b,gpus=[0]", "c=/m/c"], None),  # named GPUs may be shared on purpose
+])
+def test_teachers_refused_with_the_entry_named(teachers, needle, monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if needle is None:
+        assert [t.gpus for t in Config.load(overrides={"teachers": teachers}, env={}).teacher_configs()] == \
+            [["0"], ["0"], ["1"]]
+        return
+    with pytest.raises(ConfigError) as e:
+        Config.load(overrides={"teachers": teachers}, env={})
+    assert needle in str(e.value), str(e.value)
+    with pytest.raises(ConfigError, match="belong"):
+        Config.load(overrides={"teachers": ["a=/m/a"], "model": "/m/x"}, env={})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ConfigError, match="needs 2 GPU"):
+        Config.load(overrides={"teachers": ["a=/m/a,data_parallel_size=2"]}, env={})

@@ -603,6 +603,27 @@ def test_data_parallel_release(helm: ModuleType, kube: ModuleType, kube_versions
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["args"][2:] == ["--data-parallel-size", "2"]
 
 
+def test_several_teachers_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                  tmp_path: Path) -> None:
+    """config.teachers: the pod asks for every teacher's GPUs, sets no single model, and the
+    server reads each teacher (its GPUs given in order) from the ConfigMap and the environment."""
+    teachers = [{"name": "math", "model": "/models/Qwen3-8B"},
+                {"name": "code", "model": "/models/Qwen3-30B-A3B", "tensor_parallel_size": 2, "dtype": "bfloat16"}]
+    docs = manifests(render(helm, {"config": {"teachers": teachers}, "model": {"servedModelName": "unused"}}))
+    validate_k8s(kube, kube_versions, docs)
+    c = server_container(one(docs, "Deployment"))
+    env = env_of(c)
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 3
+    assert "TEACHER_SERVER_MODEL" not in env and "TEACHER_SERVER_SERVED_MODEL_NAME" not in env, env
+    file = tmp_path / "config.yaml"
+    file.write_text(one(docs, "ConfigMap")["data"]["config.yaml"])
+    cfg = Config.load(file, env={k: e["value"] for k, e in env.items() if "value" in e})
+    got = [(t.served_name, t.model, t.tensor_parallel_size, t.dtype, t.gpus, t.log_json)
+           for t in cfg.teacher_configs()]
+    assert got == [("math", "/models/Qwen3-8B", 1, "auto", ["0"], True),
+                   ("code", "/models/Qwen3-30B-A3B", 2, "bfloat16", ["1", "2"], True)], got
+
+
 def test_shutdown_timings_are_consistent(helm: ModuleType) -> None:
     """preStop sleep + drain (the server exits about shutdown_timeout_s after SIGTERM) +
     exit margin fit in terminationGracePeriodSeconds, which the chart derives from them:
@@ -764,6 +785,10 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
     ("monitor-needs-open-metrics", {"serviceMonitor": {"enabled": True}, "config": {"auth_exempt_metrics": False}},
      "auth_exempt_metrics"),
     ("data-parallel-under-config", {"config": {"data_parallel_size": 2}}, "data_parallel_size"),  # dataParallelSize
+    ("teachers-with-a-fetch", {"config": {"teachers": [{"name": "a", "model": "/models/a"}]},
+                               "model": {"fetch": {"from": "hub", "hub": {"id": "org/m"}}}}, "model.fetch.from none"),
+    ("teacher-sets-the-port", {"config": {"teachers": [{"name": "a", "model": "/models/a", "port": 1}]}}, "teachers"),
+    ("teacher-model-outside-the-volume", {"config": {"teachers": [{"name": "a", "model": "/data/a"}]}}, "model"),
 ]
 
 

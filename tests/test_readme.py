@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 MAKE_RUN_URL = "http://127.0.0.1:8000"  # where `make run` serves; the tests' server is elsewhere
 # docs the README hands over to (its own reference pages): their names must resolve too
-DOCS = ["docs/api.md", "docs/python.md", "docs/configuration.md", "docs/scaling.md", "docs/observability.md",
+DOCS = ["docs/api.md", "docs/python.md", "docs/configuration.md", "docs/scaling.md", "docs/teachers.md",
+        "docs/observability.md",
         "docs/architecture.md"]
 
 

@@ -109,19 +109,21 @@ class AsyncTeacherClient(ClientBase):
 
     async def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
                     cache_salt: str | None = None, request_id: str | None = None,
-                    prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0) -> np.ndarray:
+                    prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0,
+                    model: str | None = None) -> np.ndarray:
         """See ``TeacherClient.score``."""
         out = await self.score_full(token_ids, candidates, start, cache_salt=cache_salt, request_id=request_id,
-                                    prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority)
+                                    prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority,
+                                    model=model)
         return out.scores
 
     async def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates | None, start: int = 0,
                          *, cache_salt: str | None = None, request_id: str | None = None,
                          prompt_logprobs: int | None = None, max_tokens: int = 0,
-                         priority: int = 0, targets: Targets | None = None) -> ScoreOutput:
+                         priority: int = 0, targets: Targets | None = None, model: str | None = None) -> ScoreOutput:
         """See ``TeacherClient.score_full``."""
         return await self._send(TeacherRequest(token_ids, candidates, start, cache_salt, request_id,
-                                               prompt_logprobs, max_tokens, priority, targets))
+                                               prompt_logprobs, max_tokens, priority, targets, model))
 
     async def score_batch(self, requests: Iterable[RequestLike], *, progress: bool = False,
                           return_exceptions: bool = False) -> list[np.ndarray | Exception]:

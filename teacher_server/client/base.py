@@ -64,13 +64,14 @@ class ClientBase:
 
     def _encode(self, req: TeacherRequest) -> bytes:
         """The request body; raises ValueError/TypeError for bad input before anything is sent."""
-        return json.dumps(build_body(req, self.model), separators=(",", ":")).encode()
+        return json.dumps(build_body(req, req.model or self.model), separators=(",", ":")).encode()
 
     def _route_key(self, req: TeacherRequest) -> bytes | None:
         if self.endpoints is None:
             return None
-        return self.endpoints.router.key(req.token_ids, reusable_tokens(req.start, req.prompt_logprobs),
-                                         req.cache_salt)
+        # a teacher chosen per call: its prefixes are its own (the same tokens share no KV across teachers)
+        salt = req.cache_salt if req.model is None else f"{req.model}\0{req.cache_salt or ''}"
+        return self.endpoints.router.key(req.token_ids, reusable_tokens(req.start, req.prompt_logprobs), salt)
 
     def _attempts(self, req: TeacherRequest) -> Attempts:
         """The run of attempts of one request (``Attempts``: both clients' retry loop)."""

@@ -85,6 +85,7 @@ class TeacherRequest:
     max_tokens: int = 0
     priority: int = 0
     targets: Targets | None = None
+    model: str | None = None  # the teacher to score with (a service of several); None: the client's ``model``
 
 
 @dataclass(frozen=True)

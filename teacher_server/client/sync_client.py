@@ -80,28 +80,30 @@ class TeacherClient(ClientBase):
 
     def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates, start: int = 0, *,
               cache_salt: str | None = None, request_id: str | None = None, prompt_logprobs: int | None = None,
-              max_tokens: int = 0, priority: int = 0) -> np.ndarray:
+              max_tokens: int = 0, priority: int = 0, model: str | None = None) -> np.ndarray:
         """Teacher log-probs of ``candidates``: a ``[rows, K]`` float32 matrix,
         ``rows = max(len(token_ids) - 1 - start, 0)``; row i scores token ``start + i + 1``.
 
         ``candidates`` is ``[K]`` (shared by every row) or ``[rows, K]`` (one row per scored
         position, ``-1`` pads and scores ``-inf``), K >= 1. Raises ``TeacherServerError``, or
         ``ValueError``/``TypeError`` before sending for input that cannot be valid (K == 0,
-        ragged rows, non-integer ids).
+        ragged rows, non-integer ids). ``model``: the teacher of a service of several
+        (docs/teachers.md); default the client's ``model``.
         """
         return self.score_full(token_ids, candidates, start, cache_salt=cache_salt, request_id=request_id,
-                               prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority).scores
+                               prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority,
+                               model=model).scores
 
     def score_full(self, token_ids: Sequence[int] | np.ndarray, candidates: Candidates | None, start: int = 0, *,
                    cache_salt: str | None = None, request_id: str | None = None,
                    prompt_logprobs: int | None = None, max_tokens: int = 0, priority: int = 0,
-                   targets: Targets | None = None) -> ScoreOutput:
+                   targets: Targets | None = None, model: str | None = None) -> ScoreOutput:
         """As ``score``, returning a ``ScoreOutput`` (matrix, next token, usage, prompt_logprobs, request id).
         ``targets`` (``Targets``) asks for more of the scored rows: the teacher's top-K, the union,
         the actual token's log-prob, the tail mass, the log normalizer, a temperature; they come
         back as numpy arrays in the ``ScoreOutput`` (``candidates`` may then be None)."""
         return self._send(TeacherRequest(token_ids, candidates, start, cache_salt, request_id, prompt_logprobs,
-                                         max_tokens, priority, targets))
+                                         max_tokens, priority, targets, model))
 
     def score_batch(self, requests: Iterable[RequestLike], *, progress: bool = False,
                     return_exceptions: bool = False) -> list[np.ndarray | Exception]:

@@ -82,7 +82,8 @@ class ReplicaPool:
         if gpus_per_replica is None:
             gpus_per_replica = getattr(cfg, "tensor_parallel_size", 1)
         gpu = uses_gpu(cfg)
-        visible = _visible_devices() if gpu else None
+        gpus = getattr(cfg, "gpus", None)  # a teacher's own GPUs, else this process's
+        visible = (",".join(gpus) if gpus else _visible_devices()) if gpu else None
         self._devices = [replica_devices(i, gpus_per_replica, visible) if gpu else None
                          for i in range(cfg.data_parallel_size)]
         self.replicas = [self._make(i) for i in range(cfg.data_parallel_size)]

@@ -44,6 +44,8 @@ from teacher_server.server.protocol import ErrorResponse, GenerateRequest, Gener
 from teacher_server.server.replica_lifecycle import start_replicas
 from teacher_server.server.responses import error_body, error_response, json_response, request_id_header
 from teacher_server.server.sglang_generate import SGLangGenerateRequest, build_sglang, parse_sglang
+from teacher_server.server.teacher_set import Teachers
+from teacher_server.server.teacher_start import start_teachers, teachers_health
 
 log = logging.getLogger("teacher_server.server")
 
@@ -54,6 +56,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     port answers at once (`/health` is 503 `{"status": "loading"}` until the engine is ready).
     ``on_fatal`` runs when the engine cannot start or cannot recover (default: SIGTERM to this
     process, so the orchestrator restarts it)."""
+    cfgs = cfg.teacher_configs()  # one, or one per teacher of `teachers`
     elsewhere = engine_elsewhere(cfg)  # the engine(s) in processes of their own
     if not b64.fast():  # a server dependency; without it every .npy body costs ~5 ms of the GIL
         log.warning("pybase64 is not installed: base64 .npy payloads go through the standard library, "
@@ -62,7 +65,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     @asynccontextmanager
     async def lifespan(app: FastAPI):  # noqa: ANN202
         st = app.state
-        st.metrics = Metrics(cfg.served_name, vllm_names=cfg.vllm_metric_names, replicas=cfg.data_parallel_size)
+        st.metrics = Metrics(cfgs[0].served_name, vllm_names=cfg.vllm_metric_names,
+                             replicas=cfgs[0].data_parallel_size,
+                             replica_label=None if len(cfgs) == 1 else any(c.data_parallel_size > 1 for c in cfgs))
         st.aengine, st.engine, st.status, st.started = None, None, "loading", int(time.time())
         st.loop = asyncio.get_running_loop()
         st.cutoff = asyncio.Event()  # set when shutdown stops waiting for in-flight requests
@@ -77,9 +82,13 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         # One replica: the engine runs here, on a thread of this process (no extra hop), unless
         # engine_process (on by default for one GPU). Several: a process each, behind a routing front
         # (teacher_server.replicas).
-        start = start_replicas if elsewhere else start_engine
-        start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
-              on_fatal=lambda exc: on_engine_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
+        st.teachers = Teachers(st, cfgs, st.metrics)
+        if len(cfgs) == 1:
+            start = start_replicas if elsewhere else start_engine
+            start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
+                  on_fatal=lambda exc: on_engine_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
+        else:
+            start_teachers(app, st.teachers.all, engine_factory, on_fatal)
         try:
             yield
         finally:
@@ -118,8 +127,12 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         """200 `{"status": "ready"}` when the engine (every replica) can serve; 200
         `{"status": "degraded", "replicas_serving", "replicas", "message"}` while some replicas
         serve and others are down or restarting; 503 with `status` "loading", "draining" or
-        "failed" (and the error shape, naming what is down) when none can serve."""
+        "failed" (and the error shape, naming what is down) when none can serve. With several
+        teachers (`teachers`), the same per teacher under `teachers`, and 503 when any teacher
+        cannot serve at all (docs/teachers.md)."""
         st = request.app.state
+        if st.teachers.single is None:
+            return teachers_health(st)
         ae: AsyncEngine | None = st.aengine
         serving, total = ae.capacity if ae is not None else (0, 1)
         if ae is not None and ae.alive and ae.accepting and serving > 0:
@@ -143,22 +156,28 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         (`{"sha256", "source"}`, null without them), so a student can check that it shares the
         teacher's tokenizer (`teacher_server.client.check_tokenizer`)."""
         st = request.app.state
-        e: Engine | None = st.engine
-        if e is None:
+        if st.engine is None:
             return error_response(503, "engine is loading", headers=retry_after(ErrorKind.UNAVAILABLE))
-        if not hasattr(st, "tokenizer_identity"):  # read once (a tokenizer.json is megabytes), off the event loop
-            st.tokenizer_identity = await asyncio.to_thread(tokenizer_identity, e.model_dir)
-        return json_response(200, {"object": "list", "data": [{
-            "id": e.served_model_name, "object": "model", "created": st.started,
-            "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len,
-            "vocab_size": st.limits.vocab_size, "tokenizer": st.tokenizer_identity}]})
+        data = []
+        for t in st.teachers.all:  # each teacher, in the configuration's order
+            e: Engine = t.engine
+            if not hasattr(t, "tokenizer_identity"):  # read once (a tokenizer.json is megabytes), off the event loop
+                t.tokenizer_identity = await asyncio.to_thread(tokenizer_identity, e.model_dir)
+            data.append({"id": e.served_model_name, "object": "model", "created": st.started,
+                         "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len,
+                         "vocab_size": t.limits.vocab_size, "tokenizer": t.tokenizer_identity})
+        return json_response(200, {"object": "list", "data": data})
 
     @app.get("/metrics")
     async def metrics_endpoint(request: Request) -> Response:
         m: Metrics = request.app.state.metrics
-        if not elsewhere and request.app.state.engine is not None:  # replicas send theirs
-            m.observe_gauges(request.app.state.engine.stats())
-        m.observe_front(request.app.state.byte_budget, request.app.state.queue_wait)
+        for t in request.app.state.teachers.all:
+            if not engine_elsewhere(t.cfg) and t.engine is not None:  # replicas send theirs
+                t.metrics.observe_gauges(t.engine.stats())
+        teachers = request.app.state.teachers.all
+        m.observe_front(request.app.state.byte_budget, teachers[0].queue_wait)
+        for t in teachers[1:]:  # (each teacher's estimated wait; the bytes in flight are the service's)
+            t.metrics.labels(t.metrics.queue_wait).set(t.queue_wait.estimated_wait_s)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/inference/v1/generate", response_model=GenerateResponse,
@@ -185,14 +204,16 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         `return_tokens_as_token_ids`; vLLM's response and error shapes (see docs/trainers.md)."""
         return await handle_scoring(request, cfg, "completions", parse_completion, build_completion)
 
-    @app.post("/generate", responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+    @app.post("/generate", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+                                      429: {"model": ErrorResponse},
                                       503: {"model": ErrorResponse}},
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                   "schema": SGLangGenerateRequest.model_json_schema()}}}})
     async def sglang_generate(request: Request) -> Response:
         """SGLang's native `/generate` for teacher scoring: `input_ids`, `return_logprob`,
         `logprob_start_len`, `top_logprobs_num`, `token_ids_logprob`, `max_new_tokens` 0/1;
-        SGLang's `meta_info` (see docs/trainers.md)."""
+        SGLang's `meta_info` (see docs/trainers.md). With several teachers, `model` names one
+        (404 for an unknown one)."""
         return await handle_scoring(request, cfg, "sglang-generate", parse_sglang, build_sglang)
 
     register_schemas(app)

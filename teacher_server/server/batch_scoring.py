@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.datastructures import State
 
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import EngineOverloaded, EngineUnavailable
@@ -24,6 +25,7 @@ from teacher_server.server.byte_budget import Hold, OverBudget, json_held_bytes,
 from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
 from teacher_server.server.generate import (
     INLINE_BYTES,
+    RequestInfo,
     _wait_disconnect,
     busy_response,
     ready_engine,
@@ -34,6 +36,7 @@ from teacher_server.server.generate import (
 from teacher_server.server.http import ClientGone, read_body
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.responses import HeldResponse, error_response, request_id_header
+from teacher_server.server.teacher_set import Teachers
 from teacher_server.server.tokenizer import Tokenizer
 from teacher_server.validation import BadRequest, Limits
 
@@ -51,9 +54,9 @@ Parse = Callable[[bytes, Limits, str, "Tokenizer | None"], Any]
 Build = Callable[[Any, list[ScoreResult], str, "Tokenizer | None"], bytes]
 
 
-def tokenizer_of(request: Request) -> Tokenizer | None:
-    """The served checkpoint's tokenizer, loaded on first use (None: the model has none)."""
-    st = request.app.state
+def tokenizer_of(st: State) -> Tokenizer | None:
+    """The checkpoint's tokenizer of a teacher (``st``: its state holder), loaded on first use
+    (None: the model has none)."""
     if not hasattr(st, "tokenizer"):
         st.tokenizer = Tokenizer.load(getattr(st.engine, "model_dir", None))
     return st.tokenizer
@@ -80,8 +83,12 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     hold = Hold(request.app.state.byte_budget)  # the call's bytes in flight, until its answer is sent
     resp: Response | None = None
     tokens = 0
+    info = RequestInfo(rid)  # (its teacher, once the body names it)
     try:
-        resp, tokens = await _score(request, cfg, t0, parse, build, hold)
+        try:
+            resp, tokens = await _score(request, cfg, t0, parse, build, hold, info)
+        finally:
+            m = m if info.teacher is None else info.teacher.metrics  # counted under the teacher named
     except BadRequest as e:
         m.labels(m.failures, reason=refusal_reason(e)).inc()
         resp = error_response(e.status, e.message, e.param)
@@ -107,28 +114,32 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
 
 
 async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: Build,
-                 hold: Hold) -> tuple[Response, int]:
+                 hold: Hold, info: RequestInfo) -> tuple[Response, int]:
     """The call's work, admitted as the native endpoint's is: the byte budget (the body while
     it is read, then the requests' arrays and answer until it is sent), the queue's estimated
     wait, and the deadline (``X-Request-Timeout`` within ``request_timeout_s``: 504, and the
     prompts' work dropped)."""
     app = request.app
-    m: Metrics = app.state.metrics
-    queue: QueueWait = app.state.queue_wait
-    ae = ready_engine(request)
+    teachers: Teachers = app.state.teachers
+    ae = ready_engine(request, teachers.single)
     timeout_s = request_timeout(request, cfg)
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
+    t = teachers.single or await teachers.pick(raw, app.state.io_pool)  # several: the body's `model` says
+    ae = ready_engine(request, t)
+    info.teacher = t
+    m: Metrics = t.metrics
+    queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
     loop = asyncio.get_running_loop()
-    tok = tokenizer_of(request)
-    model = app.state.engine.served_model_name
-    args = (raw, app.state.limits, model, tok, cfg.served_names)
+    tok = tokenizer_of(t)
+    model = t.engine.served_model_name
+    args = (raw, t.limits, model, tok, t.cfg.served_names)
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
     del raw, args
     reqs: list[ScoreRequest] = parsed.reqs
     tokens = sum(r.length for r in reqs)
-    if tokens > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
+    if tokens > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
         raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "
-                         f"(max_queue_tokens={cfg.max_queue_tokens})", "prompt")
+                         f"(max_queue_tokens={t.cfg.max_queue_tokens})", "prompt")
     if not hold.resize(sum(json_held_bytes(r) for r in reqs)):
         raise over_budget(hold)
     refuse_long_wait(queue, cfg, min(r.priority for r in reqs))

@@ -13,6 +13,7 @@ import uuid
 import orjson
 from fastapi import Request
 from fastapi.responses import Response
+from starlette.datastructures import State
 
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
@@ -25,6 +26,7 @@ from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
 from teacher_server.server.http import ClientGone, read_body
 from teacher_server.server.metrics import Metrics
 from teacher_server.server.responses import HeldResponse, error_response, generate_body, request_id_header
+from teacher_server.server.teacher_set import Teachers
 from teacher_server.validation import BadRequest
 
 access_log = logging.getLogger("teacher_server.access")
@@ -49,6 +51,7 @@ class RequestInfo:
         self.rows = 0
         self.admitted = False  # handed to the engine (counted in ``app.state.handling``)
         self.scored = False  # the engine's result is in
+        self.teacher: State | None = None  # the teacher the request named, once known
 
 
 async def handle_generate(request: Request, cfg: Config) -> Response:
@@ -77,6 +80,7 @@ async def handle_generate(request: Request, cfg: Config) -> Response:
         resp = error_response(503, "server shut down before the request finished; retry on another replica",
                               headers=retry_after(ErrorKind.UNAVAILABLE))
     dt = time.monotonic() - t0
+    m = m if info.teacher is None else info.teacher.metrics
     m.labels(m.requests, status=str(resp.status_code)).inc()
     m.labels(m.e2e).observe(dt)
     if info.request_id is None:  # refused before an id was read: one of ours, so the caller can quote it
@@ -130,10 +134,11 @@ def request_timeout(request: Request, cfg: Config) -> float | None:
     return own if cfg.request_timeout_s is None else min(own, cfg.request_timeout_s)
 
 
-def ready_engine(request: Request) -> AsyncEngine:
-    """The engine, when it takes requests and the body's encoding is one it reads;
-    EngineUnavailable (503) or BadRequest otherwise."""
-    ae: AsyncEngine | None = request.app.state.aengine
+def ready_engine(request: Request, teacher: State | None = None) -> AsyncEngine:
+    """The engine (of ``teacher``; default the service's, all teachers'), when it takes
+    requests and the body's encoding is one it reads; EngineUnavailable (503) or BadRequest
+    otherwise."""
+    ae: AsyncEngine | None = (request.app.state if teacher is None else teacher).aengine
     if ae is None:
         raise EngineUnavailable("engine is loading")
     if not ae.accepting or not ae.alive:
@@ -168,22 +173,26 @@ def busy_response(e: OverBudget | QueueTooLong, m: Metrics) -> Response:
 async def _generate_counted(request: Request, cfg: Config, t0: float, info: RequestInfo, hold: Hold) -> Response:
     app = request.app
     m: Metrics = app.state.metrics
-    engine: Engine | None = app.state.engine
-    queue: QueueWait = app.state.queue_wait
+    teachers: Teachers = app.state.teachers
     try:
-        ae = ready_engine(request)
+        ae = ready_engine(request, teachers.single)
         timeout_s = request_timeout(request, cfg)
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
+        t = teachers.single or await teachers.pick(raw, app.state.io_pool)  # several: the body's `model` says
+        ae = ready_engine(request, t)
+        info.teacher, m = t, t.metrics
+        queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
+        engine: Engine = t.engine
         # Parsing and validating a large body takes a while: keep it off the event loop.
-        args = (raw, app.state.limits, engine.served_model_name, info.header_request_id, cfg.served_names)
+        args = (raw, t.limits, engine.served_model_name, info.header_request_id, t.cfg.served_names)
         body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
             if len(raw) > INLINE_BYTES else parsing.parse_request(*args)
         echo_ids = bool(body.return_token_ids)
         del raw, args, body  # the bytes and their parsed copy (a large ignored field too) are let go here
         info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows
-        if req.length > cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
+        if req.length > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
-                             f"(max_queue_tokens={cfg.max_queue_tokens})", "token_ids")
+                             f"(max_queue_tokens={t.cfg.max_queue_tokens})", "token_ids")
         # From here the request holds its arrays and, until it is sent, its result.
         if not hold.resize(held_bytes(req.length, req.rows, req.k, req.prompt_logprobs)):
             raise over_budget(hold)

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.datastructures import State
 
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
@@ -32,10 +33,12 @@ GRACE_S = 2.0  # after the cut-off: time for the 503s to be written and the abor
 
 def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
                  on_step: Callable[[Engine, list[ScoreResult]], None], on_fatal: Callable[[BaseException], None],
-                 on_start_failure: Callable[[], None] | None) -> None:
+                 on_start_failure: Callable[[], None] | None, st: State | None = None,
+                 on_ready: Callable[[], None] | None = None) -> None:
     """Build the engine in the background (a daemon thread, so a shutdown during a long load
-    does not wait for it); the app serves 503 until it is ready."""
-    st = app.state
+    does not wait for it); the app serves 503 until it is ready. ``st``: where the engine is
+    kept (one teacher's state holder; default the app's), ``on_ready`` called once it is."""
+    st = app.state if st is None else st
     log.info("loading model %s (device %s)", cfg.model or "demo", cfg.device)
     t0 = time.monotonic()
 
@@ -48,6 +51,8 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
         st.metrics.set_healthy(True)
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,
                  engine.served_model_name, engine.max_model_len)
+        if on_ready is not None:
+            on_ready()
 
     def failed(exc: BaseException) -> None:
         st.status, st.exit_code = "failed", 3

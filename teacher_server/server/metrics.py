@@ -4,6 +4,7 @@ read). Each app has its own registry (several apps can live in one process, as i
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -26,11 +27,15 @@ class Metrics:
     replicas (``replicas > 1``) the engine's own metrics (queues, KV, steps, prefix cache,
     health) carry a ``replica`` label too ("0", "1", ...); ``engine_labels`` fills it in."""
 
-    def __init__(self, model_name: str, vllm_names: bool = False, replicas: int = 1) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False, replicas: int = 1,
+                 replica_label: bool | None = None) -> None:
+        """``replica_label``: whether engine metrics carry ``replica`` (default: with several
+        replicas; several teachers share one registry, so it is on for all when one has several)."""
         self.registry = CollectorRegistry()
         r, p = self.registry, "teacher_server_"
         lab = ["model_name"]
-        eng = lab + (["replica"] if replicas > 1 else [])  # per engine: per replica when there are several
+        self.replica_label = replicas > 1 if replica_label is None else replica_label
+        eng = lab + (["replica"] if self.replica_label else [])  # per engine: per replica when there are several
         self.replicas = replicas
         self.waiting = Gauge(p + "num_requests_waiting", "Requests queued, not yet scheduled.", eng, registry=r)
         self.running = Gauge(p + "num_requests_running", "Requests part-way through prefill.", eng, registry=r)
@@ -78,6 +83,27 @@ class Metrics:
         self.restarts = Counter(p + "engine_restarts", "Times the engine (a replica, or the engine in a process of "
                                 "its own) was restarted after it died, hung or stalled.", eng, registry=r)
         self.model_name = model_name
+        self._export()
+        if vllm_names:
+            r.register(VllmNames([
+                (self.waiting, "vllm:num_requests_waiting"), (self.running, "vllm:num_requests_running"),
+                (self.kv_usage, "vllm:kv_cache_usage_perc"), (self.kv_usage, "vllm:gpu_cache_usage_perc"),
+                (self.prompt_tokens, "vllm:prompt_tokens"), (self.e2e, "vllm:e2e_request_latency_seconds"),
+                (self.queue_time, "vllm:request_queue_time_seconds"),
+                (self.inference_time, "vllm:request_inference_time_seconds"),
+                (self.prefix_queries, "vllm:prefix_cache_queries"), (self.prefix_hits, "vllm:prefix_cache_hits")]))
+
+    def for_model(self, model_name: str, replicas: int) -> Metrics:
+        """The same metrics (one registry) for another teacher's series: its ``model_name`` and
+        ``replicas``; its engines' totals tracked on their own."""
+        view = copy.copy(self)
+        view.model_name, view.replicas = model_name, replicas
+        assert replicas == 1 or self.replica_label, "a teacher with several replicas needs the replica label"
+        view._export()
+        return view
+
+    def _export(self) -> None:
+        model_name, replicas = self.model_name, self.replicas
         self._last: dict[int | None, list[float]] = {}  # per replica: the engine totals last seen
         for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time,
                   self.inflight_bytes, self.queue_wait):
@@ -91,14 +117,6 @@ class Metrics:
                 self.engine_labels(self.stage_seconds, rep, stage=stage)
             for kind in ("busy", "idle"):
                 self.engine_labels(self.gpu_seconds, rep, kind=kind)
-        if vllm_names:
-            r.register(VllmNames([
-                (self.waiting, "vllm:num_requests_waiting"), (self.running, "vllm:num_requests_running"),
-                (self.kv_usage, "vllm:kv_cache_usage_perc"), (self.kv_usage, "vllm:gpu_cache_usage_perc"),
-                (self.prompt_tokens, "vllm:prompt_tokens"), (self.e2e, "vllm:e2e_request_latency_seconds"),
-                (self.queue_time, "vllm:request_queue_time_seconds"),
-                (self.inference_time, "vllm:request_inference_time_seconds"),
-                (self.prefix_queries, "vllm:prefix_cache_queries"), (self.prefix_hits, "vllm:prefix_cache_hits")]))
 
     def labels(self, metric: MetricWrapperBase, **kw: str) -> MetricWrapperBase:
         return metric.labels(model_name=self.model_name, **kw)
@@ -107,7 +125,8 @@ class Metrics:
         """An engine metric's series: of replica ``replica`` when there are several (None: the one engine)."""
         if self.replicas > 1:
             assert replica is not None, "a replica index is needed with several replicas"
-            kw["replica"] = str(replica)
+        if self.replica_label:
+            kw["replica"] = str(replica or 0)
         return self.labels(metric, **kw)
 
     def set_healthy(self, ok: bool, replica: int | None = None) -> None:

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 from fastapi import FastAPI
+from starlette.datastructures import State
 
 from teacher_server.config import Config
 from teacher_server.replicas.messages import ReplicaInfo
@@ -32,14 +33,16 @@ class PoolEngineInfo:
 
 def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object],
                    on_step: Callable | None, on_fatal: Callable[[BaseException], None],
-                   on_start_failure: Callable[[], None] | None) -> None:
+                   on_start_failure: Callable[[], None] | None, st: State | None = None,
+                   on_ready: Callable[[], None] | None = None) -> None:
     """Start the replica processes (each builds its engine) and serve once all are ready;
     ``on_start_failure`` when one cannot start. A replica that goes down later is restarted by
     the pool while the others serve (its ``_healthy`` series reads 0 meanwhile, and
     ``_engine_restarts_total`` counts it); ``on_fatal`` when the pool gives up (a replica failing
     again and again soon after each start while none serves). ``on_step`` is unused: replicas
-    report their engines' snapshots themselves."""
-    st = app.state
+    report their engines' snapshots themselves. ``st`` and ``on_ready`` as for
+    ``start_engine``."""
+    st = app.state if st is None else st
     m = st.metrics
     if cfg.data_parallel_size == 1:
         log.info("starting the engine of %s in a process of its own (device %s)", cfg.model or "demo", cfg.device)
@@ -74,6 +77,8 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
         what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"
         log.info("%s ready in %.1fs: serving %s (max_model_len %d)", what, time.monotonic() - t0,
                  info.served_model_name, info.max_model_len)
+        if on_ready is not None:
+            on_ready()
 
     st.replica_start = asyncio.ensure_future(wait())
     st.replica_pool = pool  # shut down by stop_engine once ready; before that, by the lifespan's end

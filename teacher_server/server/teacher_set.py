@@ -1,0 +1,162 @@
+"""The teachers of one service and the choice among them by a request's ``model``.
+
+Each teacher is a state holder with what the routes read of an engine: ``cfg``, ``engine``,
+``aengine``, ``limits``, ``status``, ``metrics``, and its tokenizer once read. With one teacher
+the app's own state is that holder (everything reads as before); with several, each has its
+own, and the app's ``aengine`` is a ``TeacherSetEngine`` over all of them once all are ready,
+so the drain, the shutdown and the readiness check see the whole service."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from typing import Any
+
+import orjson
+from starlette.datastructures import State
+
+from teacher_server.config import Config
+from teacher_server.server.admission import QueueWait
+from teacher_server.server.metrics import Metrics
+from teacher_server.validation import BadRequest
+
+PEEK_INLINE_BYTES = 256 * 1024  # larger bodies are read for their `model` off the event loop
+
+
+class Teachers:
+    """The teachers by name (each served name and alias), in the configuration's order."""
+
+    def __init__(self, app_state: State, cfgs: list[Config], metrics: Metrics) -> None:
+        if len(cfgs) == 1:
+            app_state.cfg = cfgs[0]
+            self.all: list[State] = [app_state]
+        else:
+            self.all = []
+            for i, c in enumerate(cfgs):
+                t = State()
+                t.cfg, t.status, t.engine, t.aengine, t.loop = c, "loading", None, None, app_state.loop
+                # a teacher's estimated wait: its own queue over its own measured throughput
+                t.queue_wait = app_state.queue_wait if i == 0 else QueueWait(c.max_queue_wait_s)
+                # one registry: the first teacher's series are the app's own (the front's gauges too)
+                t.metrics = metrics if i == 0 else metrics.for_model(c.served_name, c.data_parallel_size)
+                self.all.append(t)
+        self._by_name = {n: t for t in self.all for n in t.cfg.served_names}
+
+    @property
+    def single(self) -> State | None:
+        """The one teacher; None when there are several (the request's ``model`` says which)."""
+        return self.all[0] if len(self.all) == 1 else None
+
+    @property
+    def names(self) -> list[str]:
+        return [t.cfg.served_name for t in self.all]
+
+    def named(self, model: object) -> State:
+        """The teacher a request names; 404 for a name no teacher has (in each endpoint's
+        error shape, as for one teacher), 400 without one."""
+        if isinstance(model, str) and model in self._by_name:
+            return self._by_name[model]
+        served = ", ".join(self.names)
+        if model is None:
+            raise BadRequest(f"`model` is required: this server serves several teachers ({served})", "model")
+        if not isinstance(model, str):
+            raise BadRequest("`model` must be a string", "model")
+        raise BadRequest(f"The model `{model[:200]}` does not exist; this server serves {served}.", "model",
+                         status=404)
+
+    async def pick(self, raw: bytes, pool: Executor) -> State:
+        """The teacher of a request body (JSON) by its ``model``. A body that is no JSON object
+        goes to the first teacher, whose parser answers it with the usual 400."""
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(pool, requested_model, raw) if len(raw) > PEEK_INLINE_BYTES \
+            else requested_model(raw)
+        return self.all[0] if model is _NOT_JSON else self.named(model)
+
+
+_NOT_JSON = object()
+
+
+def requested_model(raw: bytes) -> object:
+    """The body's top-level ``model`` (None when absent), or ``_NOT_JSON``. The body is parsed
+    again by its endpoint: with several teachers that is a second parse (a cost of the choice)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return _NOT_JSON
+    return body.get("model") if isinstance(body, dict) else _NOT_JSON
+
+
+class TeacherSetEngine:
+    """The service's engine surface over every teacher's (``app.state.aengine`` with several):
+    what the drain, the shutdown and the readiness check ask of it."""
+
+    def __init__(self, teachers: list[State]) -> None:
+        self.teachers = teachers
+
+    @property
+    def _engines(self) -> list[Any]:
+        return [t.aengine for t in self.teachers]
+
+    @property
+    def alive(self) -> bool:
+        """Some teacher can serve: requests are read and sent to the teacher they name, which
+        answers 503 itself when it cannot (``/health`` tells teacher by teacher)."""
+        return any(e.alive for e in self._engines)
+
+    @property
+    def accepting(self) -> bool:
+        return all(e.accepting for e in self._engines)
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(serving, total) over all teachers' replicas."""
+        caps = [e.capacity for e in self._engines]
+        return sum(c[0] for c in caps), sum(c[1] for c in caps)
+
+    @property
+    def fatal_error(self) -> str | None:
+        errs = [f"{t.cfg.served_name}: {t.aengine.fatal_error}" for t in self.teachers if t.aengine.fatal_error]
+        return "; ".join(errs) or None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self._engines)
+
+    def stop_accepting(self) -> None:
+        for e in self._engines:
+            e.stop_accepting()
+
+    async def drain(self, timeout: float) -> bool:
+        done = await asyncio.gather(*(e.drain(timeout) for e in self._engines))
+        return all(d is not False for d in done)
+
+    def shutdown(self) -> None:
+        for e in self._engines:
+            e.shutdown()
+
+
+class TeacherPools:
+    """``app.state.replica_pool`` with several teachers: the shutdown of those still starting."""
+
+    def __init__(self, teachers: list[State]) -> None:
+        self.teachers = teachers
+
+    def shutdown(self) -> None:
+        for t in self.teachers:
+            pool = getattr(t, "replica_pool", None)
+            if pool is not None:
+                pool.shutdown()
+
+
+def teacher_health(t: State) -> dict:
+    """One teacher's line of ``/health``: its status and replicas serving."""
+    ae = t.aengine
+    if ae is None:
+        return {"status": t.status, "replicas_serving": 0, "replicas": t.cfg.data_parallel_size}
+    serving, total = ae.capacity
+    status = "failed" if not ae.alive or serving == 0 else "draining" if not ae.accepting \
+        else "ready" if serving == total else "degraded"
+    out = {"status": status, "replicas_serving": serving, "replicas": total}
+    if status != "ready" and ae.fatal_error:
+        out["message"] = ae.fatal_error
+    return out
