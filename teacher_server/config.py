@@ -144,15 +144,13 @@ class Config(TeacherSettings):
         1, ge=1, description="Engine replicas behind one port, each a process of its own on its own GPU (GPU i of "
                              "CUDA_VISIBLE_DEVICES, or the CPU); 1: one engine, where engine_process says.")
     engine_process: bool | None = Field(
-        None, description="With one replica, run the engine in a process of its own behind the HTTP front, as "
-                          "each replica runs (teacher_server.replicas), instead of on a thread of the server "
-                          "process: the front's HTTP handling, parsing and response bodies then never hold the "
-                          "GIL the engine thread launches kernels with. Requests and results cross a pipe. "
+        None, description="With one replica, run the engine in a process of its own behind the HTTP front, as each "
+                          "replica runs, instead of on a thread of the server process (the front's HTTP work never "
+                          "holds the GIL the engine launches kernels with; requests and results cross a pipe). "
                           "None: on for an engine on one GPU (CUDA, tensor_parallel_size 1), off otherwise.")
     routing: Literal["affinity", "round_robin"] = Field(
-        "affinity", description="How requests are spread over replicas: affinity sends requests with the same "
-                                "unscored prefix to the same replica (spilling when it is overloaded); "
-                                "round_robin ignores prefixes (a comparison for benchmarks).")
+        "affinity", description="How requests are spread over replicas: affinity sends requests with the same unscored "
+                                "prefix to the same replica (spilling when it is overloaded); round_robin does not.")
     routing_spill_tokens: int = Field(
         8192, ge=0, description="A new prefix leaves its preferred replica when that one's outstanding tokens "
                                 "exceed the least-loaded replica's by more than this many.")
@@ -160,6 +158,8 @@ class Config(TeacherSettings):
         2.0, ge=0, description="Delay before a failed replica restarts (doubled after quick failures, up to 64x).")
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="A replica silent this long (it beats each second: stopped or hung) is killed.")
+    replica_start_timeout_s: float = Field(
+        1800.0, ge=0, description="A replica not ready this long after it started (hung load) is killed; 0: no limit.")
 
     # --- server ------------------------------------------------------------------------
     host: str = Field("0.0.0.0", description="Address to listen on.")

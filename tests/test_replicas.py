@@ -729,3 +729,24 @@ def test_the_pool_gives_up_on_a_replica_that_keeps_failing_while_none_serves() -
     assert pool.gives_up(0)
     pool._quick_failures[0] -= 1
     assert not pool.gives_up(0)
+
+
+def test_a_replica_whose_start_hangs_is_killed_at_the_start_deadline() -> None:
+    """A replica still loading ``replica_start_timeout_s`` after its process started is killed:
+    at launch, waiting for the pool fails (naming the deadline) instead of waiting for good."""
+    from teacher_server.replicas.pool import ReplicaPool
+
+    async def run() -> tuple[str, float]:
+        pool = ReplicaPool(Config(device="cpu", data_parallel_size=1, replica_start_timeout_s=3.0), _loads_for_minutes)
+        t0 = time.monotonic()
+        pool.start()
+        try:
+            with pytest.raises(RuntimeError) as e:
+                await asyncio.wait_for(pool.ready(), 60)
+            return str(e.value), time.monotonic() - t0
+        finally:
+            await asyncio.to_thread(pool.shutdown, 30.0)
+
+    why, seconds = asyncio.run(run())
+    assert "replica_start_timeout_s=3s" in why, why
+    assert 3 <= seconds < 30, seconds

@@ -121,7 +121,15 @@ class ReplicaPool:
                 for r in list(self.replicas):  # container): the replicas' heartbeats are in the pipes, not missing
                     r.last_heard = max(r.last_heard, now)
             last = now
+            limit = self.cfg.replica_start_timeout_s
             for r in list(self.replicas):
+                if (limit and r.state == "starting" and not r.start_timed_out and r.started_at is not None
+                        and now - r.started_at > limit):  # a load or warm-up that hangs: a failed start
+                    log.critical("replica %d (pid %s) not ready %.0fs after it started (replica_start_timeout_s): "
+                                 "killing it", r.index, r.pid, now - r.started_at)
+                    r.start_timed_out = True
+                    r.kill(f"not ready within replica_start_timeout_s={limit:g}s")
+                    continue
                 # (not is_alive(): it reaps the process, which only the loop thread may)
                 if r.state == "ready" and r.error is None and now - r.last_heard > self.silent_s:
                     log.critical("replica %d (pid %s) sent nothing for %.0fs (stopped or hung): killing it",

@@ -44,6 +44,8 @@ class Replica:
         self.last_heard = time.monotonic()  # its last message (replicas send one at least every HEARTBEAT_S)
         self.tokens = 0  # their tokens: the load the router balances
         self.ready_at: float | None = None  # when it became ready (time.monotonic())
+        self.started_at: float | None = None  # when its process was started
+        self.start_timed_out = False  # killed for not becoming ready in time (once)
         self.down_at: float | None = None  # when its exit was seen
         self._pending: dict[int, tuple[ScoreRequest, asyncio.Future]] = {}
         self._inbox: mp.Queue = ctx.Queue()
@@ -61,6 +63,7 @@ class Replica:
     def start(self, on_message: Callable[[Replica, FromReplica | None], None]) -> None:
         """Start the process and the reader thread; ``on_message(self, msg)`` is called from
         that thread for every message, then once with None when the process has exited."""
+        self.started_at = time.monotonic()
         self.process.start()
         self._writer.close()  # the child holds the only write end: its exit reads as EOF here
         threading.Thread(target=self._read, args=(on_message,), name=f"teacher-replica{self.index}-out",
