@@ -32,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_engine import http_body
 from workloads import QWEN3_8B, QWEN3_30B_A3B, Req, make_workload, tiny, write_config
 
+from teacher_server.benchmark.local_server import free_port, stop_server
+
 SHAPES = {"8b": QWEN3_8B, "30b-a3b": QWEN3_30B_A3B}
 
 
 def start(flags: list[str], args: argparse.Namespace, gpus: str | None) -> tuple[subprocess.Popen, str]:
-    port = 18600 + os.getpid() % 1000
+    port = free_port()
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--port", str(port), "--host", "127.0.0.1",
            "--log-level", "warning", "--max-model-len", str(args.max_model_len), "--load-format", "dummy",
            *(["--device", "cpu"] if args.tiny else []), *flags]
@@ -54,11 +56,6 @@ def start(flags: list[str], args: argparse.Namespace, gpus: str | None) -> tuple
             raise RuntimeError(f"server exited during startup ({proc.returncode})")
         time.sleep(1)
     raise RuntimeError("server did not start in time")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    proc.wait(timeout=180)
 
 
 async def run(url: str, load: dict[str | None, list[Req]], concurrency: int) -> dict[str | None, float]:
@@ -121,14 +118,14 @@ def main() -> None:
             vocab[None] = vocab[name]
             alone[name] = median(measure(url, [None], vocab, args)["None"])
         finally:
-            stop(proc)
+            stop_server(proc)
         print(f"{name} alone: {alone[name]:.0f} tok/s", flush=True)
     specs = [f"{n}={ckpts[n]}" + ("" if args.tiny else f",gpus=[{i}]") for i, n in enumerate(SHAPES)]
     proc, url = start(["--teachers", *specs], args, None)
     try:
         mixed = {n: median(v) for n, v in measure(url, list(SHAPES), vocab, args).items()}
     finally:
-        stop(proc)
+        stop_server(proc)
     results = {"workload": args.workload, "concurrency_per_teacher": args.concurrency, "tiny": args.tiny,
                "teachers": {n: {"alone_tokens_per_s": alone[n], "mixed_tokens_per_s": mixed[n],
                                 "ratio": mixed[n] / alone[n]} for n in SHAPES}}
