@@ -17,13 +17,14 @@ from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import InFlightStep
 from teacher_server.engine.rank_setup import (
+    check_pipeline,
     check_split,
     load_rank,
     make_runner,
+    placement,
     plan_memory,
     resolve_device,
     resolve_dtype,
-    tensor_parallel,
 )
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,28 +71,38 @@ class Engine(Stepping):
         if cfg.deterministic and self.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
-        size = cfg.tensor_parallel_size
-        check_split(self.spec, size)
-        # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
+        check_split(self.spec, cfg.tensor_parallel_size)
+        stages = check_pipeline(self.spec, cfg.pipeline_parallel_size)
+        size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size  # ranks: tensor x pipeline parallel
+        # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0 (under
+        # pipeline parallel a rank of the last stage: the results are made where they are read).
         self._workers: TPWorkers | None = None
         # opened first (a path that cannot be written fails start-up before the load); the
         # steps are traced from the end of the warm-up
         self._trace: StepTrace | None = StepTrace(cfg.step_trace) if cfg.step_trace else None
         self._tracing = False
+        placed = []  # (tensor-parallel placement, pipeline stage) of rank 0
+
+        def join() -> None:
+            init_group(self.device, 0, size, workers.store)
+            placed.append(placement(cfg, self.spec, 0))  # (makes the stages' groups: collective)
         if size > 1:
-            self._workers = TPWorkers(cfg, self.model_dir, self.device, size)
+            self._workers = workers = TPWorkers(cfg, self.model_dir, self.device, size)
             try:
                 self._workers.wait_joined()
                 self.device = rank_device(self.device, 0)
-                workers = self._workers
-                workers.form_group(lambda: init_group(self.device, 0, size, workers.store))
+                workers.form_group(join)
             except BaseException:
                 self.close()
                 raise
-        tp = tensor_parallel(cfg, 0)
+        tp, stage = placed[0] if placed else placement(cfg, self.spec, 0)
+        if cfg.pipeline_parallel_size > 1:
+            log.info("pipeline parallel: %d stages of %d rank(s), layers [lo, hi) per stage %s", len(stages),
+                     cfg.tensor_parallel_size, stages)
         phases.done("workers")
         try:
-            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp, phases)
+            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp, phases,
+                                              stage)
             phases.done("attention checks")
             cache = self.model.cache_layout()  # hybrid models: per-sequence linear-attention state too
             plan = plan_memory(cfg, self.spec, cache, self.device, self.max_model_len, tp)

@@ -100,8 +100,9 @@ class ModelRunner:
         return build_host_step(chunks, self.block_size, self.kv.state is not None)
 
     # --- execute ---------------------------------------------------------------------
-    def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput:
-        """Run the forward and the scoring stage of one step (queued on CUDA)."""
+    def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput | None:
+        """Run the forward and the scoring stage of one step (queued on CUDA); a pipeline
+        stage before the last runs its layers only and hands the residual stream on (None)."""
         tok, kv, sc, st = hs.tokens, hs.kv, hs.scoring, hs.state
         arrays = [tok.input_ids, tok.positions, tok.cu_q, tok.cu_k, kv.write_src, kv.write_slots, kv.tok_slots,
                   kv.new_pos, kv.prefix_pos, kv.prefix_slots, sc.logits_idx, sc.cand.reshape(-1), sc.plp_rows,
@@ -131,6 +132,8 @@ class ModelRunner:
             if st.keep.size:
                 ctx.state_keep, ctx.state_out, ctx.state_keep_host = state[1], state[2], st.keep.tolist()
         hidden = self.model(ctx, pacer)  # [R, H]
+        if not self.model.stage.last:
+            return None
         n_plp, n_arg = sc.plp_rows.size, sc.argmax_rows.size
         plan = ScoringPlan(
             cand=cand.view(-1, sc.kmax) if sc.kmax else cand.view(0, 0), kmax=sc.kmax,

@@ -91,7 +91,8 @@ class TPWorkers:
     def __init__(self, cfg: Config, model_dir: Path, device: torch.device, size: int) -> None:
         set_nccl_env()
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise RuntimeError(f"tensor_parallel_size={size} needs {size} GPUs, this host has "
+            raise RuntimeError(f"tensor_parallel_size x pipeline_parallel_size = {size} ranks need {size} GPUs, "
+                               f"this host has "
                                f"{torch.cuda.device_count()} visible")
         self.size, self.device = size, device
         self.store = make_store(0, size)  # held while the group lives
@@ -169,7 +170,7 @@ class TPWorkers:
             c.send(("blocks", tuple(n)))
         for i in range(len(self.procs)):
             self._recv(i, "while building its KV pool", 600.0)
-        log.info("tensor parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s", self.size,
+        log.info("tensor/pipeline parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s", self.size,
                  [tuple(p) for p in plans], tuple(n))
         return n
 
@@ -265,9 +266,9 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
             MemoryPlan,
             load_rank,
             make_runner,
+            placement,
             plan_memory,
             resolve_dtype,
-            tensor_parallel,
         )
         from teacher_server.models.spec import ModelSpec
 
@@ -276,9 +277,10 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         conn.send(("joining",))
         init_group(device, rank, size, make_store(rank, size, port))
         spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization)
-        tp = tensor_parallel(cfg, rank)
+        tp, stage = placement(cfg, spec, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
-        model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
+        model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp,
+                                stage=stage)
         conn.send(("loaded", tuple(plan_memory(cfg, spec, model.cache_layout(), device, max_len, tp))))
         _, agreed = conn.recv()
         runner = make_runner(cfg, model, attn, MemoryPlan(*agreed), max_len, device)

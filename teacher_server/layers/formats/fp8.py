@@ -79,7 +79,7 @@ def row_amax(layer: nn.Module, slot: str, w: torch.Tensor) -> torch.Tensor:
     if tp is not None and tp.size > 1 and slot in getattr(layer, "split_columns", ()):
         import torch.distributed as dist
 
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
     return amax
 
 
