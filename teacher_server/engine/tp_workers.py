@@ -170,8 +170,8 @@ class TPWorkers:
             c.send(("blocks", tuple(n)))
         for i in range(len(self.procs)):
             self._recv(i, "while building its KV pool", 600.0)
-        log.info("tensor/pipeline parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s", self.size,
-                 [tuple(p) for p in plans], tuple(n))
+        log.info("tensor/pipeline parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s",
+                 self.size, [tuple(p) for p in plans], tuple(n))
         return n
 
     # --- steps ---------------------------------------------------------------------------
