@@ -7,7 +7,10 @@ a step's host plan -> run the same forward and scoring -> take part in the colle
 plan (``HostStep``'s numpy arrays, the request bookkeeping stripped) is pickled once and
 sent down one pipe per worker, once per step, before rank 0 starts that step: the workers
 never see requests, and nothing per layer crosses processes except the all-reduces. Every
-rank's results are the same after the vocab-parallel combine; only rank 0's are used.
+rank's results are the same after the vocab-parallel combine; only rank 0's are used. Under
+pipeline parallel the ranks are pipeline x tensor parallel: a worker of a stage before the last
+runs its layers and sends the residual stream on (``layers.pipeline``); the plans go to every
+rank at once, up to a step per stage ahead of rank 0 (a rank of the last stage).
 
 Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a
 rank that is gone: each worker says it is loaded and how many KV blocks (and linear-state
