@@ -1,10 +1,12 @@
 """Pipeline parallel on the CPU (gloo, worker processes): the layer split and the ranks'
 places; each stage builds and reads only its layers (and the embedding or the head); PP2, PP3
 and PP2 x TP2 give one process's results within 1e-5 in float32 on a tiny dense Qwen3 (tied
-embeddings: the first stage embeds, the last scores with the same matrix) and a tiny Qwen3-MoE,
-with chunked sequences and prefix-cache hits across steps; a split the engine cannot run is
-refused at start-up; a stage rank lost in the middle of a step (the engine waiting on its
-hidden states) makes /health 503 and the process exit 3 within a bound, never a hang."""
+embeddings: the first stage embeds, the last scores with the same matrix), a tiny Qwen3-MoE and
+hybrid Qwen3.5 models (linear-attention states kept by the stages that hold those layers), with
+chunked sequences and prefix-cache hits across steps; steps are in flight over the stages; more
+stages than layers are refused at start-up; a stage rank lost in the middle of a step (the
+engine waiting on its hidden states) makes /health 503 and the process exit 3 within a bound,
+never a hang."""
 
 from __future__ import annotations
 
@@ -59,6 +61,19 @@ def moe3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("pp") / "moe3")
 
 
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5: Gated DeltaNet and gated full-attention layers alternating (lin, full, lin, full)."""
+    return make_hybrid_checkpoint("qwen3_5", tmp_path_factory.mktemp("pp") / "hybrid")
+
+
+@pytest.fixture(scope="module")
+def hybrid_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen3.5-MoE: three linear layers, then full attention (at PP3: a first stage without KV
+    layers and a last stage, the engine's, without linear-attention state)."""
+    return make_hybrid_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("pp") / "hybrid_moe")
+
+
 def test_layer_split_and_rank_places() -> None:
     assert split_layers(5, 2) == [(0, 3), (3, 5)]  # the first stages take the remainder
     assert split_layers(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
@@ -106,6 +121,8 @@ def test_each_stage_builds_and_reads_only_its_layers(dense3: Path, monkeypatch) 
     ("dense3", 2, 2, {}),
     ("moe3", 1, 2, {}),
     ("moe3", 2, 2, {}),
+    ("hybrid", 1, 2, {}),  # linear-attention states per stage; GRPO siblings from the prompt's snapshot
+    ("hybrid_moe", 1, 3, {}),
 ])
 def test_pipeline_equals_one_process(model: str, tp: int, pp: int, settings: dict,
                                      request: pytest.FixtureRequest) -> None:
@@ -129,12 +146,9 @@ def test_pipeline_equals_one_process(model: str, tp: int, pp: int, settings: dic
         assert x.next_token == y.next_token
 
 
-def test_a_split_the_engine_cannot_run_is_refused_at_start_up(dense3: Path, tmp_path: Path) -> None:
+def test_more_stages_than_layers_are_refused_at_start_up(dense3: Path) -> None:
     with pytest.raises(ValueError, match="pipeline_parallel_size=4 needs between 1 and the model's 3 layers"):
         Engine(Config(model=str(dense3), device="cpu", pipeline_parallel_size=4))
-    hybrid = make_hybrid_checkpoint("qwen3_5", tmp_path / "hybrid")
-    with pytest.raises(ValueError, match="does not run hybrid linear-attention models"):
-        Engine(Config(model=str(hybrid), device="cpu", pipeline_parallel_size=2))
 
 
 def test_setting_flag_and_variable() -> None:

@@ -118,8 +118,9 @@ class Engine(Stepping):
             prefix = cfg.enable_prefix_caching and not cfg.deterministic
             self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
             sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
-            self._scheduler = Scheduler(sched, self._blocks,
-                                        StateSlots(state_slots + 1) if cache.state else None)  # + the zero slot
+            # (+ the zero slot; a hybrid model's steps carry state slots, even where this rank's layers keep none)
+            slots = StateSlots(state_slots + 1) if self.spec.linear_layer_ids else None
+            self._scheduler = Scheduler(sched, self._blocks, slots)
             phases.done("memory plan")
             self.runner = make_runner(cfg, self.model, self.attn, plan, self.max_model_len, self.device)
             phases.add(self.runner.startup_s)  # attention plans; compiles, kernel checks and autotuning

@@ -60,6 +60,8 @@ class ModelRunner:
         layout = model.cache_layout()  # what each layer keeps, this rank's heads
         self.kv = KVPool(num_blocks * block_size, layout, device,
                          state_slots=state_slots + 1 if layout.state is not None else 0)
+        # a hybrid model's steps carry state slots, also to a pipeline stage whose layers keep none
+        self.plans_state = bool(model.spec.linear_layer_ids)
         ropes = model.make_ropes(max_model_len + 1, device)
         self.startup_s: dict[str, float] = {}  # seconds of the start-up's one-time work, by phase (the log line)
         t0 = time.perf_counter()
@@ -97,7 +99,7 @@ class ModelRunner:
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
         """The step's host arrays: packed tokens, KV plan, scoring layout."""
-        return build_host_step(chunks, self.block_size, self.kv.state is not None)
+        return build_host_step(chunks, self.block_size, self.plans_state)
 
     # --- execute ---------------------------------------------------------------------
     def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput | None:

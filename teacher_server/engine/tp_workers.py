@@ -163,12 +163,14 @@ class TPWorkers:
 
     def agree_memory(self, own: MemoryPlan) -> MemoryPlan:
         """The KV blocks, linear-state slots and token budget every rank can hold (the minimum
-        of each over the ranks); sent to all."""
+        of each over the ranks; of the slots, over the ranks that keep state: a pipeline stage
+        of attention layers only keeps none); sent to all."""
         from teacher_server.engine.rank_setup import MemoryPlan
 
         plans = [own] + [MemoryPlan(*self._recv(i, "while loading its shard", START_TIMEOUT_S)[1])
                          for i in range(len(self.procs))]
-        n = MemoryPlan(*(min(col) for col in zip(*plans)))
+        blocks, slots, budget = zip(*plans)
+        n = MemoryPlan(min(blocks), min((s for s in slots if s), default=0), min(budget))
         for c in self.conns:
             c.send(("blocks", tuple(n)))
         for i in range(len(self.procs)):
