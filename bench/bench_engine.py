@@ -460,7 +460,7 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
     out = ["--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
            *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
            "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
-           "--pipeline-parallel-size", str(args.pipeline_parallel_size),
+           *(["--pipeline-parallel-size", str(args.pipeline_parallel_size)] if args.pipeline_parallel_size > 1 else []),
            "--load-format", args.load_format,
            *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else [])]
     if engine_process is not None:

@@ -24,7 +24,7 @@ class PlannedStep:
 
     chunks: list[Chunk]
     hs: HostStep
-    done: list[Sequence]  # sequences this step completes (their bookkeeping is done)
+    done: list[Sequence] | None  # sequences this step completes (their bookkeeping done); None: not yet done
     tokens: int
     trace: dict | None = None  # its step-trace facts (``StepTrace.at_launch``) when tracing
 

@@ -101,8 +101,9 @@ class Stepping:
         tm.wait_s += pacer.wait_s
         if p.trace is not None:
             p.trace["launch_ms"] = round(1e3 * launch_s, 2)
+        done = p.done if p.done is not None else self._scheduler.finish_step(p.chunks)
         after = handoff.step.pending.pacer.done if handoff is not None else None
-        return InFlightStep(p.chunks, p.hs, pending, p.done, after, p.trace)
+        return InFlightStep(p.chunks, p.hs, pending, done, after, p.trace)
 
     def plan(self) -> None:
         """Schedule and prepare steps until ``_plan_depth`` are planned and not launched here,
@@ -111,7 +112,9 @@ class Stepping:
         stage runs the steps in the order planned, so a step that reads KV an earlier one writes
         (a later chunk of a sequence, a prefix cached by an earlier step) finds it written on
         every stage, as on one GPU's stream. The scheduler's bookkeeping of a step is done here
-        (``launch`` says why that is safe)."""
+        when more steps are planned after it (``step`` says why that is safe); planning one at a
+        time it waits for the launch, so that a step that fails to launch leaves no blocks in
+        the prefix cache that its KV was to fill."""
         tm = self._timing
         while len(self._planned) < self._plan_depth:
             t0 = time.perf_counter()
@@ -135,7 +138,8 @@ class Stepping:
             # (before finish_step moves the sequences on)
             facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting, launched_at,
                                           0.0) if self._tracing else None
-            self._planned.append(PlannedStep(chunks, hs, self._scheduler.finish_step(chunks), tokens, facts))
+            done = self._scheduler.finish_step(chunks) if self._plan_depth > 1 else None
+            self._planned.append(PlannedStep(chunks, hs, done, tokens, facts))
 
     def _pacer(self, handoff: Handoff | None) -> Pacer:
         if self._run_ahead is None:
