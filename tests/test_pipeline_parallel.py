@@ -113,6 +113,7 @@ def test_each_stage_builds_and_reads_only_its_layers(dense3: Path, monkeypatch) 
     ("dense3", 1, 2, {}),
     ("dense3", 1, 3, {"logprobs_mode": "raw_logits"}),  # a middle stage: neither embeds nor scores
     ("dense3", 2, 2, {}),
+    ("dense3", 2, 2, {"quantization": "fp8"}),  # each stage's row scales: the amax over its own TP group
     ("moe3", 2, 2, {}),
     ("hybrid_moe", 1, 3, {}),  # linear-attention states per stage; GRPO siblings from the prompt's snapshot
 ])
