@@ -3,11 +3,10 @@
 Aliases of our flags (``-tp``, ``-dp``), flags mapped onto a setting of ours
 (``--enforce-eager``: no torch.compile; ``--num-gpu-blocks-override``: ``num_kv_blocks``;
 ``--enable-expert-parallel``: ``moe_parallel`` expert; ``--hf-token``: the hub token of this
-process), and flags accepted with no effect because
-what they switch does not exist here (``--trust-remote-code``: no checkpoint code is ever run;
-request and stats logging). Settings of our own that carry vLLM's name (``--served-model-name``,
-``--dtype``, ``--kv-cache-dtype``, ``--ssl-keyfile``, ``--root-path``, ...) are Config fields.
-docs/cli.md has the table."""
+process), and flags accepted with no effect because what they switch does not exist here
+(``--trust-remote-code``: no checkpoint code is ever run; request and stats logging). Settings
+of our own that carry vLLM's name (``--served-model-name``, ``--dtype``, ``--kv-cache-dtype``,
+``--ssl-keyfile``, ``--root-path``, ...) are Config fields. docs/cli.md has the table."""
 
 from __future__ import annotations
 
