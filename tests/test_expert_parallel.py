@@ -6,17 +6,20 @@ the down bias once per row; 1e-4 as its TP test says why). Each rank holds exact
 experts' tensors and reads none of another rank's; the ranks' partial sums of one expert
 layer are the whole layer's output for every layout and weight format (stacked and
 per-expert tensors, a gated shared expert, block-FP8 experts through the GPU's dispatch
-references), and on the GPU through torch's grouped GEMM; an expert count the size does not
+references), and on the GPU through torch's grouped GEMM; static FP8 input scales are the
+largest over every rank's experts (two gloo ranks); an expert count the size does not
 divide is refused at start-up, naming the setting; vLLM's ``--enable-expert-parallel``."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import free_port
 from deepseek_ref import make_deepseek_checkpoint
 from fp8util import make_fp8
 from oss_ref import make_gpt_oss_checkpoint
@@ -47,6 +50,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "deepseek_v3": lambda p: make_deepseek_checkpoint("v3", p),
         "gpt_oss": lambda p: make_gpt_oss_checkpoint("mxfp4", p),
         "fp8_block": lambda p: make_fp8(make_moe_checkpoint("qwen3moe", p / "src"), p, "block", (16, 16))[0],
+        # per-tensor weight scales and a static input scale per expert projection (each its own)
+        "fp8_static": lambda p: make_fp8(make_moe_checkpoint("qwen3moe", p / "src"), p, "ct_tensor_static")[0],
     }
 
     class Lazy(dict):
@@ -154,6 +159,52 @@ def test_fp8_experts_through_the_gpu_dispatch(made: dict[str, Path], monkeypatch
         assert moe.experts.fp8_mode == mode and moe.experts.num_local == spec.num_experts // 2
         got = got + moe(h)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _fp8_rank(rank: int, port: int, path: str, queue) -> None:
+    """One gloo rank of EP=2 on FP8 experts multiplied as on a GPU (``ops.fp8``'s references):
+    its shard loaded (the load's collectives included), the expert layer's all-reduced output
+    and its experts' input scales reported by rank 0."""
+    import torch.distributed as dist
+
+    from teacher_server.layers.formats import fp8 as fp8_format
+
+    fp8_format.fp8_compute = lambda device: True
+    dist.init_process_group("gloo", store=dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0), rank=rank,
+                            world_size=2)
+    spec = ModelSpec.from_dir(Path(path))
+    moe = expert_layer(load_model(Path(path), spec, torch.float32, CPU, tp=TensorParallel(2, rank, moe="expert")))
+    out = moe(torch.randn(29, spec.hidden_size, generator=torch.Generator().manual_seed(2)))
+    if rank == 0:
+        queue.put((out.numpy(), float(moe.experts.gate_up_input_scale), float(moe.experts.down_input_scale)))
+    dist.destroy_process_group()
+
+
+def test_static_fp8_input_scales_are_the_largest_over_every_ranks_experts(made: dict[str, Path],
+                                                                          monkeypatch) -> None:
+    """A static FP8 scheme quantizes an expert layer's input with one scale, the largest of its
+    experts' input_scale: at EP=2 (two gloo ranks) the maximum over both ranks' experts, as one
+    process takes it, so the layer's output is one process's."""
+    from teacher_server.layers.formats import fp8 as fp8_format
+
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    path = made["fp8_static"]
+    spec = ModelSpec.from_dir(path)
+    full = expert_layer(load_model(path, spec, torch.float32, CPU))
+    want = full(torch.randn(29, spec.hidden_size, generator=torch.Generator().manual_seed(2)))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_fp8_rank, args=(r, port, str(path), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out, gate_up_scale, down_scale = queue.get(timeout=120)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert (gate_up_scale, down_scale) == (float(full.experts.gate_up_input_scale),
+                                           float(full.experts.down_input_scale))
+    torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-5, atol=1e-5)
 
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
