@@ -5,7 +5,8 @@ ungated shared experts split along their width) and gpt-oss (MXFP4-packed expert
 the down bias once per row; 1e-4 as its TP test says why). Each rank holds exactly its
 experts' tensors and reads none of another rank's; the ranks' partial sums of one expert
 layer are the whole layer's output for every layout and weight format (stacked and
-per-expert tensors, a gated shared expert, block-FP8 experts through the GPU's dispatch
+per-expert tensors, Mixtral's names, a gated shared expert, Qwen3.5-MoE's hybrid layers,
+block-FP8 experts through the GPU's dispatch
 references), and on the GPU through torch's grouped GEMM; static FP8 input scales are the
 largest over every rank's experts (two gloo ranks); an expert count the size does not
 divide is refused at start-up, naming the setting; vLLM's ``--enable-expert-parallel``."""
@@ -23,7 +24,7 @@ from conftest import free_port
 from deepseek_ref import make_deepseek_checkpoint
 from fp8util import make_fp8
 from oss_ref import make_gpt_oss_checkpoint
-from reference import make_moe_checkpoint
+from reference import make_hybrid_checkpoint, make_moe_checkpoint
 from test_tensor_parallel import assert_same, run
 
 from teacher_server.layers.gpt_oss_moe import GptOssMoe
@@ -47,6 +48,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "qwen3moe": lambda p: make_moe_checkpoint("qwen3moe", p),  # per-expert tensors, a dense layer
         "qwen3moe_stacked": lambda p: make_moe_checkpoint("qwen3moe_stacked", p),  # [E, ...] tensors
         "qwen2moe": lambda p: make_moe_checkpoint("qwen2moe:301", p),  # a sigmoid-gated shared expert
+        "mixtral": lambda p: make_moe_checkpoint("mixtral", p),  # block_sparse_moe's w1 / w3 / w2
+        "qwen3_5_moe": lambda p: make_hybrid_checkpoint("qwen3_5_moe", p),  # linear attention, a shared expert
         "deepseek_v3": lambda p: make_deepseek_checkpoint("v3", p),
         "gpt_oss": lambda p: make_gpt_oss_checkpoint("mxfp4", p),
         "fp8_block": lambda p: make_fp8(make_moe_checkpoint("qwen3moe", p / "src"), p, "block", (16, 16))[0],
@@ -84,7 +87,8 @@ def expert_layer(model: torch.nn.Module) -> torch.nn.Module:
     return moe
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe_stacked", "qwen2moe", "deepseek_v3", "gpt_oss", "fp8_block"])
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe_stacked", "qwen2moe", "mixtral", "qwen3_5_moe", "deepseek_v3",
+                                  "gpt_oss", "fp8_block"])
 def test_each_rank_holds_its_experts_and_the_ranks_sum_to_the_layer(name: str, made: dict[str, Path],
                                                                     monkeypatch) -> None:
     """Loaded at EP=2, rank r's expert tensors (weights, biases, the format's) are experts
