@@ -160,8 +160,9 @@ class ExpertWeights(nn.Module):
         tokens = order // k
         if mine is None:
             return ExpertRows(tokens, keys, offs, pos.view(t, k), None)
-        # the extra row (any token; never read) and bias lookups kept in range for the others' rows
-        tokens = torch.cat([tokens, tokens.new_zeros(1)])
+        # the others' rows and the extra row (never read) gather token 0: one row, read from cache;
+        # their bias lookups kept in range
+        tokens = torch.cat([torch.where(keys < self.num_local, tokens, 0), tokens.new_zeros(1)])
         keys = torch.cat([keys, keys.new_zeros(1)]).clamp_max_(self.num_local - 1)
         return ExpertRows(tokens, keys, offs, torch.where(mine, pos, m).view(t, k), m)
 
