@@ -249,11 +249,16 @@ def test_grouped_rows_of_each_rank_sum_to_the_layer(device: str, padded: bool, t
             g, u = f.gate_up_proj.weight.chunk(2)
             s.gate_up_proj.weight.copy_(torch.cat([g[8 * r:8 * r + 8], u[8 * r:8 * r + 8]]))
             s.down_proj.weight.copy_(f.down_proj.weight[:, 8 * r:8 * r + 8])
+    if dev.type == "cuda" and not padded and torch.cuda.get_device_capability()[0] == 9:
+        # torch's grouped GEMM passes its start-up check (rows past the last row end included)
+        assert gemm.use_torch(dev, dtype, ((64, 2 * 48), (48, 64)))
     h = torch.randn(tokens, 64, device=dev).to(dtype)
     want = full(h).float()
     got = sum(moe(h).float() for moe in ranks)
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    if dtype == torch.bfloat16:  # each rank's part rounded to bf16, the whole layer's once
+        assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if dtype == torch.float32:
         torch.testing.assert_close(sum(moe.reference(h) for moe in ranks), want, rtol=1e-5, atol=1e-5)
 
