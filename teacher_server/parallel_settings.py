@@ -20,5 +20,5 @@ class ParallelSettings(BaseModel):
     moe_parallel: Literal["tensor", "expert"] = Field(
         "tensor", description="How the tensor_parallel_size ranks split the expert layers: tensor (each expert's "
                               "intermediate dimension, as the dense MLP) or expert (E / size whole experts per rank, "
-                              "their GEMMs at full width; the expert count must divide by the size; vLLM's "
+                              "their GEMMs at full width; the size must divide the expert count; vLLM's "
                               "--enable-expert-parallel). Attention stays tensor parallel (docs/scaling.md).")
