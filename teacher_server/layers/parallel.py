@@ -39,6 +39,7 @@ class TensorParallel:
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside tensor-parallel size {self.size}"
+        assert self.moe in ("tensor", "expert"), f"moe split {self.moe!r}: tensor or expert"
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of n (rows, heads, ...); n must divide evenly."""
