@@ -460,7 +460,8 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
            *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
            "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--load-format", args.load_format,
-           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else [])]
+           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else []),
+           *(["--quantization", args.quantization] if getattr(args, "quantization", None) else [])]
     if engine_process is not None:
         out.append("--engine-process" if engine_process else "--no-engine-process")
     # The in-process runs reset the prefix cache between runs; the server cannot, and repeats
@@ -625,6 +626,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="quantize the weights at load (the engine's and every server's; bench_fp8_e2e.py compares)")
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
     ap.add_argument("--ablate-repeats", type=int, default=None, help="runs per ablation variant (default: --repeats)")
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
@@ -668,14 +671,16 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
-                              f"({load_format} load)", "tensor_parallel_size": GPUS,
+                              f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else ""),
+                     "tensor_parallel_size": GPUS,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy", args.baseline_layouts)
                  if base_names and not args.baseline_from else {})
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
-                  tensor_parallel_size=GPUS, **({"tp_comm_parts": args.tp_comm_parts} if args.tp_comm_parts else {}),
+                  tensor_parallel_size=GPUS, quantization=args.quantization,
+                  **({"tp_comm_parts": args.tp_comm_parts} if args.tp_comm_parts else {}),
                   step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
