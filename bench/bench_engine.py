@@ -267,6 +267,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
+        # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
+        "fp8_norm_then_quant": lambda: setattr(ops, "fp8_norm_input", False),
     }
     tp = getattr(engine, "_workers", None) is not None
     runs: dict[str, int] = {}
