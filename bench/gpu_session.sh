@@ -146,6 +146,11 @@ for step in ${STEPS:-tests}; do
     # Qwen3-30B-A3B's experts, bf16 against FP8 tensor/row/block, sustained ($FP8_ARGS: e.g. "--sustain-s 12")
     fp8ops) python3 -m pytest $PT -m gpu tests/test_fp8_ops.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -25
       python3 bench/bench_fp8.py ${FP8_ARGS:-} --out "$OUT/fp8_ops_h200.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40 ;;
+    # FP8 against bf16 end to end through HTTP (issue 48's targets): a server per variant (bf16, --quantization fp8,
+    # a block-wise checkpoint's config), alternating; $FP8E2E_ARGS e.g. "--model-size 32b --workload W4 --variants bf16,row"
+    # or "--model-size 30b-a3b --workload W5 --max-model-len 8192"
+    fp8e2e) python3 bench/bench_fp8_e2e.py ${FP8E2E_ARGS:---model-size 8b --workload W1 --rounds 2} --out "$OUT/fp8_e2e.json" \
+      2>&1 | tee "$OUT/fp8_e2e.log" | grep -E "^round|x_bf16_median" ;;
     # FP8 checkpoints on the GPU: each layout's modes and error against transformers' FP8 path
     fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25 ;;
     # FP8 accuracy on a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, KL(bf16 || FP8)

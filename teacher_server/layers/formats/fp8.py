@@ -292,6 +292,19 @@ class Fp8Weights(WeightFormat):
             return fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)), kernel=kernel)  # [1]
         return fp8.quantize_rows(x, kernel=kernel)  # [T, 1]
 
+    def norm_input(self, layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   delta: torch.Tensor | None = None) -> tuple[torch.Tensor, QuantizedRows] | None:
+        """The RMSNorm of x (+ delta) quantized as ``layer`` takes its input, in the norm's pass
+        (``ops.fp8.rms_norm_quant`` / ``add_rms_norm_quant``): the q/k/v and gate/up projections
+        read it without a quantizing pass of their own."""
+        mode = self._act_mode(layer)
+        static = getattr(layer, extra_name("weight", INPUT_SCALE)) if mode == "tensor" else None
+        if delta is None:
+            q, scale = fp8.rms_norm_quant(x, weight, eps, mode, static, kernel=layer.fp8_kernel)
+        else:
+            x, q, scale = fp8.add_rms_norm_quant(x, delta, weight, eps, mode, static, kernel=layer.fp8_kernel)
+        return x, QuantizedRows(q, scale, x.dtype)
+
     def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> QuantizedRows | None:
         """silu(gate) * up of gate_up [T, 2I] as ``layer``'s input, quantized in the same pass
         (``ops.fp8.silu_mul_quant``): the dense MLP's down projection takes it without a pass of
