@@ -463,7 +463,8 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
            "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
            "--load-format", args.load_format,
            *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else []),
-           *(["--quantization", args.quantization] if getattr(args, "quantization", None) else [])]
+           *(["--quantization", args.quantization] if getattr(args, "quantization", None) else []),
+           *(["--moe-parallel", args.moe_parallel] if getattr(args, "moe_parallel", None) else [])]
     if engine_process is not None:
         out.append("--engine-process" if engine_process else "--no-engine-process")
     # The in-process runs reset the prefix cache between runs; the server cannot, and repeats
@@ -599,6 +600,9 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
     ap.add_argument("--tp-comm-parts", type=int, default=None,
                     help="tp_comm_parts of the engine and the server (default: the config's)")
+    ap.add_argument("--moe-parallel", choices=["tensor", "expert"], default=None,
+                    help="moe_parallel of the engine and the server: how the tensor-parallel ranks split the expert "
+                         "layers (default: the config's)")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
     ap.add_argument("--baseline-layouts", default="auto",
@@ -683,6 +687,7 @@ def main() -> None:
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
                   tensor_parallel_size=GPUS, quantization=args.quantization,
                   **({"tp_comm_parts": args.tp_comm_parts} if args.tp_comm_parts else {}),
+                  **({"moe_parallel": args.moe_parallel} if args.moe_parallel else {}),
                   step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
@@ -690,6 +695,7 @@ def main() -> None:
     results["attention_backend"] = engine.tuning.attention.name
     results["budget_tokens"] = engine.tuning.token_budget  # the engine's choice where --budget is not given
     results["tp_comm_parts"] = engine.runner.tp.comm_parts
+    results["moe_parallel"] = engine.runner.tp.moe
     blocks = engine.stats().kv_blocks_total
     # rank 0's cache as its model declares it (KV heads replicated past their count; hybrid models:
     # the full-attention layers only)

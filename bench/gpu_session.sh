@@ -116,6 +116,15 @@ for step in ${STEPS:-tests}; do
         --workloads W4 --tensor-parallel-size 2 --tp-comm-parts $parts --repeats 2 \
         --out "$OUT/engine_32b_w4_tp2_run${i}_parts$parts.json" 2>&1 | tee -a "$OUT/tp_parts.log" | grep -E "^W4 |KV pool|loaded"
       done ;;
+    # expert parallel against tensor parallel for the expert layers on the two-GPU machine: the GPU expert-parallel
+    # and grouped-GEMM tests (rows past the last row end), then W5 (W1 on the Qwen3-30B-A3B shape, dummy weights) at TP2, one engine per mode of $EP_MODES
+    # (default tensor, then expert); each prints its W1 tokens/s and MFU
+    ep) python3 -m pytest $PT -m gpu tests/test_expert_parallel.py tests/test_moe.py -k grouped 2>&1 \
+        | tee "$OUT/gpu_ep_tests.log" | tail -8
+      for mode in ${EP_MODES:-tensor expert}; do python3 bench/bench_engine.py --model-size 30b-a3b \
+        --workloads W1 --tensor-parallel-size 2 --moe-parallel $mode --repeats ${EP_REPEATS:-2} \
+        --out "$OUT/engine_30b_a3b_w5_tp2_$mode.json" 2>&1 | tee -a "$OUT/ep.log" | grep -E "^W1 |KV pool|loaded"
+      done ;;
     # seconds to /health ready: a first start with an empty compile cache, then a restart keeping it
     # (dummy weights; $TTR_SIZES picks the shapes, default Qwen3-8B and Qwen3.5-9B)
     ttr) for size in ${TTR_SIZES:-8b qwen3.5-9b}; do

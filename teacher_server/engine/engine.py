@@ -71,7 +71,7 @@ class Engine(Stepping):
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
         size = cfg.tensor_parallel_size
-        check_split(self.spec, size)
+        check_split(self.spec, size, cfg.moe_parallel)
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
         self._workers: TPWorkers | None = None
         # opened first (a path that cannot be written fails start-up before the load); the

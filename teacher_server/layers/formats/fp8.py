@@ -239,7 +239,13 @@ class Fp8Weights(WeightFormat):
         for slot in layer.slots:
             if s.activations == "static":  # one scale for the layer's input: the largest of its parts'
                 p = extra_name(slot, INPUT_SCALE)
-                setattr(layer, p, nn.Parameter(getattr(layer, p).amax().reshape(1), requires_grad=False))
+                amax = getattr(layer, p).amax().reshape(1)
+                ep = getattr(layer, "ep", None)
+                if ep is not None and ep.size > 1:  # expert parallel: of every rank's experts, as one GPU
+                    import torch.distributed as dist
+
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+                setattr(layer, p, nn.Parameter(amax, requires_grad=False))
             scale = getattr(layer, extra_name(slot, SCALE))
             if mode == "row" and scale.shape[-1] != 1:  # block scales -> per row
                 w = self.weight(layer, slot)
