@@ -268,6 +268,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
+        # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
+        "fp8_norm_then_quant": lambda: setattr(ops, "fp8_norm_input", False),
     }
     tp = getattr(engine, "_workers", None) is not None
     runs: dict[str, int] = {}
@@ -462,7 +464,9 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
            "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
            *(["--pipeline-parallel-size", str(args.pipeline_parallel_size)] if args.pipeline_parallel_size > 1 else []),
            "--load-format", args.load_format,
-           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else [])]
+           *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else []),
+           *(["--quantization", args.quantization] if getattr(args, "quantization", None) else []),
+           *(["--moe-parallel", args.moe_parallel] if getattr(args, "moe_parallel", None) else [])]
     if engine_process is not None:
         out.append("--engine-process" if engine_process else "--no-engine-process")
     # The in-process runs reset the prefix cache between runs; the server cannot, and repeats
@@ -601,6 +605,9 @@ def main() -> None:
                     help="pipeline stages the layers are split over (each --tensor-parallel-size GPUs)")
     ap.add_argument("--tp-comm-parts", type=int, default=None,
                     help="tp_comm_parts of the engine and the server (default: the config's)")
+    ap.add_argument("--moe-parallel", choices=["tensor", "expert"], default=None,
+                    help="moe_parallel of the engine and the server: how the tensor-parallel ranks split the expert "
+                         "layers (default: the config's)")
     ap.add_argument("--workloads", default="W1,W1f,W3")
     ap.add_argument("--baseline", default="", help="workloads to also run through transformers")
     ap.add_argument("--baseline-layouts", default="auto",
@@ -630,6 +637,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="quantize the weights at load (the engine's and every server's; bench_fp8_e2e.py compares)")
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
     ap.add_argument("--ablate-repeats", type=int, default=None, help="runs per ablation variant (default: --repeats)")
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
@@ -673,8 +682,8 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
-                              f"({load_format} load)", "tensor_parallel_size": args.tensor_parallel_size,
-                     "pipeline_parallel_size": args.pipeline_parallel_size,
+                              f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else ""),
+                     "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy", args.baseline_layouts)
                  if base_names and not args.baseline_from else {})
@@ -682,7 +691,9 @@ def main() -> None:
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
                   tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                  quantization=args.quantization,
                   **({"tp_comm_parts": args.tp_comm_parts} if args.tp_comm_parts else {}),
+                  **({"moe_parallel": args.moe_parallel} if args.moe_parallel else {}),
                   step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
     engine = Engine(ecfg)
     results["engine_load_s"] = time.perf_counter() - t
@@ -690,6 +701,7 @@ def main() -> None:
     results["attention_backend"] = engine.tuning.attention.name
     results["budget_tokens"] = engine.tuning.token_budget  # the engine's choice where --budget is not given
     results["tp_comm_parts"] = engine.runner.tp.comm_parts
+    results["moe_parallel"] = engine.runner.tp.moe
     blocks = engine.stats().kv_blocks_total
     # rank 0's cache as its model declares it (KV heads replicated past their count; hybrid models:
     # the full-attention layers only; pipeline parallel: its stage's layers)

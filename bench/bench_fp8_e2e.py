@@ -45,6 +45,14 @@ def model_dirs(root: Path, cfg: dict, name: str) -> dict[str, tuple[Path, list[s
     return {"bf16": (bf16, []), "row": (bf16, ["--quantization", "fp8"]), "block": (block, [])}
 
 
+def workload(name: str, vocab: int) -> list:
+    """The requests of ``name``; W5 (DESIGN: the MoE shape on 128 W1f-shaped requests) is two
+    W1f draws."""
+    if name == "W5":
+        return make_workload("W1f", vocab) + make_workload("W1f", vocab, seed=1)
+    return make_workload(name, vocab)
+
+
 def server_gauges(url: str) -> dict[str, float]:
     """The KV pool's tokens and the token budget from /metrics."""
     out = {}
@@ -77,7 +85,7 @@ def main() -> None:
     if args.tiny:
         cfg = tiny(cfg)
     dirs = model_dirs(Path(args.ckpt_dir), cfg, f"{family}-{args.model_size}" + ("-tiny" if args.tiny else ""))
-    reqs = make_workload(args.workload, cfg["vocab_size"])
+    reqs = workload(args.workload, cfg["vocab_size"])
     # what bench_http reads of bench_engine's arguments
     sargs = argparse.Namespace(budget=args.budget, tensor_parallel_size=1, load_format="dummy", tp_comm_parts=None,
                                step_trace="", http_client=["httpx"], repeats=args.repeats,

@@ -87,7 +87,7 @@ def main() -> None:
         h = torch.randn(t, h_, device=dev, dtype=dt)
         w, ids = moe.route(h)
         sorted_ids, order = torch.sort(ids.view(-1), stable=True)
-        offs = torch.searchsorted(sorted_ids, moe.expert_ends, out_int32=True)
+        offs = torch.searchsorted(sorted_ids, moe.experts.expert_ends, out_int32=True)
         x = h.index_select(0, order // k_)
         gu = gemm(x, moe.experts.gate_up.transpose(1, 2), offs)
         act = ops.silu_mul(gu)

@@ -124,6 +124,15 @@ for step in ${STEPS:-tests}; do
         --workloads W4 --pipeline-parallel-size $pp --repeats 2 \
         --out "$OUT/engine_32b_w4_pp${pp}_run$i.json" 2>&1 | tee -a "$OUT/pp.log" | grep -E "^W4 |KV pool|loaded"
       done ;;
+    # expert parallel against tensor parallel for the expert layers on the two-GPU machine: the GPU expert-parallel
+    # and grouped-GEMM tests (rows past the last row end), then W5 (W1 on the Qwen3-30B-A3B shape, dummy weights) at TP2, one engine per mode of $EP_MODES
+    # (default tensor, then expert); each prints its W1 tokens/s and MFU
+    ep) python3 -m pytest $PT -m gpu tests/test_expert_parallel.py tests/test_moe.py -k grouped 2>&1 \
+        | tee "$OUT/gpu_ep_tests.log" | tail -8
+      for mode in ${EP_MODES:-tensor expert}; do python3 bench/bench_engine.py --model-size 30b-a3b \
+        --workloads W1 --tensor-parallel-size 2 --moe-parallel $mode --repeats ${EP_REPEATS:-2} \
+        --out "$OUT/engine_30b_a3b_w5_tp2_$mode.json" 2>&1 | tee -a "$OUT/ep.log" | grep -E "^W1 |KV pool|loaded"
+      done ;;
     # seconds to /health ready: a first start with an empty compile cache, then a restart keeping it
     # (dummy weights; $TTR_SIZES picks the shapes, default Qwen3-8B and Qwen3.5-9B)
     ttr) for size in ${TTR_SIZES:-8b qwen3.5-9b}; do
@@ -145,6 +154,11 @@ for step in ${STEPS:-tests}; do
     # Qwen3-30B-A3B's experts, bf16 against FP8 tensor/row/block, sustained ($FP8_ARGS: e.g. "--sustain-s 12")
     fp8ops) python3 -m pytest $PT -m gpu tests/test_fp8_ops.py 2>&1 | tee "$OUT/gpu_fp8_tests.log" | tail -25
       python3 bench/bench_fp8.py ${FP8_ARGS:-} --out "$OUT/fp8_ops_h200.json" 2>&1 | tee "$OUT/fp8_ops.log" | tail -40 ;;
+    # FP8 against bf16 end to end through HTTP (issue 48's targets): a server per variant (bf16, --quantization fp8,
+    # a block-wise checkpoint's config), alternating; $FP8E2E_ARGS e.g. "--model-size 32b --workload W4 --variants bf16,row"
+    # or "--model-size 30b-a3b --workload W5 --max-model-len 8192"
+    fp8e2e) python3 bench/bench_fp8_e2e.py ${FP8E2E_ARGS:---model-size 8b --workload W1 --rounds 2} --out "$OUT/fp8_e2e.json" \
+      2>&1 | tee "$OUT/fp8_e2e.log" | grep -E "^round|x_bf16_median" ;;
     # FP8 checkpoints on the GPU: each layout's modes and error against transformers' FP8 path
     fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25 ;;
     # FP8 accuracy on a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, KL(bf16 || FP8)

@@ -17,6 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from teacher_server.did_you_mean import DTYPE_HINTS, did_you_mean
+from teacher_server.parallel_settings import ParallelSettings
 from teacher_server.teachers import TeacherSettings
 
 ENV_PREFIX = "TEACHER_SERVER_"
@@ -36,7 +37,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field."""
 
 
-class Config(TeacherSettings):
+class Config(TeacherSettings, ParallelSettings):
     """Every setting of the service. Built once at startup, passed down explicitly."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
@@ -57,14 +58,6 @@ class Config(TeacherSettings):
         "auto", description="Weight dtype; auto: bf16 on GPU, fp32 on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when there is a GPU.")
     seed: int = Field(0, description="Seed of dummy weights.")
-    tensor_parallel_size: int = Field(
-        1, ge=1, description="Split the model over this many GPUs of one host (one worker process per GPU); "
-                             "it must divide the attention heads. On the CPU: gloo processes (tests).")
-    tp_comm_parts: int = Field(
-        1, ge=1, le=16, description="Tensor parallel: make the o and the dense MLPs' down projections in this many "
-                                   "row parts, each part's all-reduce running while the next part's GEMM does (parts "
-                                   "of at least 1024 rows). 1: one GEMM, then one all-reduce. Deterministic mode uses "
-                                   "1.")
     demo_model_dir: str | None = Field(
         None, description="Where the demo checkpoint is written; default "
                           "$XDG_CACHE_HOME/teacher-server/demo-qwen3-v<N> (~/.cache when unset).")

@@ -16,7 +16,6 @@ import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from teacher_server.did_you_mean import did_you_mean
-from teacher_server.parallel_settings import ParallelSettings
 
 # One per service: read by the HTTP front, never by a teacher's engine.
 FRONT_KEYS = frozenset({
@@ -28,7 +27,7 @@ FRONT_KEYS = frozenset({
 MODEL_KEYS = ("model", "revision", "served_model_name", "served_model_aliases")
 
 
-class TeacherSettings(ParallelSettings):
+class TeacherSettings(BaseModel):
     """The settings of several teachers, a part of ``config.Config`` (its base class)."""
 
     gpus: list[str] = Field(

@@ -2,11 +2,11 @@
 
 Aliases of our flags (``-tp``, ``-dp``), flags mapped onto a setting of ours
 (``--enforce-eager``: no torch.compile; ``--num-gpu-blocks-override``: ``num_kv_blocks``;
-``--hf-token``: the hub token of this process), and flags accepted with no effect because
-what they switch does not exist here (``--trust-remote-code``: no checkpoint code is ever run;
-request and stats logging). Settings of our own that carry vLLM's name (``--served-model-name``,
-``--dtype``, ``--kv-cache-dtype``, ``--ssl-keyfile``, ``--root-path``, ...) are Config fields.
-docs/cli.md has the table."""
+``--enable-expert-parallel``: ``moe_parallel`` expert; ``--hf-token``: the hub token of this
+process), and flags accepted with no effect because what they switch does not exist here
+(``--trust-remote-code``: no checkpoint code is ever run; request and stats logging). Settings
+of our own that carry vLLM's name (``--served-model-name``, ``--dtype``, ``--kv-cache-dtype``,
+``--ssl-keyfile``, ``--root-path``, ...) are Config fields. docs/cli.md has the table."""
 
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                    help="no torch.compile (as --no-compile); our CUDA kernels still run")
     g.add_argument("--num-gpu-blocks-override", dest="vllmflag_num_gpu_blocks_override", type=human_int,
                    default=argparse.SUPPRESS, metavar="INT", help="as --num-kv-blocks")
+    g.add_argument("--enable-expert-parallel", "-ep", dest="vllmflag_enable_expert_parallel", action="store_true",
+                   default=argparse.SUPPRESS, help="as --moe-parallel expert (whole experts per tensor-parallel rank)")
 
 
 def apply_vllm_flags(args: dict[str, object]) -> list[str]:
@@ -63,4 +65,6 @@ def apply_vllm_flags(args: dict[str, object]) -> list[str]:
             args.setdefault("compile", False)  # an explicit --compile wins
         elif name == "num_gpu_blocks_override":
             args.setdefault("num_kv_blocks", value)
+        elif name == "enable_expert_parallel" and value:
+            args.setdefault("moe_parallel", "expert")  # an explicit --moe-parallel wins
     return notes

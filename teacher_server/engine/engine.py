@@ -72,7 +72,7 @@ class Engine(Stepping):
         if cfg.deterministic and self.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
-        check_split(self.spec, cfg.tensor_parallel_size)
+        check_split(self.spec, cfg.tensor_parallel_size, cfg.moe_parallel)
         stages = check_pipeline(self.spec, cfg.pipeline_parallel_size)
         size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size  # ranks: tensor x pipeline parallel
         # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0 (under

@@ -91,7 +91,8 @@ def tensor_parallel(cfg: Config, rank: int, group: object = None) -> TensorParal
     """Tensor-parallel rank ``rank``'s placement (``group``: its stage's process group under
     pipeline parallel); deterministic mode makes the row-parallel products in one part (a
     part's rows would follow the batch, and the GEMM's kernel with them)."""
-    return TensorParallel(cfg.tensor_parallel_size, rank, 1 if cfg.deterministic else cfg.tp_comm_parts, group)
+    return TensorParallel(cfg.tensor_parallel_size, rank, 1 if cfg.deterministic else cfg.tp_comm_parts,
+                          cfg.moe_parallel, group)
 
 
 def placement(cfg: Config, spec: ModelSpec, rank: int) -> tuple[TensorParallel, PipelineStage]:
@@ -114,8 +115,9 @@ def check_pipeline(spec: ModelSpec, size: int) -> list[tuple[int, int]]:
     return split_layers(spec.num_layers, size)
 
 
-def check_split(spec: ModelSpec, size: int) -> None:
-    """Refuse a tensor-parallel size the model cannot be split by (ValueError, at start-up)."""
+def check_split(spec: ModelSpec, size: int, moe: str = "tensor") -> None:
+    """Refuse a tensor-parallel size the model cannot be split by (ValueError, at start-up);
+    ``moe``: how the expert layers are split (``moe_parallel``)."""
     if spec.num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {spec.num_heads} attention heads")
     dense = any(not spec.is_moe_layer(i) for i in range(spec.num_layers))
@@ -129,7 +131,11 @@ def check_split(spec: ModelSpec, size: int) -> None:
     if spec.shared_expert_intermediate_size and spec.shared_expert_intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the shared expert's intermediate size "
                          f"{spec.shared_expert_intermediate_size}")
-    if spec.num_experts and spec.moe_intermediate_size % size:
+    if spec.num_experts and moe == "expert" and spec.num_experts % size:
+        raise ValueError(f"moe_parallel=expert: tensor_parallel_size={size} does not divide the model's "
+                         f"{spec.num_experts} experts (each rank holds E / size whole experts); use a size that "
+                         f"divides them, or moe_parallel=tensor")
+    if spec.num_experts and moe != "expert" and spec.moe_intermediate_size % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the experts' intermediate size "
                          f"{spec.moe_intermediate_size}")
     if spec.linear_layer_ids and spec.linear_num_key_heads % size:

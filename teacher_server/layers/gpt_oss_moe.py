@@ -16,19 +16,20 @@ weights, token grouping and combine) with gpt-oss's router, biases and activatio
 
 Tensor parallel as ``SparseMoe``: each rank holds every expert's slice of the intermediate
 dimension (and of the gate/up bias); the down bias is added by rank 0 only, before the
-all-reduce of the partial sums.
+all-reduce of the partial sums. Expert parallel as ``SparseMoe``: each rank holds its experts
+whole, biases included (read sliced to them), and adds the down bias of the rows it makes:
+each row's once.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.mxfp4 import PACKED, dequantize
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
-from teacher_server.layers.linear import copy_checked
+from teacher_server.layers.linear import Slice, copy_checked
 from teacher_server.layers.moe import ExpertWeights, ReplicatedLinear
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
@@ -51,7 +52,8 @@ class BiasedRouter(ReplicatedLinear):
 
 class GptOssExperts(ExpertWeights):
     """Stacked expert weights (``ExpertWeights``) plus a bias per expert for each product:
-    ``gate_up_bias`` [E, 2 I_local] (gate, then up, as the weight) and ``down_bias`` [E, H].
+    ``gate_up_bias`` [E_local, 2 I_local] (gate, then up, as the weight) and ``down_bias``
+    [E_local, H].
     Checkpoint tensors are read whole (the interleaved rows are taken apart here); part
     "hf" marks transformers' transposed layout, "blocks" / "scales" the packed MXFP4 pair."""
 
@@ -59,17 +61,19 @@ class GptOssExperts(ExpertWeights):
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__(num_experts, hidden, intermediate, dtype, device, tp, fmt)
         n = self.i_local
-        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * n, dtype=dtype, device=device),
+        self.gate_up_bias = nn.Parameter(torch.empty(self.num_local, 2 * n, dtype=dtype, device=device),
                                          requires_grad=False)
-        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device),
+        self.down_bias = nn.Parameter(torch.empty(self.num_local, hidden, dtype=dtype, device=device),
                                       requires_grad=False)
         self._packed: set[str] = set()
 
     def shards(self, param: str) -> int:
         return 2 if param in self._packed else 1  # the packed pair, or one tensor
 
-    def checkpoint_slice(self, param: str, part: str | None) -> None:
-        return None  # whole: gate and up rows interleave, MXFP4 blocks span 32 columns
+    def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
+        """Whole (gate and up rows interleave, MXFP4 blocks span 32 columns); expert parallel:
+        this rank's experts (every tensor here is stacked [E, ...])."""
+        return (0, self.first, self.num_local) if self.ep.size > 1 else None
 
     def _gate_up_rows(self, w: torch.Tensor) -> torch.Tensor:
         """[..., 2I, in] with interleaved gate/up rows -> this rank's [..., gate | up, in]."""
@@ -87,6 +91,7 @@ class GptOssExperts(ExpertWeights):
             copy_checked(dst, w[:, start:start + n], name)
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
+        loaded = self.local_stack(loaded, name)
         if param == "gate_up_bias":  # [E, 2I] interleaved
             copy_checked(self.gate_up_bias.data, self._gate_up_rows(loaded[..., None])[..., 0], name)
         elif param == "down_bias":
@@ -96,12 +101,12 @@ class GptOssExperts(ExpertWeights):
             pair = self.fmt.load_packed(self, param, part, loaded)
             if pair is not None:
                 blocks, scales = pair
-                assert blocks.shape[0] == self.num_experts, f"{name}: {blocks.shape[0]} experts"
-                for e in range(self.num_experts):
+                assert blocks.shape[0] == self.num_local, f"{name}: {blocks.shape[0]} experts"
+                for e in range(self.num_local):
                     self._copy_expert(param, e, dequantize(blocks[e], scales[e]), name)
         else:  # transformers' [E, in, out]
-            assert part == "hf" and loaded.shape[0] == self.num_experts, (name, part, tuple(loaded.shape))
-            for e in range(self.num_experts):
+            assert part == "hf", (name, part, tuple(loaded.shape))
+            for e in range(self.num_local):
                 self._copy_expert(param, e, loaded[e].t(), name)
 
 
@@ -116,8 +121,7 @@ class GptOssMoe(RuntimeModule):
         self.top_k, self.alpha, self.limit, self.gemm = top_k, alpha, limit, gemm
         self.gate = BiasedRouter(hidden, num_experts, dtype, device)
         self.experts = GptOssExperts(num_experts, hidden, intermediate, dtype, device, tp, fmt)
-        # [E] 1..E: searchsorted of the sorted expert ids against it gives each expert's row end
-        self.register_buffer("expert_ends", torch.arange(1, num_experts + 1, device=device), persistent=False)
+        self.tp = tp  # the ranks whose partial sums the layer's all-reduce adds
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]): the softmax of the top-k logits."""
@@ -125,18 +129,13 @@ class GptOssMoe(RuntimeModule):
         return torch.softmax(top, dim=-1), ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        t, k = h.shape[0], self.top_k
         w, ids = self.route(h)
-        sorted_ids, order = torch.sort(ids.view(-1), stable=True)  # [T*k] (token, slot) rows by expert
-        offs = torch.searchsorted(sorted_ids, self.expert_ends, out_int32=True)
-        x = h.index_select(0, order // k)
         ex = self.experts
-        gu = ex.fmt.apply_experts(ex, "gate_up", x, offs, self.gemm)  # [T*k, 2 I_local]
-        a = self.rt.ops.clamped_swiglu(gu, ex.gate_up_bias, sorted_ids, self.alpha, self.limit)  # bias added in it
-        y = ex.fmt.apply_experts(ex, "down", a, offs, self.gemm)  # [T*k, H] partial sums with tp > 1
-        if ex.tp.rank == 0:  # the bias once, not once per rank
-            y += ex.down_bias.index_select(0, sorted_ids)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(t * k, device=h.device)
-        out = F.embedding_bag(pos.view(t, k), y, mode="sum", per_sample_weights=w.to(y.dtype))  # [T, H]
-        return ex.tp.all_reduce(out)
+        rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
+        x = h.index_select(0, rows.tokens)
+        gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
+        a = self.rt.ops.clamped_swiglu(gu, ex.gate_up_bias, rows.experts, self.alpha, self.limit)  # bias added in it
+        y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] partial sums with tp > 1
+        if ex.tp.rank == 0:  # the bias once, not once per rank (expert parallel: ex.tp is one rank)
+            y += ex.down_bias.index_select(0, rows.experts)
+        return self.tp.all_reduce(rows.combine(y, w))  # [T, H] summed over the ranks

@@ -7,19 +7,27 @@ the token -> expert assignment is sorted once, the group ends come from ``search
 the sorted expert ids, and the combine is one ``embedding_bag`` (gather the k rows of each
 token from the sorted outputs, weight them, sum in float32, round once).
 
-Tensor parallel: every rank holds all experts, each split along its intermediate dimension,
-like the dense MLP (gate/up column-parallel, down row-parallel); the router and the
-shared-expert gate are replicated, so each rank routes identically and makes a partial sum of
-the combined output (routed and shared experts), all-reduced once per layer at the end of
-``SparseMoe.forward``. Expert parallel would instead keep experts [rank * E / ep,
-(rank + 1) * E / ep) whole and move the sorted rows to their owner (all-to-all) around the two
-grouped GEMMs: ``ExpertWeights`` would take the expert range, ``SparseMoe.forward`` the
-exchange, at the points marked.
+Tensor parallel (``moe`` "tensor" of ``TensorParallel``): every rank holds all experts, each
+split along its intermediate dimension, like the dense MLP (gate/up column-parallel, down
+row-parallel); the router and the shared-expert gate are replicated, so each rank routes
+identically and makes a partial sum of the combined output (routed and shared experts),
+all-reduced once per layer at the end of ``SparseMoe.forward``.
+
+Expert parallel (``moe`` "expert", on the same ranks): rank r holds experts [r * E / size,
+(r + 1) * E / size) whole (their GEMMs at the full intermediate width). The layer's input is
+the same on every rank (after the attention's all-reduce), so every rank routes every token,
+groups the (token, slot) rows of its own experts first (``ExpertWeights.group``: the others'
+rows sort after them, past the last row end, where the grouped GEMMs write nothing and the
+combine reads nothing), and combines them into its partial sum of [T, H]: the same one
+all-reduce as tensor parallel sums the ranks' parts (no all-to-all; the shared expert stays
+split along its intermediate dimension). No host sync either way: the row count is T * k (+1,
+the row the combine skips) on every rank.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,11 +94,28 @@ class ReplicatedLinear(nn.Module):
         copy_checked(self.weight.data, loaded, name)
 
 
+class ExpertRows(NamedTuple):
+    """A step's (token, slot) rows grouped by this rank's experts (``ExpertWeights.group``)."""
+
+    tokens: torch.Tensor  # [M] the token of each sorted row: the experts' input is h[tokens]
+    experts: torch.Tensor  # [M] the local expert of each sorted row (rows of no local expert: the last)
+    offs: torch.Tensor  # [E_local] int32 the local experts' cumulative row ends
+    pos: torch.Tensor  # [T, k] the sorted row of each slot (``pad`` for another rank's expert)
+    pad: int | None  # the row the combine skips (expert parallel), else None
+
+    def combine(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[T, H]: token t's sum of w[t, j] * y[pos[t, j]] over its slots j, accumulated in
+        float32 and rounded once (a slot at ``pad`` adds nothing)."""
+        return F.embedding_bag(self.pos, y, mode="sum", per_sample_weights=w.to(y.dtype), padding_idx=self.pad)
+
+
 class ExpertWeights(nn.Module):
-    """All experts' weights, stacked: ``gate_up`` [E, 2 I_local, H] (gate rows, then up rows)
-    and ``down`` [E, H, I_local], I_local = I / tp (this rank's slice of every expert's
-    intermediate dimension), held through the weight format (``layers.formats``; the two
-    slots, each with its extras). Loads per-expert tensors (stacked here) or stacked ones."""
+    """This rank's experts' weights, stacked: ``gate_up`` [E_local, 2 I_local, H] (gate rows,
+    then up rows) and ``down`` [E_local, H, I_local]. Tensor parallel: all experts (E_local = E),
+    I_local = I / tp (this rank's slice of every expert's intermediate dimension); expert
+    parallel: experts [first, first + E_local), E_local = E / size, I_local = I. Held through
+    the weight format (``layers.formats``; the two slots, each with its extras). Loads
+    per-expert tensors (stacked here; another rank's are not read) or stacked ones."""
 
     role = "experts"
     slots = ("gate_up", "down")
@@ -99,16 +124,47 @@ class ExpertWeights(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__()
-        self.tp = tp
+        whole = tp.moe == "expert"
+        self.ep = tp if whole else SINGLE  # the ranks the experts are dealt to
+        self.tp = SINGLE if whole else tp  # the ranks each expert's intermediate dimension is split over
         self.fmt = fmt.for_layer(self.role)
         self.num_experts = num_experts
-        self.i_local = n = tp.split(intermediate, "expert intermediate")  # tensor-parallel split point
-        self.fmt.check_shard("expert gate/up rows", 0, tp.rank * n, n, intermediate)
+        self.num_local = self.ep.split(num_experts, "experts")  # (the start-up check names the setting)
+        self.first = self.ep.rank * self.num_local
+        self.i_local = n = self.tp.split(intermediate, "expert intermediate")  # tensor-parallel split point
+        self.fmt.check_shard("expert gate/up rows", 0, self.tp.rank * n, n, intermediate)
         self.fmt.check_shard("expert up rows after the gate rows", 0, n, n, 2 * n)
-        self.fmt.check_shard("expert down columns", 1, tp.rank * n, n, intermediate)
-        self.fmt.create(self, "gate_up", (num_experts, 2 * n, hidden), dtype, device)
-        self.fmt.create(self, "down", (num_experts, hidden, n), dtype, device)
+        self.fmt.check_shard("expert down columns", 1, self.tp.rank * n, n, intermediate)
+        self.fmt.create(self, "gate_up", (self.num_local, 2 * n, hidden), dtype, device)
+        self.fmt.create(self, "down", (self.num_local, hidden, n), dtype, device)
         self._stacked: set[str] = set()  # params loaded from one stacked tensor
+        # [E_local] 1..E_local: searchsorted of the sorted local expert ids against it gives each one's row end
+        self.register_buffer("expert_ends", torch.arange(1, self.num_local + 1, device=device), persistent=False)
+
+    def group(self, ids: torch.Tensor) -> ExpertRows:
+        """The rows of routing ``ids`` [T, k] (global expert ids) sorted by this rank's experts:
+        slot s = t * k + j is row pos[t, j]. Expert parallel: another rank's expert sorts last
+        (past offs[-1]) and its slots point at the extra row M = T * k, which the combine skips."""
+        t, k = ids.shape
+        m = t * k
+        flat = ids.reshape(-1)
+        mine = None
+        if self.ep.size > 1:
+            local = flat - self.first
+            mine = (local >= 0) & (local < self.num_local)
+            flat = torch.where(mine, local, self.num_local)
+        keys, order = torch.sort(flat, stable=True)
+        offs = torch.searchsorted(keys, self.expert_ends, out_int32=True)
+        pos = torch.empty_like(order)
+        pos[order] = torch.arange(m, device=ids.device)
+        tokens = order // k
+        if mine is None:
+            return ExpertRows(tokens, keys, offs, pos.view(t, k), None)
+        # the others' rows and the extra row (never read) gather token 0: one row, read from cache;
+        # their bias lookups kept in range
+        tokens = torch.cat([torch.where(keys < self.num_local, tokens, 0), tokens.new_zeros(1)])
+        keys = torch.cat([keys, keys.new_zeros(1)]).clamp_max_(self.num_local - 1)
+        return ExpertRows(tokens, keys, offs, torch.where(mine, pos, m).view(t, k), m)
 
     @staticmethod
     def _axis(param: str) -> int:
@@ -120,15 +176,34 @@ class ExpertWeights(nn.Module):
         """(start, length) of this rank's intermediate slice in ``param``'s coordinates."""
         return self.fmt.span(param, self._axis(param), self.tp.rank * self.i_local, self.i_local)
 
+    def local_expert(self, e: int, name: str) -> int | None:
+        """Global expert e's index among this rank's experts, None where another rank holds it."""
+        assert 0 <= e < self.num_experts, f"{name}: expert {e} outside 0..{self.num_experts - 1}"
+        e -= self.first
+        return e if 0 <= e < self.num_local else None
+
+    def local_stack(self, loaded: torch.Tensor, name: str) -> torch.Tensor:
+        """This rank's experts of a stacked [E, ...] tensor (read whole, or already cut to them)."""
+        if loaded.shape[0] == self.num_experts and self.num_local != self.num_experts:
+            return loaded.narrow(0, self.first, self.num_local)
+        assert loaded.shape[0] == self.num_local, f"{name}: {loaded.shape[0]} experts, expected {self.num_local}"
+        return loaded
+
     def shards(self, param: str) -> int:
-        """How many checkpoint tensors fill ``param``: one stacked, or one per expert and part."""
+        """How many checkpoint tensors fill ``param``: one stacked, or one per expert and part
+        (every expert's: another rank's are passed over)."""
         if param in self._stacked:
             return 1
         return self.num_experts * (2 if self._axis(param) == 0 else 1)
 
     def checkpoint_slice(self, param: str, part: str | None) -> Slice | None:
         """What of a checkpoint tensor this rank reads: its slice of the intermediate dimension
-        (a stacked gate_up is read whole: its gate and up halves are two slices)."""
+        (a stacked gate_up is read whole: its gate and up halves are two slices); expert
+        parallel: its experts of a stacked tensor, nothing of another rank's expert."""
+        if self.ep.size > 1:
+            if part is None:
+                return 0, self.first, self.num_local
+            return None if self.local_expert(int(part.split(":")[1]), param) is not None else (0, 0, 0)
         axis = self._axis(param)
         if self.tp.size == 1 or (part is None and axis == 0):
             return None
@@ -146,6 +221,7 @@ class ExpertWeights(nn.Module):
         n = self._local(param)[1]
         if part is None:  # stacked [E, 2I, H] / [E, H, I]
             self._stacked.add(param)
+            loaded = self.local_stack(loaded, name)
             if self._axis(param) == 0:
                 half = loaded.shape[1] // 2
                 for j, rows in enumerate((loaded[:, :half], loaded[:, half:])):
@@ -154,8 +230,9 @@ class ExpertWeights(nn.Module):
                 copy_checked(dst, self._rows(param, loaded, 2), name)
             return
         which, e = part.split(":")
-        e = int(e)
-        assert 0 <= e < self.num_experts, f"{name}: expert {e} outside 0..{self.num_experts - 1}"
+        e = self.local_expert(int(e), name)
+        if e is None:  # another rank's expert
+            return
         if which == "down":
             copy_checked(dst[e], self._rows(param, loaded, 1), name)
         else:
@@ -197,14 +274,13 @@ class SparseMoe(RuntimeModule):
         self.top_k = top_k
         self.norm_topk = norm_topk
         self.gemm = gemm
+        self.tp = tp  # the ranks whose partial sums the layer's all-reduce adds
         self.gate = ReplicatedLinear(hidden, num_experts, dtype, device)  # the router
         self.experts = ExpertWeights(num_experts, hidden, intermediate, dtype, device, tp, fmt)
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden, shared_intermediate, dtype, device, tp, fmt)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
-        # [E] 1..E: searchsorted of the sorted expert ids against it gives each expert's row end
-        self.register_buffer("expert_ends", torch.arange(1, num_experts + 1, device=device), persistent=False)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing of h [T, hidden]: (weights [T, k] float32, expert ids [T, k] int64).
@@ -217,38 +293,30 @@ class SparseMoe(RuntimeModule):
         return w, ids
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        t, k = h.shape[0], self.top_k
         w, ids = self.route(h)
-        # Group the T*k (token, slot) rows by expert: slot s = t * k + j.
-        sorted_ids, order = torch.sort(ids.view(-1), stable=True)  # [T*k]
-        offs = torch.searchsorted(sorted_ids, self.expert_ends, out_int32=True)  # [E] cumulative row ends
-        # (expert parallel: exchange the sorted rows with their experts' owners here)
-        x = h.index_select(0, order // k)  # [T*k, H] rows sorted by expert
         ex = self.experts
-        gu = ex.fmt.apply_experts(ex, "gate_up", x, offs, self.gemm)  # [T*k, 2 I_local]
-        a = self.rt.ops.silu_mul(gu)  # [T*k, I_local]
-        y = ex.fmt.apply_experts(ex, "down", a, offs, self.gemm)  # [T*k, H] (partial sums with tp > 1)
-        # (expert parallel: and back here)
-        # Combine: token t sums w[t, j] * y[pos of slot (t, j)] over j, accumulated in float32.
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(t * k, device=h.device)
-        out = F.embedding_bag(pos.view(t, k), y, mode="sum", per_sample_weights=w.to(y.dtype))  # [T, H]
+        rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
+        x = h.index_select(0, rows.tokens)  # [M, H]
+        gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
+        a = self.rt.ops.silu_mul(gu)  # [M, I_local]
+        y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
+        out = rows.combine(y, w)  # [T, H]
         if self.shared_expert is not None:
             gate = None if self.shared_expert_gate is None else self.shared_expert_gate(h)
             out = self.shared_expert.add_into(out, h, gate)
-        return self.experts.tp.all_reduce(out)  # tensor parallel: the sum of the ranks' partial sums
+        return self.tp.all_reduce(out)  # the sum of the ranks' partial sums
 
     @torch.no_grad()
     def reference(self, h: torch.Tensor) -> torch.Tensor:
         """The same output by a loop over experts, transformers' way (tests and checks; plain
-        expert weights only)."""
+        expert weights only; this rank's part, not all-reduced)."""
         w, ids = self.route(h)
         out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         ex = self.experts
         n, gate_up, down = ex.i_local, ex.fmt.dense(ex, "gate_up"), ex.fmt.dense(ex, "down")
         assert gate_up is not None and down is not None, f"the loop reference needs plain weights, not {ex.fmt.name}"
-        for e in range(ex.num_experts):
-            tok, slot = torch.where(ids == e)
+        for e in range(ex.num_local):
+            tok, slot = torch.where(ids == ex.first + e)
             if tok.numel() == 0:
                 continue
             gu = h[tok] @ gate_up[e].t()

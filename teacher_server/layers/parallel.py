@@ -9,6 +9,9 @@ Slices:
   read (query heads are split evenly, so rank r's first query head / group size = that unit).
 - ``vocab(n)``: an uneven split of the vocabulary (the first ``n % size`` ranks hold one row
   more), so any vocab size works without padding rows.
+
+``moe`` says how the same ranks split the expert layers: "tensor" (every expert's intermediate
+dimension, as the dense MLP) or "expert" (whole experts, E / size each: ``layers.moe``).
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ class TensorParallel:
     # runs on the communicator's stream while the next part's GEMM runs (1: one GEMM, then one
     # all-reduce).
     comm_parts: int = 1
+    moe: str = "tensor"  # the expert layers' split: "tensor" or "expert" (the module docstring)
     # The ranks' process group (a pipeline stage's, under pipeline parallel); None: the default
     # group, every rank of the process group.
     group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside tensor-parallel size {self.size}"
+        assert self.moe in ("tensor", "expert"), f"moe split {self.moe!r}: tensor or expert"
 
     def split(self, n: int, what: str) -> int:
         """This rank's share of n (rows, heads, ...); n must divide evenly."""

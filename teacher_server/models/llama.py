@@ -113,15 +113,31 @@ class LlamaMLP(RuntimeModule):
         return a if a is not None else self.act(gate_up)
 
 
-def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm,
-                  ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm, ops: FusedOps,
+                  reader: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x + proj(a) (the new residual stream) and its RMSNorm with ``norm``. With
     ``residual_in_gemm`` the sum is made in the GEMM's epilogue, in place, and rounded once,
-    instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden]."""
+    instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden].
+    ``reader``: the one linear layer that reads the normed rows, where its weight format takes
+    them made in the norm's pass (FP8: quantized there, ``WeightFormat.norm_input``)."""
+    fused = reader is not None and type(norm) is RMSNorm and ops.fp8_norm_input
     if ops.residual_in_gemm:
         x = proj.add_into(x, a)
-        return x, ops.rms_norm(x, norm.weight, norm.eps)
-    return ops.add_rms_norm(x, proj(a), norm.weight, norm.eps)
+        got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps) if fused else None
+        return got if got is not None else (x, ops.rms_norm(x, norm.weight, norm.eps))
+    delta = proj(a)
+    got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps, delta) if fused else None
+    return got if got is not None else ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+
+
+def input_reader(layer: nn.Module) -> nn.Module | None:
+    """The linear layer that alone reads ``layer``'s normed input (its attention's fused q/k/v
+    projection), where the decoder and attention forwards are this module's own; else None."""
+    attn = getattr(layer, "self_attn", None)
+    if type(layer).forward is not LlamaDecoderLayer.forward or attn is None or layer.mixer is not attn \
+            or type(attn).forward is not LlamaAttention.forward:
+        return None
+    return attn.qkv_proj
 
 
 class LlamaDecoderLayer(RuntimeModule):
@@ -133,6 +149,7 @@ class LlamaDecoderLayer(RuntimeModule):
         self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size, dtype, device)
         self.mlp = self.make_mlp(spec, layer_id, dtype, device, tp, fmt)
         self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
+        self.next_reader: nn.Module | None = None  # the linear layer alone reading next_norm's rows: set by the model
 
     def make_mlp(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
                  tp: TensorParallel, fmt: WeightFormat) -> nn.Module:
@@ -141,7 +158,7 @@ class LlamaDecoderLayer(RuntimeModule):
 
     def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
         """x + mlp(h) and its norm with ``next_norm``."""
-        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops)
+        return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops, self.next_reader)
 
     @property
     def mixer(self) -> nn.Module:
@@ -159,7 +176,8 @@ class LlamaDecoderLayer(RuntimeModule):
         a = mixer(h, cs, ctx)  # [T, q width]
         if keep is not None:
             x, a = x[keep], a[keep]
-        x, h = residual_norm(x, a, mixer.o_proj, self.post_attention_layernorm, ops)
+        reader = self.mlp.gate_up_proj if type(self.mlp) is LlamaMLP else None
+        x, h = residual_norm(x, a, mixer.o_proj, self.post_attention_layernorm, ops, reader)
         return self.mlp_residual(x, h, ops)
 
 
@@ -210,9 +228,12 @@ class LlamaForCausalLM(RuntimeModule):
         if not stage.last:
             final.weight.fill_(1.0)
         nexts = [layer.input_layernorm for layer in self.layers[1:]] + [final]
-        for layer, norm in zip(self.layers, nexts):
-            # A reference, not a child: the norm belongs to the next layer (or the model).
+        # (the LM head, and the next stage, read plain rows)
+        readers = [input_reader(layer) for layer in self.layers[1:]] + [None]
+        for layer, norm, reader in zip(self.layers, nexts, readers):
+            # References, not children: the norm and the reader belong to the next layer (or the model).
             object.__setattr__(layer, "next_norm", norm)
+            object.__setattr__(layer, "next_reader", reader)
 
     @property
     def logits_layer(self) -> VocabRows | None:
@@ -316,7 +337,7 @@ class LlamaForCausalLM(RuntimeModule):
                 x, h = layer(x, h, cs, ctx)
             elif keep.numel() == 0:  # nothing reaches the head: the last mixer's keys, values and states only
                 layer.mixer(h, cs, ctx)
-                h = h[:0]
+                h = x[:0]  # (h may be the mixer's quantized input: an empty plain tensor instead)
             else:
                 x, h = layer(x, h, cs, ctx, keep)
             if pacer is not None:

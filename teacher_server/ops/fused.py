@@ -110,6 +110,9 @@ class FusedOps:
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
         # its start-up check: ``check_conv_kernel``)
         self.conv_kernel = kernels
+        # an FP8 q/k/v or gate/up projection's input quantized in the RMSNorm's pass
+        # (``WeightFormat.norm_input``), not in a pass of its own after the norm
+        self.fp8_norm_input = True
         self.compiled = False
         if compile:
             try:

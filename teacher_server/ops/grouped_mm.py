@@ -2,7 +2,9 @@
 
 ``a`` [M, K] holds rows sorted by group (expert); ``b`` [G, K, N] holds one weight per
 group; ``offs`` [G] int32 holds the cumulative row ends (group g owns rows
-[offs[g-1], offs[g]), empty groups allowed, offs[-1] == M). The result is [M, N].
+[offs[g-1], offs[g]), empty groups allowed). The result is [M, N]. Rows past offs[-1] belong
+to no group (an expert-parallel rank's rows of other ranks' experts): their results are
+undefined and never read.
 
 - ``grouped_mm``: torch's grouped GEMM (``F.grouped_mm`` / ``torch._grouped_mm``: CUTLASS on
   Hopper for bf16; a loop in C++ elsewhere). Its constraints: ``offs`` int32 on a's device,
@@ -57,10 +59,11 @@ def padded_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> t
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     rows = torch.arange(m, device=a.device)
-    group = torch.searchsorted(ends, rows, right=True)  # [M] the group of each row
-    pos = rows - starts[group]  # [M] position inside its group
+    group = torch.searchsorted(ends, rows, right=True).clamp_max_(max(g - 1, 0))  # [M] the group of each row
     cap = int((ends - starts).max()) if g else 0  # host sync: the fallback only
-    padded = a.new_zeros(g, max(cap, 1), a.shape[1])
+    # [M] position inside its group; a row past offs[-1] goes to the spare row ``cap`` (unread)
+    pos = torch.where(rows < ends[-1], rows - starts[group], cap) if g else rows.new_zeros(m)
+    padded = a.new_zeros(g, cap + 1, a.shape[1])
     padded[group, pos] = a
     return torch.bmm(padded, b)[group, pos]  # [M, N]
 
@@ -106,11 +109,13 @@ class GroupedGemm:
 
 def check_grouped_mm(fn: object, k: int, n: int, device: torch.device, dtype: torch.dtype) -> None:
     """Start-up check: ``fn`` against the reference at width k -> n with uneven and empty
-    groups, b a transposed view as the experts pass it. Raises RuntimeError on a mismatch."""
+    groups and 3 rows past the last (their results not compared), b a transposed view as the
+    experts pass it. Raises RuntimeError on a mismatch."""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 19, 1, 0, 7]
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-    a = torch.randn(sum(counts), k, generator=gen).to(device, dtype)
+    rows = sum(counts)
+    a = torch.randn(rows + 3, k, generator=gen).to(device, dtype)
     w = torch.randn(len(counts), n, k, generator=gen).to(device, dtype)  # stored [G, N, K]
     b = w.transpose(1, 2)
-    assert_close("grouped_mm", fn(a, b, offs), grouped_mm_reference(a, b, offs))  # type: ignore[operator]
+    assert_close("grouped_mm", fn(a, b, offs)[:rows], grouped_mm_reference(a, b, offs)[:rows])  # type: ignore[operator]

@@ -162,6 +162,13 @@ class WeightFormat(ABC):
         returns out, or None where the format cannot (the caller then adds ``apply``'s)."""
         return None
 
+    def norm_input(self, layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   delta: torch.Tensor | None = None) -> tuple[torch.Tensor, object] | None:
+        """(the residual stream x (+ delta), its RMSNorm with ``weight`` as ``layer``'s product
+        takes its input) made in one pass, or None where the format takes the plain normed
+        activation (the caller runs the norm). None here."""
+        return None
+
     def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> object | None:
         """silu(gate) * up of gate_up [T, 2I] made in one pass with what ``layer``'s product
         takes as its input (``apply``'s x), or None where the format takes the plain activation

@@ -239,7 +239,13 @@ class Fp8Weights(WeightFormat):
         for slot in layer.slots:
             if s.activations == "static":  # one scale for the layer's input: the largest of its parts'
                 p = extra_name(slot, INPUT_SCALE)
-                setattr(layer, p, nn.Parameter(getattr(layer, p).amax().reshape(1), requires_grad=False))
+                amax = getattr(layer, p).amax().reshape(1)
+                ep = getattr(layer, "ep", None)
+                if ep is not None and ep.size > 1:  # expert parallel: of every rank's experts, as one GPU
+                    import torch.distributed as dist
+
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=ep.group)
+                setattr(layer, p, nn.Parameter(amax, requires_grad=False))
             scale = getattr(layer, extra_name(slot, SCALE))
             if mode == "row" and scale.shape[-1] != 1:  # block scales -> per row
                 w = self.weight(layer, slot)
@@ -285,6 +291,19 @@ class Fp8Weights(WeightFormat):
         if mode == "tensor":
             return fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)), kernel=kernel)  # [1]
         return fp8.quantize_rows(x, kernel=kernel)  # [T, 1]
+
+    def norm_input(self, layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   delta: torch.Tensor | None = None) -> tuple[torch.Tensor, QuantizedRows] | None:
+        """The RMSNorm of x (+ delta) quantized as ``layer`` takes its input, in the norm's pass
+        (``ops.fp8.rms_norm_quant`` / ``add_rms_norm_quant``): the q/k/v and gate/up projections
+        read it without a quantizing pass of their own."""
+        mode = self._act_mode(layer)
+        static = getattr(layer, extra_name("weight", INPUT_SCALE)) if mode == "tensor" else None
+        if delta is None:
+            q, scale = fp8.rms_norm_quant(x, weight, eps, mode, static, kernel=layer.fp8_kernel)
+        else:
+            x, q, scale = fp8.add_rms_norm_quant(x, delta, weight, eps, mode, static, kernel=layer.fp8_kernel)
+        return x, QuantizedRows(q, scale, x.dtype)
 
     def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> QuantizedRows | None:
         """silu(gate) * up of gate_up [T, 2I] as ``layer``'s input, quantized in the same pass
