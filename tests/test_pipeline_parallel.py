@@ -115,6 +115,7 @@ def test_each_stage_builds_and_reads_only_its_layers(dense3: Path, monkeypatch) 
     ("dense3", 2, 2, {}),
     ("dense3", 2, 2, {"quantization": "fp8"}),  # each stage's row scales: the amax over its own TP group
     ("moe3", 2, 2, {}),
+    ("moe3", 2, 2, {"moe_parallel": "expert"}),  # whole experts per rank of each stage
     ("hybrid_moe", 1, 3, {}),  # linear-attention states per stage; GRPO siblings from the prompt's snapshot
 ])
 def test_pipeline_equals_one_process(model: str, tp: int, pp: int, settings: dict,
