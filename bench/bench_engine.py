@@ -6,6 +6,7 @@ the transformers baseline on the same requests in the same run.
   python bench/bench_engine.py --model-size 30b-a3b --workloads W1,W1f --baseline W1,W1f
   python bench/bench_engine.py --workloads W1 --prefix-cache-compare W2,L131072
   python bench/bench_engine.py --model-size 32b --workloads W4 --tensor-parallel-size 2
+  python bench/bench_engine.py --model-size 32b --workloads W4 --pipeline-parallel-size 2
   python bench/bench_engine.py --model-size 70b --workloads W1f --tensor-parallel-size 2
   python bench/bench_engine.py --model-size 235b-a22b --workloads W1f --tensor-parallel-size 8 --profile W1f
   python bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --baseline W1,W2 --prefix-cache-compare W2
@@ -119,7 +120,7 @@ def run_engine(engine: Engine, reqs: list[Req], tag: str) -> tuple[float, list[f
     return dt, [done[r.request_id] for r in srs], [results[r.request_id] for r in srs]
 
 
-GPUS = 1  # tensor-parallel size of the run (set by main)
+GPUS = 1  # GPUs of the run: tensor x pipeline parallel size (set by main)
 TELEMETRY: GpuTelemetry | None = None  # the GPUs' power and clocks over the runs (set by main; None on the CPU)
 
 
@@ -461,6 +462,7 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
     out = ["--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1",
            *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
            "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
+           *(["--pipeline-parallel-size", str(args.pipeline_parallel_size)] if args.pipeline_parallel_size > 1 else []),
            "--load-format", args.load_format,
            *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else []),
            *(["--quantization", args.quantization] if getattr(args, "quantization", None) else []),
@@ -488,7 +490,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
     if engine_process is None:  # the server's own rule, as it will apply it
         from teacher_server.replicas.pool import engine_elsewhere
 
-        engine_process = engine_elsewhere(Config(tensor_parallel_size=args.tensor_parallel_size))
+        engine_process = engine_elsewhere(Config(tensor_parallel_size=args.tensor_parallel_size,
+                                                 pipeline_parallel_size=args.pipeline_parallel_size))
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).resolve().parents[1]))
     try:
         url = f"http://127.0.0.1:{port}"
@@ -598,6 +601,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", choices=list(MODELS), default="8b")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is split over")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="pipeline stages the layers are split over (each --tensor-parallel-size GPUs)")
     ap.add_argument("--tp-comm-parts", type=int, default=None,
                     help="tp_comm_parts of the engine and the server (default: the config's)")
     ap.add_argument("--moe-parallel", choices=["tensor", "expert"], default=None,
@@ -645,7 +650,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     global GPUS, TELEMETRY
-    GPUS = args.tensor_parallel_size
+    GPUS = args.tensor_parallel_size * args.pipeline_parallel_size
     if torch.cuda.is_available():
         TELEMETRY = GpuTelemetry.start(telemetry_indices(GPUS))
         print("GPU telemetry:", "nvidia-smi" if TELEMETRY else "unavailable", flush=True)
@@ -678,14 +683,15 @@ def main() -> None:
                      "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else ""),
-                     "tensor_parallel_size": GPUS,
+                     "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy", args.baseline_layouts)
                  if base_names and not args.baseline_from else {})
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,
-                  tensor_parallel_size=GPUS, quantization=args.quantization,
+                  tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+                  quantization=args.quantization,
                   **({"tp_comm_parts": args.tp_comm_parts} if args.tp_comm_parts else {}),
                   **({"moe_parallel": args.moe_parallel} if args.moe_parallel else {}),
                   step_trace=f"{args.step_trace}engine.jsonl" if args.step_trace else None)
@@ -698,7 +704,7 @@ def main() -> None:
     results["moe_parallel"] = engine.runner.tp.moe
     blocks = engine.stats().kv_blocks_total
     # rank 0's cache as its model declares it (KV heads replicated past their count; hybrid models:
-    # the full-attention layers only)
+    # the full-attention layers only; pipeline parallel: its stage's layers)
     kv_bytes = blocks * ecfg.block_size * engine.runner.kv.layout.bytes_per_token()
     results["kv_pool_gib_per_gpu"] = kv_bytes / 2**30
     results["kv_pool_tokens"] = blocks * ecfg.block_size
@@ -773,7 +779,8 @@ def main() -> None:
         if "packed" in b:  # hybrid models: which batch layout (see hf_baseline.resolve_layout)
             results["baseline"][n]["layout"] = "packed" if b["packed"] else "padded"
         print(n, "baseline", json.dumps(results["baseline"][n]), flush=True)
-    tp = f"_tp{GPUS}" if GPUS > 1 else ""
+    tp = ((f"_tp{args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else "")
+          + (f"_pp{args.pipeline_parallel_size}" if args.pipeline_parallel_size > 1 else ""))
     out = Path(args.out or f"bench/results/engine_{args.model_size}{tp}_h200.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     if TELEMETRY is not None:

@@ -116,6 +116,14 @@ for step in ${STEPS:-tests}; do
         --workloads W4 --tensor-parallel-size 2 --tp-comm-parts $parts --repeats 2 \
         --out "$OUT/engine_32b_w4_tp2_run${i}_parts$parts.json" 2>&1 | tee -a "$OUT/tp_parts.log" | grep -E "^W4 |KV pool|loaded"
       done ;;
+    # two-GPU machine: the pipeline-parallel tests (the CPU ones and the two-GPU ones), then W4 (Qwen3-32B,
+    # dummy weights) on one GPU and at PP2 (two stages of one GPU), $PP_SIZES in that order (default 1 2 1 2):
+    # PP2's tok/s over one GPU's is the pipeline's speed-up (the issue asks >= 1.85x)
+    pp) python3 -m pytest $PT tests/test_pipeline_parallel.py 2>&1 | tee "$OUT/pp_tests.log" | tail -8
+      i=0; for pp in ${PP_SIZES:-1 2 1 2}; do i=$((i + 1)); python3 bench/bench_engine.py --model-size 32b \
+        --workloads W4 --pipeline-parallel-size $pp --repeats 2 \
+        --out "$OUT/engine_32b_w4_pp${pp}_run$i.json" 2>&1 | tee -a "$OUT/pp.log" | grep -E "^W4 |KV pool|loaded"
+      done ;;
     # expert parallel against tensor parallel for the expert layers on the two-GPU machine: the GPU expert-parallel
     # and grouped-GEMM tests (rows past the last row end), then W5 (W1 on the Qwen3-30B-A3B shape, dummy weights) at TP2, one engine per mode of $EP_MODES
     # (default tensor, then expert); each prints its W1 tokens/s and MFU

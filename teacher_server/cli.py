@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             for t in cfg.teacher_configs():  # (several teachers: each on its own GPUs, named in its gpus)
-                check_gpus(t.device, t.tensor_parallel_size, t.data_parallel_size)
+                check_gpus(t.device, t.tensor_parallel_size, t.data_parallel_size, t.pipeline_parallel_size)
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
         check_port_free(cfg.host, cfg.port)

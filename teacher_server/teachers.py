@@ -177,7 +177,7 @@ def _share_gpus(cfg: BaseModel, teachers: list[BaseModel]) -> list[BaseModel]:
     elif os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
         pool = [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
     else:  # ordinals, as many as asked for (the replicas say so at start-up when there are fewer)
-        pool = [str(i) for i in range(sum(t.tensor_parallel_size * t.data_parallel_size for t in teachers)
+        pool = [str(i) for i in range(sum(t.ranks_per_replica() * t.data_parallel_size for t in teachers)
                                       + len(named))]
     free = [g for g in pool if g not in named]
     out = []
@@ -185,7 +185,7 @@ def _share_gpus(cfg: BaseModel, teachers: list[BaseModel]) -> list[BaseModel]:
         if t.gpus or t.device == "cpu" or "gpus" in cfg.teachers[i]:
             out.append(t)
             continue
-        need = t.tensor_parallel_size * t.data_parallel_size
+        need = t.ranks_per_replica() * t.data_parallel_size
         if need > len(free):
             raise ValueError(f"teachers[{i}] ({t.served_name}) needs {need} GPU(s) and {len(free)} are left of "
                              f"{','.join(pool)}: give the teachers their `gpus`, or fewer replicas")

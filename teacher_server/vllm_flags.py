@@ -19,7 +19,8 @@ from teacher_server.human_int import human_int
 PREFIX = "vllmflag_"
 
 # short forms of our own flags, by Config field
-ALIASES = {"tensor_parallel_size": ["-tp"], "data_parallel_size": ["-dp"], "quantization": ["-q"]}
+ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
+           "quantization": ["-q"]}
 
 # accepted and ignored: flag -> why it means nothing here (logged once at start-up)
 NO_EFFECT = {

@@ -37,7 +37,8 @@ def test_mfu_counts_computed_tokens_only() -> None:
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(budget=None, tensor_parallel_size=1, load_format="auto", tp_comm_parts=None, step_trace="")
+    base = dict(budget=None, tensor_parallel_size=1, pipeline_parallel_size=1, load_format="auto", tp_comm_parts=None,
+                step_trace="")
     return argparse.Namespace(**(base | kw))
 
 

@@ -52,7 +52,8 @@ CONFIG_FILE = "/etc/teacher-server/config.yaml"
 NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
 # Config fields the chart sets from dedicated values (environment), never from `config`.
 CHART_OWNED_FIELDS = {"model", "revision", "download_dir", "served_model_name", "host", "port", "api_key",
-                      "shutdown_timeout_s", "tensor_parallel_size", "data_parallel_size", "compile_cache_dir"}
+                      "shutdown_timeout_s", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                      "compile_cache_dir"}
 # Seconds the chart must leave between the end of the drain and the kubelet's SIGKILL, for
 # the process to answer cut-off requests, stop the engine and exit.
 MIN_EXIT_MARGIN_S = 5
@@ -328,6 +329,7 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
     assert c["args"][:2] == ["--config", CONFIG_FILE]
     given = values or {}
     flags = [(f"--{k}", str(given[v])) for k, v in (("tensor-parallel-size", "tensorParallelSize"),
+                                                    ("pipeline-parallel-size", "pipelineParallelSize"),
                                                     ("data-parallel-size", "dataParallelSize"))
              if given.get(v, 1) > 1]
     assert c["args"][2:] == [x for flag in flags for x in flag]
@@ -601,6 +603,21 @@ def test_data_parallel_release(helm: ModuleType, kube: ModuleType, kube_versions
     c = server_container(one(check_release(helm, kube, kube_versions, {"dataParallelSize": 2}, tmp_path),
                               "Deployment"))
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["args"][2:] == ["--data-parallel-size", "2"]
+
+
+def test_pipeline_parallel_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
+                                   tmp_path: Path) -> None:
+    """pipelineParallelSize: stages of tensorParallelSize GPUs each, replicas of those:
+    tensor x pipeline x data parallel GPUs, and the flags."""
+    docs = check_release(helm, kube, kube_versions, {"pipelineParallelSize": 2, "tensorParallelSize": 2,
+                                                     "dataParallelSize": 2}, tmp_path)
+    c = server_container(one(docs, "Deployment"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert c["args"][2:] == ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--data-parallel-size",
+                             "2"]
+    c = server_container(one(check_release(helm, kube, kube_versions, {"pipelineParallelSize": 2}, tmp_path),
+                              "Deployment"))
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["args"][2:] == ["--pipeline-parallel-size", "2"]
 
 
 def test_several_teachers_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],

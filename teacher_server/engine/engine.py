@@ -9,21 +9,23 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from teacher_server.compile_cache import cache_summary, use_compile_cache
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
-from teacher_server.engine.inflight import InFlightStep
+from teacher_server.engine.inflight import InFlightStep, PlannedStep
 from teacher_server.engine.rank_setup import (
+    check_pipeline,
     check_split,
     load_rank,
     make_runner,
+    placement,
     plan_memory,
     resolve_device,
     resolve_dtype,
-    tensor_parallel,
 )
 from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.engine.scheduler import Scheduler, SchedulerConfig
@@ -70,28 +72,38 @@ class Engine(Stepping):
         if cfg.deterministic and self.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
-        size = cfg.tensor_parallel_size
-        check_split(self.spec, size, cfg.moe_parallel)
-        # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0.
+        check_split(self.spec, cfg.tensor_parallel_size, cfg.moe_parallel)
+        stages = check_pipeline(self.spec, cfg.pipeline_parallel_size)
+        size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size  # ranks: tensor x pipeline parallel
+        # Ranks 1..size-1 in worker processes (tp_workers says why); this process is rank 0 (under
+        # pipeline parallel a rank of the last stage: the results are made where they are read).
         self._workers: TPWorkers | None = None
         # opened first (a path that cannot be written fails start-up before the load); the
         # steps are traced from the end of the warm-up
         self._trace: StepTrace | None = StepTrace(cfg.step_trace) if cfg.step_trace else None
         self._tracing = False
+        placed = []  # (tensor-parallel placement, pipeline stage) of rank 0
+
+        def join() -> None:
+            init_group(self.device, 0, size, workers.store)
+            placed.append(placement(cfg, self.spec, 0))  # (makes the stages' groups: collective)
         if size > 1:
-            self._workers = TPWorkers(cfg, self.model_dir, self.device, size)
+            self._workers = workers = TPWorkers(cfg, self.model_dir, self.device, size)
             try:
                 self._workers.wait_joined()
                 self.device = rank_device(self.device, 0)
-                workers = self._workers
-                workers.form_group(lambda: init_group(self.device, 0, size, workers.store))
+                workers.form_group(join)
             except BaseException:
                 self.close()
                 raise
-        tp = tensor_parallel(cfg, 0)
+        tp, stage = placed[0] if placed else placement(cfg, self.spec, 0)
+        if cfg.pipeline_parallel_size > 1:
+            log.info("pipeline parallel: %d stages of %d rank(s), layers [lo, hi) per stage %s", len(stages),
+                     cfg.tensor_parallel_size, stages)
         phases.done("workers")
         try:
-            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp, phases)
+            self.model, self.attn = load_rank(cfg, self.model_dir, self.spec, self.device, self.dtype, tp, phases,
+                                              stage)
             phases.done("attention checks")
             cache = self.model.cache_layout()  # hybrid models: per-sequence linear-attention state too
             plan = plan_memory(cfg, self.spec, cache, self.device, self.max_model_len, tp)
@@ -106,8 +118,9 @@ class Engine(Stepping):
             prefix = cfg.enable_prefix_caching and not cfg.deterministic
             self._blocks = BlockManager(num_blocks, cfg.block_size, prefix)
             sched = SchedulerConfig(budget, cfg.max_num_seqs, cfg.deterministic, cfg.whole_sequence_fill)
-            self._scheduler = Scheduler(sched, self._blocks,
-                                        StateSlots(state_slots + 1) if cache.state else None)  # + the zero slot
+            # (+ the zero slot; a hybrid model's steps carry state slots, even where this rank's layers keep none)
+            slots = StateSlots(state_slots + 1) if self.spec.linear_layer_ids else None
+            self._scheduler = Scheduler(sched, self._blocks, slots)
             phases.done("memory plan")
             self.runner = make_runner(cfg, self.model, self.attn, plan, self.max_model_len, self.device)
             phases.add(self.runner.startup_s)  # attention plans; compiles, kernel checks and autotuning
@@ -121,6 +134,8 @@ class Engine(Stepping):
         self._run_ahead: int | None = 6 if self.device.type == "cuda" else None
         self._seqs: dict[int, Sequence] = {}  # by ScoreRequest.uid
         self._inflight: InFlightStep | None = None  # launched, not yet completed (pipelined)
+        self._planned: deque[PlannedStep] = deque()  # sent to the other ranks, not launched here
+        self._plan_depth = cfg.pipeline_parallel_size  # steps in flight over the pipeline's stages
         self._failed: list[ScoreResult] = []  # results of a step that failed at launch
         self._timing = StepTiming()
         self._steps = 0
@@ -226,7 +241,8 @@ class Engine(Stepping):
         return seq.result
 
     def has_unfinished(self) -> bool:
-        return self._scheduler.has_work() or self._inflight is not None or bool(self._failed)
+        return (self._scheduler.has_work() or self._inflight is not None or bool(self._planned)
+                or bool(self._failed))
 
     # --- reporting and switches ----------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,6 +1,7 @@
-"""A launched step (``InFlightStep``) and its hand-off to the next launch (``Handoff``):
-what ``Engine.launch`` returns and what ``Engine.step`` passes from one launch to the next
-when pipelined."""
+"""A step planned and sent to the pipeline's earlier stages (``PlannedStep``), a launched
+step (``InFlightStep``) and its hand-off to the next launch (``Handoff``): what
+``Engine.launch`` returns and what ``Engine.step`` passes from one launch to the next when
+pipelined."""
 
 from __future__ import annotations
 
@@ -13,6 +14,19 @@ from teacher_server.engine.host_step import HostStep
 from teacher_server.engine.model_runner import PendingOutput
 from teacher_server.engine.request import ScoreResult
 from teacher_server.engine.sequence import Chunk, Sequence
+
+
+@dataclass
+class PlannedStep:
+    """A step scheduled, prepared and handed to the other ranks (its bookkeeping done), not yet
+    launched on this rank: under pipeline parallel the first stages already run it while this
+    rank, the last stage, runs the steps before it."""
+
+    chunks: list[Chunk]
+    hs: HostStep
+    done: list[Sequence] | None  # sequences this step completes (their bookkeeping done); None: not yet done
+    tokens: int
+    trace: dict | None = None  # its step-trace facts (``StepTrace.at_launch``) when tracing
 
 
 @dataclass

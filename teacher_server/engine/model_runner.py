@@ -60,6 +60,8 @@ class ModelRunner:
         layout = model.cache_layout()  # what each layer keeps, this rank's heads
         self.kv = KVPool(num_blocks * block_size, layout, device,
                          state_slots=state_slots + 1 if layout.state is not None else 0)
+        # a hybrid model's steps carry state slots, also to a pipeline stage whose layers keep none
+        self.plans_state = bool(model.spec.linear_layer_ids)
         ropes = model.make_ropes(max_model_len + 1, device)
         self.startup_s: dict[str, float] = {}  # seconds of the start-up's one-time work, by phase (the log line)
         t0 = time.perf_counter()
@@ -97,11 +99,12 @@ class ModelRunner:
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
         """The step's host arrays: packed tokens, KV plan, scoring layout."""
-        return build_host_step(chunks, self.block_size, self.kv.state is not None)
+        return build_host_step(chunks, self.block_size, self.plans_state)
 
     # --- execute ---------------------------------------------------------------------
-    def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput:
-        """Run the forward and the scoring stage of one step (queued on CUDA)."""
+    def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput | None:
+        """Run the forward and the scoring stage of one step (queued on CUDA); a pipeline
+        stage before the last runs its layers only and hands the residual stream on (None)."""
         tok, kv, sc, st = hs.tokens, hs.kv, hs.scoring, hs.state
         arrays = [tok.input_ids, tok.positions, tok.cu_q, tok.cu_k, kv.write_src, kv.write_slots, kv.tok_slots,
                   kv.new_pos, kv.prefix_pos, kv.prefix_slots, sc.logits_idx, sc.cand.reshape(-1), sc.plp_rows,
@@ -131,6 +134,8 @@ class ModelRunner:
             if st.keep.size:
                 ctx.state_keep, ctx.state_out, ctx.state_keep_host = state[1], state[2], st.keep.tolist()
         hidden = self.model(ctx, pacer)  # [R, H]
+        if not self.model.stage.last:
+            return None
         n_plp, n_arg = sc.plp_rows.size, sc.argmax_rows.size
         plan = ScoringPlan(
             cand=cand.view(-1, sc.kmax) if sc.kmax else cand.view(0, 0), kmax=sc.kmax,

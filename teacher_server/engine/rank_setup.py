@@ -20,6 +20,7 @@ from teacher_server.config import Config
 from teacher_server.engine.model_runner import ModelRunner
 from teacher_server.engine.startup_phases import StartupPhases
 from teacher_server.layers.parallel import TensorParallel
+from teacher_server.layers.pipeline import WHOLE, PipelineStage, make_stage, split_layers, stage_ranks
 from teacher_server.models.base import TeacherModel
 from teacher_server.models.loader import load_model
 from teacher_server.models.spec import ModelSpec
@@ -38,16 +39,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def check_gpus(device: str, tensor_parallel_size: int, data_parallel_size: int) -> None:
+def check_gpus(device: str, tensor_parallel_size: int, data_parallel_size: int,
+               pipeline_parallel_size: int = 1) -> None:
     """Before anything starts: RuntimeError saying what to do when ``device`` asks for GPUs
     that are not there (cuda without any, or fewer than the replicas x ranks need)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(no_gpu_message())
     if device == "cpu" or not torch.cuda.is_available():
         return
-    need, have = tensor_parallel_size * data_parallel_size, torch.cuda.device_count()
+    need, have = tensor_parallel_size * pipeline_parallel_size * data_parallel_size, torch.cuda.device_count()
     if have < need:
-        raise RuntimeError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size} "
+        pp = f" x pipeline_parallel_size={pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
+        raise RuntimeError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size}{pp} "
                            f"needs {need} GPUs, {have} visible (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower them or make more visible")
 
@@ -69,11 +72,13 @@ def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dty
 
 
 def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-              tp: TensorParallel, phases: StartupPhases | None = None) -> tuple[TeacherModel, AttentionBackend]:
-    """This rank's model shard and attention backend (``phases``: the weights' time is marked
-    there; the backend's, its self-checks, is the caller's next phase)."""
+              tp: TensorParallel, phases: StartupPhases | None = None,
+              stage: PipelineStage = WHOLE) -> tuple[TeacherModel, AttentionBackend]:
+    """This rank's model shard (its pipeline ``stage``'s layers) and attention backend
+    (``phases``: the weights' time is marked there; the backend's, its self-checks, is the
+    caller's next phase)."""
     torch.manual_seed(cfg.seed)
-    model = load_model(model_dir, spec, dtype, device, cfg.load_format, cfg.seed, tp)
+    model = load_model(model_dir, spec, dtype, device, cfg.load_format, cfg.seed, tp, stage)
     if phases is not None:
         phases.done("weights")
     # deterministic: a sequence's attention path must not depend on what ran before; the backend
@@ -82,11 +87,32 @@ def load_rank(cfg: Config, model_dir: Path, spec: ModelSpec, device: torch.devic
     return model, make_backend(cfg.attention_backend, device, dtype, deterministic=cfg.deterministic, needs=needs)
 
 
-def tensor_parallel(cfg: Config, rank: int) -> TensorParallel:
-    """Rank ``rank``'s placement; deterministic mode makes the row-parallel products in one part
-    (a part's rows would follow the batch, and the GEMM's kernel with them)."""
+def tensor_parallel(cfg: Config, rank: int, group: object = None) -> TensorParallel:
+    """Tensor-parallel rank ``rank``'s placement (``group``: its stage's process group under
+    pipeline parallel); deterministic mode makes the row-parallel products in one part (a
+    part's rows would follow the batch, and the GEMM's kernel with them)."""
     return TensorParallel(cfg.tensor_parallel_size, rank, 1 if cfg.deterministic else cfg.tp_comm_parts,
-                          cfg.moe_parallel)
+                          cfg.moe_parallel, group)
+
+
+def placement(cfg: Config, spec: ModelSpec, rank: int) -> tuple[TensorParallel, PipelineStage]:
+    """Global rank ``rank``'s tensor-parallel placement and pipeline stage. Under pipeline
+    parallel with tensor parallel each stage's ranks get a process group of their own: every
+    rank makes every stage's group, in stage order (``new_group`` is collective)."""
+    pp, tp = cfg.pipeline_parallel_size, cfg.tensor_parallel_size
+    stage = make_stage(rank, pp, tp, spec.num_layers)
+    group = None
+    if pp > 1 and tp > 1:
+        import torch.distributed as dist
+
+        groups = [dist.new_group(stage_ranks(s, pp, tp)) for s in range(pp)]
+        group = groups[stage.stage]
+    return tensor_parallel(cfg, rank % tp, group), stage
+
+
+def check_pipeline(spec: ModelSpec, size: int) -> list[tuple[int, int]]:
+    """The stages' layer ranges; ValueError (at start-up) for a split the engine cannot run."""
+    return split_layers(spec.num_layers, size)
 
 
 def check_split(spec: ModelSpec, size: int, moe: str = "tensor") -> None:
@@ -205,5 +231,6 @@ def make_runner(cfg: Config, model: TeacherModel, attn: AttentionBackend, plan: 
                 device: torch.device) -> ModelRunner:
     runner = ModelRunner(model, attn, plan.blocks, cfg.block_size, max_model_len, device,
                          cfg.logprobs_mode == "raw_logits", cfg.logits_chunk_rows, cfg.compile, plan.slots, plan.budget)
-    top_k.prepare(model.logits_layer.rows, device)  # the teacher's top-K kernel: checked and compiled now
+    if model.logits_layer is not None:  # (a pipeline stage before the last scores nothing)
+        top_k.prepare(model.logits_layer.rows, device)  # the teacher's top-K kernel: checked and compiled now
     return runner

@@ -110,17 +110,17 @@ class _VocabShard(_WholeVocab):
     tp: TensorParallel
 
     def candidates(self, logits: torch.Tensor, cand: torch.Tensor, logits_mode: bool) -> torch.Tensor:
-        return vp.candidate_logprobs(logits, cand, self.start, logits_mode)
+        return vp.candidate_logprobs(logits, cand, self.start, logits_mode, self.tp.group)
 
     def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor,
                         rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return vp.actual_and_rank(sub, actual, self.start, rank)
+        return vp.actual_and_rank(sub, actual, self.start, rank, self.tp.group)
 
     def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
-        return vp.log_normalizer(sub)
+        return vp.log_normalizer(sub, self.tp.group)
 
     def masked_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
-        return vp.log_normalizer(sub)  # (its merge is safe for all -inf rows)
+        return vp.log_normalizer(sub, self.tp.group)  # (its merge is safe for all -inf rows)
 
     def top_k(self, sub: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return vp.top_k(sub, k, self.start, self.tp)

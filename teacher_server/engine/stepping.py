@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
 
 from teacher_server.engine.fatal import is_fatal
-from teacher_server.engine.inflight import Handoff, InFlightStep
+from teacher_server.engine.inflight import Handoff, InFlightStep, PlannedStep
 from teacher_server.engine.model_runner import ModelRunner
 from teacher_server.engine.pacer import LaunchPacer, Pacer, Unpaced
 from teacher_server.engine.request import ErrorKind, ScoreResult
@@ -33,6 +34,8 @@ class Stepping:
     _workers: TPWorkers | None
     _seqs: dict[int, Sequence]  # by ScoreRequest.uid
     _inflight: InFlightStep | None  # launched, not yet completed (pipelined)
+    _planned: deque[PlannedStep]  # sent to the other ranks, not yet launched here (pipeline parallel)
+    _plan_depth: int  # steps planned at once: the pipeline's stages (1 without pipeline parallel)
     _failed: list[ScoreResult]  # results of a step that failed at launch
     _pipeline: bool
     _run_ahead: int | None
@@ -74,44 +77,69 @@ class Stepping:
         return results
 
     def launch(self, handoff: Handoff | None = None) -> InFlightStep | None:
-        """Schedule, prepare and launch one step (asynchronous on CUDA); None when there is
-        nothing to run or the step failed at launch (its requests failed, see ``step``).
-        ``handoff``: the step in flight, completed at this launch's first wait for the GPU
-        (by ``_finish`` after it when the launch never waits)."""
-        tm = self._timing
-        t0 = time.perf_counter()
-        launched_at = time.monotonic()  # (the step trace's clock)
-        chunks = self._scheduler.schedule()
-        t1 = time.perf_counter()
-        tm.schedule_s += t1 - t0
-        if not chunks:
+        """Plan steps (``plan``), then launch the oldest planned one on this rank (asynchronous
+        on CUDA); None when there is nothing to run or the step failed at launch (its requests
+        failed, see ``step``). ``handoff``: the step in flight, completed at this launch's
+        first wait for the GPU (by ``_finish`` after it when the launch never waits)."""
+        self.plan()
+        if not self._planned:
             return None
-        tokens = sum(c.end - c.start for c in chunks)
+        tm = self._timing
+        p = self._planned.popleft()
         pacer = self._pacer(handoff)
+        t2 = time.perf_counter()
         try:
-            hs = self.runner.prepare(chunks)
-            if self._workers is not None:
-                self._workers.send(hs)
-            t2 = time.perf_counter()
-            pending = self.runner.launch(hs, pacer)
+            pending = self.runner.launch(p.hs, pacer)
         except Exception as e:
-            self._fail_step(chunks, e)
+            self._fail_step(p.chunks, e)
             return None
         t3 = time.perf_counter()
-        tm.prepare_s += t2 - t1
         # waits for the GPU inside the launch count as wait; completing the previous step
         # there counts as its own wait and scatter (``complete``)
         launch_s = t3 - t2 - pacer.wait_s - pacer.first_wait_s
         tm.launch_s += launch_s
         tm.wait_s += pacer.wait_s
-        self._steps += 1
-        self._tokens += tokens
-        # (before finish_step moves the sequences on)
-        facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting, launched_at,
-                                      launch_s) if self._tracing else None
-        done = self._scheduler.finish_step(chunks)
+        if p.trace is not None:
+            p.trace["launch_ms"] = round(1e3 * launch_s, 2)
+        done = p.done if p.done is not None else self._scheduler.finish_step(p.chunks)
         after = handoff.step.pending.pacer.done if handoff is not None else None
-        return InFlightStep(chunks, hs, pending, done, after, facts)
+        return InFlightStep(p.chunks, p.hs, pending, done, after, p.trace)
+
+    def plan(self) -> None:
+        """Schedule and prepare steps until ``_plan_depth`` are planned and not launched here,
+        handing each to the other ranks at once. With pipeline parallel (depth: the stages) the
+        first stages so run up to depth - 1 steps ahead of this rank, the last stage: each
+        stage runs the steps in the order planned, so a step that reads KV an earlier one writes
+        (a later chunk of a sequence, a prefix cached by an earlier step) finds it written on
+        every stage, as on one GPU's stream. The scheduler's bookkeeping of a step is done here
+        when more steps are planned after it (``step`` says why that is safe); planning one at a
+        time it waits for the launch, so that a step that fails to launch leaves no blocks in
+        the prefix cache that its KV was to fill."""
+        tm = self._timing
+        while len(self._planned) < self._plan_depth:
+            t0 = time.perf_counter()
+            launched_at = time.monotonic()  # (the step trace's clock)
+            chunks = self._scheduler.schedule()
+            t1 = time.perf_counter()
+            tm.schedule_s += t1 - t0
+            if not chunks:
+                return
+            try:
+                hs = self.runner.prepare(chunks)
+                if self._workers is not None:
+                    self._workers.send(hs)
+            except Exception as e:
+                self._fail_step(chunks, e)
+                continue
+            tm.prepare_s += time.perf_counter() - t1
+            tokens = sum(c.end - c.start for c in chunks)
+            self._steps += 1
+            self._tokens += tokens
+            # (before finish_step moves the sequences on)
+            facts = self._trace.at_launch(self._steps, chunks, self._scheduler.num_waiting, launched_at,
+                                          0.0) if self._tracing else None
+            done = self._scheduler.finish_step(chunks) if self._plan_depth > 1 else None
+            self._planned.append(PlannedStep(chunks, hs, done, tokens, facts))
 
     def _pacer(self, handoff: Handoff | None) -> Pacer:
         if self._run_ahead is None:

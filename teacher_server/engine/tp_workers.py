@@ -7,7 +7,10 @@ a step's host plan -> run the same forward and scoring -> take part in the colle
 plan (``HostStep``'s numpy arrays, the request bookkeeping stripped) is pickled once and
 sent down one pipe per worker, once per step, before rank 0 starts that step: the workers
 never see requests, and nothing per layer crosses processes except the all-reduces. Every
-rank's results are the same after the vocab-parallel combine; only rank 0's are used.
+rank's results are the same after the vocab-parallel combine; only rank 0's are used. Under
+pipeline parallel the ranks are pipeline x tensor parallel: a worker of a stage before the last
+runs its layers and sends the residual stream on (``layers.pipeline``); the plans go to every
+rank at once, up to a step per stage ahead of rank 0 (a rank of the last stage).
 
 Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a
 rank that is gone: each worker says it is loaded and how many KV blocks (and linear-state
@@ -91,7 +94,8 @@ class TPWorkers:
     def __init__(self, cfg: Config, model_dir: Path, device: torch.device, size: int) -> None:
         set_nccl_env()
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise RuntimeError(f"tensor_parallel_size={size} needs {size} GPUs, this host has "
+            raise RuntimeError(f"tensor_parallel_size x pipeline_parallel_size = {size} ranks need {size} GPUs, "
+                               f"this host has "
                                f"{torch.cuda.device_count()} visible")
         self.size, self.device = size, device
         self.store = make_store(0, size)  # held while the group lives
@@ -159,18 +163,20 @@ class TPWorkers:
 
     def agree_memory(self, own: MemoryPlan) -> MemoryPlan:
         """The KV blocks, linear-state slots and token budget every rank can hold (the minimum
-        of each over the ranks); sent to all."""
+        of each over the ranks; of the slots, over the ranks that keep state: a pipeline stage
+        of attention layers only keeps none); sent to all."""
         from teacher_server.engine.rank_setup import MemoryPlan
 
         plans = [own] + [MemoryPlan(*self._recv(i, "while loading its shard", START_TIMEOUT_S)[1])
                          for i in range(len(self.procs))]
-        n = MemoryPlan(*(min(col) for col in zip(*plans)))
+        blocks, slots, budget = zip(*plans)
+        n = MemoryPlan(min(blocks), min((s for s in slots if s), default=0), min(budget))
         for c in self.conns:
             c.send(("blocks", tuple(n)))
         for i in range(len(self.procs)):
             self._recv(i, "while building its KV pool", 600.0)
-        log.info("tensor parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s", self.size,
-                 [tuple(p) for p in plans], tuple(n))
+        log.info("tensor/pipeline parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s",
+                 self.size, [tuple(p) for p in plans], tuple(n))
         return n
 
     # --- steps ---------------------------------------------------------------------------
@@ -265,9 +271,9 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
             MemoryPlan,
             load_rank,
             make_runner,
+            placement,
             plan_memory,
             resolve_dtype,
-            tensor_parallel,
         )
         from teacher_server.models.spec import ModelSpec
 
@@ -276,9 +282,10 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         conn.send(("joining",))
         init_group(device, rank, size, make_store(rank, size, port))
         spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization)
-        tp = tensor_parallel(cfg, rank)
+        tp, stage = placement(cfg, spec, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
-        model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp)
+        model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp,
+                                stage=stage)
         conn.send(("loaded", tuple(plan_memory(cfg, spec, model.cache_layout(), device, max_len, tp))))
         _, agreed = conn.recv()
         runner = make_runner(cfg, model, attn, MemoryPlan(*agreed), max_len, device)

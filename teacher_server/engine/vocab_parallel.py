@@ -25,52 +25,52 @@ from teacher_server.ops.gather_logprob import finish_partials, gather_logprobs_p
 from teacher_server.ops.top_k import top_k as shard_top_k
 
 
-def _max_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+def _max_over_ranks(x: torch.Tensor, group: object) -> torch.Tensor:
+    dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 
-def _merged_stats(m: torch.Tensor, s: torch.Tensor, extra: torch.Tensor | None) -> tuple:
+def _merged_stats(m: torch.Tensor, s: torch.Tensor, extra: torch.Tensor | None, group: object) -> tuple:
     """(M [R], sum_r s_r exp(m_r - M) [R], extra summed over ranks) with two collectives."""
-    mx = _max_over_ranks(m.clone())
+    mx = _max_over_ranks(m.clone(), group)
     safe = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))
     scaled = (s * torch.exp(m - safe))[:, None]  # [R, 1]
     packed = scaled if extra is None else torch.cat([scaled, extra], dim=1)  # [R, 1 + K]
-    dist.all_reduce(packed)
+    dist.all_reduce(packed, group=group)
     return mx, packed[:, 0], None if extra is None else packed[:, 1:]
 
 
 def candidate_logprobs(logits: torch.Tensor, cand: torch.Tensor, vocab_start: int,
-                       logits_mode: bool) -> torch.Tensor:
+                       logits_mode: bool, group: object = None) -> torch.Tensor:
     """logits: this rank's [r, Vr] float32; cand [r, K] global ids (-1 padding) -> [r, K]."""
     m, s, vals = gather_logprobs_partial(logits, cand, vocab_start, logits_mode)
     if logits_mode:
-        dist.all_reduce(vals)
+        dist.all_reduce(vals, group=group)
         return finish_partials(m, s, vals, cand, True)
-    mx, se, vals = _merged_stats(m, s, vals)
+    mx, se, vals = _merged_stats(m, s, vals, group)
     return finish_partials(mx, se, vals, cand)
 
 
-def log_normalizer(sub: torch.Tensor) -> torch.Tensor:
+def log_normalizer(sub: torch.Tensor, group: object = None) -> torch.Tensor:
     """log sum exp over the whole vocabulary of each row ([p, Vr] shard -> [p, 1])."""
     m = sub.amax(dim=-1)
     safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    mx, se, _ = _merged_stats(m, torch.exp(sub - safe[:, None]).sum(-1), None)
+    mx, se, _ = _merged_stats(m, torch.exp(sub - safe[:, None]).sum(-1), None, group)
     return (torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx)) + torch.log(se))[:, None]
 
 
 def actual_and_rank(sub: torch.Tensor, actual: torch.Tensor, vocab_start: int,
-                    rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    rank: bool = True, group: object = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The actual tokens' logits [p, 1] and their ranks [p] (1 + ids with a larger logit; None
     without ``rank``: one pass over the shard and a collective fewer)."""
     local = actual - vocab_start
     inside = (local >= 0) & (local < sub.shape[1])
     act = sub.gather(1, local.clamp(0, sub.shape[1] - 1)[:, None]).masked_fill(~inside[:, None], 0.0)
-    dist.all_reduce(act)
+    dist.all_reduce(act, group=group)
     if not rank:
         return act, None
     rank = (sub > act).sum(-1)
-    dist.all_reduce(rank)
+    dist.all_reduce(rank, group=group)
     return act, rank + 1
 
 
@@ -83,8 +83,8 @@ def top_k(sub: torch.Tensor, k: int, vocab_start: int, tp: TensorParallel) -> tu
     lv, li = shard_top_k(sub, kl)
     v[:, :kl], i[:, :kl] = lv, li + vocab_start
     vs, ids = [torch.empty_like(v) for _ in range(tp.size)], [torch.empty_like(i) for _ in range(tp.size)]
-    dist.all_gather(vs, v)
-    dist.all_gather(ids, i)
+    dist.all_gather(vs, v, group=tp.group)
+    dist.all_gather(ids, i, group=tp.group)
     allv, alli = torch.cat(vs, dim=1), torch.cat(ids, dim=1)  # [p, ranks * k], shards in id order
     best_v, at = allv.topk(k, dim=-1)
     return best_v, alli.gather(1, at)
@@ -94,7 +94,7 @@ def argmax(rows: torch.Tensor, vocab_start: int, tp: TensorParallel) -> torch.Te
     """Greedy next token of each row ([a, Vr] shard) as a global id [a]."""
     v, i = rows.max(dim=-1)
     vs, ids = [torch.empty_like(v) for _ in range(tp.size)], [torch.empty_like(i) for _ in range(tp.size)]
-    dist.all_gather(vs, v)
-    dist.all_gather(ids, i + vocab_start)
+    dist.all_gather(vs, v, group=tp.group)
+    dist.all_gather(ids, i + vocab_start, group=tp.group)
     best = torch.stack(vs).argmax(dim=0)  # [a]: the first rank holding the max
     return torch.stack(ids).gather(0, best[None]).squeeze(0)

@@ -17,7 +17,8 @@ dimension, as the dense MLP) or "expert" (whole experts, E / size each: ``layers
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,9 @@ class TensorParallel:
     # all-reduce).
     comm_parts: int = 1
     moe: str = "tensor"  # the expert layers' split: "tensor" or "expert" (the module docstring)
+    # The ranks' process group (a pipeline stage's, under pipeline parallel); None: the default
+    # group, every rank of the process group.
+    group: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside tensor-parallel size {self.size}"
@@ -77,7 +81,7 @@ class TensorParallel:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def spans(self, rows: int) -> list[tuple[int, int]]:
@@ -102,7 +106,7 @@ class TensorParallel:
         works = []
         for lo, hi in spans:
             make(lo, hi)
-            works.append(dist.all_reduce(out[lo:hi], async_op=True))
+            works.append(dist.all_reduce(out[lo:hi], async_op=True, group=self.group))
         for w in works:
             w.wait()
         return out

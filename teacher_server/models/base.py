@@ -10,6 +10,7 @@ if TYPE_CHECKING:
 
     from teacher_server.cache_layout import CacheLayout
     from teacher_server.layers.parallel import TensorParallel
+    from teacher_server.layers.pipeline import PipelineStage
     from teacher_server.layers.rotary import RotaryEmbedding
     from teacher_server.layers.runtime import Runtime
     from teacher_server.models.spec import ModelSpec
@@ -34,13 +35,14 @@ class TeacherModel(Protocol):
 
     spec: ModelSpec
     tp: TensorParallel
+    stage: PipelineStage  # pipeline parallel: the layers this rank holds (the whole model at size 1)
     last_layer_rows_only: bool  # after the last layer's mixer, only the rows that reach the LM head
 
     @property
     def dtype(self) -> torch.dtype: ...
 
     @property
-    def lm_head(self) -> torch.Tensor: ...
+    def lm_head(self) -> torch.Tensor | None: ...
 
     @property
     def lm_vocab_start(self) -> int: ...

@@ -142,8 +142,10 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     embedding = ScaledEmbedding
 
     @property
-    def logits_layer(self) -> VocabRows:
+    def logits_layer(self) -> VocabRows | None:
         rows = super().logits_layer
+        if rows is None:  # (a pipeline stage before the last)
+            return None
         cap = self.spec.gemma.final_logit_softcapping
         return rows if cap is None else SoftcappedLogits(rows, cap)
 

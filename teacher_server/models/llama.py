@@ -23,6 +23,7 @@ from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear
 from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.pipeline import WHOLE, PipelineStage, StageLayers
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.base import LayerPacer
@@ -201,29 +202,45 @@ class LlamaForCausalLM(RuntimeModule):
     last_layer_rows_only: bool = True
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tied: bool,
-                 tp: TensorParallel = SINGLE) -> None:
+                 tp: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         self.spec = spec
         self.tied = tied
         self.tp = tp
+        self.stage = stage  # pipeline parallel: this rank's layers, embedding (first stage), head (last)
+        self._dtype = dtype
         # How every weight-holding layer stores its weights, decided once by the spec.
         self.weight_format = fmt = make_format(spec.weight_format, spec.quantization_config)
-        self.embed_tokens = self.embedding(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt)
-        self.layers = nn.ModuleList(self.decoder_layer(spec, i, self.attention, dtype, device, tp, fmt)
-                                    for i in range(spec.num_layers))
-        self.norm = decoder_norm(spec, spec.hidden_size, dtype, device)
-        self.head = None if tied else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt)
-        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        readers = [input_reader(layer) for layer in self.layers[1:]] + [None]  # (the LM head reads plain rows)
+        # the embedding on the first stage, and on the last where it is the (tied) LM head
+        embeds = stage.first or (tied and stage.last)
+        self.embed_tokens = (self.embedding(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt) if embeds
+                             else None)
+        made = {i: self.decoder_layer(spec, i, self.attention, dtype, device, tp, fmt)
+                for i in stage.layers(spec.num_layers)}
+        self.layers = nn.ModuleList(made.values()) if stage.size == 1 else StageLayers(made)
+        self.norm = decoder_norm(spec, spec.hidden_size, dtype, device) if stage.last else None
+        self.head = None if tied or not stage.last else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp,
+                                                               fmt)
+        # A stage before the last ends on a layer whose next norm lives on the next stage: it
+        # norms into a stand-in (not a parameter; its output is not used) and the next stage
+        # norms the residual stream it receives with that layer's own input norm.
+        final = self.norm if stage.last else decoder_norm(spec, spec.hidden_size, dtype, device).requires_grad_(False)
+        if not stage.last:
+            final.weight.fill_(1.0)
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        # (the LM head, and the next stage, read plain rows)
+        readers = [input_reader(layer) for layer in self.layers[1:]] + [None]
         for layer, norm, reader in zip(self.layers, nexts, readers):
             # References, not children: the norm and the reader belong to the next layer (or the model).
             object.__setattr__(layer, "next_norm", norm)
             object.__setattr__(layer, "next_reader", reader)
 
     @property
-    def logits_layer(self) -> VocabRows:
+    def logits_layer(self) -> VocabRows | None:
         """The layer that makes the logits: the LM head, or the embedding when tied (with
-        tp > 1 its rows from ``vocab_start``)."""
+        tp > 1 its rows from ``vocab_start``); None on a pipeline stage before the last."""
+        if not self.stage.last:
+            return None
         return self.embed_tokens if self.head is None else self.head
 
     @property
@@ -235,7 +252,7 @@ class LlamaForCausalLM(RuntimeModule):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self._dtype
 
     def linear_state_layout(self) -> LinearStateLayout | None:
         """The per-sequence state of this rank's linear-attention layers (None: every layer
@@ -272,6 +289,21 @@ class LlamaForCausalLM(RuntimeModule):
         module, _, param = name.rpartition(".")
         return module, param, part
 
+    def on_stage(self, module: str) -> bool:
+        """Whether this rank's pipeline stage holds the module at path ``module`` (a checkpoint
+        tensor's place, ``checkpoint_param``): the loader skips the other stages' tensors."""
+        if self.stage.size == 1:
+            return True
+        top, _, rest = module.partition(".")
+        if top == "layers":
+            layer = rest.partition(".")[0]
+            return layer.isdigit() and int(layer) in self.stage.layers(self.spec.num_layers)
+        if top == "embed_tokens":
+            return self.embed_tokens is not None
+        if top == "norm":
+            return self.norm is not None
+        return True
+
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
         """Compile and check ``ops``' stages at this model's shapes and q/k-norm weights."""
         attn = self.layers[0].self_attn
@@ -287,10 +319,15 @@ class LlamaForCausalLM(RuntimeModule):
         """Returns the final-normed hidden states of the rows in ctx.logits_idx: [R, hidden]."""
         rt = self.rt
         assert rt is not None, "bind() the model's collaborators before its first forward"
-        x = self.embed_tokens(ctx.input_ids)  # [T, hidden]
+        st = self.stage
+        if st.first:
+            x = self.embed_tokens(ctx.input_ids)  # [T, hidden]
+        else:  # the residual stream the previous stage made
+            x = st.recv(ctx.input_ids.shape[0], self.spec.hidden_size, self.dtype, ctx.input_ids.device)
         css = {key: rope(ctx.positions) for key, rope in rt.ropes.items()}  # each [T, D] float32: cos | sin halves
         h = self.layers[0].input_layernorm(x)
-        keep = ctx.logits_idx if self.last_layer_rows_only else None  # the last layer's rows past its mixer
+        # the last layer's rows past its mixer (the model's last layer: on the last stage)
+        keep = ctx.logits_idx if self.last_layer_rows_only and st.last else None
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if pacer is not None:
@@ -305,4 +342,7 @@ class LlamaForCausalLM(RuntimeModule):
                 x, h = layer(x, h, cs, ctx, keep)
             if pacer is not None:
                 pacer.after_layer()
+        if not st.last:
+            st.send(x)
+            return x[:0]  # nothing reaches the LM head on this stage
         return h if keep is not None else h[ctx.logits_idx]  # [R, hidden]

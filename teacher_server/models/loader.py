@@ -22,6 +22,7 @@ from torch import nn
 
 from teacher_server.layers.formats.base import TensorInfo, WeightFormat, extra_name
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.layers.pipeline import WHOLE, PipelineStage
 from teacher_server.models.registry import model_class
 from teacher_server.models.spec import ModelSpec
 
@@ -93,15 +94,17 @@ def finish_formats(model: nn.Module) -> None:
 
 
 def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, tp: TensorParallel = SINGLE) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, tp: TensorParallel = SINGLE,
+               stage: PipelineStage = WHOLE) -> nn.Module:
     """The model of ``spec.architecture`` with its weights (unbound: see ``bind``); with
     tp > 1 this rank's shard of it, read from the checkpoint slice by slice (each layer's
-    ``checkpoint_slice``), or made at random per shard (``dummy``)."""
+    ``checkpoint_slice``), or made at random per shard (``dummy``); with a pipeline ``stage``
+    only that stage's layers (and embedding or head), the other stages' tensors not read."""
     path = Path(path)
     cls = model_class(spec.architecture)
     if load_format == "dummy":
-        model = cls(spec, dtype, device, tied=bool(spec.tie_word_embeddings), tp=tp)
-        init_dummy(model, seed + 1000 * tp.rank)
+        model = cls(spec, dtype, device, tied=bool(spec.tie_word_embeddings), tp=tp, stage=stage)
+        init_dummy(model, seed + 1000 * tp.rank + 100_000 * stage.stage)
         finish_formats(model)
         return model
     files = checkpoint_files(path)
@@ -117,7 +120,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     tied = spec.tie_word_embeddings is True or (spec.tie_word_embeddings is None and "lm_head.weight" not in names)
     if spec.tie_word_embeddings is True and "lm_head.weight" in names:
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
-    model = cls(spec, dtype, device, tied=tied, tp=tp)
+    model = cls(spec, dtype, device, tied=tied, tp=tp, stage=stage)
     filled: dict[str, int] = {}  # our parameter name -> count of parts written
     fmt = model.weight_format
     extras = tuple(fmt.extras)  # suffixes read beside a weight (a layer kept unquantized has none)
@@ -136,7 +139,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                 if reader is None:
                     continue
                 place = checkpoint_place(model, hf_name, extras, fmt.aliases)
-                if place is None:
+                if place is None or not model.on_stage(place[0]):  # (another pipeline stage's)
                     continue
                 module, param, part = place
                 try:

@@ -141,12 +141,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         """Per slot and linear layer: the convolution state [conv_dim, kernel] (fla-core's
         layout: the last ``kernel`` q/k/v in-projection rows, newest last) in the model dtype,
         and the recurrent state [value heads, key head dim, value head dim] float32. None
-        when every layer is full attention (no state to keep)."""
+        when every layer this rank holds is full attention (no state to keep)."""
         s = self.spec
-        if not s.linear_layer_ids:
+        linear = [layer for layer in self.layers if layer.linear]  # this pipeline stage's
+        if not linear:
             return None
-        mixer = self.layers[s.linear_layer_ids[0]].linear_attn  # this rank's heads and channels
-        return LinearStateLayout(layers=s.linear_layer_ids, conv_shape=(mixer.conv_dim, s.linear_conv_kernel_dim),
+        mixer = linear[0].linear_attn  # this rank's heads and channels
+        return LinearStateLayout(layers=tuple(layer.linear_attn.layer_id for layer in linear),
+                                 conv_shape=(mixer.conv_dim, s.linear_conv_kernel_dim),
                                  rec_shape=(mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim),
                                  conv_dtype=self.dtype)
 
@@ -157,13 +159,14 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         On CUDA, fla-core's kernels are checked (and autotuned) at the linear layers' shapes, and
         so is the fused input stage of those layers."""
         ops.use_qkv_kernel(False)
-        attn = next(layer.self_attn for layer in self.layers if not layer.linear)
-        rope = ropes[attn.rope_key]
-        heads = HeadLayout(attn.heads.n_q, attn.heads.n_kv, rope.table.shape[1], attn.heads.eps)
+        s = self.spec
+        rope = ropes[self.attention.rope_key]
+        # this rank's heads (a pipeline stage of linear layers only: as an attention layer would hold them)
+        n_q, n_kv = self.tp.heads(s.num_heads, s.num_kv_heads)
+        heads = HeadLayout(n_q, n_kv, rope.table.shape[1], s.rms_norm_eps)
         dense = next((layer.mlp for layer in self.layers if hasattr(layer.mlp, "gate_up_proj")), None)
         inter = dense.gate_up_proj.parts["gate"][1] if dense is not None else self.spec.intermediate_size
-        s = self.spec
-        mixer = self.layers[s.linear_layer_ids[0]].linear_attn if s.linear_layer_ids else None  # this rank's shares
+        mixer = next((layer.linear_attn for layer in self.layers if layer.linear), None)  # this rank's shares
         if mixer is not None:  # the gated output norm of the linear layers, compiled as they call it
             ops.expect_linear_layers(mixer.gated_norm_shape(), mixer.heads_shape())
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)

@@ -80,7 +80,7 @@ class ReplicaPool:
         # A replica is a whole engine: one GPU, or a tensor-parallel group of them (its own
         # worker processes start inside the replica process, on the GPUs it was given).
         if gpus_per_replica is None:
-            gpus_per_replica = getattr(cfg, "tensor_parallel_size", 1)
+            gpus_per_replica = cfg.ranks_per_replica() if hasattr(cfg, "ranks_per_replica") else 1
         gpu = uses_gpu(cfg)
         gpus = getattr(cfg, "gpus", None)  # a teacher's own GPUs, else this process's
         visible = (",".join(gpus) if gpus else _visible_devices()) if gpu else None
@@ -331,7 +331,7 @@ def engine_elsewhere(cfg: Config) -> bool:
     if cfg.data_parallel_size > 1 or cfg.engine_process:
         return True
     if cfg.engine_process is None:
-        return cfg.tensor_parallel_size == 1 and uses_gpu(cfg)
+        return cfg.ranks_per_replica() == 1 and uses_gpu(cfg)
     return False
 
 

@@ -37,7 +37,7 @@ def may_need_engine_process(cfg: Config) -> bool:
     wrong guess costs an idle process, or the preloading only."""
     if cfg.data_parallel_size > 1 or cfg.engine_process:
         return True
-    if cfg.engine_process is not None or cfg.tensor_parallel_size != 1 or cfg.device == "cpu":
+    if cfg.engine_process is not None or cfg.ranks_per_replica() != 1 or cfg.device == "cpu":
         return False
     if cfg.device == "cuda":
         return True

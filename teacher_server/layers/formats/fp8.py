@@ -79,7 +79,7 @@ def row_amax(layer: nn.Module, slot: str, w: torch.Tensor) -> torch.Tensor:
     if tp is not None and tp.size > 1 and slot in getattr(layer, "split_columns", ()):
         import torch.distributed as dist
 
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
     return amax
 
 
@@ -244,7 +244,7 @@ class Fp8Weights(WeightFormat):
                 if ep is not None and ep.size > 1:  # expert parallel: of every rank's experts, as one GPU
                     import torch.distributed as dist
 
-                    dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+                    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=ep.group)
                 setattr(layer, p, nn.Parameter(amax, requires_grad=False))
             scale = getattr(layer, extra_name(slot, SCALE))
             if mode == "row" and scale.shape[-1] != 1:  # block scales -> per row
