@@ -292,3 +292,48 @@ def test_enable_expert_parallel_is_vllms_flag_for_it() -> None:
     assert config_from_args(["serve", "-tp", "2", "-ep"]).moe_parallel == "expert"
     assert config_from_args(["serve", "--moe-parallel", "expert"]).moe_parallel == "expert"
     assert config_from_args(["serve", "-ep", "--moe-parallel", "tensor"]).moe_parallel == "tensor"  # ours wins
+
+
+class _PoisonedGemm(GroupedGemm):
+    """The grouped GEMM with the rows past the last row end filled with NaN: torch's and the
+    Triton kernels leave those rows of their ``empty`` output unwritten on the GPU (any bits),
+    where the CPU's reference writes zeros."""
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        out = super().__call__(a, b, offs)
+        out[int(offs[-1]) if offs.numel() else 0:] = float("nan")
+        return out
+
+
+@pytest.mark.parametrize("kind", ["sparse", "gpt_oss"])
+def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypatch) -> None:
+    """Each rank's rows of another rank's experts (sorted past its last row end) hold whatever
+    the grouped GEMM left there: NaN here. Neither the activation, the down bias (gpt-oss) nor
+    the combine lets them into the rank's partial sum: the ranks still sum to the layer."""
+    monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)
+    ops = FusedOps(kernels=False, compile=False)
+    gemm = _PoisonedGemm(allow_torch=False)
+
+    def layer(tp: TensorParallel) -> torch.nn.Module:
+        if kind == "sparse":
+            moe = SparseMoe(32, 8, 2, 24, True, 0, gemm, torch.float32, CPU, tp)
+        else:
+            moe = GptOssMoe(32, 8, 2, 24, 1.702, 7.0, gemm, torch.float32, CPU, tp)
+        moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
+        return moe
+
+    torch.manual_seed(0)
+    full = layer(TensorParallel())
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.3)
+    ranks = [layer(TensorParallel(2, r, moe="expert")) for r in range(2)]
+    with torch.no_grad():
+        for r, moe in enumerate(ranks):
+            for name, p in moe.named_parameters():
+                whole = full.get_parameter(name)
+                p.copy_(whole[4 * r:4 * r + 4] if name.startswith("experts.") else whole)
+    h = torch.randn(7, 32)
+    want = full(h)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(sum(moe(h) for moe in ranks), want, rtol=1e-5, atol=1e-5)

@@ -109,6 +109,17 @@ def test_each_stage_builds_and_reads_only_its_layers(dense3: Path, monkeypatch) 
     assert held[0] == ({"embed_tokens", "layers.2", "norm"}, {"embed_tokens", "layers.2", "norm"}, (2,))
 
 
+def test_a_stage_before_the_last_has_no_lm_head(dense3: Path) -> None:
+    """The model's ``lm_head`` (tests and tools) is None on a stage that holds no LM head, as
+    ``logits_layer`` is, and the last stage's is the whole model's."""
+    spec = ModelSpec.from_dir(dense3)
+    first = load_model(dense3, spec, torch.float32, torch.device("cpu"), stage=make_stage(1, 2, 1, 3))
+    assert first.logits_layer is None and first.lm_head is None
+    last = load_model(dense3, spec, torch.float32, torch.device("cpu"), stage=make_stage(0, 2, 1, 3))
+    whole = load_model(dense3, spec, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(last.lm_head, whole.lm_head, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(("model", "tp", "pp", "settings"), [
     ("dense3", 1, 2, {}),
     ("dense3", 1, 3, {"logprobs_mode": "raw_logits"}),  # a middle stage: neither embeds nor scores

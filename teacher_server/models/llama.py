@@ -245,10 +245,10 @@ class LlamaForCausalLM(RuntimeModule):
 
     @property
     def lm_head(self) -> torch.Tensor | None:
-        """The plain LM head weight [V, hidden] (None where the format holds none): for tests
-        and tools; scoring asks ``logits_layer``."""
+        """The plain LM head weight [V, hidden] (None where the format holds none, and on a
+        pipeline stage before the last): for tests and tools; scoring asks ``logits_layer``."""
         head = self.logits_layer
-        return head.fmt.dense(head)
+        return None if head is None else head.fmt.dense(head)
 
     @property
     def dtype(self) -> torch.dtype:
