@@ -179,9 +179,10 @@ def test_the_first_stage_gets_the_next_step_before_the_last_stage_runs_this_one(
     engine = Engine(Config(model=str(dense3), device="cpu", pipeline_parallel_size=2, max_num_batched_tokens=64,
                            block_size=8, num_kv_blocks=256, max_model_len=1024))
     events: list[tuple[str, int]] = []
+    kept = []  # every plan kept alive: an id is not reused by a later plan
     try:
         send, launch = engine._workers.send, engine.runner.launch
-        engine._workers.send = lambda hs: (events.append(("sent", id(hs))), send(hs))[1]
+        engine._workers.send = lambda hs: (kept.append(hs), events.append(("sent", id(hs))), send(hs))[2]
         engine.runner.launch = lambda hs, pacer: (events.append(("launched", id(hs))), launch(hs, pacer))[1]
         reqs = requests(engine.spec.vocab_size, 0)
         got = engine.run_to_completion(reqs)

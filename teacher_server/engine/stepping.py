@@ -130,6 +130,8 @@ class Stepping:
                     self._workers.send(hs)
             except Exception as e:
                 self._fail_step(chunks, e)
+                if self._plan_depth == 1:  # (one step at a time: this launch ends, as before)
+                    return
                 continue
             tm.prepare_s += time.perf_counter() - t1
             tokens = sum(c.end - c.start for c in chunks)

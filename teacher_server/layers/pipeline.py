@@ -68,11 +68,12 @@ class PipelineStage:
         """The model layer ids this stage holds."""
         return range(self.lo, num_layers if self.hi is None else self.hi)
 
-    def send(self, x: torch.Tensor) -> None:
-        """Hand the residual stream [T, hidden] to the next stage (queued on CUDA's stream)."""
+    def send(self, x: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hand the residual stream [T, hidden] to the next stage (queued on CUDA's stream), in
+        ``dtype``, the one the next stage's ``recv`` allocates (NCCL would not say otherwise)."""
         import torch.distributed as dist
 
-        dist.send(x.contiguous(), self.next_rank)
+        dist.send(x.to(dtype).contiguous(), self.next_rank)
 
     def recv(self, tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The residual stream [tokens, hidden] of this step from the previous stage."""

@@ -343,6 +343,6 @@ class LlamaForCausalLM(RuntimeModule):
             if pacer is not None:
                 pacer.after_layer()
         if not st.last:
-            st.send(x)
+            st.send(x, self.dtype)
             return x[:0]  # nothing reaches the LM head on this stage
         return h if keep is not None else h[ctx.logits_idx]  # [R, hidden]
