@@ -123,3 +123,21 @@ def test_hybrid_model_plans_state_slots_with_the_budget(monkeypatch) -> None:
     left = room(cfg, 141 * GB, 122 * GB) - activation_bytes(cfg, spec, 32768, 32768, SINGLE, cache_of(spec, state=layout))
     assert p.budget == 32768 and p.slots == min(2 * cfg.max_num_seqs, int(left / 4 // layout.slot_bytes()))
     assert p.blocks == int((left - p.slots * layout.slot_bytes()) // kv_bytes_per_token(spec)) // cfg.block_size
+
+
+def test_expert_rows_are_counted_at_their_split(monkeypatch) -> None:
+    """An expert model's step holds k rows per token through its expert layers (the gathered
+    input, gate/up, SiLU-mul, the output): counted at this rank's expert width, the whole
+    experts' under expert parallel (TP2: the tensor split's share is half)."""
+    from workloads import QWEN3_30B_A3B
+
+    spec = ModelSpec.from_dict(QWEN3_30B_A3B)
+    dense = dataclasses.replace(spec, num_experts=0)
+    tp, ep = TensorParallel(2, 0), TensorParallel(2, 0, moe="expert")
+    cfg = Config(device="cuda")
+    base = activation_bytes(cfg, dense, 8192, 8192, tp, cache_of(spec, tp))
+    per_row = spec.num_experts_per_tok * 8192 * 4
+    split = activation_bytes(cfg, spec, 8192, 8192, tp, cache_of(spec, tp)) - base
+    whole = activation_bytes(cfg, spec, 8192, 8192, ep, cache_of(spec, tp)) - base
+    assert split == per_row * (2 * spec.hidden_size + 3 * spec.moe_intermediate_size // 2)
+    assert whole == per_row * (2 * spec.hidden_size + 3 * spec.moe_intermediate_size)
