@@ -1,0 +1,161 @@
+"""One model's ranks over two "nodes" on localhost (gloo): the leader (this process's engine,
+node 0) and a worker node (`teacher-server worker --node-rank 1`, its own process tree), PP2
+with one rank per node, give one process's results within 1e-5 and stop together cleanly; the
+worker node killed mid-request makes the leader's /health 503 within a bound (its rank exits
+with it); the leader killed makes the worker node exit 1; world sizes nnodes does not divide,
+a node_rank outside the group, the wrong command for a node and a missing key are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch.distributed as dist
+from apiutil import assert_error, body
+from conftest import LiveServer, free_port, wait_healthy
+from test_pipeline_parallel import GEN, _child_of, dense3  # noqa: F401  (dense3: the tiny three-layer Qwen3)
+from test_tensor_parallel import assert_same, run, wait_gone
+
+from teacher_server.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-node-key"
+
+
+def worker_node(model: Path, port: int, *extra: str) -> subprocess.Popen:
+    """`teacher-server worker` as node 1 of 2 at PP2, reaching the leader on localhost."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "worker", "--device", "cpu", "--model", str(model),
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), *extra],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=KEY), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def leader_settings(port: int) -> dict:
+    return {"pipeline_parallel_size": 2, "nnodes": 2, "master_port": port, "node_authkey": KEY}
+
+
+def children(pid: int) -> list[int]:
+    """The rank processes a worker node started (not multiprocessing's resource tracker)."""
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _child_of(d, pid)]
+
+
+def test_two_nodes_equal_one_process(dense3: Path) -> None:  # noqa: F811
+    port = free_port()
+    node = worker_node(dense3, port)
+    try:
+        many, hits = run(dense3, 1, **leader_settings(port))
+        one, hits1 = run(dense3, 1)
+        assert hits == hits1 > 0
+        assert_same(one, many)
+        assert node.wait(60) == 0, node.stderr.read()[-3000:]  # the leader's close stops the node cleanly
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
+def test_a_killed_worker_node_makes_health_503(dense3: Path) -> None:  # noqa: F811
+    """The worker node's process killed while a request waits on its stage: the leader's
+    watchdog sees its control connection close, fails the engine (/health 503, the request
+    answered), in bounded time; the node's rank, orphaned, exits too."""
+    port = free_port()
+    node = worker_node(dense3, port)
+    fired = threading.Event()
+    cfg = Config(model=str(dense3), device="cpu", max_num_batched_tokens=16, **leader_settings(port))
+    try:
+        with LiveServer(cfg, on_fatal=fired.set) as srv, srv.client() as c:
+            (rank,) = children(node.pid)
+            os.kill(rank, signal.SIGSTOP)  # the step waits on stage 0, held on the worker node
+            out: list[httpx.Response] = []
+            poster = threading.Thread(target=lambda: out.append(c.post(GEN, json=body(range(1, 120), [1, 2]))))
+            poster.start()
+            time.sleep(1.0)
+            assert not out and not fired.is_set()
+            t0 = time.monotonic()
+            node.kill()
+            assert fired.wait(30)
+            poster.join(30)
+            assert time.monotonic() - t0 < 30
+            assert_error(c.get("/health"), 503)
+            assert out and out[0].status_code in (500, 503), out
+            os.kill(rank, signal.SIGCONT)
+            assert wait_gone([rank], 20)
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        if dist.is_initialized():  # (the failed engine's group, in this test process)
+            dist.destroy_process_group()
+
+
+def test_the_worker_node_exits_when_the_leader_is_killed(dense3: Path) -> None:  # noqa: F811
+    port, http = free_port(), free_port()
+    leader = subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--model", str(dense3),
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--master-port", str(port), "--host", "127.0.0.1",
+         "--port", str(http), "--num-kv-blocks", "256", "--block-size", "8"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=KEY), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = worker_node(dense3, port)
+    try:
+        wait_healthy(f"http://127.0.0.1:{http}", leader, 180)
+        (rank,) = children(node.pid)
+        t0 = time.monotonic()
+        leader.kill()
+        assert node.wait(60) == 1
+        assert time.monotonic() - t0 < 60
+        assert wait_gone([rank], 20)
+    finally:
+        for p in (leader, node):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_node_settings_are_checked() -> None:
+    from teacher_server.cli import config_from_args
+
+    cfg = Config(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=1)
+    assert (cfg.ranks_per_node(), Config().nnodes, Config().node_rank) == (2, 1, 0)
+    with pytest.raises(ValueError, match=r"nnodes=2 does not divide the 3 ranks \(pipeline_parallel_size=3 x "
+                                         r"tensor_parallel_size=1\)"):
+        Config(pipeline_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank=2 must be below nnodes=2"):
+        Config(pipeline_parallel_size=2, nnodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="neither data_parallel_size > 1"):
+        Config(pipeline_parallel_size=2, nnodes=2, data_parallel_size=2)
+    got = config_from_args(["worker", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5"])
+    assert (got.nnodes, got.node_rank, got.master_addr, got.master_port) == (2, 1, "10.0.0.5", 29500)
+    assert Config.load(None, {"TEACHER_SERVER_NODE_AUTHKEY": "k"}).node_authkey == "k"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["worker", "--nnodes", "2", "-pp", "2"], "node 0 (the leader) runs `teacher-server serve`"),
+    (["serve", "--nnodes", "2", "-pp", "2", "--node-rank", "1"], "nodes 1..nnodes-1 run `teacher-server worker`"),
+    (["worker", "--nnodes", "2", "-pp", "3", "--node-rank", "1"], "nnodes=2 does not divide the 3 ranks"),
+    (["worker", "--nnodes", "2", "-pp", "2", "--node-rank", "1"], "needs node_authkey"),
+])
+def test_the_command_line_refuses(argv: list[str], needle: str, capsys: pytest.CaptureFixture,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from teacher_server.cli import main
+
+    monkeypatch.delenv("TEACHER_SERVER_NODE_AUTHKEY", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_leader_without_a_key_is_refused(dense3: Path) -> None:  # noqa: F811
+    from teacher_server.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="needs node_authkey"):
+        Engine(Config(model=str(dense3), device="cpu", pipeline_parallel_size=2, nnodes=2, master_port=free_port()))
