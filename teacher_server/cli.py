@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run_worker(cfg: Config, notes: list[str]) -> typing.NoReturn:
     """A worker node: this host's ranks, until the leader stops them or the group fails."""
+    from multiprocessing import AuthenticationError
+
     from teacher_server.engine.node_worker import run_worker_node
     from teacher_server.logging_setup import setup_logging
 
@@ -215,9 +217,17 @@ def run_worker(cfg: Config, notes: list[str]) -> typing.NoReturn:
         logging.getLogger("teacher_server").info("%s", note)
     try:
         code = run_worker_node(cfg)
-    except (ValueError, OSError) as e:  # no key, a wrong key, the leader not reachable
+    except ValueError as e:  # no key
         print(f"teacher-server: {e}", file=sys.stderr)
-        raise SystemExit(2 if isinstance(e, ValueError) else 1) from None
+        raise SystemExit(2) from None
+    except AuthenticationError:
+        print("teacher-server: the leader refused this node's node_authkey (it must be the same on every node)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    except (OSError, EOFError) as e:  # the leader not reachable, or gone while greeting
+        print(f"teacher-server: no connection to the leader at {cfg.master_addr}:{cfg.master_port}: {e}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
     raise SystemExit(code)
 
 

@@ -29,13 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-node-key"
 
 
-def worker_node(model: Path, port: int, *extra: str) -> subprocess.Popen:
+def worker_node(model: Path, port: int, *extra: str, key: str = KEY) -> subprocess.Popen:
     """`teacher-server worker` as node 1 of 2 at PP2, reaching the leader on localhost."""
     return subprocess.Popen(
         [sys.executable, "-m", "teacher_server", "worker", "--device", "cpu", "--model", str(model),
          "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
          "--master-port", str(port), *extra],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=KEY), cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=key), cwd=ROOT,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -49,7 +49,10 @@ def children(pid: int) -> list[int]:
 
 
 def test_two_nodes_equal_one_process(dense3: Path) -> None:  # noqa: F811
+    """A node with the wrong key, started beside the right one, is refused (exit 2) and the
+    group forms without it."""
     port = free_port()
+    stranger = worker_node(dense3, port, key="not-the-key")
     node = worker_node(dense3, port)
     try:
         many, hits = run(dense3, 1, **leader_settings(port))
@@ -57,10 +60,12 @@ def test_two_nodes_equal_one_process(dense3: Path) -> None:  # noqa: F811
         assert hits == hits1 > 0
         assert_same(one, many)
         assert node.wait(60) == 0, node.stderr.read()[-3000:]  # the leader's close stops the node cleanly
+        assert stranger.wait(30) == 2 and "refused this node's node_authkey" in stranger.stderr.read()
     finally:
-        if node.poll() is None:
-            node.kill()
-            node.wait()
+        for p in (node, stranger):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 def test_a_killed_worker_node_makes_health_503(dense3: Path) -> None:  # noqa: F811
@@ -119,6 +124,49 @@ def test_the_worker_node_exits_when_the_leader_is_killed(dense3: Path) -> None: 
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's side of the control connections, without a model: a wrong key and a node of
+    another group size are turned away (and the listener goes on); the node learns its ranks,
+    the group is complete once its rank connects; the node's connection closing, or its
+    heartbeats stopping, is reported as the node lost."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from teacher_server.engine import remote_ranks
+    from teacher_server.engine.remote_ranks import RemoteRanks
+
+    port = free_port()
+    cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY)
+    remote = RemoteRanks(cfg, 2, store_port=1234)
+    try:
+        with pytest.raises(AuthenticationError):
+            Client(("127.0.0.1", port), authkey=b"wrong")
+        other = Client(("127.0.0.1", port), authkey=KEY.encode())
+        other.send(("node", 1, 3))
+        assert other.recv() == ("refused", "the leader runs nnodes=2, this node nnodes=3")
+        node = Client(("127.0.0.1", port), authkey=KEY.encode())
+        node.send(("node", 1, 2))
+        kind, first, count, size, store_port, sent = node.recv()
+        assert (kind, first, count, size, store_port) == ("ranks", 1, 1, 2, 1234) and Config(**sent) == cfg
+        rank = Client(("127.0.0.1", port), authkey=KEY.encode())
+        rank.send(("rank", 1))
+        (conn,) = remote.wait_all(10, lambda: None)
+        conn.send(("hello",))
+        assert rank.recv() == ("hello",)
+        watched = remote.watched()
+        assert list(watched.values()) == [1] and remote.check([]) is None
+        assert node.recv() == ("beat",)  # the leader's side of the heartbeat
+        monkeypatch.setattr(remote_ranks, "HEARTBEAT_TIMEOUT_S", 0.2)
+        time.sleep(0.3)
+        assert remote.check([]) == "worker node 1 sent no heartbeat for 0s"
+        node.send(("beat",))
+        assert remote.check(list(watched)) is None  # heard again
+        node.close()
+        assert remote.check(list(watched)) == "worker node 1 is gone (its control connection closed)"
+    finally:
+        remote.close()
 
 
 def test_node_settings_are_checked() -> None:

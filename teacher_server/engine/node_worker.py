@@ -28,6 +28,7 @@ from teacher_server.engine.remote_ranks import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S,
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 900.0  # the leader's pod may start (pull its image, resolve its model) after this one
+STOP_WAIT_S = 15.0  # after the leader's stop and close, for this node's ranks to end
 
 
 def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Connection:
@@ -36,8 +37,8 @@ def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Conn
     while True:
         try:
             return Client((cfg.master_addr, cfg.master_port), authkey=key)
-        except (ConnectionRefusedError, ConnectionResetError, OSError) as e:
-            if isinstance(e, mp.AuthenticationError) or time.monotonic() > deadline:
+        except OSError:  # not listening yet (refused), or its address not resolvable yet (DNS of a new pod)
+            if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
 
@@ -135,13 +136,17 @@ def _watch(conn: Connection, procs: list[mp.process.BaseProcess], say: Callable[
     alive = {p.sentinel: p for p in procs}
     stopping, heard, listening = False, time.monotonic(), True
     while alive:
+        if not listening and time.monotonic() - heard > STOP_WAIT_S:
+            # stopped before they were serving (the leader's start-up failed): they are not reading
+            log.warning("this node's ranks did not finish within %.0fs of the leader's stop; killing them", STOP_WAIT_S)
+            return 0
         for s in wait([*([conn] if listening else []), *alive], timeout=1.0):
             if s is conn:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
                     if stopping:  # the leader closed after its stop: its ranks here are finishing
-                        listening = False
+                        listening, heard = False, time.monotonic()
                         continue
                     log.critical("the leader is gone (its control connection closed); stopping this node's ranks")
                     return 1

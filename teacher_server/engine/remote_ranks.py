@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener
 
 from teacher_server.config import Config
@@ -59,7 +60,7 @@ class RemoteRanks:
         while not self._complete.is_set():
             try:
                 conn = self.listener.accept()
-            except OSError as e:  # a wrong key (AuthenticationError) or a connection reset while greeting
+            except (OSError, EOFError, AuthenticationError) as e:  # a wrong key, a peer gone while greeting
                 if self._complete.is_set():
                     return
                 log.warning("refused a control connection: %s", e)
