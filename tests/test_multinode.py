@@ -68,10 +68,16 @@ def test_two_nodes_equal_one_process(dense3: Path) -> None:  # noqa: F811
             p.wait()
 
 
-def test_a_killed_worker_node_makes_health_503(dense3: Path) -> None:  # noqa: F811
-    """The worker node's process killed while a request waits on its stage: the leader's
-    watchdog sees its control connection close, fails the engine (/health 503, the request
-    answered), in bounded time; the node's rank, orphaned, exits too."""
+@pytest.mark.parametrize(("victim", "reason"), [
+    ("node", "worker node 1 is gone (its control connection closed)"),
+    ("rank", "worker node 1: tensor-parallel worker teacher-tp1 exited (code -9)"),
+])
+def test_a_killed_worker_node_makes_health_503(victim: str, reason: str, dense3: Path,  # noqa: F811
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The worker node's process (or its rank) killed while a request waits on its stage: the
+    leader's watchdog sees the node's control connection close (or the node report its rank's
+    exit), fails the engine (/health 503, the request answered), in bounded time; the node's
+    rank, orphaned, exits too (the node, its rank lost, exits 1)."""
     port = free_port()
     node = worker_node(dense3, port)
     fired = threading.Event()
@@ -86,14 +92,17 @@ def test_a_killed_worker_node_makes_health_503(dense3: Path) -> None:  # noqa: F
             time.sleep(1.0)
             assert not out and not fired.is_set()
             t0 = time.monotonic()
-            node.kill()
+            os.kill(node.pid if victim == "node" else rank, signal.SIGKILL)
             assert fired.wait(30)
             poster.join(30)
             assert time.monotonic() - t0 < 30
             assert_error(c.get("/health"), 503)
             assert out and out[0].status_code in (500, 503), out
-            os.kill(rank, signal.SIGCONT)
+            assert reason in caplog.text
+            if victim == "node":
+                os.kill(rank, signal.SIGCONT)
             assert wait_gone([rank], 20)
+            assert node.wait(20) == (-9 if victim == "node" else 1)
     finally:
         if node.poll() is None:
             node.kill()

@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
 
@@ -83,20 +82,7 @@ def run_worker_node(cfg: Config) -> int:
         return 2
     _, first, count, size, store_port, cfg_dict = msg
     leader = Config(**cfg_dict)
-    lock = threading.Lock()  # the heartbeat thread and this one both send
-    stop = threading.Event()
-
-    def say(m: tuple) -> None:
-        with lock:
-            conn.send(m)
-
-    def beat() -> None:  # from the start: fetching the model's files may take long
-        while not stop.wait(HEARTBEAT_S):
-            try:
-                say(("beat",))
-            except OSError:
-                return
-    threading.Thread(target=beat, name="teacher-node-heartbeat", daemon=True).start()
+    link = LeaderLink(conn)
     device = resolve_device(leader.device)
     log.info("worker node %d: ranks %d..%d of %d on %s", cfg.node_rank, first, first + count - 1, size, device)
     ctx = mp.get_context("spawn")
@@ -114,56 +100,80 @@ def run_worker_node(cfg: Config) -> int:
                                   cfg.master_addr, cfg.master_port, key, os.getpid()))
             p.start()
             procs.append(p)
-        return _watch(conn, procs, say)
+        return _watch(link, procs)
     except BaseException as e:
         log.exception("worker node %d failed", cfg.node_rank)
-        try:
-            say(("error", f"{type(e).__name__}: {e}"[:2000]))
-        except OSError:
-            pass
+        link.say(("error", f"{type(e).__name__}: {e}"[:2000]))
         return 1
     finally:
-        stop.set()
+        link.done.set()
         for p in procs:
             if p.is_alive():
                 p.kill()
         conn.close()
 
 
-def _watch(conn: Connection, procs: list[mp.process.BaseProcess], say: Callable[[tuple], None]) -> int:
-    """Until the ranks end: the leader's word or silence, and the ranks' exits (a rank exits 0
-    only when the leader has told it to stop)."""
+class LeaderLink:
+    """This node's side of its control connection, kept by two threads from the start (fetching
+    the model's files may take long): one sends the heartbeat, one reads the leader's, so the
+    leader never blocks on a full socket and its silence, stop or end is known here."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.heard = time.monotonic()
+        self.stopping = False  # the leader said stop (a clean shutdown)
+        self.closed_at: float | None = None  # when the connection ended
+        self.done = threading.Event()
+        self._lock = threading.Lock()  # the heartbeat thread and the main one both send
+        threading.Thread(target=self._beat, name="teacher-node-heartbeat", daemon=True).start()
+        threading.Thread(target=self._read, name="teacher-node-reader", daemon=True).start()
+
+    def say(self, msg: tuple) -> None:
+        try:
+            with self._lock:
+                self.conn.send(msg)
+        except OSError:
+            pass  # the leader is gone: the reader says so
+
+    def _beat(self) -> None:
+        while not self.done.wait(HEARTBEAT_S):
+            self.say(("beat",))
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self.closed_at = time.monotonic()
+                return
+            self.heard = time.monotonic()
+            self.stopping = self.stopping or msg[0] == "stop"
+
+
+def _watch(link: LeaderLink, procs: list[mp.process.BaseProcess]) -> int:
+    """Until the ranks end: the leader's word, end or silence, and the ranks' exits (a rank
+    exits 0 only when the leader has told it to stop)."""
     alive = {p.sentinel: p for p in procs}
-    stopping, heard, listening = False, time.monotonic(), True
     while alive:
-        if not listening and time.monotonic() - heard > STOP_WAIT_S:
-            # stopped before they were serving (the leader's start-up failed): they are not reading
-            log.warning("this node's ranks did not finish within %.0fs of the leader's stop; killing them", STOP_WAIT_S)
-            return 0
-        for s in wait([*([conn] if listening else []), *alive], timeout=1.0):
-            if s is conn:
-                try:
-                    msg = conn.recv()
-                except (EOFError, OSError):
-                    if stopping:  # the leader closed after its stop: its ranks here are finishing
-                        listening, heard = False, time.monotonic()
-                        continue
-                    log.critical("the leader is gone (its control connection closed); stopping this node's ranks")
-                    return 1
-                heard = time.monotonic()
-                stopping = stopping or msg[0] == "stop"
-                continue
+        for s in wait(list(alive), timeout=1.0):
             p = alive.pop(s)
             p.join(1.0)
             if p.exitcode != 0:
                 why = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
                 log.critical("%s; stopping this node's ranks", why)
-                try:
-                    say(("error", why))
-                except OSError:
-                    pass
+                link.say(("error", why))
                 return 1
-        if not stopping and time.monotonic() - heard > HEARTBEAT_TIMEOUT_S:
+        now = time.monotonic()
+        if link.stopping:
+            if link.closed_at is not None and now - link.closed_at > STOP_WAIT_S and alive:
+                # stopped before they were serving (the leader's start-up failed): they are not reading
+                log.warning("this node's ranks did not end within %.0fs of the leader's stop; killing them",
+                            STOP_WAIT_S)
+                return 0
+        elif link.closed_at is not None:
+            log.critical("the leader is gone (its control connection closed); stopping this node's ranks")
+            return 1
+        elif now - link.heard > HEARTBEAT_TIMEOUT_S:
             log.critical("no heartbeat from the leader for %.0fs; stopping this node's ranks", HEARTBEAT_TIMEOUT_S)
             return 1
     log.info("the leader stopped this node's ranks")
