@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 import torch.distributed as dist
 from apiutil import assert_error, body
 from conftest import LiveServer, free_port, wait_healthy
@@ -216,3 +217,34 @@ def test_a_leader_without_a_key_is_refused(dense3: Path) -> None:  # noqa: F811
 
     with pytest.raises(ValueError, match="needs node_authkey"):
         Engine(Config(model=str(dense3), device="cpu", pipeline_parallel_size=2, nnodes=2, master_port=free_port()))
+
+
+# --- GPU (two GPUs of one host as two "nodes": NCCL between processes that each see one GPU) ---
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_two_nodes_equal_one_gpu(checkpoints) -> None:
+    """The leader on GPU 0 (this process), the worker node seeing only GPU 1 (its rank's local
+    GPU 0): PP2 over NCCL equals one GPU within 1e-4 in float32."""
+    from test_tensor_parallel import assert_same_within
+
+    path, port = checkpoints["qwen3hd128"], free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "worker", "--model", str(path), "--pipeline-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=KEY, CUDA_VISIBLE_DEVICES="1"),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        settings = {"device": "cuda", "dtype": "float32", "max_model_len": 1024}
+        one, hits1 = run(path, 1, **settings)
+        two, hits2 = run(path, 1, **settings, **leader_settings(port))
+        assert hits2 == hits1 > 0
+        assert_same_within(one, two, 1e-4)
+        assert node.wait(60) == 0, node.stderr.read()[-3000:]
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
