@@ -142,14 +142,16 @@ class RemoteRanks:
             for c in self.nodes.values():
                 c.send(msg)
 
-    def close(self) -> None:
-        """Tell the nodes the group is stopping (their ranks were told by their own connections),
-        then close: a node that missed it sees its connection close."""
+    def close(self, stop: bool = True) -> None:
+        """Tell the nodes the group is stopping (``stop``; their ranks were told by their own
+        connections), then close: a node not told (the group failed) takes its connection's end
+        as the leader gone and ends its ranks at once."""
         self._complete.set()
-        try:
-            self.tell(("stop",))
-        except OSError:
-            pass
+        if stop:
+            try:
+                self.tell(("stop",))
+            except (OSError, ValueError):
+                pass
         with self._lock:
             for c in [*self.nodes.values(), *self.ranks.values()]:
                 c.close()

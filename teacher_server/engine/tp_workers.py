@@ -246,7 +246,7 @@ class TPWorkers:
             log.critical("%s; stopping the other ranks", self.failure)
             self._kill()
             if self.remote is not None:
-                self.remote.close()  # the worker nodes stop theirs
+                self.remote.close(stop=False)  # the worker nodes end theirs
             if self._hook is not None:
                 self._hook(TensorParallelError(self.failure))
             return
@@ -272,7 +272,7 @@ class TPWorkers:
         if self.remote is not None:  # before their ranks are asked: a node then takes their exits as clean
             try:
                 self.remote.tell(("stop",))
-            except OSError:
+            except (OSError, ValueError):
                 pass
         for c in self.conns:
             try:
