@@ -1,9 +1,11 @@
 """One model's ranks over two "nodes" on localhost (gloo): the leader (this process's engine,
-node 0) and a worker node (`teacher-server worker --node-rank 1`, its own process tree), PP2
-with one rank per node, give one process's results within 1e-5 and stop together cleanly; the
-worker node killed mid-request makes the leader's /health 503 within a bound (its rank exits
-with it); the leader killed makes the worker node exit 1; world sizes nnodes does not divide,
-a node_rank outside the group, the wrong command for a node and a missing key are refused."""
+node 0) and a worker node (`teacher-server worker --node-rank 1`, its own process tree). PP2
+with one rank per node gives one process's results within 1e-5, PP2 x TP2 with a stage per node
+TP2's, and the group stops cleanly (a node with the wrong key turned away); the worker node
+killed mid-request, or its rank killed while idle, makes the leader's /health 503 within a
+bound; the leader killed makes the worker node exit 1; the control listener's admission and
+heartbeat; world sizes nnodes does not divide, a node_rank outside the group, the wrong command
+for a node and a missing key are refused."""
 
 from __future__ import annotations
 
@@ -49,36 +51,35 @@ def children(pid: int) -> list[int]:
     return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _child_of(d, pid)]
 
 
-def test_two_nodes_equal_one_process(dense3: Path) -> None:  # noqa: F811
-    """A node with the wrong key, started beside the right one, is refused (exit 2) and the
-    group forms without it."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_nodes_equal_one_process(tp: int, dense3: Path) -> None:  # noqa: F811
+    """PP2 x TP1 (a rank per node) and PP2 x TP2 (a stage per node: the leader spawns its
+    tensor-parallel peer, the worker node two ranks), against one process (TP2 alone at TP2, as
+    for one host). A node with the wrong key, started beside the right one (at TP1), is
+    refused (exit 2) and the group forms without it."""
     port = free_port()
-    stranger = worker_node(dense3, port, key="not-the-key")
-    node = worker_node(dense3, port)
+    stranger = worker_node(dense3, port, key="not-the-key") if tp == 1 else None
+    node = worker_node(dense3, port, "--tensor-parallel-size", str(tp))
     try:
-        many, hits = run(dense3, 1, **leader_settings(port))
-        one, hits1 = run(dense3, 1)
+        many, hits = run(dense3, tp, **leader_settings(port))
+        one, hits1 = run(dense3, tp)
         assert hits == hits1 > 0
         assert_same(one, many)
         assert node.wait(60) == 0, node.stderr.read()[-3000:]  # the leader's close stops the node cleanly
-        assert stranger.wait(30) == 2 and "refused this node's node_authkey" in stranger.stderr.read()
+        if stranger is not None:
+            assert stranger.wait(30) == 2 and "refused this node's node_authkey" in stranger.stderr.read()
     finally:
-        for p in (node, stranger):
+        for p in [node, *([stranger] if stranger is not None else [])]:
             if p.poll() is None:
                 p.kill()
             p.wait()
 
 
-@pytest.mark.parametrize(("victim", "reason"), [
-    ("node", "worker node 1 is gone (its control connection closed)"),
-    ("rank", "worker node 1: tensor-parallel worker teacher-tp1 exited (code -9)"),
-])
-def test_a_killed_worker_node_makes_health_503(victim: str, reason: str, dense3: Path,  # noqa: F811
-                                               caplog: pytest.LogCaptureFixture) -> None:
-    """The worker node's process (or its rank) killed while a request waits on its stage: the
-    leader's watchdog sees the node's control connection close (or the node report its rank's
-    exit), fails the engine (/health 503, the request answered), in bounded time; the node's
-    rank, orphaned, exits too (the node, its rank lost, exits 1)."""
+def test_a_killed_worker_node_makes_health_503(dense3: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """The worker node's process killed while a request waits on its stage (its rank stopped,
+    so no socket of the group breaks): the leader's watchdog sees the node's control connection
+    close, fails the engine (/health 503, the request answered), in bounded time; the node's
+    rank, orphaned, exits too."""
     port = free_port()
     node = worker_node(dense3, port)
     fired = threading.Event()
@@ -93,22 +94,46 @@ def test_a_killed_worker_node_makes_health_503(victim: str, reason: str, dense3:
             time.sleep(1.0)
             assert not out and not fired.is_set()
             t0 = time.monotonic()
-            os.kill(node.pid if victim == "node" else rank, signal.SIGKILL)
+            node.kill()
             assert fired.wait(30)
             poster.join(30)
             assert time.monotonic() - t0 < 30
             assert_error(c.get("/health"), 503)
             assert out and out[0].status_code in (500, 503), out
-            assert reason in caplog.text
-            if victim == "node":
-                os.kill(rank, signal.SIGCONT)
+            assert "worker node 1 is gone (its control connection closed)" in caplog.text
+            os.kill(rank, signal.SIGCONT)
             assert wait_gone([rank], 20)
-            assert node.wait(20) == (-9 if victim == "node" else 1)
     finally:
         if node.poll() is None:
             node.kill()
         node.wait()
         if dist.is_initialized():  # (the failed engine's group, in this test process)
+            dist.destroy_process_group()
+
+
+def test_a_worker_nodes_rank_lost_while_idle_makes_health_503(dense3: Path,  # noqa: F811
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A rank of the worker node killed while nothing runs (no collective of the leader's to
+    fail): the node reports it by name on its control connection and exits 1; the leader fails
+    its engine (/health 503) in bounded time."""
+    port = free_port()
+    node = worker_node(dense3, port)
+    fired = threading.Event()
+    cfg = Config(model=str(dense3), device="cpu", **leader_settings(port))
+    try:
+        with LiveServer(cfg, on_fatal=fired.set) as srv, srv.client() as c:
+            (rank,) = children(node.pid)
+            t0 = time.monotonic()
+            os.kill(rank, signal.SIGKILL)
+            assert fired.wait(30) and time.monotonic() - t0 < 30
+            assert_error(c.get("/health"), 503)
+            assert "worker node 1: tensor-parallel worker teacher-tp1 exited (code -9)" in caplog.text
+            assert node.wait(20) == 1
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
