@@ -34,19 +34,22 @@ class OneLineErrors(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """`teacher-server serve [MODEL]` with one flag per Config field (plus `--config FILE`)
-    and vLLM's flags (teacher_server.vllm_flags)."""
+    """`teacher-server serve [MODEL]` (and `worker`, a worker node's) with one flag per Config
+    field (plus `--config FILE`) and vLLM's flags (teacher_server.vllm_flags)."""
     p = OneLineErrors(prog="teacher-server", description=__doc__)
     p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineErrors)
-    s = sub.add_parser("serve", help="run the HTTP scoring service")
-    s.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="the model, as --model (vLLM's `vllm serve MODEL` form)")
-    s.add_argument("--version", action="version", version=__version__)
-    s.add_argument("--config", help="YAML config file (see config.yaml)")
-    for name, field in Config.model_fields.items():
-        add_field_flag(s, name, field)
-    add_vllm_flags(s)
+    for command, text in (("serve", "run the HTTP scoring service"),
+                          ("worker", "run this host's ranks of a model spread over nnodes hosts (node_rank >= 1; "
+                                     "node 0 runs serve): the same settings as serve")):
+        s = sub.add_parser(command, help=text)
+        s.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                       help="the model, as --model (vLLM's `vllm serve MODEL` form)")
+        s.add_argument("--version", action="version", version=__version__)
+        s.add_argument("--config", help="YAML config file (see config.yaml)")
+        for name, field in Config.model_fields.items():
+            add_field_flag(s, name, field)
+        add_vllm_flags(s)
     # its flags are its own parser's (teacher_server/benchmark/command.py); main() hands it the arguments
     sub.add_parser("bench", add_help=False, help="benchmark the canonical workloads against a running server (--url), "
                                                  "a checkpoint (--model) or a model shape: `teacher-server bench -h`")
@@ -158,9 +161,14 @@ def main(argv: list[str] | None = None) -> None:
         return bench_main(argv[1:])
     try:
         cfg = config_from_args(argv, notes)
+        if (argv[:1] == ["worker"]) != (cfg.node_rank > 0):
+            raise ConfigError(f"node_rank={cfg.node_rank}: node 0 (the leader) runs `teacher-server serve`, nodes "
+                              f"1..nnodes-1 run `teacher-server worker`")
     except ConfigError as e:
         print(f"teacher-server: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if argv[:1] == ["worker"]:
+        return run_worker(cfg, notes)
     from teacher_server.replicas.preload import may_need_engine_process, start_preloading
 
     # the engine's process imports while this one imports the app (several teachers: each in processes of its own)
@@ -181,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
 
         try:
             for t in cfg.teacher_configs():  # (several teachers: each on its own GPUs, named in its gpus)
-                check_gpus(t.device, t.tensor_parallel_size, t.data_parallel_size, t.pipeline_parallel_size)
+                check_gpus(t.device, t.tensor_parallel_size, t.data_parallel_size, t.pipeline_parallel_size,
+                           t.nnodes)
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
         check_port_free(cfg.host, cfg.port)
@@ -194,6 +203,32 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     server.run()
     raise SystemExit(getattr(app.state, "exit_code", 0))
+
+
+def run_worker(cfg: Config, notes: list[str]) -> typing.NoReturn:
+    """A worker node: this host's ranks, until the leader stops them or the group fails."""
+    from multiprocessing import AuthenticationError
+
+    from teacher_server.engine.node_worker import run_worker_node
+    from teacher_server.logging_setup import setup_logging
+
+    setup_logging(cfg.log_level, cfg.log_json)
+    for note in notes:
+        logging.getLogger("teacher_server").info("%s", note)
+    try:
+        code = run_worker_node(cfg)
+    except ValueError as e:  # no key
+        print(f"teacher-server: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except AuthenticationError:
+        print("teacher-server: the leader refused this node's node_authkey (it must be the same on every node)",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    except (OSError, EOFError) as e:  # the leader not reachable, or gone while greeting
+        print(f"teacher-server: no connection to the leader at {cfg.master_addr}:{cfg.master_port}: {e}",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":

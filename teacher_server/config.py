@@ -200,7 +200,7 @@ class Config(TeacherSettings, ParallelSettings):
     priority_limit: int = Field(1000, ge=0, description="Accepted `priority` values: -limit..limit (400 beyond).")
 
     @field_validator("model", "served_model_name", "api_key", "demo_model_dir", "step_trace", "ssl_keyfile",
-                     "ssl_certfile", "compile_cache_dir", mode="before")
+                     "ssl_certfile", "compile_cache_dir", "node_authkey", mode="before")
     @classmethod
     def _empty_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and v.strip() == "" else v
@@ -278,6 +278,9 @@ class Config(TeacherSettings, ParallelSettings):
             raise ValueError("load_format=dummy needs a model directory with a config.json")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile")
+        if self.nnodes > 1 and (self.data_parallel_size > 1 or self.teachers):
+            raise ValueError("nnodes > 1 spreads one model over hosts: it takes neither data_parallel_size > 1 nor "
+                             "several teachers (run one release per replica or teacher)")
         return self
 
     # ---------------------------------------------------------------------------------

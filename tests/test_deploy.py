@@ -53,7 +53,7 @@ NON_CONFIG_ENV = {"TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH"}
 # Config fields the chart sets from dedicated values (environment), never from `config`.
 CHART_OWNED_FIELDS = {"model", "revision", "download_dir", "served_model_name", "host", "port", "api_key",
                       "shutdown_timeout_s", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                      "compile_cache_dir"}
+                      "compile_cache_dir", "nnodes", "node_rank", "master_addr", "master_port", "node_authkey"}
 # Seconds the chart must leave between the end of the drain and the kubelet's SIGKILL, for
 # the process to answer cut-off requests, stop the engine and exit.
 MIN_EXIT_MARGIN_S = 5
@@ -620,6 +620,48 @@ def test_pipeline_parallel_release(helm: ModuleType, kube: ModuleType, kube_vers
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 2 and c["args"][2:] == ["--pipeline-parallel-size", "2"]
 
 
+def test_multi_node_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str]) -> None:
+    """nnodes 2 at PP2 x TP8: a LeaderWorkerSet of groups of two pods started and restarted
+    together, eight GPUs each; the leader runs serve (HTTP, probes, the control port), the worker
+    `teacher-server worker` with its index and the leader's address from LWS; both read the
+    nodes' key from the chart's Secret; the Services select the leaders only. The single-node
+    release keeps its Deployment."""
+    docs = manifests(render(helm, {"nnodes": 2, "pipelineParallelSize": 2, "tensorParallelSize": 8,
+                                   "replicaCount": 3}))
+    validate_k8s(kube, kube_versions, [d for d in docs if d["kind"] != "LeaderWorkerSet"])  # (a CRD)
+    assert kinds(docs) == {"LeaderWorkerSet", "Service", "ConfigMap", "Secret"}
+    lws = one(docs, "LeaderWorkerSet")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 3
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = (server_container({"spec": {"template": group[t]}}) for t in ("leaderTemplate", "workerTemplate"))
+    flags = ["--config", CONFIG_FILE, "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2", "--nnodes", "2",
+             "--master-port", "29500"]
+    assert "command" not in leader and leader["args"] == flags  # the image's `teacher-server serve`
+    assert worker["command"] == ["/usr/bin/tini", "--", "teacher-server", "worker"]
+    assert worker["args"] == [*flags, "--node-rank", "$(LWS_WORKER_INDEX)", "--master-addr", "$(LWS_LEADER_ADDRESS)"]
+    assert [p["name"] for p in leader["ports"]] == ["http", "control"] and "readinessProbe" in leader
+    assert not {"ports", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle"} & set(worker)
+    secret = one(docs, "Secret")
+    assert len(base64.b64decode(secret["data"]["node-authkey"])) >= 32
+    for c in (leader, worker):
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert env_of(c)["TEACHER_SERVER_NODE_AUTHKEY"]["valueFrom"]["secretKeyRef"] == {
+            "name": secret["metadata"]["name"], "key": "node-authkey"}
+    assert group["leaderTemplate"]["spec"]["containers"][0]["volumeMounts"] == worker["volumeMounts"]
+    selector = one(docs, "Service")["spec"]["selector"]
+    assert selector.pop("leaderworkerset.sigs.k8s.io/worker-index") == "0"  # LWS's label of the leader pods
+    assert selector.items() <= group["leaderTemplate"]["metadata"]["labels"].items()
+    # a Secret of one's own: no chart Secret; a model over four pods: two GPUs each
+    docs = manifests(render(helm, {"nnodes": 4, "pipelineParallelSize": 4, "tensorParallelSize": 2,
+                                   "multiNode": {"authkeySecret": "mine", "masterPort": 4000}}))
+    assert "Secret" not in kinds(docs)
+    group = one(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    worker = server_container({"spec": {"template": group["workerTemplate"]}})
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and "4000" in worker["args"]
+    assert env_of(worker)["TEACHER_SERVER_NODE_AUTHKEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
 def test_several_teachers_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
                                   tmp_path: Path) -> None:
     """config.teachers: the pod asks for every teacher's GPUs, sets no single model, and the
@@ -806,6 +848,12 @@ REJECTED: list[tuple[str, dict[str, Any], str]] = [
                                "model": {"fetch": {"from": "hub", "hub": {"id": "org/m"}}}}, "model.fetch.from none"),
     ("teacher-sets-the-port", {"config": {"teachers": [{"name": "a", "model": "/models/a", "port": 1}]}}, "teachers"),
     ("teacher-model-outside-the-volume", {"config": {"teachers": [{"name": "a", "model": "/data/a"}]}}, "model"),
+    ("nnodes-not-dividing-the-ranks", {"nnodes": 2, "pipelineParallelSize": 3}, "nnodes (2) must divide"),
+    ("nnodes-with-data-parallel", {"nnodes": 2, "pipelineParallelSize": 2, "dataParallelSize": 2},
+     "not with dataParallelSize"),
+    ("nnodes-with-autoscaling", {"nnodes": 2, "pipelineParallelSize": 2, "autoscaling": {"enabled": True}},
+     "not with autoscaling"),
+    ("nnodes-under-config", {"config": {"nnodes": 2}}, "nnodes"),
 ]
 
 

@@ -40,16 +40,19 @@ def resolve_device(name: str) -> torch.device:
 
 
 def check_gpus(device: str, tensor_parallel_size: int, data_parallel_size: int,
-               pipeline_parallel_size: int = 1) -> None:
+               pipeline_parallel_size: int = 1, nnodes: int = 1) -> None:
     """Before anything starts: RuntimeError saying what to do when ``device`` asks for GPUs
-    that are not there (cuda without any, or fewer than the replicas x ranks need)."""
+    that are not there (cuda without any, or fewer than the replicas x ranks need; over
+    ``nnodes`` hosts, this host's share)."""
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(no_gpu_message())
     if device == "cpu" or not torch.cuda.is_available():
         return
-    need, have = tensor_parallel_size * pipeline_parallel_size * data_parallel_size, torch.cuda.device_count()
+    need = tensor_parallel_size * pipeline_parallel_size * data_parallel_size // nnodes
+    have = torch.cuda.device_count()
     if have < need:
         pp = f" x pipeline_parallel_size={pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
+        pp += f" / nnodes={nnodes}" if nnodes > 1 else ""
         raise RuntimeError(f"data_parallel_size={data_parallel_size} x tensor_parallel_size={tensor_parallel_size}{pp} "
                            f"needs {need} GPUs, {have} visible (CUDA_VISIBLE_DEVICES="
                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): lower them or make more visible")

@@ -1,4 +1,5 @@
-"""Tensor-parallel worker processes: ranks 1..N-1 of a model split over N devices of one host.
+"""Tensor-parallel worker processes: ranks 1..N-1 of a model split over N devices of one host
+(or, with ``nnodes`` > 1, ranks 1..G-1 of the leader's G, the rest on other hosts: ``remote_ranks``).
 
 Design: rank 0 runs in the engine's own process (its ``ModelRunner``), so scheduling, the
 HTTP server, result assembly and rank 0's share of the forward stay where they are today.
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
     from teacher_server.engine.rank_setup import MemoryPlan
+    from teacher_server.engine.remote_ranks import RemoteRanks
 
 log = logging.getLogger(__name__)
 
@@ -64,28 +66,32 @@ def set_nccl_env() -> None:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of a rank whose index on its host is ``rank``."""
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def make_store(rank: int, size: int, port: int = 0) -> dist.TCPStore:
+def make_store(rank: int, size: int, port: int = 0, host: str = "127.0.0.1") -> dist.TCPStore:
     """The process group's rendezvous store. Rank 0 (the engine) hosts it on a port the OS
     picks as it binds (``port`` 0), before any worker starts, so no other process can take that
-    port between choosing and binding it; the workers connect to ``store.port``."""
+    port between choosing and binding it; the workers connect to ``store.port`` (at ``host``: the
+    leader's address, for the ranks of other nodes)."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
+    return dist.TCPStore(host, port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
                          wait_for_workers=False)
 
 
-def init_group(device: torch.device, rank: int, size: int, store: dist.TCPStore) -> None:
-    """Join the process group through ``store`` (``make_store``): NCCL on CUDA, gloo on the CPU."""
+def init_group(device: torch.device, rank: int, size: int, store: dist.TCPStore, local: int | None = None) -> None:
+    """Join the process group through ``store`` (``make_store``): NCCL on CUDA, gloo on the CPU.
+    ``local``: the rank's GPU index on its host (its global rank on a single host)."""
     import torch.distributed as dist
 
+    index = rank if local is None else local
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(index)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT,
-                            **({"device_id": torch.device("cuda", rank)} if device.type == "cuda" else {}))
+                            **({"device_id": torch.device("cuda", index)} if device.type == "cuda" else {}))
 
 
 class TPWorkers:
@@ -93,12 +99,19 @@ class TPWorkers:
 
     def __init__(self, cfg: Config, model_dir: Path, device: torch.device, size: int) -> None:
         set_nccl_env()
-        if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise RuntimeError(f"tensor_parallel_size x pipeline_parallel_size = {size} ranks need {size} GPUs, "
+        local = size // cfg.nnodes  # ranks on this host; the others are the worker nodes' (node-major)
+        if device.type == "cuda" and torch.cuda.device_count() < local:
+            on = f" / nnodes={cfg.nnodes}" if cfg.nnodes > 1 else ""
+            raise RuntimeError(f"tensor_parallel_size x pipeline_parallel_size{on} = {local} ranks need {local} GPUs, "
                                f"this host has "
                                f"{torch.cuda.device_count()} visible")
         self.size, self.device = size, device
         self.store = make_store(0, size)  # held while the group lives
+        self.remote: RemoteRanks | None = None
+        if cfg.nnodes > 1:
+            from teacher_server.engine.remote_ranks import RemoteRanks
+
+            self.remote = RemoteRanks(cfg, size, self.store.port)
         self._closing = False
         self._reaped: set[int | None] = set()  # pids the watchdog has reaped (never signalled again)
         self._hook: Callable[[BaseException], None] | None = None
@@ -106,7 +119,7 @@ class TPWorkers:
         ctx = mp.get_context("spawn")
         self.procs: list[mp.process.BaseProcess] = []
         self.conns: list[Connection] = []
-        for rank in range(1, size):
+        for rank in range(1, local):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, name=f"teacher-tp{rank}", daemon=True,
                             args=(rank, size, self.store.port, cfg.model_dump(), str(model_dir), str(device), child,
@@ -119,7 +132,8 @@ class TPWorkers:
 
     # --- start-up ------------------------------------------------------------------------
     def _recv(self, i: int, what: str, timeout: float) -> tuple:
-        conn, p = self.conns[i], self.procs[i]
+        conn = self.conns[i]
+        p = self.procs[i] if i < len(self.procs) else None  # None: a rank of another node
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if conn.poll(0.2):
@@ -130,14 +144,24 @@ class TPWorkers:
                 if msg[0] == "error":
                     raise TensorParallelError(f"tensor-parallel rank {i + 1} failed {what}: {msg[1]}")
                 return msg
-            if not p.is_alive():
+            if p is not None and not p.is_alive():
                 raise TensorParallelError(f"tensor-parallel rank {i + 1} exited (code {p.exitcode}) {what}")
+            if p is None and self.failure is not None:
+                raise TensorParallelError(f"{self.failure} (rank {i + 1} {what})")
         raise TensorParallelError(f"tensor-parallel rank {i + 1} did not answer {what} within {timeout:.0f}s")
 
     def wait_joined(self) -> None:
-        """Every worker is up and about to join the process group."""
+        """Every worker is up and about to join the process group (the other nodes' too)."""
         for i in range(len(self.procs)):
             self._recv(i, "at start-up", 600.0)
+        if self.remote is not None:
+            self.conns += self.remote.wait_all(START_TIMEOUT_S, self._check_failure)
+            for i in range(len(self.procs), len(self.conns)):
+                self._recv(i, "at start-up", 600.0)
+
+    def _check_failure(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
 
     def form_group(self, join: Callable[[], None]) -> None:
         """Run rank 0's side of forming the process group (``join``) while watching the
@@ -168,12 +192,12 @@ class TPWorkers:
         from teacher_server.engine.rank_setup import MemoryPlan
 
         plans = [own] + [MemoryPlan(*self._recv(i, "while loading its shard", START_TIMEOUT_S)[1])
-                         for i in range(len(self.procs))]
+                         for i in range(len(self.conns))]
         blocks, slots, budget = zip(*plans)
         n = MemoryPlan(min(blocks), min((s for s in slots if s), default=0), min(budget))
         for c in self.conns:
             c.send(("blocks", tuple(n)))
-        for i in range(len(self.procs)):
+        for i in range(len(self.conns)):
             self._recv(i, "while building its KV pool", 600.0)
         log.info("tensor/pipeline parallel: %d ranks, (KV blocks, state slots, token budget) per rank %s -> %s",
                  self.size, [tuple(p) for p in plans], tuple(n))
@@ -200,19 +224,32 @@ class TPWorkers:
 
     def _watch(self) -> None:
         alive = {p.sentinel: p for p in self.procs}
-        while alive and not self._closing:
-            for s in wait(list(alive), timeout=1.0):
-                p = alive.pop(s)
-                if self._closing:
-                    return
+        while (alive or self.remote is not None) and not self._closing:
+            nodes = self.remote.watched() if self.remote is not None else {}
+            try:
+                ready = wait([*alive, *nodes], timeout=1.0)
+            except (OSError, ValueError):  # a node connection closed by close() meanwhile
+                return
+            if self._closing:
+                return
+            exited = [s for s in ready if s in alive]
+            if exited:
+                p = alive.pop(exited[0])
                 p.join(1.0)  # reaped, so its exit code is known
                 self._reaped.add(p.pid)
-                self.failure = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
-                log.critical("%s; stopping the other ranks", self.failure)
-                self._kill()
-                if self._hook is not None:
-                    self._hook(TensorParallelError(self.failure))
-                return
+                failure = f"tensor-parallel worker {p.name} exited (code {p.exitcode})"
+            else:  # a worker node's heartbeat, error or end (or nothing: its silence is timed)
+                failure = self.remote.check([c for c in ready if c in nodes]) if self.remote is not None else None
+            if failure is None or self._closing:
+                continue
+            self.failure = failure
+            log.critical("%s; stopping the other ranks", self.failure)
+            self._kill()
+            if self.remote is not None:
+                self.remote.close(stop=False)  # the worker nodes end theirs
+            if self._hook is not None:
+                self._hook(TensorParallelError(self.failure))
+            return
 
     def kill(self) -> None:
         """SIGKILL every worker still running (from any thread: no reaping here)."""
@@ -232,6 +269,11 @@ class TPWorkers:
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker: ask, wait, then kill; leave the process group."""
         self._closing = True
+        if self.remote is not None:  # before their ranks are asked: a node then takes their exits as clean
+            try:
+                self.remote.tell(("stop",))
+            except (OSError, ValueError):
+                pass
         for c in self.conns:
             try:
                 c.send_bytes(b"")
@@ -243,6 +285,8 @@ class TPWorkers:
         self._kill()
         for p in self.procs:
             p.join(5.0)
+        if self.remote is not None:
+            self.remote.close()
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -256,8 +300,10 @@ def _orphan_guard(parent: int) -> None:
 
 
 def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str, device_name: str,
-                conn: Connection, parent: int) -> None:
-    """A worker's life: join, load its shard, agree on the KV size, then run steps."""
+                conn: Connection, parent: int, host: str = "127.0.0.1", local: int | None = None) -> None:
+    """A worker's life: join, load its shard, agree on the KV size, then run steps. ``conn``: a
+    pipe to the engine, or a worker node's rank's control connection to the leader (``host``,
+    the store's address; ``local``, its GPU index on its host)."""
     set_nccl_env()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the group's signals are the engine's process's to handle
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -278,9 +324,9 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         from teacher_server.models.spec import ModelSpec
 
         cfg = Config(**cfg_dict)
-        device = rank_device(torch.device(device_name), rank)
+        device = rank_device(torch.device(device_name), rank if local is None else local)
         conn.send(("joining",))
-        init_group(device, rank, size, make_store(rank, size, port))
+        init_group(device, rank, size, make_store(rank, size, port, host), local)
         spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization)
         tp, stage = placement(cfg, spec, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings

@@ -103,6 +103,19 @@ an rclone path.
 Checks that span several values, which values.schema.json cannot express. A failure
 stops the render with a message naming the values.
 */}}
+{{/* The Secret holding the nodes' shared key (nnodes > 1): the one named, else the chart's. */}}
+{{- define "teacher-server.nodeAuthkeySecretName" -}}
+{{- .Values.multiNode.authkeySecret | default (printf "%s-node-authkey" (include "teacher-server.fullname" .)) -}}
+{{- end -}}
+
+{{/* Services select the pods that serve HTTP: under a LeaderWorkerSet, the leaders (LWS labels them worker-index 0). */}}
+{{- define "teacher-server.serviceSelector" -}}
+{{ include "teacher-server.selectorLabels" . }}
+{{- if gt (int .Values.nnodes) 1 }}
+leaderworkerset.sigs.k8s.io/worker-index: "0"
+{{- end }}
+{{- end -}}
+
 {{- define "teacher-server.validate" -}}
 {{- $s := .Values.shutdown -}}
 {{- $need := add $s.preStopSleepSeconds $s.drainTimeoutSeconds $s.exitMarginSeconds | int -}}
@@ -111,6 +124,18 @@ stops the render with a message naming the values.
 {{- end -}}
 {{- if and .Values.apiKey.existingSecret .Values.apiKey.create -}}
 {{- fail "apiKey: set either existingSecret or create, not both" -}}
+{{- end -}}
+{{- $world := mul (int .Values.tensorParallelSize) (int .Values.pipelineParallelSize) -}}
+{{- if gt (int .Values.nnodes) 1 -}}
+{{- if mod $world (int .Values.nnodes) -}}
+{{- fail (printf "nnodes (%v) must divide pipelineParallelSize x tensorParallelSize (%v): each pod holds world / nnodes ranks" .Values.nnodes $world) -}}
+{{- end -}}
+{{- if or (gt (int .Values.dataParallelSize) 1) .Values.config.teachers -}}
+{{- fail "nnodes > 1 spreads one model over pods: not with dataParallelSize > 1 or config.teachers" -}}
+{{- end -}}
+{{- if or .Values.autoscaling.enabled .Values.networkPolicy.enabled -}}
+{{- fail "nnodes > 1 (a LeaderWorkerSet): not with autoscaling (it scales a Deployment) or networkPolicy (the ranks' NCCL connections use ports chosen at run time)" -}}
+{{- end -}}
 {{- end -}}
 {{- if and .Values.autoscaling.enabled (gt (int .Values.autoscaling.minReplicas) (int .Values.autoscaling.maxReplicas)) -}}
 {{- fail (printf "autoscaling.minReplicas (%v) is above autoscaling.maxReplicas (%v)" .Values.autoscaling.minReplicas .Values.autoscaling.maxReplicas) -}}

@@ -1,0 +1,161 @@
+"""The ranks of the other nodes, seen from the leader (node 0, the engine's host) when one model's
+ranks are spread over hosts (``nnodes`` > 1).
+
+Each worker node (``teacher-server worker``, ``engine.node_worker``) connects to the leader's
+control listener (``master_addr:master_port``, authenticated with ``node_authkey``) twice over:
+once as the node, to learn which ranks are its and to exchange heartbeats, then once per rank it
+starts. A rank's connection carries what a local worker's pipe carries (the start-up handshake,
+then a step's plan per step), so the worker loop is the same. The node's connection is what the
+watchdog watches: it closing (the node's process gone, its host gone with a reset) or falling
+silent past ``HEARTBEAT_TIMEOUT_S`` fails the engine, as a local worker's exit does; a node whose
+rank fails says so on it, then exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, Listener
+
+from teacher_server.config import Config
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0  # how often each side says it is there
+HEARTBEAT_TIMEOUT_S = 30.0  # silence after which the other side is taken as gone (a host lost without a reset)
+GREET_TIMEOUT_S = 10.0  # an accepted connection names itself within this
+
+
+def node_authkey(cfg: Config) -> bytes:
+    """The control connections' shared secret; a multi-node group refuses to start without one."""
+    if not cfg.node_authkey:
+        raise ValueError("nnodes > 1 needs node_authkey (TEACHER_SERVER_NODE_AUTHKEY), the same on every node: the "
+                         "control connection carries pickled plans and must only accept the group's own nodes")
+    return cfg.node_authkey.encode()
+
+
+class RemoteRanks:
+    """Accepts the worker nodes and their ranks; watches the nodes' connections."""
+
+    def __init__(self, cfg: Config, size: int, store_port: int) -> None:
+        self.nnodes, self.local, self.size = cfg.nnodes, cfg.ranks_per_node(), size
+        # the ranks learn from here what a spawned worker gets as arguments
+        self._setup = (size, store_port, cfg.model_dump())
+        self.listener = Listener(("", cfg.master_port), authkey=node_authkey(cfg))
+        self.nodes: dict[int, Connection] = {}
+        self.ranks: dict[int, Connection] = {}
+        self._heard: dict[int, float] = {}  # node -> when it last spoke
+        self._beat = 0.0
+        self._lock = threading.Lock()  # the node connections are sent on from the watchdog and from close()
+        self._complete = threading.Event()
+        threading.Thread(target=self._accept, name="teacher-node-listener", daemon=True).start()
+        log.info("waiting for %d worker node(s) on port %d (ranks %d..%d)", self.nnodes - 1, cfg.master_port,
+                 self.local, size - 1)
+
+    # --- joining -------------------------------------------------------------------------
+    def _accept(self) -> None:
+        while not self._complete.is_set():
+            try:
+                conn = self.listener.accept()
+            except (OSError, EOFError, AuthenticationError) as e:  # a wrong key, a peer gone while greeting
+                if self._complete.is_set():
+                    return
+                log.warning("refused a control connection: %s", e)
+                continue
+            try:
+                self._greet(conn)
+            except (OSError, EOFError, ValueError) as e:
+                log.warning("refused a control connection: %s", e)
+                conn.close()
+        self.listener.close()
+
+    def _greet(self, conn: Connection) -> None:
+        if not conn.poll(GREET_TIMEOUT_S):
+            raise ValueError("it did not say which node or rank it is")
+        msg = conn.recv()
+        with self._lock:
+            if msg[0] == "node":
+                _, n, nnodes = msg
+                if nnodes != self.nnodes or not 1 <= n < self.nnodes or n in self.nodes:
+                    why = (f"the leader runs nnodes={self.nnodes}, this node nnodes={nnodes}" if nnodes != self.nnodes
+                           else f"node_rank={n} is taken or outside 1..{self.nnodes - 1}")
+                    conn.send(("refused", why))
+                    raise ValueError(f"node {n}: {why}")
+                conn.send(("ranks", n * self.local, self.local, *self._setup))
+                self.nodes[n], self._heard[n] = conn, time.monotonic()
+                log.info("worker node %d joined", n)
+            elif msg[0] == "rank" and self.local <= msg[1] < self.size and msg[1] not in self.ranks:
+                self.ranks[msg[1]] = conn
+            else:
+                raise ValueError(f"unexpected greeting {msg!r:.100}")
+            if len(self.nodes) == self.nnodes - 1 and len(self.ranks) == self.size - self.local:
+                self._complete.set()
+
+    def wait_all(self, timeout: float, failed: Callable[[], None]) -> list[Connection]:
+        """The remote ranks' connections in rank order, once every one has connected; raises
+        ``TimeoutError`` past ``timeout``, or what ``failed()`` (the group's other faults) raises."""
+        deadline = time.monotonic() + timeout
+        while not self._complete.wait(0.2):
+            failed()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(1, self.nnodes)) - set(self.nodes))
+                raise TimeoutError(f"worker node(s) {missing or 'ranks'} did not connect to the leader within "
+                                   f"{timeout:.0f}s (is `teacher-server worker` running there with master_addr and "
+                                   f"master_port pointing here and the same node_authkey?)")
+        return [self.ranks[r] for r in range(self.local, self.size)]
+
+    # --- watching --------------------------------------------------------------------------
+    def watched(self) -> dict[Connection, int]:
+        """The node connections to wait on (readable: a heartbeat, an error, or closed)."""
+        with self._lock:
+            return {c: n for n, c in self.nodes.items()}
+
+    def check(self, ready: list[Connection]) -> str | None:
+        """Read what the ready node connections say, send this side's heartbeat; the failure, if any."""
+        now = time.monotonic()
+        watched = self.watched()
+        for conn in ready:
+            n = watched[conn]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return f"worker node {n} is gone (its control connection closed)"
+            if msg[0] == "error":
+                return f"worker node {n}: {msg[1]}"
+            self._heard[n] = now
+        for n in watched.values():
+            if now - self._heard[n] > HEARTBEAT_TIMEOUT_S:
+                return f"worker node {n} sent no heartbeat for {now - self._heard[n]:.0f}s"
+        if now - self._beat >= HEARTBEAT_S:
+            self._beat = now
+            try:
+                self.tell(("beat",))
+            except OSError as e:
+                return f"a worker node is gone ({e})"
+        return None
+
+    def tell(self, msg: tuple) -> None:
+        with self._lock:
+            for c in self.nodes.values():
+                c.send(msg)
+
+    def close(self, stop: bool = True) -> None:
+        """Tell the nodes the group is stopping (``stop``; their ranks were told by their own
+        connections), then close: a node not told (the group failed) takes its connection's end
+        as the leader gone and ends its ranks at once."""
+        self._complete.set()
+        if stop:
+            try:
+                self.tell(("stop",))
+            except (OSError, ValueError):
+                pass
+        with self._lock:
+            for c in [*self.nodes.values(), *self.ranks.values()]:
+                c.close()
+        try:
+            self.listener.close()
+        except OSError:
+            pass

@@ -1,0 +1,275 @@
+"""One model's ranks over two "nodes" on localhost (gloo): the leader (this process's engine,
+node 0) and a worker node (`teacher-server worker --node-rank 1`, its own process tree). PP2
+with one rank per node gives one process's results within 1e-5, PP2 x TP2 with a stage per node
+TP2's, and the group stops cleanly (a node with the wrong key turned away); the worker node
+killed mid-request, or its rank killed while idle, makes the leader's /health 503 within a
+bound; the leader killed makes the worker node exit 1; the control listener's admission and
+heartbeat; world sizes nnodes does not divide, a node_rank outside the group, the wrong command
+for a node and a missing key are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+from apiutil import assert_error, body
+from conftest import LiveServer, free_port, wait_healthy
+from test_pipeline_parallel import GEN, _child_of, dense3  # noqa: F401  (dense3: the tiny three-layer Qwen3)
+from test_tensor_parallel import assert_same, run, wait_gone
+
+from teacher_server.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "test-node-key"
+
+
+def worker_node(model: Path, port: int, *extra: str, key: str = KEY) -> subprocess.Popen:
+    """`teacher-server worker` as node 1 of 2 at PP2, reaching the leader on localhost."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "worker", "--device", "cpu", "--model", str(model),
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+         "--master-port", str(port), *extra],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=key), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def leader_settings(port: int) -> dict:
+    return {"pipeline_parallel_size": 2, "nnodes": 2, "master_port": port, "node_authkey": KEY}
+
+
+def children(pid: int) -> list[int]:
+    """The rank processes a worker node started (not multiprocessing's resource tracker)."""
+    return [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit() and _child_of(d, pid)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_nodes_equal_one_process(tp: int, dense3: Path) -> None:  # noqa: F811
+    """PP2 x TP1 (a rank per node) and PP2 x TP2 (a stage per node: the leader spawns its
+    tensor-parallel peer, the worker node two ranks), against one process (TP2 alone at TP2, as
+    for one host). A node with the wrong key, started beside the right one (at TP1), is
+    refused (exit 2) and the group forms without it."""
+    port = free_port()
+    stranger = worker_node(dense3, port, key="not-the-key") if tp == 1 else None
+    node = worker_node(dense3, port, "--tensor-parallel-size", str(tp))
+    try:
+        many, hits = run(dense3, tp, **leader_settings(port))
+        one, hits1 = run(dense3, tp)
+        assert hits == hits1 > 0
+        assert_same(one, many)
+        assert node.wait(60) == 0, node.stderr.read()[-3000:]  # the leader's close stops the node cleanly
+        if stranger is not None:
+            assert stranger.wait(30) == 2 and "refused this node's node_authkey" in stranger.stderr.read()
+    finally:
+        for p in [node, *([stranger] if stranger is not None else [])]:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_a_killed_worker_node_makes_health_503(dense3: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    """The worker node's process killed while a request waits on its stage (its rank stopped,
+    so no socket of the group breaks): the leader's watchdog sees the node's control connection
+    close, fails the engine (/health 503, the request answered), in bounded time; the node's
+    rank, orphaned, exits too."""
+    port = free_port()
+    node = worker_node(dense3, port)
+    fired = threading.Event()
+    cfg = Config(model=str(dense3), device="cpu", max_num_batched_tokens=16, **leader_settings(port))
+    try:
+        with LiveServer(cfg, on_fatal=fired.set) as srv, srv.client() as c:
+            (rank,) = children(node.pid)
+            os.kill(rank, signal.SIGSTOP)  # the step waits on stage 0, held on the worker node
+            out: list[httpx.Response] = []
+            poster = threading.Thread(target=lambda: out.append(c.post(GEN, json=body(range(1, 120), [1, 2]))))
+            poster.start()
+            time.sleep(1.0)
+            assert not out and not fired.is_set()
+            t0 = time.monotonic()
+            node.kill()
+            assert fired.wait(30)
+            poster.join(30)
+            assert time.monotonic() - t0 < 30
+            assert_error(c.get("/health"), 503)
+            assert out and out[0].status_code in (500, 503), out
+            assert "worker node 1 is gone (its control connection closed)" in caplog.text
+            os.kill(rank, signal.SIGCONT)
+            assert wait_gone([rank], 20)
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        if dist.is_initialized():  # (the failed engine's group, in this test process)
+            dist.destroy_process_group()
+
+
+def test_a_worker_nodes_rank_lost_while_idle_makes_health_503(dense3: Path,  # noqa: F811
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A rank of the worker node killed while nothing runs (no collective of the leader's to
+    fail): the node reports it by name on its control connection and exits 1; the leader fails
+    its engine (/health 503) in bounded time."""
+    port = free_port()
+    node = worker_node(dense3, port)
+    fired = threading.Event()
+    cfg = Config(model=str(dense3), device="cpu", **leader_settings(port))
+    try:
+        with LiveServer(cfg, on_fatal=fired.set) as srv, srv.client() as c:
+            (rank,) = children(node.pid)
+            t0 = time.monotonic()
+            os.kill(rank, signal.SIGKILL)
+            assert fired.wait(30) and time.monotonic() - t0 < 30
+            assert_error(c.get("/health"), 503)
+            assert "worker node 1: tensor-parallel worker teacher-tp1 exited (code -9)" in caplog.text
+            assert node.wait(20) == 1
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_the_worker_node_exits_when_the_leader_is_killed(dense3: Path) -> None:  # noqa: F811
+    port, http = free_port(), free_port()
+    leader = subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--model", str(dense3),
+         "--pipeline-parallel-size", "2", "--nnodes", "2", "--master-port", str(port), "--host", "127.0.0.1",
+         "--port", str(http), "--num-kv-blocks", "256", "--block-size", "8"],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=KEY), cwd=ROOT,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = worker_node(dense3, port)
+    try:
+        wait_healthy(f"http://127.0.0.1:{http}", leader, 180)
+        (rank,) = children(node.pid)
+        t0 = time.monotonic()
+        leader.kill()
+        assert node.wait(60) == 1
+        assert time.monotonic() - t0 < 60
+        assert wait_gone([rank], 20)
+    finally:
+        for p in (leader, node):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader's side of the control connections, without a model: a wrong key and a node of
+    another group size are turned away (and the listener goes on); the node learns its ranks,
+    the group is complete once its rank connects; the node's connection closing, or its
+    heartbeats stopping, is reported as the node lost."""
+    from multiprocessing import AuthenticationError
+    from multiprocessing.connection import Client
+
+    from teacher_server.engine import remote_ranks
+    from teacher_server.engine.remote_ranks import RemoteRanks
+
+    port = free_port()
+    cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY)
+    remote = RemoteRanks(cfg, 2, store_port=1234)
+    try:
+        with pytest.raises(AuthenticationError):
+            Client(("127.0.0.1", port), authkey=b"wrong")
+        other = Client(("127.0.0.1", port), authkey=KEY.encode())
+        other.send(("node", 1, 3))
+        assert other.recv() == ("refused", "the leader runs nnodes=2, this node nnodes=3")
+        node = Client(("127.0.0.1", port), authkey=KEY.encode())
+        node.send(("node", 1, 2))
+        kind, first, count, size, store_port, sent = node.recv()
+        assert (kind, first, count, size, store_port) == ("ranks", 1, 1, 2, 1234) and Config(**sent) == cfg
+        rank = Client(("127.0.0.1", port), authkey=KEY.encode())
+        rank.send(("rank", 1))
+        (conn,) = remote.wait_all(10, lambda: None)
+        conn.send(("hello",))
+        assert rank.recv() == ("hello",)
+        watched = remote.watched()
+        assert list(watched.values()) == [1] and remote.check([]) is None
+        assert node.recv() == ("beat",)  # the leader's side of the heartbeat
+        monkeypatch.setattr(remote_ranks, "HEARTBEAT_TIMEOUT_S", 0.2)
+        time.sleep(0.3)
+        assert remote.check([]) == "worker node 1 sent no heartbeat for 0s"
+        node.send(("beat",))
+        assert remote.check(list(watched)) is None  # heard again
+        node.close()
+        assert remote.check(list(watched)) == "worker node 1 is gone (its control connection closed)"
+    finally:
+        remote.close()
+
+
+def test_node_settings_are_checked() -> None:
+    from teacher_server.cli import config_from_args
+
+    cfg = Config(tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2, node_rank=1)
+    assert (cfg.ranks_per_node(), Config().nnodes, Config().node_rank) == (2, 1, 0)
+    with pytest.raises(ValueError, match=r"nnodes=2 does not divide the 3 ranks \(pipeline_parallel_size=3 x "
+                                         r"tensor_parallel_size=1\)"):
+        Config(pipeline_parallel_size=3, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank=2 must be below nnodes=2"):
+        Config(pipeline_parallel_size=2, nnodes=2, node_rank=2)
+    with pytest.raises(ValueError, match="neither data_parallel_size > 1"):
+        Config(pipeline_parallel_size=2, nnodes=2, data_parallel_size=2)
+    got = config_from_args(["worker", "-pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5"])
+    assert (got.nnodes, got.node_rank, got.master_addr, got.master_port) == (2, 1, "10.0.0.5", 29500)
+    assert Config.load(None, {"TEACHER_SERVER_NODE_AUTHKEY": "k"}).node_authkey == "k"
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["worker", "--nnodes", "2", "-pp", "2"], "node 0 (the leader) runs `teacher-server serve`"),
+    (["serve", "--nnodes", "2", "-pp", "2", "--node-rank", "1"], "nodes 1..nnodes-1 run `teacher-server worker`"),
+    (["worker", "--nnodes", "2", "-pp", "3", "--node-rank", "1"], "nnodes=2 does not divide the 3 ranks"),
+    (["worker", "--nnodes", "2", "-pp", "2", "--node-rank", "1"], "needs node_authkey"),
+])
+def test_the_command_line_refuses(argv: list[str], needle: str, capsys: pytest.CaptureFixture,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from teacher_server.cli import main
+
+    monkeypatch.delenv("TEACHER_SERVER_NODE_AUTHKEY", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_leader_without_a_key_is_refused(dense3: Path) -> None:  # noqa: F811
+    from teacher_server.engine.engine import Engine
+
+    with pytest.raises(ValueError, match="needs node_authkey"):
+        Engine(Config(model=str(dense3), device="cpu", pipeline_parallel_size=2, nnodes=2, master_port=free_port()))
+
+
+# --- GPU (two GPUs of one host as two "nodes": NCCL between processes that each see one GPU) ---
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_two_nodes_equal_one_gpu(checkpoints) -> None:
+    """The leader on GPU 0 (this process), the worker node seeing only GPU 1 (its rank's local
+    GPU 0): PP2 over NCCL equals one GPU within 1e-4 in float32."""
+    from test_tensor_parallel import assert_same_within
+
+    path, port = checkpoints["qwen3hd128"], free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "teacher_server", "worker", "--model", str(path), "--pipeline-parallel-size", "2",
+         "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=KEY, CUDA_VISIBLE_DEVICES="1"),
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        settings = {"device": "cuda", "dtype": "float32", "max_model_len": 1024}
+        one, hits1 = run(path, 1, **settings)
+        two, hits2 = run(path, 1, **settings, **leader_settings(port))
+        assert hits2 == hits1 > 0
+        assert_same_within(one, two, 1e-4)
+        assert node.wait(60) == 0, node.stderr.read()[-3000:]
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
