@@ -17,6 +17,7 @@ from teacher_server.compile_cache import cache_summary, use_compile_cache
 from teacher_server.config import Config
 from teacher_server.engine.block_manager import BlockManager
 from teacher_server.engine.inflight import InFlightStep, PlannedStep
+from teacher_server.engine.process_group import init_group, rank_device
 from teacher_server.engine.rank_setup import (
     check_pipeline,
     check_split,
@@ -34,7 +35,7 @@ from teacher_server.engine.startup_phases import StartupPhases
 from teacher_server.engine.state_slots import StateSlots
 from teacher_server.engine.stats import EngineStats, StepTiming, StepTrace
 from teacher_server.engine.stepping import Stepping
-from teacher_server.engine.tp_workers import TPWorkers, init_group, rank_device
+from teacher_server.engine.tp_workers import TPWorkers
 from teacher_server.engine.tuning import Tuning
 from teacher_server.engine.warm_up import WARM_UP_BATCHES, warm_up_plan
 from teacher_server.hub import resolve_model

@@ -67,8 +67,8 @@ def rank_main(rank: int, local: int, size: int, store_port: int, cfg_dict: dict,
 def run_worker_node(cfg: Config) -> int:
     """Run this node's ranks until the leader stops them (0) or the group fails (1); 2 when the
     leader refuses this node (a setting that differs)."""
+    from teacher_server.engine.process_group import set_nccl_env
     from teacher_server.engine.rank_setup import resolve_device
-    from teacher_server.engine.tp_workers import set_nccl_env
 
     set_nccl_env()
     key = node_authkey(cfg)

@@ -1,25 +1,25 @@
 """Tensor-parallel worker processes: ranks 1..N-1 of a model split over N devices of one host
 (or, with ``nnodes`` > 1, ranks 1..G-1 of the leader's G, the rest on other hosts: ``remote_ranks``).
 
-Design: rank 0 runs in the engine's own process (its ``ModelRunner``), so scheduling, the
-HTTP server, result assembly and rank 0's share of the forward stay where they are today.
-Each other rank is a spawned process holding its shard and its KV pool; it loops: receive
-a step's host plan -> run the same forward and scoring -> take part in the collectives. The
-plan (``HostStep``'s numpy arrays, the request bookkeeping stripped) is pickled once and
-sent down one pipe per worker, once per step, before rank 0 starts that step: the workers
-never see requests, and nothing per layer crosses processes except the all-reduces. Every
-rank's results are the same after the vocab-parallel combine; only rank 0's are used. Under
-pipeline parallel the ranks are pipeline x tensor parallel: a worker of a stage before the last
-runs its layers and sends the residual stream on (``layers.pipeline``); the plans go to every
-rank at once, up to a step per stage ahead of rank 0 (a rank of the last stage).
+Design: rank 0 runs in the engine's own process (its ``ModelRunner``), so scheduling, the HTTP
+server, result assembly and rank 0's share of the forward stay where they are today. Each other
+rank is a spawned process holding its shard and its KV pool; it loops: receive a step's host
+plan -> run the same forward and scoring -> take part in the collectives. The plan
+(``HostStep``'s numpy arrays, the request bookkeeping stripped) is pickled once and sent down one
+pipe per worker, once per step, before rank 0 starts that step: the workers never see requests,
+and nothing per layer crosses processes except the all-reduces. Every rank's results are the
+same after the vocab-parallel combine; only rank 0's are used. Under pipeline parallel the ranks
+are pipeline x tensor parallel: a worker of a stage before the last runs its layers and sends the
+residual stream on (``layers.pipeline``); the plans go to every rank at once, up to a step per
+stage ahead of rank 0 (a rank of the last stage).
 
-Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a
-rank that is gone: each worker says it is loaded and how many KV blocks (and linear-state
-slots) fit its memory; the engine takes the minimum (an all-reduce MIN done by hand) and sends it back. A watchdog
-thread waits on the workers' process sentinels: a worker that dies or raises (it exits
-non-zero) is noticed at once, even while rank 0 sits in a collective, and reported to the
-failure hook (the server's: unhealthy, then exit). Workers exit when the engine's process
-is gone (a thread polls the parent pid) and ignore SIGINT and SIGTERM (the engine stops them).
+Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a rank
+that is gone: each worker says it is loaded and how many KV blocks (and linear-state slots) fit
+its memory; the engine takes the minimum (an all-reduce MIN done by hand) and sends it back. A
+watchdog thread waits on the workers' process sentinels: a worker that dies or raises (it exits
+non-zero) is noticed at once, even while rank 0 sits in a collective, and reported to the failure
+hook (the server's: unhealthy, then exit). Workers exit when the engine's process is gone (a
+thread polls the parent pid) and ignore SIGINT and SIGTERM (the engine stops them).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import replace
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,55 +42,20 @@ import torch
 
 from teacher_server.config import Config
 from teacher_server.engine.host_step import HostStep
+from teacher_server.engine.process_group import init_group, make_store, rank_device, set_nccl_env
 
 if TYPE_CHECKING:
-    import torch.distributed as dist
 
     from teacher_server.engine.rank_setup import MemoryPlan
     from teacher_server.engine.remote_ranks import RemoteRanks
 
 log = logging.getLogger(__name__)
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a hung collective (not a dead rank) ends in an error
 START_TIMEOUT_S = 3600.0  # loading a large model's shards
 
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or is gone: the engine cannot go on."""
-
-
-def set_nccl_env() -> None:
-    # NVLink SHARP (multicast) is off on the machines this runs on; keep NCCL from trying it.
-    os.environ["NCCL_NVLS_ENABLE"] = "0"
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    """The device of a rank whose index on its host is ``rank``."""
-    return torch.device("cuda", rank) if device.type == "cuda" else device
-
-
-def make_store(rank: int, size: int, port: int = 0, host: str = "127.0.0.1") -> dist.TCPStore:
-    """The process group's rendezvous store. Rank 0 (the engine) hosts it on a port the OS
-    picks as it binds (``port`` 0), before any worker starts, so no other process can take that
-    port between choosing and binding it; the workers connect to ``store.port`` (at ``host``: the
-    leader's address, for the ranks of other nodes)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(host, port, size, is_master=rank == 0, timeout=COLLECTIVE_TIMEOUT,
-                         wait_for_workers=False)
-
-
-def init_group(device: torch.device, rank: int, size: int, store: dist.TCPStore, local: int | None = None) -> None:
-    """Join the process group through ``store`` (``make_store``): NCCL on CUDA, gloo on the CPU.
-    ``local``: the rank's GPU index on its host (its global rank on a single host)."""
-    import torch.distributed as dist
-
-    index = rank if local is None else local
-    if device.type == "cuda":
-        torch.cuda.set_device(index)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank, world_size=size,
-                            timeout=COLLECTIVE_TIMEOUT,
-                            **({"device_id": torch.device("cuda", index)} if device.type == "cuda" else {}))
 
 
 class TPWorkers:
