@@ -29,7 +29,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_engine import http_body
+from bench_engine import http_body, wait_ready
 from workloads import QWEN3_8B, QWEN3_30B_A3B, Req, make_workload, tiny, write_config
 
 from teacher_server.benchmark.local_server import free_port, stop_server
@@ -45,17 +45,8 @@ def start(flags: list[str], args: argparse.Namespace, gpus: str | None) -> tuple
     env = dict(os.environ, PYTHONUNBUFFERED="1", **({"CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else {}))
     proc = subprocess.Popen(cmd, env=env, cwd=str(Path(__file__).parents[1]))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 1200
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited during startup ({proc.returncode})")
-        time.sleep(1)
-    raise RuntimeError("server did not start in time")
+    wait_ready(url, proc, timeout_s=1200)
+    return proc, url
 
 
 async def run(url: str, load: dict[str | None, list[Req]], concurrency: int) -> dict[str | None, float]:

@@ -30,11 +30,9 @@ from teacher_server.cache_layout import AttentionParams
 from teacher_server.layers.embedding import VocabEmbedding, VocabRows
 from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
-from teacher_server.layers.linear import MergedColumnLinear, RowLinear
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
-from teacher_server.layers.runtime import RuntimeModule
-from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from teacher_server.models.norm import decoder_norm
 from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
@@ -90,18 +88,10 @@ class Gemma3Attention(Qwen3Attention):
         self.rope_key = "default" if window is None else "local"
 
 
-class GeluTanhMLP(RuntimeModule):
-    """Fused gate/up projection and gelu_tanh(gate) * up (``FusedOps.gelu_tanh_mul``, compiled
-    where the stages are): [T, hidden] -> [T, intermediate]; the down projection is applied by
-    the decoder layer."""
-
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE,
-                 fmt: WeightFormat = UNQUANTIZED) -> None:
-        super().__init__()
-        i = spec.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(spec.hidden_size, {"gate": i, "up": i}, False, dtype, device, tp,
-                                               fmt=fmt)
-        self.down_proj = RowLinear(i, spec.hidden_size, dtype, device, tp, fmt)
+class GeluTanhMLP(LlamaMLP):
+    """Llama's MLP with gelu_tanh(gate) * up (``FusedOps.gelu_tanh_mul``, compiled where the
+    stages are) in place of SiLU-mul: [T, hidden] -> [T, intermediate]; the down projection is
+    applied by the decoder layer."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.rt.ops.gelu_tanh_mul(self.gate_up_proj(h))

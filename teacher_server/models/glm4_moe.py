@@ -17,7 +17,6 @@ import re
 
 import torch
 
-from teacher_server.attention.base import AttentionInputs
 from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.parallel import SINGLE, TensorParallel
@@ -56,12 +55,7 @@ class Glm4MoeAttention(LlamaAttention):
         norms = (self.q_norm.weight, self.k_norm.weight) if hasattr(self, "q_norm") else (None, None)
         q, k, v = rt.ops.partial_qk_prep(self.qkv_proj(h), cs, *norms, hd.n_q, hd.n_kv, d, hd.eps)
         rt.kv.store(self.layer_id, k, v, ctx)
-        kp = vp = None
-        if ctx.has_prefix:
-            kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
-        p = self.params
-        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, p.scale, p.window, p.softcap)  # [T, Hq, D]
-        return o.reshape(t, -1)
+        return self.attend(q, k, v, ctx).reshape(t, -1)
 
 
 class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):

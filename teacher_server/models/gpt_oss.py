@@ -17,7 +17,6 @@ import re
 import torch
 from torch import nn
 
-from teacher_server.attention.base import AttentionInputs
 from teacher_server.cache_layout import AttentionParams
 from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
@@ -78,12 +77,7 @@ class GptOssAttention(LlamaAttention):
         rt = self.rt
         qkv = self.qkv_proj(h)  # [T, (n_q + 2 n_kv) d]
         q, k, v = rt.ops.qkv_store(qkv, cs, self.heads, None, None, rt.kv, self.layer_id, ctx)
-        kp = vp = None
-        if ctx.has_prefix:
-            kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
-        p = self.params
-        o = rt.attn(AttentionInputs(q, k, v, kp, vp, self.sinks), ctx, p.scale, p.window, p.softcap)
-        return o.reshape(o.shape[0], -1)
+        return self.attend(q, k, v, ctx, self.sinks).reshape(q.shape[0], -1)
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):

@@ -78,12 +78,14 @@ class LlamaAttention(RuntimeModule):
         rt = self.rt
         qkv = self.qkv_proj(h)  # [T, (n_q + 2 n_kv) d]
         q, k, v = rt.ops.qkv_store(qkv, cs, self.heads, *self.qk_norm_weights(), rt.kv, self.layer_id, ctx)
-        kp = vp = None
-        if ctx.has_prefix:  # packed [cached prefix | chunk] keys of the prefixed sequences
-            kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
+        return self.attend(q, k, v, ctx).reshape(q.shape[0], -1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q over the step's keys and values and the prefixed ones' [cached prefix | chunk]: [T, Hq, D]."""
+        kp, vp = self.rt.kv.gather_prefixed(self.layer_id, k, v, ctx) if ctx.has_prefix else (None, None)
         p = self.params
-        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, p.scale, p.window, p.softcap)  # [T, Hq, D]
-        return o.reshape(o.shape[0], -1)
+        return self.rt.attn(AttentionInputs(q, k, v, kp, vp, sinks), ctx, p.scale, p.window, p.softcap)
 
 
 class LlamaMLP(RuntimeModule):

@@ -21,7 +21,6 @@ import re
 import torch
 from torch import nn
 
-from teacher_server.attention.base import AttentionInputs
 from teacher_server.cache_layout import LinearStateLayout
 from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
@@ -86,12 +85,7 @@ class Qwen3_5Attention(Qwen3Attention):
         k = rotate_partial(k, cs, alloc_with_slack(h, t, hd.n_kv, d))
         v = alloc_with_slack(h, t, hd.n_kv, d).copy_(v.view(t, hd.n_kv, d))
         rt.kv.store(self.layer_id, k, v, ctx)
-        kp = vp = None
-        if ctx.has_prefix:
-            kp, vp = rt.kv.gather_prefixed(self.layer_id, k, v, ctx)
-        p = self.params
-        o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, p.scale, p.window, p.softcap)  # [T, Hq, D]
-        return (o * torch.sigmoid(gate)).reshape(t, -1)
+        return (self.attend(q, k, v, ctx) * torch.sigmoid(gate)).reshape(t, -1)
 
 
 class Qwen3_5DecoderLayer(LlamaDecoderLayer):
