@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -518,3 +519,26 @@ def test_projection_inputs_quantized_in_the_norm_pass_score_the_same(family: str
     for g, w in zip(got, want):
         assert g.error is None and w.error is None
         np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-5)
+
+
+def test_fp8_residual_adds_are_made_in_the_norm_pass(fp8_checkpoints, monkeypatch) -> None:
+    """With the residual add in the GEMM epilogue on (the CUDA default), an FP8 o/down product,
+    whose scaled multiply has no such epilogue, goes to the next norm's pass as its delta
+    (``add_rms_norm_quant``: x + delta read once) rather than being added in a pass of its own
+    that the norm then reads again; the scores are those of the plain add."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    calls = []
+    for name in ("rms_norm_quant", "add_rms_norm_quant"):
+        f = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _f=f, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    path, _ = fp8_checkpoints("qwen3hd128", "block", (128, 128))
+    reqs = requests("qwen3hd128")
+    want = engine(path).run_to_completion(reqs)
+    eng = engine(path)
+    eng.tuning = replace(eng.tuning, residual_in_gemm=True)
+    calls.clear()
+    got = eng.run_to_completion(reqs)
+    assert calls and set(calls) == {"add_rms_norm_quant"}, sorted(set(calls))
+    for g, w in zip(got, want):
+        assert g.error is None and w.error is None
+        np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-6)

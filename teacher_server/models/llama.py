@@ -3,8 +3,7 @@
 Weights are fused (QKV, gate/up). The forward takes a step's packed varlen tokens and its
 StepContext; the KV of the step's tokens goes to the paged pool where the scheduler asked
 for it, and keys of earlier chunks / cached prefixes are gathered from it. Only the hidden
-rows listed in ``ctx.logits_idx`` are returned (final-normed).
-"""
+rows listed in ``ctx.logits_idx`` are returned (final-normed)."""
 
 from __future__ import annotations
 
@@ -119,11 +118,12 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNo
                   reader: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x + proj(a) (the new residual stream) and its RMSNorm with ``norm``. With
     ``residual_in_gemm`` the sum is made in the GEMM's epilogue, in place, and rounded once,
-    instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden].
+    instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden] (a format
+    without that epilogue, FP8, hands proj(a) to the norm's pass as ``delta``: one pass fewer too).
     ``reader``: the one linear layer that reads the normed rows, where its weight format takes
     them made in the norm's pass (FP8: quantized there, ``WeightFormat.norm_input``)."""
     fused = reader is not None and type(norm) is RMSNorm and ops.fp8_norm_input
-    if ops.residual_in_gemm:
+    if ops.residual_in_gemm and proj.fmt.epilogue_add(proj):
         x = proj.add_into(x, a)
         got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps) if fused else None
         return got if got is not None else (x, ops.rms_norm(x, norm.weight, norm.eps))

@@ -162,6 +162,12 @@ class WeightFormat(ABC):
         returns out, or None where the format cannot (the caller then adds ``apply``'s)."""
         return None
 
+    def epilogue_add(self, layer: nn.Module) -> bool:
+        """Whether ``add_into`` makes the sum in the GEMM's epilogue for ``layer``. Where it
+        does not, a residual add is better left to the next norm's pass (``add_rms_norm``:
+        x + delta read once) than made as a pass of its own before the norm reads x again."""
+        return False
+
     def norm_input(self, layer: nn.Module, x: torch.Tensor, weight: torch.Tensor, eps: float,
                    delta: torch.Tensor | None = None) -> tuple[torch.Tensor, object] | None:
         """(the residual stream x (+ delta), its RMSNorm with ``weight`` as ``layer``'s product

@@ -26,6 +26,9 @@ class Unquantized(WeightFormat):
     def add_into(self, layer: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return out.addmm_(x, layer.weight.t())
 
+    def epilogue_add(self, layer: nn.Module) -> bool:
+        return True
+
     def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor:
         return getattr(layer, slot)
 
