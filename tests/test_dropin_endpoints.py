@@ -181,9 +181,11 @@ def test_sglang_generate(tok_server) -> None:
     assert [e[1] for e in meta["output_top_logprobs"][0]] == np.argsort(-ref[-1], kind="stable")[:4].tolist()
     first, second = later.json()
     assert len(first["meta_info"]["input_token_logprobs"]) == 15 and first["output_ids"] == []
-    np.testing.assert_allclose([e[0] for e in first["meta_info"]["input_token_logprobs"]],
-                               ref[np.arange(24, 39), toks[25:]], atol=TOL)
-    assert first["meta_info"]["input_token_logprobs"][0][2] is None  # text only with return_text_in_logprobs
+    # as SGLang: the first position returned has no logprob, whatever logprob_start_len is
+    assert first["meta_info"]["input_token_logprobs"][0] == [None, toks[25], None]
+    np.testing.assert_allclose([e[0] for e in first["meta_info"]["input_token_logprobs"][1:]],
+                               ref[np.arange(25, 39), toks[26:]], atol=TOL)
+    assert first["meta_info"]["input_token_logprobs"][1][2] is None  # text only with return_text_in_logprobs
     assert "input_token_logprobs" not in second["meta_info"]
 
 

@@ -1,0 +1,110 @@
+"""The trainers' endpoints where vLLM and SGLang have a rule of their own, each case as the real
+server answers it (the source read for it named in the test):
+
+- SGLang ``/generate``: the first position returned from ``logprob_start_len`` has no logprob
+  (SGLang pads it with None whatever the start), a start past the input is an error, one ``rid``
+  over a batch becomes ``rid_i``, ``sampling_params.n`` > 1 is refused (nothing is sampled), PUT
+  is served as POST;
+- vLLM ``/v1/completions``: ``-1`` for the full vocabulary, ``echo: null``, ``echo`` with
+  ``logprobs`` fills ``prompt_logprobs`` too and keeps ``logprobs + 1`` entries of each prompt
+  position, ``echo`` with ``return_token_ids`` leaves the prompt out of ``text``,
+  ``decoded_token`` is the tokenizer's text whatever ``return_tokens_as_token_ids`` says,
+  ``logprob_token_ids`` is a 400 (not silently ignored)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from apiutil import assert_error
+from conftest import LiveServer
+from dropin_util import VOCAB, reference_logprobs, with_tokenizer
+
+from teacher_server.config import Config
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints, tmp_path_factory):
+    path = with_tokenizer(checkpoints["qwen3"], tmp_path_factory.mktemp("tok") / "qwen3tok")
+    cfg = Config(model=str(path), device="cpu", max_num_batched_tokens=64, block_size=8, num_kv_blocks=512,
+                 max_model_len=1024, max_logprobs=-1, max_prompt_logprobs_entries=40000)
+    with LiveServer(cfg) as s:
+        s.path = path
+        yield s
+
+
+@pytest.fixture(scope="module")
+def toks() -> list[int]:
+    return np.random.default_rng(5).integers(0, VOCAB, 30).tolist()
+
+
+@pytest.fixture(scope="module")
+def ref(server, toks) -> np.ndarray:
+    return reference_logprobs(server.path, toks)
+
+
+# --- SGLang /generate ------------------------------------------------------------------------
+
+
+def test_sglang_first_returned_position_has_no_logprob(server, toks, ref) -> None:
+    """SGLang's scheduler pads the first returned position with None and drops the last
+    computed row (the sampled token's): input_token_logprobs[i] is [lp or None, ids[start + i],
+    text], entry 0 None for every start (python/sglang/srt/managers/
+    scheduler_output_processor_mixin.py, ``_process_input_token_logprobs`` and its top /
+    token-ids siblings)."""
+    ids = [3, 17]
+    start = 11
+    with server.client() as c:
+        r = c.post("/generate", json={"input_ids": toks, "sampling_params": {"max_new_tokens": 0},
+                                      "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+                                      "token_ids_logprob": ids})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    itl, top, tid = meta["input_token_logprobs"], meta["input_top_logprobs"], meta["input_token_ids_logprobs"]
+    assert len(itl) == len(top) == len(tid) == len(toks) - start
+    assert itl[0] == [None, toks[start], None] and top[0] is None and tid[0] is None
+    assert [e[1] for e in itl] == toks[start:]
+    np.testing.assert_allclose([e[0] for e in itl[1:]], ref[np.arange(start, len(toks) - 1), toks[start + 1:]],
+                               atol=TOL)
+    for i in (1, 5, len(itl) - 1):
+        p = start + i  # scored by the row of position p - 1
+        want = np.argsort(-ref[p - 1], kind="stable")[:2]
+        assert [e[1] for e in top[i]] == want.tolist()
+        np.testing.assert_allclose([e[0] for e in tid[i]], ref[p - 1, ids], atol=TOL)
+
+
+@pytest.mark.parametrize(("start", "entries"), [(29, 1), (30, 0)])
+def test_sglang_start_at_the_end(server, toks, start: int, entries: int) -> None:
+    """A start at the last input position returns it alone (no logprob); at the input's
+    length, nothing."""
+    with server.client() as c:
+        r = c.post("/generate", json={"input_ids": toks, "sampling_params": {"max_new_tokens": 1},
+                                      "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 1})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, toks[-1], None]] * entries
+    assert meta["input_top_logprobs"] == [None] * entries
+    assert len(meta["output_token_logprobs"]) == 1
+
+
+def test_sglang_refusals_and_batch_ids(server, toks) -> None:
+    """A start past the input is SGLang's error ("logprob_start_len ... is higher than the
+    number of input tokens"); ignored without return_logprob, as SGLang ignores the start then.
+    One rid over a batch is SGLang's ``rid_i`` per prompt (GenerateReqInput._normalize_rid); n
+    samples are refused, nothing being sampled; PUT is POST (SGLang's route takes both)."""
+    with server.client() as c:
+        assert_error(c.post("/generate", json={"input_ids": toks, "return_logprob": True,
+                                               "logprob_start_len": 31}), 400, "logprob_start_len")
+        assert c.post("/generate", json={"input_ids": toks, "logprob_start_len": 31}).status_code == 200
+        assert_error(c.post("/generate", json={"input_ids": toks, "sampling_params": {"n": 2}}),
+                     400, "sampling_params.n")
+        r = c.post("/generate", json={"input_ids": [toks, toks[:5]], "rid": "job",
+                                      "sampling_params": {"max_new_tokens": 0, "n": 1}})
+        assert r.status_code == 200, r.text
+        assert [o["meta_info"]["id"] for o in r.json()] == ["job_0", "job_1"]
+        r = c.post("/generate", json={"input_ids": toks[:5], "rid": "one"})
+        assert r.json()["meta_info"]["id"] == "one"
+        r = c.put("/generate", json={"input_ids": toks[:5], "sampling_params": {"max_new_tokens": 0}})
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == []
