@@ -108,3 +108,92 @@ def test_sglang_refusals_and_batch_ids(server, toks) -> None:
         r = c.put("/generate", json={"input_ids": toks[:5], "sampling_params": {"max_new_tokens": 0}})
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == []
+
+
+# --- vLLM /v1/completions --------------------------------------------------------------------
+
+
+def _vllm_entry(row: np.ndarray, actual: int, k: int) -> list[int]:
+    """vLLM's prompt_logprobs entry of one position as ids, in order: a dict by id of the actual
+    token, then the top-k (vllm/logprobs.py ``append_logprobs_for_next_position``)."""
+    top = np.argsort(-row, kind="stable")[:k].tolist()
+    return list(dict.fromkeys([actual] + top))
+
+
+def test_completions_minus_one_is_the_whole_vocabulary(server) -> None:
+    """``prompt_logprobs: -1`` and ``logprobs: -1`` ask for every id (vLLM's request check
+    admits -1 and nothing else below 0; its processor counts -1 as the vocabulary's size)."""
+    toks = [7, 300, 41, 9, 250]
+    ref = reference_logprobs(server.path, toks)
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "prompt_logprobs": -1, "logprobs": -1,
+                                            "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert_error(c.post("/v1/completions", json={"prompt": toks, "prompt_logprobs": -2}), 400, "prompt_logprobs")
+        assert_error(c.post("/v1/completions", json={"prompt": toks, "logprobs": -3}), 400, "logprobs")
+    ch = r.json()["choices"][0]
+    for j in range(1, len(toks)):
+        entry = ch["prompt_logprobs"][j]
+        assert len(entry) == VOCAB and next(iter(entry)) == str(toks[j])
+        assert sorted(v["rank"] for v in entry.values()) == list(range(1, VOCAB + 1))
+        np.testing.assert_allclose([entry[str(i)]["logprob"] for i in range(VOCAB)], ref[j - 1], atol=TOL)
+    assert len(ch["logprobs"]["top_logprobs"][0]) == VOCAB  # the generated token's: every id
+
+
+def test_minus_one_within_max_logprobs() -> None:
+    """-1 is the vocabulary's size, refused beyond max_logprobs as vLLM refuses it."""
+    from teacher_server.server.completions import parse_completion
+    from teacher_server.validation import BadRequest, Limits
+
+    limits = Limits(vocab_size=VOCAB, max_model_len=64, max_logprobs=20, max_rows_x_k=10 ** 6)
+    for name in ("prompt_logprobs", "logprobs"):
+        with pytest.raises(BadRequest) as e:
+            parse_completion(b'{"prompt": [1, 2], "return_tokens_as_token_ids": true, "%s": -1}' % name.encode(),
+                             limits, "m", None)
+        assert e.value.param == name and f"of {VOCAB}, which is greater than max allowed: 20" in e.value.message
+
+
+def test_completions_echo_and_logprobs(server, toks, ref) -> None:
+    """vLLM (CompletionRequest.to_sampling_params, request_output_to_completion_response):
+    echo with logprobs and no prompt_logprobs asks the prompt's with k = logprobs, returned in
+    prompt_logprobs too; an echoed position's top_logprobs is the first logprobs + 1 entries of
+    its prompt_logprobs entry; ``echo: null`` is no echo."""
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 0, "echo": True, "logprobs": 2,
+                                            "return_tokens_as_token_ids": True})
+        wide = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 0, "echo": True, "logprobs": 1,
+                                               "prompt_logprobs": 4, "return_tokens_as_token_ids": True})
+        plain = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 0, "echo": None})
+    assert r.status_code == wide.status_code == plain.status_code == 200, (r.text, wide.text, plain.text)
+    ch = r.json()["choices"][0]
+    assert ch["prompt_logprobs"][0] is None and len(ch["prompt_logprobs"]) == len(toks)
+    for j in range(1, len(toks)):
+        want = _vllm_entry(ref[j - 1], toks[j], 2)
+        assert [int(t) for t in ch["prompt_logprobs"][j]] == want
+        assert list(ch["logprobs"]["top_logprobs"][j]) == [f"token_id:{t}" for t in want]
+    ch = wide.json()["choices"][0]
+    for j in range(1, len(toks)):
+        want = _vllm_entry(ref[j - 1], toks[j], 4)
+        assert [int(t) for t in ch["prompt_logprobs"][j]] == want
+        assert list(ch["logprobs"]["top_logprobs"][j]) == [f"token_id:{t}" for t in want[:2]]
+        np.testing.assert_allclose(list(ch["logprobs"]["top_logprobs"][j].values()), ref[j - 1, want[:2]], atol=TOL)
+    ch = plain.json()["choices"][0]
+    assert ch["text"] == "" and ch["prompt_logprobs"] is None and ch["logprobs"] is None
+
+
+def test_completions_text_decoded_token_and_refusals(server, toks, ref) -> None:
+    """Echo puts the prompt in text unless return_token_ids (vLLM then leaves it out);
+    decoded_token is the detokenizer's text whatever return_tokens_as_token_ids says (vLLM
+    writes token_id: only in logprobs); logprob_token_ids is refused, not ignored."""
+    greedy = int(ref[-1].argmax())
+    with server.client() as c:
+        echo = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "echo": True}).json()
+        ids = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "echo": True, "return_token_ids": True,
+                                              "prompt_logprobs": 1, "return_tokens_as_token_ids": True}).json()
+        assert_error(c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 1,
+                                                     "logprob_token_ids": [3, 4]}), 400, "logprob_token_ids")
+    assert echo["choices"][0]["text"] == " ".join(f"w{t}" for t in toks + [greedy])
+    ch = ids["choices"][0]
+    assert ch["text"] == f"w{greedy}" and ch["prompt_token_ids"] == toks and ch["token_ids"] == [greedy]
+    assert {v["decoded_token"] for e in ch["prompt_logprobs"][1:] for v in e.values()} \
+        == {f"w{t}" for e in ch["prompt_logprobs"][1:] for t in e}
