@@ -162,14 +162,16 @@ class ScoreResult:
 def prompt_logprob_entries(token_ids: np.ndarray, res: ScoreResult) -> list[list[tuple[int, float, int]] | None]:
     """vLLM's classic prompt_logprobs layout: entry 0 None; entry j lists
     (token id, logprob, rank) with the actual token j first, then the top-k by rank
-    (without repeating the actual token)."""
+    (without repeating the actual token, which then has its top-k value and rank: vLLM's
+    entry is a dict by id, the top-k's written over the token's own)."""
     toks = token_ids.tolist()
     lp, rk = res.plp_token_logprob.tolist(), res.plp_token_rank.tolist()
     ids, vals = res.plp_topk_ids.tolist(), res.plp_topk_logprobs.tolist()
     out: list[list[tuple[int, float, int]] | None] = [None]
     for j in range(1, len(toks)):
         a = toks[j]
-        entry = [(a, lp[j - 1], rk[j - 1])]
+        at = ids[j - 1].index(a) if a in ids[j - 1] else -1
+        entry = [(a, lp[j - 1], rk[j - 1]) if at < 0 else (a, vals[j - 1][at], at + 1)]
         entry += [(t, v, r) for r, (t, v) in enumerate(zip(ids[j - 1], vals[j - 1]), start=1) if t != a]
         out.append(entry)
     return out
