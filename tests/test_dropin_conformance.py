@@ -151,6 +151,12 @@ def test_minus_one_within_max_logprobs() -> None:
             parse_completion(b'{"prompt": [1, 2], "return_tokens_as_token_ids": true, "%s": -1}' % name.encode(),
                              limits, "m", None)
         assert e.value.param == name and f"of {VOCAB}, which is greater than max allowed: 20" in e.value.message
+    from teacher_server.validation import build_request
+
+    with pytest.raises(BadRequest) as e:  # the native endpoint's (and the in-process LLM's) rule
+        build_request(token_ids=[1, 2], limits=limits, prompt_logprobs=-1)
+    assert e.value.param == "sampling_params.prompt_logprobs" and "-1: every id" in e.value.message
+    assert build_request(token_ids=[1, 2], limits=limits, prompt_logprobs=20).prompt_logprobs == 20
 
 
 def test_completions_echo_and_logprobs(server, toks, ref) -> None:
@@ -197,3 +203,39 @@ def test_completions_text_decoded_token_and_refusals(server, toks, ref) -> None:
     assert ch["text"] == f"w{greedy}" and ch["prompt_token_ids"] == toks and ch["token_ids"] == [greedy]
     assert {v["decoded_token"] for e in ch["prompt_logprobs"][1:] for v in e.values()} \
         == {f"w{t}" for e in ch["prompt_logprobs"][1:] for t in e}
+
+
+# --- POST /inference/v1/generate (vLLM's teacher scoring) -------------------------------------
+
+
+def test_native_ragged_rows_are_padded(server, toks) -> None:
+    """vLLM's doc of prompt_logprob_token_ids (docs/features/prompt_token_id_logprobs.md):
+    "shorter rows are padded with -1, and every -1 entry scores -inf"; K is the longest row."""
+    from apiutil import decode
+
+    start = 26  # rows 26..28: three rows
+    ragged = [[5, 9], [7], []]
+    with server.client() as c:
+        r = c.post("/inference/v1/generate", json={"token_ids": toks, "sampling_params": {
+            "prompt_logprob_token_ids": ragged, "prompt_logprob_start": start, "max_tokens": 0}})
+        padded = c.post("/inference/v1/generate", json={"token_ids": toks, "sampling_params": {
+            "prompt_logprob_token_ids": [[5, 9], [7, -1], [-1, -1]], "prompt_logprob_start": start,
+            "max_tokens": 0}})
+    assert r.status_code == padded.status_code == 200, (r.text, padded.text)
+    got, want = decode(r.json()["prompt_token_id_logprobs"]), decode(padded.json()["prompt_token_id_logprobs"])
+    assert got.shape == (3, 2)
+    np.testing.assert_array_equal(got, want)
+    assert np.isneginf(got[1, 1]) and np.isneginf(got[2]).all() and np.isfinite(got[0]).all()
+
+
+def test_native_prompt_logprobs_minus_one(server) -> None:
+    """vLLM's SamplingParams takes prompt_logprobs -1 for every id (its processor counts it as
+    the vocabulary's size)."""
+    toks = [7, 300, 41]
+    with server.client() as c:
+        r = c.post("/inference/v1/generate", json={"token_ids": toks, "sampling_params": {
+            "prompt_logprobs": -1, "max_tokens": 0}})
+    assert r.status_code == 200, r.text
+    plp = r.json()["prompt_logprobs"]
+    assert plp[0] is None and [len(e) for e in plp[1:]] == [VOCAB, VOCAB]
+    assert [next(iter(e)) for e in plp[1:]] == ["300", "41"]

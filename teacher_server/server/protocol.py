@@ -32,7 +32,8 @@ class SamplingParams(BaseModel):
     prompt_logprob_start: StrictInt | None = Field(
         None, description="First scored causal row (default 0); typically len(prompt) - 1.")
     prompt_logprobs: StrictInt | None = Field(
-        None, description="Classic per-position top-k (teacher's top-k plus the actual token).")
+        None, description="Classic per-position top-k (teacher's top-k plus the actual token); -1: the whole "
+                          "vocabulary (within max_logprobs).")
     max_tokens: StrictInt | None = Field(
         1, description="0 or 1; 1 also returns the greedy next token. This server does not generate.")
     # The row targets: more of the scored rows (those of prompt_logprob_start, one per scored
