@@ -2,7 +2,8 @@
 server answers it (the source read for it named in the test):
 
 - SGLang ``/generate``: the first position returned from ``logprob_start_len`` has no logprob
-  (SGLang pads it with None whatever the start), a start past the input is an error, one ``rid``
+  (SGLang pads it with None whatever the start), the given ids' logprobs at the generated token
+  (``output_token_ids_logprobs``), a start past the input is an error, one ``rid``
   over a batch becomes ``rid_i``, ``sampling_params.n`` > 1 is refused (nothing is sampled), PUT
   is served as POST;
 - vLLM ``/v1/completions``: ``-1`` for the full vocabulary, ``echo: null``, ``echo`` with
@@ -72,6 +73,27 @@ def test_sglang_first_returned_position_has_no_logprob(server, toks, ref) -> Non
         want = np.argsort(-ref[p - 1], kind="stable")[:2]
         assert [e[1] for e in top[i]] == want.tolist()
         np.testing.assert_allclose([e[0] for e in tid[i]], ref[p - 1, ids], atol=TOL)
+
+
+@pytest.mark.parametrize("start", [0, -1])
+def test_sglang_given_ids_at_the_generated_token(server, toks, ref, start: int) -> None:
+    """SGLang answers output_token_ids_logprobs for each generated token: the given ids'
+    [logprob, id, text] at its position (the scheduler appends
+    next_token_token_ids_logprobs_val per decoded token), with or without input positions."""
+    ids = [3, 17, 400]
+    with server.client() as c:
+        r = c.post("/generate", json={"input_ids": toks, "sampling_params": {"max_new_tokens": 1},
+                                      "return_logprob": True, "logprob_start_len": start, "token_ids_logprob": ids})
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    (out,) = meta["output_token_ids_logprobs"]
+    assert [e[1] for e in out] == ids
+    np.testing.assert_allclose([e[0] for e in out], ref[-1, ids], atol=TOL)
+    assert r.json()["output_ids"] == [int(ref[-1].argmax())]
+    assert len(meta["input_token_ids_logprobs"]) == (len(toks) if start == 0 else 0)
+    if start == 0:
+        np.testing.assert_allclose([[e[0] for e in row] for row in meta["input_token_ids_logprobs"][1:]],
+                                   ref[:-1][:, ids], atol=TOL)
 
 
 @pytest.mark.parametrize(("start", "entries"), [(29, 1), (30, 0)])

@@ -53,6 +53,10 @@ class ScoreRequest:
     # L-1 of the prompt_logprobs arrays), ``next_top`` columns wide: the OpenAI ``logprobs`` of
     # a generated token.
     next_top: int | None = None
+    # Shared candidates scored at the last position too (the next token's distribution; needs
+    # max_tokens 1): ``token_id_logprobs`` has one row more, the last (SGLang's
+    # ``output_token_ids_logprobs`` of a generated token).
+    next_candidates: bool = False
     cache_salt: str | None = None
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -66,6 +70,11 @@ class ScoreRequest:
     @property
     def rows(self) -> int:
         return max(self.length - 1 - self.start, 0)
+
+    @property
+    def candidate_rows(self) -> int:
+        """Rows of ``token_id_logprobs``: the scored rows, and the next token's with ``next_candidates``."""
+        return self.rows + self.next_candidates
 
     @property
     def k(self) -> int:
@@ -137,7 +146,7 @@ class ScoreResult:
         """The result arrays a request's steps fill in."""
         res = cls(req.request_id, req.uid, req.length)
         if req.candidates is not None:
-            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
+            res.token_id_logprobs = np.full((req.candidate_rows, req.k), np.nan, dtype=np.float32)
         if req.plp_cols is not None:
             n, k = max(req.length - 1, 0) + (req.next_top is not None), req.plp_cols
             res.plp_token_logprob = np.zeros(n, dtype=np.float32)

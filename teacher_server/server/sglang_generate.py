@@ -15,8 +15,8 @@ takes them), ``return_text_in_logprobs``. The answer is SGLang's: ``text``, ``ou
   (``None`` at the first position);
 - ``input_token_ids_logprobs`` (``token_ids_logprob``): per position the given ids' triples;
 - ``output_token_logprobs`` / ``output_top_logprobs`` / ``output_token_ids_logprobs`` for the
-  greedy token when ``max_new_tokens`` is 1 (``output_token_ids_logprobs`` holds ``None``:
-  the given ids are scored on the input rows only).
+  greedy token when ``max_new_tokens`` is 1 (the given ids scored at the last position too:
+  the engine's ``next_candidates``).
 
 ``text`` of a triple is ``None`` unless ``return_text_in_logprobs`` (then the checkpoint's
 tokenizer decodes it). ``-inf`` is written as -9999.0 (JSON has no infinity). The JSON is built
@@ -153,9 +153,12 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
         # Position ``first`` is returned without logprobs (as SGLang does); position p > first is scored
         # by causal row p - 1, so the rows (and the given ids as shared candidates) start at ``first``.
         rows = want and first < length - 1
+        # the given ids at the generated token's position too (``output_token_ids_logprobs``)
+        nxt = want and mn == 1 and tids is not None
         try:
-            req = build_request(token_ids=ids, limits=limits, max_tokens=mn, start=first if rows else None,
-                                candidates=tids if rows and tids is not None else None,
+            req = build_request(token_ids=ids, limits=limits, max_tokens=mn,
+                                start=first if rows else length - 1 if nxt else None,
+                                candidates=tids if (rows or nxt) and tids is not None else None,
                                 targets=RowTargets(topk=top or None, actual=True) if rows else None,
                                 sampling_temperature=sp.get("temperature"), priority=-(body.priority or 0),
                                 request_id=(_per(rid, i, n, "rid") if rid is not None else None)
@@ -166,6 +169,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
                              e.status) from None
         if want and mn == 1:
             req.next_top = max(top, 1)
+            req.next_candidates = nxt
         entries += (length - first) * (top + 1 + len(tids or ())) if want else 0
         reqs.append(req)
         items.append(_Item(want, first, top, tids, mn, req.request_id))
@@ -215,7 +219,9 @@ def _meta_logprobs(req: ScoreRequest, res: ScoreResult, it: _Item, text: dict[in
         m = res.token_id_logprobs.tolist() if res.token_id_logprobs is not None else []
         out["input_token_ids_logprobs"] = [None if p == first else [[_lp(v), t, name(t)] for t, v in zip(it.ids, m[r])]
                                            for p, r in zip(pos, row)]
-        out["output_token_ids_logprobs"] = [] if nxt is None else [None]
+        # (the generated token's: the request's last candidate row, ``next_candidates``)
+        out["output_token_ids_logprobs"] = [] if nxt is None else [
+            [[_lp(v), t, name(t)] for t, v in zip(it.ids, m[-1])]]
     return out
 
 
