@@ -10,7 +10,8 @@ server answers it (the source read for it named in the test):
   ``logprobs`` fills ``prompt_logprobs`` too and keeps ``logprobs + 1`` entries of each prompt
   position, ``echo`` with ``return_token_ids`` leaves the prompt out of ``text``,
   ``decoded_token`` is the tokenizer's text whatever ``return_tokens_as_token_ids`` says,
-  ``logprob_token_ids`` is a 400 (not silently ignored)."""
+  ``logprob_token_ids`` gives the generated token's ``top_logprobs`` over the given ids;
+- the native endpoint: ragged candidate rows padded with -1, ``prompt_logprobs: -1``."""
 
 from __future__ import annotations
 
@@ -212,20 +213,39 @@ def test_completions_echo_and_logprobs(server, toks, ref) -> None:
 def test_completions_text_decoded_token_and_refusals(server, toks, ref) -> None:
     """Echo puts the prompt in text unless return_token_ids (vLLM then leaves it out);
     decoded_token is the detokenizer's text whatever return_tokens_as_token_ids says (vLLM
-    writes token_id: only in logprobs); logprob_token_ids is refused, not ignored."""
+    writes token_id: only in logprobs)."""
     greedy = int(ref[-1].argmax())
     with server.client() as c:
         echo = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "echo": True}).json()
         ids = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "echo": True, "return_token_ids": True,
                                               "prompt_logprobs": 1, "return_tokens_as_token_ids": True}).json()
-        assert_error(c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 1,
-                                                     "logprob_token_ids": [3, 4]}), 400, "logprob_token_ids")
     assert echo["choices"][0]["text"] == " ".join(f"w{t}" for t in toks + [greedy])
     ch = ids["choices"][0]
     assert ch["text"] == f"w{greedy}" and ch["prompt_token_ids"] == toks and ch["token_ids"] == [greedy]
     assert {v["decoded_token"] for e in ch["prompt_logprobs"][1:] for v in e.values()} \
         == {f"w{t}" for e in ch["prompt_logprobs"][1:] for t in e}
 
+
+def test_completions_logprob_token_ids(server, toks, ref) -> None:
+    """vLLM's logprob_token_ids (CompletionRequest.check_logprobs and _create_completion_logprobs):
+    the generated token's top_logprobs hold the token, then the given ids, none cut to
+    logprobs + 1; empty, without logprobs, or with echo and max_tokens 0: 400."""
+    greedy = int(ref[-1].argmax())
+    given = [3, 4, greedy, 400]
+    with server.client() as c:
+        r = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 1,
+                                            "logprob_token_ids": given, "return_tokens_as_token_ids": True})
+        for bad in ({"logprob_token_ids": []}, {"logprob_token_ids": [3], "logprobs": None},
+                    {"logprob_token_ids": [3], "echo": True, "max_tokens": 0}, {"logprob_token_ids": [3, VOCAB]}):
+            assert_error(c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 1, **bad}),
+                         400, "logprob_token_ids")
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{greedy}"]
+    (top,) = lp["top_logprobs"]
+    assert list(top) == [f"token_id:{t}" for t in dict.fromkeys([greedy, *given])]
+    np.testing.assert_allclose([top[f"token_id:{t}"] for t in given], ref[-1, given], atol=TOL)
+    assert abs(lp["token_logprobs"][0] - ref[-1, greedy]) < TOL
 
 # --- POST /inference/v1/generate (vLLM's teacher scoring) -------------------------------------
 

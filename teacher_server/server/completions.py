@@ -15,7 +15,10 @@ vLLM's rules kept here (vllm/entrypoints/openai/completion/protocol.py and servi
 ``top_logprobs`` is the first ``logprobs + 1`` entries of its ``prompt_logprobs`` entry; with
 ``echo`` and ``return_token_ids`` the prompt is left out of ``text``; ``decoded_token`` is the
 tokenizer's text of the id (None without one), whatever ``return_tokens_as_token_ids`` says;
-an actual token among the top-k has its top-k rank (vLLM's entry dict keeps the top-k's).
+an actual token among the top-k has its top-k rank (vLLM's entry dict keeps the top-k's);
+``logprob_token_ids`` puts the given ids in the generated token's ``top_logprobs`` in place of
+its top ``logprobs`` (scored at the last position: the engine's ``next_candidates``) and lifts
+the ``logprobs + 1`` cut of every position, with vLLM's refusals.
 
 The JSON of large ``prompt_logprobs`` is the cost of this endpoint: it is built with orjson a
 slice of positions at a time, and bounded by ``max_prompt_logprobs_entries`` over the whole
@@ -67,9 +70,9 @@ class CompletionRequest(BaseModel):
         None, description="vLLM's per-position prompt logprobs: the actual token and the teacher's top-k "
                           "(`choices[i].prompt_logprobs`, None at position 0; -inf written as -9999.0; -1: the "
                           "whole vocabulary).")
-    logprob_token_ids: Any = Field(
-        None, description="Not supported (vLLM's given ids at generated positions): 400. Score given ids with "
-                          "`prompt_logprob_token_ids` on POST /inference/v1/generate.")
+    logprob_token_ids: IntList | None = Field(
+        None, description="Ids whose logprobs the generated token's `top_logprobs` holds (after the token itself) "
+                          "in place of the top `logprobs` (vLLM's; needs `logprobs`).")
     return_tokens_as_token_ids: StrictBool | None = Field(
         None, description="Tokens as `token_id:<id>` strings (in `logprobs.tokens`, `top_logprobs` keys and "
                           "`decoded_token`): no tokenizer needed.")
@@ -113,9 +116,15 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
     if body.n not in (None, 1):
         raise BadRequest(f"n must be 1, got {body.n}", "n")
-    if body.logprob_token_ids is not None:  # (vLLM's top_logprobs of generated tokens over given ids)
-        raise BadRequest("logprob_token_ids is not supported: this server does not generate; score given ids with "
-                         "prompt_logprob_token_ids on POST /inference/v1/generate", "logprob_token_ids")
+    given = body.logprob_token_ids
+    if given is not None:  # (vLLM's checks of it, in its words)
+        if not given:
+            raise BadRequest("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
+        if body.echo and body.max_tokens == 0:
+            raise BadRequest("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
+                             "output tokens are generated.", "logprob_token_ids")
+        if body.logprobs is None:
+            raise BadRequest("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
     kl, kp = (_logprobs_k(body, name, limits) for name in ("logprobs", "prompt_logprobs"))
     if body.logprobs is not None and not body.return_tokens_as_token_ids:
         require(tok, "logprobs with token strings", " and set return_tokens_as_token_ids=true")
@@ -127,16 +136,20 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     plp = kl if kp is None and body.echo else kp  # (vLLM asks the prompt's logprobs with echo's k)
     entries = 0
     reqs = []
+    at_next = given is not None and mt == 1  # the given ids scored at the generated token's position
     for i, ids in enumerate(prompts):
         try:
             req = build_request(token_ids=ids, limits=limits, prompt_logprobs=plp, max_tokens=mt,
                                 request_id=f"{rid}-{i}", cache_salt=body.cache_salt, priority=body.priority,
+                                candidates=given if at_next else None, start=len(ids) - 1 if at_next else None,
                                 sampling_temperature=(body.model_extra or {}).get("temperature"))
         except BadRequest as e:
-            raise BadRequest(e.message, "prompt" if e.param == "token_ids" else (e.param or "").removeprefix(
-                "sampling_params."), e.status) from None
+            param = {"token_ids": "prompt", "sampling_params.prompt_logprob_token_ids": "logprob_token_ids"}
+            raise BadRequest(e.message, param.get(e.param, (e.param or "").removeprefix("sampling_params.")),
+                             e.status) from None
         if mt == 1 and kl is not None:
             req.next_top = max(kl, 1)  # the generated (greedy) token is the top-1
+            req.next_candidates = at_next
         entries += (req.length - 1) * (plp + 1) if plp is not None else 0
         reqs.append(req)
     if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
@@ -233,23 +246,27 @@ def prompt_logprobs_json(req: ScoreRequest, res: ScoreResult, k: int, name: _Nam
     return b"".join(parts)
 
 
-def _position_top(token: int, lp: float, ids: list[int], vals: list[float], k: int) -> tuple[float, dict]:
+def _position_top(token: int, lp: float, ids: list[int], vals: list[float], k: int | None) -> tuple[float, dict]:
     """One position's OpenAI ``token_logprobs`` value and ``top_logprobs`` as vLLM builds them:
     the entry dict by id (the token, then the top ids, a top id replacing the token's own entry
-    where they meet), its first ``k + 1`` entries keyed by token string (the later of two ids
-    with one string wins, as in vLLM's dict comprehension). ``ids``/``vals``: the position's top
-    ids by rank and their logprobs (a ``_Names`` maps the keys later)."""
+    where they meet), its first ``k + 1`` entries (None: all, as with ``logprob_token_ids``)
+    keyed by token string (the later of two ids with one string wins, as in vLLM's dict
+    comprehension). ``ids``/``vals``: the position's top (or given) ids and their logprobs (a
+    ``_Names`` maps the keys later)."""
     by_id = {token: lp}
     for i, v in zip(ids, vals):
         by_id[i] = v
-    return by_id[token], dict(list(by_id.items())[:k + 1])
+    items = list(by_id.items())
+    return by_id[token], dict(items if k is None else items[:k + 1])
 
 
 def _openai_logprobs(req: ScoreRequest, res: ScoreResult, k: int, prompt_k: int | None, echo: bool, mt: int,
-                     name: _Names) -> dict[str, list]:
+                     name: _Names, given: list[int] | None = None) -> dict[str, list]:
     """OpenAI's logprobs of the returned tokens: the prompt's (with echo; None at position 0;
     its entries are the ``prompt_logprobs`` ones, ``prompt_k`` wide) and the greedy token's
-    (the top ``k``), at most ``k + 1`` alternatives each, the token itself first."""
+    (the top ``k``), at most ``k + 1`` alternatives each, the token itself first. With
+    ``given`` (``logprob_token_ids``), the greedy token's alternatives are those ids (the
+    request's ``next_candidates`` row) and no position is cut to ``k + 1``, as in vLLM."""
     tokens, token_lps, tops = [], [], []
     positions = list(range(req.length)) if echo else []
     toks = req.token_ids.tolist()
@@ -264,7 +281,9 @@ def _openai_logprobs(req: ScoreRequest, res: ScoreResult, k: int, prompt_k: int 
             continue
         ids, vals = res.plp_topk_ids[row, :width].tolist(), res.plp_topk_logprobs[row, :width].tolist()
         own = float(res.plp_token_logprob[row]) if j is not None else vals[ids.index(t)] if t in ids else vals[0]
-        lp, top = _position_top(t, own, ids, vals, k)
+        if j is None and given is not None:
+            ids, vals = given, res.token_id_logprobs[-1].tolist()
+        lp, top = _position_top(t, own, ids, vals, None if given is not None else k)
         token_lps.append(_lp(lp))
         named: dict[str | None, float] = {}
         for i, v in top.items():
@@ -297,7 +316,7 @@ def build_completion(parsed: ParsedCompletion, results: list[ScoreResult], model
         choice: dict[str, Any] = {
             "index": i, "text": text,
             "logprobs": None if parsed.logprobs_k is None else _openai_logprobs(
-                req, res, parsed.logprobs_k, parsed.prompt_k, bool(body.echo), mt, names),
+                req, res, parsed.logprobs_k, parsed.prompt_k, bool(body.echo), mt, names, body.logprob_token_ids),
             "finish_reason": "length", "stop_reason": None,
             "prompt_token_ids": req.token_ids.tolist() if body.return_token_ids else None,
             "token_ids": out_ids if body.return_token_ids else None,
