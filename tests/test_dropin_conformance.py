@@ -281,3 +281,15 @@ def test_native_prompt_logprobs_minus_one(server) -> None:
     plp = r.json()["prompt_logprobs"]
     assert plp[0] is None and [len(e) for e in plp[1:]] == [VOCAB, VOCAB]
     assert [next(iter(e)) for e in plp[1:]] == ["300", "41"]
+
+
+def test_completions_id_from_the_request_id_header(server) -> None:
+    """vLLM names a completion ``cmpl-`` + X-Request-Id when the header is there, else the
+    body's request_id (OpenAIServing._base_request_id); SGLang reads no header."""
+    with server.client() as c:
+        both = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 0, "request_id": "body"},
+                      headers={"X-Request-Id": "hdr"})
+        body = c.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 0, "request_id": "body"})
+        sgl = c.post("/generate", json={"input_ids": [1, 2], "rid": "r"}, headers={"X-Request-Id": "hdr"})
+    assert both.json()["id"] == "cmpl-hdr" and body.json()["id"] == "cmpl-body"
+    assert sgl.json()["meta_info"]["id"] == "r"

@@ -106,9 +106,11 @@ def _token_prompts(body: CompletionRequest, tok: Tokenizer | None) -> list[list[
 
 
 def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
-                     aliases: tuple[str, ...] = ()) -> ParsedCompletion:
+                     aliases: tuple[str, ...] = (), header_request_id: str | None = None) -> ParsedCompletion:
     """JSON bytes -> the engine requests of each prompt; BadRequest (vLLM's 400/404) otherwise.
-    ``aliases``: the other served names (``--served-model-name a b``), accepted as ``model``."""
+    ``aliases``: the other served names (``--served-model-name a b``), accepted as ``model``;
+    ``header_request_id``: X-Request-Id, which names the completion before the body's
+    ``request_id`` does (vLLM's ``_base_request_id``)."""
     body = validated(raw, CompletionRequest)
     if body.model is not None and body.model != served and body.model not in aliases:
         raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
@@ -131,7 +133,8 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     prompts = _token_prompts(body, tok)
     if not prompts:
         raise BadRequest("prompt must not be empty", "prompt")
-    rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
+    rid = header_request_id if header_request_id is not None else body.request_id
+    rid = f"cmpl-{rid if rid is not None else uuid.uuid4().hex}"
     mt = 1 if body.max_tokens is None else body.max_tokens
     plp = kl if kp is None and body.echo else kp  # (vLLM asks the prompt's logprobs with echo's k)
     entries = 0
