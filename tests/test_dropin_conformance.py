@@ -293,3 +293,23 @@ def test_completions_id_from_the_request_id_header(server) -> None:
         sgl = c.post("/generate", json={"input_ids": [1, 2], "rid": "r"}, headers={"X-Request-Id": "hdr"})
     assert both.json()["id"] == "cmpl-hdr" and body.json()["id"] == "cmpl-body"
     assert sgl.json()["meta_info"]["id"] == "r"
+
+
+def test_openai_client_reads_what_vllm_sends(server, toks, ref) -> None:
+    """The ``openai`` package's completions.create, as a trainer written for vLLM calls it: vLLM's
+    extra fields through extra_body and extra_headers, read back from the client's models."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    greedy = int(ref[-1].argmax())
+    out = client.completions.create(model=client.models.list().data[0].id, prompt=toks, max_tokens=1, echo=True,
+                                    logprobs=2, extra_headers={"X-Request-Id": "trainer-7"},
+                                    extra_body={"logprob_token_ids": [3, 4], "return_tokens_as_token_ids": True})
+    assert out.id == "cmpl-trainer-7"
+    (ch,) = out.choices
+    assert ch.prompt_logprobs[0] is None and len(ch.prompt_logprobs) == len(toks)  # filled by echo + logprobs
+    assert [int(t) for t in ch.prompt_logprobs[1]] == _vllm_entry(ref[0], toks[1], 2)
+    assert list(ch.logprobs.top_logprobs[-1]) == [f"token_id:{t}" for t in (greedy, 3, 4)]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=out.model, prompt=toks, max_tokens=1,
+                                  extra_body={"prompt_logprobs": -2})
+    assert e.value.body["param"] == "prompt_logprobs"
