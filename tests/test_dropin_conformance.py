@@ -313,3 +313,13 @@ def test_openai_client_reads_what_vllm_sends(server, toks, ref) -> None:
         client.completions.create(model=out.model, prompt=toks, max_tokens=1,
                                   extra_body={"prompt_logprobs": -2})
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+def test_native_n_samples_refused(server, toks) -> None:
+    """vLLM answers sampling_params.n choices, each sampled: nothing is sampled here, so n > 1 is
+    a 400 naming it rather than one choice where n were asked."""
+    with server.client() as c:
+        assert_error(c.post("/inference/v1/generate", json={"token_ids": toks, "sampling_params": {"n": 4}}),
+                     400, "sampling_params.n")
+        assert c.post("/inference/v1/generate", json={"token_ids": toks, "sampling_params": {"n": 1}}).status_code \
+            == 200

@@ -86,7 +86,7 @@ class SamplingParams(BaseModel):
     output_kind: Any = None
     structured_outputs: Any = None
     guided_decoding: Any = None
-    n: int | None = None
+    n: int | None = Field(None, description="1 only: this server does not sample (400 otherwise).")
     best_of: int | None = None
     flat_logprobs: bool | None = None
     logits_processors: Any = None
