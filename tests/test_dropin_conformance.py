@@ -246,6 +246,12 @@ def test_completions_logprob_token_ids(server, toks, ref) -> None:
     assert list(top) == [f"token_id:{t}" for t in dict.fromkeys([greedy, *given])]
     np.testing.assert_allclose([top[f"token_id:{t}"] for t in given], ref[-1, given], atol=TOL)
     assert abs(lp["token_logprobs"][0] - ref[-1, greedy]) < TOL
+    with server.client() as c:  # the same with the tokenizer's strings; logprobs 0 alone: the token alone
+        r = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 0, "logprob_token_ids": [411]})
+        zero = c.post("/v1/completions", json={"prompt": toks, "max_tokens": 1, "logprobs": 0})
+    assert r.status_code == zero.status_code == 200, (r.text, zero.text)
+    assert list(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == [f"w{greedy}", "w411"]
+    assert list(zero.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == [f"w{greedy}"]
 
 # --- POST /inference/v1/generate (vLLM's teacher scoring) -------------------------------------
 

@@ -275,7 +275,8 @@ def _openai_logprobs(req: ScoreRequest, res: ScoreResult, k: int, prompt_k: int 
     toks = req.token_ids.tolist()
     rows = [(j, toks[j], j - 1, prompt_k or 0) for j in positions]
     if mt and res.next_token is not None:
-        rows.append((None, res.next_token, req.length - 1, k))  # the next token's distribution (``next_top``)
+        # the next token's distribution (``next_top``: its top-1 is the greedy token, also with k = 0)
+        rows.append((None, res.next_token, req.length - 1, max(k, 1)))
     for j, t, row, width in rows:
         tokens.append(name(t))
         if j == 0:
@@ -310,8 +311,8 @@ def build_completion(parsed: ParsedCompletion, results: list[ScoreResult], model
     prompt_tokens = cached = 0
     for i, (req, res) in enumerate(zip(parsed.reqs, results)):
         out_ids = [res.next_token] if mt and res.next_token is not None else []
-        used = np.concatenate([req.token_ids, out_ids, res.plp_topk_ids.reshape(-1)]) \
-            if res.plp_topk_ids is not None else np.asarray(req.token_ids.tolist() + out_ids)
+        used = np.concatenate([req.token_ids, out_ids, body.logprob_token_ids or [],
+                               res.plp_topk_ids.reshape(-1) if res.plp_topk_ids is not None else []]).astype(np.int64)
         names = _Names(tok, as_ids, used)  # logprobs' tokens
         text = ""
         if tok is not None:  # (vLLM leaves the echoed prompt out of text when it returns token ids)
