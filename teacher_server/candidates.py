@@ -1,11 +1,10 @@
 """The rules a candidates value (``prompt_logprob_token_ids``) follows: one module for the
 server's validation, the in-process ``LLM`` and the client, so they cannot drift apart.
 
-A value is a flat list of K ids shared by every scored row, a list of per-row lists of ids
-(``-1`` pads; shorter rows are padded with ``-1`` to the longest, K, as vLLM pads them), or an
-integer array of shape ``[K]`` or ``[rows, K]`` (the server also takes that array as a base64
-``.npy`` string; ``teacher_server.validation`` decodes it first).
-``candidate_ids`` checks what the value alone tells (shape, K >= 1, integer ids);
+A value is a flat list of K ids shared by every scored row, a list of per-row lists of K ids
+(``-1`` pads), or an integer array of shape ``[K]`` or ``[rows, K]`` (the server also takes
+that array as a base64 ``.npy`` string; ``teacher_server.validation`` decodes it first).
+``candidate_ids`` checks what the value alone tells (shape, K >= 1, equal rows, integer ids);
 the bounds need what a caller knows: the server and the ``LLM`` know the vocabulary, the row
 count and the limits (``check_candidate_bounds``), the client only its int32 wire format
 (``check_int32``). The integer rule is the token ids' too (``integer_ids``).
@@ -41,7 +40,7 @@ def integer_ids(value: Any, name: str) -> np.ndarray:
     try:
         arr = np.asarray(value)
     except (OverflowError, ValueError, TypeError):  # rows of rows of unequal depth, ...
-        raise InvalidIds(f"{name} must be a list of integer ids (or a list of rows of ids)") from None
+        raise InvalidIds(f"{name} must be a list of integer ids (or a list of equal-length rows)") from None
     if arr.size and arr.dtype.kind not in "iu":  # object: ids beyond 64 bits, or values of mixed types
         raise NonIntegerIds(f"{name} must hold integer ids within int64, got dtype {arr.dtype}")
     return arr
@@ -57,15 +56,14 @@ def signed_ids(arr: np.ndarray, name: str) -> np.ndarray:
 
 def candidate_ids(value: Any, name: str = "candidates") -> np.ndarray:
     """Candidates in any form -> an integer array of shape ``[K]`` (shared by every scored row)
-    or ``[rows, K]`` (one row per scored position, ``-1`` pads; rows of a list shorter than its
-    longest, K, padded with ``-1``), in the dtype given.
+    or ``[rows, K]`` (one row per scored position, ``-1`` pads), in the dtype given.
 
-    K must be at least 1 in every form (also with zero rows), ids must be integers. Raises
-    ``InvalidIds`` (a ValueError; ``NonIntegerIds``, also a TypeError, for ids that are not
-    integers).
+    K must be at least 1 in every form (also with zero rows), every row must hold K ids, ids
+    must be integers. Raises ``InvalidIds`` (a ValueError; ``NonIntegerIds``, also a
+    TypeError, for ids that are not integers).
     """
     if not isinstance(value, np.ndarray):
-        value = _padded_rows(value, name)
+        _check_rows(value, name)
     arr = integer_ids(value, name)
     if arr.ndim not in (1, 2):
         raise InvalidIds(f"{name} must have shape [K] or [rows, K], got {list(arr.shape)}")
@@ -75,21 +73,20 @@ def candidate_ids(value: Any, name: str = "candidates") -> np.ndarray:
     return arr
 
 
-def _padded_rows(value: Any, name: str) -> Any:
-    """A list of rows of unequal length with the shorter ones padded with -1 (vLLM's doc of
-    ``prompt_logprob_token_ids``: "shorter rows are padded with -1"); other values as given."""
+def _check_rows(value: Any, name: str) -> None:
+    """Ragged rows would become numpy's 'inhomogeneous shape' error: say which row differs."""
     if not isinstance(value, Sequence) or isinstance(value, (str, bytes)) or not value:
-        return value
+        return
     nested = [_is_row(r) for r in value]
     if any(nested) and not all(nested):
         raise InvalidIds(f"{name}: a mix of ids and rows; give a flat list of K ids or a list of rows")
     if not nested[0]:
-        return value
-    lens = [len(row) for row in value]
-    k = max(lens)
-    if min(lens) == k:
-        return value
-    return [row if n == k else [*row, *([-1] * (k - n))] for row, n in zip(value, lens)]
+        return
+    k0 = len(value[0])
+    for i, row in enumerate(value):
+        if len(row) != k0:
+            raise InvalidIds(f"{name}: every row must hold the same number of ids (pad with -1); "
+                             f"row 0 has {k0}, row {i} has {len(row)}")
 
 
 def _is_row(r: Any) -> bool:

@@ -61,6 +61,7 @@ BAD = [
     ("negative start", body(TOKS, [1, 2], start=-1), 400, "sampling_params.prompt_logprob_start", None),
     ("row count mismatch", body(TOKS, [[1, 2]] * 3, start=5), 400, "sampling_params.prompt_logprob_token_ids", "rows"),
     ("start without candidates", body(TOKS, start=3), 400, "sampling_params.prompt_logprob_start", None),
+    ("ragged rows", body(TOKS, [[1, 2], [3]], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
     ("mixed ids and rows", body(TOKS, [[1, 2], 3], start=7), 400, "sampling_params.prompt_logprob_token_ids", None),
     ("invalid base64", body(TOKS, "%%%not-base64%%%"), 400, "sampling_params.prompt_logprob_token_ids", "base64"),
     ("not npy", body(TOKS, base64.b64encode(b"hello world").decode()), 400,

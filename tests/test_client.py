@@ -298,6 +298,8 @@ def _never_called(request: httpx.Request) -> httpx.Response:
     ([], ValueError, "K must be at least 1"),  # K == 0: the server's 400, before sending
     (np.zeros(0, np.int32), ValueError, "K must be at least 1"),
     (np.zeros((2, 0), np.int64), ValueError, "K must be at least 1"),
+    ([[1, 2], [3, 4, 5]], ValueError, "row 0 has 2, row 1 has 3"),  # ragged rows
+    ([[1, 2], [3]], ValueError, "pad with -1"),
     ([[1, 2], 3], ValueError, "a mix of ids and rows"),
 ])
 def test_local_input_errors(cands, error, match) -> None:

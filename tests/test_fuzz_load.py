@@ -151,7 +151,7 @@ def test_hostile_inputs(demo_server) -> None:
     cases = [
         {"token_ids": {"a": 1}}, {"token_ids": [[1, 2]]}, {"token_ids": [1e30]}, {"token_ids": [-(2 ** 63) - 1]},
         {"token_ids": [2 ** 64]}, {"token_ids": ["1"]}, {"token_ids": [None]},
-        body(toks, [[1, 2], [[3]]], start=2), body(toks, [[1, 2], 7], start=2),
+        body(toks, [[1, 2], [3]], start=2), body(toks, [[1, 2], 7], start=2),
         body(toks, "==="), body(toks, "a" * 1001),
         body(toks, npy(np.array([{"x": 1}], dtype=object))),  # pickled payload: must not be unpickled
         body(toks, npy(np.array([1.5, 2.5]))), body(toks, npy(np.array(["ab", "cd"]))),

@@ -1,6 +1,6 @@
 """The in-process API takes candidates as lists or numpy arrays (as the server takes the
-binary form) and follows the client's rule for input that cannot be valid (K == 0, a mix of
-ids and rows): a ValueError naming the field, before anything runs."""
+binary form) and follows the client's rule for input that cannot be valid (K == 0, ragged
+rows): a ValueError naming the field, before anything runs."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_token_id_arrays_of_other_kinds_are_refused(llm: LLM, toks: np.ndarray) 
 
 def test_one_rule_for_client_and_llm(llm: LLM) -> None:
     """What the client refuses before sending, the LLM refuses with the same message."""
-    for cands in ([], [[1, 2], 3], np.zeros((2, 0), np.int32)):
+    for cands in ([], [[1, 2], [3]], np.zeros((2, 0), np.int32)):
         with pytest.raises(ValueError) as client_err:
             candidates_array(cands)
         with pytest.raises(ValueError) as llm_err:

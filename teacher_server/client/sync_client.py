@@ -85,10 +85,10 @@ class TeacherClient(ClientBase):
         ``rows = max(len(token_ids) - 1 - start, 0)``; row i scores token ``start + i + 1``.
 
         ``candidates`` is ``[K]`` (shared by every row) or ``[rows, K]`` (one row per scored
-        position, ``-1`` pads and scores ``-inf``; shorter rows of a list are padded with it),
-        K >= 1. Raises ``TeacherServerError``, or ``ValueError``/``TypeError`` before sending for
-        input that cannot be valid (K == 0, a mix of ids and rows, non-integer ids). ``model``:
-        the teacher of a service of several (docs/teachers.md); default the client's ``model``.
+        position, ``-1`` pads and scores ``-inf``), K >= 1. Raises ``TeacherServerError``, or
+        ``ValueError``/``TypeError`` before sending for input that cannot be valid (K == 0,
+        ragged rows, non-integer ids). ``model``: the teacher of a service of several
+        (docs/teachers.md); default the client's ``model``.
         """
         return self.score_full(token_ids, candidates, start, cache_salt=cache_salt, request_id=request_id,
                                prompt_logprobs=prompt_logprobs, max_tokens=max_tokens, priority=priority,
