@@ -187,8 +187,12 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
         cand = parse_candidates(candidates, rows, limits, sp + "prompt_logprob_token_ids")
     if prompt_logprobs is not None:
         cap = min(limits.max_logprobs, limits.vocab_size)
-        if prompt_logprobs < 0 or prompt_logprobs > cap:
-            raise BadRequest(f"prompt_logprobs must be in [0, {cap}], got {prompt_logprobs}", sp + "prompt_logprobs")
+        k = limits.vocab_size if prompt_logprobs == -1 else prompt_logprobs  # (vLLM's -1: every id)
+        if k < 0 or k > cap:
+            every = f" (-1: every id, {k})" if prompt_logprobs == -1 else ""
+            raise BadRequest(f"prompt_logprobs must be -1 or in [0, {cap}] (max_logprobs), got {prompt_logprobs}"
+                             f"{every}", sp + "prompt_logprobs")
+        prompt_logprobs = k
         entries = (int(toks.size) - 1) * (prompt_logprobs + 1)
         if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
             raise BadRequest(f"prompt_logprobs={prompt_logprobs} on {toks.size} tokens makes {entries} entries, more "

@@ -43,7 +43,7 @@ def test_completions_prompt_logprobs_echo_and_batch(tok_server) -> None:
         assert ch["index"] == i and ch["finish_reason"] == "length" and ch["prompt_token_ids"] == toks
         greedy = int(ref[-1].argmax())
         assert ch["token_ids"] == [greedy]
-        assert ch["text"] == " ".join(f"w{t}" for t in toks + [greedy])  # echo: prompt + the token
+        assert ch["text"] == f"w{greedy}"  # echo with return_token_ids: vLLM leaves the prompt out of text
         plp = ch["prompt_logprobs"]
         assert len(plp) == len(toks) and plp[0] is None
         for j in range(1, len(toks)):
@@ -75,7 +75,7 @@ def test_completions_token_ids_text_prompt_and_max_tokens_0(tok_server) -> None:
         ch = r.json()["choices"][0]
         assert ch["logprobs"]["tokens"] == ["token_id:5", "token_id:9", "token_id:11", "token_id:2"]
         assert [list(e) for e in ch["prompt_logprobs"][1:]] == [["9"], ["11"], ["2"]]  # k = 0: the actual only
-        assert ch["prompt_logprobs"][1]["9"]["decoded_token"] == "token_id:9"
+        assert ch["prompt_logprobs"][1]["9"]["decoded_token"] == "w9"  # (vLLM's detokenized text, not token_id:)
         assert ch["text"] == "w5 w9 w11 w2" and ch["token_ids"] is None
         # no echo: the logprobs of the generated token alone (its row is the last position's)
         toks = [7, 300, 41, 9, 250]
@@ -181,15 +181,18 @@ def test_sglang_generate(tok_server) -> None:
     assert [e[1] for e in meta["output_top_logprobs"][0]] == np.argsort(-ref[-1], kind="stable")[:4].tolist()
     first, second = later.json()
     assert len(first["meta_info"]["input_token_logprobs"]) == 15 and first["output_ids"] == []
-    np.testing.assert_allclose([e[0] for e in first["meta_info"]["input_token_logprobs"]],
-                               ref[np.arange(24, 39), toks[25:]], atol=TOL)
-    assert first["meta_info"]["input_token_logprobs"][0][2] is None  # text only with return_text_in_logprobs
+    # as SGLang: the first position returned has no logprob, whatever logprob_start_len is
+    assert first["meta_info"]["input_token_logprobs"][0] == [None, toks[25], None]
+    np.testing.assert_allclose([e[0] for e in first["meta_info"]["input_token_logprobs"][1:]],
+                               ref[np.arange(25, 39), toks[26:]], atol=TOL)
+    assert first["meta_info"]["input_token_logprobs"][1][2] is None  # text only with return_text_in_logprobs
     assert "input_token_logprobs" not in second["meta_info"]
 
 
 def test_prompt_logprobs_json_equals_the_entries_as_dicts() -> None:
     """The byte-template builder gives what serialising the entries as dicts gives: the actual
-    token first, then the top-k by rank without it, -inf as -9999.0, decoded tokens escaped."""
+    token first, then the top-k by rank without it (where it is among them, its top-k entry in
+    its place, as vLLM's dict by id has it), -inf as -9999.0, decoded tokens escaped."""
     import orjson
 
     from teacher_server.engine.request import ScoreRequest, ScoreResult
@@ -218,9 +221,9 @@ def test_prompt_logprobs_json_equals_the_entries_as_dicts() -> None:
         t = int(toks[j])
         e = {str(t): {"logprob": max(float(res.plp_token_logprob[j - 1]), -9999.0),
                       "rank": int(res.plp_token_rank[j - 1]), "decoded_token": names(t)}}
+        # vLLM's dict: a top-k entry of the actual token replaces its own, in its place
         for r, (i, v) in enumerate(zip(res.plp_topk_ids[j - 1].tolist(), res.plp_topk_logprobs[j - 1].tolist()), 1):
-            if i != t:
-                e[str(i)] = {"logprob": max(v, -9999.0), "rank": r, "decoded_token": names(i)}
+            e[str(i)] = {"logprob": max(v, -9999.0), "rank": r, "decoded_token": names(i)}
         want.append(e)
     got = prompt_logprobs_json(req, res, k, names)
     assert got == orjson.dumps(want)

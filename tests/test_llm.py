@@ -47,7 +47,7 @@ def test_numpy_candidates_match_lists(llm: LLM) -> None:
     (np.zeros(0, np.int32), 9, "K must be at least 1"),
     (np.zeros((4, 0), np.int64), 5, "K must be at least 1"),
     (np.zeros((0, 0), np.int64), 9, "K must be at least 1"),
-    ([[1, 2], [3], [4, 5], [6, 7]], 5, "pad with -1"),
+    ([[1, 2], 3, [4, 5], [6, 7]], 5, "a mix of ids and rows"),
     (np.array([1.0, 2.0]), 5, "integer"),
     (np.zeros((4, 2, 1), np.int32), 5, r"\[K\] or \[rows, K\]"),
 ])

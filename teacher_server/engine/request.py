@@ -53,6 +53,10 @@ class ScoreRequest:
     # L-1 of the prompt_logprobs arrays), ``next_top`` columns wide: the OpenAI ``logprobs`` of
     # a generated token.
     next_top: int | None = None
+    # Shared candidates scored at the last position too (the next token's distribution; needs
+    # max_tokens 1): ``token_id_logprobs`` has one row more, the last (SGLang's
+    # ``output_token_ids_logprobs`` of a generated token).
+    next_candidates: bool = False
     cache_salt: str | None = None
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -66,6 +70,11 @@ class ScoreRequest:
     @property
     def rows(self) -> int:
         return max(self.length - 1 - self.start, 0)
+
+    @property
+    def candidate_rows(self) -> int:
+        """Rows of ``token_id_logprobs``: the scored rows, and the next token's with ``next_candidates``."""
+        return self.rows + self.next_candidates
 
     @property
     def k(self) -> int:
@@ -137,7 +146,7 @@ class ScoreResult:
         """The result arrays a request's steps fill in."""
         res = cls(req.request_id, req.uid, req.length)
         if req.candidates is not None:
-            res.token_id_logprobs = np.full((req.rows, req.k), np.nan, dtype=np.float32)
+            res.token_id_logprobs = np.full((req.candidate_rows, req.k), np.nan, dtype=np.float32)
         if req.plp_cols is not None:
             n, k = max(req.length - 1, 0) + (req.next_top is not None), req.plp_cols
             res.plp_token_logprob = np.zeros(n, dtype=np.float32)
@@ -162,14 +171,16 @@ class ScoreResult:
 def prompt_logprob_entries(token_ids: np.ndarray, res: ScoreResult) -> list[list[tuple[int, float, int]] | None]:
     """vLLM's classic prompt_logprobs layout: entry 0 None; entry j lists
     (token id, logprob, rank) with the actual token j first, then the top-k by rank
-    (without repeating the actual token)."""
+    (without repeating the actual token, which then has its top-k value and rank: vLLM's
+    entry is a dict by id, the top-k's written over the token's own)."""
     toks = token_ids.tolist()
     lp, rk = res.plp_token_logprob.tolist(), res.plp_token_rank.tolist()
     ids, vals = res.plp_topk_ids.tolist(), res.plp_topk_logprobs.tolist()
     out: list[list[tuple[int, float, int]] | None] = [None]
     for j in range(1, len(toks)):
         a = toks[j]
-        entry = [(a, lp[j - 1], rk[j - 1])]
+        at = ids[j - 1].index(a) if a in ids[j - 1] else -1
+        entry = [(a, lp[j - 1], rk[j - 1]) if at < 0 else (a, vals[j - 1][at], at + 1)]
         entry += [(t, v, r) for r, (t, v) in enumerate(zip(ids[j - 1], vals[j - 1]), start=1) if t != a]
         out.append(entry)
     return out

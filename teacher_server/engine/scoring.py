@@ -78,7 +78,8 @@ class _WholeVocab:
     def actual_and_rank(self, sub: torch.Tensor, actual: torch.Tensor,
                         rank: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         act = sub.gather(1, actual[:, None])  # [p, 1]
-        return act, (sub > act).sum(-1) + 1 if rank else None
+        # vLLM's rank: the ids at or above the token's value, so a tie ranks the token last of its ties
+        return act, (sub >= act).sum(-1) if rank else None
 
     def log_normalizer(self, sub: torch.Tensor) -> torch.Tensor:
         """[p, 1]: the row max and sum-exp in one pass (the gather kernel's partial mode with no

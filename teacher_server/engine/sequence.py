@@ -98,11 +98,14 @@ class Chunk:
     # The three uses of this chunk's logit rows [logit_lo, logit_hi), as position ranges
     # (empty ranges have b <= a). Shared by step preparation and result scatter.
     def cand_positions(self) -> tuple[int, int]:
-        """Positions scored against candidates: [max(lo, start), min(hi, L-1))."""
+        """Positions scored against candidates: [max(lo, start), min(hi, L-1)); to L with
+        ``next_candidates`` (the last position, whose logits the next token needs anyway)."""
         req = self.seq.req
         if req.candidates is None:
             return 0, 0
-        return max(self.logit_lo, req.start), min(self.logit_hi, req.length - 1)
+        assert not req.next_candidates or (req.max_tokens >= 1 and not req.per_row), \
+            f"next_candidates needs shared candidates and max_tokens 1 (request {req.request_id!r})"
+        return max(self.logit_lo, req.start), min(self.logit_hi, req.length - 1 + req.next_candidates)
 
     def plp_positions(self) -> tuple[int, int]:
         """Positions needing classic prompt_logprobs or the row targets: [lo, min(hi, L-1))

@@ -61,7 +61,8 @@ def log_normalizer(sub: torch.Tensor, group: object = None) -> torch.Tensor:
 
 def actual_and_rank(sub: torch.Tensor, actual: torch.Tensor, vocab_start: int,
                     rank: bool = True, group: object = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The actual tokens' logits [p, 1] and their ranks [p] (1 + ids with a larger logit; None
+    """The actual tokens' logits [p, 1] and their ranks [p] (the ids with a logit at least the
+    token's, itself included: vLLM's rank, a tie ranking the token last of its ties; None
     without ``rank``: one pass over the shard and a collective fewer)."""
     local = actual - vocab_start
     inside = (local >= 0) & (local < sub.shape[1])
@@ -69,9 +70,9 @@ def actual_and_rank(sub: torch.Tensor, actual: torch.Tensor, vocab_start: int,
     dist.all_reduce(act, group=group)
     if not rank:
         return act, None
-    rank = (sub > act).sum(-1)
+    rank = (sub >= act).sum(-1)
     dist.all_reduce(rank, group=group)
-    return act, rank + 1
+    return act, rank
 
 
 def top_k(sub: torch.Tensor, k: int, vocab_start: int, tp: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:

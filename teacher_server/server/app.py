@@ -204,6 +204,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         `return_tokens_as_token_ids`; vLLM's response and error shapes (see docs/trainers.md)."""
         return await handle_scoring(request, cfg, "completions", parse_completion, build_completion)
 
+    @app.put("/generate", include_in_schema=False)  # (SGLang's route takes PUT as POST)
     @app.post("/generate", responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
                                       429: {"model": ErrorResponse},
                                       503: {"model": ErrorResponse}},

@@ -50,7 +50,8 @@ class Parsed(Protocol):
     reqs: list[ScoreRequest]
 
 
-Parse = Callable[[bytes, Limits, str, "Tokenizer | None"], Any]
+# (body, limits, served name, tokenizer, the other served names, the X-Request-Id header)
+Parse = Callable[[bytes, Limits, str, "Tokenizer | None", tuple[str, ...], "str | None"], Any]
 Build = Callable[[Any, list[ScoreResult], str, "Tokenizer | None"], bytes]
 
 
@@ -132,7 +133,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     loop = asyncio.get_running_loop()
     tok = tokenizer_of(t)
     model = t.engine.served_model_name
-    args = (raw, t.limits, model, tok, t.cfg.served_names)
+    args = (raw, t.limits, model, tok, t.cfg.served_names, request.headers.get("x-request-id"))
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
     del raw, args
     reqs: list[ScoreRequest] = parsed.reqs

@@ -123,6 +123,8 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
         if body.stream:
             raise BadRequest(STREAM_MESSAGE, "stream")
         sp = body.sampling_params
+        if sp.n not in (None, 1):  # vLLM would answer n sampled choices: nothing is sampled here
+            raise BadRequest(f"n must be 1 (this server does not sample), got {sp.n}", "sampling_params.n")
         rid = body.request_id if body.request_id is not None else header_request_id  # "" is an id
         req = build_request(
             token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,

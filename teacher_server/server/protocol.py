@@ -32,7 +32,8 @@ class SamplingParams(BaseModel):
     prompt_logprob_start: StrictInt | None = Field(
         None, description="First scored causal row (default 0); typically len(prompt) - 1.")
     prompt_logprobs: StrictInt | None = Field(
-        None, description="Classic per-position top-k (teacher's top-k plus the actual token).")
+        None, description="Classic per-position top-k (teacher's top-k plus the actual token); -1: the whole "
+                          "vocabulary (within max_logprobs).")
     max_tokens: StrictInt | None = Field(
         1, description="0 or 1; 1 also returns the greedy next token. This server does not generate.")
     # The row targets: more of the scored rows (those of prompt_logprob_start, one per scored
@@ -85,7 +86,7 @@ class SamplingParams(BaseModel):
     output_kind: Any = None
     structured_outputs: Any = None
     guided_decoding: Any = None
-    n: int | None = None
+    n: int | None = Field(None, description="1 only: this server does not sample (400 otherwise).")
     best_of: int | None = None
     flat_logprobs: bool | None = None
     logits_processors: Any = None

@@ -8,13 +8,15 @@ takes them), ``return_text_in_logprobs``. The answer is SGLang's: ``text``, ``ou
 ``total_retractions`` (0: nothing is retracted) and, with ``return_logprob``:
 
 - ``input_token_logprobs``: ``[logprob, token_id, text]`` per input position from
-  ``logprob_start_len`` (logprob ``None`` at position 0, which nothing predicts);
+  ``logprob_start_len`` (``-1``, the default: none of them; more than the input's length: 400);
+  the first entry's logprob is ``None`` whatever the start, as SGLang pads it (its scheduler
+  takes the first returned position's logprob as not computed);
 - ``input_top_logprobs`` (``top_logprobs_num`` > 0): per position the top-k as such triples
-  (``None`` at position 0);
+  (``None`` at the first position);
 - ``input_token_ids_logprobs`` (``token_ids_logprob``): per position the given ids' triples;
 - ``output_token_logprobs`` / ``output_top_logprobs`` / ``output_token_ids_logprobs`` for the
-  greedy token when ``max_new_tokens`` is 1 (``output_token_ids_logprobs`` holds ``None``:
-  the given ids are scored on the input rows only).
+  greedy token when ``max_new_tokens`` is 1 (the given ids scored at the last position too:
+  the engine's ``next_candidates``).
 
 ``text`` of a triple is ``None`` unless ``return_text_in_logprobs`` (then the checkpoint's
 tokenizer decodes it). ``-inf`` is written as -9999.0 (JSON has no infinity). The JSON is built
@@ -98,8 +100,9 @@ def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
 
 
 def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
-                 aliases: tuple[str, ...] = ()) -> ParsedSGLang:
-    """JSON bytes -> one engine request per prompt; BadRequest otherwise."""
+                 aliases: tuple[str, ...] = (), header_request_id: str | None = None) -> ParsedSGLang:
+    """JSON bytes -> one engine request per prompt; BadRequest otherwise. (SGLang names a
+    request by its body's ``rid`` alone: ``header_request_id`` is not read.)"""
     body = validated(raw, SGLangGenerateRequest)
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
@@ -120,6 +123,8 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
     cap = min(limits.max_logprobs, limits.vocab_size)
     check_priority(body.priority or 0, limits)  # (as sent: it is negated below)
     rid = body.rid
+    if isinstance(rid, str) and batch:  # (SGLang's own expansion of one rid over a batch)
+        rid = [f"{rid}_{i}" for i in range(n)]
     reqs, items, entries = [], [], 0
     for i, ids in enumerate(prompts):
         sp = _per(body.sampling_params, i, n, "sampling_params") or {}
@@ -127,6 +132,9 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
         if isinstance(mn, bool) or not isinstance(mn, int) or mn not in (0, 1):
             raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
                              f"generate); got {mn!r}", "sampling_params.max_new_tokens")
+        if sp.get("n", 1) not in (None, 1):  # SGLang would answer n samples per prompt: none are drawn here
+            raise BadRequest(f"sampling_params.n must be 1 (this server does not sample); got {sp['n']!r}",
+                             "sampling_params.n")
         want = bool(_per(body.return_logprob, i, n, "return_logprob"))
         start = _per(body.logprob_start_len, i, n, "logprob_start_len")
         start = -1 if start is None else start
@@ -139,13 +147,19 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
         if tids is not None and not tids:
             tids = None
         length = len(ids)
-        first = length if start == -1 else min(start, length)  # the first input position returned
-        # Rows: position p (>= 1) is scored by causal row p - 1; the given ids as shared candidates from there.
-        cand_start = max(first - 1, 0)
-        rows = want and first < length
+        if want and start > length:
+            raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens ({length})",
+                             "logprob_start_len")
+        first = length if start == -1 else start  # the first input position returned
+        # Position ``first`` is returned without logprobs (as SGLang does); position p > first is scored
+        # by causal row p - 1, so the rows (and the given ids as shared candidates) start at ``first``.
+        rows = want and first < length - 1
+        # the given ids at the generated token's position too (``output_token_ids_logprobs``)
+        nxt = want and mn == 1 and tids is not None
         try:
-            req = build_request(token_ids=ids, limits=limits, max_tokens=mn, start=cand_start if rows else None,
-                                candidates=tids if rows and tids is not None else None,
+            req = build_request(token_ids=ids, limits=limits, max_tokens=mn,
+                                start=first if rows else length - 1 if nxt else None,
+                                candidates=tids if (rows or nxt) and tids is not None else None,
                                 targets=RowTargets(topk=top or None, actual=True) if rows else None,
                                 sampling_temperature=sp.get("temperature"), priority=-(body.priority or 0),
                                 request_id=(_per(rid, i, n, "rid") if rid is not None else None)
@@ -156,6 +170,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
                              e.status) from None
         if want and mn == 1:
             req.next_top = max(top, 1)
+            req.next_candidates = nxt
         entries += (length - first) * (top + 1 + len(tids or ())) if want else 0
         reqs.append(req)
         items.append(_Item(want, first, top, tids, mn, req.request_id))
@@ -174,15 +189,18 @@ def _lp(x: float) -> float:
 
 
 def _meta_logprobs(req: ScoreRequest, res: ScoreResult, it: _Item, text: dict[int, str] | None) -> dict[str, Any]:
-    """The ``meta_info`` logprob fields of one prompt. Input position p >= 1 is scored by the
-    request's row p - 1 - start (its rows begin at causal row ``req.start``)."""
+    """The ``meta_info`` logprob fields of one prompt. The first position returned
+    (``it.start``) has none; position p after it is scored by the request's row p - 1 - start
+    (its rows begin at causal row ``req.start`` = ``it.start``)."""
     name = (lambda i: text[i]) if text is not None else (lambda i: None)
     toks = req.token_ids.tolist()
     pos = range(it.start, req.length)
-    row = [p - 1 - req.start for p in pos]  # (position 0's is never read)
+    row = [p - 1 - req.start for p in pos]  # (the first position's is never read)
+    first = it.start
     out: dict[str, Any] = {}
     act = res.actual_logprobs.tolist() if res.actual_logprobs is not None else []
-    out["input_token_logprobs"] = [[None if p == 0 else _lp(act[r]), toks[p], name(toks[p])] for p, r in zip(pos, row)]
+    out["input_token_logprobs"] = [[None if p == first else _lp(act[r]), toks[p], name(toks[p])]
+                                   for p, r in zip(pos, row)]
     nxt = res.next_token if it.max_new and res.next_token is not None else None
     last_ids = last_vals = None
     if nxt is not None:  # the next token's distribution (``next_top``)
@@ -194,15 +212,17 @@ def _meta_logprobs(req: ScoreRequest, res: ScoreResult, it: _Item, text: dict[in
     if it.top > 0:
         ids = res.topk_ids.tolist() if res.topk_ids is not None else []
         vals = res.topk_logprobs.tolist() if res.topk_logprobs is not None else []
-        out["input_top_logprobs"] = [None if p == 0 else [[_lp(v), t, name(t)] for t, v in zip(ids[r], vals[r])]
+        out["input_top_logprobs"] = [None if p == first else [[_lp(v), t, name(t)] for t, v in zip(ids[r], vals[r])]
                                      for p, r in zip(pos, row)]
         out["output_top_logprobs"] = [] if nxt is None else [
             [[_lp(v), t, name(t)] for t, v in zip(last_ids[:it.top], last_vals[:it.top])]]
     if it.ids is not None:
         m = res.token_id_logprobs.tolist() if res.token_id_logprobs is not None else []
-        out["input_token_ids_logprobs"] = [None if p == 0 else [[_lp(v), t, name(t)] for t, v in zip(it.ids, m[r])]
+        out["input_token_ids_logprobs"] = [None if p == first else [[_lp(v), t, name(t)] for t, v in zip(it.ids, m[r])]
                                            for p, r in zip(pos, row)]
-        out["output_token_ids_logprobs"] = [] if nxt is None else [None]
+        # (the generated token's: the request's last candidate row, ``next_candidates``)
+        out["output_token_ids_logprobs"] = [] if nxt is None else [
+            [[_lp(v), t, name(t)] for t, v in zip(it.ids, m[-1])]]
     return out
 
 
