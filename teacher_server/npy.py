@@ -35,10 +35,12 @@ _NAMES = {"True": True, "False": False, "None": None}
 _MAX_DEPTH = 8  # a header nests a dict, a descr list and its field tuples
 
 
-def load_npy(raw: bytes) -> np.ndarray:
+def load_npy(raw: bytes, exact: bool = False) -> np.ndarray:
     """The array held by ``.npy`` bytes (a copy: it does not keep ``raw`` alive). Raises
     ValueError for anything ``np.load(..., allow_pickle=False)`` would refuse, and for object
-    arrays; trailing bytes after the data are ignored, as ``np.load`` ignores them."""
+    arrays; trailing bytes after the data are ignored, as ``np.load`` ignores them, unless
+    ``exact``: then they are refused too (a payload that holds one array and more bytes has a
+    header whose shape is not its data's, and read as the header says its rows are misaligned)."""
     if raw[:len(MAGIC)] != MAGIC or len(raw) < len(MAGIC) + 2:
         raise ValueError("not a .npy array (no magic string)")
     major, minor = raw[len(MAGIC)], raw[len(MAGIC) + 1]
@@ -64,6 +66,9 @@ def load_npy(raw: bytes) -> np.ndarray:
     if len(raw) - end < count * dtype.itemsize:
         raise ValueError(f"truncated .npy data: {count} x {dtype.itemsize} bytes expected, "
                          f"{len(raw) - end} found")
+    if exact and len(raw) - end > count * dtype.itemsize:
+        raise ValueError(f"{len(raw) - end - count * dtype.itemsize} bytes after the data of shape {list(shape)} "
+                         f"({count} x {dtype.itemsize} bytes): the header's shape is not the data's")
     flat = np.frombuffer(raw, dtype, count=count, offset=end).copy()
     return flat.reshape(shape[::-1]).transpose() if fortran_order else flat.reshape(shape)
 
