@@ -102,13 +102,14 @@ def decode_npy(data: str, param: str) -> np.ndarray:
 
 
 def _load_npy(data: str, param: str) -> np.ndarray:
-    """base64 `.npy` -> the array as sent (its dtype and shape are the caller's to check)."""
+    """base64 `.npy` -> the array as sent (its dtype and shape are the caller's to check); bytes
+    after its data are refused (``exact``), never cut off."""
     try:
         raw = b64.decode(data)
     except ValueError:  # (binascii.Error too)
         raise BadRequest(f"{param} is not valid base64", param) from None
     try:
-        return load_npy(raw)
+        return load_npy(raw, exact=True)
     except ValueError as e:  # the reader says what is wrong (no magic, truncated, object arrays, ...)
         raise BadRequest(f"{param} is not a valid .npy array: {str(e)[:200]}", param) from None
     except Exception:
@@ -137,6 +138,26 @@ def _token_ids(value: Any) -> np.ndarray:
         return signed_ids(integer_ids(value, "token_ids"), "token_ids").astype(np.int64, copy=False)
     except InvalidIds as e:
         raise BadRequest(str(e), "token_ids") from None
+
+
+def _sampling_temperature(value: Any, param: str) -> float | None:
+    """The request's sampling ``temperature`` as vLLM's request models read it: a number, or a
+    string of one ("0.7"). Anything else is a 400: ignored, it would leave a server in
+    ``processed_logprobs`` mode returning unscaled scores without a word."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    try:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # (an integer beyond float's range)
+        ok = False
+    if not ok:
+        raise BadRequest(f"temperature must be a finite number, got {value!r:.40}", param)
+    return float(value)
 
 
 def check_priority(priority: int, limits: Limits) -> None:
@@ -200,10 +221,9 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
                              "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
     tg.check(rows, cand is not None, limits)
     temp = tg.temperature
-    st = sampling_temperature
-    if temp is None and limits.processed and isinstance(st, int | float) and not isinstance(st, bool) \
-            and math.isfinite(st) and st > 1e-5:  # (vLLM's greedy threshold: below it, no scaling)
-        temp = float(st)
+    st = _sampling_temperature(sampling_temperature, sp + "temperature")
+    if temp is None and limits.processed and st is not None and st > 1e-5:  # (vLLM's greedy threshold)
+        temp = st
     return ScoreRequest(
         request_id=request_id if request_id is not None else f"score-{uuid.uuid4().hex}",
         token_ids=toks, start=s, candidates=cand, prompt_logprobs=prompt_logprobs, max_tokens=mt,
