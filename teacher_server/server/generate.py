@@ -130,7 +130,8 @@ def request_timeout(request: Request, cfg: Config) -> float | None:
     except ValueError:
         own = float("nan")
     if not (0 < own < 1e9):  # (also NaN and infinity)
-        raise BadRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {text[:40]!r}", TIMEOUT_HEADER)
+        raise BadRequest(f"{TIMEOUT_HEADER} must be a positive number of seconds below 1e9, got {text[:40]!r}",
+                         TIMEOUT_HEADER)
     return own if cfg.request_timeout_s is None else min(own, cfg.request_timeout_s)
 
 
