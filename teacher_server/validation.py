@@ -66,8 +66,9 @@ class RowTargets:
     def any_rows(self) -> bool:
         return bool(self.topk or self.actual or self.tail or self.logsumexp)
 
-    def check(self, rows: int, has_candidates: bool, limits: Limits) -> None:
-        """Raise BadRequest naming the field for values the engine cannot honour."""
+    def check(self, rows: int, cand_k: int, limits: Limits) -> None:
+        """Raise BadRequest naming the field for values the engine cannot honour; ``cand_k``:
+        the candidates' K (0: no candidates)."""
         sp = "sampling_params."
         if self.topk is not None:
             cap = min(limits.max_logprobs, limits.vocab_size)
@@ -77,10 +78,14 @@ class RowTargets:
             if rows * self.topk > limits.max_rows_x_k:
                 raise BadRequest(f"prompt_logprob_topk={self.topk} on {rows} rows is {rows * self.topk} values, more "
                                  f"than max_rows_x_k={limits.max_rows_x_k}", sp + "prompt_logprob_topk")
-        if self.union and not (has_candidates and self.topk):
+        if self.union and not (cand_k and self.topk):
             raise BadRequest("prompt_logprob_union needs prompt_logprob_token_ids and prompt_logprob_topk",
                              sp + "prompt_logprob_union")
-        if self.tail and not (has_candidates or self.topk):
+        if self.union and rows * (cand_k + self.topk) > limits.max_rows_x_k:  # ([rows, Kc + K], one result too)
+            raise BadRequest(f"prompt_logprob_union of {cand_k} candidates and top-{self.topk} on {rows} rows is "
+                             f"{rows * (cand_k + self.topk)} values, more than max_rows_x_k={limits.max_rows_x_k}",
+                             sp + "prompt_logprob_union")
+        if self.tail and not (cand_k or self.topk):
             raise BadRequest("prompt_logprob_tail needs columns to be outside of: prompt_logprob_token_ids and/or "
                              "prompt_logprob_topk", sp + "prompt_logprob_tail")
         t = self.temperature
@@ -219,7 +224,7 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
             raise BadRequest(f"prompt_logprobs={prompt_logprobs} on {toks.size} tokens makes {entries} entries, more "
                              f"than max_prompt_logprobs_entries={limits.max_prompt_logprobs_entries}; ask for fewer, "
                              "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
-    tg.check(rows, cand is not None, limits)
+    tg.check(rows, 0 if cand is None else int(cand.shape[-1]), limits)
     temp = tg.temperature
     st = _sampling_temperature(sampling_temperature, sp + "temperature")
     if temp is None and limits.processed and st is not None and st > 1e-5:  # (vLLM's greedy threshold)
