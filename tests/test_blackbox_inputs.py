@@ -2,7 +2,8 @@
 endpoints of one live server (a tiny Qwen3, vocabulary 512, max_model_len 64, in
 ``processed_logprobs`` mode so that a request's sampling temperature matters): every bad input
 is a 4xx in the documented error shape naming the field, nothing is cut off or misread, and
-the server serves the same answers afterwards."""
+the server serves the same answers afterwards. ``max_rows_x_k`` is the largest result of one
+max_model_len request, [max_model_len - 1, max_logprobs]."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from conftest import LiveServer
 from teacher_server.config import Config
 
 VOCAB, MAX_LEN, MAX_K = 512, 64, 8
+MAX_ROWS_X_K = (MAX_LEN - 1) * MAX_K
 GEN, COMP, SGL = "/inference/v1/generate", "/v1/completions", "/generate"
 IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -24,7 +26,8 @@ IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 @pytest.fixture(scope="module")
 def server(checkpoints):
     cfg = Config(model=str(checkpoints["qwen3"]), device="cpu", max_num_batched_tokens=32, block_size=8,
-                 num_kv_blocks=256, max_model_len=MAX_LEN, max_logprobs=MAX_K, logprobs_mode="processed_logprobs")
+                 num_kv_blocks=256, max_model_len=MAX_LEN, max_logprobs=MAX_K, max_rows_x_k=MAX_ROWS_X_K,
+                 logprobs_mode="processed_logprobs")
     with LiveServer(cfg) as s, s.client() as c:
         s.c = c
         yield s
@@ -71,6 +74,10 @@ BAD = [
      400, "sampling_params.prompt_logprob_token_ids"),
     ("npy float ids", GEN, _gen(prompt_logprob_token_ids=npy_b64(np.ones((_ROWS, 2), np.float32))), 400,
      "sampling_params.prompt_logprob_token_ids"),
+    # each of its parts within max_rows_x_k, the union's [rows, Kc + K] twice it
+    ("union past max_rows_x_k", GEN, {"token_ids": list(range(MAX_LEN)), "sampling_params": {
+        "prompt_logprob_token_ids": list(range(MAX_K)), "prompt_logprob_topk": MAX_K, "prompt_logprob_union": True}},
+     400, "sampling_params.prompt_logprob_union"),
     ("negative start", GEN, _gen(prompt_logprob_token_ids=[1], prompt_logprob_start=-1), 400,
      "sampling_params.prompt_logprob_start"),
     ("temperature not a number", GEN, _gen(prompt_logprob_token_ids=[1], temperature="warm"), 400,
@@ -129,6 +136,11 @@ def test_lengths_at_the_boundaries(server) -> None:
     assert r.status_code == 200, r.text
     assert decode(r.json()["prompt_token_id_logprobs"]).shape == (MAX_LEN - 1, 2)
     assert decode(r.json()["prompt_topk_logprobs"]).shape == (MAX_LEN - 1, MAX_K)
+    half = MAX_K // 2  # a union of exactly max_rows_x_k values
+    r = c.post(GEN, json={"token_ids": ids, "sampling_params": {"prompt_logprob_token_ids": list(range(half)),
+                                                                "prompt_logprob_topk": half, "prompt_logprob_union": True}})
+    assert r.status_code == 200, r.text
+    assert decode(r.json()["prompt_union_logprobs"]).shape == (MAX_LEN - 1, MAX_K)
     plp = c.post(COMP, json={**_COMP, "prompt": ids, "max_tokens": 1}).json()["choices"][0]["prompt_logprobs"]
     assert len(plp) == MAX_LEN and plp[0] is None and all(len(e) >= 1 for e in plp[1:])
     meta = c.post(SGL, json={**_SGL, "input_ids": ids}).json()["meta_info"]
