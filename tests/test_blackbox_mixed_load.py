@@ -7,18 +7,16 @@ and afterwards nothing is left counted in flight and the server serves as before
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 import httpx
 import numpy as np
-from apiutil import assert_error, decode
+from apiutil import assert_error
+from blackbox_util import assert_same, hang_ups
 from conftest import wait_until
 
 GEN, COMP, SGL = "/inference/v1/generate", "/v1/completions", "/generate"
-VOCAB, TOL = 4096, 1e-5
-ARRAYS = ("prompt_token_id_logprobs", "prompt_topk_token_ids", "prompt_topk_logprobs", "prompt_union_token_ids",
-          "prompt_union_logprobs", "prompt_actual_logprobs", "prompt_tail_logprobs", "prompt_logsumexp")
+VOCAB = 4096
 
 
 def _valid(n: int) -> list[tuple[str, dict]]:
@@ -58,61 +56,6 @@ INVALID = [
 ]
 
 
-def _numbers(x: object) -> list[float]:
-    """Every float of a JSON answer, in order (ids, names and times aside)."""
-    if isinstance(x, dict):
-        return [v for k in sorted(x) if k not in ("id", "created", "request_id", "e2e_latency", "cached_tokens")
-                for v in _numbers(x[k])]
-    if isinstance(x, list):
-        return [v for item in x for v in _numbers(item)]
-    return [x] if isinstance(x, float) else []
-
-
-def _ids(x: object) -> object:
-    """The answer without its floats and per-call fields: every id, key and shape."""
-    if isinstance(x, dict):
-        return {k: _ids(v) for k, v in x.items() if k not in ("id", "created", "request_id", "e2e_latency",
-                                                              "cached_tokens", *ARRAYS)}
-    if isinstance(x, list):
-        return [_ids(v) for v in x]
-    return None if isinstance(x, float) else x
-
-
-def _assert_same(alone: dict, together: dict) -> None:
-    assert _ids(together) == _ids(alone)
-    np.testing.assert_allclose(_numbers(together), _numbers(alone), rtol=0, atol=TOL)
-    for key in ARRAYS:
-        if alone.get(key) is None:  # (absent, or null: prompt_token_id_logprobs without candidates)
-            assert together.get(key) is None, key
-            continue
-        a, b = decode(alone[key]), decode(together[key])
-        assert a.shape == b.shape and a.dtype == b.dtype, key
-        if a.dtype.kind == "f":
-            np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b))
-            np.testing.assert_allclose(b[np.isfinite(b)], a[np.isfinite(a)], rtol=0, atol=TOL)
-        else:
-            np.testing.assert_array_equal(a, b)
-
-
-async def _hang_up(port: int, raw: bytes) -> None:
-    """A client that sends ``raw`` and closes without reading the answer."""
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(raw)
-    await writer.drain()
-    writer.close()
-    await writer.wait_closed()
-
-
-def _hang_ups(port: int, bodies: list[tuple[str, dict]]) -> list:
-    out = []
-    for i, (path, b) in enumerate(bodies):
-        data = json.dumps(b).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\n\r\n").encode()
-        out.append(_hang_up(port, head + (data if i % 2 else data[:len(data) // 2])))  # whole, or mid-body
-    return out
-
-
 def test_a_mixed_burst_equals_each_request_alone(demo_server) -> None:
     valid = _valid(48)
     with demo_server.client() as c:
@@ -126,13 +69,13 @@ def test_a_mixed_burst_equals_each_request_alone(demo_server) -> None:
         async with httpx.AsyncClient(base_url=demo_server.url, timeout=300,
                                      limits=httpx.Limits(max_connections=100)) as c:
             asked = [c.post(p, json=b) for p, b in valid + INVALID * 2]
-            out = await asyncio.gather(*asked, *_hang_ups(demo_server.port, valid[:12]))
+            out = await asyncio.gather(*asked, *hang_ups(demo_server.port, valid[:12]))
             return out[:len(asked)]
 
     together = asyncio.run(burst())
     for (path, _), a, t in zip(valid, alone, together):
         assert t.status_code == 200, (path, t.text[:300])
-        _assert_same(a, t.json())
+        assert_same(a, t.json())
     for t in together[len(valid):]:
         assert_error(t, 400)
 
@@ -146,4 +89,4 @@ def test_a_mixed_burst_equals_each_request_alone(demo_server) -> None:
         wait_until(idle, 60, "nothing in flight")
         assert c.get("/health").json() == {"status": "ready"}
         for (path, b), a in list(zip(valid, alone))[::6]:
-            _assert_same(a, c.post(path, json=b).json())
+            assert_same(a, c.post(path, json=b).json())
