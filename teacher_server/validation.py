@@ -44,6 +44,9 @@ class Limits:
     processed: bool = False
     # Accepted priorities are -priority_limit..priority_limit; None: any (in-process API).
     priority_limit: int | None = None
+    # The most prompts one call of a batch endpoint holds: what the queue holds at once (a batch
+    # is admitted whole, so a larger one never could be); None: no cap (in-process API).
+    max_prompts: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_logprobs == -1:  # (vLLM's -1: no cap but the vocabulary)
@@ -163,6 +166,14 @@ def _sampling_temperature(value: Any, param: str) -> float | None:
     if not ok:
         raise BadRequest(f"temperature must be a finite number, got {value!r:.40}", param)
     return float(value)
+
+
+def check_batch(n: int, limits: Limits, param: str) -> None:
+    """BadRequest naming ``param`` for a batch of ``n`` prompts the queue can never hold at once
+    (refused before its prompts are read: not a 429 that no wait would cure)."""
+    if limits.max_prompts is not None and n > limits.max_prompts:
+        raise BadRequest(f"a batch of {n} prompts is more than the queue holds at once ({limits.max_prompts}, "
+                         "max_queue_requests): send it in parts", param)
 
 
 def check_priority(priority: int, limits: Limits) -> None:

@@ -40,7 +40,7 @@ from teacher_server.server.parsing import validated
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, build_request
+from teacher_server.validation import BadRequest, Limits, build_request, check_batch
 
 PLP_SLICE = 512  # positions of prompt_logprobs serialised at a time
 
@@ -130,6 +130,8 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     kl, kp = (_logprobs_k(body, name, limits) for name in ("logprobs", "prompt_logprobs"))
     if body.logprobs is not None and not body.return_tokens_as_token_ids:
         require(tok, "logprobs with token strings", " and set return_tokens_as_token_ids=true")
+    p = body.prompt
+    check_batch(len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1, limits, "prompt")
     prompts = _token_prompts(body, tok)
     if not prompts:
         raise BadRequest("prompt must not be empty", "prompt")

@@ -46,7 +46,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
         engine = ae.engine
         st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
                            cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
-                           processed=cfg.logprobs_mode == "processed_logprobs")
+                           processed=cfg.logprobs_mode == "processed_logprobs", max_prompts=cfg.max_queue_requests)
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,

@@ -71,7 +71,8 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
             return
         st.limits = Limits(info.vocab_size, info.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
                            cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
-                           processed=cfg.logprobs_mode == "processed_logprobs")
+                           processed=cfg.logprobs_mode == "processed_logprobs",
+                           max_prompts=cfg.max_queue_requests * cfg.data_parallel_size)  # (every replica's queue)
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
         m.set_healthy(True)
         what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"

@@ -39,7 +39,7 @@ from teacher_server.server.parsing import validated
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_priority
+from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_batch, check_priority
 
 _Many = Annotated[list[StrictInt], _FF]
 
@@ -108,6 +108,9 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
     if (body.input_ids is None) == (body.text is None):
         raise BadRequest("give exactly one of input_ids and text", "input_ids")
+    many = body.text if body.text is not None else body.input_ids
+    check_batch(len(many) if isinstance(many, list) and many and isinstance(many[0], str | list) else 1, limits,
+                "input_ids" if body.text is None else "text")
     if body.text is not None:
         t = require(tok, "text")
         batch = isinstance(body.text, list)
