@@ -3,7 +3,8 @@ endpoints of one live server (a tiny Qwen3, vocabulary 512, max_model_len 64, in
 ``processed_logprobs`` mode so that a request's sampling temperature matters): every bad input
 is a 4xx in the documented error shape naming the field, nothing is cut off or misread, and
 the server serves the same answers afterwards. ``max_rows_x_k`` is the largest result of one
-max_model_len request, [max_model_len - 1, max_logprobs]."""
+max_model_len request, [max_model_len - 1, max_logprobs]; the queue holds QUEUE requests, so a batch of more prompts could
+never be admitted."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from teacher_server.config import Config
 
 VOCAB, MAX_LEN, MAX_K = 512, 64, 8
 MAX_ROWS_X_K = (MAX_LEN - 1) * MAX_K
+QUEUE = 16
 GEN, COMP, SGL = "/inference/v1/generate", "/v1/completions", "/generate"
 IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -27,7 +29,7 @@ IDS = [3, 1, 4, 1, 5, 9, 2, 6]
 def server(checkpoints):
     cfg = Config(model=str(checkpoints["qwen3"]), device="cpu", max_num_batched_tokens=32, block_size=8,
                  num_kv_blocks=256, max_model_len=MAX_LEN, max_logprobs=MAX_K, max_rows_x_k=MAX_ROWS_X_K,
-                 logprobs_mode="processed_logprobs")
+                 max_queue_requests=QUEUE, logprobs_mode="processed_logprobs")
     with LiveServer(cfg) as s, s.client() as c:
         s.c = c
         yield s
@@ -96,11 +98,14 @@ BAD = [
     ("temperature a list", COMP, {**_COMP, "temperature": [0.5]}, 400, "temperature"),
     ("temperature a bool", COMP, {**_COMP, "temperature": True}, 400, "temperature"),
     ("unknown model", COMP, {**_COMP, "model": "nope"}, 404, "model"),
+    # more prompts than the queue holds: a 400 (no retry helps), not a 429 after reading them all
+    ("a batch past the queue", COMP, {**_COMP, "prompt": [[1, 2]] * (QUEUE + 1)}, 400, "prompt"),
     ("input_ids empty", SGL, {**_SGL, "input_ids": []}, 400, "input_ids"),
     ("input id = vocab", SGL, {**_SGL, "input_ids": [1, VOCAB]}, 400, "input_ids"),
     ("input_ids one over max_model_len", SGL, {**_SGL, "input_ids": [1] * (MAX_LEN + 1)}, 400, "input_ids"),
     ("top_logprobs_num > max_logprobs", SGL, {**_SGL, "top_logprobs_num": MAX_K + 1}, 400, "top_logprobs_num"),
     ("token_ids_logprob = vocab", SGL, {**_SGL, "token_ids_logprob": [VOCAB]}, 400, "token_ids_logprob"),
+    ("a batch past the queue", SGL, {**_SGL, "input_ids": [[1, 2]] * (QUEUE + 1)}, 400, "input_ids"),
     ("logprob_start_len below -1", SGL, {**_SGL, "logprob_start_len": -2}, 400, "logprob_start_len"),
     ("max_new_tokens 2", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 2}}, 400, "sampling_params.max_new_tokens"),
     ("temperature a word", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "temperature": "warm"}}, 400,
@@ -152,6 +157,9 @@ def test_lengths_at_the_boundaries(server) -> None:
         assert r.status_code == 200, r.text
         assert decode(r.json()["prompt_token_id_logprobs"]).shape == (0, 3)
         assert decode(r.json()["prompt_actual_logprobs"]).shape == (0,)
+    full = [[1, 2, 3]] * QUEUE  # a batch the queue holds exactly
+    assert len(c.post(COMP, json={**_COMP, "prompt": full}).json()["choices"]) == QUEUE
+    assert len(c.post(SGL, json={**_SGL, "input_ids": full}).json()) == QUEUE
     one = c.post(GEN, json={"token_ids": [7], "sampling_params": {"prompt_logprob_token_ids": [1, 2]}}).json()
     assert decode(one["prompt_token_id_logprobs"]).shape == (0, 2) and len(one["choices"][0]["token_ids"]) == 1
     assert c.post(COMP, json={**_COMP, "prompt": [7]}).json()["choices"][0]["prompt_logprobs"] == [None]
