@@ -42,8 +42,22 @@ def integer_ids(value: Any, name: str) -> np.ndarray:
     except (OverflowError, ValueError, TypeError):  # rows of rows of unequal depth, ...
         raise InvalidIds(f"{name} must be a list of integer ids (or a list of equal-length rows)") from None
     if arr.size and arr.dtype.kind not in "iu":  # object: ids beyond 64 bits, or values of mixed types
+        big = None if isinstance(value, np.ndarray) else _beyond_int64(value)
+        if big is not None:  # (integers all: numpy made floats of [1, 2**63], "dtype float64" would mislead)
+            raise NonIntegerIds(f"{name}: id {big} is out of range")
         raise NonIntegerIds(f"{name} must hold integer ids within int64, got dtype {arr.dtype}")
     return arr
+
+
+def _beyond_int64(value: Any) -> int | None:
+    """The first id int64 cannot hold of a list (or list of rows) of Python ints only; None
+    when there is none, or another value (a float, a bool, a string)."""
+    if not isinstance(value, list | tuple):
+        return None
+    flat = [x for row in value for x in (row if isinstance(row, list | tuple) else (row,))]
+    if not all(type(x) is int for x in flat):
+        return None
+    return next((x for x in flat if not -_INT64_MAX - 1 <= x <= _INT64_MAX), None)
 
 
 def signed_ids(arr: np.ndarray, name: str) -> np.ndarray:
