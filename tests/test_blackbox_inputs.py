@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -55,6 +56,7 @@ BAD = [
     # (case, path, body, status, param)
     ("id = vocab", GEN, {"token_ids": [1, VOCAB]}, 400, "token_ids"),
     ("negative id", GEN, {"token_ids": [1, -3]}, 400, "token_ids"),
+    ("id past int64", GEN, {"token_ids": [1, 2**63]}, 400, "token_ids"),
     ("one over max_model_len", GEN, {"token_ids": [1] * (MAX_LEN + 1)}, 400, "token_ids"),
     ("K = 0", GEN, _gen(prompt_logprob_token_ids=[[]] * _ROWS), 400, "sampling_params.prompt_logprob_token_ids"),
     ("K > max_logprobs", GEN, _gen(prompt_logprob_token_ids=list(range(MAX_K + 1))), 400,
@@ -124,6 +126,17 @@ def test_bad_input_is_a_4xx_naming_the_field(server, path: str, payload: dict, s
 @pytest.mark.parametrize("path", [GEN, COMP, SGL])
 def test_a_body_that_is_not_a_json_object_is_a_400(server, path: str, raw: bytes) -> None:
     assert_error(server.c.post(path, content=raw, headers={"Content-Type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize(("path", "payload", "param"), [
+    (GEN, {"token_ids": [1, 2**63]}, "token_ids"),
+    (GEN, _gen(prompt_logprob_token_ids=[[1]] * (_ROWS - 1) + [[2**64 - 1]]), "sampling_params.prompt_logprob_token_ids"),
+    (COMP, {**_COMP, "prompt": [1, 2**63]}, "prompt")])
+def test_an_id_past_int64_is_named(server, path: str, payload: dict, param: str) -> None:
+    """Integers all, one beyond int64: the 400 names that id (not the float dtype numpy makes of them)."""
+    big = next(x for x in json.dumps(payload).replace("[", " ").replace("]", " ").replace(",", " ").split()
+               if x.lstrip("-").isdigit() and abs(int(x)) >= 2**63)
+    assert_error(server.c.post(path, json=payload), 400, param, contains=f"id {big} is out of range")
 
 
 def test_request_timeout_header_out_of_range_says_the_range(server) -> None:
