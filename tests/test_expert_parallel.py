@@ -309,10 +309,19 @@ class _PoisonedGemm(GroupedGemm):
 def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypatch) -> None:
     """Each rank's rows of another rank's experts (sorted past its last row end) hold whatever
     the grouped GEMM left there: NaN here. Neither the activation, the down bias (gpt-oss) nor
-    the combine lets them into the rank's partial sum: the ranks still sum to the layer."""
+    the combine lets them into the rank's partial sum: the ranks still sum to the layer. The
+    activation (SiLU-mul, gpt-oss's clamped SwiGLU) reads only the rank's own rows: as many
+    as its experts were routed, none of them NaN."""
+    from teacher_server.ops import silu_mul as silu_mul_module
+    from teacher_server.ops.clamped_swiglu import clamped_swiglu
+
     monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)
     ops = FusedOps(kernels=False, compile=False)
     gemm = _PoisonedGemm(allow_torch=False)
+    seen: list[torch.Tensor] = []  # the activation's input, call by call
+    real_silu = silu_mul_module.silu_mul_reference
+    monkeypatch.setattr(silu_mul_module, "silu_mul_reference", lambda gu: seen.append(gu) or real_silu(gu))
+    ops.clamped_swiglu = lambda gu, *args: seen.append(gu) or clamped_swiglu(gu, *args)
 
     def layer(tp: TensorParallel) -> torch.nn.Module:
         if kind == "sparse":
@@ -336,4 +345,12 @@ def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypat
     h = torch.randn(7, 32)
     want = full(h)
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(sum(moe(h) for moe in ranks), want, rtol=1e-5, atol=1e-5)
+    assert [x.shape[0] for x in seen] == [7 * 2]  # one process: every row its own
+    got = 0
+    for moe in ranks:
+        seen.clear()
+        got = got + moe(h)
+        ids = moe.route(h)[1]
+        mine = int(((ids >= moe.experts.first) & (ids < moe.experts.first + 4)).sum())
+        assert [x.shape[0] for x in seen] == [mine] and torch.isfinite(seen[0]).all(), (mine, seen)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
