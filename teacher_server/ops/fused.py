@@ -30,7 +30,7 @@ from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.gelu_mul import gelu_tanh_mul
-from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add_rms_norm, rms_norm
+from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add, norm_add_rms_norm, rms_norm
 from teacher_server.ops.partial_rope import partial_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
 from teacher_server.ops.row_end import before_end
@@ -73,7 +73,8 @@ class _Guarded:
 _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
                                 "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep,
                                 "gelu_tanh_mul": gelu_tanh_mul, "partial_qk_prep": partial_qk_prep,
-                                "norm_add_rms_norm": norm_add_rms_norm, "clamped_swiglu": clamped_swiglu}
+                                "norm_add_rms_norm": norm_add_rms_norm, "norm_add": norm_add,
+                                "clamped_swiglu": clamped_swiglu}
 
 
 class FusedOps:
@@ -92,6 +93,7 @@ class FusedOps:
     gelu_tanh_mul: Callable
     partial_qk_prep: Callable
     norm_add_rms_norm: Callable
+    norm_add: Callable  # Gemma's post-norm and residual add on a pipeline stage's last layer
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:
