@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from apiutil import assert_error, body
 from conftest import LiveServer, free_port, wait_healthy
-from reference import make_hybrid_checkpoint, make_moe_checkpoint, randomize_weights
-from test_tensor_parallel import assert_same, run, wait_gone
+from reference import make_hybrid_checkpoint, make_moe_checkpoint
+from test_tensor_parallel import assert_same, run, tiny_checkpoint, wait_gone
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -43,17 +43,7 @@ GEN = "/inference/v1/generate"
 @pytest.fixture(scope="module")
 def dense3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny float32 Qwen3 of three layers (uneven at PP2) with tied embeddings."""
-    import transformers as tf
-
-    path = tmp_path_factory.mktemp("pp") / "dense3"
-    model = tf.Qwen3ForCausalLM(tf.Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, head_dim=16, rope_theta=10000.0,
-        tie_word_embeddings=True))
-    torch.manual_seed(0)
-    randomize_weights(model)
-    model.float().save_pretrained(path, safe_serialization=True)
-    return path
+    return tiny_checkpoint(tmp_path_factory.mktemp("pp") / "dense3", "qwen3", 256, 4, 2, layers=3)
 
 
 @pytest.fixture(scope="module")
