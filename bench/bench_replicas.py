@@ -3,6 +3,8 @@
 
   python bench/bench_replicas.py --runs dp1,dp2,dp2-rr --workloads W1,G1
   python bench/bench_replicas.py --runs dp2,dp2-rr --dp1-from out/replicas_dp1.json  # in two calls
+  python bench/bench_replicas.py --tiny --runs dp1,dp2 --workloads W1:tiny --repeats 1  # CPU smoke run (the
+                                                                          # path only: its numbers are the CPU's)
 
 Each setting is a fresh ``teacher-server serve`` process (prefix cache on, as in service).
 A warm-up on other requests (seed 99) precedes the measured runs; run r uses the workload
@@ -26,8 +28,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_engine import http_run, summarize
-from workloads import QWEN3_8B, make_workload, write_random_checkpoint
+from bench_engine import http_run, summarize, wait_ready
+from workloads import QWEN3_8B, make_workload, tiny, write_random_checkpoint
+
+from teacher_server.benchmark.local_server import stop_server
 
 RUNS = {"dp1": (1, "affinity"), "dp2": (2, "affinity"), "dp2-rr": (2, "round_robin"),
         "dp4": (4, "affinity"), "dp4-rr": (4, "round_robin")}
@@ -48,41 +52,36 @@ def start_server(ckpt: Path, dp: int, routing: str, args: argparse.Namespace) ->
     port = 18500 + os.getpid() % 1000
     cmd = [sys.executable, "-m", "teacher_server", "serve", "--model", str(ckpt), "--port", str(port),
            "--host", "127.0.0.1", *(["--max-num-batched-tokens", str(args.budget)] if args.budget else []),
-           "--log-level", "warning",
+           "--log-level", "warning", *(["--device", "cpu"] if args.tiny else []),
            "--max-model-len", str(args.max_model_len), "--data-parallel-size", str(dp), "--routing", routing]
     proc = subprocess.Popen(cmd, env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=str(Path(__file__).parents[1]))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited during startup ({proc.returncode})")
-        time.sleep(1)
-    raise RuntimeError("server did not start in time")
+    try:
+        wait_ready(url, proc, timeout_s=900)
+    except BaseException:  # (a server that never got ready is not left running)
+        stop_server(proc, grace_s=10)
+        raise
+    return proc, url
 
 
-def bench_setting(ckpt: Path, name: str, args: argparse.Namespace, workloads: list[str]) -> dict:
+def bench_setting(ckpt: Path, cfg: dict, name: str, args: argparse.Namespace, workloads: list[str]) -> dict:
     dp, routing = RUNS[name]
     proc, url = start_server(ckpt, dp, routing, args)
     out: dict = {"data_parallel_size": dp, "routing": routing}
     try:
         for w in workloads:
-            warm = make_workload(w, QWEN3_8B["vocab_size"], seed=99)
+            warm = make_workload(w, cfg["vocab_size"], seed=99)
             asyncio.run(http_run(url, warm[: max(2 * dp, len(warm) // 8)], args.concurrency))
             runs = []
             for r in range(args.repeats):
-                reqs = make_workload(w, QWEN3_8B["vocab_size"], seed=r)
+                reqs = make_workload(w, cfg["vocab_size"], seed=r)
                 time.sleep(1.0)  # replicas report their counters every 0.25 s: the warm-up's or last run's too
                 h0, q0 = prefix_counters(url)
                 res = asyncio.run(http_run(url, reqs, args.concurrency))
                 time.sleep(1.0)
                 h1, q1 = prefix_counters(url)
                 # MFU counts the computed tokens only: each answer's cache hits are left out
-                run = summarize(f"{w}-{name}", QWEN3_8B, reqs, res.seconds, res.latencies, float("nan"),
+                run = summarize(f"{w}-{name}", cfg, reqs, res.seconds, res.latencies, float("nan"),
                                 cached=res.cached, gpus=dp)
                 run["prefix_hit_rate"] = (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0
                 run["prefix_hit_tokens"] = h1 - h0
@@ -107,17 +106,20 @@ def main() -> None:
                     help="max_num_batched_tokens (default: the server's own, from the GPU's memory)")
     ap.add_argument("--concurrency", type=int, default=128, help="requests in flight (per setting, not per GPU)")
     ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--tiny", action="store_true", help="a small model of the shape on the CPU (a smoke run of this "
+                                                        "script; workloads W1:tiny, W2:tiny)")
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench")
     ap.add_argument("--out", default=None)
     ap.add_argument("--dp1-from", default=None, help="results file of an earlier call whose dp1 run the ratios use")
     args = ap.parse_args()
-    ckpt = Path(args.ckpt_dir) / "qwen3-8b"
-    write_random_checkpoint(ckpt, QWEN3_8B)
+    cfg = tiny(QWEN3_8B) if args.tiny else QWEN3_8B
+    ckpt = Path(args.ckpt_dir) / ("tiny-qwen3-8b" if args.tiny else "qwen3-8b")
+    write_random_checkpoint(ckpt, cfg)
     workloads = [w for w in args.workloads.split(",") if w]
-    results: dict = {"model": "Qwen3-8B shape, random bf16 weights", "budget_tokens": args.budget,
+    results: dict = {"model": "Qwen3-8B shape, random bf16 weights", "tiny": args.tiny, "budget_tokens": args.budget,
                      "concurrency": args.concurrency, "runs": {}}
     for name in [r for r in args.runs.split(",") if r]:
-        results["runs"][name] = bench_setting(ckpt, name, args, workloads)
+        results["runs"][name] = bench_setting(ckpt, cfg, name, args, workloads)
     base = results["runs"].get("dp1")
     if base is None and args.dp1_from:
         base = json.loads(Path(args.dp1_from).read_text())["runs"]["dp1"]

@@ -8,7 +8,9 @@ void gather_logprobs_out(const at::Tensor& logits, const at::Tensor& cand, const
 void gather_logprobs_partial_out(const at::Tensor& logits, const at::Tensor& cand, const at::Tensor& out,
                                  const at::Tensor& stats_m, const at::Tensor& stats_s, int64_t vocab_start,
                                  bool logits_mode);
-void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out);
+void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out, const c10::optional<at::Tensor>& end);
+void clamped_swiglu_out(const at::Tensor& gate_up, const at::Tensor& bias, const at::Tensor& expert, double alpha,
+                        double limit, const at::Tensor& out, const c10::optional<at::Tensor>& end);
 void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::optional<at::Tensor>& q_w,
                   const c10::optional<at::Tensor>& k_w, double eps, const at::Tensor& q, const at::Tensor& k,
                   const at::Tensor& v, const c10::optional<at::Tensor>& k_cache,
@@ -27,8 +29,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "stats_m / stats_s = the rows' max and sum exp(x - max)",
         py::arg("logits"), py::arg("cand"), py::arg("out"), py::arg("stats_m"), py::arg("stats_s"),
         py::arg("vocab_start"), py::arg("logits_mode"));
-  m.def("silu_mul_out", &silu_mul_out, "out = silu(gate) * up for gate_up = [gate | up]", py::arg("gate_up"),
-        py::arg("out"));
+  m.def("silu_mul_out", &silu_mul_out,
+        "out = silu(gate) * up for gate_up = [gate | up] (rows before end only, when given)", py::arg("gate_up"),
+        py::arg("out"), py::arg("end") = py::none());
+  m.def("clamped_swiglu_out", &clamped_swiglu_out,
+        "gpt-oss's clamped SwiGLU of gate_up plus its rows' experts' bias (rows before end only, when given)",
+        py::arg("gate_up"), py::arg("bias"), py::arg("expert"), py::arg("alpha"), py::arg("limit"), py::arg("out"),
+        py::arg("end") = py::none());
   m.def("qkv_rope_out", &qkv_rope_out,
         "split fused QKV, per-head RMSNorm (optional), rotary, and write k/v into the KV pool", py::arg("qkv"),
         py::arg("cs"), py::arg("q_w"), py::arg("k_w"), py::arg("eps"), py::arg("q"), py::arg("k"), py::arg("v"),

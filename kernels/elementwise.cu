@@ -2,6 +2,12 @@
 //
 // silu_mul:   out[t, i] = round(round(silu(gate[t, i])) * up[t, i]),  gate_up = [gate | up]
 //             (rounding to the storage type where eager torch rounds, so results match it)
+// clamped_swiglu: gpt-oss's expert activation, in float32 and rounded once (ops.clamped_swiglu):
+//             g = min(gate[t, i] + b[e, i], limit), u = clamp(up[t, i] + b[e, I + i], -limit, limit),
+//             out[t, i] = round((u + 1) * g * sigmoid(alpha * g)), e = expert[t]
+// Both take an optional row end on the device (an expert-parallel rank's last row end): rows
+// at or past it are neither read nor written (another rank's experts' rows, never read), and
+// the host never waits for the count.
 // merge_attn: out = (o1 * e^(l1 - m) + o2 * e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m)),
 //             m = max(l1, l2): two partial attentions over disjoint key sets merged by
 //             their log-sum-exp (l1, l2 per query row and head, float32).
@@ -40,12 +46,59 @@ union Vec {
   uint16_t x[kVec];
 };
 
-template <typename C>
+// The rows a kernel computes: all, or those before *end (read on the device).
+__device__ __forceinline__ int64_t live_rows(int64_t rows, const int32_t* end) {
+  if (end == nullptr) return rows;
+  const int64_t e = *end;
+  return e < 0 ? 0 : (e < rows ? e : rows);
+}
+
+// silu(gate) * up, rounded where eager torch rounds.
+struct SiluMul {
+  template <typename C>
+  __device__ __forceinline__ void apply(int64_t, int64_t, int64_t, const Vec& g, const Vec& u, Vec& o) const {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float x = C::to_float(g.x[j]);
+      const float s = C::to_float(C::from_float(x / (1.0f + expf(-x))));
+      o.x[j] = C::from_float(s * C::to_float(u.x[j]));
+    }
+  }
+};
+
+// gpt-oss's clamped SwiGLU of gate/up plus the row's expert's bias, in float32, rounded once.
+struct ClampedSwiglu {
+  const uint16_t* bias;  // [E, 2I]
+  int64_t bias_stride;
+  const int64_t* expert;  // [T]
+  float alpha, limit;
+
+  template <typename C>
+  __device__ __forceinline__ void apply(int64_t r, int64_t c, int64_t inter, const Vec& g, const Vec& u,
+                                        Vec& o) const {
+    const uint16_t* b = bias + expert[r] * bias_stride;  // a few experts' rows: read from cache
+    Vec bg, bu;
+    bg.raw = *reinterpret_cast<const uint4*>(b + c);
+    bu.raw = *reinterpret_cast<const uint4*>(b + inter + c);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      // comparisons, not fminf/fmaxf: a NaN stays NaN, as torch's clamp keeps it
+      float x = C::to_float(g.x[j]) + C::to_float(bg.x[j]);
+      x = x > limit ? limit : x;
+      float y = C::to_float(u.x[j]) + C::to_float(bu.x[j]);
+      y = y > limit ? limit : (y < -limit ? -limit : y);
+      o.x[j] = C::from_float((y + 1.0f) * x * (1.0f / (1.0f + expf(-(alpha * x)))));
+    }
+  }
+};
+
+// out[t] = act(gate_up[t]) for the rows before the end: 8 columns of gate and up per thread.
+template <typename C, typename Act>
 __global__ void __launch_bounds__(kThreads)
-silu_mul_kernel(const uint16_t* __restrict__ in, int64_t in_stride, uint16_t* __restrict__ out, int64_t rows,
-                int64_t inter) {
+gated_act_kernel(const uint16_t* __restrict__ in, int64_t in_stride, uint16_t* __restrict__ out, int64_t rows,
+                 int64_t inter, const int32_t* __restrict__ end, const Act act) {
   const int64_t per_row = inter / kVec;
-  const int64_t n = rows * per_row;
+  const int64_t n = live_rows(rows, end) * per_row;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / per_row;
@@ -54,12 +107,7 @@ silu_mul_kernel(const uint16_t* __restrict__ in, int64_t in_stride, uint16_t* __
     Vec g, u, o;
     g.raw = __ldcs(reinterpret_cast<const uint4*>(row + c));
     u.raw = __ldcs(reinterpret_cast<const uint4*>(row + inter + c));
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const float x = C::to_float(g.x[j]);
-      const float s = C::to_float(C::from_float(x / (1.0f + expf(-x))));
-      o.x[j] = C::from_float(s * C::to_float(u.x[j]));
-    }
+    act.template apply<C>(r, c, inter, g, u, o);
     __stcs(reinterpret_cast<uint4*>(out + r * inter + c), o.raw);
   }
 }
@@ -117,30 +165,69 @@ void check_half(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.stride(-1) == 1 && aligned16(t), what, " must have a contiguous, 16-byte aligned last dim");
 }
 
-}  // namespace
-
-// gate_up [T, 2I] (rows 16-byte aligned), out [T, I] contiguous, same dtype; I % 8 == 0.
-void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out) {
-  check_half(gate_up, "silu_mul: gate_up");
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % (2 * kVec) == 0, "silu_mul: gate_up must be [T, 2I], I % 8 == 0");
-  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.stride(0) % kVec == 0, "silu_mul: gate_up row stride must be a multiple of 8");
-  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type() && out.device() == gate_up.device() &&
-                  out.dim() == 2 && out.size(0) == rows && out.size(1) == inter && out.is_contiguous() &&
+// An activation's input gate_up [T, 2I] (rows 16-byte aligned; I % 8 == 0) and its output out
+// [T, I] (contiguous, aligned, gate_up's dtype).
+void check_activation(const at::Tensor& gate_up, const at::Tensor& out, const char* what) {
+  check_half(gate_up, what);
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % (2 * kVec) == 0, what, ": gate_up must be [T, 2I], I % 8 == 0");
+  TORCH_CHECK(gate_up.stride(0) % kVec == 0, what, ": gate_up row stride must be a multiple of 8");
+  TORCH_CHECK(out.scalar_type() == gate_up.scalar_type() && out.device() == gate_up.device() && out.dim() == 2 &&
+                  out.size(0) == gate_up.size(0) && out.size(1) == gate_up.size(1) / 2 && out.is_contiguous() &&
                   aligned16(out),
-              "silu_mul: out must be a contiguous, aligned [T, I] tensor of gate_up's dtype");
+              what, ": out must be a contiguous, aligned [T, I] tensor of gate_up's dtype");
+}
+
+// The optional row end: one int32 on gate_up's device; nullptr when absent.
+const int32_t* row_end(const c10::optional<at::Tensor>& end, const at::Tensor& gate_up, const char* what) {
+  if (!end.has_value()) return nullptr;
+  TORCH_CHECK(end->device() == gate_up.device() && end->scalar_type() == at::kInt && end->numel() == 1, what,
+              ": end must be one int32 on gate_up's device");
+  return end->data_ptr<int32_t>();
+}
+
+// The launch of an activation (checked by check_activation): every row, or those before end.
+template <typename Act>
+void launch_gated_act(const at::Tensor& gate_up, const at::Tensor& out, const int32_t* end, const Act& act) {
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   if (rows == 0) return;
   const c10::cuda::CUDAGuard guard(gate_up.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(gate_up.get_device()).stream();
+  // the grid covers every row (the end is not known here); threads past the end exit at once
   const unsigned grid = grid_for(rows * inter / kVec);
   const auto* ip = static_cast<const uint16_t*>(gate_up.data_ptr());
   auto* op = static_cast<uint16_t*>(out.data_ptr());
   if (gate_up.scalar_type() == at::kBFloat16) {
-    silu_mul_kernel<BF16><<<grid, kThreads, 0, stream>>>(ip, gate_up.stride(0), op, rows, inter);
+    gated_act_kernel<BF16><<<grid, kThreads, 0, stream>>>(ip, gate_up.stride(0), op, rows, inter, end, act);
   } else {
-    silu_mul_kernel<FP16><<<grid, kThreads, 0, stream>>>(ip, gate_up.stride(0), op, rows, inter);
+    gated_act_kernel<FP16><<<grid, kThreads, 0, stream>>>(ip, gate_up.stride(0), op, rows, inter, end, act);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+// gate_up [T, 2I] (rows 16-byte aligned), out [T, I] contiguous, same dtype; I % 8 == 0;
+// end: rows at or past it are left unwritten.
+void silu_mul_out(const at::Tensor& gate_up, const at::Tensor& out, const c10::optional<at::Tensor>& end) {
+  check_activation(gate_up, out, "silu_mul");
+  launch_gated_act(gate_up, out, row_end(end, gate_up, "silu_mul"), SiluMul{});
+}
+
+// gate_up [T, 2I] as silu_mul's; bias [E, 2I] contiguous, gate_up's dtype; expert [T] int64
+// (each in [0, E)); out [T, I] contiguous; rows at or past end are left unwritten.
+void clamped_swiglu_out(const at::Tensor& gate_up, const at::Tensor& bias, const at::Tensor& expert, double alpha,
+                        double limit, const at::Tensor& out, const c10::optional<at::Tensor>& end) {
+  check_activation(gate_up, out, "clamped_swiglu");
+  const int64_t inter = gate_up.size(1) / 2;
+  TORCH_CHECK(bias.scalar_type() == gate_up.scalar_type() && bias.device() == gate_up.device() && bias.dim() == 2 &&
+                  bias.size(1) == 2 * inter && bias.is_contiguous() && aligned16(bias),
+              "clamped_swiglu: bias must be a contiguous, aligned [E, 2I] tensor of gate_up's dtype");
+  TORCH_CHECK(expert.scalar_type() == at::kLong && expert.device() == gate_up.device() && expert.dim() == 1 &&
+                  expert.size(0) == gate_up.size(0) && expert.is_contiguous(),
+              "clamped_swiglu: expert must be a contiguous int64 [T] on gate_up's device");
+  const ClampedSwiglu act{static_cast<const uint16_t*>(bias.data_ptr()), bias.stride(0), expert.data_ptr<int64_t>(),
+                          static_cast<float>(alpha), static_cast<float>(limit)};
+  launch_gated_act(gate_up, out, row_end(end, gate_up, "clamped_swiglu"), act);
 }
 
 // o1, o2, out: [c, H, D] (last dim contiguous, other strides multiples of 8, same dtype);

@@ -1,6 +1,8 @@
 """What the families' served-contract modules share (``test_moe_api``, ``test_gemma3_api``,
 ``test_gpt_oss_api``): each re-runs ``test_api_contract``'s tests against a live server of its
-own tiny checkpoint (the demo model's vocabulary and limits), with these fixtures' bodies."""
+own tiny checkpoint (the demo model's vocabulary and limits). A module takes them, with the
+``client`` and ``good_result`` fixtures they ask for, by ``from served_contract import *`` and
+names its checkpoint in a ``served_path`` fixture."""
 
 from __future__ import annotations
 
@@ -9,14 +11,42 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 from apiutil import body, decode
 from conftest import LiveServer
 from reference import reference_scores
-from test_api_contract import GEN, GOOD
+from test_api_contract import (
+    GEN,
+    GOOD,
+    test_candidate_forms_agree,
+    test_duplicate_candidates_are_scored_like_any_column,
+    test_other_endpoints,
+    test_padding_scores_minus_inf,
+    test_prompt_logprobs_layout,
+    test_rejects,
+    test_response_fields,
+    test_zero_rows_is_empty_matrix,
+)
 
 from teacher_server.config import Config
 
+# what a star import takes: the contract tests, and the fixtures they ask for
+__all__ = ["client", "good_result", "test_candidate_forms_agree", "test_duplicate_candidates_are_scored_like_any_column",
+           "test_other_endpoints", "test_padding_scores_minus_inf", "test_prompt_logprobs_layout", "test_rejects",
+           "test_response_fields", "test_zero_rows_is_empty_matrix"]
+
 VOCAB = 4096  # the demo model's, which the contract tests' requests are written for
+
+
+@pytest.fixture(scope="module")
+def client(served_path: Path) -> Iterator[httpx.Client]:
+    """A client of a live server of the module's checkpoint (``contract_client``)."""
+    yield from contract_client(served_path)
+
+
+@pytest.fixture(scope="module")
+def good_result(client: httpx.Client) -> np.ndarray:
+    return good_scores(client)
 
 
 def contract_client(path: Path) -> Iterator[httpx.Client]:

@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 import torch
 from deepseek_ref import make_deepseek_checkpoint
-from reference import errors_vs_reference
-from test_parity import check, long_requests, make_requests
+from family_gpu import bf16_mean_errors, check_float32, engine_or_skip
+from family_helpers import lazy_checkpoints
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.registry import make_backend
 from teacher_server.attention.sdpa import SdpaBackend
-from teacher_server.config import Config
-from teacher_server.engine.engine import Engine
 from teacher_server.step_context import StepContext
 
 pytestmark = pytest.mark.gpu
@@ -26,45 +24,22 @@ BACKENDS = ("cudnn_fe", "cudnn", "flash_attn", "varlen")
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("deepseek_gpu")
-
-    class Lazy(dict):
-        def __missing__(self, name: str):
-            self[name] = make_deepseek_checkpoint(name, root / name, mtp=False)
-            return self[name]
-
-    return Lazy()
-
-
-def engine(path, dtype: str, backend: str = "auto", budget: int = 512) -> Engine:
-    return Engine(Config(model=str(path), device="cuda", dtype=dtype, max_num_batched_tokens=budget, block_size=16,
-                         num_kv_blocks=512, max_model_len=2048, attention_backend=backend))
+    return lazy_checkpoints(tmp_path_factory.mktemp("deepseek_gpu"),
+                            lambda name, path: make_deepseek_checkpoint(name, path, mtp=False))
 
 
 @pytest.mark.parametrize("name", ["v3_gpu", "v2lite_gpu"])
 def test_parity_gpu_float32(name: str, ckpt) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False
-    path = ckpt[name]
-    reqs = make_requests(np.random.default_rng(7))
-    check(path, reqs, engine(path, "float32", budget=32).run_to_completion(reqs), tol=1e-3)
+    check_float32(ckpt[name])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parity_gpu_bfloat16_each_backend(backend: str, ckpt) -> None:
     """bf16 weights vs the float32 reference: our mean abs error is no larger than transformers'
     own bf16 forward's on the same weights (chunked sequences and prefix hits included)."""
-    import transformers as tf
-
     path = ckpt["v3_gpu"]
-    try:
-        eng = engine(path, "bfloat16", backend)
-    except (ValueError, RuntimeError, ImportError) as e:
-        pytest.skip(f"{backend} not available here: {e}")
-    reqs = make_requests(np.random.default_rng(11)) + long_requests(np.random.default_rng(5))
-    results = eng.run_to_completion(reqs)
-    hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours, theirs = errors_vs_reference(path, reqs, results, hf16)
-    ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
+    eng = engine_or_skip(path, "bfloat16", backend)
+    ours_mae, theirs_mae = bf16_mean_errors(path, eng)
     print(f"{backend} (v padded: {not eng.tuning.attention.distinct_v_width}): bf16 mean abs error vs fp32 "
           f"reference: ours {ours_mae:.5f}, transformers bf16 {theirs_mae:.5f}")
     assert ours_mae <= theirs_mae, (ours_mae, theirs_mae)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +215,38 @@ def test_static_fp8_input_scales_are_the_largest_over_every_ranks_experts(made: 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+def rank_part(name: str, whole: torch.Tensor, shape: torch.Size, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s part (of ``shape``) of a whole expert layer's parameter ``name``: an
+    expert tensor's experts, the shared expert's slice of its width as at tensor parallel
+    (gate and up rows, down columns), else all of it (replicated)."""
+    if name.startswith("experts."):
+        return whole[shape[0] * rank:shape[0] * (rank + 1)]
+    if name.startswith("shared_expert.gate_up_proj."):
+        n = shape[0] // 2
+        g, u = whole.chunk(2)
+        return torch.cat([g[n * rank:n * (rank + 1)], u[n * rank:n * (rank + 1)]])
+    if name.startswith("shared_expert.down_proj."):
+        return whole[:, shape[1] * rank:shape[1] * (rank + 1)]
+    return whole
+
+
+def split_layer(layer: Callable[[TensorParallel], torch.nn.Module],
+                size: int) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """A random expert layer (``layer(TensorParallel())``, weights drawn from N(0, 0.3) after
+    seed 0) and its ``size`` expert-parallel ranks' layers holding their parts of it."""
+    torch.manual_seed(0)
+    full = layer(TensorParallel())
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(0, 0.3)
+    ranks = [layer(TensorParallel(size, r, moe="expert")) for r in range(size)]
+    with torch.no_grad():
+        for r, moe in enumerate(ranks):
+            for name, p in moe.named_parameters():
+                p.copy_(rank_part(name, full.get_parameter(name), p.shape, r))
+    return full, ranks
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 300])
@@ -233,22 +266,7 @@ def test_grouped_rows_of_each_rank_sum_to_the_layer(device: str, padded: bool, t
         moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
         return moe
 
-    torch.manual_seed(0)
-    full = layer(TensorParallel())
-    with torch.no_grad():
-        for p in full.parameters():
-            p.normal_(0, 0.3)
-    ranks = [layer(TensorParallel(4, r, moe="expert")) for r in range(4)]
-    with torch.no_grad():
-        for r, moe in enumerate(ranks):
-            moe.gate.weight.copy_(full.gate.weight)
-            moe.shared_expert_gate.weight.copy_(full.shared_expert_gate.weight)
-            moe.experts.gate_up.copy_(full.experts.gate_up[4 * r:4 * r + 4])
-            moe.experts.down.copy_(full.experts.down[4 * r:4 * r + 4])
-            s, f = moe.shared_expert, full.shared_expert  # split along its width, as at tensor parallel
-            g, u = f.gate_up_proj.weight.chunk(2)
-            s.gate_up_proj.weight.copy_(torch.cat([g[8 * r:8 * r + 8], u[8 * r:8 * r + 8]]))
-            s.down_proj.weight.copy_(f.down_proj.weight[:, 8 * r:8 * r + 8])
+    full, ranks = split_layer(layer, 4)
     if dev.type == "cuda" and not padded and torch.cuda.get_device_capability()[0] == 9:
         # torch's grouped GEMM passes its start-up check (rows past the last row end included)
         assert gemm.use_torch(dev, dtype, ((64, 2 * 48), (48, 64)))
@@ -309,10 +327,19 @@ class _PoisonedGemm(GroupedGemm):
 def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypatch) -> None:
     """Each rank's rows of another rank's experts (sorted past its last row end) hold whatever
     the grouped GEMM left there: NaN here. Neither the activation, the down bias (gpt-oss) nor
-    the combine lets them into the rank's partial sum: the ranks still sum to the layer."""
+    the combine lets them into the rank's partial sum: the ranks still sum to the layer. The
+    activation (SiLU-mul, gpt-oss's clamped SwiGLU) reads only the rank's own rows: as many
+    as its experts were routed, none of them NaN."""
+    from teacher_server.ops import silu_mul as silu_mul_module
+    from teacher_server.ops.clamped_swiglu import clamped_swiglu
+
     monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)
     ops = FusedOps(kernels=False, compile=False)
     gemm = _PoisonedGemm(allow_torch=False)
+    seen: list[torch.Tensor] = []  # the activation's input, call by call
+    real_silu = silu_mul_module.silu_mul_reference
+    monkeypatch.setattr(silu_mul_module, "silu_mul_reference", lambda gu: seen.append(gu) or real_silu(gu))
+    ops.clamped_swiglu = lambda gu, *args: seen.append(gu) or clamped_swiglu(gu, *args)
 
     def layer(tp: TensorParallel) -> torch.nn.Module:
         if kind == "sparse":
@@ -322,18 +349,16 @@ def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypat
         moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
         return moe
 
-    torch.manual_seed(0)
-    full = layer(TensorParallel())
-    with torch.no_grad():
-        for p in full.parameters():
-            p.normal_(0, 0.3)
-    ranks = [layer(TensorParallel(2, r, moe="expert")) for r in range(2)]
-    with torch.no_grad():
-        for r, moe in enumerate(ranks):
-            for name, p in moe.named_parameters():
-                whole = full.get_parameter(name)
-                p.copy_(whole[4 * r:4 * r + 4] if name.startswith("experts.") else whole)
+    full, ranks = split_layer(layer, 2)
     h = torch.randn(7, 32)
     want = full(h)
     assert torch.isfinite(want).all()
-    torch.testing.assert_close(sum(moe(h) for moe in ranks), want, rtol=1e-5, atol=1e-5)
+    assert [x.shape[0] for x in seen] == [7 * 2]  # one process: every row its own
+    got = 0
+    for moe in ranks:
+        seen.clear()
+        got = got + moe(h)
+        ids = moe.route(h)[1]
+        mine = int(((ids >= moe.experts.first) & (ids < moe.experts.first + 4)).sum())
+        assert [x.shape[0] for x in seen] == [mine] and torch.isfinite(seen[0]).all(), (mine, seen)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

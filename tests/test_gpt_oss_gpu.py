@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from attn_util import make_step
+from family_gpu import bf16_mean_errors, engine, engine_or_skip
 from oss_ref import make_gpt_oss_checkpoint, make_qwen3_next_checkpoint
 from reference import errors_vs_reference
 from test_parity import check, long_requests, make_requests
@@ -19,8 +20,6 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.registry import make_backend
 from teacher_server.attention.sdpa import SdpaBackend
 from teacher_server.cache_layout import AttentionParams
-from teacher_server.config import Config
-from teacher_server.engine.engine import Engine
 
 pytestmark = pytest.mark.gpu
 SINK_BACKENDS = ("flash_attn", "varlen")
@@ -31,11 +30,6 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("oss_gpu")
     return {"gpt_oss": make_gpt_oss_checkpoint("plain", root / "gpt_oss", gpu=True),
             "qwen3_next": make_qwen3_next_checkpoint(root / "qwen3_next", gpu=True)}
-
-
-def engine(path, dtype: str, backend: str = "auto", budget: int = 512) -> Engine:
-    return Engine(Config(model=str(path), device="cuda", dtype=dtype, max_num_batched_tokens=budget, block_size=16,
-                         num_kv_blocks=512, max_model_len=2048, attention_backend=backend))
 
 
 @pytest.mark.parametrize("backend", SINK_BACKENDS)
@@ -90,18 +84,9 @@ def test_gpt_oss_parity_gpu_float32(paths) -> None:
 def test_parity_gpu_bfloat16(family: str, backend: str, paths) -> None:
     """bf16 weights vs the float32 reference: our mean abs error is no larger than transformers'
     own bf16 forward's on the same weights (sequences past the window, chunks, prefix hits)."""
-    import transformers as tf
-
     path = paths[family]
-    try:
-        eng = engine(path, "bfloat16", backend)
-    except (ValueError, RuntimeError, ImportError) as e:
-        pytest.skip(f"{backend} not available here: {e}")
-    reqs = make_requests(np.random.default_rng(11)) + long_requests(np.random.default_rng(5))
-    results = eng.run_to_completion(reqs)
-    hf16 = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    ours, theirs = errors_vs_reference(path, reqs, results, hf16)
-    ours_mae, theirs_mae = float(np.concatenate(ours).mean()), float(np.concatenate(theirs).mean())
+    eng = engine_or_skip(path, "bfloat16", backend)
+    ours_mae, theirs_mae = bf16_mean_errors(path, eng)
     print(f"{family} on {eng.tuning.attention.name}: bf16 mean abs error vs fp32 reference: ours {ours_mae:.5f}, "
           f"transformers bf16 {theirs_mae:.5f}")
     assert ours_mae <= theirs_mae, (ours_mae, theirs_mae)

@@ -119,6 +119,41 @@ def test_silu_mul_kernel_matches_eager(dtype, rows: int) -> None:
     assert (got == ref).float().mean().item() > 0.99  # same rounding points as eager torch
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_activation_kernels_skip_the_rows_past_an_expert_parallel_row_end(dtype) -> None:
+    """With a row end on the device (an expert-parallel rank's last row end), SiLU-mul and
+    gpt-oss's clamped SwiGLU compute the rows before it as without one and neither read nor
+    write the rows after it (NaN there in the input, a marker left in the output)."""
+    from teacher_server.ops import extension
+    from teacher_server.ops.clamped_swiglu import clamped_swiglu
+    from teacher_server.ops.silu_mul import silu_mul_reference
+
+    ext = extension.load()
+    assert ext is not None
+    m, inter, end = 333, 2880, 200
+    at = torch.tensor([end], dtype=torch.int32, device="cuda")
+    gu = torch.randn(m, 2 * inter, device="cuda", dtype=dtype) * 4
+    gu[end:] = float("nan")  # another rank's rows: whatever the grouped GEMM left there
+    bias = torch.randn(8, 2 * inter, device="cuda", dtype=dtype)
+    experts = torch.randint(0, 8, (m,), device="cuda")
+    for name, run, ref in [
+        ("silu_mul", lambda out: ext.silu_mul_out(gu, out, at), silu_mul_reference(gu[:end])),
+        ("clamped_swiglu", lambda out: ext.clamped_swiglu_out(gu, bias, experts, 1.702, 7.0, out, at),
+         clamped_swiglu(gu[:end], bias, experts[:end], 1.702, 7.0)),
+    ]:
+        out = torch.full((m, inter), -3.0, device="cuda", dtype=dtype)
+        run(out)
+        assert torch.isfinite(out).all(), name
+        assert (out[end:] == -3.0).all(), name
+        err = (out[:end].float() - ref.float()).abs().max().item()
+        assert err <= 1e-2 * ref.float().abs().max().item(), (name, err)
+    # an end past the row count: every row written (NaN from NaN included); an end of 0: none
+    for e, written in [(m + 5, m), (0, 0)]:
+        out = torch.full((m, inter), -3.0, device="cuda", dtype=dtype)
+        ext.silu_mul_out(gu, out, torch.tensor([e], dtype=torch.int32, device="cuda"))
+        assert int((out != -3.0).any(dim=1).sum()) == written, e
+
+
 def test_merge_attn_kernel_matches_reference() -> None:
     from teacher_server.ops.merge_attn import merge_attn, merge_attn_reference
 

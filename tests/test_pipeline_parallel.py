@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -25,8 +26,8 @@ import torch
 import torch.distributed as dist
 from apiutil import assert_error, body
 from conftest import LiveServer, free_port, wait_healthy
-from reference import make_hybrid_checkpoint, make_moe_checkpoint, randomize_weights
-from test_tensor_parallel import assert_same, run, wait_gone
+from reference import make_hybrid_checkpoint, make_moe_checkpoint
+from test_tensor_parallel import assert_same, run, tiny_checkpoint, wait_gone
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -42,17 +43,7 @@ GEN = "/inference/v1/generate"
 @pytest.fixture(scope="module")
 def dense3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny float32 Qwen3 of three layers (uneven at PP2) with tied embeddings."""
-    import transformers as tf
-
-    path = tmp_path_factory.mktemp("pp") / "dense3"
-    model = tf.Qwen3ForCausalLM(tf.Qwen3Config(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6, head_dim=16, rope_theta=10000.0,
-        tie_word_embeddings=True))
-    torch.manual_seed(0)
-    randomize_weights(model)
-    model.float().save_pretrained(path, safe_serialization=True)
-    return path
+    return tiny_checkpoint(tmp_path_factory.mktemp("pp") / "dense3", "qwen3", 256, 4, 2, layers=3)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +109,57 @@ def test_a_stage_before_the_last_has_no_lm_head(dense3: Path) -> None:
     last = load_model(dense3, spec, torch.float32, torch.device("cpu"), stage=make_stage(0, 2, 1, 3))
     whole = load_model(dense3, spec, torch.float32, torch.device("cpu"))
     torch.testing.assert_close(last.lm_head, whole.lm_head, rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3: post-norms around each block, so its layers end on their own fused stage."""
+    from gemma_glm_ref import make_gemma3_checkpoint
+
+    return make_gemma3_checkpoint("gemma3_capped", tmp_path_factory.mktemp("pp") / "gemma3")
+
+
+def _counted(f: Callable, name: str, calls: list[str]) -> Callable:
+    """``f``, each call recorded in ``calls`` by ``name``."""
+    return lambda *args: calls.append(name) or f(*args)
+
+
+@pytest.mark.parametrize(("model", "pp", "rank"), [("dense3", 2, 1), ("moe3", 3, 2), ("gemma3", 2, 1)])
+def test_a_stage_before_the_last_ends_on_the_residual_sum_without_a_norm(model: str, pp: int, rank: int,
+                                                                          request: pytest.FixtureRequest) -> None:
+    """The first stage's last layer (dense; an expert layer of the MoE at PP3; Gemma's post-norm
+    block) makes the residual stream the whole model's same layer makes, runs no norm after it
+    (the next stage norms what it receives) and hands no normed rows on; the stage holds no
+    final norm. The attention is stubbed: what it returns is the same for both."""
+    from teacher_server.layers.runtime import Runtime
+    from teacher_server.ops.fused import FusedOps
+
+    path = request.getfixturevalue(model)
+    spec = ModelSpec.from_dir(path)
+    stage = load_model(path, spec, torch.float32, torch.device("cpu"), stage=make_stage(rank, pp, 1, spec.num_layers))
+    whole = load_model(path, spec, torch.float32, torch.device("cpu"))
+    assert not stage.stage.last and stage.norm is None
+    i = stage.stage.hi - 1
+    g = torch.Generator().manual_seed(3)
+    x, h = torch.randn(9, spec.hidden_size, generator=g), torch.randn(9, spec.hidden_size, generator=g)
+    a = torch.randn(9, spec.q_size, generator=g)
+    norms: list[str] = []
+    outs, counts = [], []
+    for m in (stage, whole):
+        ops = FusedOps(kernels=False, compile=False)
+        for name in ("rms_norm", "add_rms_norm", "norm_add_rms_norm"):
+            setattr(ops, name, _counted(getattr(ops, name), name, norms))
+        m.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
+        layer = m.layers[i]
+        layer.mixer.forward = lambda h, cs, ctx: a
+        norms.clear()
+        outs.append(layer(x, h, None, None))
+        counts.append(len(norms))
+    # the whole model's layer norms once more (the next layer's input); the stage's does not
+    assert counts[0] == counts[1] - 1, (counts, norms)
+    (xs, hs), (xw, hw) = outs
+    assert hs is None and hw is not None
+    torch.testing.assert_close(xs, xw, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(("model", "tp", "pp", "settings"), [

@@ -111,6 +111,27 @@ def test_unknown_or_missing_model_on_every_endpoint(multi):
     assert r.status_code == 400 and "512" in r.text, r.text
 
 
+def test_a_request_body_is_parsed_once(multi, monkeypatch):
+    """With several teachers the body's JSON object, parsed to read its `model`, is what the
+    teacher's endpoint validates: the bytes are parsed once on every endpoint (twice before)."""
+    import orjson
+
+    bodies = {"/inference/v1/generate": {"token_ids": [1, 2, 3, 4], "sampling_params": {
+                  "prompt_logprob_token_ids": [[1], [2], [3]]}},
+              "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 0, "echo": True, "prompt_logprobs": 1},
+              "/generate": {"input_ids": [1, 2, 3], "return_logprob": True, "max_new_tokens": 0}}
+    parsed: list[object] = []
+    real = orjson.loads
+    monkeypatch.setattr(orjson, "loads", lambda raw: parsed.append(raw) or real(raw))
+    for path, body in bodies.items():
+        for model in VOCAB:
+            raw = orjson.dumps({**body, "model": model})
+            parsed.clear()
+            r = httpx.post(multi.url + path, content=raw, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 200, (path, r.text)
+            assert parsed.count(raw) == 1, (path, model, len(parsed))
+
+
 def test_models_lists_every_teacher(multi, demo_server, qwen3_server):
     data = httpx.get(multi.url + "/v1/models").json()["data"]
     assert [d["id"] for d in data] == ["demo", "qwen"]

@@ -40,11 +40,11 @@ TOL = 1e-5
 GEN = "/inference/v1/generate"
 
 
-def tiny_checkpoint(path: Path, family: str, vocab: int, heads: int, kv_heads: int) -> Path:
+def tiny_checkpoint(path: Path, family: str, vocab: int, heads: int, kv_heads: int, layers: int = 2) -> Path:
     """A tiny float32 checkpoint (qwen2: QKV bias; qwen3: q/k norm and tied embeddings)."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
                   rms_norm_eps=1e-6, head_dim=16)
     if family == "qwen2":

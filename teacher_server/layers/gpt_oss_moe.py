@@ -4,9 +4,9 @@ weights, token grouping and combine) with gpt-oss's router, biases and activatio
 - Router: logits = h W^T + b (float32), the top-k logits picked, their softmax the weights
   (the same as a softmax over all experts renormalised over the top k).
 - Experts: gate/up and down products with a bias per expert, and the clamped SwiGLU
-  (``ops.clamped_swiglu``, a compiled stage on the GPU): gate = min(gate, limit), up =
-  clamp(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate) (limit 7, alpha
-  1.702), in float32, rounded once.
+  (``ops.clamped_swiglu``, a compiled stage on the GPU; under expert parallel a CUDA kernel
+  over the rank's own rows): gate = min(gate, limit), up = clamp(up, -limit, limit), out =
+  (up + 1) * gate * sigmoid(alpha * gate) (limit 7, alpha 1.702), in float32, rounded once.
 - Checkpoints: gate/up is one tensor whose rows (or, in transformers' in-memory layout
   [E, H, 2I], columns) interleave gate and up (gate at even, up at odd indices); they are
   split into the stacked [gate rows | up rows] here at load. The expert weights come plain
@@ -134,7 +134,8 @@ class GptOssMoe(RuntimeModule):
         rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
         x = h.index_select(0, rows.tokens)
         gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
-        a = self.rt.ops.clamped_swiglu(gu, ex.gate_up_bias, rows.experts, self.alpha, self.limit)  # bias added in it
+        # bias added in it; expert parallel: the rows past the end unwritten
+        a = self.rt.ops.expert_swiglu(gu, ex.gate_up_bias, rows.experts, self.alpha, self.limit, rows.end)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] partial sums with tp > 1
         if ex.tp.rank == 0:  # the bias once, not once per rank (expert parallel: ex.tp is one rank)
             y += ex.down_bias.index_select(0, rows.experts)

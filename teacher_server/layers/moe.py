@@ -21,7 +21,8 @@ rows sort after them, past the last row end, where the grouped GEMMs write nothi
 combine reads nothing), and combines them into its partial sum of [T, H]: the same one
 all-reduce as tensor parallel sums the ranks' parts (no all-to-all; the shared expert stays
 split along its intermediate dimension). No host sync either way: the row count is T * k (+1,
-the row the combine skips) on every rank.
+the row the combine skips) on every rank; the activation between the GEMMs reads the last row
+end on the device (``ExpertRows.end``) and skips the rows after it.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ class ExpertRows(NamedTuple):
     offs: torch.Tensor  # [E_local] int32 the local experts' cumulative row ends
     pos: torch.Tensor  # [T, k] the sorted row of each slot (``pad`` for another rank's expert)
     pad: int | None  # the row the combine skips (expert parallel), else None
+
+    @property
+    def end(self) -> torch.Tensor | None:
+        """Expert parallel: int32 [1] on the device, the last row end (offs[-1]): the rows
+        after it (another rank's experts') are never read, so the activation skips them
+        (``ops.row_end``); None where every row is this rank's."""
+        return None if self.pad is None else self.offs[-1:]
 
     def combine(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """[T, H]: token t's sum of w[t, j] * y[pos[t, j]] over its slots j, accumulated in
@@ -298,7 +306,7 @@ class SparseMoe(RuntimeModule):
         rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
         x = h.index_select(0, rows.tokens)  # [M, H]
         gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
-        a = self.rt.ops.silu_mul(gu)  # [M, I_local]
+        a = self.rt.ops.silu_mul(gu, rows.end)  # [M, I_local] (expert parallel: rows past the end unwritten)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
         out = rows.combine(y, w)  # [T, H]
         if self.shared_expert is not None:

@@ -39,7 +39,7 @@ from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.checks import assert_close
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.gelu_mul import gelu_tanh_mul
-from teacher_server.ops.norm import norm_add_rms_norm
+from teacher_server.ops.norm import norm_add, norm_add_rms_norm
 from teacher_server.step_context import StepContext
 
 _SKIPPED = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
@@ -113,17 +113,20 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         return GeluTanhMLP(spec, dtype, device, tp, fmt)
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext,
-                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As ``LlamaDecoderLayer.forward`` (``keep``: the rows past the mixer)."""
         ops, attn = self.rt.ops, self.self_attn
         a = attn(h, cs, ctx)  # [T, q width]
         if keep is not None:
             x, a = x[keep], a[keep]
         # each: post-norm of the block's output, residual add, the next block's input norm (one eps per model)
+        eps = self.pre_feedforward_layernorm.eps
         x, h = ops.norm_add_rms_norm(x, attn.o_proj(a), self.post_attention_layernorm.weight,
-                                     self.pre_feedforward_layernorm.weight, self.next_norm.eps)
-        return ops.norm_add_rms_norm(x, self.mlp.down_proj(self.mlp(h)), self.post_feedforward_layernorm.weight,
-                                     self.next_norm.weight, self.next_norm.eps)
+                                     self.pre_feedforward_layernorm.weight, eps)
+        out, post = self.mlp.down_proj(self.mlp(h)), self.post_feedforward_layernorm.weight
+        if self.next_norm is None:  # a pipeline stage's last layer before the last stage: no next norm here
+            return ops.norm_add(x, out, post, eps), None
+        return ops.norm_add_rms_norm(x, out, post, self.next_norm.weight, eps)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
@@ -171,15 +174,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             table = ropes["default"].table
             try:
                 check_gemma_stages(ops, self.spec.hidden_size, self.layers[0].mlp.down_proj.weight.shape[1],
-                                   self.spec.rms_norm_eps, table.device, self.dtype)
+                                   self.spec.rms_norm_eps, table.device, self.dtype, not self.stage.last)
             except Exception as e:
                 ops.eager_stages(e)
 
 
 def check_gemma_stages(ops: FusedOps, hidden: int, inter: int, eps: float, device: torch.device,
-                       dtype: torch.dtype) -> None:
+                       dtype: torch.dtype, stage_end: bool = False) -> None:
     """The compiled post-norm/add/norm and GELU-mul stages against their eager definitions at two
-    token counts (the static, then the dynamic graph); RuntimeError on a mismatch."""
+    token counts (the static, then the dynamic graph), and the post-norm/add alone where the
+    model is a pipeline stage before the last (``stage_end``); RuntimeError on a mismatch."""
     for n in (16, 40):
         x = torch.randn(n, hidden, device=device, dtype=dtype)
         w = 1 + 0.1 * torch.randn(hidden, device=device, dtype=torch.float32)  # (1 + w) in float32
@@ -187,6 +191,8 @@ def check_gemma_stages(ops: FusedOps, hidden: int, inter: int, eps: float, devic
         args = (x, x.flip(0), w, w.flip(0), eps)
         pairs = [(ops.norm_add_rms_norm(*args), norm_add_rms_norm(*args)),
                  ((ops.gelu_tanh_mul(gu),), (gelu_tanh_mul(gu),))]
+        if stage_end:
+            pairs.append(((ops.norm_add(x, x.flip(0), w, eps),), (norm_add(x, x.flip(0), w, eps),)))
         for got, ref in pairs:
             for g, r in zip(got, ref):
                 assert_close("compiled Gemma stage", g, r)

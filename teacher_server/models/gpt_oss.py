@@ -107,13 +107,15 @@ class GptOssForCausalLM(MoeModel, LlamaForCausalLM):
         return super().checkpoint_param(hf_name.replace(".mlp.router.", ".mlp.gate."))
 
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
-        """The shared and expert checks, then the compiled expert activation against its eager
-        definition at two token counts (the static, then the dynamic graph): a mismatch runs
-        every compiled stage eagerly, as the shared checks do."""
+        """The shared and expert checks, the expert activation's kernel (expert parallel's), then
+        the compiled expert activation against its eager definition at two token counts (the
+        static, then the dynamic graph): a mismatch runs every compiled stage eagerly, as the
+        shared checks do."""
         super().warm_up_ops(ops, ropes)
+        ex = self.layers[0].mlp.experts
+        ops.check_swiglu(ex.gate_up_bias, self.spec.swiglu_alpha, self.spec.swiglu_limit)
         if not ops.compiled:
             return
-        ex = self.layers[0].mlp.experts
         dev = ex.gate_up_bias.device
         try:
             for n in (16, 40):

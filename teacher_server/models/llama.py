@@ -26,7 +26,7 @@ from teacher_server.layers.pipeline import WHOLE, PipelineStage, StageLayers
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.base import LayerPacer
-from teacher_server.models.norm import decoder_norm
+from teacher_server.models.norm import add_norm, decoder_norm
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.qkv_rope import HeadLayout
@@ -114,9 +114,10 @@ class LlamaMLP(RuntimeModule):
         return a if a is not None else self.act(gate_up)
 
 
-def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm, ops: FusedOps,
-                  reader: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + proj(a) (the new residual stream) and its RMSNorm with ``norm``. With
+def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNorm | None, ops: FusedOps,
+                  reader: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + proj(a) (the new residual stream) and its RMSNorm with ``norm`` (None: no norm,
+    the last layer of a pipeline stage before the last: ``add_norm``). With
     ``residual_in_gemm`` the sum is made in the GEMM's epilogue, in place, and rounded once,
     instead of rounding proj(a) and then the sum; it saves a full pass over [T, hidden] (a format
     without that epilogue, FP8, hands proj(a) to the norm's pass as ``delta``: one pass fewer too).
@@ -126,10 +127,10 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNo
     if ops.residual_in_gemm and proj.fmt.epilogue_add(proj):
         x = proj.add_into(x, a)
         got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps) if fused else None
-        return got if got is not None else (x, ops.rms_norm(x, norm.weight, norm.eps))
+        return got if got is not None else (x, None if norm is None else ops.rms_norm(x, norm.weight, norm.eps))
     delta = proj(a)
     got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps, delta) if fused else None
-    return got if got is not None else ops.add_rms_norm(x, delta, norm.weight, norm.eps)
+    return got if got is not None else add_norm(x, delta, norm, ops)
 
 
 def input_reader(layer: nn.Module) -> nn.Module | None:
@@ -150,7 +151,7 @@ class LlamaDecoderLayer(RuntimeModule):
         self.self_attn = attention(spec, layer_id, dtype, device, tp, fmt)
         self.post_attention_layernorm = decoder_norm(spec, spec.hidden_size, dtype, device)
         self.mlp = self.make_mlp(spec, layer_id, dtype, device, tp, fmt)
-        self.next_norm: RMSNorm | None = None  # the next layer's input norm (or the final norm): set by the model
+        self.next_norm: RMSNorm | None = None  # the next layer's input norm, the final norm, or None at a stage's end
         self.next_reader: nn.Module | None = None  # the linear layer alone reading next_norm's rows: set by the model
 
     def make_mlp(self, spec: ModelSpec, layer_id: int, dtype: torch.dtype, device: torch.device,
@@ -158,8 +159,8 @@ class LlamaDecoderLayer(RuntimeModule):
         """The layer's feed-forward block (expert families put their expert layer here)."""
         return LlamaMLP(spec, dtype, device, tp, fmt)
 
-    def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
-        """x + mlp(h) and its norm with ``next_norm``."""
+    def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x + mlp(h) and its norm with ``next_norm`` (None without one)."""
         return residual_norm(x, self.mlp(h), self.mlp.down_proj, self.next_norm, ops, self.next_reader)
 
     @property
@@ -168,9 +169,9 @@ class LlamaDecoderLayer(RuntimeModule):
         return self.self_attn
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext,
-                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: residual stream [T, hidden]; h: this layer's normed input. Returns the new
-        residual stream and the next layer's normed input (normed with ``next_norm``).
+        residual stream and the next layer's normed input (``next_norm``'s; None without one).
         ``keep`` ([R] indices into T): only those rows go past the mixer, and the results
         are [R, hidden] in ``keep``'s order. The mixer still sees every row (its keys, values
         and states are kept for later chunks and cached prefixes)."""
@@ -223,13 +224,10 @@ class LlamaForCausalLM(RuntimeModule):
         self.norm = decoder_norm(spec, spec.hidden_size, dtype, device) if stage.last else None
         self.head = None if tied or not stage.last else LMHead(spec.vocab_size, spec.hidden_size, dtype, device, tp,
                                                                fmt)
-        # A stage before the last ends on a layer whose next norm lives on the next stage: it
-        # norms into a stand-in (not a parameter; its output is not used) and the next stage
-        # norms the residual stream it receives with that layer's own input norm.
-        final = self.norm if stage.last else decoder_norm(spec, spec.hidden_size, dtype, device).requires_grad_(False)
-        if not stage.last:
-            final.weight.fill_(1.0)
-        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        # A stage before the last ends on a layer whose next norm lives on the next stage: that
+        # layer only adds to the residual stream (no norm: ``self.norm`` is None there) and the
+        # next stage norms what it receives with its first layer's input norm.
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         # (the LM head, and the next stage, read plain rows)
         readers = [input_reader(layer) for layer in self.layers[1:]] + [None]
         for layer, norm, reader in zip(self.layers, nexts, readers):

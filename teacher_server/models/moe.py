@@ -15,6 +15,7 @@ from teacher_server.layers.moe import SparseMoe, expert_param
 from teacher_server.layers.parallel import TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.models.llama import LlamaDecoderLayer
+from teacher_server.models.norm import add_norm
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.grouped_mm import GroupedGemm
@@ -39,9 +40,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
                          spec.norm_topk_prob, spec.shared_expert_intermediate_size, GROUPED_GEMM, dtype, device, tp,
                          fmt)
 
-    def mlp_residual(self, x: torch.Tensor, h: torch.Tensor, ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp_residual(self, x: torch.Tensor, h: torch.Tensor,
+                     ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sparse:  # the experts' output is combined already: a plain residual add
-            return ops.add_rms_norm(x, self.mlp(h), self.next_norm.weight, self.next_norm.eps)
+            return add_norm(x, self.mlp(h), self.next_norm, ops)
         return super().mlp_residual(x, h, ops)
 
 

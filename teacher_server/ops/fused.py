@@ -25,15 +25,16 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
-from teacher_server.ops.clamped_swiglu import clamped_swiglu
+from teacher_server.ops.clamped_swiglu import check_clamped_swiglu_kernel, clamped_swiglu, clamped_swiglu_kernel
 from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.gelu_mul import gelu_tanh_mul
-from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add_rms_norm, rms_norm
+from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add, norm_add_rms_norm, rms_norm
 from teacher_server.ops.partial_rope import partial_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
-from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_reference
+from teacher_server.ops.row_end import before_end
+from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_rows
 
 if TYPE_CHECKING:
     from teacher_server.step_context import StepContext
@@ -72,7 +73,8 @@ class _Guarded:
 _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
                                 "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep,
                                 "gelu_tanh_mul": gelu_tanh_mul, "partial_qk_prep": partial_qk_prep,
-                                "norm_add_rms_norm": norm_add_rms_norm, "clamped_swiglu": clamped_swiglu}
+                                "norm_add_rms_norm": norm_add_rms_norm, "norm_add": norm_add,
+                                "clamped_swiglu": clamped_swiglu}
 
 
 class FusedOps:
@@ -91,6 +93,7 @@ class FusedOps:
     gelu_tanh_mul: Callable
     partial_qk_prep: Callable
     norm_add_rms_norm: Callable
+    norm_add: Callable  # Gemma's post-norm and residual add on a pipeline stage's last layer
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:
@@ -102,6 +105,9 @@ class FusedOps:
         self.linear_heads: tuple[int, int, int, int] | None = None
         loaded = self._loaded = kernels and kernels_available()
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
+        # gpt-oss's expert activation as a CUDA kernel where the rows have an end (expert
+        # parallel: it skips the rows after it; the compiled stage cannot), after its check
+        self.swiglu_kernel = loaded
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
         # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
@@ -139,9 +145,21 @@ class FusedOps:
         at, for the start-up check (``warm_up``) to compile and check them there."""
         self.gated_norm_shape, self.linear_heads = gated_norm_shape, heads
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[T, 2I] -> [T, I]: silu(gate) * up."""
-        return silu_mul(gate_up) if self.silu_kernel else silu_mul_reference(gate_up)
+    def silu_mul(self, gate_up: torch.Tensor, end: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, 2I] -> [T, I]: silu(gate) * up; with ``end`` (an expert-parallel rank's row end,
+        int32 [1] on the device) the rows after it are not needed (``ops.row_end``)."""
+        return silu_mul(gate_up, end) if self.silu_kernel else silu_mul_rows(gate_up, end)
+
+    def expert_swiglu(self, gate_up: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor, alpha: float,
+                      limit: float, end: torch.Tensor | None = None) -> torch.Tensor:
+        """gpt-oss's expert activation [M, 2I] -> [M, I] (``ops.clamped_swiglu``; the stage,
+        compiled or eager); with ``end`` as ``silu_mul``'s, the CUDA kernel on the rows before it."""
+        if end is not None and self.swiglu_kernel:
+            out = clamped_swiglu_kernel(gate_up, bias, rows, alpha, limit, end)
+            if out is not None:
+                return out
+        return before_end(lambda g, r: self.clamped_swiglu(g, bias, r, alpha, limit), gate_up, end,
+                          gate_up.shape[1] // 2, rows)
 
     def gate_up_act(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         """silu(h gate^T) * (h up^T), w = [gate; up] ([2I, H]), in one kernel: [T, I]; None
@@ -180,12 +198,22 @@ class FusedOps:
     def check_silu(self, width: int, device: torch.device, dtype: torch.dtype) -> None:
         """Check the SiLU-mul kernel at ``width`` (when on); a failure switches it off, with
         one log line (the reference is correct, only slower)."""
-        if self.silu_kernel:
+        self._check_kernel("silu_kernel", "SiLU-mul", check_silu_mul, width, device, dtype)
+
+    def check_swiglu(self, bias: torch.Tensor, alpha: float, limit: float) -> None:
+        """Check gpt-oss's expert activation kernel at the experts' width (``bias`` [E, 2I]; when
+        on); a failure switches it off, with one log line (the stage is correct, only reads
+        every row)."""
+        self._check_kernel("swiglu_kernel", "clamped SwiGLU", check_clamped_swiglu_kernel, bias, alpha, limit)
+
+    def _check_kernel(self, switch: str, name: str, check: Callable[..., None], *args: object) -> None:
+        """``check(*args)`` where the kernel's ``switch`` is on; a failure turns it off."""
+        if getattr(self, switch):
             try:
-                check_silu_mul(width, device, dtype)
+                check(*args)
             except Exception as e:
-                log.warning("SiLU-mul kernel disabled: %s", e)
-                self.silu_kernel = False
+                log.warning("%s kernel disabled: %s", name, e)
+                setattr(self, switch, False)
 
     def check_conv_kernel(self, nk: int, dk: int, nv: int, dv: int, kernel: int, device: torch.device,
                           dtype: torch.dtype) -> None:

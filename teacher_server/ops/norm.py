@@ -51,3 +51,9 @@ def norm_add_rms_norm(x: torch.Tensor, delta: torch.Tensor, post: torch.Tensor, 
     """(x + rms_norm(delta, post), its rms_norm with ``weight``): Gemma's post-norm of a block's
     output, the residual add and the next block's input norm, one compiled stage."""
     return add_rms_norm(x, rms_norm(delta, post, eps), weight, eps)
+
+
+def norm_add(x: torch.Tensor, delta: torch.Tensor, post: torch.Tensor, eps: float) -> torch.Tensor:
+    """x + rms_norm(delta, post): ``norm_add_rms_norm`` without the next block's norm (a
+    pipeline stage's last layer before the last stage; the next stage norms what it receives)."""
+    return x + rms_norm(delta, post, eps)

@@ -50,8 +50,9 @@ class Parsed(Protocol):
     reqs: list[ScoreRequest]
 
 
-# (body, limits, served name, tokenizer, the other served names, the X-Request-Id header)
-Parse = Callable[[bytes, Limits, str, "Tokenizer | None", tuple[str, ...], "str | None"], Any]
+# (body, limits, served name, tokenizer, the other served names, the X-Request-Id header, the body's JSON object
+# where parsed already)
+Parse = Callable[[bytes, Limits, str, "Tokenizer | None", tuple[str, ...], "str | None", "dict | None"], Any]
 Build = Callable[[Any, list[ScoreResult], str, "Tokenizer | None"], bytes]
 
 
@@ -125,7 +126,8 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     ae = ready_engine(request, teachers.single)
     timeout_s = request_timeout(request, cfg)
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
-    t = teachers.single or await teachers.pick(raw, app.state.io_pool)  # several: the body's `model` says
+    # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
+    t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
     ae = ready_engine(request, t)
     info.teacher = t
     m: Metrics = t.metrics
@@ -133,9 +135,9 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     loop = asyncio.get_running_loop()
     tok = tokenizer_of(t)
     model = t.engine.served_model_name
-    args = (raw, t.limits, model, tok, t.cfg.served_names, request.headers.get("x-request-id"))
+    args = (raw, t.limits, model, tok, t.cfg.served_names, request.headers.get("x-request-id"), obj)
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
-    del raw, args
+    del raw, args, obj
     reqs: list[ScoreRequest] = parsed.reqs
     tokens = sum(r.length for r in reqs)
     if tokens > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help

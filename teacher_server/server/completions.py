@@ -106,12 +106,14 @@ def _token_prompts(body: CompletionRequest, tok: Tokenizer | None) -> list[list[
 
 
 def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
-                     aliases: tuple[str, ...] = (), header_request_id: str | None = None) -> ParsedCompletion:
+                     aliases: tuple[str, ...] = (), header_request_id: str | None = None,
+                     obj: dict | None = None) -> ParsedCompletion:
     """JSON bytes -> the engine requests of each prompt; BadRequest (vLLM's 400/404) otherwise.
     ``aliases``: the other served names (``--served-model-name a b``), accepted as ``model``;
     ``header_request_id``: X-Request-Id, which names the completion before the body's
-    ``request_id`` does (vLLM's ``_base_request_id``)."""
-    body = validated(raw, CompletionRequest)
+    ``request_id`` does (vLLM's ``_base_request_id``); ``obj``: the body's JSON object where it
+    was parsed already (``parsing.validated``)."""
+    body = validated(raw, CompletionRequest, obj)
     if body.model is not None and body.model != served and body.model not in aliases:
         raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
     if body.stream:

@@ -179,17 +179,18 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         ae = ready_engine(request, teachers.single)
         timeout_s = request_timeout(request, cfg)
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
-        t = teachers.single or await teachers.pick(raw, app.state.io_pool)  # several: the body's `model` says
+        # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
+        t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
         ae = ready_engine(request, t)
         info.teacher, m = t, t.metrics
         queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
         engine: Engine = t.engine
         # Parsing and validating a large body takes a while: keep it off the event loop.
-        args = (raw, t.limits, engine.served_model_name, info.header_request_id, t.cfg.served_names)
+        args = (raw, t.limits, engine.served_model_name, info.header_request_id, t.cfg.served_names, obj)
         body, req = await asyncio.get_running_loop().run_in_executor(app.state.io_pool, parsing.parse_request, *args) \
             if len(raw) > INLINE_BYTES else parsing.parse_request(*args)
         echo_ids = bool(body.return_token_ids)
-        del raw, args, body  # the bytes and their parsed copy (a large ignored field too) are let go here
+        del raw, args, body, obj  # the bytes and their parsed copy (a large ignored field too) are let go here
         info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows
         if req.length > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "

@@ -90,18 +90,22 @@ def as_model(obj: dict, model: type[M]) -> M:
         raise BadRequest(*pydantic_message(e.errors())) from None
 
 
-def validated(raw: bytes | bytearray, model: type[M]) -> M:
-    """JSON bytes -> ``model`` (the endpoints' request bodies); BadRequest naming the field otherwise."""
-    return as_model(json_object(raw), model)
+def validated(raw: bytes | bytearray, model: type[M], obj: dict | None = None) -> M:
+    """JSON bytes -> ``model`` (the endpoints' request bodies); BadRequest naming the field
+    otherwise. ``obj``: the bytes' JSON object where it was parsed already (the choice among
+    several teachers: ``Teachers.pick``), validated without a second parse."""
+    return as_model(json_object(raw) if obj is None else obj, model)
 
 
 def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str,
-                  header_request_id: str | None = None,
-                  aliases: tuple[str, ...] = ()) -> tuple[GenerateRequest, ScoreRequest]:
+                  header_request_id: str | None = None, aliases: tuple[str, ...] = (),
+                  obj: dict | None = None) -> tuple[GenerateRequest, ScoreRequest]:
     """JSON bytes -> (GenerateRequest, ScoreRequest); BadRequest (400/404) otherwise, with
     ``request_id`` set to the body's id when it could be read (for the log line).
     ``header_request_id`` (X-Request-Id) names the request when the body does not;
-    ``aliases``: other names accepted as ``model``."""
+    ``aliases``: other names accepted as ``model``; ``obj``: the bytes' JSON object where it
+    was parsed already (``validated``). The byte checks of a large body run either way: a
+    body refused by them is refused alike, parsed or not."""
     if len(raw) > PRECHECK_BYTES:
         n = count_token_ids(raw, above=limits.max_model_len)
         if n is not None:
@@ -114,7 +118,7 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
             raise BadRequest(f"request body holds {commas} comma-separated JSON values, more than this server parses "
                              f"in a request ({most}: twice the largest request at max_model_len="
                              f"{limits.max_model_len}, max_logprobs={limits.max_logprobs})")
-    obj = json_object(raw)
+    obj = json_object(raw) if obj is None else obj
     try:
         body = as_model(obj, GenerateRequest)
         if body.model is not None and body.model != served_model_name and body.model not in aliases:

@@ -100,10 +100,12 @@ def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
 
 
 def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
-                 aliases: tuple[str, ...] = (), header_request_id: str | None = None) -> ParsedSGLang:
+                 aliases: tuple[str, ...] = (), header_request_id: str | None = None,
+                 obj: dict | None = None) -> ParsedSGLang:
     """JSON bytes -> one engine request per prompt; BadRequest otherwise. (SGLang names a
-    request by its body's ``rid`` alone: ``header_request_id`` is not read.)"""
-    body = validated(raw, SGLangGenerateRequest)
+    request by its body's ``rid`` alone: ``header_request_id`` is not read.) ``obj``: the body's
+    JSON object where it was parsed already (``parsing.validated``)."""
+    body = validated(raw, SGLangGenerateRequest, obj)
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
     if (body.input_ids is None) == (body.text is None):

@@ -64,26 +64,24 @@ class Teachers:
         raise BadRequest(f"The model `{model[:200]}` does not exist; this server serves {served}.", "model",
                          status=404)
 
-    async def pick(self, raw: bytes, pool: Executor) -> State:
-        """The teacher of a request body (JSON) by its ``model``. A body that is no JSON object
-        goes to the first teacher, whose parser answers it with the usual 400."""
+    async def pick(self, raw: bytes, pool: Executor) -> tuple[State, dict | None]:
+        """The teacher of a request body (JSON) by its ``model``, and the body's JSON object,
+        parsed here once: the teacher's endpoint validates it without parsing the bytes again.
+        A body that is no JSON object goes to the first teacher (with None), whose parser
+        answers it with the usual 400."""
         loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(pool, requested_model, raw) if len(raw) > PEEK_INLINE_BYTES \
-            else requested_model(raw)
-        return self.all[0] if model is _NOT_JSON else self.named(model)
+        obj = await loop.run_in_executor(pool, body_object, raw) if len(raw) > PEEK_INLINE_BYTES \
+            else body_object(raw)
+        return (self.all[0], None) if obj is None else (self.named(obj.get("model")), obj)
 
 
-_NOT_JSON = object()
-
-
-def requested_model(raw: bytes) -> object:
-    """The body's top-level ``model`` (None when absent), or ``_NOT_JSON``. The body is parsed
-    again by its endpoint: with several teachers that is a second parse (a cost of the choice)."""
+def body_object(raw: bytes) -> dict | None:
+    """The body's JSON object; None when it is not valid JSON or not an object."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return _NOT_JSON
-    return body.get("model") if isinstance(body, dict) else _NOT_JSON
+        return None
+    return body if isinstance(body, dict) else None
 
 
 class TeacherSetEngine:
