@@ -165,7 +165,7 @@ def test_the_gpu_dispatch_scores_within_the_fp8_activation_error(family: str, la
     worst = worst_error(twin, reqs, eng.run_to_completion(reqs))
     print(f"{family} {layout}: worst abs error {worst:.4f}")
     assert 1e-4 < worst < 1.0, worst
-    assert bool(fused) == (family != "moe128")  # (its layers are all expert layers)
+    assert fused  # the dense MLPs' and the experts' down-projection inputs
 
 
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -483,6 +483,36 @@ def test_the_down_projection_input_quantized_in_the_silu_mul_pass_is_the_same(fp
         torch.testing.assert_close(down.fmt.apply(down, fused), down.fmt.apply(down, plain), rtol=0, atol=0)
         torch.testing.assert_close(down.fmt.apply(down, fused[8:24]), down.fmt.apply(down, plain[8:24]), rtol=0,
                                    atol=0)
+
+
+@pytest.mark.parametrize(("family", "layout", "block"), [
+    ("moe128", "block", (128, 128)), ("qwen3moe", "block", (16, 16)), ("qwen3moe", "ct_tensor_static", (16, 16)),
+    ("deepseek_v3", "block", (16, 16)),
+])
+def test_the_experts_down_input_quantized_in_the_silu_mul_pass_is_the_same(family: str, layout: str,
+                                                                           block: tuple[int, int], fp8_checkpoints,
+                                                                           monkeypatch) -> None:
+    """FP8 experts (row-wise, 1 x 128 groups, a static input scale) take silu(gate) * up
+    quantized in the SiLU-mul pass as the down product's input (``silu_mul_input(.., "down")``):
+    every expert layer (and DeepSeek's ungated shared experts) made it there, and the scores
+    equal those of SiLU-mul then a quantizing pass of its own, exactly."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    path, _ = fp8_checkpoints(family, layout, block)
+    reqs = requests(family)
+    on = engine(path)
+    experts = [m for m in on.model.modules() if getattr(m, "role", None) == "experts"]
+    assert experts and all(isinstance(m.fmt, Fp8Weights) for m in experts)
+    calls = []
+    silu_mul_quant = ops.silu_mul_quant
+    monkeypatch.setattr(ops, "silu_mul_quant", lambda *a, **kw: calls.append(a[0].shape) or silu_mul_quant(*a, **kw))
+    got = on.run_to_completion(reqs)
+    widths = {s[1] // 2 for s in calls}
+    assert {m.i_local for m in experts} <= widths, (widths, {m.i_local for m in experts})
+    monkeypatch.setattr(Fp8Weights, "silu_mul_input", lambda *a, **kw: None)
+    want = engine(path).run_to_completion(reqs)
+    for g, w in zip(got, want):
+        assert g.error is None and w.error is None
+        np.testing.assert_array_equal(g.token_id_logprobs, w.token_id_logprobs)
 
 
 @pytest.mark.parametrize(("family", "layout", "block"), [

@@ -262,9 +262,12 @@ class SharedExpert(RuntimeModule):
     def add_into(self, out: torch.Tensor, h: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32; None: ungated, as
         DeepSeek's shared experts); returns out."""
-        a = self.rt.ops.silu_mul(self.gate_up_proj(h))  # [T, I_s]
-        if gate is not None:
-            a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
+        gu, d = self.gate_up_proj(h), self.down_proj
+        a = d.fmt.silu_mul_input(d, gu) if gate is None else None  # (FP8: quantized in the SiLU-mul pass)
+        if a is None:
+            a = self.rt.ops.silu_mul(gu)  # [T, I_s]
+            if gate is not None:
+                a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
         # With tp > 1 ``out`` holds this rank's partial sum of the routed experts and this adds
         # its partial sum of the shared expert (every rank adds: nothing here is reduced); the
         # layer's one all-reduce comes after.
@@ -306,7 +309,11 @@ class SparseMoe(RuntimeModule):
         rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
         x = h.index_select(0, rows.tokens)  # [M, H]
         gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
-        a = self.rt.ops.silu_mul(gu, rows.end)  # [M, I_local] (expert parallel: rows past the end unwritten)
+        # FP8 experts: the down product's input quantized in the SiLU-mul pass (over every row: a
+        # row's codes and scale are its own, so rows past an expert-parallel end are never read)
+        a = ex.fmt.silu_mul_input(ex, gu, "down")
+        if a is None:
+            a = self.rt.ops.silu_mul(gu, rows.end)  # [M, I_local] (expert parallel: rows past the end unwritten)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
         out = rows.combine(y, w)  # [T, H]
         if self.shared_expert is not None:

@@ -175,10 +175,11 @@ class WeightFormat(ABC):
         activation (the caller runs the norm). None here."""
         return None
 
-    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> object | None:
+    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor, slot: str = "weight") -> object | None:
         """silu(gate) * up of gate_up [T, 2I] made in one pass with what ``layer``'s product
-        takes as its input (``apply``'s x), or None where the format takes the plain activation
-        (the caller runs SiLU-mul). None here."""
+        (of ``slot``: an expert layer's "down") takes as its input (``apply``'s or
+        ``apply_experts``' x), or None where the format takes the plain activation (the caller
+        runs SiLU-mul). None here."""
         return None
 
     def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor | None:

@@ -305,12 +305,12 @@ class Fp8Weights(WeightFormat):
             x, q, scale = fp8.add_rms_norm_quant(x, delta, weight, eps, mode, static, kernel=layer.fp8_kernel)
         return x, QuantizedRows(q, scale, x.dtype)
 
-    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor) -> QuantizedRows | None:
-        """silu(gate) * up of gate_up [T, 2I] as ``layer``'s input, quantized in the same pass
-        (``ops.fp8.silu_mul_quant``): the dense MLP's down projection takes it without a pass of
-        its own over the activation."""
+    def silu_mul_input(self, layer: nn.Module, gate_up: torch.Tensor, slot: str = "weight") -> QuantizedRows | None:
+        """silu(gate) * up of gate_up [T, 2I] as the input of ``layer``'s ``slot``, quantized in
+        the same pass (``ops.fp8.silu_mul_quant``): the dense MLP's down projection and the
+        experts' take it without a pass of their own over the activation."""
         mode = self._act_mode(layer)
-        static = getattr(layer, extra_name("weight", INPUT_SCALE)) if mode == "tensor" else None
+        static = getattr(layer, extra_name(slot, INPUT_SCALE)) if mode == "tensor" else None
         q, scale = fp8.silu_mul_quant(gate_up, mode, static, kernel=layer.fp8_kernel)
         return QuantizedRows(q, scale, gate_up.dtype)
 
