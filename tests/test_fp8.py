@@ -516,6 +516,35 @@ def test_the_experts_down_input_quantized_in_the_silu_mul_pass_is_the_same(famil
 
 
 @pytest.mark.parametrize(("family", "layout", "block"), [
+    ("moe128", "block", (128, 128)), ("qwen3moe", "block", (16, 16)), ("qwen3moe", "ct_tensor_static", (16, 16)),
+    ("deepseek_v3", "block", (16, 16)),
+])
+def test_the_experts_input_quantized_before_the_gather_is_the_same(family: str, layout: str, block: tuple[int, int],
+                                                                   fp8_checkpoints, monkeypatch) -> None:
+    """FP8 experts quantize the layer's T input rows, then gather the (token, slot) rows' codes
+    and scales (``gather_input``) instead of gathering T * k bf16 rows and quantizing those: every
+    expert layer takes it, and the scores are the same bits (per-row, per-group and static
+    scales depend on the row alone)."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    path, _ = fp8_checkpoints(family, layout, block)
+    reqs = requests(family)
+    on = engine(path)
+    experts = [m for m in on.model.modules() if getattr(m, "role", None) == "experts"]
+    assert experts and all(isinstance(m.fmt, Fp8Weights) for m in experts)
+    gathered = []
+    gather_input = Fp8Weights.gather_input
+    monkeypatch.setattr(Fp8Weights, "gather_input", lambda self, layer, *a: gathered.append(layer)
+                        or gather_input(self, layer, *a))
+    got = on.run_to_completion(reqs)
+    assert {id(m) for m in experts} == {id(m) for m in gathered}
+    monkeypatch.setattr(Fp8Weights, "gather_input", lambda *a: None)
+    want = engine(path).run_to_completion(reqs)
+    for g, w in zip(got, want):
+        assert g.error is None and w.error is None
+        np.testing.assert_array_equal(g.token_id_logprobs, w.token_id_logprobs)
+
+
+@pytest.mark.parametrize(("family", "layout", "block"), [
     ("qwen3hd128", "block", (128, 128)), ("qwen3", "ct_tensor_static", (16, 16)), ("qwen3", "online", (16, 16)),
 ])
 def test_projection_inputs_quantized_in_the_norm_pass_score_the_same(family: str, layout: str, block: tuple[int, int],

@@ -307,7 +307,9 @@ class SparseMoe(RuntimeModule):
         w, ids = self.route(h)
         ex = self.experts
         rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
-        x = h.index_select(0, rows.tokens)  # [M, H]
+        x = ex.fmt.gather_input(ex, "gate_up", h, rows.tokens)  # FP8: h quantized, then its codes gathered
+        if x is None:
+            x = h.index_select(0, rows.tokens)  # [M, H]
         gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
         # FP8 experts: the down product's input quantized in the SiLU-mul pass (over every row: a
         # row's codes and scale are its own, so rows past an expert-parallel end are never read)

@@ -182,6 +182,12 @@ class WeightFormat(ABC):
         runs SiLU-mul). None here."""
         return None
 
+    def gather_input(self, layer: nn.Module, slot: str, x: torch.Tensor, index: torch.Tensor) -> object | None:
+        """The rows ``index`` of x [T, K] as ``layer``'s ``slot`` takes its input (an expert
+        layer's gathered (token, slot) rows), or None where the format takes the plain gathered
+        rows (the caller gathers them). None here."""
+        return None
+
     def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor | None:
         """The weight of ``slot`` as a plain tensor in the activation dtype, for kernels that
         read it directly (the fused gate/up kernel, the float32 logits, the embedding

@@ -314,6 +314,15 @@ class Fp8Weights(WeightFormat):
         q, scale = fp8.silu_mul_quant(gate_up, mode, static, kernel=layer.fp8_kernel)
         return QuantizedRows(q, scale, gate_up.dtype)
 
+    def gather_input(self, layer: nn.Module, slot: str, x: torch.Tensor, index: torch.Tensor) -> QuantizedRows:
+        """x's T rows quantized, then the rows ``index`` gathered as codes and scales: T rows
+        quantized instead of the T * k gathered ones, and the gather moves 1 byte a value instead
+        of 2. A row's codes depend on that row alone (per row, per 1 x 128 group, or one static
+        scale), so the result is the gathered rows' quantization, bit for bit."""
+        xq, xs = self._quantize_input(layer, slot, x)
+        q = xq.view(torch.uint8).index_select(0, index).view(xq.dtype)  # (index_select of bytes: any device)
+        return QuantizedRows(q, xs if xs.numel() == 1 else xs.index_select(0, index), x.dtype)
+
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows,
               out: torch.Tensor | None = None) -> torch.Tensor:
         xq, xs = self._quantize_input(layer, "weight", x)
