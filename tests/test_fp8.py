@@ -601,3 +601,30 @@ def test_fp8_residual_adds_are_made_in_the_norm_pass(fp8_checkpoints, monkeypatc
     for g, w in zip(got, want):
         assert g.error is None and w.error is None
         np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-6)
+
+
+def test_an_expert_layers_sum_is_quantized_for_the_next_q_k_v_in_the_norm_pass(fp8_checkpoints, monkeypatch) -> None:
+    """After an expert layer the residual add, the next layer's input norm and its q/k/v input's
+    quantization are one pass (``add_norm`` with the next layer's reader), as after a dense
+    MLP: every layer past the first gets its q/k/v input there, and the scores equal those with
+    the quantization in a pass of its own."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    path, _ = fp8_checkpoints("qwen3moe", "block", (16, 16))
+    reqs = requests("qwen3moe")
+    on = engine(path)
+    layers = on.model.layers
+    sparse = [a for a in layers[:-1] if a.sparse]
+    assert sparse and all(a.next_reader is b.self_attn.qkv_proj for a, b in zip(layers, layers[1:]))
+    calls = []
+    f = ops.add_rms_norm_quant
+    monkeypatch.setattr(ops, "add_rms_norm_quant", lambda x, d, w, *a, **kw: calls.append(id(w)) or f(x, d, w, *a, **kw))
+    got = on.run_to_completion(reqs)
+    assert {id(a.next_norm.weight) for a in sparse} <= set(calls)  # the norm after each expert layer
+    off = engine(path)
+    off.runner.ops.fp8_norm_input = False
+    calls.clear()
+    want = off.run_to_completion(reqs)
+    assert not calls
+    for g, w in zip(got, want):
+        assert g.error is None and w.error is None
+        np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-5)

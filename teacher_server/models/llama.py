@@ -128,9 +128,7 @@ def residual_norm(x: torch.Tensor, a: torch.Tensor, proj: RowLinear, norm: RMSNo
         x = proj.add_into(x, a)
         got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps) if fused else None
         return got if got is not None else (x, None if norm is None else ops.rms_norm(x, norm.weight, norm.eps))
-    delta = proj(a)
-    got = reader.fmt.norm_input(reader, x, norm.weight, norm.eps, delta) if fused else None
-    return got if got is not None else add_norm(x, delta, norm, ops)
+    return add_norm(x, proj(a), norm, ops, reader)
 
 
 def input_reader(layer: nn.Module) -> nn.Module | None:

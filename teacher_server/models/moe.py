@@ -43,7 +43,7 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     def mlp_residual(self, x: torch.Tensor, h: torch.Tensor,
                      ops: FusedOps) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.sparse:  # the experts' output is combined already: a plain residual add
-            return add_norm(x, self.mlp(h), self.next_norm, ops)
+            return add_norm(x, self.mlp(h), self.next_norm, ops, self.next_reader)
         return super().mlp_residual(x, h, ops)
 
 
