@@ -321,7 +321,8 @@ class Fp8Weights(WeightFormat):
         scale), so the result is the gathered rows' quantization, bit for bit."""
         xq, xs = self._quantize_input(layer, slot, x)
         q = xq.view(torch.uint8).index_select(0, index).view(xq.dtype)  # (index_select of bytes: any device)
-        return QuantizedRows(q, xs if xs.numel() == 1 else xs.index_select(0, index), x.dtype)
+        static = self._act_mode(layer) == "tensor"  # (one scale for every row; not numel: a 1-row [1, 1])
+        return QuantizedRows(q, xs if static else xs.index_select(0, index), x.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows,
               out: torch.Tensor | None = None) -> torch.Tensor:
