@@ -485,59 +485,33 @@ def test_the_down_projection_input_quantized_in_the_silu_mul_pass_is_the_same(fp
                                    atol=0)
 
 
+@pytest.mark.parametrize("method", ["silu_mul_input", "gather_input"])
 @pytest.mark.parametrize(("family", "layout", "block"), [
     ("moe128", "block", (128, 128)), ("qwen3moe", "block", (16, 16)), ("qwen3moe", "ct_tensor_static", (16, 16)),
     ("deepseek_v3", "block", (16, 16)),
 ])
-def test_the_experts_down_input_quantized_in_the_silu_mul_pass_is_the_same(family: str, layout: str,
-                                                                           block: tuple[int, int], fp8_checkpoints,
-                                                                           monkeypatch) -> None:
-    """FP8 experts (row-wise, 1 x 128 groups, a static input scale) take silu(gate) * up
-    quantized in the SiLU-mul pass as the down product's input (``silu_mul_input(.., "down")``):
-    every expert layer (and DeepSeek's ungated shared experts) made it there, and the scores
-    equal those of SiLU-mul then a quantizing pass of its own, exactly."""
+def test_the_experts_fp8_inputs_made_in_fewer_passes_score_the_same(method: str, family: str, layout: str,
+                                                                    block: tuple[int, int], fp8_checkpoints,
+                                                                    monkeypatch) -> None:
+    """FP8 experts (row-wise, 1 x 128 groups, a static input scale) take their inputs made in
+    fewer passes: ``silu_mul_input(.., "down")``, silu(gate) * up quantized in the SiLU-mul pass
+    as the down product's input (DeepSeek's ungated shared experts too); ``gather_input``, the
+    layer's T input rows quantized, then the (token, slot) rows' codes and scales gathered
+    instead of T * k gathered bf16 rows quantized. Every expert layer takes them, and the scores
+    are the same bits as with a quantizing pass of its own (a row's codes depend on that row
+    alone)."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
     path, _ = fp8_checkpoints(family, layout, block)
     reqs = requests(family)
     on = engine(path)
     experts = [m for m in on.model.modules() if getattr(m, "role", None) == "experts"]
     assert experts and all(isinstance(m.fmt, Fp8Weights) for m in experts)
-    calls = []
-    silu_mul_quant = ops.silu_mul_quant
-    monkeypatch.setattr(ops, "silu_mul_quant", lambda *a, **kw: calls.append(a[0].shape) or silu_mul_quant(*a, **kw))
+    seen = []
+    made = getattr(Fp8Weights, method)
+    monkeypatch.setattr(Fp8Weights, method, lambda self, layer, *a: seen.append(layer) or made(self, layer, *a))
     got = on.run_to_completion(reqs)
-    widths = {s[1] // 2 for s in calls}
-    assert {m.i_local for m in experts} <= widths, (widths, {m.i_local for m in experts})
-    monkeypatch.setattr(Fp8Weights, "silu_mul_input", lambda *a, **kw: None)
-    want = engine(path).run_to_completion(reqs)
-    for g, w in zip(got, want):
-        assert g.error is None and w.error is None
-        np.testing.assert_array_equal(g.token_id_logprobs, w.token_id_logprobs)
-
-
-@pytest.mark.parametrize(("family", "layout", "block"), [
-    ("moe128", "block", (128, 128)), ("qwen3moe", "block", (16, 16)), ("qwen3moe", "ct_tensor_static", (16, 16)),
-    ("deepseek_v3", "block", (16, 16)),
-])
-def test_the_experts_input_quantized_before_the_gather_is_the_same(family: str, layout: str, block: tuple[int, int],
-                                                                   fp8_checkpoints, monkeypatch) -> None:
-    """FP8 experts quantize the layer's T input rows, then gather the (token, slot) rows' codes
-    and scales (``gather_input``) instead of gathering T * k bf16 rows and quantizing those: every
-    expert layer takes it, and the scores are the same bits (per-row, per-group and static
-    scales depend on the row alone)."""
-    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
-    path, _ = fp8_checkpoints(family, layout, block)
-    reqs = requests(family)
-    on = engine(path)
-    experts = [m for m in on.model.modules() if getattr(m, "role", None) == "experts"]
-    assert experts and all(isinstance(m.fmt, Fp8Weights) for m in experts)
-    gathered = []
-    gather_input = Fp8Weights.gather_input
-    monkeypatch.setattr(Fp8Weights, "gather_input", lambda self, layer, *a: gathered.append(layer)
-                        or gather_input(self, layer, *a))
-    got = on.run_to_completion(reqs)
-    assert {id(m) for m in experts} == {id(m) for m in gathered}
-    monkeypatch.setattr(Fp8Weights, "gather_input", lambda *a: None)
+    assert {id(m) for m in experts} <= {id(m) for m in seen}
+    monkeypatch.setattr(Fp8Weights, method, lambda *a: None)
     want = engine(path).run_to_completion(reqs)
     for g, w in zip(got, want):
         assert g.error is None and w.error is None
