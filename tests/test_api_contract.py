@@ -198,6 +198,8 @@ def test_prompt_logprobs_layout(client) -> None:
 
 def test_other_endpoints(client) -> None:
     assert client.get("/health").status_code == 200
+    head = client.head("/health")  # (load balancers' probes that send HEAD)
+    assert head.status_code == 200 and not head.content
     assert client.get("/version").json()["version"]
     models = client.get("/v1/models").json()
     assert models["data"][0]["max_model_len"] == 8192

@@ -122,7 +122,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
                            allow_headers=["*"])
 
     # --- routes --------------------------------------------------------------------------
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.api_route("/health", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})  # (HEAD: probes)
     async def health(request: Request) -> Response:
         """200 `{"status": "ready"}` when the engine (every replica) can serve; 200
         `{"status": "degraded", "replicas_serving", "replicas", "message"}` while some replicas
