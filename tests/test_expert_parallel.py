@@ -362,3 +362,41 @@ def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypat
         mine = int(((ids >= moe.experts.first) & (ids < moe.experts.first + 4)).sum())
         assert [x.shape[0] for x in seen] == [mine] and torch.isfinite(seen[0]).all(), (mine, seen)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sparse", "gpt_oss"])
+def test_the_row_end_kernels_skip_other_ranks_rows_in_the_layer(kind: str, monkeypatch) -> None:
+    """On the GPU, in bf16 with the CUDA kernels on, each expert-parallel rank's activation is
+    the row-end kernel (SiLU-mul, gpt-oss's clamped SwiGLU) reading the end on the device: the
+    rows past it (NaN from the grouped GEMM here) neither reach the output nor stop the ranks
+    summing to the whole layer; the kernels pass their start-up checks at the layer's width."""
+    from teacher_server.ops import fused
+
+    dev = torch.device("cuda")
+    monkeypatch.setattr(TensorParallel, "all_reduce", lambda self, x: x)
+    ops = FusedOps(kernels=True, compile=False)
+    gemm = _PoisonedGemm(allow_torch=False)
+    ran: list[bool] = []  # per clamped SwiGLU call with an end: whether the kernel took it
+    real = fused.clamped_swiglu_kernel
+    monkeypatch.setattr(fused, "clamped_swiglu_kernel", lambda *a: ran.append(real(*a) is not None) or real(*a))
+
+    def layer(tp: TensorParallel) -> torch.nn.Module:
+        if kind == "sparse":
+            moe = SparseMoe(64, 8, 2, 48, True, 0, gemm, torch.bfloat16, dev, tp)
+        else:
+            moe = GptOssMoe(64, 8, 2, 48, 1.702, 7.0, gemm, torch.bfloat16, dev, tp)
+        moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
+        return moe
+
+    full, ranks = split_layer(layer, 2)
+    ops.check_silu(48, dev, torch.bfloat16)
+    if kind == "gpt_oss":
+        ops.check_swiglu(ranks[0].experts.gate_up_bias, 1.702, 7.0)
+    assert ops.silu_kernel and ops.swiglu_kernel  # (a failed check logs "... kernel disabled")
+    h = torch.randn(37, 64, device=dev).to(torch.bfloat16)
+    want = full(h).float()
+    got = sum(moe(h).float() for moe in ranks)
+    assert torch.isfinite(got).all()
+    assert float((got - want).abs().max()) <= 2e-2 * float(want.abs().max()), (got - want).abs().max()
+    assert ran == ([True, True] if kind == "gpt_oss" else [])  # the whole layer has no end; each rank one

@@ -412,6 +412,10 @@ def test_a_layer_takes_the_first_multiply_that_runs_here(runs: set[str], want: s
 @pytest.mark.parametrize(("family", "layout", "block", "mode"), [
     ("qwen3hd128", "block", (128, 128), "block"),  # torch's block-wise scaled multiply (sm90)
     ("moe128", "block", (128, 128), "block"),  # the grouped block kernel for experts
+    # row-wise experts (gathered codes and row scales; one static scale), their SiLU-mul pass's
+    # input, and the norm pass after each expert layer quantizing the next q/k/v input
+    ("moe128", "ct_channel", (128, 128), "row"),
+    ("moe128", "fp8_tensor_static", (128, 128), "row"),
     ("qwen3hd128", "ct_channel", (128, 128), "row"),
     ("qwen3hd128", "ct_block", (128, 128), "block"),
     ("qwen3hd128", "fp8_tensor_static", (128, 128), "row"),  # static per-tensor activations

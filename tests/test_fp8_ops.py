@@ -554,3 +554,49 @@ def test_multiply_checks_pass_at_model_widths() -> None:
     for mode in ("row", "block"):
         fp8.check_scaled_linear(mode, 2048, 1536, cuda, experts=6)
         fp8.check_scaled_linear(mode, 768, 2048, cuda, experts=6)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, hopper])])
+@pytest.mark.parametrize("act", ["row", "group", "tensor"])
+def test_experts_inputs_made_in_fewer_passes_multiply_as_their_own_pass(device: str, act: str) -> None:
+    """The FP8 experts' inputs as ``Fp8Weights`` makes them on the device: ``gather_input`` (the
+    T rows quantized, then codes and scales gathered: on the GPU the Triton pass's M-major group
+    scales come out of the gather row-major) holds the gathered rows' codes and scales, and the
+    grouped multiply gives the same bits from either; ``silu_mul_input(.., "down")`` over rows
+    whose tail holds NaN (an expert-parallel rank's rows past its end) leaves the rows before
+    it as they are alone."""
+    from types import SimpleNamespace
+
+    from teacher_server.layers.formats.base import extra_name
+    from teacher_server.layers.formats.fp8 import INPUT_SCALE, SCALE, Fp8Weights
+    from teacher_server.layers.formats.fp8_config import Fp8Scheme
+
+    dev = torch.device(device)
+    counts, t, k, n, end = [5, 0, 19, 1, 0, 7], 13, 256, 192, 20
+    g = _gen(3)
+    h = torch.randn(t, k, generator=g).bfloat16().to(dev)
+    index = torch.randint(0, t, (sum(counts),), generator=g).to(dev)
+    w = torch.randn(len(counts), n, k, generator=g) * k ** -0.5
+    gu = (4 * torch.randn(sum(counts), 2 * k, generator=g)).bfloat16().to(dev)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32).to(dev)
+    wmode = "block" if act == "group" else "row"
+    fmt = Fp8Weights("fp8", Fp8Scheme("block" if act == "group" else "channel",
+                                      activations="static" if act == "tensor" else "dynamic"))
+    layer = SimpleNamespace(fp8_mode=wmode, fp8_kernel=True)
+    layer.gate_up, ws = (a.to(dev) for a in fp8.quantize_weight(w, wmode))
+    setattr(layer, extra_name("gate_up", SCALE), ws)
+    for slot in ("gate_up", "down"):
+        setattr(layer, extra_name(slot, INPUT_SCALE), torch.tensor([0.02], device=dev))
+    if dev.type == "cuda":  # the Triton pass, not its reference
+        assert fp8_quant.quantize(h, "row", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
+    got = fmt.gather_input(layer, "gate_up", h, index)
+    want = h.index_select(0, index)
+    wq, wsc = fmt._quantize_input(layer, "gate_up", want)
+    assert torch.equal(got.q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(got.scale, wsc)
+    y, y_want = (fmt.apply_experts(layer, "gate_up", x, offs, None) for x in (got, want))
+    assert torch.equal(y, y_want)
+    gu_tail = gu.clone()
+    gu_tail[end:] = float("nan")
+    tail, alone = fmt.silu_mul_input(layer, gu_tail, "down"), fmt.silu_mul_input(layer, gu[:end].clone(), "down")
+    assert torch.equal(tail.q[:end].view(torch.uint8), alone.q.view(torch.uint8))
+    assert torch.equal(tail.scale if act == "tensor" else tail.scale[:end], alone.scale)

@@ -203,3 +203,22 @@ def test_start_up_check_of_the_expert_activation(ckpt) -> None:
     ops.clamped_swiglu = lambda gu, b, rows, alpha, limit: clamped_swiglu(gu, b, rows, alpha, 1e9)
     model.warm_up_ops(ops, model.make_ropes(64, torch.device("cpu")))
     assert not ops.compiled and ops.clamped_swiglu is clamped_swiglu
+
+
+def test_start_up_check_of_the_expert_activation_on_an_expert_parallel_rank(ckpt) -> None:
+    """An expert-parallel rank holds E / size experts' biases while its routing ids are global:
+    the start-up check draws its expert ids among the rank's own bias rows (a global id past
+    them is an index error here, a device-side assert that kills the process on CUDA), so a
+    correct compiled activation stays on."""
+    from torch import nn
+
+    from teacher_server.ops.fused import FusedOps
+
+    model = engine(ckpt["plain"]).runner.model
+    for layer in model.layers:  # rank 0 of 2: the first half of the experts' bias rows
+        ex = layer.mlp.experts
+        ex.gate_up_bias = nn.Parameter(ex.gate_up_bias[:ex.num_experts // 2].clone(), requires_grad=False)
+    ops = FusedOps(kernels=False, compile=False)
+    ops.compiled = True  # as if compiled: its checks run
+    model.warm_up_ops(ops, model.make_ropes(64, torch.device("cpu")))
+    assert ops.compiled

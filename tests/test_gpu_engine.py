@@ -147,6 +147,8 @@ def test_activation_kernels_skip_the_rows_past_an_expert_parallel_row_end(dtype)
         assert (out[end:] == -3.0).all(), name
         err = (out[:end].float() - ref.float()).abs().max().item()
         assert err <= 1e-2 * ref.float().abs().max().item(), (name, err)
+        # rounded where eager torch rounds (SwiGLU: float32 in the same order, one rounding)
+        assert (out[:end] == ref).float().mean().item() > 0.99, name
     # an end past the row count: every row written (NaN from NaN included); an end of 0: none
     for e, written in [(m + 5, m), (0, 0)]:
         out = torch.full((m, inter), -3.0, device="cuda", dtype=dtype)

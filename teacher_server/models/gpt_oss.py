@@ -120,7 +120,9 @@ class GptOssForCausalLM(MoeModel, LlamaForCausalLM):
         try:
             for n in (16, 40):
                 gu = 4 * torch.randn(n, ex.gate_up_bias.shape[1], device=dev, dtype=self.dtype)  # past the clamp
-                rows = torch.randint(0, ex.num_experts, (n,), device=dev)
+                # ids into this rank's bias rows (expert parallel: E / size of them; a global id
+                # past them is a device-side assert on CUDA, which no fallback survives)
+                rows = torch.randint(0, ex.gate_up_bias.shape[0], (n,), device=dev)
                 args = (gu, ex.gate_up_bias, rows, self.spec.swiglu_alpha, self.spec.swiglu_limit)
                 assert_close("compiled clamped_swiglu", ops.clamped_swiglu(*args), clamped_swiglu(*args))
         except Exception as e:
