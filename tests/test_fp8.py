@@ -606,3 +606,18 @@ def test_an_expert_layers_sum_is_quantized_for_the_next_q_k_v_in_the_norm_pass(f
     for g, w in zip(got, want):
         assert g.error is None and w.error is None
         np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-5)
+
+
+def test_an_expert_layers_quantization_kernels_are_checked_at_both_input_widths(fp8_checkpoints, monkeypatch) -> None:
+    """The activation quantization kernels of an FP8 expert layer are checked at start-up at the
+    width of each slot's input: H for gate/up, and I for down, whose input the SiLU-mul pass
+    quantizes (a kernel unchecked at I would run unchecked)."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    widths = []
+    monkeypatch.setattr(fp8_format, "quant_kernels_ok", lambda k, device, dtype: widths.append(k) or True)
+    path, _ = fp8_checkpoints("qwen3moe", "block", (16, 16))
+    eng = engine(path)
+    experts = [m for m in eng.model.modules() if getattr(m, "role", None) == "experts"]
+    assert experts
+    for m in experts:
+        assert {m.gate_up.shape[-1], m.down.shape[-1]} <= set(widths) and m.fp8_kernel

@@ -235,7 +235,10 @@ class Fp8Weights(WeightFormat):
             layer.fmt = UNQUANTIZED
             return
         layer.fp8_mode = mode
-        layer.fp8_kernel = quant_kernels_ok(getattr(layer, layer.slots[0]).shape[-1], device, layer.model_dtype)
+        # checked at each slot's input width: an expert layer's down input (width I, made in the
+        # SiLU-mul pass) as well as its gate/up input (width H)
+        layer.fp8_kernel = all(quant_kernels_ok(getattr(layer, slot).shape[-1], device, layer.model_dtype)
+                               for slot in layer.slots)
         for slot in layer.slots:
             if s.activations == "static":  # one scale for the layer's input: the largest of its parts'
                 p = extra_name(slot, INPUT_SCALE)
