@@ -261,7 +261,9 @@ def test_a_stalled_replica_is_restarted_and_its_requests_scored_elsewhere(checkp
     poison = TeacherRequest(np.array([5, 6, 7, 511, 8, 9]), np.array([[1, 2]] * 3), 2)
     reqs.insert(7, poison)
     ref = reference(reqs)
-    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2, stall_timeout_s=2.0, replica_restart_backoff_s=0.5)
+    # (a stall timeout the healthy replica cannot reach on a loaded 2-core machine while the other
+    # restarts beside it: at 2 s it did once, and both went down)
+    cfg = _cfg(checkpoints["qwen3"], data_parallel_size=2, stall_timeout_s=8.0, replica_restart_backoff_s=0.5)
     with LiveServer(cfg, engine_factory=_engine_that_hangs_once) as s, \
             TeacherClient(s.url, max_concurrency=16, max_retries=0) as c:
         pool = s.app.state.aengine
