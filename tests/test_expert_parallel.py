@@ -230,6 +230,18 @@ def rank_part(name: str, whole: torch.Tensor, shape: torch.Size, rank: int) -> t
     return whole
 
 
+def bound_expert_layer(kind: str, hidden: int, inter: int, gemm: GroupedGemm, ops: FusedOps, dtype: torch.dtype,
+                       device: torch.device, tp: TensorParallel) -> torch.nn.Module:
+    """A bound expert layer (8 experts, top-2) of ``kind``: "sparse" (SiLU-mul) or "gpt_oss"
+    (biases, clamped SwiGLU), split as ``tp`` says."""
+    if kind == "sparse":
+        moe = SparseMoe(hidden, 8, 2, inter, True, 0, gemm, dtype, device, tp)
+    else:
+        moe = GptOssMoe(hidden, 8, 2, inter, 1.702, 7.0, gemm, dtype, device, tp)
+    moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
+    return moe
+
+
 def split_layer(layer: Callable[[TensorParallel], torch.nn.Module],
                 size: int) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """A random expert layer (``layer(TensorParallel())``, weights drawn from N(0, 0.3) after
@@ -341,15 +353,7 @@ def test_rows_of_other_ranks_experts_never_reach_the_output(kind: str, monkeypat
     monkeypatch.setattr(silu_mul_module, "silu_mul_reference", lambda gu: seen.append(gu) or real_silu(gu))
     ops.clamped_swiglu = lambda gu, *args: seen.append(gu) or clamped_swiglu(gu, *args)
 
-    def layer(tp: TensorParallel) -> torch.nn.Module:
-        if kind == "sparse":
-            moe = SparseMoe(32, 8, 2, 24, True, 0, gemm, torch.float32, CPU, tp)
-        else:
-            moe = GptOssMoe(32, 8, 2, 24, 1.702, 7.0, gemm, torch.float32, CPU, tp)
-        moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
-        return moe
-
-    full, ranks = split_layer(layer, 2)
+    full, ranks = split_layer(lambda tp: bound_expert_layer(kind, 32, 24, gemm, ops, torch.float32, CPU, tp), 2)
     h = torch.randn(7, 32)
     want = full(h)
     assert torch.isfinite(want).all()
@@ -381,15 +385,7 @@ def test_the_row_end_kernels_skip_other_ranks_rows_in_the_layer(kind: str, monke
     real = fused.clamped_swiglu_kernel
     monkeypatch.setattr(fused, "clamped_swiglu_kernel", lambda *a: ran.append(real(*a) is not None) or real(*a))
 
-    def layer(tp: TensorParallel) -> torch.nn.Module:
-        if kind == "sparse":
-            moe = SparseMoe(64, 8, 2, 48, True, 0, gemm, torch.bfloat16, dev, tp)
-        else:
-            moe = GptOssMoe(64, 8, 2, 48, 1.702, 7.0, gemm, torch.bfloat16, dev, tp)
-        moe.bind(Runtime(None, ops, None, None))  # type: ignore[arg-type]
-        return moe
-
-    full, ranks = split_layer(layer, 2)
+    full, ranks = split_layer(lambda tp: bound_expert_layer(kind, 64, 48, gemm, ops, torch.bfloat16, dev, tp), 2)
     ops.check_silu(48, dev, torch.bfloat16)
     if kind == "gpt_oss":
         ops.check_swiglu(ranks[0].experts.gate_up_bias, 1.702, 7.0)

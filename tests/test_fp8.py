@@ -522,6 +522,19 @@ def test_the_experts_fp8_inputs_made_in_fewer_passes_score_the_same(method: str,
         np.testing.assert_array_equal(g.token_id_logprobs, w.token_id_logprobs)
 
 
+def same_with_the_norm_pass_off(path: Path, reqs: list, got: list, calls: list, **settings: object) -> None:
+    """The scores ``got`` equal those of an engine quantizing the normed rows in a pass of their
+    own (FusedOps.fp8_norm_input off), which makes none of the spied-on ``calls``."""
+    off = engine(path, **settings)
+    off.runner.ops.fp8_norm_input = False
+    calls.clear()
+    want = off.run_to_completion(reqs)
+    assert not calls
+    for g, w in zip(got, want):
+        assert g.error is None and w.error is None
+        np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(("family", "layout", "block"), [
     ("qwen3hd128", "block", (128, 128)), ("qwen3", "ct_tensor_static", (16, 16)), ("qwen3", "online", (16, 16)),
 ])
@@ -548,14 +561,7 @@ def test_projection_inputs_quantized_in_the_norm_pass_score_the_same(family: str
     # per step: each layer's gate/up input, and the q/k/v input of every layer past the first
     # (the last layer's MLP runs only in steps with rows for the LM head)
     assert len(calls) >= 2 * len(layers) - 1, calls
-    off = engine(path, quantization="fp8" if layout == "online" else None)
-    off.runner.ops.fp8_norm_input = False
-    calls.clear()
-    want = off.run_to_completion(reqs)
-    assert not calls
-    for g, w in zip(got, want):
-        assert g.error is None and w.error is None
-        np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-5)
+    same_with_the_norm_pass_off(path, reqs, got, calls, quantization="fp8" if layout == "online" else None)
 
 
 def test_fp8_residual_adds_are_made_in_the_norm_pass(fp8_checkpoints, monkeypatch) -> None:
@@ -598,14 +604,7 @@ def test_an_expert_layers_sum_is_quantized_for_the_next_q_k_v_in_the_norm_pass(f
     monkeypatch.setattr(ops, "add_rms_norm_quant", lambda x, d, w, *a, **kw: calls.append(id(w)) or f(x, d, w, *a, **kw))
     got = on.run_to_completion(reqs)
     assert {id(a.next_norm.weight) for a in sparse} <= set(calls)  # the norm after each expert layer
-    off = engine(path)
-    off.runner.ops.fp8_norm_input = False
-    calls.clear()
-    want = off.run_to_completion(reqs)
-    assert not calls
-    for g, w in zip(got, want):
-        assert g.error is None and w.error is None
-        np.testing.assert_allclose(g.token_id_logprobs, w.token_id_logprobs, rtol=0, atol=1e-5)
+    same_with_the_norm_pass_off(path, reqs, got, calls)
 
 
 def test_an_expert_layers_quantization_kernels_are_checked_at_both_input_widths(fp8_checkpoints, monkeypatch) -> None:
