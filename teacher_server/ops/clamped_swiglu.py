@@ -11,7 +11,7 @@ import torch
 
 from teacher_server.ops import extension
 from teacher_server.ops.checks import assert_close
-from teacher_server.ops.silu_mul import HALF, aligned
+from teacher_server.ops.silu_mul import aligned, kernel_takes
 
 
 def clamped_swiglu(gate_up: torch.Tensor, bias: torch.Tensor, rows: torch.Tensor, alpha: float,
@@ -31,9 +31,7 @@ def clamped_swiglu_kernel(gate_up: torch.Tensor, bias: torch.Tensor, rows: torch
     """``clamped_swiglu`` by the CUDA kernel on the rows before ``end`` (int32 [1] on the
     device; the rows after it left unwritten), or all rows without it; None where the kernel
     does not take the input (not CUDA half, a width not a multiple of 8, unaligned, no library)."""
-    if not (gate_up.is_cuda and gate_up.dtype in HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
-            and gate_up.stride(1) == 1 and gate_up.stride(0) % 8 == 0 and aligned(gate_up)
-            and bias.dtype == gate_up.dtype and bias.is_contiguous() and aligned(bias)):
+    if not (kernel_takes(gate_up) and bias.dtype == gate_up.dtype and bias.is_contiguous() and aligned(bias)):
         return None
     ext = extension.load()
     if ext is None:

@@ -33,11 +33,17 @@ def silu_mul_rows(gate_up: torch.Tensor, end: torch.Tensor | None = None) -> tor
     return before_end(silu_mul_reference, gate_up, end, gate_up.shape[-1] // 2)
 
 
+def kernel_takes(gate_up: torch.Tensor) -> bool:
+    """Whether the gate/up activation kernels (SiLU-mul, gpt-oss's clamped SwiGLU) take these
+    rows: CUDA bf16/fp16 [T, 2I], I a multiple of 8, unit column stride, 16-byte aligned rows."""
+    return (gate_up.is_cuda and gate_up.dtype in HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
+            and gate_up.stride(1) == 1 and gate_up.stride(0) % 8 == 0 and aligned(gate_up))
+
+
 def silu_mul(gate_up: torch.Tensor, end: torch.Tensor | None = None) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up (the kernel where it takes the input). ``end``
     (int32 [1] on gate_up's device): only rows before it are needed (``ops.row_end``)."""
-    if (gate_up.is_cuda and gate_up.dtype in HALF and gate_up.dim() == 2 and gate_up.shape[1] % 16 == 0
-            and gate_up.stride(1) == 1 and gate_up.stride(0) % 8 == 0 and aligned(gate_up)):
+    if kernel_takes(gate_up):
         ext = extension.load()
         if ext is not None:
             out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
