@@ -49,6 +49,10 @@ class StepContext:
     # Per-step scratch of the attention backends: their plans, keyed by (backend, plan key:
     # the window), each made by the first layer that needs it (``attn_plan`` is the latest).
     attn_plans: dict = field(default_factory=dict, repr=False)
+    # Per sliding window: this context with the keys its layers read (a prefixed sequence's
+    # cached prefix cut to the window before its first query: ``host_step.KvWindow``); a
+    # window absent reads every key. The copies share ``attn_plans`` (keyed by window).
+    windows: dict[int, StepContext] = field(default_factory=dict, repr=False)
     # Linear-attention state (hybrid models; all None otherwise). Sequence b's linear layers
     # start from state slot state_in[b] (0: the zero state, the sequence starts at position
     # 0); after the step, the end state of sequence state_keep[j] goes to slot state_out[j].
@@ -65,6 +69,10 @@ class StepContext:
     @property
     def has_prefix(self) -> bool:
         return self.n_prefixed > 0
+
+    def for_window(self, window: int | None) -> StepContext:
+        """The context a layer of ``window`` (None: full attention) reads its keys by."""
+        return self if window is None else self.windows.get(window, self)
 
     @property
     def attn_plan(self) -> Any:

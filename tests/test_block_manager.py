@@ -163,6 +163,30 @@ def test_host_step_parts_agree() -> None:
     assert sc.plp_rows.size == 0 and sc.argmax_rows.size == 0
 
 
+def test_a_windows_keys_drop_the_prefix_before_its_first_query() -> None:
+    """The same step for a model with windows 4 and 30: a's chunk [20, 28) reads keys from
+    position 17 (its first query looks back 3) under window 4, so 3 of its 20 prefix keys
+    are gathered; window 30 reaches every key, so it keeps the full plan; the fresh chunk's
+    keys are its queries under both."""
+    from teacher_server.engine.host_step import build_host_step
+
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=8), bm)
+    a = seq(29, 0)
+    s.add(a)
+    s.finish_step(s.schedule())
+    s.add(Sequence(ScoreRequest("b", np.arange(13) + 50, 10, np.array([[7, 8], [9, 10]])), 4, True))
+    hs = build_host_step(s.schedule(), bm.block_size, windows=(4, 30))
+    kv = hs.kv
+    assert list(kv.windows) == [4]
+    w = kv.windows[4]
+    assert w.k_lens == [11, 12] and w.cu_k.tolist() == [0, 11, 23] and w.total_k == 11
+    np.testing.assert_array_equal(w.prefix_slots, a.slots(17, 20))
+    np.testing.assert_array_equal(w.prefix_pos, np.arange(3))
+    np.testing.assert_array_equal(w.new_pos, np.arange(3, 11))
+    assert w.prefix_shared == [0]
+
+
 def _steps(s: Scheduler, named: dict[str, Sequence]) -> list[list[tuple[str, int, int]]]:
     """Run the scheduler to completion: per step, (name, start, end) of each chunk."""
     names = {id(q): k for k, q in named.items()}

@@ -117,3 +117,38 @@ def test_mixed_windows_on_the_gpu_backends(backend: str, checkpoints) -> None:
     print(f"mixed windows ({backend}): bf16 mean abs error vs fp32 reference: ours {ours_mae:.5f}, "
           f"transformers bf16 {theirs_mae:.5f}")
     assert ours_mae <= theirs_mae * 1.1, (ours_mae, theirs_mae)
+
+
+def test_a_sliding_layer_gathers_only_its_window_of_a_cached_prefix(checkpoints, monkeypatch) -> None:
+    """Prefix-cache hits longer than the window (12): each sliding layer gathers at most 11
+    cached keys per prefixed sequence (those its first query sees), each global layer the
+    whole prefix, and the scores equal those of a run that gathers every key in every layer."""
+    from teacher_server.kv_pool import KVPool
+
+    path = checkpoints["qwen3mixed"]
+    reqs = make_requests(np.random.default_rng(5))
+    again = [ScoreRequest(q.request_id + "b", q.token_ids, q.start, q.candidates, max_tokens=1) for q in reqs]
+    real = KVPool.gather_prefixed
+    seen: list[tuple[int, int, int]] = []  # (layer, prefix keys gathered, prefixed sequences)
+
+    def spy(self, layer, k, v, ctx):
+        seen.append((layer, ctx.prefix_slots.numel(), ctx.n_prefixed))
+        return real(self, layer, k, v, ctx)
+
+    monkeypatch.setattr(KVPool, "gather_prefixed", spy)
+    out = {}
+    for trimmed in (True, False):
+        eng = engine(path)
+        if not trimmed:
+            eng.runner.windows = ()
+        eng.run_to_completion(reqs)
+        seen.clear()
+        out[trimmed] = eng.run_to_completion(again)
+        if trimmed:
+            check(path, again, out[True])
+            sliding = [n for layer, n, b in seen if layer % 2 == 1]
+            full = [n for layer, n, b in seen if layer % 2 == 0]
+            assert all(n <= 11 * b for layer, n, b in seen if layer % 2 == 1)
+            assert sum(full) > 2 * sum(sliding) > 0, (sum(full), sum(sliding))
+    for a, b in zip(out[True], out[False]):
+        np.testing.assert_allclose(a.token_id_logprobs, b.token_id_logprobs, rtol=0, atol=1e-5)

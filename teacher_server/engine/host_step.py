@@ -11,7 +11,7 @@ even when prompts share their first blocks; then fresh ones, longest first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,10 +53,29 @@ class KvPlan:
     total_k: int  # packed keys of the prefixed chunks
     n_prefixed: int  # leading chunks with earlier keys
     prefix_shared: list[int] | None  # see StepContext; None without prefixed chunks
+    # Per sliding window w of the model: the keys its layers read, where a prefixed chunk's
+    # earliest query is more than w - 1 positions past its first key (absent: all of them)
+    windows: dict[int, KvWindow] = field(default_factory=dict)
 
     @property
     def has_writes(self) -> bool:
         return self.write_src.size > 0
+
+
+@dataclass
+class KvWindow:
+    """The keys a layer of window w reads in a step: a prefixed chunk [start, end) needs only
+    keys from ``start - (w - 1)`` on (its first query looks back w - 1 positions), so the
+    packed keys drop the rest of its cached prefix. Fields as ``KvPlan``'s and ``PackedTokens``'s
+    of the same names; fresh chunks' keys are their queries, as there."""
+
+    k_lens: list[int]
+    cu_k: np.ndarray  # [B+1] int64
+    new_pos: np.ndarray  # [Tp] int64
+    prefix_pos: np.ndarray  # [P_w] int64
+    prefix_slots: np.ndarray  # [P_w] int64
+    total_k: int
+    prefix_shared: list[int]
 
 
 @dataclass
@@ -146,8 +165,9 @@ def pack_tokens(chunks: list[Chunk]) -> PackedTokens:
         cu_q=_cumsum(q_lens), cu_k=_cumsum(k_lens), q_lens=q_lens, k_lens=k_lens)
 
 
-def plan_kv(chunks: list[Chunk], cu_q: np.ndarray, block_size: int) -> KvPlan:
-    """``cu_q``: the packed tokens' offsets (``PackedTokens.cu_q``)."""
+def plan_kv(chunks: list[Chunk], cu_q: np.ndarray, block_size: int, windows: tuple[int, ...] = ()) -> KvPlan:
+    """``cu_q``: the packed tokens' offsets (``PackedTokens.cu_q``); ``windows``: the model's
+    sliding windows (each gets a ``KvWindow`` where it reads fewer keys than the full layers)."""
     wsrc, wslot, newpos, ppos, pslot = [], [], [], [], []
     k_off = 0  # into the packed keys of the prefixed chunks
     for c, q_off in zip(chunks, cu_q.tolist()):
@@ -165,9 +185,35 @@ def plan_kv(chunks: list[Chunk], cu_q: np.ndarray, block_size: int) -> KvPlan:
     n_prefixed = sum(1 for c in chunks if c.start > 0)  # the leading ones (order_chunks)
     pre = chunks[:n_prefixed]
     shared = [0] + [shared_keys(a, b, block_size) for a, b in zip(pre, pre[1:])] if n_prefixed else None
-    return KvPlan(write_src=write_src, write_slots=write_slots, tok_slots=tok_slots, new_pos=_cat(newpos),
+    plan = KvPlan(write_src=write_src, write_slots=write_slots, tok_slots=tok_slots, new_pos=_cat(newpos),
                   prefix_pos=_cat(ppos), prefix_slots=_cat(pslot), total_k=k_off, n_prefixed=n_prefixed,
                   prefix_shared=shared)
+    for w in windows:
+        if any(c.start > w - 1 for c in pre):
+            plan.windows[w] = plan_window(chunks, n_prefixed, shared, w)
+    return plan
+
+
+def plan_window(chunks: list[Chunk], n_prefixed: int, shared: list[int], window: int) -> KvWindow:
+    """The ``KvWindow`` of ``window`` (``plan_kv``'s chunks, prefixed count and sharing)."""
+    newpos, ppos, pslot, k_lens, w_shared = [], [], [], [], []
+    k_off = prev_skip = 0
+    for i, c in enumerate(chunks):
+        if i >= n_prefixed:
+            k_lens.append(c.end - c.start)
+            continue
+        skip = max(c.start - (window - 1), 0)  # keys before the first query's window
+        newpos.append(np.arange(k_off + c.start - skip, k_off + c.end - skip, dtype=np.int64))
+        ppos.append(np.arange(k_off, k_off + c.start - skip, dtype=np.int64))
+        pslot.append(c.seq.slots(skip, c.start))
+        # leading keys read from the same pool entries as the previous chunk's: only where
+        # both start at the same position
+        w_shared.append(max(shared[i] - skip, 0) if i and skip == prev_skip else 0)
+        k_lens.append(c.end - skip)
+        k_off += c.end - skip
+        prev_skip = skip
+    return KvWindow(k_lens=k_lens, cu_k=_cumsum(k_lens), new_pos=_cat(newpos), prefix_pos=_cat(ppos),
+                    prefix_slots=_cat(pslot), total_k=k_off, prefix_shared=w_shared)
 
 
 def plan_scoring(chunks: list[Chunk], cu_q: np.ndarray) -> ScoringLayout:
@@ -235,9 +281,11 @@ def plan_state(chunks: list[Chunk]) -> StatePlan:
                      out=np.asarray([chunks[i].state_out for i in keep], dtype=np.int64))
 
 
-def build_host_step(chunks: list[Chunk], block_size: int, linear_state: bool = False) -> HostStep:
-    """``linear_state``: the model has linear-attention layers (the step gets a ``StatePlan``)."""
+def build_host_step(chunks: list[Chunk], block_size: int, linear_state: bool = False,
+                    windows: tuple[int, ...] = ()) -> HostStep:
+    """``linear_state``: the model has linear-attention layers (the step gets a ``StatePlan``);
+    ``windows``: its sliding windows (see ``plan_kv``)."""
     chunks = order_chunks(chunks, block_size)
     tokens = pack_tokens(chunks)
-    return HostStep(tokens, plan_kv(chunks, tokens.cu_q, block_size), plan_scoring(chunks, tokens.cu_q),
+    return HostStep(tokens, plan_kv(chunks, tokens.cu_q, block_size, windows), plan_scoring(chunks, tokens.cu_q),
                     plan_state(chunks) if linear_state else None)

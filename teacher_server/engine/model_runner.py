@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -62,6 +62,9 @@ class ModelRunner:
                          state_slots=state_slots + 1 if layout.state is not None else 0)
         # a hybrid model's steps carry state slots, also to a pipeline stage whose layers keep none
         self.plans_state = bool(model.spec.linear_layer_ids)
+        # the model's sliding windows (every stage's: the host step travels to all ranks)
+        spec = model.spec
+        self.windows = tuple(sorted({w for i in spec.kv_layer_ids if (w := spec.layer_window(i)) is not None}))
         ropes = model.make_ropes(max_model_len + 1, device)
         self.startup_s: dict[str, float] = {}  # seconds of the start-up's one-time work, by phase (the log line)
         t0 = time.perf_counter()
@@ -99,7 +102,7 @@ class ModelRunner:
     # --- prepare ---------------------------------------------------------------------
     def prepare(self, chunks: list[Chunk]) -> HostStep:
         """The step's host arrays: packed tokens, KV plan, scoring layout."""
-        return build_host_step(chunks, self.block_size, self.plans_state)
+        return build_host_step(chunks, self.block_size, self.plans_state, self.windows)
 
     # --- execute ---------------------------------------------------------------------
     def execute(self, hs: HostStep, pacer: Pacer) -> ScoringOutput | None:
@@ -113,10 +116,14 @@ class ModelRunner:
             arrays.append(sc.tail_k)
         if st is not None:  # hybrid models: the state slots travel in the same copy
             arrays += [st.state_in, st.keep, st.out]
+        wins = list(kv.windows.items())  # the sliding layers' keys, in the same copy
+        for _, kw in wins:
+            arrays += [kw.cu_k, kw.new_pos, kw.prefix_pos, kw.prefix_slots]
         (input_ids, positions, cu_q, cu_k, write_src, write_slots, tok_slots, new_pos, prefix_pos, prefix_slots,
          logits_idx, cand, plp_rows, plp_actual, argmax_rows, *rest) = to_device(arrays, self.device)
         tail_k = rest.pop(0) if sc.tail_k is not None else None
-        state = rest
+        state = rest[:3] if st is not None else []
+        win_arrays = rest[len(state):]
         writes, prefixed = kv.has_writes, kv.n_prefixed > 0
         ctx = StepContext(
             input_ids=input_ids, positions=positions, cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32),
@@ -133,6 +140,11 @@ class ModelRunner:
             ctx.state_in, ctx.state_in_host = state[0], st.state_in.tolist()
             if st.keep.size:
                 ctx.state_keep, ctx.state_out, ctx.state_keep_host = state[1], state[2], st.keep.tolist()
+        for i, (w, kw) in enumerate(wins):
+            ck, npos, ppos, pslot = win_arrays[4 * i:4 * i + 4]
+            ctx.windows[w] = replace(ctx, cu_k=ck.to(torch.int32), max_k=max(kw.k_lens), k_lens=kw.k_lens,
+                                     new_pos=npos, prefix_pos=ppos, prefix_slots=pslot, total_k=kw.total_k,
+                                     prefix_shared=kw.prefix_shared, windows={})
         hidden = self.model(ctx, pacer)  # [R, H]
         if not self.model.stage.last:
             return None

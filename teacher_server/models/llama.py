@@ -81,9 +81,11 @@ class LlamaAttention(RuntimeModule):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q over the step's keys and values and the prefixed ones' [cached prefix | chunk]: [T, Hq, D]."""
-        kp, vp = self.rt.kv.gather_prefixed(self.layer_id, k, v, ctx) if ctx.has_prefix else (None, None)
+        """q over the step's keys and values and the prefixed ones' [cached prefix | chunk]: [T, Hq, D]
+        (a sliding layer's cached prefix from its window on: ``StepContext.for_window``)."""
         p = self.params
+        ctx = ctx.for_window(p.window)
+        kp, vp = self.rt.kv.gather_prefixed(self.layer_id, k, v, ctx) if ctx.has_prefix else (None, None)
         return self.rt.attn(AttentionInputs(q, k, v, kp, vp, sinks), ctx, p.scale, p.window, p.softcap)
 
 
