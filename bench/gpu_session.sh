@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install the carried server wheels, then run the steps named
-# in $STEPS (default: tests). Logs go to $OUT (or ./out). Example:
+# in $STEPS (default: tests). Logs go to $OUT (or ./out). SKIP_TESTS=1: the mla, oss and gemma
+# steps run their benchmarks alone (their GPU tests run in an earlier call). Example:
 #   STEPS="tests kernel engine8b" bash bench/gpu_session.sh
 #   STEPS="qwen35tests qwen35" bash bench/gpu_session.sh   (Qwen3.5: fla-core and einops wheels in .whl/)
 # Wheels: the server's (fastapi, uvicorn, pydantic, orjson, ...) plus pybase64 and nvidia-cudnn-frontend, and fla-core
@@ -167,7 +168,7 @@ for step in ${STEPS:-tests}; do
     # DeepSeek-V3-class (latent attention, DeepSeekMoE): the GPU tests (each attention backend's answer to v
     # narrower than k is printed), q/k 192 with v 128 against dense 128 per backend, Moonlight-16B-A3B on W1f in-process and through HTTP beside transformers'
     # DeepSeek-V3 forward, then DeepSeek-V3's layer shape (7 layers: 3 dense, 4 expert) on W1f
-    mla) python3 -m pytest $PT -m gpu tests/test_deepseek_gpu.py 2>&1 | tee "$OUT/gpu_mla_tests.log" | tail -25
+    mla) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_deepseek_gpu.py 2>&1 | tee "$OUT/gpu_mla_tests.log" | tail -25
       python3 bench/bench_mla_attention.py --out "$OUT/mla_attention_h200.json" 2>&1 | tee "$OUT/mla_attention.log" | tail -10
       python3 bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f --repeats 2 \
         --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -12
@@ -177,7 +178,7 @@ for step in ${STEPS:-tests}; do
     # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
     # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
     # $OSS_GPT_ARGS / $OSS_NEXT_ARGS replace the bench arguments, e.g. with --repeats 2)
-    oss) python3 -m pytest $PT -m gpu tests/test_gpt_oss_gpu.py 2>&1 | tee "$OUT/gpu_oss_tests.log" | tail -25
+    oss) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gpt_oss_gpu.py 2>&1 | tee "$OUT/gpu_oss_tests.log" | tail -25
       python3 bench/bench_engine.py --model-size gpt-oss-20b ${OSS_GPT_ARGS:---workloads W1 --http W1 --baseline W1 \
         --repeats 1 --max-model-len 8192} --out "$OUT/engine_gpt_oss_20b_h200.json" 2>&1 | tee "$OUT/engine_gpt_oss.log" | tail -12
       python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 \
@@ -185,7 +186,7 @@ for step in ${STEPS:-tests}; do
     # Gemma 3 and GLM-4.5 (issue 50): their GPU tests (float32 parity, bf16 per attention backend beside transformers'
     # bf16), then W1f in-process and through HTTP beside transformers' forward: Gemma-3-27B's text model (62 layers)
     # and GLM-4.5-Air's layers (18 of 46); $GEMMA_REPEATS timed passes each (default 1: the step fits ~8 minutes)
-    gemma) python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
+    gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
       for shape in gemma3-27b glm4.5-air; do
         python3 bench/bench_engine.py --model-size $shape --workloads W1f --http W1f --baseline W1f \
           --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 --out "$OUT/engine_${shape}_h200.json" 2>&1 \
