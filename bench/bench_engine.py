@@ -60,6 +60,7 @@ from workloads import (
     LLAMA33_70B,
     MOONLIGHT_16B_A3B,
     QWEN3_5_9B,
+    QWEN3_5_35B_A3B,
     QWEN3_8B,
     QWEN3_30B_A3B,
     QWEN3_32B,
@@ -587,7 +588,7 @@ def check_baseline(engine: Engine, name: str, reqs: list[Req], sample: list[dict
 # --model-size: (config, checkpoint family name, written as safetensors (else the dummy load format))
 MODELS = {"8b": (QWEN3_8B, "qwen3", True), "32b": (QWEN3_32B, "qwen3", False), "70b": (LLAMA33_70B, "llama3.3", False),
           "30b-a3b": (QWEN3_30B_A3B, "qwen3", False), "235b-a22b": (QWEN3_235B_A22B, "qwen3", False),
-          "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True),
+          "qwen3.5-9b": (QWEN3_5_9B, "qwen3_5", True), "qwen3.5-35b-a3b": (QWEN3_5_35B_A3B, "qwen3_5_moe", False),
           # latent attention and DeepSeekMoE: Moonlight-16B-A3B, and DeepSeek-V3's layers (7 of its 61)
           "moonlight": (MOONLIGHT_16B_A3B, "deepseek", False), "deepseek-v3-layers": (DEEPSEEK_V3_LAYERS, "deepseek", False),
           # sinks and windows, biased clamped-SwiGLU experts; Qwen3-Next's hybrid layers at 24 of its 48

@@ -70,6 +70,11 @@ for step in ${STEPS:-tests}; do
     # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers (DESIGN's padded recipe, then the
     # stronger packed one), W2's cache on vs off
     qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --baseline-layouts padded,packed --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
+    # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
+    # packed recipes, W2's cache off vs on ($QWEN35MOE_ARGS replaces the arguments)
+    qwen35moe) python3 bench/bench_engine.py --model-size qwen3.5-35b-a3b ${QWEN35MOE_ARGS:---workloads W1 --http W1 \
+      --baseline W1 --baseline-layouts padded,packed --prefix-cache-compare W2 --repeats 1 --max-model-len 8192} \
+      --out "$OUT/engine_qwen35_35b_a3b_h200.json" 2>&1 | tee "$OUT/engine_qwen35moe.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
     # Qwen3.5 GPU tests (and any test files in $QWEN35X2_MORE_TESTS) on GPU 1; the engine reads the
     # baseline's file before its check against it

@@ -16,6 +16,7 @@ from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for
     LLAMA33_70B,
     MOONLIGHT_16B_A3B,
     QWEN3_5_9B,
+    QWEN3_5_35B_A3B,
     QWEN3_8B,
     QWEN3_30B_A3B,
     QWEN3_32B,

@@ -19,7 +19,7 @@ from teacher_server.models.spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_engine
-from workloads import QWEN3_5_9B, Req, flops, make_workload, write_random_checkpoint
+from workloads import QWEN3_5_9B, QWEN3_5_35B_A3B, Req, flops, make_workload, write_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,6 +37,24 @@ def test_shape_is_transformers_default() -> None:
             assert ref[key] == value, key
     spec = ModelSpec.from_dict(QWEN3_5_9B)
     assert len(spec.kv_layer_ids) == 8 and len(spec.linear_layer_ids) == 24 and spec.rotary_dim == 64
+
+
+def test_moe_shape_is_transformers_default() -> None:
+    """The Qwen3.5-35B-A3B shape is transformers' Qwen3_5MoeTextConfig defaults: 40 hybrid
+    layers (10 full attention), 256 experts top-8 of 512 with a shared expert of 512."""
+    import transformers as tf
+
+    ref = tf.Qwen3_5MoeTextConfig().to_dict()
+    for key, value in QWEN3_5_35B_A3B.items():
+        if key in ("architectures", "torch_dtype", "attention_bias", "hidden_act"):
+            continue
+        if key == "rope_parameters":
+            assert {k: ref[key][k] for k in value} == value
+        else:
+            assert ref[key] == value, key
+    spec = ModelSpec.from_dict(QWEN3_5_35B_A3B)
+    assert spec.family == "qwen3_5_moe" and len(spec.kv_layer_ids) == 10 and len(spec.linear_layer_ids) == 30
+    assert (spec.num_experts, spec.num_experts_per_tok) == (256, 8) and all(spec.is_moe_layer(i) for i in range(40))
 
 
 def test_flops_count_linear_layers_by_parameters() -> None:

@@ -47,6 +47,21 @@ QWEN3_5_9B = {
     "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)],
     "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
 }
+# Qwen3.5-35B-A3B's text model: the defaults of transformers' Qwen3_5MoeTextConfig (tests/test_bench_qwen3_5.py
+# checks them against it): Qwen3.5's hybrid layers (every 4th full attention) at hidden 2048, 40 layers, each MLP
+# 256 experts top-8 of 512 and a gated shared expert of 512; dummy weights (~70 GB in bf16).
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "vocab_size": 248320,
+    "hidden_size": 2048, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+    "head_dim": 256, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False,
+}
 # Moonlight-16B-A3B's shape (DeepseekV3ForCausalLM as its config.json; dummy weights): latent attention
 # without q low-rank, 64 routed experts top-6 in one group, 2 shared, the first layer dense. No MTP layer
 # (transformers' baseline would build one).
