@@ -64,6 +64,15 @@ def server_gauges(url: str) -> dict[str, float]:
     return out
 
 
+def http_namespace(args: argparse.Namespace) -> argparse.Namespace:
+    """What bench_engine's ``bench_http`` (and ``server_args``) read of its arguments, from ours:
+    one GPU, no parallelism, dummy weights (tests/test_bench_fp8.py checks every name)."""
+    return argparse.Namespace(budget=args.budget, tensor_parallel_size=1, pipeline_parallel_size=1,
+                              load_format="dummy", tp_comm_parts=None, quantization=None, moe_parallel=None,
+                              step_trace="", http_client=["httpx"], repeats=args.repeats,
+                              concurrency=args.concurrency)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", default="8b", choices=sorted(MODELS))
@@ -86,10 +95,7 @@ def main() -> None:
         cfg = tiny(cfg)
     dirs = model_dirs(Path(args.ckpt_dir), cfg, f"{family}-{args.model_size}" + ("-tiny" if args.tiny else ""))
     reqs = workload(args.workload, cfg["vocab_size"])
-    # what bench_http reads of bench_engine's arguments
-    sargs = argparse.Namespace(budget=args.budget, tensor_parallel_size=1, load_format="dummy", tp_comm_parts=None,
-                               step_trace="", http_client=["httpx"], repeats=args.repeats,
-                               concurrency=args.concurrency)
+    sargs = http_namespace(args)
     bench_engine.GPUS = 1
     import torch
 

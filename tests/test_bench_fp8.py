@@ -26,3 +26,24 @@ def test_tiny_run_writes_every_case(tmp_path: Path) -> None:
         assert 0 < err < 0.1, (mode, err)
     assert all(c["speedup"] > 0 and c["ms"] > 0 for c in dense["cases"].values())
     assert all(r["gb_per_s"] > 0 for r in res["quant_kernels"].values())
+
+
+def test_e2e_bench_gives_the_http_runner_every_argument_it_reads() -> None:
+    """bench_fp8_e2e.py hands bench_engine's HTTP runner a namespace of its own: every
+    ``args.<name>`` that ``bench_http`` and ``server_args`` read is in it (a name added there
+    and not here failed every variant of the device run), and the server's arguments build."""
+    import argparse
+    import inspect
+    import re
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_engine
+    import bench_fp8_e2e
+
+    ns = bench_fp8_e2e.http_namespace(argparse.Namespace(budget=None, repeats=1, concurrency=8))
+    read = set()
+    for fn in (bench_engine.bench_http, bench_engine.server_args):
+        read |= set(re.findall(r"\bargs\.([a-z_]+)", inspect.getsource(fn)))
+    assert read and read <= set(vars(ns)), sorted(read - set(vars(ns)))
+    argv = bench_engine.server_args(Path("/m"), ns, 8000, None, ["--quantization", "fp8"], "k")
+    assert argv[:2] == ["--model", "/m"] and "--pipeline-parallel-size" not in argv
