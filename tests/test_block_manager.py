@@ -187,6 +187,28 @@ def test_a_windows_keys_drop_the_prefix_before_its_first_query() -> None:
     assert w.prefix_shared == [0]
 
 
+def test_siblings_on_one_cached_prompt_share_their_windows_keys() -> None:
+    """Two responses to a cached 24-token prompt (start 24 each): under window 6 each gathers
+    the prompt's last 5 keys, the same pool entries, so the second shares all 5; the full
+    plan shares all 24."""
+    from teacher_server.engine.host_step import build_host_step
+
+    bm = BlockManager(64, 4)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8), bm)
+    prompt = np.arange(24) + 100
+    s.add(seq(26, 24, toks=np.concatenate([prompt, [1, 2]])))
+    s.finish_step(s.schedule())
+    for tail in ([3, 4, 5], [6, 7, 8]):
+        s.add(seq(27, 24, toks=np.concatenate([prompt, tail])))
+    chunks = s.schedule()
+    assert [(c.start, c.end) for c in chunks] == [(24, 26), (24, 26)]  # the last position scores nothing
+    kv = build_host_step(chunks, bm.block_size, windows=(6,)).kv
+    assert kv.prefix_shared == [0, 24]
+    w = kv.windows[6]
+    assert w.prefix_shared == [0, 5] and w.k_lens == [7, 7] and w.total_k == 14
+    np.testing.assert_array_equal(w.prefix_slots[:5], w.prefix_slots[5:])
+
+
 def _steps(s: Scheduler, named: dict[str, Sequence]) -> list[list[tuple[str, int, int]]]:
     """Run the scheduler to completion: per step, (name, start, end) of each chunk."""
     names = {id(q): k for k, q in named.items()}
