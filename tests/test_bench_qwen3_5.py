@@ -24,17 +24,23 @@ from workloads import QWEN3_5_9B, QWEN3_5_35B_A3B, Req, flops, make_workload, wr
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_shape_is_transformers_default() -> None:
+def _assert_defaults(shape: dict, config_class: str) -> None:
+    """Every key of ``shape`` (bar the ones transformers' config does not hold) is the default
+    of transformers' ``config_class``."""
     import transformers as tf
 
-    ref = tf.Qwen3_5TextConfig().to_dict()
-    for key, value in QWEN3_5_9B.items():
-        if key in ("architectures", "torch_dtype"):
+    ref = getattr(tf, config_class)().to_dict()
+    for key, value in shape.items():
+        if key in ("architectures", "torch_dtype", "attention_bias", "hidden_act"):
             continue
         if key == "rope_parameters":
             assert {k: ref[key][k] for k in value} == value
         else:
             assert ref[key] == value, key
+
+
+def test_shape_is_transformers_default() -> None:
+    _assert_defaults(QWEN3_5_9B, "Qwen3_5TextConfig")
     spec = ModelSpec.from_dict(QWEN3_5_9B)
     assert len(spec.kv_layer_ids) == 8 and len(spec.linear_layer_ids) == 24 and spec.rotary_dim == 64
 
@@ -42,16 +48,7 @@ def test_shape_is_transformers_default() -> None:
 def test_moe_shape_is_transformers_default() -> None:
     """The Qwen3.5-35B-A3B shape is transformers' Qwen3_5MoeTextConfig defaults: 40 hybrid
     layers (10 full attention), 256 experts top-8 of 512 with a shared expert of 512."""
-    import transformers as tf
-
-    ref = tf.Qwen3_5MoeTextConfig().to_dict()
-    for key, value in QWEN3_5_35B_A3B.items():
-        if key in ("architectures", "torch_dtype", "attention_bias", "hidden_act"):
-            continue
-        if key == "rope_parameters":
-            assert {k: ref[key][k] for k in value} == value
-        else:
-            assert ref[key] == value, key
+    _assert_defaults(QWEN3_5_35B_A3B, "Qwen3_5MoeTextConfig")
     spec = ModelSpec.from_dict(QWEN3_5_35B_A3B)
     assert spec.family == "qwen3_5_moe" and len(spec.kv_layer_ids) == 10 and len(spec.linear_layer_ids) == 30
     assert (spec.num_experts, spec.num_experts_per_tok) == (256, 8) and all(spec.is_moe_layer(i) for i in range(40))
