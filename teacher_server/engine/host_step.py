@@ -168,41 +168,38 @@ def pack_tokens(chunks: list[Chunk]) -> PackedTokens:
 def plan_kv(chunks: list[Chunk], cu_q: np.ndarray, block_size: int, windows: tuple[int, ...] = ()) -> KvPlan:
     """``cu_q``: the packed tokens' offsets (``PackedTokens.cu_q``); ``windows``: the model's
     sliding windows (each gets a ``KvWindow`` where it reads fewer keys than the full layers)."""
-    wsrc, wslot, newpos, ppos, pslot = [], [], [], [], []
-    k_off = 0  # into the packed keys of the prefixed chunks
+    wsrc, wslot = [], []
     for c, q_off in zip(chunks, cu_q.tolist()):
         if c.write_end > c.start:
             wsrc.append(np.arange(q_off, q_off + c.write_end - c.start, dtype=np.int64))
             wslot.append(c.seq.slots(c.start, c.write_end))
-        if c.start > 0:
-            newpos.append(np.arange(k_off + c.start, k_off + c.end, dtype=np.int64))
-            ppos.append(np.arange(k_off, k_off + c.start, dtype=np.int64))
-            pslot.append(c.seq.slots(0, c.start))
-            k_off += c.end
     write_src, write_slots = _cat(wsrc), _cat(wslot)
     tok_slots = np.full(int(cu_q[-1]), -1, dtype=np.int64)
     tok_slots[write_src] = write_slots
     n_prefixed = sum(1 for c in chunks if c.start > 0)  # the leading ones (order_chunks)
     pre = chunks[:n_prefixed]
     shared = [0] + [shared_keys(a, b, block_size) for a, b in zip(pre, pre[1:])] if n_prefixed else None
-    plan = KvPlan(write_src=write_src, write_slots=write_slots, tok_slots=tok_slots, new_pos=_cat(newpos),
-                  prefix_pos=_cat(ppos), prefix_slots=_cat(pslot), total_k=k_off, n_prefixed=n_prefixed,
-                  prefix_shared=shared)
+    full = plan_window(chunks, n_prefixed, shared, None)
+    plan = KvPlan(write_src=write_src, write_slots=write_slots, tok_slots=tok_slots, new_pos=full.new_pos,
+                  prefix_pos=full.prefix_pos, prefix_slots=full.prefix_slots, total_k=full.total_k,
+                  n_prefixed=n_prefixed, prefix_shared=shared)
     for w in windows:
         if any(c.start > w - 1 for c in pre):
             plan.windows[w] = plan_window(chunks, n_prefixed, shared, w)
     return plan
 
 
-def plan_window(chunks: list[Chunk], n_prefixed: int, shared: list[int], window: int) -> KvWindow:
-    """The ``KvWindow`` of ``window`` (``plan_kv``'s chunks, prefixed count and sharing)."""
+def plan_window(chunks: list[Chunk], n_prefixed: int, shared: list[int] | None, window: int | None) -> KvWindow:
+    """The keys layers of ``window`` read (None: every key, the full layers' plan): the packed
+    ``[prefix from the window on | chunk]`` of each prefixed chunk (``plan_kv``'s chunks,
+    prefixed count and sharing)."""
     newpos, ppos, pslot, k_lens, w_shared = [], [], [], [], []
     k_off = prev_skip = 0
     for i, c in enumerate(chunks):
         if i >= n_prefixed:
             k_lens.append(c.end - c.start)
             continue
-        skip = max(c.start - (window - 1), 0)  # keys before the first query's window
+        skip = 0 if window is None else max(c.start - (window - 1), 0)  # keys before the first query's window
         newpos.append(np.arange(k_off + c.start - skip, k_off + c.end - skip, dtype=np.int64))
         ppos.append(np.arange(k_off, k_off + c.start - skip, dtype=np.int64))
         pslot.append(c.seq.slots(skip, c.start))
