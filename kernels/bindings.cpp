@@ -16,6 +16,9 @@ void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::option
                   const at::Tensor& v, const c10::optional<at::Tensor>& k_cache,
                   const c10::optional<at::Tensor>& v_cache, const c10::optional<at::Tensor>& slots,
                   int64_t items_per_group);
+void moe_combine_out(const at::Tensor& y, const at::Tensor& pos, const at::Tensor& w, int64_t pad,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& expert,
+                     const at::Tensor& out);
 void merge_attn_out(const at::Tensor& o1, const at::Tensor& l1, const at::Tensor& o2, const at::Tensor& l2,
                     const at::Tensor& out);
 
@@ -40,6 +43,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "split fused QKV, per-head RMSNorm (optional), rotary, and write k/v into the KV pool", py::arg("qkv"),
         py::arg("cs"), py::arg("q_w"), py::arg("k_w"), py::arg("eps"), py::arg("q"), py::arg("k"), py::arg("v"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("items_per_group") = 4);
+  m.def("moe_combine_out", &moe_combine_out,
+        "out[t] = sum_j w[t, j] * (y[pos[t, j]] (+ bias[expert[pos[t, j]]])) in float32, slots at pad skipped",
+        py::arg("y"), py::arg("pos"), py::arg("w"), py::arg("pad"), py::arg("bias"), py::arg("expert"),
+        py::arg("out"));
   m.def("merge_attn_out", &merge_attn_out,
         "merge two partial attentions over disjoint keys by their log-sum-exp", py::arg("o1"), py::arg("l1"),
         py::arg("o2"), py::arg("l2"), py::arg("out"));

@@ -8,6 +8,9 @@
 // Both take an optional row end on the device (an expert-parallel rank's last row end): rows
 // at or past it are neither read nor written (another rank's experts' rows, never read), and
 // the host never waits for the count.
+// moe_combine: out[t, c] = round(sum_j w[t, j] * (y[pos[t, j], c] (+ bias[expert[pos[t, j]], c])))
+//             in float32 (weights unrounded), slot order j = 0..k-1, a slot at pad skipped: the
+//             expert layer's weighted sum of each token's k expert rows.
 // merge_attn: out = (o1 * e^(l1 - m) + o2 * e^(l2 - m)) / (e^(l1 - m) + e^(l2 - m)),
 //             m = max(l1, l2): two partial attentions over disjoint key sets merged by
 //             their log-sum-exp (l1, l2 per query row and head, float32).
@@ -486,4 +489,98 @@ void qkv_rope_out(const at::Tensor& qkv, const at::Tensor& cs, const c10::option
   } else {
     launch_qkv<FP16>(qkv, cs, qw, kw, eps, q, k, v, kc, vc, sl, hq, hkv, d, ipg, stream);
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// moe_combine: a thread holds 8 columns of one token and walks the token's k slots; the
+// threads of a warp take neighbouring columns of one token, so each slot's row is read in
+// whole 16-byte vectors, coalesced. Float32 weights and accumulator, one rounding.
+namespace {
+template <typename C>
+__global__ void __launch_bounds__(kThreads)
+moe_combine_kernel(const uint16_t* __restrict__ y, int64_t y_stride, const int64_t* __restrict__ pos,
+                   const float* __restrict__ w, int k, int64_t pad, const uint16_t* __restrict__ bias,
+                   const int64_t* __restrict__ expert, uint16_t* __restrict__ out, int64_t out_stride,
+                   int64_t tokens, int64_t hidden) {
+  const int64_t per_row = hidden / kVec;
+  const int64_t n = tokens * per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / per_row;
+    const int64_t c = (i - t * per_row) * kVec;
+    float acc[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const int64_t p = __ldg(pos + t * k + j);
+      if (p == pad) continue;
+      const float wj = __ldg(w + t * k + j);
+      Vec v;
+      v.raw = __ldcs(reinterpret_cast<const uint4*>(y + p * y_stride + c));
+      if (bias != nullptr) {
+        Vec b;
+        b.raw = __ldg(reinterpret_cast<const uint4*>(bias + __ldg(expert + p) * hidden + c));
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += wj * (C::to_float(v.x[e]) + C::to_float(b.x[e]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += wj * C::to_float(v.x[e]);
+      }
+    }
+    Vec o;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) o.x[e] = C::from_float(acc[e]);
+    *reinterpret_cast<uint4*>(out + t * out_stride + c) = o.raw;
+  }
+}
+}  // namespace
+
+// y [M, H] (rows 16-byte aligned, H % 8 == 0), pos [T, k] int64 and w [T, k] float32
+// (contiguous), out [T, H] (rows aligned, y's dtype); pad: the row no slot reads (-1: none);
+// bias [E, H] contiguous (y's dtype) with expert [M] int64, or neither.
+void moe_combine_out(const at::Tensor& y, const at::Tensor& pos, const at::Tensor& w, int64_t pad,
+                     const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& expert,
+                     const at::Tensor& out) {
+  check_half(y, "moe_combine: y");
+  check_half(out, "moe_combine: out");
+  TORCH_CHECK(y.dim() == 2 && out.dim() == 2 && y.size(1) == out.size(1) && y.size(1) % kVec == 0 &&
+                  y.stride(0) % kVec == 0 && out.stride(0) % kVec == 0 && out.scalar_type() == y.scalar_type() &&
+                  out.device() == y.device(),
+              "moe_combine: y [M, H] and out [T, H] of one dtype, H and row strides multiples of 8");
+  const int64_t tokens = out.size(0), hidden = y.size(1);
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 2 && pos.size(0) == tokens && pos.is_contiguous() &&
+                  pos.device() == y.device(),
+              "moe_combine: pos must be a contiguous int64 [T, k] on y's device");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.sizes() == pos.sizes() && w.is_contiguous() && w.device() == y.device(),
+              "moe_combine: w must be a contiguous float32 [T, k] on y's device");
+  TORCH_CHECK(bias.has_value() == expert.has_value(), "moe_combine: bias and expert go together");
+  const uint16_t* bp = nullptr;
+  const int64_t* ep = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == y.scalar_type() && bias->dim() == 2 && bias->size(1) == hidden &&
+                    bias->is_contiguous() && aligned16(*bias) && bias->device() == y.device(),
+                "moe_combine: bias must be a contiguous, aligned [E, H] tensor of y's dtype");
+    TORCH_CHECK(expert->scalar_type() == at::kLong && expert->dim() == 1 && expert->size(0) == y.size(0) &&
+                    expert->is_contiguous() && expert->device() == y.device(),
+                "moe_combine: expert must be a contiguous int64 [M] on y's device");
+    bp = static_cast<const uint16_t*>(bias->data_ptr());
+    ep = expert->data_ptr<int64_t>();
+  }
+  if (tokens == 0) return;
+  const int k = static_cast<int>(pos.size(1));
+  const c10::cuda::CUDAGuard guard(y.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(y.get_device()).stream();
+  const unsigned grid = grid_for(tokens * hidden / kVec);
+  const auto* yp = static_cast<const uint16_t*>(y.data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  if (y.scalar_type() == at::kBFloat16) {
+    moe_combine_kernel<BF16><<<grid, kThreads, 0, stream>>>(yp, y.stride(0), pos.data_ptr<int64_t>(),
+                                                            w.data_ptr<float>(), k, pad, bp, ep, op, out.stride(0),
+                                                            tokens, hidden);
+  } else {
+    moe_combine_kernel<FP16><<<grid, kThreads, 0, stream>>>(yp, y.stride(0), pos.data_ptr<int64_t>(),
+                                                            w.data_ptr<float>(), k, pad, bp, ep, op, out.stride(0),
+                                                            tokens, hidden);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -181,3 +181,24 @@ def test_values_padded_to_the_key_width_give_the_same_scores(ckpt, monkeypatch) 
     reqs = make_requests(family_rng("v3-padded"))
     check(path, reqs, engine(path).run_to_completion(reqs))
     assert {v for v, _ in seen} == {48} and {vp for _, vp in seen} == {None, 48}  # padded from 24 to q/k's 48
+
+
+def test_latent_stages_compiled_match_their_definitions_and_a_wrong_one_is_caught() -> None:
+    """The latent attention stages through torch.compile (as ``FusedOps`` compiles them) pass
+    the start-up check at a V3-like shape (q/k 192, v 128, latent 512 | 64); a stage that
+    leaves the shared rotated key out of the keys fails it."""
+    from teacher_server.ops.mla_prep import check_mla_stages, mla_expand, mla_prep
+
+    torch.manual_seed(0)
+    table = torch.cat([torch.cos(torch.arange(64.0)[:, None] * torch.rand(32)),
+                       torch.sin(torch.arange(64.0)[:, None] * torch.rand(32))], dim=1)
+    w = 1 + 0.1 * torch.randn(512, dtype=torch.bfloat16)
+    args = (96 + 576, 4, 128, 64, 128, 512, w, 1e-6, table, torch.device("cpu"), torch.bfloat16)
+    prep, expand = (torch.compile(f, fullgraph=True) for f in (mla_prep, mla_expand))
+    check_mla_stages(prep, expand, *args)
+
+    def no_shared_key(kv, pe, k, v) -> None:
+        mla_expand(kv, torch.zeros_like(pe), k, v)
+
+    with pytest.raises(RuntimeError, match="mla_expand keys"):
+        check_mla_stages(mla_prep, no_shared_key, *args)

@@ -137,6 +137,6 @@ class GptOssMoe(RuntimeModule):
         # bias added in it; expert parallel: the rows past the end unwritten
         a = self.rt.ops.expert_swiglu(gu, ex.gate_up_bias, rows.experts, self.alpha, self.limit, rows.end)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] partial sums with tp > 1
-        if ex.tp.rank == 0:  # the bias once, not once per rank (expert parallel: ex.tp is one rank)
-            y += ex.down_bias.index_select(0, rows.experts)
-        return self.tp.all_reduce(rows.combine(y, w))  # [T, H] summed over the ranks
+        # each row's expert's bias added in the combine; once, not once per rank (expert parallel: ex.tp is one rank)
+        bias = ex.down_bias if ex.tp.rank == 0 else None
+        return self.tp.all_reduce(rows.combine(y, w, self.rt.ops.combine_kernel, bias))  # [T, H] summed over the ranks

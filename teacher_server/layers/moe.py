@@ -4,8 +4,8 @@ weighted combine; optionally a shared expert behind a sigmoid gate (Qwen2-MoE).
 
 No Python loop over experts and no host sync on the forward (with torch's grouped GEMM):
 the token -> expert assignment is sorted once, the group ends come from ``searchsorted`` on
-the sorted expert ids, and the combine is one ``embedding_bag`` (gather the k rows of each
-token from the sorted outputs, weight them, sum in float32, round once).
+the sorted expert ids, and the combine is one pass (``ops.moe_combine``: gather the k rows of
+each token from the sorted outputs, weight them, sum in float32, round once).
 
 Tensor parallel (``moe`` "tensor" of ``TensorParallel``): every rank holds all experts, each
 split along its intermediate dimension, like the dense MLP (gate/up column-parallel, down
@@ -40,6 +40,7 @@ from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, c
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.ops.grouped_mm import GroupedGemm
+from teacher_server.ops.moe_combine import moe_combine
 
 # Checkpoint names of expert weights, after "model.layers.N.<mlp | block_sparse_moe>.experts.":
 # one tensor per expert and projection (hub checkpoints; Mixtral names them w1 / w3 / w2) ...
@@ -111,10 +112,10 @@ class ExpertRows(NamedTuple):
         (``ops.row_end``); None where every row is this rank's."""
         return None if self.pad is None else self.offs[-1:]
 
-    def combine(self, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """[T, H]: token t's sum of w[t, j] * y[pos[t, j]] over its slots j, accumulated in
-        float32 and rounded once (a slot at ``pad`` adds nothing)."""
-        return F.embedding_bag(self.pos, y, mode="sum", per_sample_weights=w.to(y.dtype), padding_idx=self.pad)
+    def combine(self, y: torch.Tensor, w: torch.Tensor, kernel: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H]: token t's sum of w[t, j] * (y[pos[t, j]] + its expert's ``bias`` row, if given) over
+        its slots j, in float32, rounded once (a slot at ``pad`` adds nothing; ``ops.moe_combine``)."""
+        return moe_combine(y, self.pos, w, self.pad, bias, None if bias is None else self.experts, kernel)
 
 
 class ExpertWeights(nn.Module):
@@ -317,7 +318,7 @@ class SparseMoe(RuntimeModule):
         if a is None:
             a = self.rt.ops.silu_mul(gu, rows.end)  # [M, I_local] (expert parallel: rows past the end unwritten)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
-        out = rows.combine(y, w)  # [T, H]
+        out = rows.combine(y, w, self.rt.ops.combine_kernel)  # [T, H]
         if self.shared_expert is not None:
             gate = None if self.shared_expert_gate is None else self.shared_expert_gate(h)
             out = self.shared_expert.add_into(out, h, gate)

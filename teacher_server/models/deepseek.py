@@ -21,10 +21,11 @@ from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.parallel import TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from teacher_server.models.mla import MlaAttention
+from teacher_server.models.mla import LATENT_NORM_EPS, MlaAttention
 from teacher_server.models.moe import GROUPED_GEMM, MoeDecoderLayer, MoeModel
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.mla_prep import check_mla_stages
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -64,6 +65,18 @@ class DeepseekForCausalLM(MoeModel, LlamaForCausalLM):
 
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
         """The shared stages' checks (the fused QKV kernel does not apply: q and the latent
-        are rotated in torch) and the experts'."""
+        are rotated by the latent stages), the experts', then the compiled latent stages against
+        their eager definitions (a mismatch runs every compiled stage eagerly, as the shared
+        checks do)."""
         ops.use_qkv_kernel(False)
         super().warm_up_ops(ops, ropes)
+        if not ops.compiled:
+            return
+        attn, m = self.layers[0].self_attn, self.spec.mla
+        table = ropes[attn.rope_key].table
+        try:
+            check_mla_stages(ops.mla_prep, ops.mla_expand, (m.q_lora_rank or 0) + m.latent, attn.n,
+                             m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank,
+                             attn.kv_a_layernorm.weight, LATENT_NORM_EPS, table, table.device, self.dtype)
+        except Exception as e:
+            ops.eager_stages(e)

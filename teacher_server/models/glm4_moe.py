@@ -88,5 +88,5 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
         sparse = next((layer.mlp for layer in self.layers if layer.sparse), None)
         if sparse is not None:
             i, h = sparse.experts.i_local, s.hidden_size
-            ops.check_silu(i, table.device, self.dtype)
+            ops.check_experts(i, h, sparse.top_k, table.device, self.dtype)
             GROUPED_GEMM.use_torch(table.device, self.dtype, shapes=((h, 2 * i), (i, h)))

@@ -92,14 +92,6 @@ class RopeRowsLinear(MergedColumnLinear):
         super().load_weight(param, loaded, part, name)
 
 
-def rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
-    """x [T, H, r] rotated half-split by cs [T, r] (cos | sin, float32); float32 math, rounded once."""
-    half = cs.shape[1] // 2
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class MlaAttention(RuntimeModule):
     """Returns the attention output [T, n * v_head_dim]; ``o_proj`` is applied by the decoder
     layer (fused with the residual add)."""
@@ -155,16 +147,14 @@ class MlaAttention(RuntimeModule):
         ``first`` are zeros, not made: the step's prefixed tokens, whose keys attention reads
         from the packed prefix keys instead."""
         m, n, t = self.mla, self.n, latent.shape[0]
-        nope, src = m.qk_nope_head_dim, latent[first:]
-        kv = self.kv_b_proj(src[:, :m.kv_lora_rank]).view(t - first, n, nope + m.v_head_dim)
+        src = latent[first:]
+        kv = self.kv_b_proj(src[:, :m.kv_lora_rank]).view(t - first, n, m.qk_nope_head_dim + m.v_head_dim)
         k = alloc_with_slack(latent, t, n, m.qk_dim, front=front)
         v = alloc_with_slack(latent, t, n, m.qk_dim if pad_v else m.v_head_dim, front=front)
         if first:
             k[:first].zero_()
             v[:first].zero_()
-        k[first:, :, :nope] = kv[..., :nope]
-        k[first:, :, nope:] = src[:, None, m.kv_lora_rank:]
-        v[first:, :, :m.v_head_dim] = kv[..., nope:]
+        self.rt.ops.mla_expand(kv, src[:, m.kv_lora_rank:], k[first:], v[first:])
         if pad_v:
             v[first:, :, m.v_head_dim:].zero_()
         return k, v
@@ -177,12 +167,9 @@ class MlaAttention(RuntimeModule):
             q = self.q_b_proj(self.q_a_layernorm(a[:, :m.q_lora_rank]))
         else:
             q = self.q_proj(h)
-        q = q.view(t, n, m.qk_dim)
-        kv_a = a[:, a.shape[1] - m.latent:]
-        latent = torch.empty(t, m.latent, dtype=h.dtype, device=h.device)  # what the pool keeps
-        latent[:, :m.kv_lora_rank] = self.kv_a_layernorm(kv_a[:, :m.kv_lora_rank])
-        latent[:, m.kv_lora_rank:] = rotate(kv_a[:, None, m.kv_lora_rank:], cs)[:, 0]
-        q[..., m.qk_nope_head_dim:] = rotate(q[..., m.qk_nope_head_dim:], cs)
+        # the latent the pool keeps (normed | rotated shared key) and q rotated
+        latent, q = rt.ops.mla_prep(a, q.view(t, n, m.qk_dim), cs, self.kv_a_layernorm.weight, LATENT_NORM_EPS,
+                                    m.kv_lora_rank)
         one = latent.view(t, 1, m.latent)
         rt.kv.store(self.layer_id, one, one, ctx)
         pad_v = not rt.attn.distinct_v_width

@@ -78,5 +78,5 @@ class MoeModel:
             return
         i, h = sparse.experts.i_local, spec.hidden_size
         device, dtype = next(iter(ropes.values())).table.device, self.dtype  # type: ignore[attr-defined]
-        ops.check_silu(i, device, dtype)
+        ops.check_experts(i, h, sparse.top_k, device, dtype)
         GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))

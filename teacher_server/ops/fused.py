@@ -30,6 +30,8 @@ from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.gelu_mul import gelu_tanh_mul
+from teacher_server.ops.mla_prep import mla_expand, mla_prep
+from teacher_server.ops.moe_combine import check_moe_combine
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add, norm_add_rms_norm, rms_norm
 from teacher_server.ops.partial_rope import partial_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
@@ -74,7 +76,7 @@ _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_no
                                 "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep,
                                 "gelu_tanh_mul": gelu_tanh_mul, "partial_qk_prep": partial_qk_prep,
                                 "norm_add_rms_norm": norm_add_rms_norm, "norm_add": norm_add,
-                                "clamped_swiglu": clamped_swiglu}
+                                "clamped_swiglu": clamped_swiglu, "mla_prep": mla_prep, "mla_expand": mla_expand}
 
 
 class FusedOps:
@@ -94,6 +96,8 @@ class FusedOps:
     partial_qk_prep: Callable
     norm_add_rms_norm: Callable
     norm_add: Callable  # Gemma's post-norm and residual add on a pipeline stage's last layer
+    mla_prep: Callable  # latent attention's latent and rotated q (``ops.mla_prep``)
+    mla_expand: Callable  # latent attention's keys and values from kv_b_proj's output
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:
@@ -108,6 +112,7 @@ class FusedOps:
         # gpt-oss's expert activation as a CUDA kernel where the rows have an end (expert
         # parallel: it skips the rows after it; the compiled stage cannot), after its check
         self.swiglu_kernel = loaded
+        self.combine_kernel = loaded  # the expert layer's weighted sum (``ops.moe_combine``), after its check
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
         # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
@@ -199,6 +204,12 @@ class FusedOps:
         """Check the SiLU-mul kernel at ``width`` (when on); a failure switches it off, with
         one log line (the reference is correct, only slower)."""
         self._check_kernel("silu_kernel", "SiLU-mul", check_silu_mul, width, device, dtype)
+
+    def check_experts(self, width: int, hidden: int, top_k: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Check an expert layer's kernels: SiLU-mul at the experts' ``width`` and the combine at
+        ``hidden`` and ``top_k`` (when on); a failure switches that kernel off, with one log line."""
+        self.check_silu(width, device, dtype)
+        self._check_kernel("combine_kernel", "MoE combine", check_moe_combine, hidden, top_k, device, dtype)
 
     def check_swiglu(self, bias: torch.Tensor, alpha: float, limit: float) -> None:
         """Check gpt-oss's expert activation kernel at the experts' width (``bias`` [E, 2I]; when

@@ -1,0 +1,70 @@
+"""Latent attention's elementwise stages (``models.mla``), stages of ``FusedOps``: compiled
+into a few fused passes where the stages are compiled, instead of a chain of strided copies
+and float32 passes per layer (~8% of the Moonlight-16B-A3B shape's step on the H100).
+
+- ``mla_prep``: the latent a layer keeps, RMSNorm of the fused a-projection's first
+  ``rank`` latent columns | its rotated shared key, and q with its last dims rotated;
+- ``mla_expand``: each head's key (k_nope | the shared rotated key) and value written from
+  kv_b_proj's output into the step's buffers.
+
+Rotary is half-split (the interleaved rows were permuted at load), float32 math, rounded once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from teacher_server.ops.checks import assert_close
+from teacher_server.ops.norm import rms_norm
+
+
+def rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
+    """x [T, H, r] rotated half-split by cs [T, r] (cos | sin, float32); float32 math, rounded once."""
+    half = cs.shape[1] // 2
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def mla_prep(a: torch.Tensor, q: torch.Tensor, cs: torch.Tensor, norm_w: torch.Tensor, eps: float,
+             rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent [T, rank + r], q [T, n, d]), both new and contiguous: the latent from the last
+    rank + r columns of ``a`` (rms_norm of the first ``rank`` | the rest rotated by cs [T, r]),
+    q [T, n, d] with its last r dims rotated. (Plain ints: ``FusedOps`` compiles this.)"""
+    r = cs.shape[1]
+    kv_a = a[:, a.shape[1] - rank - r:]
+    latent = torch.cat([rms_norm(kv_a[:, :rank], norm_w, eps), rotate(kv_a[:, None, rank:], cs)[:, 0]], dim=-1)
+    nope = q.shape[-1] - r
+    return latent, torch.cat([q[..., :nope], rotate(q[..., nope:], cs)], dim=-1)
+
+
+def mla_expand(kv: torch.Tensor, pe: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write keys k [N, n, nope + r] = kv's first nope columns | pe [N, r] (every head), and the
+    first kv.shape[-1] - nope columns of values v [N, n, >= that] = kv's others (kv [N, n, nope +
+    v width]); v's further columns are left as they are."""
+    nope = k.shape[-1] - pe.shape[-1]
+    k[..., :nope] = kv[..., :nope]
+    k[..., nope:] = pe[:, None, :]
+    v[..., :kv.shape[-1] - nope] = kv[..., nope:]
+
+
+def check_mla_stages(prep: Callable, expand: Callable, width: int, heads: int, nope: int, rope: int, vd: int,
+                     rank: int, norm_w: torch.Tensor, eps: float, cos_sin: torch.Tensor, device: torch.device,
+                     dtype: torch.dtype) -> None:
+    """Start-up check of compiled ``prep`` and ``expand`` against the functions above at a
+    model's widths (``width``: the a-projection's output; two token counts, the second into
+    buffers after some rows, as a step after a cached prefix). Raises RuntimeError on a mismatch."""
+    for n, first in ((16, 0), (40, 3)):
+        a = torch.randn(n, width, device=device, dtype=dtype)
+        q = torch.randn(n, heads, nope + rope, device=device, dtype=dtype)
+        cs = cos_sin[(torch.arange(n, device=device) * 37) % cos_sin.shape[0]]
+        for got, ref in zip(prep(a, q, cs, norm_w, eps, rank), mla_prep(a, q, cs, norm_w, eps, rank)):
+            assert_close("compiled mla_prep", got, ref)
+        kv = torch.randn(n - first, heads, nope + vd, device=device, dtype=dtype)
+        pe = torch.randn(n - first, rope, device=device, dtype=dtype)
+        bufs = [torch.zeros(n, heads, w, device=device, dtype=dtype) for w in (nope + rope, vd, nope + rope, vd)]
+        expand(kv, pe, bufs[0][first:], bufs[1][first:])
+        mla_expand(kv, pe, bufs[2][first:], bufs[3][first:])
+        assert_close("compiled mla_expand keys", bufs[0], bufs[2], rel=0, floor=0)
+        assert_close("compiled mla_expand values", bufs[1], bufs[3], rel=0, floor=0)
