@@ -71,6 +71,7 @@ from workloads import (
     flops,
     make_workload,
     tiny,
+    with_layers,
     write_config,
     write_random_checkpoint,
 )
@@ -645,6 +646,8 @@ def main() -> None:
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
     ap.add_argument("--profile", default="", help="workload to profile (first 24 requests): per-kernel CUDA time")
     ap.add_argument("--tiny", action="store_true", help="a small model of the family (CPU smoke runs)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="the shape's first N layers (a shape that does not fit the GPU at its depth; stated in the results)")
     ap.add_argument("--step-trace", default="",
                     help="path prefix: the in-process engine's step trace goes to PREFIXengine.jsonl, each HTTP "
                          "server's to PREFIXhttp-NAME.jsonl (one JSON line per step, config step_trace)")
@@ -658,6 +661,9 @@ def main() -> None:
     cfg, family, written = MODELS[args.model_size]
     if args.tiny:  # the same path on a small model of the same family (CPU smoke runs)
         cfg = tiny(cfg)
+    depth = cfg["num_hidden_layers"]
+    if args.num_layers and args.num_layers != depth:
+        cfg = with_layers(cfg, args.num_layers)
     names = [w for w in args.workloads.split(",") if w]
     base_names = [w for w in args.baseline.split(",") if w]
     http_names = [w for w in args.http.split(",") if w]
@@ -665,6 +671,8 @@ def main() -> None:
     t = time.perf_counter()
     if args.tiny:
         ckpt = ckpt.with_name(ckpt.name + "-tiny")
+    if cfg["num_hidden_layers"] != depth:
+        ckpt = ckpt.with_name(f"{ckpt.name}-{cfg['num_hidden_layers']}layers")
     if written:
         write_random_checkpoint(ckpt, cfg)
         load_format = "auto"
@@ -683,7 +691,10 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
-                              f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else ""),
+                              f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else "")
+                              + (f", its first {cfg['num_hidden_layers']} of {depth} layers"
+                                 if cfg["num_hidden_layers"] != depth else ""),
+                     "num_layers": cfg["num_hidden_layers"],
                      "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy", args.baseline_layouts)

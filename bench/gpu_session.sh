@@ -30,6 +30,17 @@ python3 -c "import torch, cudnn" 2>/dev/null || echo "WARNING: no nvidia-cudnn-f
 # passed), the tests' printed errors, the slowest tests, no captured library debug logs
 PT="-v -rPfE --durations=15 -p no:logging -p no:cacheprovider"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+# On a GPU of under 100 GiB (an H100), the shapes sized for one H200 at their depth run their first
+# layers only (bench_engine.py --num-layers; the results say so): prints the flag for shape $1, or nothing
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+fit_layers() {
+  [ "${GPU_MIB:-200000}" -lt 100000 ] || return 0
+  case $1 in
+    qwen3-next-80b-a3b) echo "--num-layers 12" ;;  # 12 of the shape's 24 (~40 GB)
+    glm4.5-air) echo "--num-layers 9" ;;           # 9 of the shape's 18 (~43 GB)
+    qwen3.5-35b-a3b) echo "--num-layers 20" ;;     # 20 of 40 (~36 GB)
+  esac
+}
 for step in ${STEPS:-tests}; do
   echo "=== $step ($(date +%T))"
   case $step in
@@ -72,7 +83,7 @@ for step in ${STEPS:-tests}; do
     qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --baseline-layouts padded,packed --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
     # packed recipes, W2's cache off vs on ($QWEN35MOE_ARGS replaces the arguments)
-    qwen35moe) python3 bench/bench_engine.py --model-size qwen3.5-35b-a3b ${QWEN35MOE_ARGS:---workloads W1 --http W1 \
+    qwen35moe) python3 bench/bench_engine.py --model-size qwen3.5-35b-a3b $(fit_layers qwen3.5-35b-a3b) ${QWEN35MOE_ARGS:---workloads W1 --http W1 \
       --baseline W1 --baseline-layouts padded,packed --prefix-cache-compare W2 --repeats 1 --max-model-len 8192} \
       --out "$OUT/engine_qwen35_35b_a3b_h200.json" 2>&1 | tee "$OUT/engine_qwen35moe.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
@@ -183,17 +194,21 @@ for step in ${STEPS:-tests}; do
     # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
     # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
     # $OSS_GPT_ARGS / $OSS_NEXT_ARGS replace the bench arguments, e.g. with --repeats 2)
+    # Qwen3-Next alone (the last part of oss)
+    qwen3next) python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) \
+      ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192} \
+      --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
     oss) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gpt_oss_gpu.py 2>&1 | tee "$OUT/gpu_oss_tests.log" | tail -25
       python3 bench/bench_engine.py --model-size gpt-oss-20b ${OSS_GPT_ARGS:---workloads W1 --http W1 --baseline W1 \
         --repeats 1 --max-model-len 8192} --out "$OUT/engine_gpt_oss_20b_h200.json" 2>&1 | tee "$OUT/engine_gpt_oss.log" | tail -12
-      python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 \
+      python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 \
         --repeats 1 --max-model-len 8192} --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
     # Gemma 3 and GLM-4.5 (issue 50): their GPU tests (float32 parity, bf16 per attention backend beside transformers'
     # bf16), then W1f in-process and through HTTP beside transformers' forward: Gemma-3-27B's text model (62 layers)
     # and GLM-4.5-Air's layers (18 of 46); $GEMMA_REPEATS timed passes each (default 1: the step fits ~8 minutes)
     gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
-      for shape in gemma3-27b glm4.5-air; do
-        python3 bench/bench_engine.py --model-size $shape --workloads W1f --http W1f --baseline W1f \
+      for shape in ${GEMMA_SHAPES:-gemma3-27b glm4.5-air}; do
+        python3 bench/bench_engine.py --model-size $shape $(fit_layers $shape) --workloads W1f --http W1f --baseline W1f \
           --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 --out "$OUT/engine_${shape}_h200.json" 2>&1 \
           | tee "$OUT/engine_$shape.log" | tail -12
       done ;;

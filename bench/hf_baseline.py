@@ -379,18 +379,20 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
         model.eval()
         for n in names:
             reqs = make_workload(n, cfg["vocab_size"])
-            run(model, reqs)  # untimed: every batch shape of the timed runs compiled and tuned
+            cap = fitting_batch(cfg, max(len(r.tokens) for r in reqs))
+            run(model, reqs, max_padded=cap)  # untimed: every batch shape of the timed runs compiled and tuned
             if dev == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             runs, clocks = [], []
             for _ in range(repeats):  # the pass above warmed up
                 m0 = time.monotonic()  # the system's clock: the caller's GPU telemetry reads it too
-                runs.append(run(model, reqs, warmup=False))
+                runs.append(run(model, reqs, warmup=False, max_padded=cap))
                 clocks.append([m0, time.monotonic()])
             secs = [r[0] for r in runs]
             mid = sorted(range(repeats), key=lambda i: secs[i])[repeats // 2]
             key = n if li == 0 else f"{n}@{'packed' if pack else 'padded'}"
             out[key] = {"runs_seconds": secs, "seconds": secs[mid], "finish": runs[mid][2], "clock": clocks[mid],
+                        "max_padded_tokens": cap,
                         "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else float("nan"),
                         "packed": pack}
             if not dummy:  # same weights as the engine's: a sample of cells to check it against
@@ -403,13 +405,30 @@ def measure(ckpt: str, cfg: dict, names: list[str], repeats: int, dummy: bool,
     return out
 
 
+def fitting_batch(cfg: dict, longest: int, default: int = 32768) -> int:
+    """Padded tokens per batch: DESIGN's 32,768, or fewer where a batch's [B, keep, V] logits (bf16,
+    their float32 copy and its log-softmax: 10 bytes per row and vocab entry) would take more than
+    60% of the GPU's free memory after the model (a large vocab beside large weights: Gemma-3-27B
+    on an 80 GB card); whole requests of the longest length, at least one per batch."""
+    if not torch.cuda.is_available():
+        return default
+    free = torch.cuda.mem_get_info()[0]
+    fit = int(0.6 * free / (10 * cfg["vocab_size"]))
+    cap = max(longest, min(default, fit // longest * longest))
+    if cap < default:
+        print(f"transformers batches: {cap} padded tokens (logits of {default} would not fit "
+              f"{free / 2**30:.1f} GiB free)", flush=True)
+    return cap
+
+
 CHECK_REQUESTS = 2  # the first requests of a workload whose cells are compared with the engine's
 
 
 def check_sample(model: torch.nn.Module, reqs: list[Req], stride: int = 37) -> list[dict]:
     """Every ``stride``-th row (and the last) of each request's ``[rows, K]`` result, to compare
     with the engine's on the same weights: ``[{"rows": [...], "values": [[...], ...]}]``."""
-    _, results, _ = run(model, reqs, keep_results=True, warmup=False)
+    _, results, _ = run(model, reqs, keep_results=True, warmup=False,
+                        max_padded=fitting_batch(model.config.to_dict(), max(len(r.tokens) for r in reqs)))
     out = []
     for r, got in zip(reqs, results):
         rows = sorted(set(range(0, r.rows, stride)) | {r.rows - 1}) if r.rows else []

@@ -29,6 +29,7 @@ from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for
     ideal_cached,
     make_workload,
     tiny,
+    with_layers,
 )
 
 # Random checkpoints larger than this are written only where there is a GPU: on a CPU machine

@@ -36,3 +36,36 @@ def test_flops_count_the_window_of_local_layers() -> None:
     rest = 10 * (n * n - 2048 * 2048) + 52 * 2 * ((n - 2048) * w)
     assert flops(GEMMA3_27B, [req], computed_only=True, cached=[2048]) == (
         2 * params * (n - 2048) + 2 * q * rest + 2 * 5376 * 262208 * rows)
+
+
+def test_a_shape_cut_to_fewer_layers_keeps_its_layer_pattern_and_per_layer_flops() -> None:
+    from teacher_server.benchmark.workloads import QWEN3_NEXT_80B_A3B_LAYERS, with_layers
+
+    cut = with_layers(QWEN3_NEXT_80B_A3B_LAYERS, 12)
+    spec = ModelSpec.from_dict(cut)
+    assert spec.num_layers == 12 and cut["layer_types"] == QWEN3_NEXT_80B_A3B_LAYERS["layer_types"][:12]
+    assert [spec.layer_types[i] for i in (2, 3, 11)] == ["linear_attention", "full_attention", "full_attention"]
+    assert QWEN3_NEXT_80B_A3B_LAYERS["num_hidden_layers"] == 24  # the shape itself untouched
+    full = ModelSpec.from_dict(QWEN3_NEXT_80B_A3B_LAYERS).non_embedding_params()
+    assert spec.non_embedding_params() * 2 == full  # 12 of 24 layers of one repeating pattern: half
+    g = ModelSpec.from_dict(with_layers(GEMMA3_27B, 36))
+    assert sum(g.layer_window(i) == 1024 for i in range(36)) == 30  # 5 local : 1 global, as the whole
+
+
+def test_the_baseline_batch_shrinks_only_where_its_logits_would_not_fit(monkeypatch) -> None:
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import hf_baseline
+
+    assert hf_baseline.fitting_batch(GEMMA3_27B, 4096) == 32768  # no GPU: DESIGN's batch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (24 * 2**30, 80 * 2**30))
+    assert hf_baseline.fitting_batch(GEMMA3_27B, 4096) == 4096  # 262k vocab in 24 GiB: one request a batch
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 * 2**30, 140 * 2**30))
+    assert hf_baseline.fitting_batch(dict(GEMMA3_27B, vocab_size=151936), 4096) == 32768
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (2**30, 80 * 2**30))
+    assert hf_baseline.fitting_batch(GEMMA3_27B, 8192) == 8192  # never below one request

@@ -304,6 +304,16 @@ def tiny(cfg: dict) -> dict:
     return small
 
 
+def with_layers(cfg: dict, n: int) -> dict:
+    """``cfg`` at its first ``n`` layers (the layer-kind pattern cut alike): a shape's depth reduced
+    to fit a smaller GPU, per-layer rates unchanged."""
+    assert 0 < n <= cfg["num_hidden_layers"], f"{n} layers of {cfg['num_hidden_layers']}"
+    out = dict(cfg, num_hidden_layers=n)
+    if cfg.get("layer_types"):
+        out["layer_types"] = cfg["layer_types"][:n]
+    return out
+
+
 def checkpoint_bytes(cfg: dict) -> int:
     """bf16 bytes of a checkpoint of shape ``cfg``, every expert counted."""
     from teacher_server.models.spec import ModelSpec
