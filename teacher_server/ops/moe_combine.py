@@ -29,10 +29,13 @@ def moe_combine_reference(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, p
     return F.embedding_bag(pos, y, mode="sum", per_sample_weights=w.to(y.dtype), padding_idx=pad)
 
 
-def kernel_takes(y: torch.Tensor, pos: torch.Tensor) -> bool:
-    """CUDA bf16/fp16 rows [M, H], H a multiple of 8, rows 16-byte aligned, some slots."""
+def kernel_takes(y: torch.Tensor, pos: torch.Tensor, experts: torch.Tensor | None = None) -> bool:
+    """CUDA bf16/fp16 rows [M, H], H a multiple of 8, rows 16-byte aligned, int64 slots (and
+    experts) on y's device."""
     return (y.is_cuda and y.dtype in HALF and y.dim() == 2 and y.shape[1] % 8 == 0 and y.stride(1) == 1
-            and y.stride(0) % 8 == 0 and aligned(y) and pos.dim() == 2 and pos.shape[1] > 0)
+            and y.stride(0) % 8 == 0 and aligned(y) and pos.dim() == 2 and pos.shape[1] > 0
+            and pos.dtype == torch.int64 and pos.device == y.device
+            and (experts is None or (experts.dtype == torch.int64 and experts.device == y.device)))
 
 
 def moe_combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, pad: int | None, bias: torch.Tensor | None = None,
@@ -40,7 +43,8 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, pad: int | 
     """[T, H]: sum_j w[t, j] * (y[pos[t, j]] (+ bias[experts[pos[t, j]]])) over the slots not at
     ``pad`` (y [M, H], pos [T, k] int64, w [T, k] float32; bias [E, H] with experts [M]).
     The kernel where ``kernel`` and it takes the rows, else the reference."""
-    if kernel and kernel_takes(y, pos):
+    plain = bias is None or bias.dtype == y.dtype
+    if kernel and plain and kernel_takes(y, pos, None if bias is None else experts):
         ext = extension.load()
         if ext is not None:
             out = y.new_empty(pos.shape[0], y.shape[1])
