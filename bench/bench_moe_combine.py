@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_moe import timed as timed_ms
 
 from teacher_server.ops.moe_combine import moe_combine, moe_combine_reference
 
@@ -22,18 +23,8 @@ SHAPES = [("moonlight", 16384, 6, 2048), ("qwen3-30b-a3b", 16384, 8, 2048), ("de
 
 
 def timed(fn: Callable[[], object], reps: int = 50) -> float:
-    """Median microseconds of ``fn`` over ``reps`` CUDA-event-timed calls (after 5 untimed)."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median microseconds of ``fn`` (``bench_moe.timed``'s CUDA events)."""
+    return timed_ms(fn, reps) * 1e3
 
 
 def main() -> None:
