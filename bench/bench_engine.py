@@ -561,7 +561,11 @@ def run_baseline(ckpt: Path, names: list[str], repeats: int, dummy: bool, layout
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "hf_baseline.py"), "--ckpt", str(ckpt),
                "--workloads", ",".join(names), "--repeats", str(repeats), "--layouts", layouts, "--out", f.name] + \
             (["--dummy"] if dummy else [])
-        subprocess.run(cmd, check=True)
+        done = subprocess.run(cmd)
+        if done.returncode:  # (its traceback is in the log above) the engine's runs still go on, without ratios
+            print(f"WARNING: the transformers baseline failed (exit {done.returncode}); no baseline in this run",
+                  flush=True)
+            return {"error": f"hf_baseline.py exited {done.returncode}"}
         return json.loads(Path(f.name).read_text())
 
 def wait_for_baseline(path: Path, timeout_s: float = 900) -> dict:
@@ -699,6 +703,8 @@ def main() -> None:
                      "budget_tokens": args.budget, "engine": {}, "baseline": {}, "http": {}, "prefix_cache": {}}
     base_runs = (run_baseline(ckpt, base_names, args.repeats, load_format == "dummy", args.baseline_layouts)
                  if base_names and not args.baseline_from else {})
+    if "error" in base_runs:
+        results["baseline_error"] = base_runs.pop("error")
     t = time.perf_counter()
     ecfg = Config(model=str(ckpt), load_format=load_format, max_num_batched_tokens=args.budget,
                   max_model_len=max_len, enable_prefix_caching=True, attention_backend=args.attention,

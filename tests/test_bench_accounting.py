@@ -135,3 +135,19 @@ def test_results_record_their_provenance() -> None:
     p = bench_engine.provenance()
     assert p["argv"] == sys.argv and p["versions"]["torch"]
     assert p["commit"] is None or len(p["commit"]) >= 7
+
+
+def test_a_failed_baseline_leaves_the_engine_runs_going(monkeypatch, tmp_path) -> None:
+    """The transformers process dying (an out-of-memory on a smaller GPU) is reported, not raised:
+    the engine's runs of the same call still happen and are written, without ratios."""
+    import subprocess
+
+    calls = []
+
+    def fails(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1)
+
+    monkeypatch.setattr(bench_engine.subprocess, "run", fails)
+    got = bench_engine.run_baseline(tmp_path, ["W1f"], 1, True)
+    assert got == {"error": "hf_baseline.py exited 1"} and calls and "--dummy" in calls[0]
