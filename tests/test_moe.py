@@ -120,11 +120,45 @@ def bound_moe(shared: int = 0, gemm: GroupedGemm | None = None, seed: int = 0) -
 @pytest.mark.parametrize("shared", [0, 40])
 @pytest.mark.parametrize("tokens", [1, 3, 50])
 def test_sparse_moe_matches_loop_over_experts(shared: int, tokens: int) -> None:
-    """The grouped forward (sorted rows, two grouped GEMMs, embedding_bag combine) equals the
+    """The grouped forward (sorted rows, two grouped GEMMs, the weighted combine) equals the
     loop over experts, also with experts no token picks (few tokens)."""
     moe = bound_moe(shared)
     h = torch.randn(tokens, 32)
     torch.testing.assert_close(moe(h), moe.reference(h), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_expert_takes_the_fused_gate_up_kernel_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the fused gate/up + SiLU kernel runs (Hopper), the shared expert's activation comes
+    from it, at the shared width, and the gated layer's output is unchanged; warm-up checks the
+    kernel at that width too."""
+    from teacher_server.models.moe import check_shared_expert
+    from teacher_server.ops.silu_mul import silu_mul_reference
+
+    moe = bound_moe(shared=40)
+    h = torch.randn(23, 32)
+    plain = moe(h)
+    seen = []
+
+    def fused(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        seen.append(tuple(w.shape))
+        return silu_mul_reference(x @ w.t())
+
+    ops = moe.rt.ops
+    monkeypatch.setattr(ops, "gate_up_act", fused)
+    torch.testing.assert_close(moe(h), plain, rtol=1e-6, atol=1e-6)
+    assert seen == [(80, 32)]  # the shared expert's [gate; up], nothing else
+    checked = []
+    monkeypatch.setattr("teacher_server.ops.fused.check_gate_up_silu", lambda *a: checked.append(a[:2]) or True)
+    ops.gate_up_kernel = True
+    check_shared_expert(ops, moe, 32, torch.device("cpu"), torch.float32)
+    assert checked == [(32, 40)] and ops.gate_up_kernel
+
+    def wrong(*a: object) -> bool:
+        raise RuntimeError("mismatch")
+
+    monkeypatch.setattr("teacher_server.ops.fused.check_gate_up_silu", wrong)
+    check_shared_expert(ops, moe, 32, torch.device("cpu"), torch.float32)
+    assert not ops.gate_up_kernel  # a failure at the shared width turns it off everywhere
 
 
 def test_padded_fallback_gives_the_same_layer_output() -> None:

@@ -263,12 +263,16 @@ class SharedExpert(RuntimeModule):
     def add_into(self, out: torch.Tensor, h: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32; None: ungated, as
         DeepSeek's shared experts); returns out."""
-        gu, d = self.gate_up_proj(h), self.down_proj
-        a = d.fmt.silu_mul_input(d, gu) if gate is None else None  # (FP8: quantized in the SiLU-mul pass)
+        p, d = self.gate_up_proj, self.down_proj
+        w = p.fmt.dense(p)  # the gate/up GEMM and SiLU-mul in one kernel where it runs (plain weights, Hopper)
+        a = self.rt.ops.gate_up_act(h, w) if w is not None else None
         if a is None:
-            a = self.rt.ops.silu_mul(gu)  # [T, I_s]
-            if gate is not None:
-                a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
+            gu = p(h)
+            a = d.fmt.silu_mul_input(d, gu) if gate is None else None  # (FP8: quantized in the SiLU-mul pass)
+            if a is None:
+                a = self.rt.ops.silu_mul(gu)  # [T, I_s]
+        if gate is not None:
+            a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
         # With tp > 1 ``out`` holds this rank's partial sum of the routed experts and this adds
         # its partial sum of the shared expert (every rank adds: nothing here is reduced); the
         # layer's one all-reduce comes after.
@@ -334,17 +338,13 @@ class SparseMoe(RuntimeModule):
         n, gate_up, down = ex.i_local, ex.fmt.dense(ex, "gate_up"), ex.fmt.dense(ex, "down")
         assert gate_up is not None and down is not None, f"the loop reference needs plain weights, not {ex.fmt.name}"
         for e in range(ex.num_local):
-            tok, slot = torch.where(ids == ex.first + e)
-            if tok.numel() == 0:
-                continue
+            tok, slot = torch.where(ids == ex.first + e)  # (an expert no token took adds nothing)
             gu = h[tok] @ gate_up[e].t()
             y = (F.silu(gu[:, :n]) * gu[:, n:]) @ down[e].t()
             out.index_add_(0, tok, y.float() * w[tok, slot, None])
         if self.shared_expert is not None:
-            s = self.shared_expert
-            gu = s.gate_up_proj(h)
-            half = gu.shape[1] // 2
-            shared = s.down_proj(F.silu(gu[:, :half]) * gu[:, half:])
-            g = self.shared_expert_gate
+            s, g = self.shared_expert, self.shared_expert_gate
+            gu = s.gate_up_proj(h).chunk(2, dim=1)
+            shared = s.down_proj(F.silu(gu[0]) * gu[1])
             out += (1.0 if g is None else torch.sigmoid(g(h))) * shared.float()
         return out.to(h.dtype)

@@ -47,6 +47,14 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         return super().mlp_residual(x, h, ops)
 
 
+def check_shared_expert(ops: FusedOps, sparse: nn.Module, hidden: int, device: torch.device,
+                        dtype: torch.dtype) -> None:
+    """The fused gate/up kernel at the shared expert's width, where the layer has one."""
+    shared = getattr(sparse, "shared_expert", None)
+    if shared is not None:
+        ops.check_gate_up_width(hidden, shared.gate_up_proj.parts["gate"][1], device, dtype)
+
+
 class MoeModel:
     """Mixin (before a ``LlamaForCausalLM`` subclass in the bases) for the expert families."""
 
@@ -79,4 +87,5 @@ class MoeModel:
         i, h = sparse.experts.i_local, spec.hidden_size
         device, dtype = next(iter(ropes.values())).table.device, self.dtype  # type: ignore[attr-defined]
         ops.check_experts(i, h, sparse.top_k, device, dtype)
+        check_shared_expert(ops, sparse, h, device, dtype)
         GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))

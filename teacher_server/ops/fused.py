@@ -184,6 +184,17 @@ class FusedOps:
         if self.gate_up_kernel:
             log.info("fused gate/up SiLU kernel on (hidden %d, intermediate %d)", hidden, intermediate)
 
+    def check_gate_up_width(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Check the fused gate/up kernel at a second width it runs at (a shared expert's; when
+        on): a mismatch turns it off everywhere, with one log line; a width it does not take is
+        left to the two passes, call by call."""
+        if self.gate_up_kernel:
+            try:
+                check_gate_up_silu(hidden, intermediate, device, dtype)
+            except Exception as e:
+                log.warning("fused gate/up SiLU kernel disabled: %s: %s", type(e).__name__, e)
+                self.gate_up_kernel = False
+
     def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, heads: HeadLayout, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, kv: KVStore, layer: int,
                   ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
