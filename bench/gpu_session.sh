@@ -194,6 +194,11 @@ for step in ${STEPS:-tests}; do
     # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
     # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
     # $OSS_GPT_ARGS / $OSS_NEXT_ARGS replace the bench arguments, e.g. with --repeats 2)
+    # the expert layers' combine kernel, the latent attention stages and the shared experts' fused gate/up: their
+    # GPU tests (the MoE families' parity included), then the combine against embedding_bag at five model shapes
+    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py \
+        tests/test_moe.py 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
+      python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8 ;;
     # Qwen3-Next alone (the last part of oss)
     qwen3next) python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) \
       ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192} \
