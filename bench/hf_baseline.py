@@ -412,6 +412,7 @@ def fitting_batch(cfg: dict, longest: int, default: int = 32768) -> int:
     on an 80 GB card); whole requests of the longest length, at least one per batch."""
     if not torch.cuda.is_available():
         return default
+    torch.cuda.empty_cache()  # an earlier workload's cached blocks are free for this one
     free = torch.cuda.mem_get_info()[0]
     fit = int(0.6 * free / (10 * cfg["vocab_size"]))
     cap = max(longest, min(default, fit // longest * longest))

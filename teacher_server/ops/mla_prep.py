@@ -53,8 +53,10 @@ def check_mla_stages(prep: Callable, expand: Callable, width: int, heads: int, n
                      rank: int, norm_w: torch.Tensor, eps: float, cos_sin: torch.Tensor, device: torch.device,
                      dtype: torch.dtype) -> None:
     """Start-up check of compiled ``prep`` and ``expand`` against the functions above at a
-    model's widths (``width``: the a-projection's output; two token counts, the second into
-    buffers after some rows, as a step after a cached prefix). Raises RuntimeError on a mismatch."""
+    model's widths (``width``: the a-projection's output), called as a layer calls them: two
+    token counts (the static, then the dynamic graph), the shared key a column slice of the
+    latents, the buffers after some rows (a step after a cached prefix) or not, values as wide
+    as kv_b_proj makes them and zero-padded to the key width. Raises RuntimeError on a mismatch."""
     for n, first in ((16, 0), (40, 3)):
         a = torch.randn(n, width, device=device, dtype=dtype)
         q = torch.randn(n, heads, nope + rope, device=device, dtype=dtype)
@@ -62,9 +64,10 @@ def check_mla_stages(prep: Callable, expand: Callable, width: int, heads: int, n
         for got, ref in zip(prep(a, q, cs, norm_w, eps, rank), mla_prep(a, q, cs, norm_w, eps, rank)):
             assert_close("compiled mla_prep", got, ref)
         kv = torch.randn(n - first, heads, nope + vd, device=device, dtype=dtype)
-        pe = torch.randn(n - first, rope, device=device, dtype=dtype)
-        bufs = [torch.zeros(n, heads, w, device=device, dtype=dtype) for w in (nope + rope, vd, nope + rope, vd)]
-        expand(kv, pe, bufs[0][first:], bufs[1][first:])
-        mla_expand(kv, pe, bufs[2][first:], bufs[3][first:])
-        assert_close("compiled mla_expand keys", bufs[0], bufs[2], rel=0, floor=0)
-        assert_close("compiled mla_expand values", bufs[1], bufs[3], rel=0, floor=0)
+        pe = torch.randn(n, rank + rope, device=device, dtype=dtype)[first:, rank:]  # strided, as the latent's
+        for vw in (vd, nope + rope):
+            bufs = [torch.zeros(n, heads, w, device=device, dtype=dtype) for w in (nope + rope, vw, nope + rope, vw)]
+            expand(kv, pe, bufs[0][first:], bufs[1][first:])
+            mla_expand(kv, pe, bufs[2][first:], bufs[3][first:])
+            assert_close("compiled mla_expand keys", bufs[0], bufs[2], rel=0, floor=0)
+            assert_close("compiled mla_expand values", bufs[1], bufs[3], rel=0, floor=0)

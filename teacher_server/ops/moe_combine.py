@@ -43,8 +43,9 @@ def moe_combine(y: torch.Tensor, pos: torch.Tensor, w: torch.Tensor, pad: int | 
     """[T, H]: sum_j w[t, j] * (y[pos[t, j]] (+ bias[experts[pos[t, j]]])) over the slots not at
     ``pad`` (y [M, H], pos [T, k] int64, w [T, k] float32; bias [E, H] with experts [M]).
     The kernel where ``kernel`` and it takes the rows, else the reference."""
-    plain = bias is None or bias.dtype == y.dtype
-    if kernel and plain and kernel_takes(y, pos, None if bias is None else experts):
+    assert (bias is None) == (experts is None), "moe_combine: a bias needs the rows' experts"
+    plain = bias is None or (bias.dtype == y.dtype and bias.device == y.device and aligned(bias))
+    if kernel and plain and kernel_takes(y, pos, experts):
         ext = extension.load()
         if ext is not None:
             out = y.new_empty(pos.shape[0], y.shape[1])
