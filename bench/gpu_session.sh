@@ -176,6 +176,13 @@ for step in ${STEPS:-tests}; do
     # or "--model-size 30b-a3b --workload W5 --max-model-len 8192"
     fp8e2e) python3 bench/bench_fp8_e2e.py ${FP8E2E_ARGS:---model-size 8b --workload W1 --rounds 2} --out "$OUT/fp8_e2e.json" \
       2>&1 | tee "$OUT/fp8_e2e.log" | grep -E "^round|x_bf16_median" ;;
+    # where an FP8 step's time goes: W1 (Qwen3-8B shape) profiled quantized at load (row-wise), then in bf16, one
+    # engine each (the first 24 requests; per-kernel CUDA time in the .profile.txt files)
+    fp8prof) for q in fp8 bf16; do
+        extra=""; [ $q = fp8 ] && extra="--quantization fp8"
+        python3 bench/bench_engine.py --workloads W1 --profile W1 --repeats 1 $extra \
+          --out "$OUT/engine_8b_w1_profile_$q.json" 2>&1 | tee "$OUT/engine_8b_w1_profile_$q.log" | grep -E "^W1 |profile:"
+      done ;;
     # FP8 checkpoints on the GPU: each layout's modes and error against transformers' FP8 path
     fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25 ;;
     # FP8 accuracy on a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, KL(bf16 || FP8)
@@ -190,10 +197,6 @@ for step in ${STEPS:-tests}; do
         --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -12
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
-    # issue 50: gpt-oss and Qwen3-Next: the GPU tests (sinks on each fast backend against sdpa, float32 and bf16
-    # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
-    # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
-    # $OSS_GPT_ARGS / $OSS_NEXT_ARGS replace the bench arguments, e.g. with --repeats 2)
     # the expert layers' combine kernel, the latent attention stages and the shared experts' fused gate/up: their
     # GPU tests (the MoE families' parity included), then the combine against embedding_bag at five model shapes
     combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py \
@@ -203,6 +206,10 @@ for step in ${STEPS:-tests}; do
     qwen3next) python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) \
       ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192} \
       --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
+    # issue 50: gpt-oss and Qwen3-Next: the GPU tests (sinks on each fast backend against sdpa, float32 and bf16
+    # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
+    # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
+    # $OSS_GPT_ARGS / $OSS_NEXT_ARGS replace the bench arguments, e.g. with --repeats 2)
     oss) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gpt_oss_gpu.py 2>&1 | tee "$OUT/gpu_oss_tests.log" | tail -25
       python3 bench/bench_engine.py --model-size gpt-oss-20b ${OSS_GPT_ARGS:---workloads W1 --http W1 --baseline W1 \
         --repeats 1 --max-model-len 8192} --out "$OUT/engine_gpt_oss_20b_h200.json" 2>&1 | tee "$OUT/engine_gpt_oss.log" | tail -12
