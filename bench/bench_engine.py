@@ -736,7 +736,8 @@ def main() -> None:
     results["fused_stages_compiled"] = engine.fused_stages_compiled
     ops = getattr(getattr(engine, "runner", None), "ops", None)  # rank 0's switches after their start-up checks
     if ops is not None:
-        results["kernels_on"] = {n: getattr(ops, n) for n in ("silu_kernel", "qkv_kernel", "gate_up_kernel")}
+        results["kernels_on"] = {n: getattr(ops, n) for n in ("silu_kernel", "qkv_kernel", "gate_up_kernel",
+                                                                 "combine_kernel", "moe_gate_up_kernel")}
     # the pool's sizes as the engine reports them (hybrid models: its linear-state slots too)
     results["engine_stats_at_start"] = {k: v for k, v in asdict(engine.stats()).items() if k != "timing"}
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)

@@ -28,7 +28,7 @@ end on the device (``ExpertRows.end``) and skips the rows after it.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,10 @@ from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.moe_combine import moe_combine
+from teacher_server.ops.moe_gate_up import moe_gate_up_silu
+
+if TYPE_CHECKING:
+    from teacher_server.layers.formats.fp8_dispatch import QuantizedRows
 
 # Checkpoint names of expert weights, after "model.layers.N.<mlp | block_sparse_moe>.experts.":
 # one tensor per expert and projection (hub checkpoints; Mixtral names them w1 / w3 / w2) ...
@@ -312,15 +316,7 @@ class SparseMoe(RuntimeModule):
         w, ids = self.route(h)
         ex = self.experts
         rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
-        x = ex.fmt.gather_input(ex, "gate_up", h, rows.tokens)  # FP8: h quantized, then its codes gathered
-        if x is None:
-            x = h.index_select(0, rows.tokens)  # [M, H]
-        gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
-        # FP8 experts: the down product's input quantized in the SiLU-mul pass (over every row: a
-        # row's codes and scale are its own, so rows past an expert-parallel end are never read)
-        a = ex.fmt.silu_mul_input(ex, gu, "down")
-        if a is None:
-            a = self.rt.ops.silu_mul(gu, rows.end)  # [M, I_local] (expert parallel: rows past the end unwritten)
+        a = self.gate_up_act(h, rows)  # [M, I_local] (expert parallel: rows past the end unwritten)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
         out = rows.combine(y, w, self.rt.ops.combine_kernel)  # [T, H]
         if self.shared_expert is not None:
@@ -328,23 +324,25 @@ class SparseMoe(RuntimeModule):
             out = self.shared_expert.add_into(out, h, gate)
         return self.tp.all_reduce(out)  # the sum of the ranks' partial sums
 
-    @torch.no_grad()
-    def reference(self, h: torch.Tensor) -> torch.Tensor:
-        """The same output by a loop over experts, transformers' way (tests and checks; plain
-        expert weights only; this rank's part, not all-reduced)."""
-        w, ids = self.route(h)
-        out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
+    def gate_up_act(self, h: torch.Tensor, rows: ExpertRows) -> torch.Tensor | QuantizedRows:
+        """The down product's input: silu(gate) * up of each sorted row's token, one fused kernel
+        where the warm-up picked it, else the gathered rows, the grouped GEMM and SiLU-mul."""
         ex = self.experts
-        n, gate_up, down = ex.i_local, ex.fmt.dense(ex, "gate_up"), ex.fmt.dense(ex, "down")
-        assert gate_up is not None and down is not None, f"the loop reference needs plain weights, not {ex.fmt.name}"
-        for e in range(ex.num_local):
-            tok, slot = torch.where(ids == ex.first + e)  # (an expert no token took adds nothing)
-            gu = h[tok] @ gate_up[e].t()
-            y = (F.silu(gu[:, :n]) * gu[:, n:]) @ down[e].t()
-            out.index_add_(0, tok, y.float() * w[tok, slot, None])
-        if self.shared_expert is not None:
-            s, g = self.shared_expert, self.shared_expert_gate
-            gu = s.gate_up_proj(h).chunk(2, dim=1)
-            shared = s.down_proj(F.silu(gu[0]) * gu[1])
-            out += (1.0 if g is None else torch.sigmoid(g(h))) * shared.float()
-        return out.to(h.dtype)
+        w = ex.fmt.dense(ex, "gate_up") if self.rt.ops.moe_gate_up_kernel else None
+        a = moe_gate_up_silu(h, rows.tokens, rows.offs, w) if w is not None else None
+        if a is not None:
+            return a
+        x = ex.fmt.gather_input(ex, "gate_up", h, rows.tokens)  # FP8: h quantized, then its codes gathered
+        if x is None:
+            x = h.index_select(0, rows.tokens)  # [M, H]
+        gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
+        # FP8 experts: the down product's input quantized in the SiLU-mul pass (over every row: a
+        # row's codes and scale are its own, so rows past an expert-parallel end are never read)
+        a = ex.fmt.silu_mul_input(ex, gu, "down")
+        return self.rt.ops.silu_mul(gu, rows.end) if a is None else a
+
+    def reference(self, h: torch.Tensor) -> torch.Tensor:
+        """The same output by a loop over experts, transformers' way (``layers.moe_reference``)."""
+        from teacher_server.layers.moe_reference import loop_reference
+
+        return loop_reference(self, h)

@@ -23,7 +23,7 @@ from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.models.deepseek import DeepseekDecoderLayer
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
-from teacher_server.models.moe import GROUPED_GEMM, MoeModel, check_shared_expert
+from teacher_server.models.moe import GROUPED_GEMM, MoeModel, check_shared_expert, pick_gate_up
 from teacher_server.models.norm import decoder_norm
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
@@ -91,3 +91,4 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
             ops.check_experts(i, h, sparse.top_k, table.device, self.dtype)
             check_shared_expert(ops, sparse, h, table.device, self.dtype)
             GROUPED_GEMM.use_torch(table.device, self.dtype, shapes=((h, 2 * i), (i, h)))
+            pick_gate_up(ops, sparse)

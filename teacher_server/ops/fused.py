@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from teacher_server.ops import extension
+from teacher_server.ops import extension, moe_gate_up
 from teacher_server.ops.checks import assert_close
 from teacher_server.ops.clamped_swiglu import check_clamped_swiglu_kernel, clamped_swiglu, clamped_swiglu_kernel
 from teacher_server.ops.conv_prep import check_conv_prep
@@ -113,6 +113,10 @@ class FusedOps:
         # parallel: it skips the rows after it; the compiled stage cannot), after its check
         self.swiglu_kernel = loaded
         self.combine_kernel = loaded  # the expert layer's weighted sum (``ops.moe_combine``), after its check
+        # the experts' gather, gate/up grouped GEMM and SiLU-mul in one Triton kernel (``ops.moe_gate_up``):
+        # off until the warm-up finds it right and faster at the model's expert shapes (``pick_moe_gate_up``)
+        self.moe_gate_up_kernel = False
+        self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
         # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
@@ -221,6 +225,18 @@ class FusedOps:
         ``hidden`` and ``top_k`` (when on); a failure switches that kernel off, with one log line."""
         self.check_silu(width, device, dtype)
         self._check_kernel("combine_kernel", "MoE combine", check_moe_combine, hidden, top_k, device, dtype)
+
+    def pick_moe_gate_up(self, w: torch.Tensor, top_k: int, gemm: Callable) -> None:
+        """Turn the fused expert gate/up kernel on where it matches the two-pass path at a
+        layer's expert weights ``w`` [E, 2I, H] and beats it there (``ops.moe_gate_up.pick``;
+        CUDA, kernels on); a failure leaves it off, with one log line."""
+        if not self._kernels or w.device.type != "cuda":
+            return
+        try:
+            self.moe_gate_up_kernel = moe_gate_up.pick(w, top_k, gemm)
+        except Exception as e:
+            log.warning("fused expert gate/up kernel off: %s: %s", type(e).__name__, e)
+            self.moe_gate_up_kernel = False
 
     def check_swiglu(self, bias: torch.Tensor, alpha: float, limit: float) -> None:
         """Check gpt-oss's expert activation kernel at the experts' width (``bias`` [E, 2I]; when
