@@ -25,34 +25,40 @@ SHAPES = [("moonlight", 64, 2048, 1408, 6), ("qwen3-30b-a3b", 128, 2048, 768, 8)
           ("glm4.5-air", 128, 4096, 1408, 8), ("deepseek-v3", 256, 7168, 2048, 8)]
 
 
+def shape_rows(name: str, e: int, h: int, i: int, k: int, tokens: list[int]) -> list[dict]:
+    """One shape's rows: the warm-up's pick, then both paths at each token count."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    silu = FusedOps(kernels=True, compile=False).silu_mul  # the engine's SiLU-mul kernel
+    gemm = GroupedGemm()
+    gemm.use_torch(dev, dt, shapes=((h, 2 * i), (i, h)))
+    w = torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h ** -0.5
+    picked = moe_gate_up.pick(w, k, gemm)
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, h, device=dev, dtype=dt)
+        tok, offs = moe_gate_up._routing(t, k, e, dev)
+        fused = timed(lambda: moe_gate_up.moe_gate_up_silu(x, tok, offs, w), 20)
+        two = timed(lambda: silu(gemm(x.index_select(0, tok), w.transpose(1, 2), offs)), 20)
+        flop = 2 * t * k * h * 2 * i
+        r = {"shape": name, "experts": e, "hidden": h, "intermediate": i, "top_k": k, "tokens": t,
+             "fused_ms": fused, "two_pass_ms": two, "speedup": two / fused, "fused_tflops": flop / fused / 1e9,
+             "two_pass_tflops": flop / two / 1e9, "warm_up_picks_fused": picked}
+        rows.append(r)
+        print(f"{name:16s} {t:6d} tokens: fused {fused:7.3f} ms ({r['fused_tflops']:5.0f} TFLOP/s), two passes "
+              f"{two:7.3f} ms ({r['two_pass_tflops']:5.0f}): {r['speedup']:.2f}x; warm-up picks "
+              f"{'fused' if picked else 'two passes'}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="4096,16384")
     ap.add_argument("--out", default="bench/results/moe_gate_up.json")
     args = ap.parse_args()
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    silu = FusedOps(kernels=True, compile=False).silu_mul  # the engine's SiLU-mul kernel
     rows = []
-    for name, e, h, i, k in SHAPES:
-        gemm = GroupedGemm()
-        gemm.use_torch(dev, dt, shapes=((h, 2 * i), (i, h)))
-        w = torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h ** -0.5
-        picked = moe_gate_up.pick(w, k, gemm)
-        for t in (int(x) for x in args.tokens.split(",")):
-            x = torch.randn(t, h, device=dev, dtype=dt)
-            tok, offs = moe_gate_up._routing(t, k, e, dev)
-            fused = timed(lambda: moe_gate_up.moe_gate_up_silu(x, tok, offs, w), 20)
-            two = timed(lambda: silu(gemm(x.index_select(0, tok), w.transpose(1, 2), offs)), 20)
-            flop = 2 * t * k * h * 2 * i
-            r = {"shape": name, "experts": e, "hidden": h, "intermediate": i, "top_k": k, "tokens": t,
-                 "fused_ms": fused, "two_pass_ms": two, "speedup": two / fused, "fused_tflops": flop / fused / 1e9,
-                 "two_pass_tflops": flop / two / 1e9, "warm_up_picks_fused": picked}
-            rows.append(r)
-            print(f"{name:16s} {t:6d} tokens: fused {fused:7.3f} ms ({r['fused_tflops']:5.0f} TFLOP/s), two passes "
-                  f"{two:7.3f} ms ({r['two_pass_tflops']:5.0f}): {r['speedup']:.2f}x; warm-up picks "
-                  f"{'fused' if picked else 'two passes'}", flush=True)
-        del w
-        torch.cuda.empty_cache()
+    for shape in SHAPES:
+        rows += shape_rows(*shape, [int(x) for x in args.tokens.split(",")])
+        torch.cuda.empty_cache()  # the shape's weights go back before the next
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": moe_gate_up.CONFIG,
            "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

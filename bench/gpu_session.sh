@@ -197,11 +197,13 @@ for step in ${STEPS:-tests}; do
         --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -12
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
-    # the expert layers' combine kernel, the latent attention stages and the shared experts' fused gate/up: their
-    # GPU tests (the MoE families' parity included), then the combine against embedding_bag at five model shapes
-    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py \
-        tests/test_moe.py 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
-      python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8 ;;
+    # the expert layers' combine kernel, their fused gather + gate/up + SiLU-mul, the latent attention stages and the
+    # shared experts' fused gate/up: their GPU tests (the MoE families' parity included), then the combine against
+    # embedding_bag and the fused gate/up against its two passes at the model shapes
+    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_deepseek_gpu.py \
+        tests/test_gpt_oss_gpu.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
+      python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8
+      python3 bench/bench_moe_gate_up.py --out "$OUT/moe_gate_up.json" 2>&1 | tee "$OUT/moe_gate_up.log" | tail -14 ;;
     # Qwen3-Next alone (the last part of oss)
     qwen3next) python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) \
       ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192} \
