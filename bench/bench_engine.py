@@ -228,7 +228,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
-    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel")}
+    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel",
+                                              "combine_kernel", "moe_gate_up_kernel")}
 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
@@ -268,6 +269,10 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
                                     setattr(ops, "gate_up_kernel", False)),
         # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
+        # expert layers: the combine as torch's embedding_bag; the gather, grouped GEMM and SiLU-mul as three
+        # passes (or, where the warm-up left them so, the fused kernel forced on)
+        "no_combine_kernel": lambda: setattr(ops, "combine_kernel", False),
+        "flip_moe_gate_up": lambda: setattr(ops, "moe_gate_up_kernel", not ops_saved["moe_gate_up_kernel"]),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
@@ -278,14 +283,16 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     for v in only or list(variants):  # in the order asked for; a name asked for again: key 'name#2'
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
-        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer"):  # the workers' stages (and models) are their own
+        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer",
+                        "no_combine_kernel", "flip_moe_gate_up"):  # the workers' stages (and models) are their own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]
         apply()
         state = {"compiled_stages": [n for n in _STAGES if getattr(ops, n) is not _STAGES[n]],
                  "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel,
-                 "conv_kernel": ops.conv_kernel, "gate_up_kernel": ops.gate_up_kernel}  # what the variant ran with
+                 "conv_kernel": ops.conv_kernel, "gate_up_kernel": ops.gate_up_kernel, "combine_kernel": ops.combine_kernel,
+                 "moe_gate_up_kernel": ops.moe_gate_up_kernel}  # what the variant ran with
         try:
             out[key] = bench_engine(engine, cfg, f"{name}-{key}", reqs, repeats)
             out[key]["ops"] = state
