@@ -266,7 +266,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references (and the
         # fused gate/up kernel off, else the dense MLP would not run SiLU-mul at all)
         "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False),
-                                    setattr(ops, "gate_up_kernel", False)),
+                                    setattr(ops, "gate_up_kernel", False), setattr(ops, "combine_kernel", False),
+                                    setattr(ops, "moe_gate_up_kernel", False)),
         # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
         # expert layers: the combine as torch's embedding_bag; the gather, grouped GEMM and SiLU-mul as three

@@ -32,7 +32,7 @@ def shape_rows(name: str, e: int, h: int, i: int, k: int, tokens: list[int]) -> 
     gemm = GroupedGemm()
     gemm.use_torch(dev, dt, shapes=((h, 2 * i), (i, h)))
     w = torch.randn(e, 2 * i, h, device=dev, dtype=dt) * h ** -0.5
-    picked = moe_gate_up.pick(w, k, gemm)
+    picked = moe_gate_up.pick(w, k, gemm, act=silu)
     rows = []
     for t in tokens:
         x = torch.randn(t, h, device=dev, dtype=dt)

@@ -33,9 +33,19 @@ hs = torch.randn(20, 64, generator=g).half()
 w = (torch.randn(2, 64, 64, generator=g) / 8).half()
 tokens = torch.randint(0, 20, (31,), generator=g)
 offs = torch.tensor([7, 19], dtype=torch.int32)
-got = m.moe_gate_up_silu(hs, tokens, offs, w)
+got = m.moe_gate_up_silu(hs, tokens, offs, w, out=torch.full((31, 32), float("nan"), dtype=torch.half))
 want = m.two_pass(hs, tokens, offs, w, ref)
 res["past the end"] = float((got[:19].float() - want[:19].float()).abs().max()) / float(want[:19].float().abs().max())
+res["rows past the end unwritten"] = bool(got[19:].isnan().all())
+# experts with no rows first and last, one expert, fewer rows than a block
+for e, counts in ((4, [0, 5, 70, 0]), (1, [37]), (3, [0, 0, 0]), (6, [1, 0, 2, 0, 0, 3])):
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    n = int(offs[-1])
+    w = (torch.randn(e, 64, 64, generator=g) / 8).half()
+    tokens = torch.randint(0, 20, (n,), generator=g)
+    got = m.moe_gate_up_silu(hs, tokens, offs, w)
+    want = m.two_pass(hs, tokens, offs, w, ref)
+    res[f"counts {counts}"] = float((got.float() - want.float()).abs().max()) if n else 0.0
 print(json.dumps(res))
 """
 
@@ -49,12 +59,23 @@ def test_kernel_in_the_triton_interpreter() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert all(res[k] is True for k in res if k.startswith("check")), res  # each passed its comparison
-    assert res["past the end"] <= 2 ** -6, res
+    assert res["past the end"] <= 2 ** -6 and res["rows past the end unwritten"], res
+    assert all(v <= 2 ** -5 for k, v in res.items() if k.startswith("counts")), res
 
 
 def test_expert_blocks_number_each_experts_row_blocks() -> None:
     offs = torch.tensor([0, 5, 5, 70, 71], dtype=torch.int32)  # rows 0, 5, 0, 65, 1
-    assert moe_gate_up.expert_blocks(offs, 64).tolist() == [0, 1, 1, 3, 4]
+    blk = moe_gate_up.expert_blocks(offs, 64)
+    assert blk.tolist() == [0, 1, 1, 3, 4]
+    # each block's expert; the grid's bound (cdiv(71, 64) + 5 = 7) past the last block: E
+    assert moe_gate_up.block_experts(blk, 7).tolist() == [1, 3, 3, 4, 5, 5, 5]
+
+
+def test_an_expert_parallel_ranks_routing_keeps_its_experts_rows() -> None:
+    tokens, offs = moe_gate_up._routing(64, 8, 2, torch.device("cpu"), total=16)  # 2 of 16 experts, top-8
+    assert offs.shape == (2,) and tokens.shape == (int(offs[-1]),) and 0 < int(offs[-1]) < 64 * 8
+    tokens, offs = moe_gate_up._routing(5, 4, 1, torch.device("cpu"))  # top-4 of 1 expert: each token once
+    assert offs.tolist() == [5] and sorted(tokens.tolist()) == [0, 1, 2, 3, 4]
 
 
 def test_routing_of_the_checks_sorts_rows_by_expert_and_leaves_some_empty() -> None:
@@ -92,7 +113,7 @@ def test_pick_stays_off_without_a_gpu() -> None:
     from teacher_server.ops.fused import FusedOps
 
     ops = FusedOps(kernels=True, compile=False, kernels_available=lambda: True)
-    ops.pick_moe_gate_up(torch.randn(8, 64, 64, dtype=torch.bfloat16), 2, grouped_mm_reference)
+    ops.pick_moe_gate_up(torch.randn(8, 64, 64, dtype=torch.bfloat16), 2, grouped_mm_reference, 8)
     assert not ops.moe_gate_up_kernel
 
 
@@ -107,4 +128,6 @@ def test_gpu_kernel_matches_the_two_passes_at_model_shapes(shape: tuple[int, int
     w = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) * h ** -0.5
     assert moe_gate_up.check(w, k, gemm)
     # the warm-up's pick runs (its choice is the GPU's: printed, not asserted)
-    print(shape, "picked:", moe_gate_up.pick(w, k, gemm))
+    from teacher_server.ops.fused import FusedOps
+
+    print(shape, "picked:", moe_gate_up.pick(w, k, gemm, act=FusedOps(kernels=True, compile=False).silu_mul))

@@ -60,7 +60,7 @@ def pick_gate_up(ops: FusedOps, sparse: nn.Module) -> None:
     (``FusedOps.pick_moe_gate_up``; the ``SparseMoe`` layers, plain weights only)."""
     w = sparse.experts.fmt.dense(sparse.experts, "gate_up") if isinstance(sparse, SparseMoe) else None
     if w is not None:
-        ops.pick_moe_gate_up(w, sparse.top_k, GROUPED_GEMM)
+        ops.pick_moe_gate_up(w, sparse.top_k, GROUPED_GEMM, sparse.experts.num_experts)
 
 
 class MoeModel:

@@ -226,14 +226,15 @@ class FusedOps:
         self.check_silu(width, device, dtype)
         self._check_kernel("combine_kernel", "MoE combine", check_moe_combine, hidden, top_k, device, dtype)
 
-    def pick_moe_gate_up(self, w: torch.Tensor, top_k: int, gemm: Callable) -> None:
+    def pick_moe_gate_up(self, w: torch.Tensor, top_k: int, gemm: Callable, total: int) -> None:
         """Turn the fused expert gate/up kernel on where it matches the two-pass path at a
-        layer's expert weights ``w`` [E, 2I, H] and beats it there (``ops.moe_gate_up.pick``;
-        CUDA, kernels on); a failure leaves it off, with one log line."""
+        layer's expert weights ``w`` [E, 2I, H] (of ``total`` experts) and beats it there, the
+        two passes timed with this object's SiLU-mul (``ops.moe_gate_up.pick``; CUDA, kernels
+        on); a failure leaves it off, with one log line. Each rank picks for itself."""
         if not self._kernels or w.device.type != "cuda":
             return
         try:
-            self.moe_gate_up_kernel = moe_gate_up.pick(w, top_k, gemm)
+            self.moe_gate_up_kernel = moe_gate_up.pick(w, top_k, gemm, act=self.silu_mul, total=total)
         except Exception as e:
             log.warning("fused expert gate/up kernel off: %s: %s", type(e).__name__, e)
             self.moe_gate_up_kernel = False

@@ -7,8 +7,9 @@ grouped GEMM and ``silu_mul``.
 
 Each program takes BM rows of one expert and BN columns of its gate rows and the matching up
 rows (two float32 accumulators). The programs of an expert are numbered from the per-expert
-block counts (``expert_blocks``: ceil(rows / BM) each, summed on the device, no host sync);
-the grid covers the bound cdiv(M, BM) + E and programs past the last block return at once.
+block counts (``expert_blocks``: ceil(rows / BM) each, summed on the device, no host sync), and
+a map from block to expert made from them (``block_experts``) gives each program its expert in
+one load; the grid covers the bound cdiv(M, BM) + E and programs past the last block return.
 Rounding as the two-pass path: the GEMM's outputs rounded to the input dtype, silu of the
 rounded gate rounded, times the rounded up, rounded (the exp is the GPU's fast one: a few
 float32 ulps before the last rounding, as ``ops.gate_up_silu``'s default).
@@ -22,7 +23,7 @@ GEMM. Rows past the last row end (another expert-parallel rank's) are not writte
 from __future__ import annotations
 
 import logging
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,20 +51,12 @@ def _kernels() -> dict[str, Any]:
 
     # (no argument varies with the step: the row count is read from the device)
     @triton.jit
-    def fused(h_ptr, sh, tok_ptr, offs_ptr, blk_ptr, w_ptr, swe, swr, out_ptr, so, E, I, K,  # noqa: E741
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SEARCH: tl.constexpr):
+    def fused(h_ptr, sh, tok_ptr, offs_ptr, blk_ptr, map_ptr, w_ptr, swe, swr, out_ptr, so, E, I, K,  # noqa: E741
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid_m = tl.program_id(0)
-        if pid_m >= tl.load(blk_ptr + E - 1):  # past the experts' last block
+        e = tl.load(map_ptr + pid_m)  # this block's expert (E: past the experts' last block)
+        if e >= E:
             return
-        # the expert: the first e with blk_end[e] > pid_m (binary search, SEARCH >= log2(E) + 1 steps)
-        lo = pid_m * 0
-        hi = lo + E
-        for _ in tl.static_range(SEARCH):
-            mid = tl.minimum((lo + hi) // 2, E - 1)
-            left = tl.load(blk_ptr + mid) > pid_m
-            lo = tl.where(left, lo, mid + 1)
-            hi = tl.where(left, mid, hi)
-        e = lo
         prev = tl.maximum(e - 1, 0)
         first_blk = tl.where(e > 0, tl.load(blk_ptr + prev), 0)
         first_row = tl.where(e > 0, tl.load(offs_ptr + prev), 0)
@@ -103,49 +96,64 @@ def expert_blocks(offs: torch.Tensor, bm: int) -> torch.Tensor:
     return torch.cumsum((counts + bm - 1) // bm, 0, dtype=torch.int32)
 
 
+def block_experts(blk: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] int32: the expert of each of n row blocks (E past the last block), from the
+    cumulative block counts ``blk`` (on the device: no host sync)."""
+    return torch.searchsorted(blk, torch.arange(n, device=blk.device, dtype=blk.dtype), right=True, out_int32=True)
+
+
 def eligible(h: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor) -> bool:
     """h [T, H] (unit column stride), w [E, 2I, H] (unit stride along H), both of one half
     dtype on one device (CUDA, or the CPU under the Triton interpreter), int64 tokens, int32 offs."""
     return (h.dtype in (torch.bfloat16, torch.float16) and w.dtype == h.dtype and h.dim() == 2 and w.dim() == 3
             and w.shape[2] == h.shape[1] and w.shape[1] % 2 == 0 and h.stride(1) == 1 and w.stride(2) == 1
             and tokens.dtype == torch.int64 and offs.dtype == torch.int32 and w.shape[0] == offs.shape[0] > 0
+            and tokens.dim() == 1 and offs.dim() == 1 and tokens.is_contiguous() and offs.is_contiguous()
             and h.device == w.device == tokens.device == offs.device and "fused" in _kernels())
 
 
 def moe_gate_up_silu(h: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
-                     config: tuple[int, int, int, int, int] = CONFIG) -> torch.Tensor | None:
+                     config: tuple[int, int, int, int, int] = CONFIG,
+                     out: torch.Tensor | None = None) -> torch.Tensor | None:
     """[M, I]: silu(h[tokens[r]] gate_e^T) * (h[tokens[r]] up_e^T) for each row r of expert e
     (w [E, 2I, H] = gate rows | up rows; tokens [M]; offs [E] int32 row ends); rows past
-    offs[-1] unwritten. None where the kernel does not apply."""
+    offs[-1] unwritten (in ``out`` where given). None where the kernel does not apply."""
     if not eligible(h, w, tokens, offs):
         return None
     bm, bn, bk, warps, stages = config
     m, (e, two_i, k) = tokens.shape[0], w.shape
     inter = two_i // 2
-    out = h.new_empty(m, inter)
+    if out is None:
+        out = h.new_empty(m, inter)
+    assert out.shape == (m, inter) and out.stride(1) == 1 and out.dtype == h.dtype, tuple(out.shape)
     if m == 0:
         return out
     blk = expert_blocks(offs, bm)
-    grid = (-(-m // bm) + e, -(-inter // bn))
-    _K["fused"][grid](h, h.stride(0), tokens, offs, blk, w, w.stride(0), w.stride(1), out, out.stride(0), e, inter, k,
-                      BM=bm, BN=bn, BK=bk, SEARCH=math.ceil(math.log2(e + 1)) + 1, num_warps=warps, num_stages=stages)
+    grid = (-(-m // bm) + e, -(-inter // bn))  # at least the blocks: sum ceil(c_e / BM) <= M / BM + E
+    _K["fused"][grid](h, h.stride(0), tokens, offs, blk, block_experts(blk, grid[0]), w, w.stride(0), w.stride(1), out,
+                      out.stride(0), e, inter, k, BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
     return out
 
 
-def two_pass(h: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, gemm) -> torch.Tensor:
-    """The path it replaces: the gathered rows, the grouped GEMM (``gemm(a, b, offs)``), SiLU-mul."""
-    return silu_mul_reference(gemm(h.index_select(0, tokens), w.transpose(1, 2), offs))
+def two_pass(h: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w: torch.Tensor, gemm,
+             act: Callable[[torch.Tensor], torch.Tensor] = silu_mul_reference) -> torch.Tensor:
+    """The path it replaces: the gathered rows, the grouped GEMM (``gemm(a, b, offs)``), then
+    SiLU-mul (``act``: the engine's kernel where timed, the reference where checked)."""
+    return act(gemm(h.index_select(0, tokens), w.transpose(1, 2), offs))
 
 
-def _routing(t: int, k: int, e: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random top-k routing of t tokens over e experts, sorted by expert as ``layers.moe`` does:
-    (tokens [t k], offs [e] int32); some experts get no rows."""
-    g = torch.Generator(device="cpu").manual_seed(t + e)
-    ids = torch.rand(t, e, generator=g).topk(k, dim=-1).indices
+def _routing(t: int, k: int, e: int, device: torch.device,
+             total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routing of t tokens over ``total`` experts (default e), sorted by expert as
+    ``layers.moe`` does, kept for the first e of them (an expert-parallel rank's share; its
+    tokens [rows], offs [e] int32); some experts get no rows."""
+    total = total or e
+    g = torch.Generator(device="cpu").manual_seed(t + total)
+    ids = torch.rand(t, total, generator=g).topk(min(k, total), dim=-1).indices
     ids = torch.where(ids % 5 == 1, ids - 1, ids)  # experts 1, 6, 11, ... left empty (duplicates allowed)
     keys, order = torch.sort(ids.reshape(-1), stable=True)
     offs = torch.searchsorted(keys, torch.arange(1, e + 1), out_int32=True)
-    return (order // k).to(device), offs.to(device)
+    return (order[:int(offs[-1])] // min(k, total)).to(device), offs.to(device)
 
 
 def check(w: torch.Tensor, top_k: int, gemm) -> bool:
@@ -164,12 +172,13 @@ def check(w: torch.Tensor, top_k: int, gemm) -> bool:
     return True
 
 
-def _timed(w: torch.Tensor, top_k: int, gemm, tokens: int) -> tuple[float, float]:
-    """Median milliseconds of the kernel and of the two-pass path at ``tokens`` tokens of random
-    routing, over alternating CUDA-event-timed calls (the first two of each not counted)."""
+def _timed(w: torch.Tensor, top_k: int, gemm, act: Callable, tokens: int, total: int) -> tuple[float, float]:
+    """Median milliseconds of the kernel and of the two-pass path (with the engine's SiLU-mul
+    ``act``) at ``tokens`` tokens routed over ``total`` experts, the rows of w's experts kept,
+    over alternating CUDA-event-timed calls (the first two of each not counted)."""
     h = torch.randn(tokens, w.shape[2], device=w.device, dtype=w.dtype)
-    rows, offs = _routing(tokens, top_k, w.shape[0], w.device)
-    runs = (lambda: moe_gate_up_silu(h, rows, offs, w), lambda: two_pass(h, rows, offs, w, gemm))
+    rows, offs = _routing(tokens, top_k, w.shape[0], w.device, total)
+    runs = (lambda: moe_gate_up_silu(h, rows, offs, w), lambda: two_pass(h, rows, offs, w, gemm, act))
     times: tuple[list[float], list[float]] = ([], [])
     for i in range(12):
         for fn, got in zip(runs, times):
@@ -183,16 +192,21 @@ def _timed(w: torch.Tensor, top_k: int, gemm, tokens: int) -> tuple[float, float
     return sorted(times[0])[len(times[0]) // 2], sorted(times[1])[len(times[1]) // 2]
 
 
-def pick(w: torch.Tensor, top_k: int, gemm, tokens: int = 8192, margin: float = 0.03) -> bool:
-    """Whether a layer with expert weights ``w`` [E, 2I, H] should take the kernel: it passes
-    ``check`` and, at ``tokens`` tokens, runs at least ``margin`` faster than the two-pass path.
-    Logs the times either way; the step-sized buffers it made go back to the driver."""
+def pick(w: torch.Tensor, top_k: int, gemm, act: Callable = silu_mul_reference, tokens: int = 8192,
+         total: int | None = None, margin: float = 0.03) -> bool:
+    """Whether a layer with expert weights ``w`` [E, 2I, H] (of ``total`` experts in all: an
+    expert-parallel rank holds some) should take the kernel: it passes ``check`` and, at
+    ``tokens`` tokens, runs at least ``margin`` faster than the two-pass path with the
+    engine's SiLU-mul ``act``. Logs the times either way; the step-sized buffers it made go
+    back to the driver, also on a failure."""
     if w.device.type != "cuda" or not check(w, top_k, gemm):
         return False
-    fused, base = _timed(w, top_k, gemm, tokens)
-    torch.cuda.empty_cache()
+    try:
+        fused, base = _timed(w, top_k, gemm, act, tokens, total or w.shape[0])
+    finally:
+        torch.cuda.empty_cache()
     use = fused <= (1 - margin) * base
     log.info("fused expert gate/up kernel %s: %.3f ms against %.3f ms for the gather, grouped GEMM and SiLU-mul "
-             "(%d experts, hidden %d, intermediate %d, top-%d, %d tokens)", "on" if use else "off", fused, base,
+             "(%d experts here, hidden %d, intermediate %d, top-%d, %d tokens)", "on" if use else "off", fused, base,
              w.shape[0], w.shape[2], w.shape[1] // 2, top_k, tokens)
     return use
