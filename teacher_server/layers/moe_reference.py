@@ -4,19 +4,15 @@ rank's part, not all-reduced."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from teacher_server.layers.moe import SparseMoe
+from torch import nn
 
 
 @torch.no_grad()
-def loop_reference(moe: SparseMoe, h: torch.Tensor) -> torch.Tensor:
-    """[T, H]: each token's routed experts weighted and summed in float32, plus the shared
-    expert (behind its gate where it has one), rounded once."""
+def loop_reference(moe: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """[T, H] of ``moe`` (a ``layers.moe.SparseMoe``): each token's routed experts weighted and
+    summed in float32, plus the shared expert (behind its gate where it has one), rounded once."""
     w, ids = moe.route(h)
     out = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
     ex = moe.experts
