@@ -26,7 +26,8 @@ from teacher_server.ops.grouped_mm import grouped_mm_reference as ref
 res = {}
 for e, h, i, k in ((8, 64, 32, 2), (5, 96, 48, 3), (3, 160, 256, 1)):
     w = (torch.randn(e, 2 * i, h) * h ** -0.5).half()
-    res[f"check {e}x{h}x{i} top-{k}"] = m.check(w, k, ref)
+    for c in m.CONFIGS:
+        res[f"check {e}x{h}x{i} top-{k} {c}"] = m.check(w, k, ref, c)
 # an expert-parallel rank: its 2 experts' rows first, the others' after its last row end
 g = torch.Generator().manual_seed(0)
 hs = torch.randn(20, 64, generator=g).half()
@@ -97,7 +98,8 @@ def test_layer_takes_the_kernel_only_where_picked(monkeypatch: pytest.MonkeyPatc
     plain = moe(h)
     calls = []
 
-    def stand_in(x, tokens, offs, w):
+    def stand_in(x, tokens, offs, w, config):
+        assert config == moe_gate_up.CONFIG  # the default until a warm-up picks
         calls.append(tuple(w.shape))
         return moe_gate_up.two_pass(x, tokens, offs, w, grouped_mm_reference)
 
@@ -130,4 +132,6 @@ def test_gpu_kernel_matches_the_two_passes_at_model_shapes(shape: tuple[int, int
     # the warm-up's pick runs (its choice is the GPU's: printed, not asserted)
     from teacher_server.ops.fused import FusedOps
 
+    for c in moe_gate_up.CONFIGS:
+        assert moe_gate_up.check(w, k, gemm, c), c
     print(shape, "picked:", moe_gate_up.pick(w, k, gemm, act=FusedOps(kernels=True, compile=False).silu_mul))

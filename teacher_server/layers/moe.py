@@ -329,7 +329,7 @@ class SparseMoe(RuntimeModule):
         where the warm-up picked it, else the gathered rows, the grouped GEMM and SiLU-mul."""
         ex = self.experts
         w = ex.fmt.dense(ex, "gate_up") if self.rt.ops.moe_gate_up_kernel else None
-        a = moe_gate_up_silu(h, rows.tokens, rows.offs, w) if w is not None else None
+        a = moe_gate_up_silu(h, rows.tokens, rows.offs, w, self.rt.ops.moe_gate_up_config) if w is not None else None
         if a is not None:
             return a
         x = ex.fmt.gather_input(ex, "gate_up", h, rows.tokens)  # FP8: h quantized, then its codes gathered

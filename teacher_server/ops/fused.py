@@ -116,6 +116,7 @@ class FusedOps:
         # the experts' gather, gate/up grouped GEMM and SiLU-mul in one Triton kernel (``ops.moe_gate_up``):
         # off until the warm-up finds it right and faster at the model's expert shapes (``pick_moe_gate_up``)
         self.moe_gate_up_kernel = False
+        self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
         self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
@@ -234,10 +235,13 @@ class FusedOps:
         if not self._kernels or w.device.type != "cuda":
             return
         try:
-            self.moe_gate_up_kernel = moe_gate_up.pick(w, top_k, gemm, act=self.silu_mul, total=total)
+            config = moe_gate_up.pick(w, top_k, gemm, act=self.silu_mul, total=total)
+            self.moe_gate_up_kernel = config is not None
+            self.moe_gate_up_config = config or moe_gate_up.CONFIG
         except Exception as e:
             log.warning("fused expert gate/up kernel off: %s: %s", type(e).__name__, e)
             self.moe_gate_up_kernel = False
+        self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
 
     def check_swiglu(self, bias: torch.Tensor, alpha: float, limit: float) -> None:
         """Check gpt-oss's expert activation kernel at the experts' width (``bias`` [E, 2I]; when

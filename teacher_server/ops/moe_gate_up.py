@@ -33,7 +33,10 @@ from teacher_server.ops.silu_mul import silu_mul_reference
 
 log = logging.getLogger(__name__)
 
-CONFIG = (64, 128, 64, 4, 3)  # BM, BN, BK, warps, stages
+# (BM, BN, BK, warps, stages): BN columns of gate and BN of up per tile. The warm-up checks and
+# times each at the layer's shapes and keeps the fastest (``pick``); CONFIG is the default.
+CONFIGS = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4))
+CONFIG = CONFIGS[0]
 _K: dict[str, Any] = {}
 
 
@@ -156,7 +159,7 @@ def _routing(t: int, k: int, e: int, device: torch.device,
     return (order[:int(offs[-1])] // min(k, total)).to(device), offs.to(device)
 
 
-def check(w: torch.Tensor, top_k: int, gemm) -> bool:
+def check(w: torch.Tensor, top_k: int, gemm, config: tuple[int, int, int, int, int] = CONFIG) -> bool:
     """Start-up check at the model's expert weights ``w`` [E, 2I, H] (a layer's own: nothing of
     their size allocated): the kernel against the two-pass path on random inputs and routing
     (token counts 1, 37 and 300; empty experts), every output within a few steps of the dtype
@@ -165,21 +168,23 @@ def check(w: torch.Tensor, top_k: int, gemm) -> bool:
     for t in (1, 37, 300):
         h = torch.randn(t, w.shape[2], generator=g).to(w.device, w.dtype)
         tokens, offs = _routing(t, top_k, w.shape[0], w.device)
-        got = moe_gate_up_silu(h, tokens, offs, w)
+        got = moe_gate_up_silu(h, tokens, offs, w, config)
         if got is None:
             return False
         assert_close(f"moe_gate_up at {t} tokens", got, two_pass(h, tokens, offs, w, gemm), rel=2 ** -6, floor=1e-3)
     return True
 
 
-def _timed(w: torch.Tensor, top_k: int, gemm, act: Callable, tokens: int, total: int) -> tuple[float, float]:
-    """Median milliseconds of the kernel and of the two-pass path (with the engine's SiLU-mul
-    ``act``) at ``tokens`` tokens routed over ``total`` experts, the rows of w's experts kept,
-    over alternating CUDA-event-timed calls (the first two of each not counted)."""
+def _timed(w: torch.Tensor, top_k: int, gemm, act: Callable, tokens: int, total: int,
+           configs: list[tuple[int, int, int, int, int]]) -> tuple[list[float], float]:
+    """Median milliseconds of the kernel at each of ``configs`` and of the two-pass path (with
+    the engine's SiLU-mul ``act``) at ``tokens`` tokens routed over ``total`` experts, the rows
+    of w's experts kept, over alternating CUDA-event-timed calls (the first two not counted)."""
     h = torch.randn(tokens, w.shape[2], device=w.device, dtype=w.dtype)
     rows, offs = _routing(tokens, top_k, w.shape[0], w.device, total)
-    runs = (lambda: moe_gate_up_silu(h, rows, offs, w), lambda: two_pass(h, rows, offs, w, gemm, act))
-    times: tuple[list[float], list[float]] = ([], [])
+    runs = [lambda c=c: moe_gate_up_silu(h, rows, offs, w, c) for c in configs]
+    runs.append(lambda: two_pass(h, rows, offs, w, gemm, act))
+    times: list[list[float]] = [[] for _ in runs]
     for i in range(12):
         for fn, got in zip(runs, times):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -189,24 +194,37 @@ def _timed(w: torch.Tensor, top_k: int, gemm, act: Callable, tokens: int, total:
             b.synchronize()
             if i >= 2:
                 got.append(a.elapsed_time(b))
-    return sorted(times[0])[len(times[0]) // 2], sorted(times[1])[len(times[1]) // 2]
+    med = [sorted(t)[len(t) // 2] for t in times]
+    return med[:-1], med[-1]
 
 
 def pick(w: torch.Tensor, top_k: int, gemm, act: Callable = silu_mul_reference, tokens: int = 8192,
-         total: int | None = None, margin: float = 0.03) -> bool:
-    """Whether a layer with expert weights ``w`` [E, 2I, H] (of ``total`` experts in all: an
-    expert-parallel rank holds some) should take the kernel: it passes ``check`` and, at
-    ``tokens`` tokens, runs at least ``margin`` faster than the two-pass path with the
-    engine's SiLU-mul ``act``. Logs the times either way; the step-sized buffers it made go
-    back to the driver, also on a failure."""
-    if w.device.type != "cuda" or not check(w, top_k, gemm):
-        return False
+         total: int | None = None, margin: float = 0.03) -> tuple[int, int, int, int, int] | None:
+    """The tile config a layer with expert weights ``w`` [E, 2I, H] (of ``total`` experts in
+    all: an expert-parallel rank holds some) should run the kernel with, or None for the two
+    passes: of the ``CONFIGS`` that pass ``check``, the fastest at ``tokens`` tokens, where it
+    is at least ``margin`` faster than the two-pass path with the engine's SiLU-mul ``act``.
+    Logs the times either way; the step-sized buffers it made go back to the driver, also on a
+    failure."""
+    if w.device.type != "cuda":
+        return None
+    good = []
+    for c in CONFIGS:
+        try:
+            if check(w, top_k, gemm, c):
+                good.append(c)
+        except RuntimeError as e:  # a config Triton compiles wrong here: the others may still run
+            log.warning("fused expert gate/up kernel config %s: %s", c, e)
+    if not good:
+        return None
     try:
-        fused, base = _timed(w, top_k, gemm, act, tokens, total or w.shape[0])
+        fused, base = _timed(w, top_k, gemm, act, tokens, total or w.shape[0], good)
     finally:
         torch.cuda.empty_cache()
-    use = fused <= (1 - margin) * base
-    log.info("fused expert gate/up kernel %s: %.3f ms against %.3f ms for the gather, grouped GEMM and SiLU-mul "
-             "(%d experts here, hidden %d, intermediate %d, top-%d, %d tokens)", "on" if use else "off", fused, base,
-             w.shape[0], w.shape[2], w.shape[1] // 2, top_k, tokens)
-    return use
+    best = min(range(len(good)), key=lambda j: fused[j])
+    use = fused[best] <= (1 - margin) * base
+    log.info("fused expert gate/up kernel %s: %.3f ms (config %s; others %s) against %.3f ms for the gather, grouped "
+             "GEMM and SiLU-mul (%d experts here, hidden %d, intermediate %d, top-%d, %d tokens)",
+             "on" if use else "off", fused[best], good[best], [round(f, 3) for f in fused], base, w.shape[0],
+             w.shape[2], w.shape[1] // 2, top_k, tokens)
+    return good[best] if use else None
