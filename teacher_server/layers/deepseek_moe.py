@@ -30,7 +30,9 @@ from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import copy_checked
 from teacher_server.layers.moe import SharedExpert, SparseMoe
 from teacher_server.layers.parallel import SINGLE, TensorParallel
+from teacher_server.ops import moe_router
 from teacher_server.ops.grouped_mm import GroupedGemm
+from teacher_server.ops.moe_router import sigmoid_route
 
 
 @dataclass(frozen=True)
@@ -112,5 +114,29 @@ class DeepseekMoe(SparseMoe):
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
-        return deepseek_route(self.gate(h), self.gate.e_score_correction_bias, self.top_k, r.scoring, r.n_group,
+        if r.scoring == "sigmoid" and self.rt.ops.router_kernel:  # one kernel where the warm-up checked it
+            out = sigmoid_route(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, r.n_group,
+                                r.topk_group, self.norm_topk, r.routed_scaling_factor)
+            if out is not None:
+                return out
+        return self.route_logits(self.gate(h))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The torch path's routing of float32 router logits [T, E]."""
+        r = self.routing
+        return deepseek_route(logits, self.gate.e_score_correction_bias, self.top_k, r.scoring, r.n_group,
                               r.topk_group, self.norm_topk, r.routed_scaling_factor)
+
+    def check_router_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """The router kernel against the torch path at this layer's router (``ops.moe_router.check``,
+        two token counts): True where it applies and agrees; RuntimeError on a mismatch."""
+        r = self.routing
+        if r.scoring != "sigmoid":
+            return False
+        g = torch.Generator(device="cpu").manual_seed(2)
+        for t in (16, 300):
+            h = torch.randn(t, self.gate.weight.shape[1], generator=g).to(device, dtype)
+            if not moe_router.check(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, r.n_group,
+                                    r.topk_group, self.norm_topk, r.routed_scaling_factor, self.route_logits):
+                return False
+        return True

@@ -91,4 +91,4 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
             ops.check_experts(i, h, sparse.top_k, table.device, self.dtype)
             check_shared_expert(ops, sparse, h, table.device, self.dtype)
             GROUPED_GEMM.use_torch(table.device, self.dtype, shapes=((h, 2 * i), (i, h)))
-            pick_gate_up(ops, sparse)
+            pick_gate_up(ops, sparse, self.dtype)

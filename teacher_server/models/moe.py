@@ -55,12 +55,15 @@ def check_shared_expert(ops: FusedOps, sparse: nn.Module, hidden: int, device: t
         ops.check_gate_up_width(hidden, shared.gate_up_proj.parts["gate"][1], device, dtype)
 
 
-def pick_gate_up(ops: FusedOps, sparse: nn.Module) -> None:
+def pick_gate_up(ops: FusedOps, sparse: nn.Module, dtype: torch.dtype) -> None:
     """The fused expert gate/up kernel where it is right and faster at this layer's expert shapes
-    (``FusedOps.pick_moe_gate_up``; the ``SparseMoe`` layers, plain weights only)."""
+    (``FusedOps.pick_moe_gate_up``; the ``SparseMoe`` layers, plain weights only), and DeepSeek's
+    router kernel where its check passes at this layer's router."""
     w = sparse.experts.fmt.dense(sparse.experts, "gate_up") if isinstance(sparse, SparseMoe) else None
     if w is not None:
         ops.pick_moe_gate_up(w, sparse.top_k, GROUPED_GEMM, sparse.experts.num_experts)
+    if hasattr(sparse, "check_router_kernel"):  # DeepSeek's router (DeepSeek-V3, GLM-4.5)
+        ops.check_router(sparse, sparse.gate.weight.device, dtype)
 
 
 class MoeModel:
@@ -97,4 +100,4 @@ class MoeModel:
         ops.check_experts(i, h, sparse.top_k, device, dtype)
         check_shared_expert(ops, sparse, h, device, dtype)
         GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))
-        pick_gate_up(ops, sparse)
+        pick_gate_up(ops, sparse, dtype)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from teacher_server.ops import extension, moe_gate_up
 from teacher_server.ops.checks import assert_close
@@ -117,6 +118,8 @@ class FusedOps:
         # off until the warm-up finds it right and faster at the model's expert shapes (``pick_moe_gate_up``)
         self.moe_gate_up_kernel = False
         self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
+        # DeepSeek-V3's sigmoid router in one Triton kernel (``ops.moe_router``): off until its check (``check_router``)
+        self.router_kernel = False
         self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
@@ -228,20 +231,28 @@ class FusedOps:
         self._check_kernel("combine_kernel", "MoE combine", check_moe_combine, hidden, top_k, device, dtype)
 
     def pick_moe_gate_up(self, w: torch.Tensor, top_k: int, gemm: Callable, total: int) -> None:
-        """Turn the fused expert gate/up kernel on where it matches the two-pass path at a
-        layer's expert weights ``w`` [E, 2I, H] (of ``total`` experts) and beats it there, the
-        two passes timed with this object's SiLU-mul (``ops.moe_gate_up.pick``; CUDA, kernels
-        on); a failure leaves it off, with one log line. Each rank picks for itself."""
-        if not self._kernels or w.device.type != "cuda":
+        """The fused expert gate/up kernel on, at the tiles ``ops.moe_gate_up.pick`` finds fastest,
+        where it matches the two-pass path at a layer's expert weights ``w`` [E, 2I, H] (of ``total``
+        experts) and beats it (timed with this object's SiLU-mul). Each rank picks for itself."""
+        def pick() -> bool:
+            config = moe_gate_up.pick(w, top_k, gemm, act=self.silu_mul, total=total)
+            self.moe_gate_up_config = config or moe_gate_up.CONFIG
+            return config is not None
+        self._decide("moe_gate_up_kernel", "fused expert gate/up", pick, w.device)
+
+    def check_router(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """DeepSeek's sigmoid router as one kernel where ``layer``'s check passes."""
+        self._decide("router_kernel", "router", lambda: layer.check_router_kernel(device, dtype), device)
+
+    def _decide(self, switch: str, name: str, decide: Callable[[], bool], device: torch.device) -> None:
+        """``switch`` = decide() on CUDA with the kernels on; a failure leaves it off (one log line)."""
+        if not self._kernels or device.type != "cuda":
             return
         try:
-            config = moe_gate_up.pick(w, top_k, gemm, act=self.silu_mul, total=total)
-            self.moe_gate_up_kernel = config is not None
-            self.moe_gate_up_config = config or moe_gate_up.CONFIG
+            setattr(self, switch, bool(decide()))
         except Exception as e:
-            log.warning("fused expert gate/up kernel off: %s: %s", type(e).__name__, e)
-            self.moe_gate_up_kernel = False
-        self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
+            log.warning("%s kernel off: %s: %s", name, type(e).__name__, e)
+            setattr(self, switch, False)
 
     def check_swiglu(self, bias: torch.Tensor, alpha: float, limit: float) -> None:
         """Check gpt-oss's expert activation kernel at the experts' width (``bias`` [E, 2I]; when
