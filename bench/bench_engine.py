@@ -229,7 +229,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     grouped = getattr(attn, "group_prefixes", False)
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
     ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel",
-                                              "combine_kernel", "moe_gate_up_kernel")}
+                                              "combine_kernel", "moe_gate_up_kernel", "router_kernel")}
 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
@@ -267,13 +267,14 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # fused gate/up kernel off, else the dense MLP would not run SiLU-mul at all)
         "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False),
                                     setattr(ops, "gate_up_kernel", False), setattr(ops, "combine_kernel", False),
-                                    setattr(ops, "moe_gate_up_kernel", False)),
+                                    setattr(ops, "moe_gate_up_kernel", False), setattr(ops, "router_kernel", False)),
         # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
         # expert layers: the combine as torch's embedding_bag; the gather, grouped GEMM and SiLU-mul as three
         # passes (or, where the warm-up left them so, the fused kernel forced on)
         "no_combine_kernel": lambda: setattr(ops, "combine_kernel", False),
         "flip_moe_gate_up": lambda: setattr(ops, "moe_gate_up_kernel", not ops_saved["moe_gate_up_kernel"]),
+        "no_router_kernel": lambda: setattr(ops, "router_kernel", False),  # DeepSeek's router in torch
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
@@ -285,7 +286,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
         if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer",
-                        "no_combine_kernel", "flip_moe_gate_up"):  # the workers' stages (and models) are their own
+                        "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel"):  # the workers' own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]
@@ -293,7 +294,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         state = {"compiled_stages": [n for n in _STAGES if getattr(ops, n) is not _STAGES[n]],
                  "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel,
                  "conv_kernel": ops.conv_kernel, "gate_up_kernel": ops.gate_up_kernel, "combine_kernel": ops.combine_kernel,
-                 "moe_gate_up_kernel": ops.moe_gate_up_kernel}  # what the variant ran with
+                 "moe_gate_up_kernel": ops.moe_gate_up_kernel, "router_kernel": ops.router_kernel}  # what it ran with
         try:
             out[key] = bench_engine(engine, cfg, f"{name}-{key}", reqs, repeats)
             out[key]["ops"] = state
@@ -745,7 +746,7 @@ def main() -> None:
     ops = getattr(getattr(engine, "runner", None), "ops", None)  # rank 0's switches after their start-up checks
     if ops is not None:
         results["kernels_on"] = {n: getattr(ops, n) for n in ("silu_kernel", "qkv_kernel", "gate_up_kernel",
-                                                                 "combine_kernel", "moe_gate_up_kernel")}
+                                                                 "combine_kernel", "moe_gate_up_kernel", "router_kernel")}
     # the pool's sizes as the engine reports them (hybrid models: its linear-state slots too)
     results["engine_stats_at_start"] = {k: v for k, v in asdict(engine.stats()).items() if k != "timing"}
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)

@@ -200,8 +200,8 @@ for step in ${STEPS:-tests}; do
     # the expert layers' combine kernel, their fused gather + gate/up + SiLU-mul, the latent attention stages and the
     # shared experts' fused gate/up: their GPU tests (the MoE families' parity included), then the combine against
     # embedding_bag and the fused gate/up against its two passes at the model shapes
-    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_deepseek_gpu.py \
-        tests/test_gpt_oss_gpu.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
+    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py \
+        tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
       python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8
       python3 bench/bench_moe_gate_up.py --out "$OUT/moe_gate_up.json" 2>&1 | tee "$OUT/moe_gate_up.log" | tail -14 ;;
     # Qwen3-Next alone (the last part of oss)
