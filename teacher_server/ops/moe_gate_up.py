@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import assert_close
+from teacher_server.ops.checks import assert_close, median_ms
 from teacher_server.ops.silu_mul import silu_mul_reference
 
 log = logging.getLogger(__name__)
@@ -179,22 +179,11 @@ def _timed(w: torch.Tensor, top_k: int, gemm, act: Callable, tokens: int, total:
            configs: list[tuple[int, int, int, int, int]]) -> tuple[list[float], float]:
     """Median milliseconds of the kernel at each of ``configs`` and of the two-pass path (with
     the engine's SiLU-mul ``act``) at ``tokens`` tokens routed over ``total`` experts, the rows
-    of w's experts kept, over alternating CUDA-event-timed calls (the first two not counted)."""
+    of w's experts kept (``checks.median_ms``)."""
     h = torch.randn(tokens, w.shape[2], device=w.device, dtype=w.dtype)
     rows, offs = _routing(tokens, top_k, w.shape[0], w.device, total)
     runs = [lambda c=c: moe_gate_up_silu(h, rows, offs, w, c) for c in configs]
-    runs.append(lambda: two_pass(h, rows, offs, w, gemm, act))
-    times: list[list[float]] = [[] for _ in runs]
-    for i in range(12):
-        for fn, got in zip(runs, times):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            if i >= 2:
-                got.append(a.elapsed_time(b))
-    med = [sorted(t)[len(t) // 2] for t in times]
+    med = median_ms([*runs, lambda: two_pass(h, rows, offs, w, gemm, act)])
     return med[:-1], med[-1]
 
 

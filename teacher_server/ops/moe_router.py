@@ -10,7 +10,9 @@ Numerics: the logits are float32 products of the bf16 inputs widened exactly, su
 float32 (another order than cuBLAS's: a few float32 ulps), with no TF32 rounding; an exact tie
 between experts picks the lower id. The start-up check (``check``) compares the picks with the
 torch path's at the layer's own router weights, a different pick allowed only where the two
-candidates' biased scores are within float32 noise of each other.
+candidates' biased scores are within float32 noise of each other; the kernel is then kept only
+where it is faster (``faster``: at DeepSeek-V3's width the float32 products dominate, and its
+FMA loop may not keep up with cuBLAS's float32 GEMM).
 """
 
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
@@ -21,10 +23,17 @@ from typing import Any
 
 import torch
 
+from teacher_server.ops.checks import median_ms
+
 log = logging.getLogger(__name__)
 
-BT = 16  # tokens per program
 BK = 32  # hidden columns per step
+
+
+def tokens_per_program(e: int) -> int:
+    """64 tokens a program (the router weights read once per 64 rows), 32 past 256 experts (the
+    [tokens, experts] float32 tiles in registers)."""
+    return 64 if e <= 256 else 32
 _K: dict[str, Any] = {}
 
 
@@ -126,10 +135,11 @@ def sigmoid_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if t == 0:
         return ow, oi
     grouped = n_group > 1 and topk_group < n_group
-    _K["route"][(-(-t // BT),)](h, h.stride(0), weight, weight if bias is None else bias.contiguous(), ow, oi, t,
+    bt = tokens_per_program(e)
+    _K["route"][(-(-t // bt),)](h, h.stride(0), weight, weight if bias is None else bias.contiguous(), ow, oi, t,
                                 h.shape[1], float(scale), E=e, EP=max(16, 1 << (e - 1).bit_length()), TOP=top_k,
                                 GROUPS=n_group if grouped else 1, KEEP=topk_group, BIAS=bias is not None,
-                                NORM=norm_topk, BT=BT, BK=BK, num_warps=4)
+                                NORM=norm_topk, BT=bt, BK=BK, num_warps=8)
     return ow, oi
 
 
@@ -160,3 +170,17 @@ def check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
         if not bool(((a - b).abs() <= 1e-5 * b.abs() + 1e-7).all()):
             raise RuntimeError(f"router kernel weights differ by {(a - b).abs().max().item():.3g}")
     return True
+
+
+def faster(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
+           topk_group: int, norm_topk: bool, scale: float, reference, margin: float = 0.03) -> bool:
+    """Whether the kernel routes rows h at least ``margin`` faster than the torch path (the float32
+    logits' GEMM, then ``reference``): at DeepSeek-V3's width the float32 products dominate, and
+    the kernel's FMA loop may lose to cuBLAS's where it wins on the copy and the small passes.
+    Logs the times."""
+    args = (h, weight, bias, top_k, n_group, topk_group, norm_topk, scale)
+    ours, theirs = median_ms([lambda: sigmoid_route(*args), lambda: reference(torch.nn.functional.linear(
+        h.float(), weight))])
+    log.info("router kernel %.3f ms against %.3f ms for the torch path (%d experts, hidden %d, %d tokens)", ours,
+             theirs, weight.shape[0], weight.shape[1], h.shape[0])
+    return ours <= (1 - margin) * theirs
