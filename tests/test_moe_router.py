@@ -40,6 +40,12 @@ try:
     res["wrong pick refused"] = False
 except RuntimeError:
     res["wrong pick refused"] = True
+# a row of NaN logits: ids still in range (the grouped GEMM and gather index with them)
+h = torch.randn(5, 96).half()
+h[2] = float("nan")
+for e, ng, tg in ((72, 1, 1), (64, 8, 4)):
+    _, ids = m.sigmoid_route(h, torch.randn(e, 96) * 0.1, None, 6, ng, tg, True, 1.0, any_size=True)
+    res[f"NaN row in range {{e}}"] = bool(((ids >= 0) & (ids < e)).all())
 print(json.dumps(res))
 """
 
@@ -84,6 +90,23 @@ def test_layer_takes_the_kernel_only_where_checked(monkeypatch: pytest.MonkeyPat
     ops = FusedOps(kernels=True, compile=False, kernels_available=lambda: True)
     ops.check_router(moe, torch.device("cpu"), torch.float32)
     assert not ops.router_kernel  # CPU: never on
+
+
+def test_ranks_agree_on_the_router_kernel() -> None:
+    """Every rank must route alike: the kernel only where all ranks turned it on."""
+    from teacher_server.models.moe import agreed
+
+    class Ranks:  # two ranks: the other's flag is ``other``
+        size = 2
+
+        def __init__(self, other: float) -> None:
+            self.other = other
+
+        def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+            return x.add_(self.other)
+
+    cpu = torch.device("cpu")
+    assert agreed(Ranks(1.0), True, cpu) and not agreed(Ranks(0.0), True, cpu) and not agreed(Ranks(1.0), False, cpu)
 
 
 @pytest.mark.gpu

@@ -63,7 +63,19 @@ def pick_gate_up(ops: FusedOps, sparse: nn.Module, dtype: torch.dtype) -> None:
     if w is not None:
         ops.pick_moe_gate_up(w, sparse.top_k, GROUPED_GEMM, sparse.experts.num_experts)
     if hasattr(sparse, "check_router_kernel"):  # DeepSeek's router (DeepSeek-V3, GLM-4.5)
-        ops.check_router(sparse, sparse.gate.weight.device, dtype)
+        device = sparse.gate.weight.device
+        ops.check_router(sparse, device, dtype)
+        ops.router_kernel = agreed(sparse.tp, ops.router_kernel, device)
+
+
+def agreed(tp: TensorParallel, on: bool, device: torch.device) -> bool:
+    """``on`` where every rank of ``tp`` says so: ranks route every token alike, so a router
+    kernel that one rank's timing turned on and another's not would pick different experts for a
+    float32-noise tie on each, and the ranks' partial sums would not add up to one routing."""
+    if tp.size == 1:
+        return on
+    flag = torch.tensor([1.0 if on else 0.0], device=device)
+    return bool(tp.all_reduce(flag).item() == tp.size)
 
 
 class MoeModel:

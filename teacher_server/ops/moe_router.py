@@ -18,6 +18,7 @@ FMA loop may not keep up with cuBLAS's float32 GEMM).
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -50,8 +51,8 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit(do_not_specialize=["T"])
     def route(h_ptr, sh, w_ptr, b_ptr, ow_ptr, oi_ptr, T, H, scale, E: tl.constexpr, EP: tl.constexpr,
-              TOP: tl.constexpr, GROUPS: tl.constexpr, KEEP: tl.constexpr, BIAS: tl.constexpr,
-              NORM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+              TOP: tl.constexpr, TP: tl.constexpr, GROUPS: tl.constexpr, KEEP: tl.constexpr,
+              BIAS: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
         toks = tl.program_id(0) * BT + tl.arange(0, BT)
         tmask = toks < T
         ex = tl.arange(0, EP)
@@ -87,24 +88,24 @@ def _kernels() -> dict[str, Any]:
                 gs = tl.where(hit, neg, gs)
             kept = tl.reshape(tl.broadcast_to(keep[:, :, None], (BT, GROUPS, E // GROUPS)), (BT, E))
             choice = tl.where(kept, choice, neg)
-        total = tl.zeros((BT,), dtype=tl.float32)
+        # the picks, best first, kept in registers: column j of [BT, TP] (TP: TOP to a power of two)
+        col = tl.arange(0, TP)
+        wt = tl.zeros((BT, TP), dtype=tl.float32)
+        it = tl.zeros((BT, TP), dtype=tl.int32)
         for j in tl.static_range(TOP):
             best = tl.max(choice, axis=1)
-            pick = tl.min(tl.where(choice == best[:, None], ex[None, :], EP), axis=1)
+            # the lowest id at the best; a row of NaN matches nothing: clamped into range
+            pick = tl.minimum(tl.min(tl.where(choice == best[:, None], ex[None, :], EP), axis=1), E - 1)
             hit = ex[None, :] == pick[:, None]
-            wj = tl.sum(tl.where(hit, scores, 0.0), axis=1)
-            total += wj
-            tl.store(ow_ptr + toks.to(tl.int64) * TOP + j, wj, mask=tmask)
-            tl.store(oi_ptr + toks.to(tl.int64) * TOP + j, pick.to(tl.int64), mask=tmask)
+            wt = tl.where(col[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], wt)
+            it = tl.where(col[None, :] == j, pick[:, None], it)
             choice = tl.where(hit, neg, choice)
-        # the weights renormalised and scaled (a second pass over the T x TOP outputs this program wrote)
-        if NORM:
-            div = total + 1e-20
-        else:
-            div = total * 0.0 + 1.0
-        for j in tl.static_range(TOP):
-            p = ow_ptr + toks.to(tl.int64) * TOP + j
-            tl.store(p, tl.load(p, mask=tmask, other=0.0) / div * scale, mask=tmask)
+        if NORM:  # renormalised as the torch path: w / (sum + 1e-20), then scaled
+            wt = wt / (tl.sum(wt, axis=1)[:, None] + 1e-20)
+        out = toks[:, None].to(tl.int64) * TOP + col[None, :]
+        omask = tmask[:, None] & (col[None, :] < TOP)
+        tl.store(ow_ptr + out, wt * scale, mask=omask)
+        tl.store(oi_ptr + out, it.to(tl.int64), mask=omask)
 
     _K["route"] = route
     return _K
@@ -123,34 +124,50 @@ def takes(h: torch.Tensor, weight: torch.Tensor, n_group: int, topk_group: int, 
             and "route" in _kernels())
 
 
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def enough_tokens(t: int, e: int, device: torch.device) -> bool:
+    """Whether t rows fill the GPU: a program per ``tokens_per_program`` rows and nothing split
+    further, so a step of fewer rows than that times the SMs leaves most of them idle (at
+    DeepSeek-V3's width one program's products take ~0.5 ms): the torch path takes those."""
+    return device.type != "cuda" or t >= tokens_per_program(e) * _sms(device.index or 0)
+
+
 def sigmoid_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
-                  topk_group: int, norm_topk: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  topk_group: int, norm_topk: bool, scale: float,
+                  any_size: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(weights [T, k] float32, expert ids [T, k] int64) as ``deepseek_route`` with sigmoid
-    scoring gives them for router logits h weight^T; None where the kernel does not apply."""
+    scoring gives them for router logits h weight^T; None where the kernel does not apply or
+    the rows do not fill the GPU (``enough_tokens``; ``any_size``: any row count, the checks)."""
     if not takes(h, weight, n_group, topk_group, top_k):
         return None
     t, e = h.shape[0], weight.shape[0]
+    if not any_size and not enough_tokens(t, e, h.device):
+        return None
     ow = torch.empty(t, top_k, dtype=torch.float32, device=h.device)
     oi = torch.empty(t, top_k, dtype=torch.int64, device=h.device)
     if t == 0:
         return ow, oi
     grouped = n_group > 1 and topk_group < n_group
-    bt = tokens_per_program(e)
+    bt, ep = tokens_per_program(e), max(16, 1 << (e - 1).bit_length())
     _K["route"][(-(-t // bt),)](h, h.stride(0), weight, weight if bias is None else bias.contiguous(), ow, oi, t,
-                                h.shape[1], float(scale), E=e, EP=max(16, 1 << (e - 1).bit_length()), TOP=top_k,
+                                h.shape[1], float(scale), E=e, EP=ep, TOP=top_k, TP=1 << (top_k - 1).bit_length(),
                                 GROUPS=n_group if grouped else 1, KEEP=topk_group, BIAS=bias is not None,
-                                NORM=norm_topk, BT=bt, BK=BK, num_warps=8)
+                                NORM=norm_topk, BT=bt, BK=BK, num_warps=8, num_stages=2 if ep > 256 else 3)
     return ow, oi
 
 
 def check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
           topk_group: int, norm_topk: bool, scale: float, reference) -> bool:
     """Start-up check on rows h: the kernel's picks and weights against ``reference(logits)``
-    (the torch path on float32 logits). A row may pick differently only where the differing
-    experts' biased scores are within 1e-5 of each other (float32 noise); elsewhere the ids are
+    (the torch path on float32 logits). A row may pick differently only where the two picks'
+    biased scores, sorted, pair up within 1e-5 (ties within float32 noise); elsewhere the ids are
     the same and the weights within 1e-5 relative. False where the kernel does not apply;
     RuntimeError on a mismatch."""
-    got = sigmoid_route(h, weight, bias, top_k, n_group, topk_group, norm_topk, scale)
+    got = sigmoid_route(h, weight, bias, top_k, n_group, topk_group, norm_topk, scale, any_size=True)
     if got is None:
         return False
     w, ids = got
@@ -159,8 +176,8 @@ def check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     choice = logits.sigmoid() + (0 if bias is None else bias)
     same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
     for r in torch.nonzero(~same).flatten().tolist():
-        ours, theirs = set(ids[r].tolist()) - set(rids[r].tolist()), set(rids[r].tolist()) - set(ids[r].tolist())
-        gap = (choice[r, list(ours)].max() - choice[r, list(theirs)].min()).abs().item()
+        # a different pick is a tie: the picked experts' biased scores, sorted, pair up within noise
+        gap = (choice[r, ids[r]].sort().values - choice[r, rids[r]].sort().values).abs().max().item()
         if not gap <= 1e-5:
             raise RuntimeError(f"router kernel picks {sorted(ids[r].tolist())}, the torch path "
                                f"{sorted(rids[r].tolist())} (biased scores {gap:.3g} apart)")
@@ -179,8 +196,8 @@ def faster(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top
     the kernel's FMA loop may lose to cuBLAS's where it wins on the copy and the small passes.
     Logs the times."""
     args = (h, weight, bias, top_k, n_group, topk_group, norm_topk, scale)
-    ours, theirs = median_ms([lambda: sigmoid_route(*args), lambda: reference(torch.nn.functional.linear(
-        h.float(), weight))])
+    ours, theirs = median_ms([lambda: sigmoid_route(*args, any_size=True), lambda: reference(
+        torch.nn.functional.linear(h.float(), weight))])
     log.info("router kernel %.3f ms against %.3f ms for the torch path (%d experts, hidden %d, %d tokens)", ours,
              theirs, weight.shape[0], weight.shape[1], h.shape[0])
     return ours <= (1 - margin) * theirs
