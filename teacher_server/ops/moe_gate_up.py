@@ -30,6 +30,7 @@ import torch
 
 from teacher_server.ops.checks import assert_close, median_ms
 from teacher_server.ops.silu_mul import silu_mul_reference
+from teacher_server.ops.triton_kernels import lazy
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +41,8 @@ CONFIG = CONFIGS[0]
 _K: dict[str, Any] = {}
 
 
-def _kernels() -> dict[str, Any]:
-    """The kernel, compiled on first use ({} without Triton)."""
-    if _K:
-        return _K
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as e:  # no triton (the CPU wheel)
-        log.info("fused expert gate/up kernel unavailable: %s: %s", type(e).__name__, e)
-        _K["missing"] = True
-        return _K
-
+def _define(triton, tl) -> dict[str, Any]:
+    """The fused expert gate/up kernel (``triton_kernels.lazy``)."""
     # (no argument varies with the step: the row count is read from the device)
     @triton.jit
     def fused(h_ptr, sh, tok_ptr, offs_ptr, blk_ptr, map_ptr, w_ptr, swe, swr, out_ptr, so, E, I, K,  # noqa: E741
@@ -89,8 +80,11 @@ def _kernels() -> dict[str, Any]:
         tl.store(out_ptr + rows[:, None].to(tl.int64) * so + cols[None, :], (s * u).to(dt),
                  mask=rmask[:, None] & cmask[None, :])
 
-    _K["fused"] = fused
-    return _K
+    return {"fused": fused}
+
+
+def _kernels() -> dict[str, Any]:
+    return lazy(_K, "fused expert gate/up kernel", _define)
 
 
 def expert_blocks(offs: torch.Tensor, bm: int) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from teacher_server.ops.checks import median_ms
+from teacher_server.ops.triton_kernels import lazy
 
 log = logging.getLogger(__name__)
 
@@ -35,20 +36,13 @@ def tokens_per_program(e: int) -> int:
     """64 tokens a program (the router weights read once per 64 rows), 32 past 256 experts (the
     [tokens, experts] float32 tiles in registers)."""
     return 64 if e <= 256 else 32
+
+
 _K: dict[str, Any] = {}
 
 
-def _kernels() -> dict[str, Any]:
-    if _K:
-        return _K
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as e:  # no triton (the CPU wheel)
-        log.info("router kernel unavailable: %s: %s", type(e).__name__, e)
-        _K["missing"] = True
-        return _K
-
+def _define(triton, tl) -> dict[str, Any]:
+    """The router kernel (``triton_kernels.lazy``)."""
     @triton.jit(do_not_specialize=["T"])
     def route(h_ptr, sh, w_ptr, b_ptr, ow_ptr, oi_ptr, T, H, scale, E: tl.constexpr, EP: tl.constexpr,
               TOP: tl.constexpr, TP: tl.constexpr, GROUPS: tl.constexpr, KEEP: tl.constexpr,
@@ -107,8 +101,11 @@ def _kernels() -> dict[str, Any]:
         tl.store(ow_ptr + out, wt * scale, mask=omask)
         tl.store(oi_ptr + out, it.to(tl.int64), mask=omask)
 
-    _K["route"] = route
-    return _K
+    return {"route": route}
+
+
+def _kernels() -> dict[str, Any]:
+    return lazy(_K, "router kernel", _define)
 
 
 def takes(h: torch.Tensor, weight: torch.Tensor, n_group: int, topk_group: int, top_k: int) -> bool:
