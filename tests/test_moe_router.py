@@ -123,3 +123,24 @@ def test_gpu_router_matches_the_torch_path(shape: tuple[int, int, int, int, int]
         ref = lambda lg: deepseek_route(lg, b, k, "sigmoid", ng, tg, True, 2.5)  # noqa: E731
         assert moe_router.check(h, w, b, k, ng, tg, True, 2.5, ref)
     print(shape, "faster than the torch path:", moe_router.faster(h, w, b, k, ng, tg, True, 2.5, ref))
+
+
+def test_warm_up_decides_both_kernels_for_a_deepseek_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pick_gate_up`` (the expert families' warm-up) times the fused gate/up at the layer's own
+    expert weights over all its experts, checks the router where the layer has DeepSeek's, and
+    has the ranks agree on the router."""
+    from teacher_server.layers.deepseek_moe import DeepseekMoe, ExpertRouting
+    from teacher_server.models import moe as moe_models
+    from teacher_server.ops.fused import FusedOps
+    from teacher_server.ops.grouped_mm import GroupedGemm
+
+    routing = ExpertRouting("sigmoid", "noaux_tc", 1, 1, 1.0, True)
+    layer = DeepseekMoe(32, 8, 2, 24, True, 0, routing, GroupedGemm(), torch.float32, torch.device("cpu"))
+    ops = FusedOps(kernels=False, compile=False)
+    seen = []
+    monkeypatch.setattr(ops, "pick_moe_gate_up", lambda w, k, gemm, total: seen.append(("gate_up", w, k, total)))
+    monkeypatch.setattr(ops, "check_router", lambda lay, dev, dt: seen.append(("router", lay, dt)))
+    monkeypatch.setattr(moe_models, "agreed", lambda tp, on, dev: seen.append(("agreed", tp.size, on)) or on)
+    moe_models.pick_gate_up(ops, layer, torch.bfloat16)
+    assert seen[0][0] == "gate_up" and seen[0][1] is layer.experts.gate_up and seen[0][2:] == (2, 8)
+    assert seen[1] == ("router", layer, torch.bfloat16) and seen[2] == ("agreed", 1, False)
