@@ -190,11 +190,13 @@ for step in ${STEPS:-tests}; do
     fp8acc) python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
     # DeepSeek-V3-class (latent attention, DeepSeekMoE): the GPU tests (each attention backend's answer to v
     # narrower than k is printed), q/k 192 with v 128 against dense 128 per backend, Moonlight-16B-A3B on W1f in-process and through HTTP beside transformers'
-    # DeepSeek-V3 forward, then DeepSeek-V3's layer shape (7 layers: 3 dense, 4 expert) on W1f
+    # DeepSeek-V3 forward (and in-process with each expert-layer kernel switched in turn), then DeepSeek-V3's layer
+    # shape (7 layers: 3 dense, 4 expert) on W1f
     mla) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_deepseek_gpu.py 2>&1 | tee "$OUT/gpu_mla_tests.log" | tail -25
       python3 bench/bench_mla_attention.py --out "$OUT/mla_attention_h200.json" 2>&1 | tee "$OUT/mla_attention.log" | tail -10
       python3 bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f --repeats 2 \
-        --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -12
+        --ablate W1f --ablate-only as_configured,no_combine_kernel,flip_moe_gate_up,no_router_kernel --ablate-repeats 1 \
+        --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -16
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
     # the expert layers' combine kernel, their fused gather + gate/up + SiLU-mul, the latent attention stages and the
