@@ -23,7 +23,7 @@ from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.rotary import RotaryEmbedding
 from teacher_server.models.deepseek import DeepseekDecoderLayer
 from teacher_server.models.llama import LlamaAttention, LlamaForCausalLM
-from teacher_server.models.moe import GROUPED_GEMM, MoeModel, check_shared_expert, pick_gate_up
+from teacher_server.models.moe import MoeModel, warm_up_experts
 from teacher_server.models.norm import decoder_norm
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
@@ -87,8 +87,4 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
                 ops.eager_stages(e)
         sparse = next((layer.mlp for layer in self.layers if layer.sparse), None)
         if sparse is not None:
-            i, h = sparse.experts.i_local, s.hidden_size
-            ops.check_experts(i, h, sparse.top_k, table.device, self.dtype)
-            check_shared_expert(ops, sparse, h, table.device, self.dtype)
-            GROUPED_GEMM.use_torch(table.device, self.dtype, shapes=((h, 2 * i), (i, h)))
-            pick_gate_up(ops, sparse, self.dtype)
+            warm_up_experts(ops, sparse, s.hidden_size, table.device, self.dtype)

@@ -47,6 +47,17 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         return super().mlp_residual(x, h, ops)
 
 
+def warm_up_experts(ops: FusedOps, sparse: nn.Module, hidden: int, device: torch.device, dtype: torch.dtype) -> None:
+    """An expert layer's start-up checks and picks: SiLU-mul and the combine, the shared expert's
+    fused gate/up, torch's grouped GEMM at both expert shapes, then the fused expert gate/up and
+    DeepSeek's router where they are right and faster (each falls back alone, with one log line)."""
+    i = sparse.experts.i_local
+    ops.check_experts(i, hidden, sparse.top_k, device, dtype)
+    check_shared_expert(ops, sparse, hidden, device, dtype)
+    GROUPED_GEMM.use_torch(device, dtype, shapes=((hidden, 2 * i), (i, hidden)))
+    pick_gate_up(ops, sparse, dtype)
+
+
 def check_shared_expert(ops: FusedOps, sparse: nn.Module, hidden: int, device: torch.device,
                         dtype: torch.dtype) -> None:
     """The fused gate/up kernel at the shared expert's width, where the layer has one."""
@@ -100,16 +111,11 @@ class MoeModel:
         return super().checkpoint_param(hf_name)  # type: ignore[misc]
 
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
-        """The dense stages' checks, then SiLU-mul at the experts' width and the grouped GEMM
-        at both expert GEMM shapes (each falls back alone, with one log line)."""
+        """The dense stages' checks, then the expert layers' (``warm_up_experts``)."""
         super().warm_up_ops(ops, ropes)  # type: ignore[misc]
         spec: ModelSpec = self.spec  # type: ignore[attr-defined]
         sparse = next((layer.mlp for layer in self.layers if layer.sparse), None)  # type: ignore[attr-defined]
         if sparse is None:
             return
-        i, h = sparse.experts.i_local, spec.hidden_size
         device, dtype = next(iter(ropes.values())).table.device, self.dtype  # type: ignore[attr-defined]
-        ops.check_experts(i, h, sparse.top_k, device, dtype)
-        check_shared_expert(ops, sparse, h, device, dtype)
-        GROUPED_GEMM.use_torch(device, dtype, shapes=((h, 2 * i), (i, h)))
-        pick_gate_up(ops, sparse, dtype)
+        warm_up_experts(ops, sparse, spec.hidden_size, device, dtype)

@@ -196,12 +196,8 @@ class FusedOps:
         """Check the fused gate/up kernel at a second width it runs at (a shared expert's; when
         on): a mismatch turns it off everywhere, with one log line; a width it does not take is
         left to the two passes, call by call."""
-        if self.gate_up_kernel:
-            try:
-                check_gate_up_silu(hidden, intermediate, device, dtype)
-            except Exception as e:
-                log.warning("fused gate/up SiLU kernel disabled: %s: %s", type(e).__name__, e)
-                self.gate_up_kernel = False
+        self._check_kernel("gate_up_kernel", "fused gate/up SiLU", check_gate_up_silu, hidden, intermediate, device,
+                           dtype)
 
     def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, heads: HeadLayout, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, kv: KVStore, layer: int,

@@ -131,7 +131,8 @@ def _gpu(device: torch.device) -> tuple[bool, int]:
     return _props(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _sms(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """The SM count of a CUDA device (cached per device)."""
     return _gpu(device)[1]
 
 
@@ -154,7 +155,7 @@ def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, c
     out = torch.empty(t, cols, dtype=h.dtype, device=h.device)
     if t == 0:
         return out
-    sms = _sms(h.device)
+    sms = sm_count(h.device)
     k = _kernels()
     d = k["desc"]
     k[kernel][(min(sms, -(-t // bm) * (cols // bn)),)](

@@ -18,13 +18,13 @@ FMA loop may not keep up with cuBLAS's float32 GEMM).
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
 import torch
 
 from teacher_server.ops.checks import median_ms
+from teacher_server.ops.gate_up_silu import sm_count
 from teacher_server.ops.triton_kernels import lazy
 
 log = logging.getLogger(__name__)
@@ -121,16 +121,11 @@ def takes(h: torch.Tensor, weight: torch.Tensor, n_group: int, topk_group: int, 
             and "route" in _kernels())
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def enough_tokens(t: int, e: int, device: torch.device) -> bool:
     """Whether t rows fill the GPU: a program per ``tokens_per_program`` rows and nothing split
     further, so a step of fewer rows than that times the SMs leaves most of them idle (at
     DeepSeek-V3's width one program's products take ~0.5 ms): the torch path takes those."""
-    return device.type != "cuda" or t >= tokens_per_program(e) * _sms(device.index or 0)
+    return device.type != "cuda" or t >= tokens_per_program(e) * sm_count(device)
 
 
 def sigmoid_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
