@@ -216,6 +216,11 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     return out
 
 
+# FusedOps' kernel switches the results record and the ablations turn off (conv_kernel: Qwen3.5's)
+KERNEL_SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "combine_kernel",
+                   "moe_gate_up_kernel", "router_kernel")
+
+
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
     """The same workload with one optimisation taken away at a time (same process, same
     weights): what each is worth."""
@@ -228,8 +233,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
-    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, "silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel",
-                                              "combine_kernel", "moe_gate_up_kernel", "router_kernel")}
+    ops_saved = {n: getattr(ops, n) for n in (*_STAGES, *KERNEL_SWITCHES)}
 
     def tune(**kw) -> None:  # noqa: ANN003
         engine.tuning = replace(saved, **kw)
@@ -265,9 +269,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "eager_stages": lambda: [setattr(ops, n, f) for n, f in _STAGES.items()],
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references (and the
         # fused gate/up kernel off, else the dense MLP would not run SiLU-mul at all)
-        "no_cuda_kernels": lambda: (setattr(ops, "silu_kernel", False), setattr(ops, "qkv_kernel", False),
-                                    setattr(ops, "gate_up_kernel", False), setattr(ops, "combine_kernel", False),
-                                    setattr(ops, "moe_gate_up_kernel", False), setattr(ops, "router_kernel", False)),
+        "no_cuda_kernels": lambda: [setattr(ops, n, False) for n in KERNEL_SWITCHES if n != "conv_kernel"],
         # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
         "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
         # expert layers: the combine as torch's embedding_bag; the gather, grouped GEMM and SiLU-mul as three
@@ -292,9 +294,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         apply = variants[v]
         apply()
         state = {"compiled_stages": [n for n in _STAGES if getattr(ops, n) is not _STAGES[n]],
-                 "silu_kernel": ops.silu_kernel, "qkv_kernel": ops.qkv_kernel,
-                 "conv_kernel": ops.conv_kernel, "gate_up_kernel": ops.gate_up_kernel, "combine_kernel": ops.combine_kernel,
-                 "moe_gate_up_kernel": ops.moe_gate_up_kernel, "router_kernel": ops.router_kernel}  # what it ran with
+                 **{n: getattr(ops, n) for n in KERNEL_SWITCHES}}  # what the variant ran with
         try:
             out[key] = bench_engine(engine, cfg, f"{name}-{key}", reqs, repeats)
             out[key]["ops"] = state
@@ -745,8 +745,7 @@ def main() -> None:
     results["fused_stages_compiled"] = engine.fused_stages_compiled
     ops = getattr(getattr(engine, "runner", None), "ops", None)  # rank 0's switches after their start-up checks
     if ops is not None:
-        results["kernels_on"] = {n: getattr(ops, n) for n in ("silu_kernel", "qkv_kernel", "gate_up_kernel",
-                                                                 "combine_kernel", "moe_gate_up_kernel", "router_kernel")}
+        results["kernels_on"] = {n: getattr(ops, n) for n in KERNEL_SWITCHES if n != "conv_kernel"}
     # the pool's sizes as the engine reports them (hybrid models: its linear-state slots too)
     results["engine_stats_at_start"] = {k: v for k, v in asdict(engine.stats()).items() if k != "timing"}
     print(f"engine loaded in {results['engine_load_s']:.0f}s, attention {engine.tuning.attention.name}", flush=True)
