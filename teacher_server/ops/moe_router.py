@@ -33,9 +33,11 @@ BK = 32  # hidden columns per step
 
 
 def tokens_per_program(e: int) -> int:
-    """64 tokens a program (the router weights read once per 64 rows), 32 past 256 experts (the
-    [tokens, experts] float32 tiles in registers)."""
-    return 64 if e <= 256 else 32
+    """Rows a program takes: the router weights are read once per program, and its [rows,
+    experts] float32 tiles (logits, scores, picks) live in registers. 64 rows up to 128 experts,
+    32 up to 256 (DeepSeek-V3), 16 past (Kimi-K2's 384): compiled for sm_90 with 8 warps, 64
+    rows at 256 experts and 32 at 384 spill registers to the stack (tests/test_triton_sm90.py)."""
+    return 64 if e <= 128 else 32 if e <= 256 else 16
 
 
 _K: dict[str, Any] = {}
