@@ -78,9 +78,12 @@ for step in ${STEPS:-tests}; do
           --out "$OUT/attention_plans_cudnn_$r.json" 2>&1 | tee "$OUT/attention_plans_cudnn_$r.log" | grep -E "[*]|best"
       done ;;
     conv) python3 bench/bench_conv_prep.py --out "$OUT/conv_prep_h200.json" 2>&1 | tee "$OUT/conv_prep.log" | tail -5 ;;
-    # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 and W2 beside transformers (DESIGN's padded recipe, then the
-    # stronger packed one), W2's cache on vs off
-    qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --baseline W1,W2 --baseline-layouts padded,packed --prefix-cache-compare W2} --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
+    # W7: Qwen3.5-9B (hybrid; fla-core from .whl/), W1 in-process and through HTTP (issue 53 measures it there)
+    # beside transformers (DESIGN's padded recipe, then the stronger packed one), W2's cache on vs off, and W1's
+    # profile (what remains outside the multiplies)
+    qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --http W1 --baseline W1,W2 \
+      --baseline-layouts padded,packed --prefix-cache-compare W2 --profile W1 --repeats 2 --max-model-len 8192} \
+      --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
     # packed recipes, W2's cache off vs on ($QWEN35MOE_ARGS replaces the arguments)
     qwen35moe) python3 bench/bench_engine.py --model-size qwen3.5-35b-a3b $(fit_layers qwen3.5-35b-a3b) ${QWEN35MOE_ARGS:---workloads W1 --http W1 \
