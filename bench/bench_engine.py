@@ -485,8 +485,31 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
     # variant's arguments, so that a variant cannot turn it back on (the last flag wins).
     out += [*extra, "--no-enable-prefix-caching"]
     if args.step_trace:
-        out += ["--step-trace", f"{args.step_trace}http-{key}.jsonl"]
+        out += ["--step-trace", trace_path(args, key)]
     return out
+
+
+def trace_path(args: argparse.Namespace, key: str) -> str:
+    return f"{args.step_trace}http-{key}.jsonl"
+
+
+def trace_window(path: str, t0: float, t1: float) -> dict | None:
+    """Where an HTTP pass's wall time [t0, t1] (``time.monotonic()``, the clock the step trace
+    shares) went, from the server's step trace: ``head_s`` before its first step's launch (the
+    first request's way in), ``tail_s`` after its last step completed (the last answer's way
+    out), its steps' GPU time and the idle time between them. None without steps in it."""
+    try:
+        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    except (OSError, ValueError):
+        return None
+    steps = [s for s in lines if t0 <= s["clock"][0] <= t1]
+    if not steps:
+        return None
+    first, last = min(s["clock"][0] for s in steps), max(s["clock"][-1] for s in steps)
+    gpu = sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3
+    return {"steps": len(steps), "head_s": round(first - t0, 4), "tail_s": round(t1 - last, 4),
+            "gpu_s": round(gpu, 4), "gpu_share_of_wall": round(gpu / (t1 - t0), 4),
+            "first_step_tokens": min(steps, key=lambda s: s["clock"][0])["tokens"]}
 
 
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
@@ -526,6 +549,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
                 dt, start = run.seconds, run.start
                 runs.append(summarize(name + "-http", cfg, reqs, dt, run.latencies, float("nan"), cached=run.cached))
                 runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
+                if args.step_trace:
+                    runs[-1]["trace"] = trace_window(trace_path(args, key or name), start, start + dt)
                 runs[-1]["http_client"] = client
                 gpu_window(runs[-1], start, start + dt)
                 time.sleep(settle)
@@ -537,6 +562,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         best["runs_seconds"] = [r["seconds"] for r in first]
         best["runs_clock"] = [r["clock"] for r in first]
         best["runs_gpu"] = [run_gpu(r) for r in first]
+        if args.step_trace:
+            best["runs_trace"] = [r.get("trace") for r in first]
         if len(clients) > 1:
             best["by_client"] = {c: {"runs_seconds": [r["seconds"] for r in runs if r["http_client"] == c],
                                      "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c],

@@ -26,6 +26,9 @@ python3 -c "import pybase64" 2>/dev/null || echo "WARNING: no pybase64 in .whl/:
 # cuDNN's Python frontend: the default attention backend (cudnn_fe); without it the engine runs
 # the cudnn backend (fetch it with EXTRA_WHEELS="nvidia-cudnn-frontend ...")
 python3 -c "import torch, cudnn" 2>/dev/null || echo "WARNING: no nvidia-cudnn-frontend in .whl/: attention runs the cudnn backend"
+# The model steps write each engine's step trace (one JSON line per step: tokens, sequences, host launch time, GPU
+# time, and the host clock the HTTP runs' clock shares) as $OUT/trace_*: where an HTTP pass's wall time went
+# beyond its steps' GPU time (the first request's arrival, the last answer's way back).
 # GPU test runs: a line per test as it ends (a run cut short by the call's limit still says which
 # passed), the tests' printed errors, the slowest tests, no captured library debug logs
 PT="-v -rPfE --durations=15 -p no:logging -p no:cacheprovider"
@@ -83,12 +86,12 @@ for step in ${STEPS:-tests}; do
     # profile (what remains outside the multiplies)
     qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --http W1 --baseline W1,W2 \
       --baseline-layouts padded,packed --prefix-cache-compare W2 --profile W1 --repeats 2 --max-model-len 8192} \
-      --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
+      --step-trace "$OUT/trace_qwen35_" --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
     # packed recipes, W2's cache off vs on ($QWEN35MOE_ARGS replaces the arguments)
     qwen35moe) python3 bench/bench_engine.py --model-size qwen3.5-35b-a3b $(fit_layers qwen3.5-35b-a3b) ${QWEN35MOE_ARGS:---workloads W1 --http W1 \
       --baseline W1 --baseline-layouts padded,packed --prefix-cache-compare W2 --repeats 1 --max-model-len 8192} \
-      --out "$OUT/engine_qwen35_35b_a3b_h200.json" 2>&1 | tee "$OUT/engine_qwen35moe.log" | tail -40 ;;
+      --step-trace "$OUT/trace_qwen35moe_" --out "$OUT/engine_qwen35_35b_a3b_h200.json" 2>&1 | tee "$OUT/engine_qwen35moe.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
     # Qwen3.5 GPU tests (and any test files in $QWEN35X2_MORE_TESTS) on GPU 1; the engine reads the
     # baseline's file before its check against it
@@ -199,7 +202,7 @@ for step in ${STEPS:-tests}; do
       python3 bench/bench_mla_attention.py --out "$OUT/mla_attention_h200.json" 2>&1 | tee "$OUT/mla_attention.log" | tail -10
       python3 bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f --repeats 2 \
         --ablate W1f --ablate-only as_configured,no_combine_kernel,flip_moe_gate_up,no_router_kernel --ablate-repeats 1 \
-        --max-model-len 8192 --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -16
+        --max-model-len 8192 --step-trace "$OUT/trace_moonlight_" --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -16
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
     # the expert layers' combine kernel, their fused gather + gate/up + SiLU-mul, the latent attention stages and the
@@ -212,7 +215,7 @@ for step in ${STEPS:-tests}; do
     # Qwen3-Next alone (the last part of oss)
     qwen3next) python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) \
       ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192} \
-      --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
+      --step-trace "$OUT/trace_qwen3_next_" --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
     # issue 50: gpt-oss and Qwen3-Next: the GPU tests (sinks on each fast backend against sdpa, float32 and bf16
     # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through
     # HTTP beside transformers' own forward (gpt-oss: flex attention; one timed pass each to stay near 8 minutes:
@@ -228,7 +231,7 @@ for step in ${STEPS:-tests}; do
     gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
       for shape in ${GEMMA_SHAPES:-gemma3-27b glm4.5-air}; do
         python3 bench/bench_engine.py --model-size $shape $(fit_layers $shape) --workloads W1f --http W1f --baseline W1f \
-          --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 --out "$OUT/engine_${shape}_h200.json" 2>&1 \
+          --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 --step-trace "$OUT/trace_${shape}_" --out "$OUT/engine_${shape}_h200.json" 2>&1 \
           | tee "$OUT/engine_$shape.log" | tail -12
       done ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;

@@ -151,3 +151,19 @@ def test_a_failed_baseline_leaves_the_engine_runs_going(monkeypatch, tmp_path) -
     monkeypatch.setattr(bench_engine.subprocess, "run", fails)
     got = bench_engine.run_baseline(tmp_path, ["W1f"], 1, True)
     assert got == {"error": "hf_baseline.py exited 1"} and calls and "--dummy" in calls[0]
+
+
+def test_an_http_pass_splits_into_its_steps_and_the_time_around_them(tmp_path: Path) -> None:
+    """trace_window: the steps launched inside the pass's clock, the wall time before the first
+    launch and after the last completion, their GPU time; steps of another pass are not counted."""
+    path = tmp_path / "http-W1f.jsonl"
+    steps = [{"step": 1, "tokens": 4096, "clock": [99.0, 99.5], "gpu_ms": 500.0},  # the warm-up's, before the pass
+             {"step": 2, "tokens": 4096, "clock": [100.25, 100.75], "gpu_ms": 400.0},
+             {"step": 3, "tokens": 32768, "clock": [100.75, 103.5], "gpu_ms": 2700.0},
+             {"step": 4, "tokens": 8192, "clock": [103.5, 103.8], "gpu_ms": 300.0}]
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    got = bench_engine.trace_window(str(path), 100.0, 104.0)
+    assert got == {"steps": 3, "head_s": 0.25, "tail_s": 0.2, "gpu_s": 3.4, "gpu_share_of_wall": 0.85,
+                   "first_step_tokens": 4096}
+    assert bench_engine.trace_window(str(path), 200.0, 210.0) is None
+    assert bench_engine.trace_window(str(tmp_path / "missing.jsonl"), 100.0, 104.0) is None
