@@ -218,7 +218,7 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
 
 # FusedOps' kernel switches the results record and the ablations turn off (conv_kernel: Qwen3.5's)
 KERNEL_SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "combine_kernel",
-                   "moe_gate_up_kernel", "router_kernel")
+                   "moe_gate_up_kernel", "router_kernel", "group_kernel")
 
 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
@@ -277,6 +277,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_combine_kernel": lambda: setattr(ops, "combine_kernel", False),
         "flip_moe_gate_up": lambda: setattr(ops, "moe_gate_up_kernel", not ops_saved["moe_gate_up_kernel"]),
         "no_router_kernel": lambda: setattr(ops, "router_kernel", False),  # DeepSeek's router in torch
+        # the expert rows grouped by torch's sort (or, where the warm-up left it so, the counting kernels forced on)
+        "flip_group_kernel": lambda: setattr(ops, "group_kernel", not ops_saved["group_kernel"]),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
@@ -288,7 +290,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
         if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer",
-                        "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel"):  # the workers' own
+                        "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel", "flip_group_kernel"):  # the workers' own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]

@@ -11,7 +11,16 @@ import torch
 import triton_sm90
 from triton_sm90 import SHARED_LIMIT, Launch, compiled_launches
 
-from teacher_server.ops import conv_prep, fp8_grouped, fp8_quant, gate_up_silu, gated_delta, moe_gate_up, moe_router
+from teacher_server.ops import (
+    conv_prep,
+    fp8_grouped,
+    fp8_quant,
+    gate_up_silu,
+    gated_delta,
+    moe_gate_up,
+    moe_group,
+    moe_router,
+)
 from teacher_server.ops import top_k as top_k_ops
 
 pytestmark = pytest.mark.skipif(triton_sm90.available() is not None, reason=str(triton_sm90.available()))
@@ -144,3 +153,11 @@ def test_a_kernel_that_spills_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
                                  torch.empty(experts), top, groups, keep, True, 2.5, any_size=True)
     with pytest.raises(AssertionError, match="spills registers"):
         assert_sound(launches, 1, matrix=False)
+
+
+@pytest.mark.parametrize(("experts", "top"), [(64, 6), (257, 8), (512, 10)])  # Moonlight, DeepSeek-V3 at EP, Qwen3-Next
+def test_the_expert_grouping_kernels_at_each_routing(experts: int, top: int) -> None:
+    flat = torch.zeros(16384 * top, dtype=torch.int64)
+    with compiled_launches() as launches:
+        moe_group.group_kernels(flat, experts, top)
+    assert_sound(launches, 2, matrix=False)

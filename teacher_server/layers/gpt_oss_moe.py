@@ -131,7 +131,7 @@ class GptOssMoe(RuntimeModule):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         w, ids = self.route(h)
         ex = self.experts
-        rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
+        rows = ex.group(ids, self.rt.ops.group_kernel)  # the (token, slot) rows sorted by (this rank's) expert
         x = h.index_select(0, rows.tokens)
         gu = ex.fmt.apply_experts(ex, "gate_up", x, rows.offs, self.gemm)  # [M, 2 I_local]
         # bias added in it; expert parallel: the rows past the end unwritten

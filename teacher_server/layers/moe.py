@@ -39,6 +39,7 @@ from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
+from teacher_server.ops import moe_group
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.moe_combine import moe_combine
 from teacher_server.ops.moe_gate_up import moe_gate_up_silu
@@ -151,13 +152,12 @@ class ExpertWeights(nn.Module):
         self.fmt.create(self, "gate_up", (self.num_local, 2 * n, hidden), dtype, device)
         self.fmt.create(self, "down", (self.num_local, hidden, n), dtype, device)
         self._stacked: set[str] = set()  # params loaded from one stacked tensor
-        # [E_local] 1..E_local: searchsorted of the sorted local expert ids against it gives each one's row end
-        self.register_buffer("expert_ends", torch.arange(1, self.num_local + 1, device=device), persistent=False)
 
-    def group(self, ids: torch.Tensor) -> ExpertRows:
-        """The rows of routing ``ids`` [T, k] (global expert ids) sorted by this rank's experts:
-        slot s = t * k + j is row pos[t, j]. Expert parallel: another rank's expert sorts last
-        (past offs[-1]) and its slots point at the extra row M = T * k, which the combine skips."""
+    def group(self, ids: torch.Tensor, kernel: bool = False) -> ExpertRows:
+        """The rows of routing ``ids`` [T, k] (global expert ids) sorted by this rank's experts
+        (a stable sort's order; ``kernel``: by the counting kernels, ``ops.moe_group``): slot
+        s = t * k + j is row pos[t, j]. Expert parallel: another rank's expert sorts last (past
+        offs[-1]) and its slots point at the extra row M = T * k, which the combine skips."""
         t, k = ids.shape
         m = t * k
         flat = ids.reshape(-1)
@@ -166,11 +166,8 @@ class ExpertWeights(nn.Module):
             local = flat - self.first
             mine = (local >= 0) & (local < self.num_local)
             flat = torch.where(mine, local, self.num_local)
-        keys, order = torch.sort(flat, stable=True)
-        offs = torch.searchsorted(keys, self.expert_ends, out_int32=True)
-        pos = torch.empty_like(order)
-        pos[order] = torch.arange(m, device=ids.device)
-        tokens = order // k
+        keys, tokens, ends, pos = moe_group.group(flat, self.num_local + (mine is not None), k, kernel)
+        offs = ends[:self.num_local]
         if mine is None:
             return ExpertRows(tokens, keys, offs, pos.view(t, k), None)
         # the others' rows and the extra row (never read) gather token 0: one row, read from cache;
@@ -315,7 +312,7 @@ class SparseMoe(RuntimeModule):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         w, ids = self.route(h)
         ex = self.experts
-        rows = ex.group(ids)  # the (token, slot) rows sorted by (this rank's) expert
+        rows = ex.group(ids, self.rt.ops.group_kernel)  # the (token, slot) rows sorted by (this rank's) expert
         a = self.gate_up_act(h, rows)  # [M, I_local] (expert parallel: rows past the end unwritten)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
         out = rows.combine(y, w, self.rt.ops.combine_kernel)  # [T, H]

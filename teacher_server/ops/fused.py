@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
-from teacher_server.ops import extension, moe_gate_up
+from teacher_server.ops import extension, moe_gate_up, moe_group
 from teacher_server.ops.checks import assert_close
 from teacher_server.ops.clamped_swiglu import check_clamped_swiglu_kernel, clamped_swiglu, clamped_swiglu_kernel
 from teacher_server.ops.conv_prep import check_conv_prep
@@ -120,6 +120,7 @@ class FusedOps:
         self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
         # DeepSeek-V3's sigmoid router in one Triton kernel (``ops.moe_router``): off until its check (``check_router``)
         self.router_kernel = False
+        self.group_kernel = False  # expert rows grouped by counting (``ops.moe_group``), off until ``pick_group``
         self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
@@ -239,6 +240,10 @@ class FusedOps:
     def check_router(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """DeepSeek's sigmoid router as one kernel where ``layer``'s check passes."""
         self._decide("router_kernel", "router", lambda: layer.check_router_kernel(device, dtype), device)
+
+    def pick_group(self, buckets: int, k: int, device: torch.device) -> None:
+        """The counting kernels group the expert rows where right and faster (``ops.moe_group.pick``)."""
+        self._decide("group_kernel", "expert grouping", lambda: moe_group.pick(buckets, k, device), device)
 
     def _decide(self, switch: str, name: str, decide: Callable[[], bool], device: torch.device) -> None:
         """``switch`` = decide() on CUDA with the kernels on; a failure leaves it off (one log line)."""
