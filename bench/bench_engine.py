@@ -276,7 +276,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # passes (or, where the warm-up left them so, the fused kernel forced on)
         "no_combine_kernel": lambda: setattr(ops, "combine_kernel", False),
         "flip_moe_gate_up": lambda: setattr(ops, "moe_gate_up_kernel", not ops_saved["moe_gate_up_kernel"]),
-        "no_router_kernel": lambda: setattr(ops, "router_kernel", False),  # DeepSeek's router in torch
+        "no_router_kernel": lambda: setattr(ops, "router_kernel", False),  # the router (sigmoid or softmax) in torch
         # the expert rows grouped by torch's sort (or, where the warm-up left it so, the counting kernels forced on)
         "flip_group_kernel": lambda: setattr(ops, "group_kernel", not ops_saved["group_kernel"]),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)

@@ -88,9 +88,12 @@ for step in ${STEPS:-tests}; do
       --baseline-layouts padded,packed --prefix-cache-compare W2 --profile W1 --repeats 2 --max-model-len 8192} \
       --step-trace "$OUT/trace_qwen35_" --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
-    # packed recipes, W2's cache off vs on ($QWEN35MOE_ARGS replaces the arguments)
+    # packed recipes, W2's cache off vs on, W1 in-process with each expert-layer kernel switched in turn
+    # ($QWEN35MOE_ARGS replaces the arguments)
     qwen35moe) python3 bench/bench_engine.py --model-size qwen3.5-35b-a3b $(fit_layers qwen3.5-35b-a3b) ${QWEN35MOE_ARGS:---workloads W1 --http W1 \
-      --baseline W1 --baseline-layouts padded,packed --prefix-cache-compare W2 --repeats 1 --max-model-len 8192} \
+      --baseline W1 --baseline-layouts padded,packed --prefix-cache-compare W2 --repeats 1 --max-model-len 8192 \
+      --ablate W1 --ablate-only as_configured,no_combine_kernel,flip_moe_gate_up,no_router_kernel,flip_group_kernel \
+      --ablate-repeats 1} \
       --step-trace "$OUT/trace_qwen35moe_" --out "$OUT/engine_qwen35_35b_a3b_h200.json" 2>&1 | tee "$OUT/engine_qwen35moe.log" | tail -40 ;;
     # W7 on the two-GPU machine: ours on GPU 0, transformers at the same time on GPU 1 (W1, W2), then the
     # Qwen3.5 GPU tests (and any test files in $QWEN35X2_MORE_TESTS) on GPU 1; the engine reads the
@@ -208,13 +211,14 @@ for step in ${STEPS:-tests}; do
     # the expert layers' combine kernel, their fused gather + gate/up + SiLU-mul, the latent attention stages and the
     # shared experts' fused gate/up: their GPU tests (the MoE families' parity included), then the combine against
     # embedding_bag and the fused gate/up against its two passes at the model shapes
-    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py tests/test_moe_group.py \
+    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py tests/test_moe_group.py tests/test_softmax_topk.py \
         tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py tests/test_moe.py 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
       python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8
       python3 bench/bench_moe_gate_up.py --out "$OUT/moe_gate_up.json" 2>&1 | tee "$OUT/moe_gate_up.log" | tail -14 ;;
     # Qwen3-Next alone (the last part of oss)
     qwen3next) python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) \
-      ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192} \
+      ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 --repeats 1 --max-model-len 8192 --ablate W1 \
+      --ablate-only as_configured,no_combine_kernel,flip_moe_gate_up,no_router_kernel,flip_group_kernel --ablate-repeats 1} \
       --step-trace "$OUT/trace_qwen3_next_" --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
     # issue 50: gpt-oss and Qwen3-Next: the GPU tests (sinks on each fast backend against sdpa, float32 and bf16
     # parity), then gpt-oss-20b's shape and Qwen3-Next-80B-A3B's at 24 of its 48 layers on W1, in-process and through

@@ -96,6 +96,7 @@ def test_the_warm_up_picks_the_grouping_for_each_rank(monkeypatch: pytest.Monkey
     seen = []
     monkeypatch.setattr(moe_group, "pick", lambda b, k, dev: seen.append((b, k, dev.type)) or True)
     monkeypatch.setattr(ops, "pick_moe_gate_up", lambda *a: None)
+    monkeypatch.setattr(ops, "check_router", lambda *a: None)
     moe_models.pick_gate_up(ops, moe, torch.float32)
     assert not ops.group_kernel and seen == []  # CPU: not asked
     monkeypatch.setattr(FusedOps, "_decide", lambda self, switch, name, decide, dev: setattr(self, switch, decide()))

@@ -20,6 +20,7 @@ from teacher_server.ops import (
     moe_gate_up,
     moe_group,
     moe_router,
+    softmax_topk,
 )
 from teacher_server.ops import top_k as top_k_ops
 
@@ -161,3 +162,10 @@ def test_the_expert_grouping_kernels_at_each_routing(experts: int, top: int) -> 
     with compiled_launches() as launches:
         moe_group.group_kernels(flat, experts, top)
     assert_sound(launches, 2, matrix=False)
+
+
+@pytest.mark.parametrize(("experts", "top"), [(8, 2), (60, 4), (128, 8), (256, 8), (512, 10)])
+def test_the_softmax_routers_selection_at_each_router(experts: int, top: int) -> None:
+    with compiled_launches() as launches:
+        softmax_topk.softmax_topk(torch.empty(4096, experts), top, True)
+    assert_sound(launches, 1, matrix=False)

@@ -2,10 +2,10 @@
 two grouped GEMMs over all experts (gate/up, then down) with SiLU-mul between, and the
 weighted combine; optionally a shared expert behind a sigmoid gate (Qwen2-MoE).
 
-No Python loop over experts and no host sync on the forward (with torch's grouped GEMM):
-the token -> expert assignment is sorted once, the group ends come from ``searchsorted`` on
-the sorted expert ids, and the combine is one pass (``ops.moe_combine``: gather the k rows of
-each token from the sorted outputs, weight them, sum in float32, round once).
+No Python loop over experts and no host sync on the forward (with torch's grouped GEMM): the
+token -> expert assignment is grouped once (a stable sort's order: ``ops.moe_group``), and the
+combine is one pass (``ops.moe_combine``: gather the k rows of each token from the grouped
+outputs, weight them, sum in float32, round once).
 
 Tensor parallel (``moe`` "tensor" of ``TensorParallel``): every rank holds all experts, each
 split along its intermediate dimension, like the dense MLP (gate/up column-parallel, down
@@ -43,6 +43,8 @@ from teacher_server.ops import moe_group
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.moe_combine import moe_combine
 from teacher_server.ops.moe_gate_up import moe_gate_up_silu
+from teacher_server.ops.softmax_topk import pick as softmax_topk_pick
+from teacher_server.ops.softmax_topk import softmax_topk, softmax_topk_torch
 
 if TYPE_CHECKING:
     from teacher_server.layers.formats.fp8_dispatch import QuantizedRows
@@ -302,12 +304,15 @@ class SparseMoe(RuntimeModule):
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k routing of h [T, hidden]: (weights [T, k] float32, expert ids [T, k] int64).
         Softmax over all experts in float32, top-k, renormalised when norm_topk (as
-        transformers' Qwen-MoE and Mixtral routers)."""
-        probs = torch.softmax(self.gate(h), dim=-1)  # [T, E] float32
-        w, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w, ids
+        transformers' Qwen-MoE and Mixtral routers); one kernel where the warm-up picked it."""
+        logits = self.gate(h)  # [T, E] float32
+        kernel = self.rt is not None and self.rt.ops.router_kernel  # (unbound: the torch path)
+        out = softmax_topk(logits, self.top_k, self.norm_topk) if kernel else None
+        return out if out is not None else softmax_topk_torch(logits, self.top_k, self.norm_topk)
+
+    def check_router_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether to select with ``ops.softmax_topk``: right at this layer's router and faster."""
+        return softmax_topk_pick(self.gate, self.gate.weight.shape[1], self.top_k, self.norm_topk, device, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         w, ids = self.route(h)

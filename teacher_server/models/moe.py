@@ -69,14 +69,14 @@ def check_shared_expert(ops: FusedOps, sparse: nn.Module, hidden: int, device: t
 def pick_gate_up(ops: FusedOps, sparse: nn.Module, dtype: torch.dtype) -> None:
     """The fused expert gate/up kernel where it is right and faster at this layer's expert shapes
     (``FusedOps.pick_moe_gate_up``; the ``SparseMoe`` layers, plain weights only), the counting
-    kernels for the expert rows' grouping, and DeepSeek's router kernel where its check passes at
-    this layer's router."""
+    kernels for the expert rows' grouping, and the router kernel where its check passes at this
+    layer's router."""
     w = sparse.experts.fmt.dense(sparse.experts, "gate_up") if isinstance(sparse, SparseMoe) else None
     if w is not None:
         ops.pick_moe_gate_up(w, sparse.top_k, GROUPED_GEMM, sparse.experts.num_experts)
     device, ex = sparse.gate.weight.device, sparse.experts
     ops.pick_group(ex.num_local + (ex.ep.size > 1), sparse.top_k, device)  # (per rank: the same rows either way)
-    if hasattr(sparse, "check_router_kernel"):  # DeepSeek's router (DeepSeek-V3, GLM-4.5)
+    if hasattr(sparse, "check_router_kernel"):  # SparseMoe's softmax routers, DeepSeek's sigmoid one
         ops.check_router(sparse, device, dtype)
         ops.router_kernel = agreed(sparse.tp, ops.router_kernel, device)
 

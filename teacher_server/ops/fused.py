@@ -118,7 +118,8 @@ class FusedOps:
         # off until the warm-up finds it right and faster at the model's expert shapes (``pick_moe_gate_up``)
         self.moe_gate_up_kernel = False
         self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
-        # DeepSeek-V3's sigmoid router in one Triton kernel (``ops.moe_router``): off until its check (``check_router``)
+        # the router in one Triton kernel (DeepSeek's sigmoid ``ops.moe_router``, the softmax routers' selection
+        # ``ops.softmax_topk``): off until the layer's check (``check_router``)
         self.router_kernel = False
         self.group_kernel = False  # expert rows grouped by counting (``ops.moe_group``), off until ``pick_group``
         self._kernels = kernels
@@ -238,7 +239,7 @@ class FusedOps:
         self._decide("moe_gate_up_kernel", "fused expert gate/up", pick, w.device)
 
     def check_router(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-        """DeepSeek's sigmoid router as one kernel where ``layer``'s check passes."""
+        """The router as one kernel where ``layer``'s check (``check_router_kernel``) passes."""
         self._decide("router_kernel", "router", lambda: layer.check_router_kernel(device, dtype), device)
 
     def pick_group(self, buckets: int, k: int, device: torch.device) -> None:
