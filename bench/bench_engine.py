@@ -279,6 +279,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_router_kernel": lambda: setattr(ops, "router_kernel", False),  # the router (sigmoid or softmax) in torch
         # the expert rows grouped by torch's sort (or, where the warm-up left it so, the counting kernels forced on)
         "flip_group_kernel": lambda: setattr(ops, "group_kernel", not ops_saved["group_kernel"]),
+        # Qwen3.5's gated attention: its q/k/v stage and output gate eager (a chain of passes each)
+        "eager_gated_attention": lambda: [setattr(ops, n, _STAGES[n]) for n in ("gated_qk_prep", "sigmoid_gate")],
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
@@ -289,8 +291,9 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     for v in only or list(variants):  # in the order asked for; a name asked for again: key 'name#2'
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
-        if tp and v in ("eager_stages", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up", "all_rows_last_layer",
-                        "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel", "flip_group_kernel"):  # the workers' own
+        if tp and v in ("eager_stages", "eager_gated_attention", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up",
+                        "all_rows_last_layer", "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel",
+                        "flip_group_kernel"):  # the workers' own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]

@@ -87,6 +87,10 @@ for step in ${STEPS:-tests}; do
     qwen35) python3 bench/bench_engine.py --model-size qwen3.5-9b ${QWEN35_ARGS:---workloads W1 --http W1 --baseline W1,W2 \
       --baseline-layouts padded,packed --prefix-cache-compare W2 --profile W1 --repeats 2 --max-model-len 8192} \
       --step-trace "$OUT/trace_qwen35_" --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
+    # Qwen3.5-9B W1 in-process with each of its fused stages switched off in turn (issue 53's ablation)
+    qwen35ablate) python3 bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --repeats 1 --max-model-len 8192 \
+      --ablate W1 --ablate-only as_configured,eager_gated_attention,no_conv_kernel,no_fused_gate_up,eager_stages \
+      --ablate-repeats 1 --out "$OUT/engine_qwen35_ablation_h200.json" 2>&1 | tee "$OUT/engine_qwen35_ablation.log" | tail -12 ;;
     # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
     # packed recipes, W2's cache off vs on, W1 in-process with each expert-layer kernel switched in turn
     # ($QWEN35MOE_ARGS replaces the arguments)

@@ -310,3 +310,33 @@ def test_a_model_without_a_full_attention_layer_is_refused_by_name() -> None:
     ModelSpec.from_dict({**d, "layer_types": ["linear_attention", "full_attention"]})
     with pytest.raises(UnsupportedModelError, match="no full_attention layer"):
         ModelSpec.from_dict({**d, "layer_types": ["linear_attention"] * 2})
+
+
+def test_gated_attention_stages_compiled_match_their_definitions_and_a_wrong_one_is_caught() -> None:
+    """Qwen3.5's gated attention stages through torch.compile (as ``FusedOps`` compiles them)
+    pass the start-up check at the 9B's heads (q 16 x 256 with its gate, k/v 4 x 256, rotary on
+    the first 64 dims), writing into buffers with slack rows; a stage that rotates the whole
+    head fails it, and so does an output gate without the sigmoid."""
+    from teacher_server.ops.partial_rope import check_gated_stages, gated_qk_prep, rotate_part, sigmoid_gate
+    from teacher_server.ops.qkv_rope import HeadLayout
+
+    torch.manual_seed(0)
+    table = torch.cat([torch.cos(torch.arange(64.0)[:, None] * torch.rand(32)),
+                       torch.sin(torch.arange(64.0)[:, None] * torch.rand(32))], dim=1)  # [positions, 64]
+    heads = HeadLayout(16, 4, 256, 1e-6)
+    qn, kn = (1 + 0.1 * torch.randn(256, dtype=torch.bfloat16) for _ in range(2))
+    args = (heads, qn, kn, table, torch.device("cpu"), torch.bfloat16)
+    prep, gate = (torch.compile(f, fullgraph=True) for f in (gated_qk_prep, sigmoid_gate))
+    check_gated_stages(prep, gate, *args)
+
+    def whole_head(qkv, cs, q_norm, k_norm, n_q, n_kv, d, eps, q_out, k_out, v_out):  # noqa: ANN001, ANN202
+        wide = torch.cat([cs[:, :32], torch.ones(cs.shape[0], d // 2 - 32), cs[:, 32:],
+                          torch.zeros(cs.shape[0], d // 2 - 32)], dim=1)
+        g = gated_qk_prep(qkv, cs, q_norm, k_norm, n_q, n_kv, d, eps, q_out, k_out, v_out)
+        q_out.copy_(rotate_part(q_out, wide))
+        return g
+
+    with pytest.raises(RuntimeError, match="gated_qk_prep q"):
+        check_gated_stages(whole_head, sigmoid_gate, *args)
+    with pytest.raises(RuntimeError, match="sigmoid_gate"):
+        check_gated_stages(gated_qk_prep, lambda o, g: o * g, *args)

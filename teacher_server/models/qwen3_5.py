@@ -32,6 +32,7 @@ from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.gated_delta import check_fla
+from teacher_server.ops.partial_rope import check_gated_stages
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.ops.slack import alloc_with_slack
 from teacher_server.step_context import StepContext
@@ -40,18 +41,6 @@ _SKIPPED = re.compile(r"^(model\.visual\.|mtp\.|model\.mtp\.)")
 # Names of a linear layer's own parameters (not of a projection or norm module).
 _LINEAR_OWN = {"conv1d.weight": "conv_weight", "A_log": "A_log", "dt_bias": "dt_bias"}
 _LINEAR_OWN_RE = re.compile(r"^model\.layers\.(\d+)\.linear_attn\.(conv1d\.weight|A_log|dt_bias)$")
-
-
-def rotate_partial(x: torch.Tensor, cs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = x [T, H, D] with its first r dims rotated neox-style by cs [T, r] (cos | sin,
-    float32), the math in float32, rounded once; the other D - r dims copied."""
-    half = cs.shape[1] // 2
-    cos, sin = cs[:, None, :half], cs[:, None, half:]
-    x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
-    out[..., :half] = x1 * cos - x2 * sin
-    out[..., half:2 * half] = x2 * cos + x1 * sin
-    out[..., 2 * half:] = x[..., 2 * half:]
-    return out
 
 
 class Qwen3_5Attention(Qwen3Attention):
@@ -74,18 +63,14 @@ class Qwen3_5Attention(Qwen3Attention):
         # (an odd rotary width rotates one more dim, as transformers does: the table has a column
         # pair per frequency)
         assert cs.shape[1] == self.rotary_dim + self.rotary_dim % 2, "the rope table must be built at spec.rotary_dim"
-        qkv = self.qkv_proj(h)
-        qg, k, v = qkv.split([2 * hd.n_q * d, hd.n_kv * d, hd.n_kv * d], dim=-1)
-        qg = qg.view(t, hd.n_q, 2 * d)
-        gate = qg[..., d:]
-        q = rt.ops.rms_norm(qg[..., :d], self.q_norm.weight, hd.eps)
-        k = rt.ops.rms_norm(k.view(t, hd.n_kv, d), self.k_norm.weight, hd.eps)
-        # q, k, v with slack rows (the cuDNN backend pads into them without copies)
-        q = rotate_partial(q, cs, alloc_with_slack(h, t, hd.n_q, d, front=True))
-        k = rotate_partial(k, cs, alloc_with_slack(h, t, hd.n_kv, d))
-        v = alloc_with_slack(h, t, hd.n_kv, d).copy_(v.view(t, hd.n_kv, d))
+        # q, k, v with slack rows (the cuDNN backend pads into them without copies), written by one
+        # stage (compiled: q/k norms, partial rotary and the split in a fused pass or two)
+        q, k, v = (alloc_with_slack(h, t, hd.n_q, d, front=True), alloc_with_slack(h, t, hd.n_kv, d),
+                   alloc_with_slack(h, t, hd.n_kv, d))
+        gate = rt.ops.gated_qk_prep(self.qkv_proj(h), cs, self.q_norm.weight, self.k_norm.weight, hd.n_q, hd.n_kv, d,
+                                    hd.eps, q, k, v)
         rt.kv.store(self.layer_id, k, v, ctx)
-        return (self.attend(q, k, v, ctx) * torch.sigmoid(gate)).reshape(t, -1)
+        return rt.ops.sigmoid_gate(self.attend(q, k, v, ctx), gate).reshape(t, -1)
 
 
 class Qwen3_5DecoderLayer(LlamaDecoderLayer):
@@ -164,6 +149,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         if mixer is not None:  # the gated output norm of the linear layers, compiled as they call it
             ops.expect_linear_layers(mixer.gated_norm_shape(), mixer.heads_shape())
         ops.warm_up(heads, self.spec.hidden_size, inter, None, None, rope.table, rope.table.device, self.dtype)
+        attn = next((layer.self_attn for layer in self.layers if not layer.linear), None)
+        if attn is not None and ops.compiled:  # the gated attention's input stage and output gate
+            try:
+                check_gated_stages(ops.gated_qk_prep, ops.sigmoid_gate, attn.heads, attn.q_norm.weight,
+                                   attn.k_norm.weight, rope.table, rope.table.device, self.dtype)
+            except Exception as e:
+                ops.eager_stages(e)
         if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,
                       s.linear_conv_kernel_dim, rope.table.device, self.dtype)

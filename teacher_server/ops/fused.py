@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -34,8 +34,8 @@ from teacher_server.ops.gelu_mul import gelu_tanh_mul
 from teacher_server.ops.mla_prep import mla_expand, mla_prep
 from teacher_server.ops.moe_combine import check_moe_combine
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add, norm_add_rms_norm, rms_norm
-from teacher_server.ops.partial_rope import partial_qk_prep
-from teacher_server.ops.qkv_rope import HeadLayout, check_qkv_rope, qkv_prep, qkv_rope
+from teacher_server.ops.partial_rope import gated_qk_prep, partial_qk_prep, sigmoid_gate
+from teacher_server.ops.qkv_rope import HeadLayout, KVStore, check_qkv_rope, qkv_prep, qkv_rope
 from teacher_server.ops.row_end import before_end
 from teacher_server.ops.silu_mul import check_silu_mul, silu_mul, silu_mul_rows
 
@@ -43,15 +43,6 @@ if TYPE_CHECKING:
     from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
-
-
-class KVStore(Protocol):
-    """What the QKV stage needs of the KV pool (``kv_pool.KVPool``)."""
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None: ...
-
-    def store_target(self, layer: int,
-                     ctx: StepContext) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
 
 
 class _Guarded:
@@ -77,7 +68,8 @@ _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_no
                                 "gated_rms_norm": gated_rms_norm, "linear_prep": linear_prep,
                                 "gelu_tanh_mul": gelu_tanh_mul, "partial_qk_prep": partial_qk_prep,
                                 "norm_add_rms_norm": norm_add_rms_norm, "norm_add": norm_add,
-                                "clamped_swiglu": clamped_swiglu, "mla_prep": mla_prep, "mla_expand": mla_expand}
+                                "clamped_swiglu": clamped_swiglu, "mla_prep": mla_prep, "mla_expand": mla_expand,
+                                "gated_qk_prep": gated_qk_prep, "sigmoid_gate": sigmoid_gate}
 
 
 class FusedOps:
@@ -99,6 +91,8 @@ class FusedOps:
     norm_add: Callable  # Gemma's post-norm and residual add on a pipeline stage's last layer
     mla_prep: Callable  # latent attention's latent and rotated q (``ops.mla_prep``)
     mla_expand: Callable  # latent attention's keys and values from kv_b_proj's output
+    gated_qk_prep: Callable  # Qwen3.5's gated attention: q, k normed and partly rotated, v, into slack buffers
+    sigmoid_gate: Callable  # Qwen3.5's output gate: o * sigmoid(gate)
 
     def __init__(self, kernels: bool, compile: bool,
                  kernels_available: Callable[[], bool] = extension.available) -> None:

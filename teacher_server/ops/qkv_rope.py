@@ -6,6 +6,7 @@ rotary on q and k, and the write of k and v into the KV pool, in one CUDA kernel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -14,6 +15,18 @@ from teacher_server.ops.checks import assert_close
 from teacher_server.ops.norm import rms_norm
 from teacher_server.ops.silu_mul import HALF, aligned
 from teacher_server.ops.slack import alloc_with_slack
+
+if TYPE_CHECKING:
+    from teacher_server.step_context import StepContext
+
+
+class KVStore(Protocol):
+    """What the QKV stage needs of the KV pool (``kv_pool.KVPool``)."""
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None: ...
+
+    def store_target(self, layer: int,
+                     ctx: StepContext) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
 
 
 @dataclass(frozen=True)
