@@ -329,7 +329,7 @@ def test_gated_attention_stages_compiled_match_their_definitions_and_a_wrong_one
     prep, gate = (torch.compile(f, fullgraph=True) for f in (gated_qk_prep, sigmoid_gate))
     check_gated_stages(prep, gate, *args)
 
-    def whole_head(qkv, cs, q_norm, k_norm, n_q, n_kv, d, eps, q_out, k_out, v_out):  # noqa: ANN001, ANN202
+    def whole_head(qkv, cs, q_norm, k_norm, n_q, n_kv, d, eps, q_out, k_out, v_out):
         wide = torch.cat([cs[:, :32], torch.ones(cs.shape[0], d // 2 - 32), cs[:, 32:],
                           torch.zeros(cs.shape[0], d // 2 - 32)], dim=1)
         g = gated_qk_prep(qkv, cs, q_norm, k_norm, n_q, n_kv, d, eps, q_out, k_out, v_out)
@@ -339,4 +339,4 @@ def test_gated_attention_stages_compiled_match_their_definitions_and_a_wrong_one
     with pytest.raises(RuntimeError, match="gated_qk_prep q"):
         check_gated_stages(whole_head, sigmoid_gate, *args)
     with pytest.raises(RuntimeError, match="sigmoid_gate"):
-        check_gated_stages(gated_qk_prep, lambda o, g: o * g, *args)
+        check_gated_stages(gated_qk_prep, lambda o, g: (o * g).reshape(o.shape[0], -1), *args)

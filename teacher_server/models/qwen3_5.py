@@ -70,7 +70,7 @@ class Qwen3_5Attention(Qwen3Attention):
         gate = rt.ops.gated_qk_prep(self.qkv_proj(h), cs, self.q_norm.weight, self.k_norm.weight, hd.n_q, hd.n_kv, d,
                                     hd.eps, q, k, v)
         rt.kv.store(self.layer_id, k, v, ctx)
-        return rt.ops.sigmoid_gate(self.attend(q, k, v, ctx), gate).reshape(t, -1)
+        return rt.ops.sigmoid_gate(self.attend(q, k, v, ctx), gate)  # [T, heads * head_dim]
 
 
 class Qwen3_5DecoderLayer(LlamaDecoderLayer):

@@ -13,6 +13,7 @@ import torch
 from teacher_server.ops.checks import assert_close
 from teacher_server.ops.norm import rms_norm
 from teacher_server.ops.qkv_rope import HeadLayout
+from teacher_server.ops.slack import alloc_with_slack
 
 
 def rotate_part(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
@@ -52,8 +53,9 @@ def gated_qk_prep(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor, k_n
 
 
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``o * sigmoid(gate)`` as eager torch rounds it ([T, H, D]; the gate may be strided)."""
-    return o * torch.sigmoid(gate)
+    """``o * sigmoid(gate)`` as eager torch rounds it, as [T, H D] (o [T, H, D] in any layout the
+    attention backend returns; the gate may be strided): one pass where compiled."""
+    return (o * torch.sigmoid(gate)).reshape(o.shape[0], -1)
 
 
 def check_gated_stages(prep: Callable, gate_stage: Callable, heads: HeadLayout, q_norm: torch.Tensor,
@@ -68,13 +70,16 @@ def check_gated_stages(prep: Callable, gate_stage: Callable, heads: HeadLayout, 
         cs = cos_sin[(torch.arange(n, device=device) * 37) % cos_sin.shape[0]]
         outs = []
         for stage in (prep, gated_qk_prep):
-            bufs = [torch.empty(n + 9, h, d, device=device, dtype=dtype)[3:3 + n] for h in (n_q, n_kv, n_kv)]
+            bufs = [alloc_with_slack(qkv, n, n_q, d, front=True), alloc_with_slack(qkv, n, n_kv, d),
+                    alloc_with_slack(qkv, n, n_kv, d)]
             gate = stage(qkv, cs, q_norm, k_norm, n_q, n_kv, d, heads.eps, *bufs)
             outs.append((*bufs, gate))
         for name, got, ref in zip(("q", "k", "v", "gate"), *outs):
             assert_close(f"compiled gated_qk_prep {name}", got, ref)
-        o = torch.randn(n, n_q, d, device=device, dtype=dtype)
-        assert_close("compiled sigmoid_gate", gate_stage(o, outs[1][3]), sigmoid_gate(o, outs[1][3]))
+        # the attention's output packed, or head-major as a per-sequence backend's transposed view
+        for o in (torch.randn(n, n_q, d, device=device, dtype=dtype),
+                  torch.randn(n_q, n, d, device=device, dtype=dtype).transpose(0, 1)):
+            assert_close("compiled sigmoid_gate", gate_stage(o, outs[1][3]), sigmoid_gate(o, outs[1][3]))
 
 
 def check_partial_qk_prep(stage: Callable, heads: HeadLayout, q_norm: torch.Tensor | None,
