@@ -218,7 +218,7 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
 
 # FusedOps' kernel switches the results record and the ablations turn off (conv_kernel: Qwen3.5's)
 KERNEL_SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "combine_kernel",
-                   "moe_gate_up_kernel", "router_kernel", "group_kernel")
+                   "moe_gate_up_kernel", "router_kernel", "group_kernel", "gate_up_gelu_kernel")
 
 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
@@ -270,8 +270,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # SiLU-mul and the fused QKV/rotary/KV-write kernel replaced by their torch references (and the
         # fused gate/up kernel off, else the dense MLP would not run SiLU-mul at all)
         "no_cuda_kernels": lambda: [setattr(ops, n, False) for n in KERNEL_SWITCHES if n != "conv_kernel"],
-        # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel, instead of the fused Triton kernel
-        "no_fused_gate_up": lambda: setattr(ops, "gate_up_kernel", False),
+        # the gate/up GEMM (cuBLAS) and then the SiLU-mul kernel (Gemma: GELU-mul), instead of the fused Triton kernel
+        "no_fused_gate_up": lambda: [setattr(ops, n, False) for n in ("gate_up_kernel", "gate_up_gelu_kernel")],
         # expert layers: the combine as torch's embedding_bag; the gather, grouped GEMM and SiLU-mul as three
         # passes (or, where the warm-up left them so, the fused kernel forced on)
         "no_combine_kernel": lambda: setattr(ops, "combine_kernel", False),

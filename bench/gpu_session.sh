@@ -235,11 +235,12 @@ for step in ${STEPS:-tests}; do
         --repeats 1 --max-model-len 8192} --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
     # Gemma 3 and GLM-4.5 (issue 50): their GPU tests (float32 parity, bf16 per attention backend beside transformers'
     # bf16), then W1f in-process and through HTTP beside transformers' forward: Gemma-3-27B's text model (62 layers)
-    # and GLM-4.5-Air's layers (18 of 46); $GEMMA_REPEATS timed passes each (default 1: the step fits ~8 minutes)
-    gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
+    # and GLM-4.5-Air's layers (18 of 46); $GEMMA_REPEATS timed passes each (default 1: the step fits ~8 minutes);
+    # $GEMMA_EXTRA adds bench flags (e.g. "--ablate W1f --ablate-only as_configured,no_fused_gate_up")
+    gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py tests/test_gate_up_silu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
       for shape in ${GEMMA_SHAPES:-gemma3-27b glm4.5-air}; do
         python3 bench/bench_engine.py --model-size $shape $(fit_layers $shape) --workloads W1f --http W1f --baseline W1f \
-          --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 --step-trace "$OUT/trace_${shape}_" --out "$OUT/engine_${shape}_h200.json" 2>&1 \
+          --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 ${GEMMA_EXTRA:-} --step-trace "$OUT/trace_${shape}_" --out "$OUT/engine_${shape}_h200.json" 2>&1 \
           | tee "$OUT/engine_$shape.log" | tail -12
       done ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;

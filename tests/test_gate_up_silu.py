@@ -79,20 +79,20 @@ def test_start_up_check_catches_wrong_tiles_and_unstable_bits(monkeypatch) -> No
     tile, a slightly wrong one, or other bits on a second call each fail it."""
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
 
-    def right(h, w, *a):
+    def right(h, w, *a, **kw):
         return silu_mul_reference(h @ w.t())
 
-    def nan_tile(h, w, *a):
+    def nan_tile(h, w, *a, **kw):
         out = right(h, w)
         out[-1:, :8] = float("nan")
         return out
 
-    def off_by_a_tenth(h, w, *a):
+    def off_by_a_tenth(h, w, *a, **kw):
         return right(h, w) * 1.1
 
     calls = []
 
-    def unstable(h, w, *a):
+    def unstable(h, w, *a, **kw):
         calls.append(1)
         out = right(h, w)
         if len(calls) % 2 == 0:
@@ -105,5 +105,46 @@ def test_start_up_check_catches_wrong_tiles_and_unstable_bits(monkeypatch) -> No
         monkeypatch.setattr(gus, "gate_up_silu", fake)
         with pytest.raises(RuntimeError, match=says):
             gus.check_gate_up_silu(64, 128, cpu, bf16)
-    monkeypatch.setattr(gus, "gate_up_silu", lambda *a: None)
+    monkeypatch.setattr(gus, "gate_up_silu", lambda *a, **kw: None)
     assert not gus.check_gate_up_silu(64, 128, cpu, bf16)  # does not apply
+
+
+def test_the_gelu_check_compares_with_gemmas_activation(monkeypatch) -> None:
+    """With act "gelu_tanh" the check holds the kernel to gelu_tanh(g) * u: a stand-in computing
+    that passes, one computing SiLU fails; the activation reaches the kernel."""
+    from teacher_server.ops.gelu_mul import gelu_tanh_mul
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    seen = []
+
+    def gelu(h, w, *a, act="silu", **kw):
+        seen.append(act)
+        return gelu_tanh_mul(h @ w.t())
+
+    monkeypatch.setattr(gus, "gate_up_silu", gelu)
+    assert gus.check_gate_up_silu(64, 128, cpu, bf16, "gelu_tanh") and set(seen) == {"gelu_tanh"}
+    monkeypatch.setattr(gus, "gate_up_silu", lambda h, w, *a, **kw: silu_mul_reference(h @ w.t()))
+    with pytest.raises(RuntimeError, match="differs"):
+        gus.check_gate_up_silu(64, 128, cpu, bf16, "gelu_tanh")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("hidden,inter", [(256, 512), (5376, 21504)])  # Gemma-3-27B's MLP
+@pytest.mark.parametrize("tokens", [1, 77, 4099])
+def test_gelu_epilogue_matches_two_passes_and_float32(hidden: int, inter: int, tokens: int) -> None:
+    from teacher_server.ops.gelu_mul import gelu_tanh_mul
+
+    g = torch.Generator(device="cuda").manual_seed(hidden + tokens)
+    w = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * hidden ** -0.5).bfloat16()
+    h = torch.randn(tokens, hidden, device="cuda", generator=g).bfloat16()
+    got = gus.gate_up_silu(h, w, act="gelu_tanh")
+    assert got is not None and got.shape == (tokens, inter)
+    two = gelu_tanh_mul(h @ w.t())
+    gate, up = (h.float() @ w.float().t()).chunk(2, dim=-1)
+    exact = F.gelu(gate, approximate="tanh") * up
+    assert _rel_rms(got, exact) <= 1.02 * _rel_rms(two, exact) + 1e-6
+    assert ((got.float() - two.float()).abs() <= 2 ** -6 * two.float().abs() + 1e-3).all()
+    ops = FusedOps(kernels=True, compile=False)
+    ops.check_gate_up(hidden, inter, torch.device("cuda"), torch.bfloat16, "gelu_tanh")
+    assert ops.gate_up_gelu_kernel and torch.equal(ops.gate_up_act(h, w, "gelu_tanh"), got)

@@ -75,8 +75,8 @@ def test_the_router_kernel_at_each_router(model: str) -> None:
     assert_sound(launches, 1, matrix=False)  # float32 products on the FMA units (module docstring)
 
 
-# (hidden, intermediate): Qwen3-8B, Qwen3-32B, Moonlight's two shared experts as one MLP
-DENSE_MLPS = [(4096, 12288), (5120, 25600), (2048, 2816)]
+# (hidden, intermediate): Qwen3-8B, Qwen3-32B, Moonlight's two shared experts as one MLP, Gemma-3-27B
+DENSE_MLPS = [(4096, 12288), (5120, 25600), (2048, 2816), (5376, 21504)]
 
 
 @pytest.mark.parametrize(("hidden", "inter"), DENSE_MLPS)
@@ -85,9 +85,11 @@ def test_the_dense_gate_up_kernel_in_every_config(monkeypatch: pytest.MonkeyPatc
     h, w = torch.empty(2048, hidden, dtype=BF), torch.empty(2 * inter, hidden, dtype=BF)
     with compiled_launches() as launches:
         for config, (_, bn, *_rest) in gate_up_silu.CONFIGS.items():
-            gate_up_silu._launch("fused", h, w, inter, bn, config, FLATTEN=False, WS=True, EXACT=False)
-        gate_up_silu._launch("fused", h, w, inter, 128, gate_up_silu.DEFAULT, FLATTEN=False, WS=True, EXACT=True)
-    assert_sound(launches, len(gate_up_silu.CONFIGS) + 1, matrix=True)
+            gate_up_silu._launch("fused", h, w, inter, bn, config, FLATTEN=False, WS=True, EXACT=False, GELU=False)
+        for exact, gelu in ((True, False), (False, True)):  # the exact SiLU epilogue, Gemma's gelu_tanh
+            gate_up_silu._launch("fused", h, w, inter, 128, gate_up_silu.DEFAULT, FLATTEN=False, WS=True,
+                                 EXACT=exact, GELU=gelu)
+    assert_sound(launches, len(gate_up_silu.CONFIGS) + 2, matrix=True)
 
 
 @pytest.mark.parametrize("stored_states", [False, True])

@@ -89,12 +89,16 @@ class Gemma3Attention(Qwen3Attention):
 
 
 class GeluTanhMLP(LlamaMLP):
-    """Llama's MLP with gelu_tanh(gate) * up (``FusedOps.gelu_tanh_mul``, compiled where the
-    stages are) in place of SiLU-mul: [T, hidden] -> [T, intermediate]; the down projection is
-    applied by the decoder layer."""
+    """Llama's MLP with gelu_tanh(gate) * up in place of SiLU-mul: [T, hidden] -> [T,
+    intermediate]; the gate/up GEMM and the activation in one kernel where it runs (Hopper,
+    plain weights: ``FusedOps.gate_up_act``), else the GEMM then ``FusedOps.gelu_tanh_mul``
+    (compiled where the stages are). The down projection is applied by the decoder layer."""
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.rt.ops.gelu_tanh_mul(self.gate_up_proj(h))
+        p = self.gate_up_proj
+        w = p.fmt.dense(p)
+        a = self.rt.ops.gate_up_act(h, w, "gelu_tanh") if w is not None and p.bias is None else None
+        return a if a is not None else self.rt.ops.gelu_tanh_mul(p(h))
 
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
@@ -170,6 +174,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         the model dtype; Gemma's are float32 ``1 + w``): the compiled q/k stage runs instead."""
         ops.use_qkv_kernel(False)
         super().warm_up_ops(ops, ropes)
+        mlp = self.layers[0].mlp  # the fused gate/up kernel with gelu_tanh, at this rank's width
+        ops.check_gate_up(self.spec.hidden_size, mlp.down_proj.weight.shape[1], mlp.down_proj.weight.device,
+                          self.dtype, "gelu_tanh")
         if ops.compiled:  # this family's own compiled stages, at its widths (a failure: every stage eager)
             table = ropes["default"].table
             try:

@@ -72,6 +72,9 @@ _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_no
                                 "gated_qk_prep": gated_qk_prep, "sigmoid_gate": sigmoid_gate}
 
 
+_GATE_UP = {"silu": "gate_up_kernel", "gelu_tanh": "gate_up_gelu_kernel"}  # the fused gate/up kernel's switches
+
+
 class FusedOps:
     """The stage functions a layer calls (``rms_norm``, ``add_rms_norm``, ``gated_rms_norm``,
     ``linear_prep``, ``silu_mul``, ``qkv_store``) and the switches behind them.
@@ -122,6 +125,7 @@ class FusedOps:
         # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
         # after its start-up check at the model's shapes: ``check_gate_up``)
         self.gate_up_kernel = kernels
+        self.gate_up_gelu_kernel = kernels  # the same with Gemma's gelu_tanh (its own check: ``check_gate_up``)
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
         # its start-up check: ``check_conv_kernel``)
         self.conv_kernel = kernels
@@ -170,23 +174,25 @@ class FusedOps:
         return before_end(lambda g, r: self.clamped_swiglu(g, bias, r, alpha, limit), gate_up, end,
                           gate_up.shape[1] // 2, rows)
 
-    def gate_up_act(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-        """silu(h gate^T) * (h up^T), w = [gate; up] ([2I, H]), in one kernel: [T, I]; None
-        where it does not run (the caller then runs the GEMM and ``silu_mul``)."""
-        return gate_up_silu(h, w) if self.gate_up_kernel else None
+    def gate_up_act(self, h: torch.Tensor, w: torch.Tensor, act: str = "silu") -> torch.Tensor | None:
+        """silu(h gate^T) * (h up^T) (``act`` "gelu_tanh": Gemma's), w = [gate; up] ([2I, H]), in one
+        kernel: [T, I]; None where it does not run (the caller runs the GEMM and the activation)."""
+        return gate_up_silu(h, w, act=act) if getattr(self, _GATE_UP[act]) else None
 
-    def check_gate_up(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Check (and compile) the fused gate/up kernel at the model's shapes (when on); where it
-        does not apply or fails, it is off (a failure logs a line: the two passes are correct)."""
-        if not self.gate_up_kernel:
+    def check_gate_up(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
+                      act: str = "silu") -> None:
+        """Check (and compile) the fused gate/up kernel with ``act`` at the model's shapes (when on);
+        where it does not apply or fails, it is off (a failure logs a line: the two passes are correct)."""
+        switch = _GATE_UP[act]
+        if not getattr(self, switch):
             return
         try:
-            self.gate_up_kernel = check_gate_up_silu(hidden, intermediate, device, dtype)
+            setattr(self, switch, check_gate_up_silu(hidden, intermediate, device, dtype, act))
         except Exception as e:
-            log.warning("fused gate/up SiLU kernel disabled: %s: %s", type(e).__name__, e)
-            self.gate_up_kernel = False
-        if self.gate_up_kernel:
-            log.info("fused gate/up SiLU kernel on (hidden %d, intermediate %d)", hidden, intermediate)
+            log.warning("fused gate/up %s kernel disabled: %s: %s", act, type(e).__name__, e)
+            setattr(self, switch, False)
+        if getattr(self, switch):
+            log.info("fused gate/up %s kernel on (hidden %d, intermediate %d)", act, hidden, intermediate)
 
     def check_gate_up_width(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
         """Check the fused gate/up kernel at a second width it runs at (a shared expert's; when

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from teacher_server.ops.gelu_mul import gelu_tanh_mul
 from teacher_server.ops.silu_mul import silu_mul_reference
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ CONFIGS = {
     "128x128x128s2": (128, 128, 128, 2, 8, 8),
 }
 DEFAULT = "128x128x64s3"
+ACTS = {"silu": False, "gelu_tanh": True}  # the epilogue's activation: the kernel's GELU switch
 
 
 _K: dict[str, Any] = {}
@@ -69,9 +71,10 @@ def _kernels() -> dict[str, Any]:
     @triton.jit(do_not_specialize=["M"])
     def fused(a_desc, b_desc, c_desc, M, I, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,  # noqa: E741
               GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr, FLATTEN: tl.constexpr, WS: tl.constexpr,
-              EXACT: tl.constexpr):
+              EXACT: tl.constexpr, GELU: tl.constexpr):
         # EXACT: libdevice's correctly rounded exp and division, as the SiLU-mul kernel's expf
-        # and '/'; else the GPU's fast ones (the default: a lighter epilogue)
+        # and '/'; else the GPU's fast ones (the default: a lighter epilogue). GELU: Gemma's
+        # gelu_tanh(g) * u instead, as torch computes it (float32, libdevice's tanh)
         num_pid_m = tl.cdiv(M, BM)
         num_pid_n = tl.cdiv(I, BN)
         per_group = GROUP_M * num_pid_n
@@ -90,7 +93,9 @@ def _kernels() -> dict[str, Any]:
                 acc_u = tl.dot(a, b_desc.load([I + on, ok]).T, acc_u)
             g = acc_g.to(c_desc.dtype).to(tl.float32)
             u = acc_u.to(c_desc.dtype).to(tl.float32)
-            if EXACT:
+            if GELU:
+                s = 0.5 * g * (1.0 + libdevice.tanh(0.7978845608028654 * (g + 0.044715 * (g * g * g))))
+            elif EXACT:
                 s = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
             else:
                 s = g / (1.0 + tl.exp(-g))
@@ -165,12 +170,14 @@ def _launch(kernel: str, h: torch.Tensor, w: torch.Tensor, cols: int, bn: int, c
 
 
 def gate_up_silu(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False,
-                 warp_specialize: bool = True, exact: bool = False) -> torch.Tensor | None:
-    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]); None where it does not apply."""
+                 warp_specialize: bool = True, exact: bool = False, act: str = "silu") -> torch.Tensor | None:
+    """silu(h @ gate^T) * (h @ up^T) with w = [gate; up] ([2I, H]) (``act`` "gelu_tanh": Gemma's
+    gelu_tanh in place of silu); None where it does not apply."""
     bn = CONFIGS[config][1]
     if not eligible(h, w, bn):
         return None
-    return _launch("fused", h, w, w.shape[0] // 2, bn, config, FLATTEN=flatten, WS=warp_specialize, EXACT=exact)
+    return _launch("fused", h, w, w.shape[0] // 2, bn, config, FLATTEN=flatten, WS=warp_specialize, EXACT=exact,
+                   GELU=ACTS[act])
 
 
 def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten: bool = False) -> torch.Tensor | None:
@@ -181,8 +188,9 @@ def plain_gemm(h: torch.Tensor, w: torch.Tensor, config: str = DEFAULT, flatten:
     return _launch("plain", h, w, w.shape[0], 2 * bn, config, FLATTEN=flatten)
 
 
-def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
-    """Start-up check at the model's shapes: the kernel against the GEMM then silu(g) * u on
+def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype,
+                       act: str = "silu") -> bool:
+    """Start-up check at the model's shapes: the kernel against the GEMM then act(g) * u on
     random inputs, every output within a few bf16 steps of it (NaN fails), and the same bits on
     a second call (a race would differ). Its token counts (1, one not a multiple of 16, and
     4096, which gives every SM several tiles) compile every variant Triton may specialise the
@@ -191,14 +199,14 @@ def check_gate_up_silu(hidden: int, intermediate: int, device: torch.device, dty
     w = torch.randn(2 * intermediate, hidden, device=device, dtype=dtype) * hidden ** -0.5
     for n in (1, 200, 4096):
         h = torch.randn(n, hidden, device=device, dtype=dtype)
-        got = gate_up_silu(h, w)
+        got = gate_up_silu(h, w, act=act)
         if got is None:
             return False
-        ref = silu_mul_reference(h @ w.t()).float()
+        ref = (silu_mul_reference if act == "silu" else gelu_tanh_mul)(h @ w.t()).float()
         bad = int((~((got.float() - ref).abs() <= 2 ** -6 * ref.abs() + 1e-3)).sum())
         if bad:
             raise RuntimeError(f"gate_up_silu differs from the GEMM and SiLU-mul on {bad} of {got.numel()} outputs "
                                f"at {n} tokens")
-        if not torch.equal(got, gate_up_silu(h, w)):
+        if not torch.equal(got, gate_up_silu(h, w, act=act)):
             raise RuntimeError(f"gate_up_silu gave other bits on a second call at {n} tokens")
     return True
