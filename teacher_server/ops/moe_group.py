@@ -7,7 +7,9 @@ scatter, the tokens by a division: about 0.9% of Moonlight-16B-A3B's step on the
 sort alone. With E experts the ids are small integers, so a counting placement gives the same
 order:
 
-1. ``count``: per block of BLOCK slots, how many go to each expert ([blocks, E] int32);
+1. ``count``: per block of BLOCK slots, how many go to each expert ([E, blocks] int32: each
+   expert's counts contiguous, so the sum over blocks below is torch's scan along the last
+   dimension, a parallel one; along the first it would walk the blocks one after another);
 2. two cumulative sums: each expert's first row, and each block's first row within it;
 3. ``place``: slot s of block b with expert e goes to row first[e] + before[b, e] + the slots
    of b ahead of s with the same expert, which is where the stable sort puts it.
@@ -44,17 +46,17 @@ class Grouped(NamedTuple):
 
 def _define(triton, tl) -> dict[str, Any]:
     """The counting and placing kernels (``triton_kernels.lazy``)."""
-    @triton.jit(do_not_specialize=["M"])
-    def count(ids_ptr, counts_ptr, M, NB: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["M", "NBLK"])
+    def count(ids_ptr, counts_ptr, M, NBLK, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         s = b * BLOCK + tl.arange(0, BLOCK)
         ok = s < M
         e = tl.load(ids_ptr + s, mask=ok, other=0)
-        tl.atomic_add(counts_ptr + b * NB + e, 1, mask=ok)
+        tl.atomic_add(counts_ptr + e * NBLK + b, 1, mask=ok)
 
-    @triton.jit(do_not_specialize=["M"])
-    def place(ids_ptr, counts_ptr, cum_ptr, starts_ptr, keys_ptr, tok_ptr, pos_ptr, M, K: tl.constexpr,
-              NB: tl.constexpr, BLOCK: tl.constexpr):
+    @triton.jit(do_not_specialize=["M", "NBLK"])
+    def place(ids_ptr, counts_ptr, cum_ptr, starts_ptr, keys_ptr, tok_ptr, pos_ptr, M, NBLK, K: tl.constexpr,
+              BLOCK: tl.constexpr):
         b = tl.program_id(0)
         i = tl.arange(0, BLOCK)
         s = b * BLOCK + i
@@ -62,7 +64,7 @@ def _define(triton, tl) -> dict[str, Any]:
         e = tl.load(ids_ptr + s, mask=ok, other=-1)  # (slots past M sort after the block's own: never ahead)
         ahead = (e[None, :] == e[:, None]) & (i[None, :] < i[:, None])
         rank = tl.sum(ahead.to(tl.int32), axis=1)
-        at = b * NB + e
+        at = e * NBLK + b
         # the expert's first row + this block's first within it (the inclusive sum less its own count)
         row = (tl.load(starts_ptr + e, mask=ok, other=0) + tl.load(cum_ptr + at, mask=ok, other=0)
                - tl.load(counts_ptr + at, mask=ok, other=0) + rank).to(tl.int64)
@@ -94,15 +96,15 @@ def group_kernels(flat: torch.Tensor, buckets: int, k: int) -> Grouped | None:
     if flat.dtype != torch.int64 or flat.dim() != 1 or not flat.is_contiguous() or m == 0 or "count" not in _kernels():
         return None
     nb = -(-m // BLOCK)
-    counts = torch.zeros(nb, buckets, dtype=torch.int32, device=flat.device)
-    _K["count"][(nb,)](flat, counts, m, NB=buckets, BLOCK=BLOCK, num_warps=2)
-    cum = counts.cumsum(0, dtype=torch.int32)  # [blocks, buckets] inclusive over the blocks
-    ends = cum[-1].cumsum(0, dtype=torch.int32)  # [buckets] each bucket's row end
-    starts = ends - cum[-1]
+    counts = torch.zeros(buckets, nb, dtype=torch.int32, device=flat.device)
+    _K["count"][(nb,)](flat, counts, m, nb, BLOCK=BLOCK, num_warps=2)
+    cum = counts.cumsum(1, dtype=torch.int32)  # [buckets, blocks] inclusive over the blocks
+    ends = cum[:, -1].cumsum(0, dtype=torch.int32)  # [buckets] each bucket's row end
+    starts = ends - cum[:, -1]
     keys = torch.empty_like(flat)
     tokens = torch.empty_like(flat)
     pos = torch.empty_like(flat)
-    _K["place"][(nb,)](flat, counts, cum, starts, keys, tokens, pos, m, K=k, NB=buckets, BLOCK=BLOCK, num_warps=2)
+    _K["place"][(nb,)](flat, counts, cum, starts, keys, tokens, pos, m, nb, K=k, BLOCK=BLOCK, num_warps=2)
     return Grouped(keys, tokens, ends, pos)
 
 
