@@ -27,9 +27,15 @@ $(VENV)/.server: pyproject.toml $(VENV)/.torch
 
 # requirements-swift.txt: ms-swift's GKD teacher client for tests/test_trainer_clients.py, without
 # its dependencies (they cannot be resolved beside the test extra's TRL; the file says why).
+# Triton where torch brought none (the CPU wheel): our kernels then run in its interpreter and
+# compile for Hopper in the tests (tests/test_triton_sm90.py). A CUDA torch keeps the Triton it
+# pins. 3.8.0: 3.6's interpreter fails on numpy >= 2.3 scalars, and 3.9 has no Python 3.10 wheel.
+TRITON_SPEC ?= triton==3.8.0
 $(VENV)/.test: pyproject.toml requirements-swift.txt $(VENV)/.server
 	$(PY) -m pip install -q -e ".[server,test]"
 	$(PY) -m pip install -q --no-deps -r requirements-swift.txt
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q "$(TRITON_SPEC)" \
+	  || echo "no $(TRITON_SPEC) for this platform: the Triton kernels' CPU tests are skipped"
 	touch $@
 
 setup-run: $(VENV)/.server

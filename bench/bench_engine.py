@@ -221,6 +221,14 @@ KERNEL_SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel",
                    "moe_gate_up_kernel", "router_kernel", "group_kernel", "gate_up_gelu_kernel")
 
 
+# the variants of --ablate (``ablate``), in their default order; --ablate-only names some of them
+ABLATIONS = ("as_configured", "varlen_attention", "cudnn_attention", "cudnn_fe_attention", "one_attention_stream",
+             "residual_add_outside_gemm", "all_rows_last_layer", "no_prefix_groups", "no_pipeline", "budget_x2",
+             "budget_half", "split_to_fill", "eager_stages", "no_cuda_kernels", "no_fused_gate_up",
+             "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel", "flip_group_kernel",
+             "eager_gated_attention", "no_conv_kernel", "fp8_norm_then_quant")
+
+
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
     """The same workload with one optimisation taken away at a time (same process, same
     weights): what each is worth."""
@@ -286,6 +294,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
         "fp8_norm_then_quant": lambda: setattr(ops, "fp8_norm_input", False),
     }
+    assert tuple(variants) == ABLATIONS, "ABLATIONS lists the variants"
     tp = getattr(engine, "_workers", None) is not None
     runs: dict[str, int] = {}
     for v in only or list(variants):  # in the order asked for; a name asked for again: key 'name#2'
@@ -502,18 +511,28 @@ def trace_window(path: str, t0: float, t1: float) -> dict | None:
     """Where an HTTP pass's wall time [t0, t1] (``time.monotonic()``, the clock the step trace
     shares) went, from the server's step trace: ``head_s`` before its first step's launch (the
     first request's way in), ``tail_s`` after its last step completed (the last answer's way
-    out), its steps' GPU time and the idle time between them. None without steps in it."""
+    out), its steps' GPU time and the GPU's idle time between them (summed over the engines
+    that wrote the trace: replicas append to one file). A line cut short is skipped. None
+    without steps in the pass."""
     try:
-        lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
-    except (OSError, ValueError):
+        text = Path(path).read_text()
+    except OSError:
         return None
-    steps = [s for s in lines if t0 <= s["clock"][0] <= t1]
+    steps = []
+    for line in text.splitlines():
+        try:
+            s = json.loads(line)
+        except ValueError:  # (a line the engine was writing as the file was read)
+            continue
+        if t0 <= s["clock"][0] <= t1:
+            steps.append(s)
     if not steps:
         return None
     first, last = min(s["clock"][0] for s in steps), max(s["clock"][-1] for s in steps)
     gpu = sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3
     return {"steps": len(steps), "head_s": round(first - t0, 4), "tail_s": round(t1 - last, 4),
-            "gpu_s": round(gpu, 4), "gpu_share_of_wall": round(gpu / (t1 - t0), 4),
+            "gpu_s": round(gpu, 4), "gpu_idle_s": round(sum(s.get("gpu_idle_ms", 0.0) for s in steps) / 1e3, 4),
+            "gpu_share_of_wall": round(gpu / (t1 - t0), 4), "engines": len({s.get("pid") for s in steps}),
             "first_step_tokens": min(steps, key=lambda s: s["clock"][0])["tokens"]}
 
 
@@ -698,6 +717,9 @@ def main() -> None:
                          "server's to PREFIXhttp-NAME.jsonl (one JSON line per step, config step_trace)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    unknown = [v.split("#")[0] for v in args.ablate_only.split(",") if v and v.split("#")[0] not in ABLATIONS]
+    if unknown:
+        ap.error(f"--ablate-only: no variant {', '.join(unknown)} (the variants: {', '.join(ABLATIONS)})")
     global GPUS, TELEMETRY
     GPUS = args.tensor_parallel_size * args.pipeline_parallel_size
     if torch.cuda.is_available():

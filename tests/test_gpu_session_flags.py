@@ -54,3 +54,14 @@ def test_every_flag_the_gpu_session_passes_is_one_its_script_takes() -> None:
         known = dict(zip(calls, pool.map(known_flags, calls)))
     unknown = {script: sorted(flags - known[script]) for script, flags in calls.items() if flags - known[script]}
     assert not unknown, f"gpu_session.sh passes flags its scripts do not take: {unknown}"
+
+
+def test_every_ablation_the_gpu_session_names_is_a_variant() -> None:
+    """The names after --ablate-only (bench_engine checks them only when it starts, on the device)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_engine
+
+    named = re.findall(r"--ablate-only ([\w,#]+)", SCRIPT.read_text().replace("\\\n", " "))
+    assert named, "no --ablate-only in gpu_session.sh"
+    unknown = {v for group in named for v in group.split(",") if v not in bench_engine.ABLATIONS}
+    assert not unknown, f"gpu_session.sh names ablations bench_engine has not: {sorted(unknown)}"

@@ -102,6 +102,12 @@ def test_the_warm_up_picks_the_grouping_for_each_rank(monkeypatch: pytest.Monkey
     monkeypatch.setattr(FusedOps, "_decide", lambda self, switch, name, decide, dev: setattr(self, switch, decide()))
     moe_models.pick_gate_up(ops, moe, torch.float32)
     assert ops.group_kernel and seen == [(16, 4, "cpu")]
+    # an expert-parallel rank (8 of the 16 experts): its experts and the others' bucket
+    from types import SimpleNamespace
+
+    rank = SimpleNamespace(gate=moe.gate, top_k=4, experts=SimpleNamespace(num_local=8, ep=SimpleNamespace(size=2)))
+    moe_models.pick_gate_up(ops, rank, torch.float32)
+    assert seen[-1] == (9, 4, "cpu")
 
 
 @pytest.mark.gpu

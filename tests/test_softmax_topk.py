@@ -122,5 +122,7 @@ def test_gpu_kernel_matches_the_torch_path_at_model_routers(hidden: int, experts
     gate = ReplicatedLinear(hidden, experts, torch.bfloat16, dev)
     with torch.no_grad():
         gate.weight.normal_(0, hidden ** -0.5)
+    h = torch.randn(4096, hidden, device=dev, dtype=torch.bfloat16)
+    assert st.check(gate(h), top, norm)  # applies here, and agrees with the torch path
     faster = st.pick(gate, hidden, top, norm, dev, torch.bfloat16)
     print(f"{experts} experts, top-{top}: checked; faster than the torch path: {faster}")

@@ -158,7 +158,7 @@ def test_a_kernel_that_spills_is_caught(monkeypatch: pytest.MonkeyPatch) -> None
         assert_sound(launches, 1, matrix=False)
 
 
-@pytest.mark.parametrize(("experts", "top"), [(64, 6), (257, 8), (512, 10)])  # Moonlight, DeepSeek-V3 at EP, Qwen3-Next
+@pytest.mark.parametrize(("experts", "top"), [(64, 6), (256, 8), (512, 10)])  # Moonlight, DeepSeek-V3, Qwen3-Next
 def test_the_expert_grouping_kernels_at_each_routing(experts: int, top: int) -> None:
     flat = torch.zeros(16384 * top, dtype=torch.int64)
     with compiled_launches() as launches:
@@ -166,8 +166,10 @@ def test_the_expert_grouping_kernels_at_each_routing(experts: int, top: int) -> 
     assert_sound(launches, 2, matrix=False)
 
 
-@pytest.mark.parametrize(("experts", "top"), [(8, 2), (60, 4), (128, 8), (256, 8), (512, 10)])
-def test_the_softmax_routers_selection_at_each_router(experts: int, top: int) -> None:
+# (experts, top-k, renormalised): Mixtral, Qwen2-MoE, Qwen3-30B-A3B, Qwen3.5-35B-A3B, Qwen3-Next
+@pytest.mark.parametrize(("experts", "top", "norm"),
+                         [(8, 2, True), (60, 4, False), (128, 8, True), (256, 8, True), (512, 10, True)])
+def test_the_softmax_routers_selection_at_each_router(experts: int, top: int, norm: bool) -> None:
     with compiled_launches() as launches:
-        softmax_topk.softmax_topk(torch.empty(4096, experts), top, True)
+        softmax_topk.softmax_topk(torch.empty(4096, experts), top, norm)
     assert_sound(launches, 1, matrix=False)

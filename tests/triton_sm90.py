@@ -11,9 +11,11 @@ CPU tensors at the model's shapes; their values do not matter (nothing runs)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,8 @@ def _cuobjdump() -> Path:
 
 def available() -> str | None:
     """None when kernels can be compiled here, else why not."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return "TRITON_INTERPRET is set: the kernels would be interpreted, not compiled"
     try:
         import triton  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
@@ -102,7 +106,13 @@ def compiled_launches() -> Iterator[list[Launch]]:
     run = JITFunction.run
 
     def compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
-        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        # a binder of its own: the kernel's per-device cache fixes its target when first made (a real
+        # GPU's, if this process ran the kernel on one), and the compiled binary would be that one's
+        caches, self.device_caches = self.device_caches, defaultdict(self.create_binder)
+        try:
+            kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        finally:
+            self.device_caches = caches
         registers, stack = _resources(kernel.asm["cubin"])
         launches.append(Launch(self.fn.__name__, {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs},
                                int(kernel.metadata.shared), registers, stack, kernel.asm["ptx"]))

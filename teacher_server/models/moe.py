@@ -49,8 +49,9 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 def warm_up_experts(ops: FusedOps, sparse: nn.Module, hidden: int, device: torch.device, dtype: torch.dtype) -> None:
     """An expert layer's start-up checks and picks: SiLU-mul and the combine, the shared expert's
-    fused gate/up, torch's grouped GEMM at both expert shapes, then the fused expert gate/up and
-    DeepSeek's router where they are right and faster (each falls back alone, with one log line)."""
+    fused gate/up, torch's grouped GEMM at both expert shapes, then the fused expert gate/up, the
+    grouping kernels and the router kernel where they are right and faster (each falls back
+    alone, with one log line)."""
     i = sparse.experts.i_local
     ops.check_experts(i, hidden, sparse.top_k, device, dtype)
     check_shared_expert(ops, sparse, hidden, device, dtype)

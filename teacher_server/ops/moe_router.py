@@ -125,9 +125,11 @@ def takes(h: torch.Tensor, weight: torch.Tensor, n_group: int, topk_group: int, 
 
 def enough_tokens(t: int, e: int, device: torch.device) -> bool:
     """Whether t rows fill the GPU: a program per ``tokens_per_program`` rows and nothing split
-    further, so a step of fewer rows than that times the SMs leaves most of them idle (at
-    DeepSeek-V3's width one program's products take ~0.5 ms): the torch path takes those."""
-    return device.type != "cuda" or t >= tokens_per_program(e) * sm_count(device)
+    further, so a step of fewer rows than 64 times the SMs leaves them short of work (at
+    DeepSeek-V3's width one program's products take ~0.5 ms, and each program reads the whole
+    float32 router): the torch path takes those. (64: the floor the warm-up's timing at 16,384
+    rows speaks for, also where fewer rows a program keep the registers from spilling.)"""
+    return device.type != "cuda" or t >= 64 * sm_count(device)
 
 
 def sigmoid_route(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,

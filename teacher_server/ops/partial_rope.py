@@ -53,8 +53,9 @@ def gated_qk_prep(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor, k_n
 
 
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``o * sigmoid(gate)`` as eager torch rounds it, as [T, H D] (o [T, H, D] in any layout the
-    attention backend returns; the gate may be strided): one pass where compiled."""
+    """``o * sigmoid(gate)`` as [T, H D] (o [T, H, D] in any layout the attention backend
+    returns; the gate may be strided): one pass where compiled (which keeps sigmoid(gate) in
+    float32 where eager rounds it to the model dtype first)."""
     return (o * torch.sigmoid(gate)).reshape(o.shape[0], -1)
 
 

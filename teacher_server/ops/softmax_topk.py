@@ -7,10 +7,11 @@ the H100, more at Qwen3-Next's top-10 of 512) and two small passes for the renor
 
 Numerics: the softmax as torch's (the row's maximum subtracted, exp, the sum, one division)
 with another summation order, so a probability may differ from torch's by a float32 ulp; an
-exact tie picks the lower expert id. The start-up check (``check``) compares the picks with
-the torch path's at the layer's own router weights, a different pick allowed only where the
-two picks' probabilities are within float32 noise; the warm-up keeps the kernel only where it
-is also faster (``pick``).
+exact tie picks the lower expert id. A row of NaN logits (a NaN input row) picks expert E - 1
+k times, with NaN weights: torch picks k distinct ids for it, and the scores are NaN either
+way. The start-up check (``check``) compares the picks with the torch path's at the layer's
+own router weights, a different pick allowed only where the two picks' probabilities are
+within float32 noise; the warm-up keeps the kernel only where it is also faster (``pick``).
 """
 
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
