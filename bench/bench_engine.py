@@ -79,6 +79,7 @@ from workloads import (
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreRequest
+from teacher_server.ops.fused import SWITCHES
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -217,8 +218,7 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
 
 
 # FusedOps' kernel switches the results record and the ablations turn off (conv_kernel: Qwen3.5's)
-KERNEL_SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "combine_kernel",
-                   "moe_gate_up_kernel", "router_kernel", "group_kernel", "gate_up_gelu_kernel")
+KERNEL_SWITCHES = SWITCHES  # FusedOps' kernel switches (the results' kernels_on, the ablations' state)
 
 
 # the variants of --ablate (``ablate``), in their default order; --ablate-only names some of them

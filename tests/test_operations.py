@@ -208,6 +208,13 @@ def test_metrics_names(demo_server) -> None:
     stats = demo_server.app.state.engine.stats()
     assert metric(m, "teacher_server_token_budget") == stats.token_budget == 512
     assert metric(m, "teacher_server_kv_cache_tokens") == stats.kv_tokens_total == 4096 * 16
+    # which kernels the warm-up left on: every switch exported, none on the CPU
+    from teacher_server.ops.fused import SWITCHES
+
+    assert [k for k, _ in stats.kernels] == list(SWITCHES) and not any(on for _, on in stats.kernels)
+    for kernel in SWITCHES:
+        assert f'kernel="{kernel}"' in m, kernel
+        assert metric(m, "teacher_server_kernel_enabled", kernel=kernel) == 0
 
 
 # --- fault isolation ---------------------------------------------------------------------------
@@ -899,3 +906,21 @@ def test_a_handler_cancelled_while_its_body_arrives_leaves_nothing_counted(tmp_p
             assert st.handling == 0 and st.aengine.in_flight == 0
 
     asyncio.run(main())
+
+
+def test_a_replicas_kernel_switches_are_gauges() -> None:
+    """Each replica's snapshot sets its kernels' gauges: 1 on, 0 off, per replica."""
+    from prometheus_client import generate_latest
+
+    from teacher_server.engine.stats import EngineStats, StepTiming
+    from teacher_server.server.metrics import Metrics
+
+    m = Metrics("t", replicas=2)
+    base = dict(timing=StepTiming(), steps=0, computed_tokens=0, waiting=0, running=0, active_requests=0,
+                kv_blocks_used=0, kv_blocks_total=1, prefix_query_tokens=0, prefix_hit_tokens=0)
+    m.observe_gauges(EngineStats(**base, kernels=(("router_kernel", True), ("group_kernel", False))), 0)
+    m.observe_gauges(EngineStats(**base, kernels=(("router_kernel", False), ("group_kernel", True))), 1)
+    text = generate_latest(m.registry).decode()
+    assert metric(text, "teacher_server_kernel_enabled", kernel="router_kernel", replica="0") == 1
+    assert metric(text, "teacher_server_kernel_enabled", kernel="router_kernel", replica="1") == 0
+    assert metric(text, "teacher_server_kernel_enabled", kernel="group_kernel", replica="1") == 1

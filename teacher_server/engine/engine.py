@@ -40,6 +40,7 @@ from teacher_server.engine.tuning import Tuning
 from teacher_server.engine.warm_up import WARM_UP_BATCHES, warm_up_plan
 from teacher_server.hub import resolve_model
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.fused import SWITCHES
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +257,8 @@ class Engine(Stepping):
                            prefix_hit_tokens=bm.hit_tokens, state_slots_total=sl.num_slots - 1 if sl else 0,
                            state_slots_used=sl.num_used if sl else 0, state_snapshots=sl.num_snapshots if sl else 0,
                            token_budget=self._scheduler.cfg.max_num_batched_tokens,
-                           kv_tokens_total=bm.num_blocks * bm.block_size)
+                           kv_tokens_total=bm.num_blocks * bm.block_size,
+                           kernels=tuple((n, bool(getattr(self.runner.ops, n))) for n in SWITCHES))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block no request holds (and the state snapshots bound to them)."""

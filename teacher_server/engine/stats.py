@@ -65,6 +65,8 @@ class EngineStats:
     state_snapshots: int = 0  # prompt snapshots kept for prefix reuse (bound to prefix-cache blocks)
     token_budget: int = 0  # tokens one forward step holds (configured, or chosen from the memory)
     kv_tokens_total: int = 0  # KV token slots of the pool (per rank; each holds its share of the heads)
+    # each kernel switch (``ops.fused.SWITCHES``) and whether the warm-up left it on (rank 0's)
+    kernels: tuple[tuple[str, bool], ...] = ()
 
     @property
     def kv_usage(self) -> float:

@@ -1,13 +1,12 @@
 """FusedOps: the per-layer stages of the forward and the two independent switches that pick
 how they run.
 
-- ``kernels``: our CUDA kernels (SiLU-mul, the fused QKV/rotary/KV-write kernel), the
-  residual add inside the o/down GEMM, and the Gated DeltaNet input stage's Triton kernel
-  (``ops.conv_prep``). None of them needs ``torch.compile``.
-- ``compile``: RMSNorm, add + RMSNorm, the Gated DeltaNet layers' input stage (q/k norms,
-  contiguous q/k/v, gates) and gated RMSNorm, and the torch QKV stages through ``torch.compile``
-  (dynamic shapes: one graph for every token count), each one or two fused kernels instead
-  of a chain of full-size passes.
+- ``kernels``: our CUDA and Triton kernels (``SWITCHES``: SiLU-mul, the fused QKV/rotary/KV
+  write, the fused gate/up GEMMs, the Gated DeltaNet input stage, the expert layers' combine,
+  gate/up, grouping and router) and the residual add inside the o/down GEMM.
+- ``compile``: the elementwise stages (``_STAGES``: norms, the QKV and linear-layer input
+  stages, gated norms and activations) through ``torch.compile`` (dynamic shapes: one graph
+  for every token count), each one or two fused kernels instead of a chain of passes.
 
 A compile that fails (when built, in the start-up check, or at run time) turns off the
 compiled stages alone, which then run eagerly; a kernel that fails its start-up check turns
@@ -73,6 +72,9 @@ _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_no
 
 
 _GATE_UP = {"silu": "gate_up_kernel", "gelu_tanh": "gate_up_gelu_kernel"}  # the fused gate/up kernel's switches
+# the kernels' switches (each on or off after the warm-up's checks and picks)
+SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "gate_up_gelu_kernel", "combine_kernel",
+            "moe_gate_up_kernel", "router_kernel", "group_kernel", "swiglu_kernel")
 
 
 class FusedOps:
@@ -122,12 +124,10 @@ class FusedOps:
         self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
-        # the gate/up GEMM and SiLU-mul in one Triton kernel (``ops.gate_up_silu``; Hopper only,
-        # after its start-up check at the model's shapes: ``check_gate_up``)
-        self.gate_up_kernel = kernels
-        self.gate_up_gelu_kernel = kernels  # the same with Gemma's gelu_tanh (its own check: ``check_gate_up``)
-        # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA only, after
-        # its start-up check: ``check_conv_kernel``)
+        # the gate/up GEMM and SiLU-mul (Gemma: gelu_tanh) in one Triton kernel (``ops.gate_up_silu``;
+        # Hopper only, after each one's start-up check at the model's shapes: ``check_gate_up``)
+        self.gate_up_kernel = self.gate_up_gelu_kernel = kernels
+        # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA, after ``check_conv_kernel``)
         self.conv_kernel = kernels
         # an FP8 q/k/v or gate/up projection's input quantized in the RMSNorm's pass
         # (``WeightFormat.norm_input``), not in a pass of its own after the norm

@@ -72,6 +72,9 @@ class Metrics:
         self.healthy = Gauge(p + "healthy", "1 when the engine can serve.", eng, registry=r)
         self.token_budget = Gauge(p + "token_budget", "Tokens one forward step holds (max_num_batched_tokens as "
                                   "configured, or as chosen from the GPU's memory).", eng, registry=r)
+        self.kernel_on = Gauge(p + "kernel_enabled", "1 where the engine runs this kernel of ours: on after its "
+                               "start-up check (and, for the picked ones, its timing against the torch path).",
+                               eng + ["kernel"], registry=r)
         self.kv_tokens = Gauge(p + "kv_cache_tokens", "Tokens the KV pool holds (each tensor-parallel rank holds its "
                                "share of the heads of all of them).", eng, registry=r)
         self.inflight_bytes = Gauge(p + "inflight_bytes", "Bytes the requests in flight hold against "
@@ -164,6 +167,8 @@ class Metrics:
         self.engine_labels(self.state_snapshots, replica).set(s.state_snapshots)
         self.engine_labels(self.token_budget, replica).set(s.token_budget)
         self.engine_labels(self.kv_tokens, replica).set(s.kv_tokens_total)
+        for kernel, on in s.kernels:
+            self.engine_labels(self.kernel_on, replica, kernel=kernel).set(1 if on else 0)
 
 
 class VllmNames:
