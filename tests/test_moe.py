@@ -335,3 +335,21 @@ def test_sparse_step_keys_apply_only_where_transformers_reads_them(arch: str) ->
 
     with pytest.raises(UnsupportedModelError, match="decoder_sparse_step=0"):
         ModelSpec.from_dict({**d, "architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 0})
+
+
+def test_router_and_shared_gate_are_one_gemm_over_views_of_one_weight() -> None:
+    """With a gated shared expert the router's and the gate's weights are rows of one tensor
+    (loading either fills it) and the layer takes both logits from one GEMM; the grouped forward
+    still equals the loop over experts, which calls the two modules apart."""
+    moe = bound_moe(shared=40)
+    both, router, gate = moe.router_and_gate, moe.gate, moe.shared_expert_gate
+    assert both is not None and both.weight.shape == (17, 32) and both.shards("weight") == 0
+    assert router.weight.data_ptr() == both.weight.data_ptr()
+    assert gate.weight.data_ptr() == both.weight[16:].data_ptr()
+    h = torch.randn(9, 32)
+    w, ids, g = moe.route_and_gate(h)
+    torch.testing.assert_close(g, gate(h), rtol=1e-6, atol=1e-6)
+    w2, ids2 = moe.route(h)
+    assert torch.equal(ids, ids2)
+    torch.testing.assert_close(w, w2, rtol=1e-6, atol=1e-6)
+    assert bound_moe(shared=0).router_and_gate is None

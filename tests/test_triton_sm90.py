@@ -172,4 +172,6 @@ def test_the_expert_grouping_kernels_at_each_routing(experts: int, top: int) -> 
 def test_the_softmax_routers_selection_at_each_router(experts: int, top: int, norm: bool) -> None:
     with compiled_launches() as launches:
         softmax_topk.softmax_topk(torch.empty(4096, experts), top, norm)
-    assert_sound(launches, 1, matrix=False)
+        # a layer with a gated shared expert: the router's columns of the [T, E + 1] logits
+        softmax_topk.softmax_topk(torch.empty(4096, experts + 1)[:, :experts], top, norm)
+    assert_sound(launches, 2, matrix=False)

@@ -31,12 +31,12 @@ import re
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from teacher_server.layers.formats.base import WeightFormat
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
-from teacher_server.layers.linear import MergedColumnLinear, RowLinear, Slice, copy_checked
+from teacher_server.layers.linear import Slice, copy_checked
+from teacher_server.layers.moe_parts import ReplicatedLinear, RouterAndGate, SharedExpert
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.ops import moe_group
@@ -69,38 +69,6 @@ def expert_param(rest: str) -> tuple[str, str | None] | None:
         return param, f"{part}:{m.group(1)}"
     m = STACKED.match(rest)
     return (m.group(1).removesuffix("_proj"), None) if m else None
-
-
-class ReplicatedLinear(nn.Module):
-    """A small projection every rank holds whole (the router, the shared-expert gate); its
-    output is float32: routing decisions are made on unrounded logits. It stays in the model
-    dtype whatever the weight format (the formats are for the projections and experts)."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-
-    # Whether this torch has CUDA mm(out_dtype=float32) for half inputs (tried once per process).
-    mm_out_dtype: bool | None = None
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """[T, in] -> [T, out] float32 (bf16 products accumulated in float32, not rounded)."""
-        if h.is_cuda and h.dtype != torch.float32 and ReplicatedLinear.mm_out_dtype is not False:
-            try:
-                out = torch.mm(h, self.weight.t(), out_dtype=torch.float32)
-            except (TypeError, RuntimeError, NotImplementedError):  # a torch without it: upcast instead
-                ReplicatedLinear.mm_out_dtype = False
-            else:
-                ReplicatedLinear.mm_out_dtype = True
-                return out
-        return F.linear(h.float(), self.weight.float())
-
-    def shards(self, param: str) -> int:
-        return 1
-
-    def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
-        copy_checked(self.weight.data, loaded, name)
 
 
 class ExpertRows(NamedTuple):
@@ -252,36 +220,6 @@ class ExpertWeights(nn.Module):
             copy_checked(dst[e, j * n:(j + 1) * n], self._rows(param, loaded, 0), name)
 
 
-class SharedExpert(RuntimeModule):
-    """The dense expert every token takes (fused gate/up, SiLU-mul, down), scaled per token by
-    sigmoid(gate); same tensor-parallel split as the dense MLP."""
-
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device,
-                 tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden, {"gate": intermediate, "up": intermediate}, False, dtype,
-                                               device, tp, fmt=fmt)
-        self.down_proj = RowLinear(intermediate, hidden, dtype, device, tp, fmt)
-
-    def add_into(self, out: torch.Tensor, h: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        """out += sigmoid(gate) * shared(h), in place (gate [T, 1] float32; None: ungated, as
-        DeepSeek's shared experts); returns out."""
-        p, d = self.gate_up_proj, self.down_proj
-        w = p.fmt.dense(p)  # the gate/up GEMM and SiLU-mul in one kernel where it runs (plain weights, Hopper)
-        a = self.rt.ops.gate_up_act(h, w) if w is not None else None
-        if a is None:
-            gu = p(h)
-            a = d.fmt.silu_mul_input(d, gu) if gate is None else None  # (FP8: quantized in the SiLU-mul pass)
-            if a is None:
-                a = self.rt.ops.silu_mul(gu)  # [T, I_s]
-        if gate is not None:
-            a.mul_(torch.sigmoid(gate))  # the per-token gate, moved before the (linear) down projection
-        # With tp > 1 ``out`` holds this rank's partial sum of the routed experts and this adds
-        # its partial sum of the shared expert (every rank adds: nothing here is reduced); the
-        # layer's one all-reduce comes after.
-        return self.down_proj.add_partial(out, a)
-
-
 class SparseMoe(RuntimeModule):
     """The expert MLP of one decoder layer: [T, hidden] normed input -> [T, hidden] output
     (without the residual). ``gemm`` is the model's grouped GEMM (shared by its layers)."""
@@ -296,33 +234,46 @@ class SparseMoe(RuntimeModule):
         self.tp = tp  # the ranks whose partial sums the layer's all-reduce adds
         self.gate = ReplicatedLinear(hidden, num_experts, dtype, device)  # the router
         self.experts = ExpertWeights(num_experts, hidden, intermediate, dtype, device, tp, fmt)
-        self.shared_expert = self.shared_expert_gate = None
+        self.shared_expert = self.shared_expert_gate = self.router_and_gate = None
         if shared_intermediate:
             self.shared_expert = SharedExpert(hidden, shared_intermediate, dtype, device, tp, fmt)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, dtype, device)
+            self.router_and_gate = RouterAndGate(self.gate, self.shared_expert_gate)  # (their weights: its rows)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routing of h [T, hidden]: (weights [T, k] float32, expert ids [T, k] int64).
-        Softmax over all experts in float32, top-k, renormalised when norm_topk (as
-        transformers' Qwen-MoE and Mixtral routers); one kernel where the warm-up picked it."""
-        logits = self.gate(h)  # [T, E] float32
+        """Top-k routing of h [T, hidden]: (weights [T, k] float32, expert ids [T, k] int64)."""
+        return self.select(self.gate(h))
+
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k of float32 router logits [T, E]: softmax over all experts, top-k, renormalised
+        when norm_topk (as transformers' Qwen-MoE and Mixtral routers); one kernel where the
+        warm-up picked it."""
         kernel = self.rt is not None and self.rt.ops.router_kernel  # (unbound: the torch path)
         out = softmax_topk(logits, self.top_k, self.norm_topk) if kernel else None
         return out if out is not None else softmax_topk_torch(logits, self.top_k, self.norm_topk)
+
+    def route_and_gate(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``route(h)`` and the shared expert's gate logit [T, 1] (None: no gate), from one GEMM
+        where the layer has both."""
+        if self.router_and_gate is None:
+            gate = None if self.shared_expert_gate is None else self.shared_expert_gate(h)
+            return *self.route(h), gate
+        logits = self.router_and_gate(h)  # [T, E + 1]
+        e = logits.shape[1] - 1
+        return *self.select(logits[:, :e]), logits[:, e:]
 
     def check_router_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether to select with ``ops.softmax_topk``: right at this layer's router and faster."""
         return softmax_topk_pick(self.gate, self.gate.weight.shape[1], self.top_k, self.norm_topk, device, dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        w, ids = self.route(h)
+        w, ids, gate = self.route_and_gate(h)
         ex = self.experts
         rows = ex.group(ids, self.rt.ops.group_kernel)  # the (token, slot) rows sorted by (this rank's) expert
         a = self.gate_up_act(h, rows)  # [M, I_local] (expert parallel: rows past the end unwritten)
         y = ex.fmt.apply_experts(ex, "down", a, rows.offs, self.gemm)  # [M, H] (partial sums with tp > 1)
         out = rows.combine(y, w, self.rt.ops.combine_kernel)  # [T, H]
         if self.shared_expert is not None:
-            gate = None if self.shared_expert_gate is None else self.shared_expert_gate(h)
             out = self.shared_expert.add_into(out, h, gate)
         return self.tp.all_reduce(out)  # the sum of the ranks' partial sums
 
