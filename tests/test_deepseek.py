@@ -196,9 +196,22 @@ def test_latent_stages_compiled_match_their_definitions_and_a_wrong_one_is_caugh
     args = (96 + 576, 4, 128, 64, 128, 512, w, 1e-6, table, torch.device("cpu"), torch.bfloat16)
     prep, expand = (torch.compile(f, fullgraph=True) for f in (mla_prep, mla_expand))
     check_mla_stages(prep, expand, *args)
+    # q as the first columns of the a-projection's output (no q low rank, one rank: one GEMM)
+    check_mla_stages(prep, expand, 4 * 192 + 576, *args[1:], q_in_a=True)
 
     def no_shared_key(kv, pe, k, v) -> None:
         mla_expand(kv, torch.zeros_like(pe), k, v)
 
     with pytest.raises(RuntimeError, match="mla_expand keys"):
         check_mla_stages(mla_prep, no_shared_key, *args)
+
+
+def test_without_a_q_low_rank_q_and_the_latent_are_one_gemm_on_one_rank(ckpt) -> None:
+    """Moonlight / V2-Lite (no q_lora_rank) at one rank: q_proj's checkpoint tensor loads as the
+    first part of the a-projection, whose one GEMM makes q and the latent (``test_parity_cpu``
+    scores such checkpoints against transformers); with q low-rank, q stays apart."""
+    for name, merged in (("v3_noq", True), ("v2lite", True), ("v3", False)):
+        attn = engine(ckpt[name]).runner.model.layers[0].self_attn
+        assert attn.q_in_a == merged and (attn.q_proj is None) == (attn.q_b_proj is not None or merged)
+        if merged:
+            assert attn.qkv_a_proj.weight.shape[0] == attn.n * attn.mla.qk_dim + attn.mla.latent

@@ -57,6 +57,8 @@ class DeepseekForCausalLM(MoeModel, LlamaForCausalLM):
         m = _LAYER.match(hf_name)
         if m and int(m.group(1)) >= self.spec.num_layers:  # a multi-token-prediction layer: not for scoring
             return None
+        if m and ".self_attn.q_proj." in hf_name and self.layers[0].self_attn.q_in_a:  # q and kv_a: one GEMM
+            hf_name = hf_name.replace(".self_attn.q_proj.", ".self_attn.q_a_proj.")
         return super().checkpoint_param(hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
 
     def cache_layout(self) -> CacheLayout:
@@ -75,8 +77,9 @@ class DeepseekForCausalLM(MoeModel, LlamaForCausalLM):
         attn, m = self.layers[0].self_attn, self.spec.mla
         table = ropes[attn.rope_key].table
         try:
-            check_mla_stages(ops.mla_prep, ops.mla_expand, (m.q_lora_rank or 0) + m.latent, attn.n,
+            check_mla_stages(ops.mla_prep, ops.mla_expand, attn.qkv_a_proj.weight.shape[0], attn.n,
                              m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank,
-                             attn.kv_a_layernorm.weight, LATENT_NORM_EPS, table, table.device, self.dtype)
+                             attn.kv_a_layernorm.weight, LATENT_NORM_EPS, table, table.device, self.dtype,
+                             q_in_a=attn.q_in_a)
         except Exception as e:
             ops.eager_stages(e)

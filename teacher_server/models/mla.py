@@ -110,18 +110,21 @@ class MlaAttention(RuntimeModule):
         self.heads = HeadLayout(self.n, self.n, m.qk_rope_head_dim, spec.rms_norm_eps)
         self.params = AttentionParams(softmax_scale(spec))
         q_rope = (qk, m.qk_nope_head_dim, m.qk_rope_head_dim)  # per head: the last 64 of 192 rows rotate
-        a_parts = {"q_a": m.q_lora_rank} if m.q_lora_rank else {}
+        # q without a low rank, whole on this rank (tp 1: Moonlight, V2-Lite): q and kv_a in one GEMM, q's
+        # checkpoint tensor loading as its "q_a" part (``DeepseekForCausalLM.checkpoint_param``)
+        self.q_in_a = not m.q_lora_rank and tp.size == 1
+        a_parts = {"q_a": m.q_lora_rank or heads * qk} if m.q_lora_rank or self.q_in_a else {}
         a_parts["kv_a"] = m.latent
+        rope = {"kv_a": (m.latent, m.kv_lora_rank, m.qk_rope_head_dim), **({"q_a": q_rope} if self.q_in_a else {})}
         # q_a and kv_a: one GEMM, whole on every rank
-        self.qkv_a_proj = RopeRowsLinear(hidden, a_parts, False, dtype, device, SINGLE, fmt=fmt,
-                                         rope_rows={"kv_a": (m.latent, m.kv_lora_rank, m.qk_rope_head_dim)},
+        self.qkv_a_proj = RopeRowsLinear(hidden, a_parts, False, dtype, device, SINGLE, fmt=fmt, rope_rows=rope,
                                          interleaved=il)
         self.q_proj = self.q_a_layernorm = self.q_b_proj = None
         if m.q_lora_rank:
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, dtype, device)
             self.q_b_proj = RopeRowsLinear(m.q_lora_rank, {"q": heads * qk}, False, dtype, device, tp,
                                            units={"q": qk}, fmt=fmt, rope_rows={"q": q_rope}, interleaved=il)
-        else:
+        elif not self.q_in_a:
             self.q_proj = RopeRowsLinear(hidden, {"q": heads * qk}, False, dtype, device, tp, units={"q": qk},
                                          fmt=fmt, rope_rows={"q": q_rope}, interleaved=il)
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, dtype, device)
@@ -162,11 +165,11 @@ class MlaAttention(RuntimeModule):
     def forward(self, h: torch.Tensor, cs: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """h: normed input [T, hidden]; cs: the step's rotary rows [T, qk_rope_head_dim]."""
         rt, m, n, t = self.rt, self.mla, self.n, h.shape[0]
-        a = self.qkv_a_proj(h)  # [T, (q_lora +) 576]
+        a = self.qkv_a_proj(h)  # [T, (q_lora or q +) 576]
         if self.q_b_proj is not None:
             q = self.q_b_proj(self.q_a_layernorm(a[:, :m.q_lora_rank]))
         else:
-            q = self.q_proj(h)
+            q = a[:, :n * m.qk_dim] if self.q_in_a else self.q_proj(h)
         # the latent the pool keeps (normed | rotated shared key) and q rotated
         latent, q = rt.ops.mla_prep(a, q.view(t, n, m.qk_dim), cs, self.kv_a_layernorm.weight, LATENT_NORM_EPS,
                                     m.kv_lora_rank)

@@ -51,15 +51,19 @@ def mla_expand(kv: torch.Tensor, pe: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 def check_mla_stages(prep: Callable, expand: Callable, width: int, heads: int, nope: int, rope: int, vd: int,
                      rank: int, norm_w: torch.Tensor, eps: float, cos_sin: torch.Tensor, device: torch.device,
-                     dtype: torch.dtype) -> None:
+                     dtype: torch.dtype, q_in_a: bool = False) -> None:
     """Start-up check of compiled ``prep`` and ``expand`` against the functions above at a
     model's widths (``width``: the a-projection's output), called as a layer calls them: two
-    token counts (the static, then the dynamic graph), the shared key a column slice of the
-    latents, the buffers after some rows (a step after a cached prefix) or not, values as wide
-    as kv_b_proj makes them and zero-padded to the key width. Raises RuntimeError on a mismatch."""
+    token counts (the static, then the dynamic graph), q its own tensor or (``q_in_a``) the
+    first columns of ``a``, as a layer with q and the latent in one GEMM hands it, the shared key
+    a column slice of the latents, the buffers after some rows (a step after a cached prefix) or
+    not, values as wide as kv_b_proj makes them and zero-padded to the key width. Raises
+    RuntimeError on a mismatch."""
     for n, first in ((16, 0), (40, 3)):
         a = torch.randn(n, width, device=device, dtype=dtype)
         q = torch.randn(n, heads, nope + rope, device=device, dtype=dtype)
+        if q_in_a:
+            q = a[:, :heads * (nope + rope)].view(n, heads, nope + rope)
         cs = cos_sin[(torch.arange(n, device=device) * 37) % cos_sin.shape[0]]
         for got, ref in zip(prep(a, q, cs, norm_w, eps, rank), mla_prep(a, q, cs, norm_w, eps, rank)):
             assert_close("compiled mla_prep", got, ref)
