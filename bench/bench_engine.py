@@ -489,6 +489,8 @@ def server_args(model_dir: Path, args: argparse.Namespace, port: int, engine_pro
            "--log-level", "warning", "--tensor-parallel-size", str(args.tensor_parallel_size),
            *(["--pipeline-parallel-size", str(args.pipeline_parallel_size)] if args.pipeline_parallel_size > 1 else []),
            "--load-format", args.load_format,
+           # the in-process engine's max_model_len: a model's own (Gemma 3's 131,072) may exceed the pool
+           *(["--max-model-len", str(args.max_model_len)] if getattr(args, "max_model_len", None) else []),
            *(["--tp-comm-parts", str(args.tp_comm_parts)] if args.tp_comm_parts else []),
            *(["--quantization", args.quantization] if getattr(args, "quantization", None) else []),
            *(["--moe-parallel", args.moe_parallel] if getattr(args, "moe_parallel", None) else [])]

@@ -70,7 +70,7 @@ def http_namespace(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(budget=args.budget, tensor_parallel_size=1, pipeline_parallel_size=1,
                               load_format="dummy", tp_comm_parts=None, quantization=None, moe_parallel=None,
                               step_trace="", http_client=["httpx"], repeats=args.repeats,
-                              concurrency=args.concurrency)
+                              concurrency=args.concurrency, max_model_len=args.max_model_len)
 
 
 def main() -> None:

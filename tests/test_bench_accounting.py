@@ -185,3 +185,12 @@ def test_ablation_names_are_checked_before_anything_loads(capsys: pytest.Capture
     finally:
         sys.argv = argv
     assert e.value.code == 2 and "no variant eager_gated_atention" in capsys.readouterr().err
+
+
+def test_the_http_server_gets_the_engines_max_model_len(tmp_path: Path) -> None:
+    """Gemma 3's own max_model_len (131,072) did not fit the H200's pool and its server refused to
+    start: the HTTP runs' server takes the in-process engine's max_model_len."""
+    args = argparse.Namespace(budget=0, tensor_parallel_size=1, pipeline_parallel_size=1, load_format="auto",
+                              tp_comm_parts=0, quantization=None, moe_parallel=None, step_trace="", max_model_len=8192)
+    out = bench_engine.server_args(tmp_path, args, 18000, None, [], "W1f")
+    assert out[out.index("--max-model-len") + 1] == "8192"
