@@ -40,7 +40,7 @@ def test_e2e_bench_gives_the_http_runner_every_argument_it_reads() -> None:
     import bench_engine
     import bench_fp8_e2e
 
-    ns = bench_fp8_e2e.http_namespace(argparse.Namespace(budget=None, repeats=1, concurrency=8))
+    ns = bench_fp8_e2e.http_namespace(argparse.Namespace(budget=None, repeats=1, concurrency=8, max_model_len=8192))
     read = set()
     for fn in (bench_engine.bench_http, bench_engine.server_args):
         read |= set(re.findall(r"\bargs\.([a-z_]+)", inspect.getsource(fn)))
