@@ -17,6 +17,24 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float = 1
         raise RuntimeError(f"{name} differs from its torch reference by {err:.3g} (bound {bound:.3g})")
 
 
+def assert_same_picks(name: str, got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
+                      scores: torch.Tensor, tie: float, what: str) -> None:
+    """A router kernel's (weights, ids) [T, k] against its torch path's: a row may pick other
+    experts only where the two picks' ``scores`` ([T, E], sorted) pair up within ``tie`` (a tie
+    within float32 noise); elsewhere the weights, by expert id, within 1e-5 relative. RuntimeError
+    naming ``name`` (and ``what`` the scores are) otherwise."""
+    (w, ids), (rw, rids) = got, ref
+    same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
+    for r in torch.nonzero(~same).flatten().tolist():
+        gap = (scores[r, ids[r]].sort().values - scores[r, rids[r]].sort().values).abs().max().item()
+        if not gap <= tie:
+            raise RuntimeError(f"{name} picks {sorted(ids[r].tolist())}, the torch path "
+                               f"{sorted(rids[r].tolist())} ({what} {gap:.3g} apart)")
+    a, b = w.gather(1, ids.argsort(-1))[same], rw.gather(1, rids.argsort(-1))[same]
+    if not bool(((a - b).abs() <= 1e-5 * b.abs() + 1e-7).all()):
+        raise RuntimeError(f"{name} weights differ by {(a - b).abs().max().item():.3g}")
+
+
 def median_ms(fns: list[Callable[[], object]], reps: int = 12, skip: int = 2) -> list[float]:
     """Median CUDA-event milliseconds of each of ``fns``, called in turn ``reps`` times (the first
     ``skip`` rounds, compiles and cold caches, not counted)."""

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import median_ms
+from teacher_server.ops.checks import assert_same_picks, median_ms
 from teacher_server.ops.gate_up_silu import sm_count
 from teacher_server.ops.triton_kernels import lazy
 
@@ -166,22 +166,9 @@ def check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
     got = sigmoid_route(h, weight, bias, top_k, n_group, topk_group, norm_topk, scale, any_size=True)
     if got is None:
         return False
-    w, ids = got
     logits = h.float() @ weight.t()
-    rw, rids = reference(logits)
     choice = logits.sigmoid() + (0 if bias is None else bias)
-    same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
-    for r in torch.nonzero(~same).flatten().tolist():
-        # a different pick is a tie: the picked experts' biased scores, sorted, pair up within noise
-        gap = (choice[r, ids[r]].sort().values - choice[r, rids[r]].sort().values).abs().max().item()
-        if not gap <= 1e-5:
-            raise RuntimeError(f"router kernel picks {sorted(ids[r].tolist())}, the torch path "
-                               f"{sorted(rids[r].tolist())} (biased scores {gap:.3g} apart)")
-    order = lambda x, i: x.gather(1, i.argsort(-1))  # noqa: E731  (weights by expert id)
-    if same.any():
-        a, b = order(w, ids)[same], order(rw, rids)[same]
-        if not bool(((a - b).abs() <= 1e-5 * b.abs() + 1e-7).all()):
-            raise RuntimeError(f"router kernel weights differ by {(a - b).abs().max().item():.3g}")
+    assert_same_picks("router kernel", got, reference(logits), choice, 1e-5, "biased scores")
     return True
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import median_ms
+from teacher_server.ops.checks import assert_same_picks, median_ms
 from teacher_server.ops.triton_kernels import lazy
 
 log = logging.getLogger(__name__)
@@ -109,19 +109,9 @@ def check(logits: torch.Tensor, top_k: int, norm: bool) -> bool:
     got = softmax_topk(logits, top_k, norm)
     if got is None:
         return False
-    w, ids = got
-    rw, rids = softmax_topk_torch(logits, top_k, norm)
     probs = torch.softmax(logits, dim=-1)
-    same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
-    for r in torch.nonzero(~same).flatten().tolist():
-        gap = (probs[r, ids[r]].sort().values - probs[r, rids[r]].sort().values).abs().max().item()
-        if not gap <= 1e-6:
-            raise RuntimeError(f"softmax top-k kernel picks {sorted(ids[r].tolist())}, the torch path "
-                               f"{sorted(rids[r].tolist())} (probabilities {gap:.3g} apart)")
-    order = lambda x, i: x.gather(1, i.argsort(-1))  # noqa: E731  (weights by expert id)
-    a, b = order(w, ids)[same], order(rw, rids)[same]
-    if not bool(((a - b).abs() <= 1e-5 * b.abs() + 1e-7).all()):
-        raise RuntimeError(f"softmax top-k kernel weights differ by {(a - b).abs().max().item():.3g}")
+    assert_same_picks("softmax top-k kernel", got, softmax_topk_torch(logits, top_k, norm), probs, 1e-6,
+                      "probabilities")
     return True
 
 
