@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 BLOCK = 64  # slots a program takes: its [BLOCK, BLOCK] comparison ranks them within the block
 _K: dict[str, Any] = {}
+_ENDS: dict[tuple[int, str], torch.Tensor] = {}
 
 
 class Grouped(NamedTuple):
@@ -79,11 +80,19 @@ def _kernels() -> dict[str, Any]:
     return lazy(_K, "expert grouping kernels", _define)
 
 
+def _bucket_ends(buckets: int, device: torch.device) -> torch.Tensor:
+    """1..buckets on ``device``, made once (every expert layer's every step searches against it)."""
+    key = (buckets, str(device))
+    if key not in _ENDS:
+        _ENDS[key] = torch.arange(1, buckets + 1, device=device)
+    return _ENDS[key]
+
+
 def group_torch(flat: torch.Tensor, buckets: int, k: int) -> Grouped:
     """The stable sort's grouping (any device): rows of bucket 0 first, each bucket's slots in
     slot order."""
     keys, order = torch.sort(flat, stable=True)
-    ends = torch.searchsorted(keys, torch.arange(1, buckets + 1, device=flat.device), out_int32=True)
+    ends = torch.searchsorted(keys, _bucket_ends(buckets, flat.device), out_int32=True)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(flat.shape[0], device=flat.device)
     return Grouped(keys, order // k, ends, pos)
