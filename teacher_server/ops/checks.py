@@ -4,9 +4,12 @@ timing a warm-up makes where a kernel is kept only if it is faster (``median_ms`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-2, floor: float = 1e-3) -> None:
@@ -49,3 +52,13 @@ def median_ms(fns: list[Callable[[], object]], reps: int = 12, skip: int = 2) ->
             if i >= skip:
                 got.append(a.elapsed_time(b))
     return [sorted(t)[len(t) // 2] for t in times]
+
+
+def faster(name: str, ours: Callable[[], object], theirs: Callable[[], object], against: str, detail: str,
+           margin: float = 0.03) -> bool:
+    """Whether ``ours`` runs at least ``margin`` faster than ``theirs`` (``median_ms``); logs both
+    times: "<name> X ms against Y ms for <against> (<detail>)"."""
+    a, b = median_ms([ours, theirs])
+    log.info("%s %.3f ms against %.3f ms for %s (%s)", name, a, b, against, detail)
+    return a <= (1 - margin) * b
+

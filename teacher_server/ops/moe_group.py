@@ -21,15 +21,12 @@ kernels only where they are faster at the layer's expert count and top-k (``pick
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
-import logging
 from typing import Any, NamedTuple
 
 import torch
 
-from teacher_server.ops.checks import median_ms
+from teacher_server.ops.checks import faster
 from teacher_server.ops.triton_kernels import lazy
-
-log = logging.getLogger(__name__)
 
 BLOCK = 64  # slots a program takes: its [BLOCK, BLOCK] comparison ranks them within the block
 _K: dict[str, Any] = {}
@@ -155,7 +152,6 @@ def pick(buckets: int, k: int, device: torch.device, tokens: int = 16384, margin
     if not check(buckets, k, device):
         return False
     flat = _routing(tokens, min(k, buckets), buckets, device, torch.Generator().manual_seed(6))
-    ours, theirs = median_ms([lambda: group_kernels(flat, buckets, k), lambda: group_torch(flat, buckets, k)])
-    log.info("expert grouping kernels %.3f ms against %.3f ms for the sort (%d experts, top-%d, %d tokens)", ours,
-             theirs, buckets, k, tokens)
-    return ours <= (1 - margin) * theirs
+    return faster("expert grouping kernels", lambda: group_kernels(flat, buckets, k),
+                  lambda: group_torch(flat, buckets, k), "the sort", f"{buckets} experts, top-{k}, {tokens} tokens",
+                  margin)

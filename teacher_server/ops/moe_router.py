@@ -18,16 +18,14 @@ FMA loop may not keep up with cuBLAS's float32 GEMM).
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import assert_same_picks, median_ms
+from teacher_server.ops.checks import assert_same_picks
+from teacher_server.ops.checks import faster as timed_faster
 from teacher_server.ops.gate_up_silu import sm_count
 from teacher_server.ops.triton_kernels import lazy
-
-log = logging.getLogger(__name__)
 
 BK = 32  # hidden columns per step
 
@@ -179,8 +177,6 @@ def faster(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top
     the kernel's FMA loop may lose to cuBLAS's where it wins on the copy and the small passes.
     Logs the times."""
     args = (h, weight, bias, top_k, n_group, topk_group, norm_topk, scale)
-    ours, theirs = median_ms([lambda: sigmoid_route(*args, any_size=True), lambda: reference(
-        torch.nn.functional.linear(h.float(), weight))])
-    log.info("router kernel %.3f ms against %.3f ms for the torch path (%d experts, hidden %d, %d tokens)", ours,
-             theirs, weight.shape[0], weight.shape[1], h.shape[0])
-    return ours <= (1 - margin) * theirs
+    return timed_faster("router kernel", lambda: sigmoid_route(*args, any_size=True),
+                        lambda: reference(torch.nn.functional.linear(h.float(), weight)), "the torch path",
+                        f"{weight.shape[0]} experts, hidden {weight.shape[1]}, {h.shape[0]} tokens", margin)

@@ -17,16 +17,13 @@ within float32 noise; the warm-up keeps the kernel only where it is also faster 
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import assert_same_picks, median_ms
+from teacher_server.ops.checks import assert_same_picks, faster
 from teacher_server.ops.triton_kernels import lazy
-
-log = logging.getLogger(__name__)
 
 _K: dict[str, Any] = {}
 
@@ -125,8 +122,6 @@ def pick(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: int, top_k: 
         logits = logits_of(torch.randn(t, hidden, generator=g).to(device, dtype))
         if not check(logits, top_k, norm):
             return False
-    ours, theirs = median_ms([lambda: softmax_topk(logits, top_k, norm),
-                              lambda: softmax_topk_torch(logits, top_k, norm)])
-    log.info("softmax top-k kernel %.3f ms against %.3f ms for the torch path (%d experts, top-%d, %d tokens)", ours,
-             theirs, logits.shape[1], top_k, logits.shape[0])
-    return ours <= (1 - margin) * theirs
+    return faster("softmax top-k kernel", lambda: softmax_topk(logits, top_k, norm),
+                  lambda: softmax_topk_torch(logits, top_k, norm), "the torch path",
+                  f"{logits.shape[1]} experts, top-{top_k}, {logits.shape[0]} tokens", margin)
