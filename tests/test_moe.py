@@ -149,16 +149,42 @@ def test_shared_expert_takes_the_fused_gate_up_kernel_where_it_runs(monkeypatch:
     assert seen == [(80, 32)]  # the shared expert's [gate; up], nothing else
     checked = []
     monkeypatch.setattr("teacher_server.ops.fused.check_gate_up_silu", lambda *a: checked.append(a[:2]) or True)
-    ops.gate_up_kernel = True
+    ops = FusedOps(kernels=True, compile=False, kernels_available=lambda: False)
     check_shared_expert(ops, moe, 32, torch.device("cpu"), torch.float32)
+    check_shared_expert(ops, moe, 32, torch.device("cpu"), torch.float32)  # (a second layer: checked once)
     assert checked == [(32, 40)] and ops.gate_up_kernel
 
     def wrong(*a: object) -> bool:
         raise RuntimeError("mismatch")
 
     monkeypatch.setattr("teacher_server.ops.fused.check_gate_up_silu", wrong)
-    check_shared_expert(ops, moe, 32, torch.device("cpu"), torch.float32)
+    ops.check_gate_up_width(32, 48, torch.device("cpu"), torch.float32)
     assert not ops.gate_up_kernel  # a failure at the shared width turns it off everywhere
+    monkeypatch.setattr("teacher_server.ops.fused.check_gate_up_silu", lambda *a: True)
+    ops.check_gate_up_width(32, 56, torch.device("cpu"), torch.float32)
+    assert not ops.gate_up_kernel  # for good: a later width it takes does not turn it back on
+
+
+def test_a_shared_expert_width_the_kernel_takes_turns_it_on_after_a_dense_width_it_does_not(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-4.5-Air: the dense layers' width (10,944) is one the fused gate/up kernel does not
+    take, so the warm-up's first check leaves it off; the shared experts' width (1,408), which
+    it takes and passes, turns it back on (the dense layers then take the two passes, call by
+    call); a shared width it does not take leaves it as it was."""
+    takes = {1408: True, 10944: False, 100: False}
+    monkeypatch.setattr("teacher_server.ops.fused.check_gate_up_silu", lambda h, i, *a: takes[i])
+    ops = FusedOps(kernels=True, compile=False, kernels_available=lambda: False)
+    ops.check_gate_up(4096, 10944, torch.device("cpu"), torch.bfloat16)
+    assert not ops.gate_up_kernel
+    ops.check_gate_up_width(4096, 100, torch.device("cpu"), torch.bfloat16)
+    assert not ops.gate_up_kernel
+    ops.check_gate_up_width(4096, 1408, torch.device("cpu"), torch.bfloat16)
+    assert ops.gate_up_kernel
+    ops.check_gate_up_width(4096, 100, torch.device("cpu"), torch.bfloat16)
+    assert ops.gate_up_kernel  # a width it does not take is left to the two passes, the switch stays on
+    off = FusedOps(kernels=False, compile=False)
+    off.check_gate_up_width(4096, 1408, torch.device("cpu"), torch.bfloat16)
+    assert not off.gate_up_kernel  # never on where the kernels are off
 
 
 def test_padded_fallback_gives_the_same_layer_output() -> None:

@@ -30,6 +30,7 @@ from teacher_server.ops.conv_prep import check_conv_prep
 from teacher_server.ops.gate_up_silu import check_gate_up_silu, gate_up_silu
 from teacher_server.ops.gated_delta import linear_prep
 from teacher_server.ops.gelu_mul import gelu_tanh_mul
+from teacher_server.ops.guarded import Guarded
 from teacher_server.ops.mla_prep import mla_expand, mla_prep
 from teacher_server.ops.moe_combine import check_moe_combine
 from teacher_server.ops.norm import add_rms_norm, gated_rms_norm, norm_add, norm_add_rms_norm, rms_norm
@@ -42,25 +43,6 @@ if TYPE_CHECKING:
     from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
-
-
-class _Guarded:
-    """A compiled stage that falls back to its eager version for good the first time
-    compilation fails at run time (for example a recompile limit); results stay correct."""
-
-    def __init__(self, compiled: Callable, eager: Callable) -> None:
-        self.compiled, self.eager, self.ok = compiled, eager, True
-
-    def __call__(self, *args):  # noqa: ANN002, ANN204
-        if self.ok:
-            try:
-                return self.compiled(*args)
-            except Exception as e:
-                if not isinstance(e, torch._dynamo.exc.TorchDynamoException) and "inductor" not in type(e).__module__:
-                    raise
-                log.warning("compiled %s failed at run time (%s); using eager", self.eager.__name__, type(e).__name__)
-                self.ok = False
-        return self.eager(*args)
 
 
 _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "qkv_prep": qkv_prep,
@@ -127,6 +109,8 @@ class FusedOps:
         # the gate/up GEMM and SiLU-mul (Gemma: gelu_tanh) in one Triton kernel (``ops.gate_up_silu``;
         # Hopper only, after each one's start-up check at the model's shapes: ``check_gate_up``)
         self.gate_up_kernel = self.gate_up_gelu_kernel = kernels
+        self._refused: set[str] = set()  # the gate/up switches a check found wrong: never back on
+        self._widths: set[tuple[int, int]] = set()  # (hidden, width) the SiLU one was checked at
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA, after ``check_conv_kernel``)
         self.conv_kernel = kernels
         # an FP8 q/k/v or gate/up projection's input quantized in the RMSNorm's pass
@@ -136,7 +120,7 @@ class FusedOps:
         if compile:
             try:
                 torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-                staged = {n: _Guarded(torch.compile(f, fullgraph=True), f) for n, f in _STAGES.items()}
+                staged = {n: Guarded(torch.compile(f, fullgraph=True), f) for n, f in _STAGES.items()}
             except Exception as e:  # no triton / inductor: the eager stages are correct, only slower
                 log.warning("torch.compile unavailable (%s); the elementwise stages run eagerly", e)
             else:
@@ -186,20 +170,28 @@ class FusedOps:
         switch = _GATE_UP[act]
         if not getattr(self, switch):
             return
+        if act == "silu":
+            self._widths.add((hidden, intermediate))
         try:
             setattr(self, switch, check_gate_up_silu(hidden, intermediate, device, dtype, act))
         except Exception as e:
             log.warning("fused gate/up %s kernel disabled: %s: %s", act, type(e).__name__, e)
             setattr(self, switch, False)
+            self._refused.add(switch)
         if getattr(self, switch):
             log.info("fused gate/up %s kernel on (hidden %d, intermediate %d)", act, hidden, intermediate)
 
     def check_gate_up_width(self, hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> None:
-        """Check the fused gate/up kernel at a second width it runs at (a shared expert's; when
-        on): a mismatch turns it off everywhere, with one log line; a width it does not take is
-        left to the two passes, call by call."""
-        self._check_kernel("gate_up_kernel", "fused gate/up SiLU", check_gate_up_silu, hidden, intermediate, device,
-                           dtype)
+        """The fused SiLU gate/up kernel at a second width it runs at (a shared expert's), once per
+        width: a mismatch turns it off everywhere, for good; a width it does not take is left to the
+        two passes, call by call, and one it takes turns it on where the first did not take it (GLM's
+        dense layers, 10,944 wide), the kernel then running at the widths it takes."""
+        if not self._kernels or "gate_up_kernel" in self._refused or (hidden, intermediate) in self._widths:
+            return
+        self._widths.add((hidden, intermediate))
+        on, self.gate_up_kernel = self.gate_up_kernel, True
+        self.check_gate_up(hidden, intermediate, device, dtype)
+        self.gate_up_kernel = "gate_up_kernel" not in self._refused and (on or self.gate_up_kernel)
 
     def qkv_store(self, qkv: torch.Tensor, cs: torch.Tensor, heads: HeadLayout, q_norm: torch.Tensor | None,
                   k_norm: torch.Tensor | None, kv: KVStore, layer: int,
