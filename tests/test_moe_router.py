@@ -144,3 +144,39 @@ def test_warm_up_decides_both_kernels_for_a_deepseek_layer(monkeypatch: pytest.M
     moe_models.pick_gate_up(ops, layer, torch.bfloat16)
     assert seen[0][0] == "gate_up" and seen[0][1] is layer.experts.gate_up and seen[0][2:] == (2, 8)
     assert seen[1] == ("router", layer, torch.bfloat16) and seen[2] == ("agreed", 1, False)
+
+
+def test_a_tie_at_the_group_cut_excuses_other_picks_and_nothing_else() -> None:
+    """Group-limited routing (DeepSeek-V3: 8 groups, 4 kept): where the last kept group and the
+    first dropped one score alike, float32 noise may keep either, and the experts then picked
+    differ by far more than a score tie; the check allows those rows (``group_cut_tied``) and no
+    other row: the same different picks at a clear cut are refused."""
+    from teacher_server.ops.checks import assert_same_picks
+    from teacher_server.ops.moe_router import group_cut_tied
+
+    torch.manual_seed(3)
+    e, ng, tg, k = 32, 8, 4, 4
+    choice = torch.rand(2, e) * 0.1
+    for row, second in ((0, 0.5), (1, 0.5 - 1e-3)):  # groups 0 and 5 tie (row 0) or not (row 1) for 4th place
+        choice[row, :12] = torch.tensor([0.9, 0.9, 0, 0, 0.8, 0.8, 0, 0, 0.7, 0.7, 0, 0])  # groups 0-2 kept
+        choice[row, 12:16] = torch.tensor([0.3, 0.2, 0, 0])  # group 3 (0.5)
+        choice[row, 20:24] = torch.tensor([0.4, second - 0.4, 0, 0])  # group 5 (0.5 or just under)
+    tied = group_cut_tied(choice, ng, tg, 1e-5)
+    assert tied.tolist() == [True, False]
+    assert group_cut_tied(choice, 1, 1, 1e-5) is None and group_cut_tied(choice, 8, 8, 1e-5) is None
+
+    def route(keep_group: int) -> tuple[torch.Tensor, torch.Tensor]:  # the 4 best of groups 0-2 and keep_group
+        mask = torch.zeros(2, e, dtype=torch.bool)
+        for g in (0, 1, 2, keep_group):
+            mask[:, 4 * g:4 * g + 4] = True
+        ids = choice.masked_fill(~mask, -1).topk(k, dim=-1).indices
+        ids[:, 3] = 4 * keep_group  # (the kept extra group's best expert in the last place)
+        return choice.gather(1, ids), ids
+
+    got, ref = route(5), route(3)
+    with pytest.raises(RuntimeError, match="biased scores"):
+        assert_same_picks("router kernel", got, ref, choice, 1e-5, "biased scores")  # no excuse: refused
+    with pytest.raises(RuntimeError, match="biased scores"):  # row 1's cut is clear: still refused
+        assert_same_picks("router kernel", got, ref, choice, 1e-5, "biased scores", tied)
+    one = tuple(x[:1] for x in got), tuple(x[:1] for x in ref)
+    assert_same_picks("router kernel", *one, choice[:1], 1e-5, "biased scores", tied[:1])  # row 0 alone: allowed

@@ -21,14 +21,15 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float = 1
 
 
 def assert_same_picks(name: str, got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
-                      scores: torch.Tensor, tie: float, what: str) -> None:
+                      scores: torch.Tensor, tie: float, what: str, tied: torch.Tensor | None = None) -> None:
     """A router kernel's (weights, ids) [T, k] against its torch path's: a row may pick other
     experts only where the two picks' ``scores`` ([T, E], sorted) pair up within ``tie`` (a tie
-    within float32 noise); elsewhere the weights, by expert id, within 1e-5 relative. RuntimeError
-    naming ``name`` (and ``what`` the scores are) otherwise."""
+    within float32 noise), or where ``tied`` ([T] bool) says a tie upstream of the picks makes
+    either right (a group-limited router's groups at its cut); elsewhere the weights, by expert
+    id, within 1e-5 relative. RuntimeError naming ``name`` (and ``what`` the scores are) otherwise."""
     (w, ids), (rw, rids) = got, ref
     same = (ids.sort(-1).values == rids.sort(-1).values).all(-1)
-    for r in torch.nonzero(~same).flatten().tolist():
+    for r in torch.nonzero(~same if tied is None else ~same & ~tied).flatten().tolist():
         gap = (scores[r, ids[r]].sort().values - scores[r, rids[r]].sort().values).abs().max().item()
         if not gap <= tie:
             raise RuntimeError(f"{name} picks {sorted(ids[r].tolist())}, the torch path "

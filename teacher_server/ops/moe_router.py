@@ -158,7 +158,8 @@ def check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
           topk_group: int, norm_topk: bool, scale: float, reference) -> bool:
     """Start-up check on rows h: the kernel's picks and weights against ``reference(logits)``
     (the torch path on float32 logits). A row may pick differently only where the two picks'
-    biased scores, sorted, pair up within 1e-5 (ties within float32 noise); elsewhere the ids are
+    biased scores, sorted, pair up within 1e-5 (ties within float32 noise), or its groups tie
+    within 1e-5 at the cut (``group_cut_tied``); elsewhere the ids are
     the same and the weights within 1e-5 relative. False where the kernel does not apply;
     RuntimeError on a mismatch."""
     got = sigmoid_route(h, weight, bias, top_k, n_group, topk_group, norm_topk, scale, any_size=True)
@@ -166,8 +167,20 @@ def check(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_
         return False
     logits = h.float() @ weight.t()
     choice = logits.sigmoid() + (0 if bias is None else bias)
-    assert_same_picks("router kernel", got, reference(logits), choice, 1e-5, "biased scores")
+    assert_same_picks("router kernel", got, reference(logits), choice, 1e-5, "biased scores",
+                      group_cut_tied(choice, n_group, topk_group, 1e-5))
     return True
+
+
+def group_cut_tied(choice: torch.Tensor, n_group: int, topk_group: int, tie: float) -> torch.Tensor | None:
+    """[T] bool: the rows whose last kept group and first dropped one score within ``tie`` (a
+    group scored by its two best biased scores), where float32 noise may keep either; None
+    where the router keeps every group."""
+    if not (n_group > 1 and topk_group < n_group):
+        return None
+    t, e = choice.shape
+    s = choice.view(t, n_group, e // n_group).topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
+    return s[:, topk_group - 1] - s[:, topk_group] <= tie
 
 
 def faster(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
