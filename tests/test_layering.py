@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "teacher_server"
 # Lowest first; a top-level module or package of teacher_server on each floor.
 FLOORS: tuple[frozenset[str], ...] = (
     # plain data and helpers that know nothing of the engine
-    frozenset({"step_context", "cache_layout", "b64", "npy", "candidates", "logging_setup", "routing", "config",
+    frozenset({"step_context", "cache_layout", "b64", "npy", "candidates", "logging_setup", "routing", "config", "heap",
                "hub", "demo_model", "unsupported", "human_int", "compile_cache", "targets", "did_you_mean",
                "teachers", "parallel_settings"}),
     frozenset({"ops"}),  # kernels and their references

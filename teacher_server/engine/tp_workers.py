@@ -43,6 +43,7 @@ import torch
 from teacher_server.config import Config
 from teacher_server.engine.host_step import HostStep
 from teacher_server.engine.process_group import init_group, make_store, rank_device, set_nccl_env
+from teacher_server.heap import freeze_start_up_heap
 
 if TYPE_CHECKING:
 
@@ -300,6 +301,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         _, agreed = conn.recv()
         runner = make_runner(cfg, model, attn, MemoryPlan(*agreed), max_len, device)
         conn.send(("built",))
+        freeze_start_up_heap(f"tensor-parallel rank {rank}")
         while True:
             data = conn.recv_bytes()
             if not data:  # the engine stops us

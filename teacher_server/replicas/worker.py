@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 
 from teacher_server.config import Config
 from teacher_server.engine.request import ErrorKind, ScoreResult
+from teacher_server.heap import freeze_start_up_heap
 from teacher_server.replicas.messages import (
     AddMsg,
     CancelMsg,
@@ -194,6 +195,7 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
         out.send(StartFailedMsg(f"{type(e).__name__}: {e}"))
         return 3
     engine = ae.engine
+    freeze_start_up_heap(f"replica {index}")
     out.send(ReadyMsg(ReplicaInfo(engine.served_model_name, str(engine.model_dir), engine.max_model_len,
                                   engine.spec.vocab_size)))
     stop_wait = threading.Event()

@@ -24,6 +24,7 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult
+from teacher_server.heap import freeze_start_up_heap, thaw_heap
 from teacher_server.server.metrics import Metrics
 from teacher_server.validation import Limits
 
@@ -49,6 +50,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
                            processed=cfg.logprobs_mode == "processed_logprobs", max_prompts=cfg.max_queue_requests)
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)
+        freeze_start_up_heap("server")
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,
                  engine.served_model_name, engine.max_model_len)
         if on_ready is not None:
@@ -97,6 +99,7 @@ def in_flight(app: FastAPI, ae: AsyncEngine) -> int:
 
 async def stop_engine(app: FastAPI, cfg: Config) -> None:
     st = app.state
+    thaw_heap()  # (this process may serve on: an app in a test, a restart in the same process)
     ae: AsyncEngine | None = st.aengine
     if ae is None:  # still loading (its thread is a daemon) or failed to start
         pool = getattr(st, "replica_pool", None)

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 
 from teacher_server.config import Config
+from teacher_server.heap import freeze_start_up_heap
 from teacher_server.replicas.messages import ReplicaInfo
 from teacher_server.replicas.pool import ReplicaPool
 from teacher_server.server.lifecycle import terminate_self
@@ -75,6 +76,7 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
                            max_prompts=cfg.max_queue_requests * cfg.data_parallel_size)  # (every replica's queue)
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
         m.set_healthy(True)
+        freeze_start_up_heap("server")
         what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"
         log.info("%s ready in %.1fs: serving %s (max_model_len %d)", what, time.monotonic() - t0,
                  info.served_model_name, info.max_model_len)
