@@ -246,6 +246,13 @@ for step in ${STEPS:-tests}; do
           --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 ${GEMMA_EXTRA:-} --step-trace "$OUT/trace_${shape}_" --out "$OUT/engine_${shape}_h200.json" 2>&1 \
           | tee "$OUT/engine_$shape.log" | tail -12
       done ;;
+    # where a shape's step time goes: one profiled pass each of $PROFILE_SIZES (default moonlight) on $PROFILE_WL
+    # (default W1f), in-process (per-kernel CUDA time in the .profile.txt files beside the results)
+    profile) for size in ${PROFILE_SIZES:-moonlight}; do
+        python3 bench/bench_engine.py --model-size $size $(fit_layers $size) --workloads ${PROFILE_WL:-W1f} \
+          --profile ${PROFILE_WL:-W1f} --repeats 1 --max-model-len 8192 --out "$OUT/engine_${size}_profile.json" 2>&1 \
+          | tee "$OUT/engine_${size}_profile.log" | grep -E "^W1|profile:|kernels"
+      done ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
