@@ -45,6 +45,33 @@ try:
 except RuntimeError:
     res["wrong pick refused"] = True
 st.softmax_topk_torch = real
+# DeepSeek's ungrouped sigmoid routing (Moonlight 64 top-6, GLM-4.5 128 top-8, Kimi-K2 384 top-8): the torch
+# path is deepseek_route's with one group, and the kernel agrees with it, with and without bias and renormalisation
+from teacher_server.layers.deepseek_moe import deepseek_route
+for e, k, norm, has_bias in ((64, 6, True, True), (128, 8, True, True), (384, 8, True, True), (16, 2, False, False),
+                             (72, 6, True, False)):
+    logits = torch.randn(77, e, generator=g) * 2
+    bias = torch.randn(e, generator=g) * 0.05 if has_bias else None
+    ref = deepseek_route(logits, bias, k, "sigmoid", 1, 1, norm, 2.5)
+    mine = st.sigmoid_topk_torch(logits, bias, k, norm, 2.5)
+    res[f"sigmoid torch path is deepseek_route's {e}"] = bool(torch.equal(ref[1], mine[1]) and torch.equal(ref[0], mine[0]))
+    res[f"sigmoid check {e} top-{k} norm={norm} bias={has_bias}"] = st.check(logits, k, norm, (bias, 2.5))
+    w, ids = st.sigmoid_topk(logits, bias, k, norm, 2.5)
+    if norm:
+        res[f"sigmoid weights sum to the scale {e}"] = bool(torch.allclose(w.sum(-1), torch.full((77,), 2.5)))
+bias = torch.randn(64, generator=g) * 2
+try:  # a reference that picks by the bias negated: refused
+    st.check(torch.randn(40, 64, generator=g), 6, True, (bias, 1.0)) and None
+    real_s = st.sigmoid_topk_torch
+    st.sigmoid_topk_torch = lambda x, b, k, n, c: real_s(x, -b, k, n, c)
+    st.check(torch.randn(40, 64, generator=g), 6, True, (bias, 1.0))
+    res["sigmoid wrong pick refused"] = False
+except RuntimeError:
+    res["sigmoid wrong pick refused"] = True
+st.sigmoid_topk_torch = real_s
+w, ids = st.sigmoid_topk(nan, bias, 6, True, 1.0)
+res["sigmoid nan row in range"] = bool(((ids >= 0) & (ids < 64)).all())
+res["sigmoid bias of another size refused"] = st.sigmoid_topk(nan, torch.zeros(8), 6, True, 1.0) is None
 moe = bound_moe(shared=40)
 h = torch.randn(77, 32)
 plain = moe(h)
@@ -61,7 +88,7 @@ def test_kernel_in_the_triton_interpreter() -> None:
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(res) == 15 and all(v is True for v in res.values()), res
+    assert len(res) == 32 and all(v is True for v in res.values()), res
 
 
 def test_rows_per_program_shrink_with_the_experts() -> None:

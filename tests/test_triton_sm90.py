@@ -175,3 +175,11 @@ def test_the_softmax_routers_selection_at_each_router(experts: int, top: int, no
         # a layer with a gated shared expert: the router's columns of the [T, E + 1] logits
         softmax_topk.softmax_topk(torch.empty(4096, experts + 1)[:, :experts], top, norm)
     assert_sound(launches, 2, matrix=False)
+
+
+# (experts, top-k): Moonlight, GLM-4.5, Kimi-K2's ungrouped sigmoid routing, with its score-correction bias
+@pytest.mark.parametrize(("experts", "top"), [(64, 6), (128, 8), (384, 8)])
+def test_the_sigmoid_routers_selection_at_each_router(experts: int, top: int) -> None:
+    with compiled_launches() as launches:
+        softmax_topk.sigmoid_topk(torch.empty(4096, experts), torch.empty(experts), top, True, 2.5)
+    assert_sound(launches, 1, matrix=False)
