@@ -180,3 +180,26 @@ def test_a_tie_at_the_group_cut_excuses_other_picks_and_nothing_else() -> None:
         assert_same_picks("router kernel", got, ref, choice, 1e-5, "biased scores", tied)
     one = tuple(x[:1] for x in got), tuple(x[:1] for x in ref)
     assert_same_picks("router kernel", *one, choice[:1], 1e-5, "biased scores", tied[:1])  # row 0 alone: allowed
+
+
+def test_an_ungrouped_sigmoid_router_picks_the_selection_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One group (Moonlight, GLM-4.5, Kimi-K2): the warm-up asks ``softmax_topk.pick`` about the
+    selection from cuBLAS's logits, with the layer's bias and scale, and never the fused GEMM
+    kernel; group-limited routing (V3) asks the fused kernel's check only."""
+    import teacher_server.layers.deepseek_moe as dm
+    from teacher_server.layers.deepseek_moe import DeepseekMoe, ExpertRouting
+    from teacher_server.ops.grouped_mm import GroupedGemm
+
+    asked = []
+    monkeypatch.setattr(dm.softmax_topk, "pick", lambda *a, **k: asked.append(("select", a[2:4], k)) or True)
+    monkeypatch.setattr(dm.moe_router, "check", lambda *a: asked.append(("fused",)) or False)
+    one = DeepseekMoe(32, 16, 4, 24, True, 0, ExpertRouting("sigmoid", "noaux_tc", 1, 1, 2.5, True), GroupedGemm(),
+                      torch.float32, torch.device("cpu"))
+    assert one.check_router_kernel(torch.device("cpu"), torch.float32)
+    (kind, (k, norm), kw), = asked
+    assert kind == "select" and (k, norm) == (4, True)
+    assert kw["sigmoid"][0] is one.gate.e_score_correction_bias and kw["sigmoid"][1] == 2.5
+    asked.clear()
+    v3 = DeepseekMoe(32, 16, 4, 24, True, 0, ExpertRouting("sigmoid", "noaux_tc", 4, 2, 2.5, True), GroupedGemm(),
+                     torch.float32, torch.device("cpu"))
+    assert not v3.check_router_kernel(torch.device("cpu"), torch.float32) and asked == [("fused",)]

@@ -72,6 +72,26 @@ st.sigmoid_topk_torch = real_s
 w, ids = st.sigmoid_topk(nan, bias, 6, True, 1.0)
 res["sigmoid nan row in range"] = bool(((ids >= 0) & (ids < 64)).all())
 res["sigmoid bias of another size refused"] = st.sigmoid_topk(nan, torch.zeros(8), 6, True, 1.0) is None
+# an ungrouped DeepSeek layer (Moonlight's routing) routes through the kernel with the switch on, unchanged
+from teacher_server.layers.deepseek_moe import DeepseekMoe, ExpertRouting
+from teacher_server.layers.runtime import Runtime
+from teacher_server.ops.fused import FusedOps
+from teacher_server.ops.grouped_mm import GroupedGemm
+ds = DeepseekMoe(32, 16, 4, 24, True, 24, ExpertRouting("sigmoid", "noaux_tc", 1, 1, 2.5, True), GroupedGemm(),
+                 torch.float32, torch.device("cpu"))
+with torch.no_grad():
+    for p in ds.parameters():
+        p.normal_(0, 0.3)
+ds.bind(Runtime(None, FusedOps(kernels=False, compile=False), None, None))
+h = torch.randn(77, 32)
+plain = ds(h)
+ds.rt.ops.router_kernel = True
+calls = []
+real_k = st.sigmoid_topk
+import teacher_server.layers.deepseek_moe as dm
+dm.sigmoid_topk = lambda *a: calls.append(a[1:]) or real_k(*a)
+res["deepseek layer through the kernel"] = float((ds(h) - plain).abs().max()) <= 1e-5 and len(calls) == 1
+dm.sigmoid_topk = real_k
 moe = bound_moe(shared=40)
 h = torch.randn(77, 32)
 plain = moe(h)
@@ -88,7 +108,7 @@ def test_kernel_in_the_triton_interpreter() -> None:
                          cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(res) == 32 and all(v is True for v in res.values()), res
+    assert len(res) == 33 and all(v is True for v in res.values()), res
 
 
 def test_rows_per_program_shrink_with_the_experts() -> None:
@@ -153,3 +173,21 @@ def test_gpu_kernel_matches_the_torch_path_at_model_routers(hidden: int, experts
     assert st.check(gate(h), top, norm)  # applies here, and agrees with the torch path
     faster = st.pick(gate, hidden, top, norm, dev, torch.bfloat16)
     print(f"{experts} experts, top-{top}: checked; faster than the torch path: {faster}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("hidden", "experts", "top"), [(2048, 64, 6), (4096, 128, 8), (7168, 384, 8)])
+def test_gpu_sigmoid_selection_matches_the_torch_path_at_model_routers(hidden: int, experts: int, top: int) -> None:
+    """Moonlight's, GLM-4.5's and Kimi-K2's ungrouped sigmoid routing with a bias, from their
+    float32 routers' logits; the warm-up's pick prints whether it is faster."""
+    from teacher_server.layers.deepseek_moe import Float32Router
+
+    dev = torch.device("cuda")
+    gate = Float32Router(hidden, experts, True, dev)
+    with torch.no_grad():
+        gate.weight.normal_(0, hidden ** -0.5)
+        gate.e_score_correction_bias.normal_(0, 0.02)
+    h = torch.randn(4096, hidden, device=dev, dtype=torch.bfloat16)
+    assert st.check(gate(h), top, True, (gate.e_score_correction_bias, 2.5))
+    faster = st.pick(gate, hidden, top, True, dev, torch.bfloat16, sigmoid=(gate.e_score_correction_bias, 2.5))
+    print(f"sigmoid {experts} experts, top-{top}: checked; faster than the torch path: {faster}")

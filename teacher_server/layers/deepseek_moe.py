@@ -30,9 +30,10 @@ from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.layers.linear import copy_checked
 from teacher_server.layers.moe import SharedExpert, SparseMoe
 from teacher_server.layers.parallel import SINGLE, TensorParallel
-from teacher_server.ops import moe_router
+from teacher_server.ops import moe_router, softmax_topk
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.moe_router import sigmoid_route
+from teacher_server.ops.softmax_topk import sigmoid_topk
 
 
 @dataclass(frozen=True)
@@ -112,14 +113,26 @@ class DeepseekMoe(SparseMoe):
         if shared_intermediate:  # every token, no gate (SparseMoe adds it where shared_expert_gate is None)
             self.shared_expert = SharedExpert(hidden, shared_intermediate, dtype, device, tp, fmt)
 
+    @property
+    def grouped(self) -> bool:
+        """Whether a token's experts come from its best groups only (V3's 8 groups, 4 kept)."""
+        return self.routing.n_group > 1 and self.routing.topk_group < self.routing.n_group
+
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
-        if r.scoring == "sigmoid" and self.rt.ops.router_kernel:  # one kernel where the warm-up checked it
+        kernel = r.scoring == "sigmoid" and self.rt.ops.router_kernel  # where the warm-up checked it
+        if kernel and self.grouped:  # the logits' GEMM and the group-limited pick in one kernel
             out = sigmoid_route(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, r.n_group,
                                 r.topk_group, self.norm_topk, r.routed_scaling_factor)
             if out is not None:
                 return out
-        return self.route_logits(self.gate(h))
+        logits = self.gate(h)
+        if kernel and not self.grouped:  # cuBLAS's logits, the pick in one pass (``ops.softmax_topk``)
+            out = sigmoid_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.norm_topk,
+                               r.routed_scaling_factor)
+            if out is not None:
+                return out
+        return self.route_logits(logits)
 
     def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The torch path's routing of float32 router logits [T, E]."""
@@ -128,12 +141,18 @@ class DeepseekMoe(SparseMoe):
                               r.topk_group, self.norm_topk, r.routed_scaling_factor)
 
     def check_router_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether to route with the kernel: it agrees with the torch path at this layer's router
-        (``ops.moe_router.check``, three token counts; RuntimeError where it does not) and is
-        faster than it at 16,384 tokens (``ops.moe_router.faster``)."""
+        """Whether to route with a kernel: it agrees with the torch path at this layer's router
+        (three token counts; RuntimeError where it does not) and is faster than it at 16,384
+        tokens. Group-limited routing: the logits and the pick in one kernel (``ops.moe_router``);
+        one group (Moonlight, GLM-4.5, Kimi-K2): the pick from cuBLAS's logits in one pass
+        (``ops.softmax_topk.pick``, its sigmoid routing). The kind follows from the config, so
+        every rank asks the same question."""
         r = self.routing
         if r.scoring != "sigmoid":
             return False
+        if not self.grouped:
+            return softmax_topk.pick(self.gate, self.gate.weight.shape[1], self.top_k, self.norm_topk, device, dtype,
+                                     sigmoid=(self.gate.e_score_correction_bias, r.routed_scaling_factor))
         g = torch.Generator(device="cpu").manual_seed(2)
         args = (self.gate.weight, self.gate.e_score_correction_bias, self.top_k, r.n_group, r.topk_group,
                 self.norm_topk, r.routed_scaling_factor, self.route_logits)
