@@ -208,7 +208,7 @@ for step in ${STEPS:-tests}; do
     mla) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_deepseek_gpu.py 2>&1 | tee "$OUT/gpu_mla_tests.log" | tail -25
       python3 bench/bench_mla_attention.py --out "$OUT/mla_attention_h200.json" 2>&1 | tee "$OUT/mla_attention.log" | tail -10
       python3 bench/bench_engine.py --model-size moonlight --workloads W1f --http W1f --baseline W1f --repeats 2 \
-        --ablate W1f --ablate-only as_configured,no_combine_kernel,flip_moe_gate_up,no_router_kernel,flip_group_kernel --ablate-repeats 1 \
+        --ablate W1f --ablate-only as_configured,no_combine_kernel,flip_moe_gate_up,no_router_kernel,flip_group_kernel,no_router_gemm_split --ablate-repeats 1 \
         --max-model-len 8192 --step-trace "$OUT/trace_moonlight_" --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -16
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
@@ -217,7 +217,7 @@ for step in ${STEPS:-tests}; do
     # attention stages: their GPU tests (the MoE families' and Qwen3.5's bf16 parity included; Qwen3.5's float32 one
     # autotunes fla-core for minutes on a fresh machine: the qwen35tests step), then the combine against
     # embedding_bag and the fused gate/up against its two passes at the model shapes
-    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py tests/test_moe_group.py tests/test_softmax_topk.py \
+    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py tests/test_moe_group.py tests/test_softmax_topk.py tests/test_split_gemm.py \
         tests/test_gate_up_silu.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py tests/test_moe.py tests/test_qwen3_5_gpu.py \
         -k "not qwen3_5_parity_gpu_float32" 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
       python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8

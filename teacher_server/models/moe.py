@@ -80,6 +80,9 @@ def pick_gate_up(ops: FusedOps, sparse: nn.Module, dtype: torch.dtype) -> None:
     if hasattr(sparse, "check_router_kernel"):  # SparseMoe's softmax routers, DeepSeek's sigmoid one
         ops.check_router(sparse, device, dtype)
         ops.router_kernel = agreed(sparse.tp, ops.router_kernel, device)
+    if hasattr(sparse, "check_router_gemm"):  # DeepSeek's float32 router: its logits from bf16 parts
+        ops.check_router_gemm(sparse, device, dtype)
+        ops.router_gemm_split = agreed(sparse.tp, ops.router_gemm_split, device)
 
 
 def agreed(tp: TensorParallel, on: bool, device: torch.device) -> bool:

@@ -56,7 +56,7 @@ _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_no
 _GATE_UP = {"silu": "gate_up_kernel", "gelu_tanh": "gate_up_gelu_kernel"}  # the fused gate/up kernel's switches
 # the kernels' switches (each on or off after the warm-up's checks and picks)
 SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "gate_up_gelu_kernel", "combine_kernel",
-            "moe_gate_up_kernel", "router_kernel", "group_kernel", "swiglu_kernel")
+            "moe_gate_up_kernel", "router_kernel", "group_kernel", "swiglu_kernel", "router_gemm_split")
 
 
 class FusedOps:
@@ -103,6 +103,8 @@ class FusedOps:
         # ``ops.softmax_topk``): off until the layer's check (``check_router``)
         self.router_kernel = False
         self.group_kernel = False  # expert rows grouped by counting (``ops.moe_group``), off until ``pick_group``
+        # float32 router logits from bf16 parts of the weight (``ops.split_gemm``), off until ``check_router_gemm``
+        self.router_gemm_split = False
         self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
@@ -233,6 +235,10 @@ class FusedOps:
     def check_router(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """The router as one kernel where ``layer``'s check (``check_router_kernel``) passes."""
         self._decide("router_kernel", "router", lambda: layer.check_router_kernel(device, dtype), device)
+
+    def check_router_gemm(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """The float32 router logits from bf16 parts where ``layer.check_router_gemm`` passes."""
+        self._decide("router_gemm_split", "split router GEMM", lambda: layer.check_router_gemm(device, dtype), device)
 
     def pick_group(self, buckets: int, k: int, device: torch.device) -> None:
         """The counting kernels group the expert rows where right and faster (``ops.moe_group.pick``)."""
