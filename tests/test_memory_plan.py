@@ -141,3 +141,17 @@ def test_expert_rows_are_counted_at_their_split(monkeypatch) -> None:
     whole = activation_bytes(cfg, spec, 8192, 8192, ep, cache_of(spec, tp)) - base
     assert split == per_row * (2 * spec.hidden_size + 3 * spec.moe_intermediate_size // 2)
     assert whole == per_row * (2 * spec.hidden_size + 3 * spec.moe_intermediate_size)
+
+
+def test_deepseek_routers_bf16_parts_are_counted() -> None:
+    """DeepSeek's float32 routers may hold their weight as bf16 parts too (``ops.split_gemm``,
+    made at warm-up, after the plan): 3 x E x H bf16 values per expert layer, counted."""
+    from teacher_server.benchmark.workloads import MOONLIGHT_16B_A3B as MOONLIGHT
+
+    spec = ModelSpec.from_dict(MOONLIGHT)
+    assert spec.routing is not None
+    cfg = Config(device="cuda")
+    without = activation_bytes(cfg, dataclasses.replace(spec, routing=None), 8192, 8192, SINGLE, cache_of(spec))
+    layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    assert layers == spec.num_layers - 1  # (Moonlight's first layer is dense)
+    assert activation_bytes(cfg, spec, 8192, 8192, SINGLE, cache_of(spec)) - without == layers * 3 * 64 * 2048 * 2

@@ -27,12 +27,12 @@ def test_the_parts_sum_to_the_weight_and_give_its_logits(experts: int, hidden: i
     got = split_gemm.split_logits(h, parts)
     assert got.dtype == torch.float32 and got.shape == (300, experts)
     assert (got - ref).abs().max() <= 1e-6 * ref.abs().max()  # summation order alone
-    assert torch.equal(split_gemm.check(w, hidden, torch.device("cpu")), parts)
+    assert torch.equal(split_gemm.check(w, hidden, torch.device("cpu"), tokens=(1, 300, 2000)), parts)
     real = split_gemm.split_logits
     try:  # a GEMM whose float32 output lost precision (as a tf32 product would): refused
         split_gemm.split_logits = lambda x, p: real(x, p) * (1 + 2 ** -10)
         with pytest.raises(RuntimeError, match="split bf16 router GEMM"):
-            split_gemm.check(w, hidden, torch.device("cpu"))
+            split_gemm.check(w, hidden, torch.device("cpu"), tokens=(300,))
     finally:
         split_gemm.split_logits = real
 

@@ -175,7 +175,8 @@ def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: i
     the heads and the MLP; the residual stream is whole, float32 bounds), one logits chunk of
     this rank's vocab share, the packed keys and values of a long chunked sequence (its prefix
     gathered per layer, at the widest layer's), an expert layer's k rows per token (its experts'
-    full width under expert parallel), and on hybrid models a linear layer's per-chunk (64 tokens)
+    full width under expert parallel), DeepSeek's routers' bf16 parts (every layer's: a bound
+    under pipeline parallel), and on hybrid models a linear layer's per-chunk (64 tokens)
     and per-sequence float32 states."""
     act = budget * ((spec.q_size + 2 * spec.kv_size + 3 * spec.intermediate_size) // tp.size
                     + 6 * spec.hidden_size) * 4
@@ -183,6 +184,9 @@ def activation_bytes(cfg: Config, spec: ModelSpec, budget: int, max_model_len: i
     if spec.num_experts:  # an expert layer's rows, k per token: gathered input, gate/up, SiLU-mul, output
         inter = spec.moe_intermediate_size // (1 if tp.moe == "expert" else tp.size)
         act += budget * spec.num_experts_per_tok * (2 * spec.hidden_size + 3 * inter) * 4
+    if spec.routing is not None:  # DeepSeek's float32 routers' bf16 parts (``ops.split_gemm``), made at warm-up
+        layers = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+        act += layers * 3 * spec.num_experts * spec.hidden_size * 2
     widest = cache.widest()
     if widest is not None:
         act += 2 * max_model_len * widest.working_bytes_per_token(2)

@@ -83,6 +83,8 @@ def pick_gate_up(ops: FusedOps, sparse: nn.Module, dtype: torch.dtype) -> None:
     if hasattr(sparse, "check_router_gemm"):  # DeepSeek's float32 router: its logits from bf16 parts
         ops.check_router_gemm(sparse, device, dtype)
         ops.router_gemm_split = agreed(sparse.tp, ops.router_gemm_split, device)
+        if not ops.router_gemm_split:  # (the check's parts, of no use now)
+            sparse.gate.parts = None
 
 
 def agreed(tp: TensorParallel, on: bool, device: torch.device) -> bool:

@@ -147,14 +147,15 @@ def check(logits: torch.Tensor, top_k: int, norm: bool, sigmoid: Sigmoid = None)
     """The kernel's picks and weights against the torch path's on ``logits`` (``sigmoid``: the
     score-correction bias and scale of DeepSeek's ungrouped sigmoid routing; None: softmax). A
     row may pick differently only where the two picks' scores (probabilities; biased sigmoid
-    scores), sorted, pair up within 1e-6 (ties within float32 noise); elsewhere the ids are the
+    scores), sorted, pair up within 1e-6 (biased scores: 1e-5; ties within float32 noise); elsewhere the ids are the
     same and the weights within 1e-5 relative. False where the kernel does not apply;
     RuntimeError on a mismatch."""
     ours, theirs, scores, name = _paths(top_k, norm, sigmoid)
     got = ours(logits)
     if got is None:
         return False
-    assert_same_picks(name, got, theirs(logits), scores(logits), 1e-6, "scores")
+    # (biased scores reach the bias's magnitude, a few units, where a float32 step is ~5e-7: ties within 1e-5)
+    assert_same_picks(name, got, theirs(logits), scores(logits), 1e-6 if sigmoid is None else 1e-5, "scores")
     return True
 
 

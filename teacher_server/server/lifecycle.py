@@ -48,9 +48,9 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
         st.limits = Limits(engine.spec.vocab_size, engine.max_model_len, cfg.max_logprobs, cfg.max_rows_x_k,
                            cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
                            processed=cfg.logprobs_mode == "processed_logprobs", max_prompts=cfg.max_queue_requests)
+        freeze_start_up_heap("server")  # (before the first request can come: the collection takes a while)
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)
-        freeze_start_up_heap("server")
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,
                  engine.served_model_name, engine.max_model_len)
         if on_ready is not None:

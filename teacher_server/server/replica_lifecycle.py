@@ -74,9 +74,9 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
                            cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
                            processed=cfg.logprobs_mode == "processed_logprobs",
                            max_prompts=cfg.max_queue_requests * cfg.data_parallel_size)  # (every replica's queue)
+        freeze_start_up_heap("server")  # (before the first request can come: the collection takes a while)
         st.engine, st.aengine, st.status = PoolEngineInfo(info), pool, "ready"
         m.set_healthy(True)
-        freeze_start_up_heap("server")
         what = "engine (its own process)" if cfg.data_parallel_size == 1 else f"{cfg.data_parallel_size} replicas"
         log.info("%s ready in %.1fs: serving %s (max_model_len %d)", what, time.monotonic() - t0,
                  info.served_model_name, info.max_model_len)
