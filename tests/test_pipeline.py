@@ -295,6 +295,9 @@ def test_step_trace_has_a_line_per_step(tmp_path: Path, monkeypatch: pytest.Monk
     assert any(x["continuing"] for x in lines) and any(x["unfinished"] for x in lines)  # chunked at 64 tokens
     assert all(x["gpu_ms"] == 1.0 for x in lines)  # the stand-in events' span
     assert [x["at"] for x in lines] == sorted(x["at"] for x in lines)
+    first = min(r.arrival for r in reqs)
+    assert all(x["arrived"][0] <= x["arrived"][1] <= x["clock"][0] for x in lines)  # arrived before its step began
+    assert lines[0]["arrived"][0] == round(first, 4)  # the first step holds the first request
 
 
 def test_a_step_trace_that_cannot_be_written_stops_start_up(tmp_path: Path) -> None:

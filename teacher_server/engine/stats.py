@@ -96,8 +96,12 @@ class StepTrace:
 
     def at_launch(self, index: int, chunks: list, waiting: int, launched_at: float, launch_s: float) -> dict[str, Any]:
         """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on),
-        when its launch began (``time.monotonic()``) and the host time it took."""
-        return {"step": index, "tokens": sum(c.end - c.start for c in chunks), "seqs": len(chunks),
+        when its launch began (``time.monotonic()``) and the host time it took; ``arrived``: the
+        earliest and latest arrival (``time.monotonic()`` once the server had parsed it) of its
+        requests."""
+        arrived = [c.seq.req.arrival for c in chunks]
+        return {"arrived": [round(min(arrived), 4), round(max(arrived), 4)] if arrived else None,
+                "step": index, "tokens": sum(c.end - c.start for c in chunks), "seqs": len(chunks),
                 "continuing": sum(1 for c in chunks if c.start > 0),  # after an earlier chunk or a cached prefix
                 "unfinished": sum(1 for c in chunks if not c.final),  # go on in a later step
                 "scored_rows": sum(max(0, c.logit_hi - c.logit_lo) for c in chunks), "waiting": waiting,
