@@ -33,7 +33,7 @@ from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.ops import moe_router, softmax_topk, split_gemm
 from teacher_server.ops.grouped_mm import GroupedGemm
 from teacher_server.ops.moe_router import sigmoid_route
-from teacher_server.ops.softmax_topk import sigmoid_topk
+from teacher_server.ops.softmax_topk import sigmoid_topk, top_k_weighed
 from teacher_server.ops.split_gemm import split_bf16, split_logits
 
 
@@ -47,6 +47,11 @@ class ExpertRouting:
     topk_group: int
     routed_scaling_factor: float
     correction_bias: bool  # V3's e_score_correction_bias (added to the scores for picking only)
+
+    @property
+    def grouped(self) -> bool:
+        """Whether a token's experts come from its best groups only (V3's 8 groups, 4 kept)."""
+        return self.n_group > 1 and self.topk_group < self.n_group
 
 
 class Float32Router(nn.Module):
@@ -106,11 +111,7 @@ def deepseek_route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, 
         top2 = False
     if n_group > 1 and topk_group < n_group:
         choice = choice.masked_fill(~group_mask(choice, n_group, topk_group, top2), float("-inf"))
-    ids = choice.topk(top_k, dim=-1).indices
-    w = scores.gather(1, ids)
-    if norm_topk:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * scale, ids
+    return top_k_weighed(scores, choice, top_k, norm_topk, scale)
 
 
 class DeepseekMoe(SparseMoe):
@@ -125,21 +126,16 @@ class DeepseekMoe(SparseMoe):
         if shared_intermediate:  # every token, no gate (SparseMoe adds it where shared_expert_gate is None)
             self.shared_expert = SharedExpert(hidden, shared_intermediate, dtype, device, tp, fmt)
 
-    @property
-    def grouped(self) -> bool:
-        """Whether a token's experts come from its best groups only (V3's 8 groups, 4 kept)."""
-        return self.routing.n_group > 1 and self.routing.topk_group < self.routing.n_group
-
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         r = self.routing
         kernel = r.scoring == "sigmoid" and self.rt.ops.router_kernel  # where the warm-up checked it
-        if kernel and self.grouped:  # the logits' GEMM and the group-limited pick in one kernel
+        if kernel and r.grouped:  # the logits' GEMM and the group-limited pick in one kernel
             out = sigmoid_route(h, self.gate.weight, self.gate.e_score_correction_bias, self.top_k, r.n_group,
                                 r.topk_group, self.norm_topk, r.routed_scaling_factor)
             if out is not None:
                 return out
         logits = self.gate.logits(h, self.rt.ops.router_gemm_split)
-        if kernel and not self.grouped:  # cuBLAS's logits, the pick in one pass (``ops.softmax_topk``)
+        if kernel and not r.grouped:  # cuBLAS's logits, the pick in one pass (``ops.softmax_topk``)
             out = sigmoid_topk(logits, self.gate.e_score_correction_bias, self.top_k, self.norm_topk,
                                r.routed_scaling_factor)
             if out is not None:
@@ -171,7 +167,7 @@ class DeepseekMoe(SparseMoe):
         r = self.routing
         if r.scoring != "sigmoid":
             return False
-        if not self.grouped:
+        if not r.grouped:
             return softmax_topk.pick(self.gate, self.gate.weight.shape[1], self.top_k, self.norm_topk, device, dtype,
                                      sigmoid=(self.gate.e_score_correction_bias, r.routed_scaling_factor))
         g = torch.Generator(device="cpu").manual_seed(2)

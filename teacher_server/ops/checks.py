@@ -62,4 +62,3 @@ def faster(name: str, ours: Callable[[], object], theirs: Callable[[], object], 
     a, b = median_ms([ours, theirs])
     log.info("%s %.3f ms against %.3f ms for %s (%s)", name, a, b, against, detail)
     return a <= (1 - margin) * b
-

@@ -136,7 +136,15 @@ def sigmoid_topk_torch(logits: torch.Tensor, bias: torch.Tensor | None, top_k: i
     """``layers.deepseek_moe.deepseek_route`` with sigmoid scores and one group: the top-k of
     sigmoid(logits) + bias, weighed by sigmoid(logits), renormalised when ``norm``, times ``scale``."""
     scores = logits.sigmoid()
-    ids = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices
+    return top_k_weighed(scores, scores if bias is None else scores + bias, top_k, norm, scale)
+
+
+def top_k_weighed(scores: torch.Tensor, choice: torch.Tensor, top_k: int, norm: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek's pick and weights ([T, k] float32, [T, k] int64): the top-k of ``choice`` [T, E]
+    (the scores, biased or masked for picking), weighed by ``scores``, renormalised when ``norm``
+    (the sum + 1e-20), times ``scale``."""
+    ids = choice.topk(top_k, dim=-1).indices
     w = scores.gather(1, ids)
     if norm:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -147,9 +155,9 @@ def check(logits: torch.Tensor, top_k: int, norm: bool, sigmoid: Sigmoid = None)
     """The kernel's picks and weights against the torch path's on ``logits`` (``sigmoid``: the
     score-correction bias and scale of DeepSeek's ungrouped sigmoid routing; None: softmax). A
     row may pick differently only where the two picks' scores (probabilities; biased sigmoid
-    scores), sorted, pair up within 1e-6 (biased scores: 1e-5; ties within float32 noise); elsewhere the ids are the
-    same and the weights within 1e-5 relative. False where the kernel does not apply;
-    RuntimeError on a mismatch."""
+    scores), sorted, pair up within 1e-6 (biased scores: 1e-5; ties within float32 noise);
+    elsewhere the ids are the same and the weights within 1e-5 relative. False where the kernel
+    does not apply; RuntimeError on a mismatch."""
     ours, theirs, scores, name = _paths(top_k, norm, sigmoid)
     got = ours(logits)
     if got is None:
