@@ -381,13 +381,21 @@ class HttpRun:
     latencies: list[float]
     start: float  # ``time.monotonic()`` at the first send
     cached: list[int]  # each request's prefix-cache hits, as its answer's usage reports them
+    client_gc_s: float = 0.0  # the client's own garbage-collector pauses inside ``seconds``
 
 
 async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "httpx") -> HttpRun:
     """``reqs`` through the server at ``url``, ``concurrency`` at a time. client: ``httpx`` (one
     AsyncClient, its connection pool) or ``raw`` (``raw_post``: a fresh connection per request,
     no client library). Every answer must be a 200 with a finite matrix of the request's shape
-    (checked after the clock stops)."""
+    (checked after the clock stops).
+
+    The client runs in the benchmark's process, which holds torch, transformers and perhaps an
+    in-process engine: a few hundred thousand objects that each full collection of Python's
+    cyclic garbage collector walks (~0.1 s) on the event loop that sends the uploads. A
+    client of its own would not carry them, so they are frozen out of the collector's sight
+    for the pass (``gc.freeze``, as the server does with its start-up heap); the collector's
+    pauses that remain are reported (``client_gc_s``)."""
     import httpx
 
     bodies = [http_body(r) for r in reqs]
@@ -413,13 +421,40 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
                 cached[i] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
                 lat[i] = time.perf_counter() - s
 
-        t0, clock = time.perf_counter(), time.monotonic()
-        await asyncio.gather(*(one(i) for i in range(len(reqs))))
-        dt = time.perf_counter() - t0
+        with ClientGc() as gc_pauses:
+            t0, clock = time.perf_counter(), time.monotonic()
+            await asyncio.gather(*(one(i) for i in range(len(reqs))))
+            dt = time.perf_counter() - t0
     for i, (m, r) in enumerate(zip(mats, reqs)):
         assert m.shape == r.cand.shape, (i, m.shape, r.cand.shape)
         assert np.isfinite(m).all(), f"request {i}: non-finite scores"
-    return HttpRun(dt, lat, clock, cached)
+    return HttpRun(dt, lat, clock, cached, round(gc_pauses.seconds, 4))
+
+
+class ClientGc:
+    """The benchmark process's heap frozen out of the garbage collector while a pass runs,
+    and the collector's pauses meanwhile (``seconds``)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t = 0.0, 0.0
+
+    def _note(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+
+    def __enter__(self) -> ClientGc:
+        self._frozen_before = gc.get_freeze_count()  # a server in this process (tests) froze its own
+        gc.collect()
+        gc.freeze()
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+        if not self._frozen_before:  # (gc.unfreeze thaws all: what was frozen before stays, with this pass's)
+            gc.unfreeze()
 
 
 def server_stages(url: str) -> dict[str, float]:
@@ -585,6 +620,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
                 if args.step_trace:
                     runs[-1]["trace"] = trace_window(trace_path(args, key or name), start, start + dt)
                 runs[-1]["http_client"] = client
+                runs[-1]["client_gc_s"] = run.client_gc_s
                 gpu_window(runs[-1], start, start + dt)
                 time.sleep(settle)
                 after = server_stages(url)
@@ -597,6 +633,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         best["runs_gpu"] = [run_gpu(r) for r in first]
         if args.step_trace:
             best["runs_trace"] = [r.get("trace") for r in first]
+        best["runs_client_gc_s"] = [r["client_gc_s"] for r in first]
         if len(clients) > 1:
             best["by_client"] = {c: {"runs_seconds": [r["seconds"] for r in runs if r["http_client"] == c],
                                      "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c],

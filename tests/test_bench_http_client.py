@@ -59,3 +59,25 @@ def test_http_client_list() -> None:
     for bad in ("", "curl", "raw,raw", "raw,"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench_engine._clients(bad)
+
+
+def test_client_gc_frozen_during_a_pass_and_its_pauses_counted() -> None:
+    """Inside a pass the process's heap is frozen (a full collection walks only what the pass
+    made) and each collection's pause is added up; after it nothing stays frozen and the
+    callback is gone."""
+    import gc
+
+    frozen_before = gc.get_freeze_count()
+    keep = [[i] for i in range(20_000)]  # long-lived objects made before the pass
+    with bench_engine.ClientGc() as pauses:
+        assert gc.get_freeze_count() >= len(keep)
+        gc.collect()
+        gc.collect()
+    assert pauses.seconds > 0
+    if frozen_before == 0:  # (a server started in this process earlier keeps its frozen heap frozen)
+        assert gc.get_freeze_count() == 0
+    assert pauses._note not in gc.callbacks
+    seconds = pauses.seconds
+    gc.collect()  # outside the pass: not counted
+    assert pauses.seconds == seconds
+    del keep
