@@ -203,7 +203,8 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     before = engine.stats()
     peak_bytes(reset=True)
     m0 = time.monotonic()
-    dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
+    with FrozenHeap() as gc_pauses:  # as the server freezes its start-up heap
+        dt, lat, res = run_engine(engine, reqs, f"{name}-{k}")
     m1 = time.monotonic()
     assert all(r.error is None for r in res), [r.error for r in res if r.error][:3]
     assert all(r.token_id_logprobs.shape == (q.rows, q.cand.shape[1]) for r, q in zip(res, reqs))
@@ -213,7 +214,8 @@ def timed_run(engine: Engine, cfg: dict, name: str, reqs: list[Req], k: int) -> 
     gpu_window(out, m0, m1)
     after = engine.stats()
     out["_timing"] = {k: round(v, 4) for k, v in asdict(after.timing.minus(before.timing)).items()}
-    out["_timing"] |= {"steps": after.steps - before.steps, "tokens": after.computed_tokens - before.computed_tokens}
+    out["_timing"] |= {"steps": after.steps - before.steps, "tokens": after.computed_tokens - before.computed_tokens,
+                       "gc_s": round(gc_pauses.seconds, 4)}
     return out
 
 
@@ -421,7 +423,7 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
                 cached[i] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
                 lat[i] = time.perf_counter() - s
 
-        with ClientGc() as gc_pauses:
+        with FrozenHeap() as gc_pauses:
             t0, clock = time.perf_counter(), time.monotonic()
             await asyncio.gather(*(one(i) for i in range(len(reqs))))
             dt = time.perf_counter() - t0
@@ -431,9 +433,10 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
     return HttpRun(dt, lat, clock, cached, round(gc_pauses.seconds, 4))
 
 
-class ClientGc:
-    """The benchmark process's heap frozen out of the garbage collector while a pass runs,
-    and the collector's pauses meanwhile (``seconds``)."""
+class FrozenHeap:
+    """The benchmark process's heap frozen out of the garbage collector while a pass runs
+    (through HTTP: its client; in-process: the engine, as a server's is after start-up), and
+    the collector's pauses meanwhile (``seconds``)."""
 
     def __init__(self) -> None:
         self.seconds, self._t = 0.0, 0.0
@@ -444,7 +447,7 @@ class ClientGc:
         else:
             self.seconds += time.perf_counter() - self._t
 
-    def __enter__(self) -> ClientGc:
+    def __enter__(self) -> FrozenHeap:
         self._frozen_before = gc.get_freeze_count()  # a server in this process (tests) froze its own
         gc.collect()
         gc.freeze()

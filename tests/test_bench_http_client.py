@@ -69,7 +69,7 @@ def test_client_gc_frozen_during_a_pass_and_its_pauses_counted() -> None:
 
     frozen_before = gc.get_freeze_count()
     keep = [[i] for i in range(20_000)]  # long-lived objects made before the pass
-    with bench_engine.ClientGc() as pauses:
+    with bench_engine.FrozenHeap() as pauses:
         assert gc.get_freeze_count() >= len(keep)
         gc.collect()
         gc.collect()
