@@ -185,6 +185,10 @@ def test_a_shared_expert_width_the_kernel_takes_turns_it_on_after_a_dense_width_
     off = FusedOps(kernels=False, compile=False)
     off.check_gate_up_width(4096, 1408, torch.device("cpu"), torch.bfloat16)
     assert not off.gate_up_kernel  # never on where the kernels are off
+    by_hand = FusedOps(kernels=True, compile=False, kernels_available=lambda: False)
+    by_hand.refuse("gate_up_kernel")  # a family whose MLP the SiLU variant does not fit (Gemma)
+    by_hand.check_gate_up_width(4096, 1408, torch.device("cpu"), torch.bfloat16)
+    assert not by_hand.gate_up_kernel  # a later width's check does not turn it back on
 
 
 def test_padded_fallback_gives_the_same_layer_output() -> None:

@@ -173,7 +173,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         """The shared stages' checks; the fused QKV kernel is off (it reads q/k norm weights in
         the model dtype; Gemma's are float32 ``1 + w``): the compiled q/k stage runs instead."""
         ops.use_qkv_kernel(False)
-        ops.gate_up_kernel = False  # (the SiLU variant: Gemma's MLP takes the GELU one, checked below)
+        ops.refuse("gate_up_kernel")  # (the SiLU variant: Gemma's MLP takes the GELU one, checked below)
         super().warm_up_ops(ops, ropes)
         mlp = self.layers[0].mlp  # the fused gate/up kernel with gelu_tanh, at this rank's width
         ops.check_gate_up(self.spec.hidden_size, mlp.down_proj.weight.shape[1], mlp.down_proj.weight.device,

@@ -103,21 +103,18 @@ class FusedOps:
         # ``ops.softmax_topk``): off until the layer's check (``check_router``)
         self.router_kernel = False
         self.group_kernel = False  # expert rows grouped by counting (``ops.moe_group``), off until ``pick_group``
-        # float32 router logits from bf16 parts of the weight (``ops.split_gemm``), off until ``check_router_gemm``
-        self.router_gemm_split = False
+        self.router_gemm_split = False  # float32 router logits from bf16 parts (ops.split_gemm): check_router_gemm
         self._kernels = kernels
         self.qkv_kernel = loaded  # the fused QKV/rotary/KV-write CUDA kernel, where it applies
         self.residual_in_gemm = kernels  # residual add in the o/down GEMM epilogue (addmm_, in place)
         # the gate/up GEMM and SiLU-mul (Gemma: gelu_tanh) in one Triton kernel (``ops.gate_up_silu``;
         # Hopper only, after each one's start-up check at the model's shapes: ``check_gate_up``)
         self.gate_up_kernel = self.gate_up_gelu_kernel = kernels
-        self._refused: set[str] = set()  # the gate/up switches a check found wrong: never back on
+        self._refused: set[str] = set()  # the gate/up switches a check (or ``refuse``) turned off for good
         self._widths: set[tuple[int, int]] = set()  # (hidden, width) the SiLU one was checked at
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA, after ``check_conv_kernel``)
         self.conv_kernel = kernels
-        # an FP8 q/k/v or gate/up projection's input quantized in the RMSNorm's pass
-        # (``WeightFormat.norm_input``), not in a pass of its own after the norm
-        self.fp8_norm_input = True
+        self.fp8_norm_input = True  # FP8 q/k/v, gate/up inputs quantized in the norm's pass (WeightFormat.norm_input)
         self.compiled = False
         if compile:
             try:
@@ -137,6 +134,11 @@ class FusedOps:
     def use_residual_in_gemm(self, on: bool) -> None:
         """The residual add in the o/down GEMM's epilogue, or a separate add (an ablation)."""
         self.residual_in_gemm = on
+
+    def refuse(self, switch: str) -> None:
+        """A kernel switch off for good (a family it does not fit): no later check turns it on."""
+        setattr(self, switch, False)
+        self._refused.add(switch)
 
     def expect_linear_layers(self, gated_norm_shape: tuple[int, int, int, int],
                              heads: tuple[int, int, int, int]) -> None:
