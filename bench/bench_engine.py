@@ -228,7 +228,7 @@ ABLATIONS = ("as_configured", "varlen_attention", "cudnn_attention", "cudnn_fe_a
              "residual_add_outside_gemm", "all_rows_last_layer", "no_prefix_groups", "no_pipeline", "budget_x2",
              "budget_half", "split_to_fill", "eager_stages", "no_cuda_kernels", "no_fused_gate_up",
              "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel", "flip_group_kernel", "no_router_gemm_split",
-             "eager_gated_attention", "no_conv_kernel", "fp8_norm_then_quant")
+             "eager_gated_attention", "no_gated_qk_kernel", "no_conv_kernel", "fp8_norm_then_quant")
 
 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
@@ -292,7 +292,10 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # DeepSeek's float32 router logits: the input copied to float32 and a float32 GEMM (not the bf16 parts)
         "no_router_gemm_split": lambda: setattr(ops, "router_gemm_split", False),
         # Qwen3.5's gated attention: its q/k/v stage and output gate eager (a chain of passes each)
-        "eager_gated_attention": lambda: [setattr(ops, n, _STAGES[n]) for n in ("gated_qk_prep", "sigmoid_gate")],
+        "eager_gated_attention": lambda: [setattr(ops, n, _STAGES[n]) for n in ("gated_qk_prep", "sigmoid_gate")]
+        + [setattr(ops, "gated_qk_kernel", False)],
+        # Qwen3.5's gated attention: its q/k/v input stage compiled (or eager) rather than the Triton kernel
+        "no_gated_qk_kernel": lambda: setattr(ops, "gated_qk_kernel", False),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
@@ -306,7 +309,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
         if tp and v in ("eager_stages", "eager_gated_attention", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up",
                         "all_rows_last_layer", "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel",
-                        "flip_group_kernel", "no_router_gemm_split"):  # the workers' own
+                        "flip_group_kernel", "no_router_gemm_split", "no_gated_qk_kernel"):  # the workers' own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue
         apply = variants[v]

@@ -65,7 +65,7 @@ for step in ${STEPS:-tests}; do
     # a soak through HTTP (Qwen3-8B shape, dummy weights): mixed W1/W2/W3 requests and disconnects, every answer
     # checked, memory and latency per minute; the JSON is rewritten each minute (a call cut short keeps it)
     soak) python3 bench/soak.py ${SOAK_ARGS:---duration-s 480} --out "$OUT/soak_8b_h200.json" 2>&1 | tee "$OUT/soak.log" | tail -40 ;;
-    qwen35tests) python3 -m pytest $PT -m gpu tests/test_conv_prep.py tests/test_qwen3_5_gpu.py 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
+    qwen35tests) python3 -m pytest $PT -m gpu tests/test_conv_prep.py tests/test_gated_qk.py tests/test_qwen3_5_gpu.py 2>&1 | tee "$OUT/gpu_qwen35_tests.log" | tail -25 ;;
     # the linear layers' fused input stage against the two passes it replaces, at the 9B shapes
     # what a new cuDNN attention shape costs the launching thread, at the Qwen3.5-9B and Qwen3-8B shapes
     plans) python3 bench/bench_cudnn_plans.py --out "$OUT/cudnn_plans_qwen35.json" 2>&1 | tee "$OUT/cudnn_plans.log" | tail -3
@@ -89,7 +89,7 @@ for step in ${STEPS:-tests}; do
       --step-trace "$OUT/trace_qwen35_" --out "$OUT/engine_qwen35_h200.json" 2>&1 | tee "$OUT/engine_qwen35.log" | tail -40 ;;
     # Qwen3.5-9B W1 in-process with each of its fused stages switched off in turn (issue 53's ablation)
     qwen35ablate) python3 bench/bench_engine.py --model-size qwen3.5-9b --workloads W1 --repeats 1 --max-model-len 8192 \
-      --ablate W1 --ablate-only as_configured,eager_gated_attention,no_conv_kernel,no_fused_gate_up,eager_stages \
+      --ablate W1 --ablate-only as_configured,no_gated_qk_kernel,eager_gated_attention,no_conv_kernel,no_fused_gate_up,eager_stages \
       --ablate-repeats 1 --out "$OUT/engine_qwen35_ablation_h200.json" 2>&1 | tee "$OUT/engine_qwen35_ablation.log" | tail -12 ;;
     # Qwen3.5-35B-A3B's shape (dummy weights; issue 53): W1 in-process and through HTTP beside transformers' padded and
     # packed recipes, W2's cache off vs on, W1 in-process with each expert-layer kernel switched in turn
@@ -223,7 +223,7 @@ for step in ${STEPS:-tests}; do
     # attention stages: their GPU tests (the MoE families' and Qwen3.5's bf16 parity included; Qwen3.5's float32 one
     # autotunes fla-core for minutes on a fresh machine: the qwen35tests step), then the combine against
     # embedding_bag and the fused gate/up against its two passes at the model shapes
-    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py tests/test_moe_group.py tests/test_softmax_topk.py tests/test_split_gemm.py \
+    combine) python3 -m pytest $PT -m gpu tests/test_moe_combine.py tests/test_moe_gate_up.py tests/test_moe_router.py tests/test_moe_group.py tests/test_softmax_topk.py tests/test_split_gemm.py tests/test_gated_qk.py \
         tests/test_gate_up_silu.py tests/test_deepseek_gpu.py tests/test_gpt_oss_gpu.py tests/test_moe.py tests/test_qwen3_5_gpu.py \
         -k "not qwen3_5_parity_gpu_float32" 2>&1 | tee "$OUT/gpu_combine_tests.log" | tail -25
       python3 bench/bench_moe_combine.py --out "$OUT/moe_combine.json" 2>&1 | tee "$OUT/moe_combine.log" | tail -8

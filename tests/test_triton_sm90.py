@@ -17,6 +17,7 @@ from teacher_server.ops import (
     fp8_quant,
     gate_up_silu,
     gated_delta,
+    gated_qk,
     moe_gate_up,
     moe_group,
     moe_router,
@@ -105,6 +106,16 @@ def test_the_linear_layers_input_stage_at_qwen35s_heads(stored_states: bool) -> 
                             torch.empty(nv, dtype=BF), torch.empty(nv, dtype=BF), nk, dk, nv, dv)
     # q, k and v heads over all tokens (and again over the first tokens with stored states), the end states
     assert_sound(launches, 3 * (2 if stored_states else 1) + 1, matrix=False)
+
+
+@pytest.mark.parametrize(("n_q", "n_kv"), [(16, 4), (8, 2), (16, 2)])  # Qwen3.5-9B, its TP2 shard, the 35B-A3B
+def test_the_gated_attention_input_kernel_at_qwen35s_heads(n_q: int, n_kv: int) -> None:
+    d, t = 256, 4096
+    qkv = torch.empty(t, (2 * n_q + 2 * n_kv) * d, dtype=BF)
+    bufs = gated_qk._buffers(qkv, t, gated_qk.HeadLayout(n_q, n_kv, d, 1e-6))
+    with compiled_launches() as launches:
+        gated_qk.gated_qk(qkv, torch.empty(t, 64), torch.empty(d), torch.empty(d), n_q, n_kv, d, 1e-6, *bufs)
+    assert_sound(launches, 1, matrix=False)
 
 
 @pytest.mark.parametrize(("hidden", "inter"), [(4096, 12288), (5120, 25600)])

@@ -6,8 +6,9 @@ RMSNorm (input, post-attention, final, q/k) scales by ``(1 + w)`` in float32.
 Gated full attention: ``q_proj`` makes ``[q | gate]`` per head; q and k are RMS-normed per
 head, rotated on their first ``rotary_dim`` dims (neox-style; the multimodal rope of the
 checkpoints is plain rope for token ids), attended, and the output is scaled by
-``sigmoid(gate)``. Its q/k preparation runs in torch (the fused QKV kernel rotates whole
-heads): a few elementwise passes over q and k in one layer of four.
+``sigmoid(gate)``. Its q/k preparation is one Triton pass on CUDA where the warm-up finds it
+right and faster (``ops.gated_qk``), else a compiled stage (the fused QKV kernel rotates whole
+heads).
 
 The ``...ForConditionalGeneration`` checkpoints are read for their text model
 (``model.language_model.*``); vision (``model.visual.*``) and multi-token-prediction
@@ -30,6 +31,7 @@ from teacher_server.models.gated_delta import GatedDeltaNet
 from teacher_server.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from teacher_server.models.qwen3 import Qwen3Attention
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops import gated_qk
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.gated_delta import check_fla
 from teacher_server.ops.partial_rope import check_gated_stages
@@ -67,8 +69,8 @@ class Qwen3_5Attention(Qwen3Attention):
         # stage (compiled: q/k norms, partial rotary and the split in a fused pass or two)
         q, k, v = (alloc_with_slack(h, t, hd.n_q, d, front=True), alloc_with_slack(h, t, hd.n_kv, d),
                    alloc_with_slack(h, t, hd.n_kv, d))
-        gate = rt.ops.gated_qk_prep(self.qkv_proj(h), cs, self.q_norm.weight, self.k_norm.weight, hd.n_q, hd.n_kv, d,
-                                    hd.eps, q, k, v)
+        prep = gated_qk.gated_qk if rt.ops.gated_qk_kernel else rt.ops.gated_qk_prep
+        gate = prep(self.qkv_proj(h), cs, self.q_norm.weight, self.k_norm.weight, hd.n_q, hd.n_kv, d, hd.eps, q, k, v)
         rt.kv.store(self.layer_id, k, v, ctx)
         return rt.ops.sigmoid_gate(self.attend(q, k, v, ctx), gate)  # [T, heads * head_dim]
 
@@ -156,6 +158,9 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                                    attn.k_norm.weight, rope.table, rope.table.device, self.dtype)
             except Exception as e:
                 ops.eager_stages(e)
+        if attn is not None:  # the gated attention's input stage as one kernel, against the stage it would replace
+            args = (attn.heads, attn.q_norm.weight, attn.k_norm.weight, rope.table, rope.table.device, self.dtype)
+            ops.pick_gated_qk(lambda: gated_qk.pick(ops.gated_qk_prep, *args), rope.table.device)
         if mixer is not None:
             check_fla(mixer.nk, mixer.nv, s.linear_key_head_dim, s.linear_value_head_dim, mixer.conv_dim,
                       s.linear_conv_kernel_dim, rope.table.device, self.dtype)

@@ -56,7 +56,8 @@ _STAGES: dict[str, Callable] = {"rms_norm": rms_norm, "add_rms_norm": add_rms_no
 _GATE_UP = {"silu": "gate_up_kernel", "gelu_tanh": "gate_up_gelu_kernel"}  # the fused gate/up kernel's switches
 # the kernels' switches (each on or off after the warm-up's checks and picks)
 SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "gate_up_gelu_kernel", "combine_kernel",
-            "moe_gate_up_kernel", "router_kernel", "group_kernel", "swiglu_kernel", "router_gemm_split")
+            "moe_gate_up_kernel", "router_kernel", "group_kernel", "swiglu_kernel", "router_gemm_split",
+            "gated_qk_kernel")
 
 
 class FusedOps:
@@ -95,12 +96,10 @@ class FusedOps:
         # parallel: it skips the rows after it; the compiled stage cannot), after its check
         self.swiglu_kernel = loaded
         self.combine_kernel = loaded  # the expert layer's weighted sum (``ops.moe_combine``), after its check
-        # the experts' gather, gate/up grouped GEMM and SiLU-mul in one Triton kernel (``ops.moe_gate_up``):
-        # off until the warm-up finds it right and faster at the model's expert shapes (``pick_moe_gate_up``)
+        # the experts' gather, gate/up grouped GEMM and SiLU-mul in one Triton kernel: ``pick_moe_gate_up``
         self.moe_gate_up_kernel = False
         self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
-        # the router in one Triton kernel (DeepSeek's sigmoid ``ops.moe_router``, the softmax routers' selection
-        # ``ops.softmax_topk``): off until the layer's check (``check_router``)
+        # the router in one Triton kernel (``ops.moe_router``, ``ops.softmax_topk``): ``check_router``
         self.router_kernel = False
         self.group_kernel = False  # expert rows grouped by counting (``ops.moe_group``), off until ``pick_group``
         self.router_gemm_split = False  # float32 router logits from bf16 parts (ops.split_gemm): check_router_gemm
@@ -114,6 +113,7 @@ class FusedOps:
         self._widths: set[tuple[int, int]] = set()  # (hidden, width) the SiLU one was checked at
         # the Gated DeltaNet input stage in one Triton pass (``ops.conv_prep``; CUDA, after ``check_conv_kernel``)
         self.conv_kernel = kernels
+        self.gated_qk_kernel = False  # Qwen3.5's gated attention input in one Triton pass: ``pick_gated_qk``
         self.fp8_norm_input = True  # FP8 q/k/v, gate/up inputs quantized in the norm's pass (WeightFormat.norm_input)
         self.compiled = False
         if compile:
@@ -275,13 +275,13 @@ class FusedOps:
                           dtype: torch.dtype) -> None:
         """Check the fused Gated DeltaNet input stage at the model's shapes (when on; CUDA
         only): a failure switches it off, with one log line (the two-pass path is correct)."""
-        if self.conv_kernel and device.type == "cuda":
-            try:
-                check_conv_prep(nk, dk, nv, dv, kernel, device, dtype)
-                return
-            except Exception as e:
-                log.warning("fused Gated DeltaNet input kernel disabled: %s: %s", type(e).__name__, e)
-        self.conv_kernel = False
+        self.conv_kernel = self.conv_kernel and device.type == "cuda"
+        self._check_kernel("conv_kernel", "fused Gated DeltaNet input", check_conv_prep, nk, dk, nv, dv, kernel, device,
+                           dtype)
+
+    def pick_gated_qk(self, decide: Callable[[], bool], device: torch.device) -> None:
+        """Qwen3.5's gated attention input as one kernel where ``decide`` (``ops.gated_qk.pick``) says so."""
+        self._decide("gated_qk_kernel", "gated attention input", decide, device)
 
     def warm_up(self, heads: HeadLayout, hidden: int, intermediate: int, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:
