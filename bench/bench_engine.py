@@ -643,7 +643,8 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         if len(clients) > 1:
             best["by_client"] = {c: {"runs_seconds": [r["seconds"] for r in runs if r["http_client"] == c],
                                      "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c],
-                                     "runs_gpu": [run_gpu(r) for r in runs if r["http_client"] == c]}
+                                     "runs_gpu": [run_gpu(r) for r in runs if r["http_client"] == c],
+                                     "runs_trace": [r.get("trace") for r in runs if r["http_client"] == c]}
                                  for c in clients}
         best["concurrency"] = args.concurrency
         best["prefix_caching"] = False

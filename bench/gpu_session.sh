@@ -212,10 +212,11 @@ for step in ${STEPS:-tests}; do
         --max-model-len 8192 --step-trace "$OUT/trace_moonlight_" --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -16
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
-    # Moonlight-16B-A3B alone: W1f in-process and through HTTP beside transformers, then in-process with the
-    # router's kernels switched in turn ($MOONLIGHT_ARGS replaces the arguments)
+    # Moonlight-16B-A3B alone: W1f in-process and through HTTP (httpx's client and a bare asyncio one alternating: how
+    # much of the time before the first step is the client's) beside transformers, then in-process with the router's
+    # kernels switched in turn ($MOONLIGHT_ARGS replaces the arguments)
     moonlight) python3 bench/bench_engine.py --model-size moonlight ${MOONLIGHT_ARGS:---workloads W1f --http W1f --baseline W1f \
-        --repeats 2 --ablate W1f --ablate-only as_configured,no_router_kernel,no_router_gemm_split --ablate-repeats 1 \
+        --http-client httpx,raw --repeats 2 --ablate W1f --ablate-only as_configured,no_router_kernel,no_router_gemm_split --ablate-repeats 1 \
         --max-model-len 8192} --step-trace "$OUT/trace_moonlight_" --out "$OUT/engine_moonlight_h200.json" 2>&1 \
         | tee "$OUT/engine_moonlight.log" | tail -16 ;;
     # the expert layers' combine kernel, their fused gather + gate/up + SiLU-mul, grouping and softmax top-k, the
