@@ -8,13 +8,11 @@ interpreter is chosen when the kernels are defined)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interp import interpreted
 
 from teacher_server.ops.conv_prep import conv_prep, conv_prep_reference, random_inputs
 from teacher_server.ops.gated_delta import bounds_of, causal_conv1d, make_plan, seq_of_tokens
@@ -67,14 +65,9 @@ def test_kernel_in_the_triton_interpreter() -> None:
     """The kernel's logic on the CPU: varlen sequences (one empty, some shorter than the kernel)
     with and without stored states, in float32 (same sums: exact to rounding) and bf16 (one
     rounding steps apart at most)."""
-    pytest.importorskip("triton")
     import json
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = _INTERPRETED.format(tests=str(Path(__file__).parent))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = json.loads(interpreted(_INTERPRETED.format(tests=str(Path(__file__).parent))))
     for case, errs in res.items():
         tol = tolerance(torch.float32 if "float32" in case else torch.bfloat16)
         assert max(errs.values()) <= tol, (case, errs)
@@ -86,21 +79,13 @@ import sys, numpy as np, torch
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 import teacher_server.models.gated_delta as layer
-from test_gated_delta import make_qwen3_5
-from teacher_server.llm import LLM
+from test_gated_delta import group_scores_with_switch, make_qwen3_5
 
 calls = []
 fused = layer.conv_prep
 layer.conv_prep = lambda *a, **k: (calls.append(a[4] is not None), fused(*a, **k))[1]
-path = make_qwen3_5(Path({tmp!r}) / "m", seed=3)
-out = {{}}
-for kernel in (False, True):
-    llm = LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
-    llm.engine.runner.ops.conv_kernel = kernel
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 256, 48).tolist()
-    out[kernel] = [llm.score(prompt + rng.integers(0, 256, 40).tolist(), np.arange(256), start=50) for _ in range(3)]
-    assert llm.engine.stats().prefix_hit_tokens > 0
+out, hits = group_scores_with_switch(make_qwen3_5(Path({tmp!r}) / "m", seed=3), "conv_kernel")
+assert min(hits) > 0, hits
 err = max(float(np.abs(a - b).max()) for a, b in zip(out[False], out[True]))
 print(len(calls), sum(calls), err)
 """
@@ -112,13 +97,9 @@ def test_engine_with_the_kernel_in_the_triton_interpreter(tmp_path: Path) -> Non
     several chunks, the later ones starting from the prompt's cached snapshot) scores as with
     the two-pass path within 1e-4 in float32 (the bound the CPU tests hold against transformers;
     a lost state is off by nats), and the kernel ran, also from stored states."""
-    pytest.importorskip("triton")
     pytest.importorskip("transformers")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = _ENGINE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    calls, from_states, err = out.stdout.strip().splitlines()[-1].split()
+    calls, from_states, err = interpreted(_ENGINE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path)),
+                                          900).split()
     assert int(calls) > 0 and int(from_states) > 0, (calls, from_states)
     assert float(err) < 1e-4, err
 

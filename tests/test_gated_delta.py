@@ -141,6 +141,26 @@ def make_qwen3_5(path: Path, moe: bool = False, seed: int = 0, conditional: bool
     return path
 
 
+def group_scores_with_switch(path: Path, switch: str) -> tuple[dict[bool, list], list[int]]:
+    """A GRPO-like group (one 48-token prompt, three 40-token continuations) scored through the
+    public ``LLM`` on the CPU at a 32-token step budget (sequences in several chunks, the later
+    ones from the prompt's cached snapshot) with ``FusedOps.<switch>`` off, then forced on: the
+    scores of each, and the prefix-cache hits of each."""
+    import numpy as np
+
+    from teacher_server.llm import LLM
+
+    out, hits = {}, []
+    for on in (False, True):
+        llm = LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
+        setattr(llm.engine.runner.ops, switch, on)
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(0, 256, 48).tolist()
+        out[on] = [llm.score(prompt + rng.integers(0, 256, 40).tolist(), np.arange(256), start=50) for _ in range(3)]
+        hits.append(llm.engine.stats().prefix_hit_tokens)
+    return out, hits
+
+
 def bind(module: torch.nn.Module, spec: ModelSpec, slots: int = 4) -> KVPool:
     pool = make_pool(spec, slots)
     rope = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling, spec.max_position_embeddings, 512, CPU)

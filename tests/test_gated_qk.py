@@ -8,13 +8,11 @@ use of it through the public ``LLM`` too. On CUDA: the Qwen3.5-9B heads, and the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interp import interpreted
 
 from teacher_server.ops.partial_rope import gated_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout
@@ -77,12 +75,7 @@ def test_kernel_in_the_triton_interpreter() -> None:
     truncate, a step of 2^-7 relative each, where torch rounds to nearest: the GPU test holds
     the kernel to 2^-7); v and the gate exact (a copy, a view). A kernel that rotates the wrong
     way fails the start-up check."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = _INTERPRETED.format(tests=str(Path(__file__).parent))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = json.loads(interpreted(_INTERPRETED.format(tests=str(Path(__file__).parent))))
     assert res["refused"]
     for case, errs in res["errors"].items():
         tol = 1e-5 if case.startswith("torch.float32 torch.float32") else 2 ** -6
@@ -95,20 +88,12 @@ import sys, numpy as np, torch
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from teacher_server.ops import gated_qk
-from test_gated_delta import make_qwen3_5
-from teacher_server.llm import LLM
+from test_gated_delta import group_scores_with_switch, make_qwen3_5
 
 calls = []
 kernel = gated_qk.gated_qk
 gated_qk.gated_qk = lambda *a, **k: (calls.append(a[0].shape[0]), kernel(*a, **k))[1]
-path = make_qwen3_5(Path({tmp!r}) / "m", seed=4)
-out = {{}}
-for on in (False, True):
-    llm = LLM(str(path), device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8, max_num_batched_tokens=32)
-    llm.engine.runner.ops.gated_qk_kernel = on
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(0, 256, 48).tolist()
-    out[on] = [llm.score(prompt + rng.integers(0, 256, 40).tolist(), np.arange(256), start=50) for _ in range(3)]
+out, _ = group_scores_with_switch(make_qwen3_5(Path({tmp!r}) / "m", seed=4), "gated_qk_kernel")
 err = max(float(np.abs(a - b).max()) for a, b in zip(out[False], out[True]))
 print(len(calls), err)
 """
@@ -118,13 +103,8 @@ def test_the_layer_with_the_kernel_in_the_triton_interpreter(tmp_path: Path) -> 
     """Qwen3.5's attention layers through the public ``LLM`` on the CPU with the kernel forced on
     (Triton's interpreter): a group of sequences over several 32-token steps scores as with the
     eager stage within 1e-4 in float32, and the kernel ran."""
-    pytest.importorskip("triton")
     pytest.importorskip("transformers")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = _ENGINE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    calls, err = out.stdout.strip().splitlines()[-1].split()
+    calls, err = interpreted(_ENGINE.format(tests=str(Path(__file__).parent), tmp=str(tmp_path)), 900).split()
     assert int(calls) > 0, calls
     assert float(err) < 1e-4, err
 
