@@ -555,8 +555,9 @@ def trace_path(args: argparse.Namespace, key: str) -> str:
 def trace_window(path: str, t0: float, t1: float) -> dict | None:
     """Where an HTTP pass's wall time [t0, t1] (``time.monotonic()``, the clock the step trace
     shares) went, from the server's step trace: ``head_s`` before its first step's launch (the
-    first request's way in; ``head_to_first_arrival_s`` of it until a request the pass's steps
-    hold was parsed), ``tail_s`` after its last step completed (the last answer's way
+    first request's way in; of it ``head_to_first_received_s`` until the server began handling a
+    request the pass's steps hold, ``head_to_first_body_s`` until one's body was whole,
+    ``head_to_first_arrival_s`` until one was parsed), ``tail_s`` after its last step completed (the last answer's way
     out), its steps' GPU time and the GPU's idle time between them (summed over the engines
     that wrote the trace: replicas append to one file). A line cut short is skipped. None
     without steps in the pass."""
@@ -576,10 +577,15 @@ def trace_window(path: str, t0: float, t1: float) -> dict | None:
         return None
     first, last = min(s["clock"][0] for s in steps), max(s["clock"][-1] for s in steps)
     gpu = sum(s.get("gpu_ms", 0.0) for s in steps) / 1e3
-    arrived = [s["arrived"][0] for s in steps if s.get("arrived")]
-    # the head split: until the first request was parsed (the client's sending, the server's reading and
-    # parsing), then on to the engine's first step (the hand-off to the engine, its scheduling)
-    split = {"head_to_first_arrival_s": round(min(arrived) - t0, 4)} if arrived else {}
+    # the head split: until the server began handling a first request (the client's connecting and sending its
+    # headers), until a first body was whole (the uploads), until a first request was parsed, then on to the
+    # engine's first step (the hand-off to the engine, its scheduling)
+    split = {}
+    for key, name in (("received", "head_to_first_received_s"), ("read", "head_to_first_body_s"),
+                      ("arrived", "head_to_first_arrival_s")):
+        ts = [s[key][0] for s in steps if s.get(key)]
+        if ts:
+            split[name] = round(min(ts) - t0, 4)
     return {"steps": len(steps), "head_s": round(first - t0, 4), **split, "tail_s": round(t1 - last, 4),
             "gpu_s": round(gpu, 4), "gpu_idle_s": round(sum(s.get("gpu_idle_ms", 0.0) for s in steps) / 1e3, 4),
             "gpu_share_of_wall": round(gpu / (t1 - t0), 4), "engines": len({s.get("pid") for s in steps}),

@@ -60,6 +60,10 @@ class ScoreRequest:
     cache_salt: str | None = None
     priority: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    # through HTTP (time.monotonic()): when the server began handling it (its headers read), and
+    # when its body was whole; ``arrival`` is then when it was parsed
+    received: float | None = None
+    body_read: float | None = None
     deadline: float | None = None  # time.monotonic() value
     uid: int = field(default_factory=lambda: next(_uids), init=False)
 

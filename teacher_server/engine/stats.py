@@ -98,9 +98,14 @@ class StepTrace:
         """The step's make-up (``chunks``: its ``Chunk``s, before the scheduler moves them on),
         when its launch began (``time.monotonic()``) and the host time it took; ``arrived``: the
         earliest and latest arrival (``time.monotonic()`` once the server had parsed it) of its
-        requests."""
-        arrived = [c.seq.req.arrival for c in chunks]
-        return {"arrived": [round(min(arrived), 4), round(max(arrived), 4)] if arrived else None,
+        requests; through HTTP also ``received`` (the server began handling them) and ``read``
+        (their bodies were whole)."""
+        span = {}
+        for key, name in (("arrived", "arrival"), ("received", "received"), ("read", "body_read")):
+            ts = [t for c in chunks if (t := getattr(c.seq.req, name)) is not None]
+            if ts or key == "arrived":
+                span[key] = [round(min(ts), 4), round(max(ts), 4)] if ts else None
+        return {**span,
                 "step": index, "tokens": sum(c.end - c.start for c in chunks), "seqs": len(chunks),
                 "continuing": sum(1 for c in chunks if c.start > 0),  # after an earlier chunk or a cached prefix
                 "unfinished": sum(1 for c in chunks if not c.final),  # go on in a later step

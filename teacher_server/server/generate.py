@@ -179,6 +179,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         ae = ready_engine(request, teachers.single)
         timeout_s = request_timeout(request, cfg)
         raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
+        body_read = time.monotonic()
         # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
         t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
         ae = ready_engine(request, t)
@@ -192,6 +193,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         echo_ids = bool(body.return_token_ids)
         del raw, args, body, obj  # the bytes and their parsed copy (a large ignored field too) are let go here
         info.request_id, info.tokens, info.rows = req.request_id, req.length, req.rows
+        req.received, req.body_read = t0, body_read  # (the step trace's clocks of its way in)
         if req.length > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
                              f"(max_queue_tokens={t.cfg.max_queue_tokens})", "token_ids")
