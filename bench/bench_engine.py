@@ -292,8 +292,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # DeepSeek's float32 router logits: the input copied to float32 and a float32 GEMM (not the bf16 parts)
         "no_router_gemm_split": lambda: setattr(ops, "router_gemm_split", False),
         # Qwen3.5's gated attention: its q/k/v stage and output gate eager (a chain of passes each)
-        "eager_gated_attention": lambda: [setattr(ops, n, _STAGES[n]) for n in ("gated_qk_prep", "sigmoid_gate")]
-        + [setattr(ops, "gated_qk_kernel", False)],
+        "eager_gated_attention": lambda: [setattr(ops, n, f) for n, f in (("gated_qk_prep", _STAGES["gated_qk_prep"]),
+                                          ("sigmoid_gate", _STAGES["sigmoid_gate"]), ("gated_qk_kernel", False))],
         # Qwen3.5's gated attention: its q/k/v input stage compiled (or eager) rather than the Triton kernel
         "no_gated_qk_kernel": lambda: setattr(ops, "gated_qk_kernel", False),
         # Qwen3.5: the linear layers' convolution and input stage as two passes (fla-core's, then compiled)

@@ -26,17 +26,14 @@ from teacher_server.ops.checks import assert_close, faster
 from teacher_server.ops.partial_rope import gated_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.ops.slack import alloc_with_slack
+from teacher_server.ops.triton_kernels import lazy
 
 _K: dict[str, Any] = {}
 BLOCK_T = 16  # tokens per program (one head each)
 
 
-def _kernels() -> dict[str, Any]:
-    if _K:
-        return _K
-    import triton
-    import triton.language as tl
-
+def _define(triton, tl) -> dict[str, Any]:
+    """The kernel (``triton_kernels.lazy``)."""
     # T differs from step to step: not specialised on (no compile for a new remainder mod 16 while serving)
     @triton.jit(do_not_specialize=["T"])
     def qk_heads(qkv_ptr, s_qkv, cs_ptr, s_cs, qn_ptr, kn_ptr, q_ptr, s_q, k_ptr, s_k, v_ptr, s_v, T, n_q, n_kv, eps,
@@ -84,8 +81,7 @@ def _kernels() -> dict[str, Any]:
             vals = tl.load(qkv_ptr + row[:, None] * s_qkv + (2 * n_q + n_kv + hv) * D + j[None, :], mask=m, other=0.0)
             tl.store(v_ptr + row[:, None] * s_v + hv * D + j[None, :], vals, mask=m)
 
-    _K.update(qk_heads=qk_heads, triton=triton)
-    return _K
+    return {"qk_heads": qk_heads}
 
 
 def gated_qk(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, n_q: int, n_kv: int,
@@ -94,7 +90,9 @@ def gated_qk(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor, k_norm: 
     """``partial_rope.gated_qk_prep`` in one kernel (same arguments, same outputs): q_out [T, n_q,
     d], k_out, v_out [T, n_kv, d] written (rows may be strided, heads packed); returns the gate
     [T, n_q, d], a view of ``qkv``. d a power of two; cs [T, r] float32 (cos | sin), r <= d."""
-    k_ = _kernels()
+    kernels = lazy(_K, "gated attention input kernel", _define)
+    if "qk_heads" not in kernels:
+        raise RuntimeError("the gated attention input kernel needs triton")
     t = qkv.shape[0]
     r = cs.shape[1]
     assert d & (d - 1) == 0 and r % 2 == 0 and r <= d, (d, r)
@@ -104,10 +102,10 @@ def gated_qk(qkv: torch.Tensor, cs: torch.Tensor, q_norm: torch.Tensor, k_norm: 
         assert o.shape == (t, n, d) and o.stride(2) == 1 and o.stride(1) == d and o.dtype == qkv.dtype
     assert q_norm.shape == k_norm.shape == (d,) and q_norm.dtype == k_norm.dtype
     if t:
-        grid = (k_["triton"].cdiv(t, block_t), n_q + 2 * n_kv)
-        k_["qk_heads"][grid](qkv, qkv.stride(0), cs, cs.stride(0), q_norm, k_norm, q_out, q_out.stride(0), k_out,
-                             k_out.stride(0), v_out, v_out.stride(0), t, n_q, n_kv, eps, D=d, HALF=r // 2,
-                             BT=block_t, W_F32=q_norm.dtype == torch.float32, num_warps=4)
+        grid = (-(-t // block_t), n_q + 2 * n_kv)
+        kernels["qk_heads"][grid](qkv, qkv.stride(0), cs, cs.stride(0), q_norm, k_norm, q_out, q_out.stride(0), k_out,
+                                  k_out.stride(0), v_out, v_out.stride(0), t, n_q, n_kv, eps, D=d, HALF=r // 2,
+                                  BT=block_t, W_F32=q_norm.dtype == torch.float32, num_warps=4)
     return qkv[:, :2 * n_q * d].view(t, n_q, 2 * d)[..., d:]
 
 

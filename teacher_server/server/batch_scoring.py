@@ -126,6 +126,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     ae = ready_engine(request, teachers.single)
     timeout_s = request_timeout(request, cfg)
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
+    body_read = time.monotonic()
     # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
     t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
     ae = ready_engine(request, t)
@@ -149,6 +150,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     deadline = None if timeout_s is None else t0 + timeout_s
     for r in reqs:
         r.deadline = deadline
+        r.received, r.body_read = t0, body_read  # (the step trace's clocks of its way in)
     app.state.handling += 1
     for r in reqs:
         queue.admit(r.priority, r.length)
