@@ -102,10 +102,16 @@ def make_checkpoint(family: str, path: Path, seed: int = 0, max_pos: int = 4096)
     return path
 
 
-def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, kv_heads: int = 2) -> Path:
-    """A tiny random MoE of ``family`` ("name" or "name:vocab"). The router weights are large
-    (std 1 logits per unit input) so the top-k choices sit far from the decision boundary and
-    float32 rounding cannot flip them; dense layers are mixed in where the family has them."""
+def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, kv_heads: int = 2,
+                        clear_on: list[np.ndarray] | None = None, min_gap: float = 1e-3) -> Path:
+    """A tiny random MoE of ``family`` ("name" or "name:vocab"); dense layers are mixed in where
+    the family has them. The router weights are large (std 1 logits per unit input).
+
+    Large weights alone do not keep float32 rounding from flipping a top-k choice: the rounding
+    of a logit grows with the logit. Tests that compare two float paths (TP or PP against one
+    process) at 1e-5 pass ``clear_on``, the token sequences they score: the first seed from
+    ``seed`` on whose routers keep every one of those tokens' k-th and (k+1)-th logits at least
+    ``min_gap`` apart is used (rounding moves them by ~1e-5 here), so no choice sits on a tie."""
     import transformers as tf
     from safetensors.torch import save_file
 
@@ -127,9 +133,14 @@ def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, 
         cls = tf.MixtralForCausalLM
     else:
         raise ValueError(family)
-    torch.manual_seed(seed)
-    model = cls(cfg).to(torch.float32).eval()
-    randomize_weights(model, (ROUTER,))
+    for attempt in range(seed, seed + 50):
+        torch.manual_seed(attempt)
+        model = cls(cfg).to(torch.float32).eval()
+        randomize_weights(model, (ROUTER,))
+        if clear_on is None or router_gap(model, clear_on, cfg.num_experts_per_tok) >= min_gap:
+            break
+    else:
+        raise RuntimeError(f"no seed in [{seed}, {seed + 50}) keeps {family}'s routers {min_gap} clear of a tie")
     if name.endswith("_stacked"):
         path.mkdir(parents=True, exist_ok=True)
         model.config.save_pretrained(path)
@@ -137,6 +148,28 @@ def make_moe_checkpoint(family: str, path: Path, seed: int = 0, heads: int = 4, 
     else:
         model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@torch.no_grad()
+def router_gap(model: torch.nn.Module, sequences: list[np.ndarray], k: int) -> float:
+    """The smallest gap between the k-th and (k+1)-th router logit over every token of
+    ``sequences`` and every routed layer of ``model`` (a transformers MoE), in float64 from
+    the routers' inputs."""
+    inputs: list[torch.Tensor] = []
+    gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and getattr(m, "weight", None) is not None]
+    hooks = [g.register_forward_pre_hook(lambda mod, args: inputs.append((mod.weight, args[0]))) for g in gates]
+    try:
+        for seq in sequences:
+            model(input_ids=torch.as_tensor(np.asarray(seq), dtype=torch.long)[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    gap = float("inf")
+    for weight, x in inputs:
+        logits = x.reshape(-1, x.shape[-1]).double() @ weight.double().T
+        top = logits.topk(k + 1, dim=-1).values
+        gap = min(gap, float((top[:, k - 1] - top[:, k]).min()))
+    return gap
 
 
 def make_hybrid_checkpoint(family: str, path: Path, seed: int = 0) -> Path:

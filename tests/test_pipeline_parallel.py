@@ -27,7 +27,7 @@ import torch.distributed as dist
 from apiutil import assert_error, body
 from conftest import LiveServer, free_port, wait_healthy
 from reference import make_hybrid_checkpoint, make_moe_checkpoint
-from test_tensor_parallel import assert_same, run, tiny_checkpoint, wait_gone
+from test_tensor_parallel import assert_same, run, scored, tiny_checkpoint, wait_gone
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -49,7 +49,7 @@ def dense3(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def moe3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3-MoE of three layers (expert, dense, expert), stacked expert tensors."""
-    return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("pp") / "moe3")
+    return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("pp") / "moe3", clear_on=scored(512))
 
 
 @pytest.fixture(scope="module")

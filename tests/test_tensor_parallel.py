@@ -90,6 +90,12 @@ def requests(vocab: int, seed: int) -> list[ScoreRequest]:
     return out
 
 
+def scored(vocab: int, seed: int = 0) -> list[np.ndarray]:
+    """The token sequences ``run`` scores (an MoE compared at 1e-5 keeps its routers clear of
+    ties on them: ``make_moe_checkpoint(clear_on=...)``)."""
+    return [r.token_ids for r in requests(vocab, seed)]
+
+
 def run(path: Path, size: int, seed: int = 0, **settings: object) -> tuple[list[ScoreResult], int]:
     """Results of the requests scored in two waves (the second hits the prompt cached by the
     first), and the prefix-cache hit tokens."""
@@ -123,13 +129,13 @@ def assert_same(a: list[ScoreResult], b: list[ScoreResult]) -> None:
 @pytest.fixture(scope="module")
 def moe_shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen2-MoE: a routed layer with a sigmoid-gated shared expert between dense layers."""
-    return make_moe_checkpoint("qwen2moe:301", tmp_path_factory.mktemp("tp") / "moe_shared")
+    return make_moe_checkpoint("qwen2moe:301", tmp_path_factory.mktemp("tp") / "moe_shared", clear_on=scored(301))
 
 
 @pytest.fixture(scope="module")
 def moe_stacked(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Qwen3-MoE saved with stacked [E, ...] expert tensors (sliced per rank on load)."""
-    return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("tp") / "moe_stacked")
+    return make_moe_checkpoint("qwen3moe_stacked", tmp_path_factory.mktemp("tp") / "moe_stacked", clear_on=scored(512))
 
 
 @pytest.fixture(scope="module")
