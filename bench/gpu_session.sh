@@ -42,6 +42,7 @@ fit_layers() {
     qwen3-next-80b-a3b) echo "--num-layers 12" ;;  # 12 of the shape's 24 (~40 GB)
     glm4.5-air) echo "--num-layers 9" ;;           # 9 of the shape's 18 (~43 GB)
     qwen3.5-35b-a3b) echo "--num-layers 20" ;;     # 20 of 40 (~36 GB)
+    gemma3-27b) echo "--num-layers 31" ;;          # 31 of the text model's 62 (~28 GB)
   esac
 }
 for step in ${STEPS:-tests}; do
