@@ -6,6 +6,7 @@ Shared by the HTTP server and the in-process Python API, so both enforce one con
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -166,6 +167,23 @@ def _sampling_temperature(value: Any, param: str) -> float | None:
     if not ok:
         raise BadRequest(f"temperature must be a finite number, got {value!r:.40}", param)
     return float(value)
+
+
+def renamed(e: BadRequest, names: dict[str, str], prefix: str = "") -> BadRequest:
+    """``e`` (from ``build_request``, which names the native request's fields) in another
+    endpoint's words: each field in ``names`` becomes its value, in ``param`` and in the message
+    alike; any other ``sampling_params.`` field becomes ``prefix`` + its name (a trainers'
+    endpoint whose sampling fields sit at the top level passes ""). Longer names are replaced
+    first, and only where a whole name stands ("token_ids" inside "prompt_logprob_token_ids" is
+    not one)."""
+    def one(text: str) -> str:
+        for ours in sorted(names, key=len, reverse=True):
+            text = re.sub(rf"(?<![\w.]){re.escape(ours)}(?!\w)", names[ours], text)
+        return re.sub(r"(?<![\w.])sampling_params\.(?=\w)", prefix, text)
+
+    out = BadRequest(one(e.message), None if e.param is None else one(e.param), e.status)
+    out.request_id = e.request_id
+    return out
 
 
 def check_batch(n: int, limits: Limits, param: str) -> None:

@@ -111,7 +111,28 @@ BAD = [
     ("logprob_start_len below -1", SGL, {**_SGL, "logprob_start_len": -2}, 400, "logprob_start_len"),
     ("max_new_tokens 2", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 2}}, 400, "sampling_params.max_new_tokens"),
     ("temperature a word", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "temperature": "warm"}}, 400,
-     "temperature"),
+     "sampling_params.temperature"),
+    # a value of the wrong type is refused, never converted (true is not 1, "1" is not 1)
+    ("prompt_logprob_temperature a bool", GEN, _gen(prompt_logprob_token_ids=[1], prompt_logprob_temperature=True),
+     400, "sampling_params.prompt_logprob_temperature"),
+    ("prompt_logprob_temperature a string", GEN, _gen(prompt_logprob_token_ids=[1], prompt_logprob_temperature="0.5"),
+     400, "sampling_params.prompt_logprob_temperature"),
+    ("temperature a bool", GEN, _gen(prompt_logprob_token_ids=[1], temperature=True), 400, "sampling_params.temperature"),
+    ("n a bool", GEN, _gen(n=True), 400, "sampling_params.n"),
+    ("n a string", GEN, _gen(n="1"), 400, "sampling_params.n"),
+    ("n a float", GEN, _gen(n=1.0), 400, "sampling_params.n"),
+    ("n a bool", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "n": True}}, 400, "sampling_params.n"),
+    ("n a float", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "n": 1.0}}, 400, "sampling_params.n"),
+    # ids are checked whether or not the request ends up scoring them
+    ("logprob_token_ids id = vocab, nothing generated", COMP,
+     {**_COMP, "logprobs": 1, "return_tokens_as_token_ids": True, "logprob_token_ids": [VOCAB]}, 400,
+     "logprob_token_ids"),
+    ("token_ids_logprob id = vocab, no logprobs asked", SGL, {**_SGL, "return_logprob": False,
+                                                               "token_ids_logprob": [VOCAB]}, 400, "token_ids_logprob"),
+    ("suffix", COMP, {**_COMP, "suffix": "x"}, 400, "suffix"),
+    ("truncate_prompt_tokens 0", COMP, {**_COMP, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past max_model_len", COMP, {**_COMP, "truncate_prompt_tokens": MAX_LEN + 1}, 400,
+     "truncate_prompt_tokens"),
 ]
 
 
@@ -119,6 +140,30 @@ BAD = [
                          ids=[f"{b[1]} {b[0]}" for b in BAD])
 def test_bad_input_is_a_4xx_naming_the_field(server, path: str, payload: dict, status: int, param: str) -> None:
     assert_error(server.c.post(path, json=payload), status, param)
+
+
+@pytest.mark.parametrize(("path", "payload", "param", "message"), [
+    (COMP, {**_COMP, "prompt": [1, VOCAB]}, "prompt", f"prompt: id {VOCAB} is outside"),
+    (COMP, {**_COMP, "prompt": [1] * (MAX_LEN + 1)}, "prompt", f"prompt has {MAX_LEN + 1} tokens"),
+    (SGL, {**_SGL, "input_ids": [1, VOCAB]}, "input_ids", f"input_ids: id {VOCAB} is outside"),
+    (SGL, {**_SGL, "token_ids_logprob": [1, VOCAB]}, "token_ids_logprob", f"token_ids_logprob: id {VOCAB}")])
+def test_a_trainers_endpoint_names_its_own_fields_in_the_message(server, path: str, payload: dict, param: str,
+                                                                  message: str) -> None:
+    """The message names the field as the caller sent it, not the native request's name."""
+    err = assert_error(server.c.post(path, json=payload), 400, param, contains=message)
+    assert "sampling_params.prompt_logprob" not in err["message"] and "token_ids:" not in err["message"]
+
+
+def test_truncate_prompt_tokens_scores_the_last_tokens(server) -> None:
+    """vLLM's truncate_prompt_tokens on /v1/completions: the prompt's last k tokens are scored,
+    as that prompt sent alone is (-1: the last max_model_len, so a prompt within it is whole)."""
+    c, long = server.c, np.random.default_rng(1).integers(0, VOCAB, 20).tolist()
+    cut = c.post(COMP, json={**_COMP, "prompt": long, "truncate_prompt_tokens": 6}).json()
+    alone = c.post(COMP, json={**_COMP, "prompt": long[-6:]}).json()
+    assert cut["usage"]["prompt_tokens"] == 6 and cut["choices"][0]["prompt_logprobs"] == alone["choices"][0]["prompt_logprobs"]
+    whole = c.post(COMP, json={**_COMP, "prompt": long, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == 20
+    assert whole["choices"][0]["prompt_logprobs"] == c.post(COMP, json={**_COMP, "prompt": long}).json()["choices"][0]["prompt_logprobs"]
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b"null", b'"x"', b'{"token_ids": [1, NaN]}',

@@ -37,6 +37,30 @@ def test_a_400_logs_its_reason_and_carries_a_request_id(demo_server, caplog) -> 
     assert lines["mine-1"].reason == named.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("path", "name", "payload", "id_field", "logged"), [
+    ("/v1/completions", "completions", {"prompt": [1, 99999], "max_tokens": 0}, "request_id", "cmpl-{}"),
+    ("/generate", "sglang-generate", {"input_ids": [1, 99999]}, "rid", "{}")])
+def test_a_trainers_endpoint_logs_a_refusals_reason_and_id(demo_server, caplog, path: str, name: str,
+                                                          payload: dict, id_field: str, logged: str) -> None:
+    """As the native endpoint: the refused call's access line ends with its reason and names it
+    by the body's id; the response carries an X-Request-Id (the client's header as sent, else
+    one to quote)."""
+    caplog.set_level(logging.INFO, logger="teacher_server.access")
+    with demo_server.client() as c:
+        anon = c.post(path, json=payload)
+        mine = c.post(path, json={**payload, id_field: "body-7"})
+        header = c.post(path, json=payload, headers={"X-Request-Id": "hdr-3"})
+    for r in (anon, mine, header):
+        assert_error(r, 400)
+    assert re.fullmatch(r"score-[0-9a-f]{32}", anon.headers["x-request-id"]), anon.headers
+    assert header.headers["x-request-id"] == "hdr-3"
+    lines = [rec for rec in caplog.records if rec.name == "teacher_server.access" and rec.getMessage().startswith(name)]
+    by_id = {rec.request_id: rec for rec in lines}
+    for rid, r in ((anon.headers["x-request-id"], anon), (logged.format("body-7"), mine)):
+        line = by_id[rid]
+        assert line.status == 400 and line.reason == r.json()["error"]["message"] and "reason=" in line.getMessage()
+
+
 def test_a_request_http_cannot_frame_gets_an_id_and_a_logged_reason(demo_server, caplog) -> None:
     caplog.set_level(logging.INFO, logger="teacher_server.access")
     with socket.create_connection(("127.0.0.1", demo_server.port), timeout=30) as sock:

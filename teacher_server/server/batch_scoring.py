@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -28,6 +29,7 @@ from teacher_server.server.generate import (
     RequestInfo,
     _wait_disconnect,
     busy_response,
+    error_reason,
     ready_engine,
     refusal_reason,
     refuse_long_wait,
@@ -45,9 +47,11 @@ _DEADLINE_GRACE_S = 1.0
 
 
 class Parsed(Protocol):
-    """What an endpoint's parser gives: the engine requests, in the response's order."""
+    """What an endpoint's parser gives: the engine requests, in the response's order, and the
+    id the access line names the call by."""
 
     reqs: list[ScoreRequest]
+    request_id: str
 
 
 # (body, limits, served name, tokenizer, the other served names, the X-Request-Id header, the body's JSON object
@@ -92,6 +96,7 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
         finally:
             m = m if info.teacher is None else info.teacher.metrics  # counted under the teacher named
     except BadRequest as e:
+        info.request_id = e.request_id or info.request_id
         m.labels(m.failures, reason=refusal_reason(e)).inc()
         resp = error_response(e.status, e.message, e.param)
     except ClientGone as e:
@@ -108,10 +113,16 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     dt = time.monotonic() - t0
     m.labels(m.requests, status=str(resp.status_code)).inc()
     m.labels(m.e2e).observe(dt)
-    resp.headers.update(request_id_header(rid))
-    access_log.info("%s %s -> %d tokens=%d %.3fs", name, (rid or "-")[:128], resp.status_code, tokens, dt,
-                    extra={"request_id": rid or "-", "status": resp.status_code, "latency_s": round(dt, 4),
-                           "tokens": tokens})
+    # the header the client sent comes back as it was; else the call's own id (a refusal before one was
+    # read: one of ours, so the caller can quote it)
+    logged = info.request_id or rid or f"score-{uuid.uuid4().hex}"
+    resp.headers.update(request_id_header(rid if rid is not None else logged))
+    logged = logged[:128]
+    reason = error_reason(resp)
+    access_log.info("%s %s -> %d tokens=%d %.3fs%s", name, logged, resp.status_code, tokens, dt,
+                    f" reason={reason}" if reason else "",
+                    extra={"request_id": logged, "status": resp.status_code, "latency_s": round(dt, 4),
+                           "tokens": tokens, **({"reason": reason} if reason else {})})
     return resp
 
 
@@ -140,6 +151,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
     del raw, args, obj
     reqs: list[ScoreRequest] = parsed.reqs
+    info.request_id = parsed.request_id
     tokens = sum(r.length for r in reqs)
     if tokens > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
         raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "

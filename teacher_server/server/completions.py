@@ -36,11 +36,11 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest, ScoreResult
-from teacher_server.server.parsing import validated
+from teacher_server.server.parsing import as_model, json_object
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, build_request, check_batch
+from teacher_server.validation import BadRequest, Limits, build_request, check_batch, renamed
 
 PLP_SLICE = 512  # positions of prompt_logprobs serialised at a time
 
@@ -80,6 +80,10 @@ class CompletionRequest(BaseModel):
     add_special_tokens: StrictBool = Field(True, description="For text prompts: add the tokenizer's special tokens.")
     n: StrictInt | None = Field(1, description="1 only.")
     stream: StrictBool | None = Field(False, description="false only.")
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, description="vLLM's: score only the last k tokens of each prompt (-1: the last max_model_len); at "
+                          "most max_model_len.")
+    suffix: StrictStr | None = Field(None, description="Not supported (vLLM's answer too): 400.")
     request_id: StrictStr | None = None
     cache_salt: StrictStr | None = Field(None, description="Isolates prefix-cache entries between tenants.")
     priority: StrictInt = 0
@@ -105,6 +109,23 @@ def _token_prompts(body: CompletionRequest, tok: Tokenizer | None) -> list[list[
     return [p]
 
 
+def _truncation(body: CompletionRequest, limits: Limits) -> int | None:
+    """``truncate_prompt_tokens`` as the number of last tokens kept (vLLM's rule: -1 is
+    max_model_len; larger than max_model_len is refused); None: the prompts as sent."""
+    k = body.truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return limits.max_model_len
+    if k < 1:
+        raise BadRequest(f"truncate_prompt_tokens must be -1 or at least 1, got {k}", "truncate_prompt_tokens")
+    if k > limits.max_model_len:
+        raise BadRequest(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                         f"({limits.max_model_len}). Please, select a smaller truncation size.",
+                         "truncate_prompt_tokens")
+    return k
+
+
 def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
                      aliases: tuple[str, ...] = (), header_request_id: str | None = None,
                      obj: dict | None = None) -> ParsedCompletion:
@@ -112,15 +133,35 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     ``aliases``: the other served names (``--served-model-name a b``), accepted as ``model``;
     ``header_request_id``: X-Request-Id, which names the completion before the body's
     ``request_id`` does (vLLM's ``_base_request_id``); ``obj``: the body's JSON object where it
-    was parsed already (``parsing.validated``)."""
-    body = validated(raw, CompletionRequest, obj)
+    was parsed already (``Teachers.pick``)."""
+    obj = json_object(raw) if obj is None else obj
+    try:
+        return _parse_completion(as_model(obj, CompletionRequest), limits, served, tok, aliases, header_request_id)
+    except BadRequest as e:  # (the id the access line names a refusal by: the body's, else the header's)
+        rid = header_request_id if header_request_id is not None else obj.get("request_id")
+        e.request_id = f"cmpl-{rid}" if isinstance(rid, str) else None  # (as the completion's id would be)
+        raise
+
+
+_NAMES = {"token_ids": "prompt", "sampling_params.prompt_logprob_token_ids": "logprob_token_ids"}
+
+
+def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok: Tokenizer | None,
+                      aliases: tuple[str, ...], header_request_id: str | None) -> ParsedCompletion:
     if body.model is not None and body.model != served and body.model not in aliases:
         raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
     if body.n not in (None, 1):
         raise BadRequest(f"n must be 1, got {body.n}", "n")
+    if body.suffix is not None:
+        raise BadRequest("suffix is not currently supported", "suffix")
+    keep = _truncation(body, limits)
     given = body.logprob_token_ids
+    if given:  # range-checked whether or not this request scores them
+        bad = next((i for i in given if not 0 <= i < limits.vocab_size), None)
+        if bad is not None:
+            raise BadRequest(f"logprob_token_ids: id {bad} is outside [0, {limits.vocab_size})", "logprob_token_ids")
     if given is not None:  # (vLLM's checks of it, in its words)
         if not given:
             raise BadRequest("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
@@ -137,6 +178,8 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     prompts = _token_prompts(body, tok)
     if not prompts:
         raise BadRequest("prompt must not be empty", "prompt")
+    if keep is not None:  # (vLLM keeps a prompt's last tokens)
+        prompts = [ids[-keep:] if len(ids) > keep else ids for ids in prompts]
     rid = header_request_id if header_request_id is not None else body.request_id
     rid = f"cmpl-{rid if rid is not None else uuid.uuid4().hex}"
     mt = 1 if body.max_tokens is None else body.max_tokens
@@ -151,9 +194,7 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
                                 candidates=given if at_next else None, start=len(ids) - 1 if at_next else None,
                                 sampling_temperature=(body.model_extra or {}).get("temperature"))
         except BadRequest as e:
-            param = {"token_ids": "prompt", "sampling_params.prompt_logprob_token_ids": "logprob_token_ids"}
-            raise BadRequest(e.message, param.get(e.param, (e.param or "").removeprefix("sampling_params.")),
-                             e.status) from None
+            raise renamed(e, _NAMES) from None
         if mt == 1 and kl is not None:
             req.next_top = max(kl, 1)  # the generated (greedy) token is the top-1
             req.next_candidates = at_next

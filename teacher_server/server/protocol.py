@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, FailFast, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 
 class _FailFast(FailFast):
@@ -54,15 +54,16 @@ class SamplingParams(BaseModel):
     prompt_logprob_logsumexp: StrictBool | None = Field(
         None, description="`prompt_logsumexp` ([rows] float32): the log normalizer of each row's (temperature-scaled) "
                           "logits; log-prob = logit / T - logsumexp.")
-    prompt_logprob_temperature: float | None = Field(
+    prompt_logprob_temperature: StrictFloat | None = Field(
         None, description="Divide the logits by this (> 0) before the softmax, for every score of the request "
                           "(candidates, top-K, prompt_logprobs, actual, tail, logsumexp): vLLM's "
                           "`--logprobs-mode processed_logprobs` semantics (logits / T, then log_softmax). Default 1. "
                           "`temperature` changes scores only with `--logprobs-mode processed_logprobs` (this "
                           "field wins over it).")
     truncate_prompt_tokens: StrictInt | None = Field(None, description="Not supported: inputs are never truncated.")
-    # Accepted for compatibility; they do not change the scores.
-    temperature: float | None = None
+    # Accepted for compatibility; they do not change the scores (``temperature`` does with
+    # ``--logprobs-mode processed_logprobs``: a number, or a string of one as vLLM reads it).
+    temperature: StrictFloat | StrictStr | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -86,7 +87,7 @@ class SamplingParams(BaseModel):
     output_kind: Any = None
     structured_outputs: Any = None
     guided_decoding: Any = None
-    n: int | None = Field(None, description="1 only: this server does not sample (400 otherwise).")
+    n: StrictInt | None = Field(None, description="1 only: this server does not sample (400 otherwise).")
     best_of: int | None = None
     flat_logprobs: bool | None = None
     logits_processors: Any = None

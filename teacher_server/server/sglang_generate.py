@@ -35,11 +35,19 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest, ScoreResult
-from teacher_server.server.parsing import validated
+from teacher_server.server.parsing import as_model, json_object
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import NEG_INF_JSON
 from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_batch, check_priority
+from teacher_server.validation import (
+    BadRequest,
+    Limits,
+    RowTargets,
+    build_request,
+    check_batch,
+    check_priority,
+    renamed,
+)
 
 _Many = Annotated[list[StrictInt], _FF]
 
@@ -89,6 +97,11 @@ class ParsedSGLang:
     items: list[_Item]
     batch: bool
 
+    @property
+    def request_id(self) -> str:
+        """The id the access line names the call by: its prompt's, a batch's first."""
+        return self.items[0].rid
+
 
 def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
     """The value of prompt ``i`` of ``n``: a list with one per prompt, or one for all."""
@@ -104,8 +117,26 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
                  obj: dict | None = None) -> ParsedSGLang:
     """JSON bytes -> one engine request per prompt; BadRequest otherwise. (SGLang names a
     request by its body's ``rid`` alone: ``header_request_id`` is not read.) ``obj``: the body's
-    JSON object where it was parsed already (``parsing.validated``)."""
-    body = validated(raw, SGLangGenerateRequest, obj)
+    JSON object where it was parsed already (``Teachers.pick``)."""
+    obj = json_object(raw) if obj is None else obj
+    try:
+        return _parse_sglang(as_model(obj, SGLangGenerateRequest), limits, tok)
+    except BadRequest as e:  # (the id the access line names a refusal by: the body's rid, the first of a batch's)
+        rid = obj.get("rid")
+        rid = rid[0] if isinstance(rid, list) and rid else rid
+        e.request_id = rid if isinstance(rid, str) else None
+        raise
+
+
+# build_request's names of the native request's fields -> this endpoint's (its sampling fields stay in
+# sampling_params)
+_NAMES = {"token_ids": "input_ids", "sampling_params.prompt_logprob_token_ids": "token_ids_logprob",
+          "sampling_params.prompt_logprob_start": "logprob_start_len",
+          "sampling_params.prompt_logprob_topk": "top_logprobs_num",
+          "sampling_params.max_tokens": "sampling_params.max_new_tokens"}
+
+
+def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | None) -> ParsedSGLang:
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
     if (body.input_ids is None) == (body.text is None):
@@ -137,8 +168,9 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
         if isinstance(mn, bool) or not isinstance(mn, int) or mn not in (0, 1):
             raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
                              f"generate); got {mn!r}", "sampling_params.max_new_tokens")
-        if sp.get("n", 1) not in (None, 1):  # SGLang would answer n samples per prompt: none are drawn here
-            raise BadRequest(f"sampling_params.n must be 1 (this server does not sample); got {sp['n']!r}",
+        n_samples = sp.get("n", 1)
+        if n_samples is not None and (type(n_samples) is not int or n_samples != 1):  # (SGLang would sample n)
+            raise BadRequest(f"sampling_params.n must be 1 (this server does not sample); got {n_samples!r:.40}",
                              "sampling_params.n")
         want = bool(_per(body.return_logprob, i, n, "return_logprob"))
         start = _per(body.logprob_start_len, i, n, "logprob_start_len")
@@ -151,6 +183,9 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
             raise BadRequest(f"top_logprobs_num must be in [0, {cap}] (max_logprobs), got {top}", "top_logprobs_num")
         if tids is not None and not tids:
             tids = None
+        bad = next((t for t in tids or () if not 0 <= t < limits.vocab_size), None)
+        if bad is not None:  # (range-checked whether or not this prompt returns logprobs)
+            raise BadRequest(f"token_ids_logprob: id {bad} is outside [0, {limits.vocab_size})", "token_ids_logprob")
         length = len(ids)
         if want and start > length:
             raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens ({length})",
@@ -170,9 +205,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
                                 request_id=(_per(rid, i, n, "rid") if rid is not None else None)
                                 or f"{uuid.uuid4().hex}")
         except BadRequest as e:
-            name = {"token_ids": "input_ids", "sampling_params.prompt_logprob_token_ids": "token_ids_logprob"}
-            raise BadRequest(e.message, name.get(e.param, (e.param or "").removeprefix("sampling_params.")),
-                             e.status) from None
+            raise renamed(e, _NAMES, "sampling_params.") from None
         if want and mn == 1:
             req.next_top = max(top, 1)
             req.next_candidates = nxt
