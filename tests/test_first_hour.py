@@ -61,6 +61,16 @@ def test_a_trainers_endpoint_logs_a_refusals_reason_and_id(demo_server, caplog, 
         assert line.status == 400 and line.reason == r.json()["error"]["message"] and "reason=" in line.getMessage()
 
 
+def test_a_path_with_no_route_is_a_404_naming_the_nearest(demo_server) -> None:
+    """A trailing slash or a misspelt path: a 404 in the error shape naming the route meant,
+    never a bare redirect (which an HTTP client posting JSON does not follow)."""
+    with demo_server.client() as c:
+        slash = c.post(GEN + "/", json=body([1, 2], [3]))
+        typo = c.post("/v1/completion", json={"prompt": [1, 2]})
+    assert_error(slash, 404, contains=f"did you mean '{GEN}'")
+    assert_error(typo, 404, contains="did you mean '/v1/completions'")
+
+
 def test_a_request_http_cannot_frame_gets_an_id_and_a_logged_reason(demo_server, caplog) -> None:
     caplog.set_level(logging.INFO, logger="teacher_server.access")
     with socket.create_connection(("127.0.0.1", demo_server.port), timeout=30) as sock:

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from teacher_server import __version__, b64
 from teacher_server.client.tokenizer import tokenizer_identity
 from teacher_server.config import Config
+from teacher_server.did_you_mean import did_you_mean
 from teacher_server.engine.async_engine import AsyncEngine
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind
@@ -97,7 +98,9 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
             st.plp_pool.shutdown(wait=False)
 
     # /docs is our own page (server/docs_page.py): FastAPI's loads Swagger UI from a CDN (blank offline)
+    # (no redirect for a path with a trailing slash: a bare 307 a client does not follow; a 404 naming the path)
     app = FastAPI(title="teacher-server", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  redirect_slashes=False,
                   description="Teacher log-probs of student candidates for on-policy distillation "
                               "(vLLM teacher-scoring compatible).")
 
@@ -109,7 +112,12 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> Response:
         headers = dict(exc.headers or {}) | request_id_header(request.headers.get("x-request-id"))  # 405: Allow
-        return error_response(exc.status_code, str(exc.detail), headers=headers)
+        detail = str(exc.detail)
+        if exc.status_code == 404 and detail == "Not Found":  # no such route: say which, and the nearest one
+            path = request.url.path[:200]
+            routes = sorted({r.path for r in app.routes if isinstance(getattr(r, "path", None), str)})
+            detail = f"no route {request.method} {path}{did_you_mean(path, routes)}"
+        return error_response(exc.status_code, detail, headers=headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> Response:
