@@ -181,7 +181,11 @@ def renamed(e: BadRequest, names: dict[str, str], prefix: str = "") -> BadReques
             text = re.sub(rf"(?<![\w.]){re.escape(ours)}(?!\w)", names[ours], text)
         return re.sub(r"(?<![\w.])sampling_params\.(?=\w)", prefix, text)
 
-    out = BadRequest(one(e.message), None if e.param is None else one(e.param), e.status)
+    def outside_quotes(text: str) -> str:  # (a quoted value the client sent is theirs: left as it was)
+        parts = re.split(r"('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\")", text)
+        return "".join(p if i % 2 else one(p) for i, p in enumerate(parts))
+
+    out = BadRequest(outside_quotes(e.message), None if e.param is None else one(e.param), e.status)
     out.request_id = e.request_id
     return out
 

@@ -157,6 +157,8 @@ def router_gap(model: torch.nn.Module, sequences: list[np.ndarray], k: int) -> f
     the routers' inputs."""
     inputs: list[torch.Tensor] = []
     gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate") and getattr(m, "weight", None) is not None]
+    if not gates:
+        raise ValueError(f"no router (a module named *mlp.gate with a weight) in {type(model).__name__}")
     hooks = [g.register_forward_pre_hook(lambda mod, args: inputs.append((mod.weight, args[0]))) for g in gates]
     try:
         for seq in sequences:

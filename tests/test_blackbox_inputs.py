@@ -120,9 +120,9 @@ BAD = [
     ("temperature a bool", GEN, _gen(prompt_logprob_token_ids=[1], temperature=True), 400, "sampling_params.temperature"),
     ("n a bool", GEN, _gen(n=True), 400, "sampling_params.n"),
     ("n a string", GEN, _gen(n="1"), 400, "sampling_params.n"),
-    ("n a float", GEN, _gen(n=1.0), 400, "sampling_params.n"),
+    ("n 1.5", GEN, _gen(n=1.5), 400, "sampling_params.n"),
     ("n a bool", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "n": True}}, 400, "sampling_params.n"),
-    ("n a float", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "n": 1.0}}, 400, "sampling_params.n"),
+    ("n 1.5", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "n": 1.5}}, 400, "sampling_params.n"),
     # ids are checked whether or not the request ends up scoring them
     ("logprob_token_ids id = vocab, nothing generated", COMP,
      {**_COMP, "logprobs": 1, "return_tokens_as_token_ids": True, "logprob_token_ids": [VOCAB]}, 400,
@@ -146,7 +146,8 @@ def test_bad_input_is_a_4xx_naming_the_field(server, path: str, payload: dict, s
     (COMP, {**_COMP, "prompt": [1, VOCAB]}, "prompt", f"prompt: id {VOCAB} is outside"),
     (COMP, {**_COMP, "prompt": [1] * (MAX_LEN + 1)}, "prompt", f"prompt has {MAX_LEN + 1} tokens"),
     (SGL, {**_SGL, "input_ids": [1, VOCAB]}, "input_ids", f"input_ids: id {VOCAB} is outside"),
-    (SGL, {**_SGL, "token_ids_logprob": [1, VOCAB]}, "token_ids_logprob", f"token_ids_logprob: id {VOCAB}")])
+    (SGL, {**_SGL, "token_ids_logprob": [1, VOCAB]}, "token_ids_logprob", f"token_ids_logprob: id {VOCAB}"),
+    (COMP, {**_COMP, "temperature": "token_ids"}, "temperature", "got 'token_ids'")])  # (the client's value as sent)
 def test_a_trainers_endpoint_names_its_own_fields_in_the_message(server, path: str, payload: dict, param: str,
                                                                   message: str) -> None:
     """The message names the field as the caller sent it, not the native request's name."""
@@ -154,16 +155,35 @@ def test_a_trainers_endpoint_names_its_own_fields_in_the_message(server, path: s
     assert "sampling_params.prompt_logprob" not in err["message"] and "token_ids:" not in err["message"]
 
 
+def test_n_of_one_written_as_a_float_is_one(server) -> None:
+    """vLLM and SGLang read n: 1.0 as 1: accepted, the same answer as n: 1."""
+    c = server.c
+    gen = [c.post(GEN, json=_gen(prompt_logprob_token_ids=[1], n=n)) for n in (1, 1.0)]
+    sgl = [c.post(SGL, json={**_SGL, "sampling_params": {"max_new_tokens": 0, "n": n}}) for n in (1, 1.0)]
+    for r in gen + sgl:
+        assert r.status_code == 200, r.text
+    assert gen[0].json()["prompt_token_id_logprobs"] == gen[1].json()["prompt_token_id_logprobs"]
+    assert sgl[0].json()["meta_info"]["input_token_logprobs"] == sgl[1].json()["meta_info"]["input_token_logprobs"]
+
+
 def test_truncate_prompt_tokens_scores_the_last_tokens(server) -> None:
-    """vLLM's truncate_prompt_tokens on /v1/completions: the prompt's last k tokens are scored,
-    as that prompt sent alone is (-1: the last max_model_len, so a prompt within it is whole)."""
-    c, long = server.c, np.random.default_rng(1).integers(0, VOCAB, 20).tolist()
-    cut = c.post(COMP, json={**_COMP, "prompt": long, "truncate_prompt_tokens": 6}).json()
-    alone = c.post(COMP, json={**_COMP, "prompt": long[-6:]}).json()
-    assert cut["usage"]["prompt_tokens"] == 6 and cut["choices"][0]["prompt_logprobs"] == alone["choices"][0]["prompt_logprobs"]
-    whole = c.post(COMP, json={**_COMP, "prompt": long, "truncate_prompt_tokens": -1}).json()
-    assert whole["usage"]["prompt_tokens"] == 20
-    assert whole["choices"][0]["prompt_logprobs"] == c.post(COMP, json={**_COMP, "prompt": long}).json()["choices"][0]["prompt_logprobs"]
+    """vLLM's truncate_prompt_tokens on /v1/completions: the prompt's last k tokens are scored
+    (the first k with truncation_side right), as that part sent alone is; -1 keeps
+    max_model_len - max_tokens, also the most k may be."""
+    c, long = server.c, np.random.default_rng(1).integers(0, VOCAB, MAX_LEN + 5).tolist()
+
+    def plp(**kw) -> tuple[int, list]:
+        r = c.post(COMP, json={**_COMP, **kw})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"], r.json()["choices"][0]["prompt_logprobs"]
+
+    assert plp(prompt=long, truncate_prompt_tokens=6) == plp(prompt=long[-6:]) and plp(prompt=long[-6:])[0] == 6
+    assert plp(prompt=long, truncate_prompt_tokens=6, truncation_side="right") == plp(prompt=long[:6])
+    assert plp(prompt=long[:5], truncate_prompt_tokens=6) == plp(prompt=long[:5])  # shorter: whole
+    assert plp(prompt=long, truncate_prompt_tokens=-1) == plp(prompt=long[-MAX_LEN:])  # max_tokens 0: all of it
+    assert plp(prompt=long, truncate_prompt_tokens=-1, max_tokens=1) == plp(prompt=long[-(MAX_LEN - 1):], max_tokens=1)
+    assert_error(c.post(COMP, json={**_COMP, "prompt": long, "truncate_prompt_tokens": MAX_LEN, "max_tokens": 1}),
+                 400, "truncate_prompt_tokens", contains=f"max_model_len - max_tokens = {MAX_LEN - 1}")
 
 
 @pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b"null", b'"x"', b'{"token_ids": [1, NaN]}',

@@ -227,3 +227,28 @@ def test_prompt_logprobs_json_equals_the_entries_as_dicts() -> None:
         want.append(e)
     got = prompt_logprobs_json(req, res, k, names)
     assert got == orjson.dumps(want)
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("special", [True, False])
+def test_a_text_prompt_is_cut_as_a_hugging_face_tokenizer_cuts_it(side: str, special: bool) -> None:
+    """truncate_prompt_tokens on a text prompt, as vLLM's tokenizer call truncates: the
+    special tokens (a BOS here) are added after the cut and count within the k."""
+    from tokenizers import Tokenizer as HF
+    from tokenizers import models, pre_tokenizers, processors
+
+    from teacher_server.server.tokenizer import Tokenizer
+
+    def make() -> HF:
+        t = HF(models.WordLevel({"<s>": 0, **{f"w{i}": i + 1 for i in range(9)}, "<unk>": 10}, unk_token="<unk>"))
+        t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+        return t
+
+    text = "w1 w2 w3 w4 w5 w6"
+    ours = Tokenizer(make())
+    for keep in (1, 3, 6, 7, 20):
+        theirs = make()
+        theirs.enable_truncation(keep, direction=side)
+        assert ours.encode(text, special, keep, side) == theirs.encode(text, add_special_tokens=special).ids, keep
+    assert ours.encode(text, True, 3, "left") == [0, 6, 7]  # (the BOS, then the last two words, w5 and w6)

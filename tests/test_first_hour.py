@@ -39,7 +39,8 @@ def test_a_400_logs_its_reason_and_carries_a_request_id(demo_server, caplog) -> 
 
 @pytest.mark.parametrize(("path", "name", "payload", "id_field", "logged"), [
     ("/v1/completions", "completions", {"prompt": [1, 99999], "max_tokens": 0}, "request_id", "cmpl-{}"),
-    ("/generate", "sglang-generate", {"input_ids": [1, 99999]}, "rid", "{}")])
+    ("/generate", "sglang-generate", {"input_ids": [1, 99999]}, "rid", "{}"),
+    ("/generate", "sglang-generate", {"input_ids": [[1, 2], [1, 99999]]}, "rid", "{}_0")])  # (a batch's first)
 def test_a_trainers_endpoint_logs_a_refusals_reason_and_id(demo_server, caplog, path: str, name: str,
                                                           payload: dict, id_field: str, logged: str) -> None:
     """As the native endpoint: the refused call's access line ends with its reason and names it

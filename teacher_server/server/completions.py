@@ -22,209 +22,25 @@ the ``logprobs + 1`` cut of every position, with vLLM's refusals.
 
 The JSON of large ``prompt_logprobs`` is the cost of this endpoint: it is built with orjson a
 slice of positions at a time, and bounded by ``max_prompt_logprobs_entries`` over the whole
-batch (a 400 beyond: the native endpoint returns the same numbers as binary arrays)."""
+batch (a 400 beyond: the native endpoint returns the same numbers as binary arrays). The request
+side (the body, its prompts and their truncation) is ``completion_request``."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest, ScoreResult
-from teacher_server.server.parsing import as_model, json_object
-from teacher_server.server.protocol import _FF, IntList
+from teacher_server.server.completion_request import CompletionRequest, ParsedCompletion, parse_completion
 from teacher_server.server.responses import NEG_INF_JSON
-from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, build_request, check_batch, renamed
+from teacher_server.server.tokenizer import Tokenizer
+
+__all__ = ["CompletionRequest", "ParsedCompletion", "build_completion", "parse_completion", "prompt_logprobs_json"]
 
 PLP_SLICE = 512  # positions of prompt_logprobs serialised at a time
-
-
-class CompletionRequest(BaseModel):
-    """Body of ``POST /v1/completions`` (vLLM's OpenAI-compatible request). Scores the prompt;
-    ``max_tokens`` 1 also returns the greedy next token. Other fields of vLLM's request
-    (``temperature``, ``top_p``, ``seed``, ``stop``, ...) are accepted and do not change the
-    scores."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: StrictStr | None = Field(None, description="Must name the served model (404 otherwise).")
-    prompt: IntList | Annotated[list[IntList], _FF] | StrictStr | Annotated[list[StrictStr], _FF] = Field(
-        ..., description="Token ids (a list of ints), a batch of them (a list of lists), or text / a list of texts "
-                         "where the checkpoint has a tokenizer.json.")
-    max_tokens: StrictInt | None = Field(
-        1, description="0 (score the prompt only) or 1 (also the greedy next token; absent = 1). This server does "
-                       "not generate: larger values are 400.")
-    echo: StrictBool | None = Field(
-        False, description="Return the prompt in `text` and (with `logprobs`) its logprobs; with `logprobs` and no "
-                           "`prompt_logprobs`, also the prompt's `prompt_logprobs` (k = `logprobs`).")
-    logprobs: StrictInt | None = Field(
-        None, description="OpenAI logprobs of the returned tokens (the echoed prompt with `echo`, and the generated "
-                          "token), with the top `logprobs` alternatives per position (-1: the whole vocabulary).")
-    prompt_logprobs: StrictInt | None = Field(
-        None, description="vLLM's per-position prompt logprobs: the actual token and the teacher's top-k "
-                          "(`choices[i].prompt_logprobs`, None at position 0; -inf written as -9999.0; -1: the "
-                          "whole vocabulary).")
-    logprob_token_ids: IntList | None = Field(
-        None, description="Ids whose logprobs the generated token's `top_logprobs` holds (after the token itself) "
-                          "in place of the top `logprobs` (vLLM's; needs `logprobs`).")
-    return_tokens_as_token_ids: StrictBool | None = Field(
-        None, description="Tokens as `token_id:<id>` strings (in `logprobs.tokens`, `top_logprobs` keys and "
-                          "`decoded_token`): no tokenizer needed.")
-    return_token_ids: StrictBool | None = Field(None, description="Also `prompt_token_ids` and `token_ids`.")
-    add_special_tokens: StrictBool = Field(True, description="For text prompts: add the tokenizer's special tokens.")
-    n: StrictInt | None = Field(1, description="1 only.")
-    stream: StrictBool | None = Field(False, description="false only.")
-    truncate_prompt_tokens: StrictInt | None = Field(
-        None, description="vLLM's: score only the last k tokens of each prompt (-1: the last max_model_len); at "
-                          "most max_model_len.")
-    suffix: StrictStr | None = Field(None, description="Not supported (vLLM's answer too): 400.")
-    request_id: StrictStr | None = None
-    cache_salt: StrictStr | None = Field(None, description="Isolates prefix-cache entries between tenants.")
-    priority: StrictInt = 0
-
-
-@dataclass
-class ParsedCompletion:
-    body: CompletionRequest
-    reqs: list[ScoreRequest]
-    request_id: str
-    prompt_k: int | None  # the k of the prompt's logprobs (``prompt_logprobs``, or ``logprobs`` with echo)
-    logprobs_k: int | None  # ``logprobs`` (-1 resolved to the vocabulary)
-
-
-def _token_prompts(body: CompletionRequest, tok: Tokenizer | None) -> list[list[int]]:
-    p = body.prompt
-    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
-        t = require(tok, "a text prompt")
-        texts = [p] if isinstance(p, str) else p
-        return [t.encode(x, body.add_special_tokens) for x in texts]
-    if isinstance(p, list) and p and isinstance(p[0], list):
-        return p
-    return [p]
-
-
-def _truncation(body: CompletionRequest, limits: Limits) -> int | None:
-    """``truncate_prompt_tokens`` as the number of last tokens kept (vLLM's rule: -1 is
-    max_model_len; larger than max_model_len is refused); None: the prompts as sent."""
-    k = body.truncate_prompt_tokens
-    if k is None:
-        return None
-    if k == -1:
-        return limits.max_model_len
-    if k < 1:
-        raise BadRequest(f"truncate_prompt_tokens must be -1 or at least 1, got {k}", "truncate_prompt_tokens")
-    if k > limits.max_model_len:
-        raise BadRequest(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
-                         f"({limits.max_model_len}). Please, select a smaller truncation size.",
-                         "truncate_prompt_tokens")
-    return k
-
-
-def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
-                     aliases: tuple[str, ...] = (), header_request_id: str | None = None,
-                     obj: dict | None = None) -> ParsedCompletion:
-    """JSON bytes -> the engine requests of each prompt; BadRequest (vLLM's 400/404) otherwise.
-    ``aliases``: the other served names (``--served-model-name a b``), accepted as ``model``;
-    ``header_request_id``: X-Request-Id, which names the completion before the body's
-    ``request_id`` does (vLLM's ``_base_request_id``); ``obj``: the body's JSON object where it
-    was parsed already (``Teachers.pick``)."""
-    obj = json_object(raw) if obj is None else obj
-    try:
-        return _parse_completion(as_model(obj, CompletionRequest), limits, served, tok, aliases, header_request_id)
-    except BadRequest as e:  # (the id the access line names a refusal by: the body's, else the header's)
-        rid = header_request_id if header_request_id is not None else obj.get("request_id")
-        e.request_id = f"cmpl-{rid}" if isinstance(rid, str) else None  # (as the completion's id would be)
-        raise
-
-
-_NAMES = {"token_ids": "prompt", "sampling_params.prompt_logprob_token_ids": "logprob_token_ids"}
-
-
-def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok: Tokenizer | None,
-                      aliases: tuple[str, ...], header_request_id: str | None) -> ParsedCompletion:
-    if body.model is not None and body.model != served and body.model not in aliases:
-        raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
-    if body.stream:
-        raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
-    if body.n not in (None, 1):
-        raise BadRequest(f"n must be 1, got {body.n}", "n")
-    if body.suffix is not None:
-        raise BadRequest("suffix is not currently supported", "suffix")
-    keep = _truncation(body, limits)
-    given = body.logprob_token_ids
-    if given:  # range-checked whether or not this request scores them
-        bad = next((i for i in given if not 0 <= i < limits.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"logprob_token_ids: id {bad} is outside [0, {limits.vocab_size})", "logprob_token_ids")
-    if given is not None:  # (vLLM's checks of it, in its words)
-        if not given:
-            raise BadRequest("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
-        if body.echo and body.max_tokens == 0:
-            raise BadRequest("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
-                             "output tokens are generated.", "logprob_token_ids")
-        if body.logprobs is None:
-            raise BadRequest("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
-    kl, kp = (_logprobs_k(body, name, limits) for name in ("logprobs", "prompt_logprobs"))
-    if body.logprobs is not None and not body.return_tokens_as_token_ids:
-        require(tok, "logprobs with token strings", " and set return_tokens_as_token_ids=true")
-    p = body.prompt
-    check_batch(len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1, limits, "prompt")
-    prompts = _token_prompts(body, tok)
-    if not prompts:
-        raise BadRequest("prompt must not be empty", "prompt")
-    if keep is not None:  # (vLLM keeps a prompt's last tokens)
-        prompts = [ids[-keep:] if len(ids) > keep else ids for ids in prompts]
-    rid = header_request_id if header_request_id is not None else body.request_id
-    rid = f"cmpl-{rid if rid is not None else uuid.uuid4().hex}"
-    mt = 1 if body.max_tokens is None else body.max_tokens
-    plp = kl if kp is None and body.echo else kp  # (vLLM asks the prompt's logprobs with echo's k)
-    entries = 0
-    reqs = []
-    at_next = given is not None and mt == 1  # the given ids scored at the generated token's position
-    for i, ids in enumerate(prompts):
-        try:
-            req = build_request(token_ids=ids, limits=limits, prompt_logprobs=plp, max_tokens=mt,
-                                request_id=f"{rid}-{i}", cache_salt=body.cache_salt, priority=body.priority,
-                                candidates=given if at_next else None, start=len(ids) - 1 if at_next else None,
-                                sampling_temperature=(body.model_extra or {}).get("temperature"))
-        except BadRequest as e:
-            raise renamed(e, _NAMES) from None
-        if mt == 1 and kl is not None:
-            req.next_top = max(kl, 1)  # the generated (greedy) token is the top-1
-            req.next_candidates = at_next
-        entries += (req.length - 1) * (plp + 1) if plp is not None else 0
-        reqs.append(req)
-    if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
-        raise BadRequest(f"the prompts' logprobs make {entries} JSON entries, more than max_prompt_logprobs_entries="
-                         f"{limits.max_prompt_logprobs_entries}; ask for fewer, or use POST /inference/v1/generate "
-                         "with prompt_logprob_topk (binary arrays)", "prompt_logprobs")
-    # The prompts live on as the requests' arrays: their JSON lists and any large ignored field
-    # are let go here, as the native endpoint lets its body go (the byte budget stops counting them).
-    body.prompt = []
-    body.model_extra.clear()
-    return ParsedCompletion(body, reqs, rid, plp, kl)
-
-
-def _logprobs_k(body: CompletionRequest, name: str, limits: Limits) -> int | None:
-    """``logprobs`` / ``prompt_logprobs`` as a number of top entries: -1 is the whole
-    vocabulary (vLLM's), within ``max_logprobs`` as vLLM's request check has it."""
-    v = getattr(body, name)
-    if v is None:
-        return None
-    if v < -1:
-        raise BadRequest(f"`{name}` must be a positive value or -1, got {v}", name)
-    k = limits.vocab_size if v == -1 else v
-    cap = min(limits.max_logprobs, limits.vocab_size)
-    if k > cap:
-        raise BadRequest(f"Requested {name.replace('_', ' ')} of {k}, which is greater than max allowed: {cap} "
-                         "(max_logprobs)", name)
-    return k
 
 
 class _Names:

@@ -87,7 +87,8 @@ class SamplingParams(BaseModel):
     output_kind: Any = None
     structured_outputs: Any = None
     guided_decoding: Any = None
-    n: StrictInt | None = Field(None, description="1 only: this server does not sample (400 otherwise).")
+    n: StrictInt | StrictFloat | None = Field(
+        None, description="1 only (1.0 too, as vLLM reads it): this server does not sample (400 otherwise).")
     best_of: int | None = None
     flat_logprobs: bool | None = None
     logits_processors: Any = None

@@ -121,19 +121,21 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
     obj = json_object(raw) if obj is None else obj
     try:
         return _parse_sglang(as_model(obj, SGLangGenerateRequest), limits, tok)
-    except BadRequest as e:  # (the id the access line names a refusal by: the body's rid, the first of a batch's)
-        rid = obj.get("rid")
-        rid = rid[0] if isinstance(rid, list) and rid else rid
-        e.request_id = rid if isinstance(rid, str) else None
+    except BadRequest as e:  # (the id the access line names a refusal by, as a success names it: the first prompt's)
+        rid, many = obj.get("rid"), obj.get("input_ids") if obj.get("text") is None else obj.get("text")
+        if isinstance(rid, list):
+            rid = rid[0] if rid else None
+        elif isinstance(rid, str) and isinstance(many, list) and many and isinstance(many[0], str | list):
+            rid = f"{rid}_0"  # (SGLang's expansion of one rid over a batch)
+        e.request_id = rid if isinstance(rid, str) and rid else None
         raise
 
 
 # build_request's names of the native request's fields -> this endpoint's (its sampling fields stay in
 # sampling_params)
-_NAMES = {"token_ids": "input_ids", "sampling_params.prompt_logprob_token_ids": "token_ids_logprob",
-          "sampling_params.prompt_logprob_start": "logprob_start_len",
-          "sampling_params.prompt_logprob_topk": "top_logprobs_num",
-          "sampling_params.max_tokens": "sampling_params.max_new_tokens"}
+_NAMES = {"token_ids": "input_ids"} | {f"{pre}{ours}": theirs for pre in ("sampling_params.", "") for ours, theirs in (
+    ("prompt_logprob_token_ids", "token_ids_logprob"), ("prompt_logprob_start", "logprob_start_len"),
+    ("prompt_logprob_topk", "top_logprobs_num"), ("max_tokens", "sampling_params.max_new_tokens"))}
 
 
 def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | None) -> ParsedSGLang:
@@ -168,8 +170,8 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
         if isinstance(mn, bool) or not isinstance(mn, int) or mn not in (0, 1):
             raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
                              f"generate); got {mn!r}", "sampling_params.max_new_tokens")
-        n_samples = sp.get("n", 1)
-        if n_samples is not None and (type(n_samples) is not int or n_samples != 1):  # (SGLang would sample n)
+        n_samples = sp.get("n", 1)  # (1 or 1.0, as SGLang's n != 1 reads it; true and "1" are a client's slip)
+        if n_samples is not None and (type(n_samples) not in (int, float) or n_samples != 1):
             raise BadRequest(f"sampling_params.n must be 1 (this server does not sample); got {n_samples!r:.40}",
                              "sampling_params.n")
         want = bool(_per(body.return_logprob, i, n, "return_logprob"))

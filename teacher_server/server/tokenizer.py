@@ -32,8 +32,17 @@ class Tokenizer:
 
         return cls(HFTokenizer.from_file(str(path)))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, keep: int | None = None,
+               side: str = "left") -> list[int]:
+        """``text``'s ids; ``keep``: at most that many, cut on ``side`` as a Hugging Face tokenizer
+        truncates (room kept for the special tokens, which are added after the cut)."""
+        if keep is None:
+            return self.inner.encode(text, add_special_tokens=add_special_tokens).ids
+        enc = self.inner.encode(text, add_special_tokens=False)
+        pp = self.inner.post_processor
+        extra = pp.num_special_tokens_to_add(False) if add_special_tokens and pp is not None else 0
+        enc.truncate(max(keep - extra, 0), direction=side)
+        return self.inner.post_process(enc, None, add_special_tokens).ids if add_special_tokens else enc.ids
 
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids, skip_special_tokens=False)
