@@ -785,8 +785,10 @@ def main() -> None:
     if torch.cuda.is_available():
         # the server's compile cache, set before the baseline's process starts: its fla-core autotuning,
         # the engine's and the HTTP server's are then kept for the next run on this machine, as a
-        # deployment keeps them across restarts (only start-up time changes, never a timed pass)
-        use_compile_cache(None)
+        # deployment keeps them across restarts (only start-up time changes, never a timed pass); not
+        # where a server variant names its own (--compile-cache-dir: these variables would override it)
+        if not any("--compile-cache-dir" in a for _, extra in args.http_variants for a in extra):
+            use_compile_cache(None)
         TELEMETRY = GpuTelemetry.start(telemetry_indices(GPUS))
         print("GPU telemetry:", "nvidia-smi" if TELEMETRY else "unavailable", flush=True)
     cfg, family, written = MODELS[args.model_size]
