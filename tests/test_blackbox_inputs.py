@@ -156,12 +156,14 @@ def test_a_trainers_endpoint_names_its_own_fields_in_the_message(server, path: s
 
 
 def test_n_of_one_written_as_a_float_is_one(server) -> None:
-    """vLLM and SGLang read n: 1.0 as 1: accepted, the same answer as n: 1."""
+    """vLLM and SGLang read n: 1.0 as 1: accepted on all three endpoints, the same answer as n: 1."""
     c = server.c
     gen = [c.post(GEN, json=_gen(prompt_logprob_token_ids=[1], n=n)) for n in (1, 1.0)]
     sgl = [c.post(SGL, json={**_SGL, "sampling_params": {"max_new_tokens": 0, "n": n}}) for n in (1, 1.0)]
-    for r in gen + sgl:
+    comp = [c.post(COMP, json={**_COMP, "n": n}) for n in (1, 1.0)]
+    for r in gen + sgl + comp:
         assert r.status_code == 200, r.text
+    assert comp[0].json()["choices"][0]["prompt_logprobs"] == comp[1].json()["choices"][0]["prompt_logprobs"]
     assert gen[0].json()["prompt_token_id_logprobs"] == gen[1].json()["prompt_token_id_logprobs"]
     assert sgl[0].json()["meta_info"]["input_token_logprobs"] == sgl[1].json()["meta_info"]["input_token_logprobs"]
 

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.server.parsing import as_model, json_object
@@ -51,7 +51,7 @@ class CompletionRequest(BaseModel):
                           "`decoded_token`): no tokenizer needed.")
     return_token_ids: StrictBool | None = Field(None, description="Also `prompt_token_ids` and `token_ids`.")
     add_special_tokens: StrictBool = Field(True, description="For text prompts: add the tokenizer's special tokens.")
-    n: StrictInt | None = Field(1, description="1 only.")
+    n: StrictInt | StrictFloat | None = Field(1, description="1 only (1.0 too, as vLLM reads it).")
     stream: StrictBool | None = Field(False, description="false only.")
     truncate_prompt_tokens: StrictInt | None = Field(
         None, description="vLLM's: score only the last k tokens of each prompt (the first k with `truncation_side` "
