@@ -46,6 +46,29 @@ class TokensPrompt(TypedDict, total=False):
     cache_salt: str
 
 
+_PROMPT_KEYS = ("prompt_token_ids", "cache_salt")
+# vLLM's other TokensPrompt keys: text kept beside the ids, and multimodal inputs a text teacher has no use for
+_PROMPT_IGNORED = frozenset({"prompt", "token_type_ids", "multi_modal_data", "mm_processor_kwargs",
+                             "multi_modal_uuids"})
+_SP = "sampling_params."
+
+
+def _whole(value: Any, name: str, none: bool = True) -> int | None:
+    """``value`` where it is an integer (a Python or numpy one, not a bool) or None (``none``);
+    BadRequest naming the field otherwise, as the HTTP endpoint answers 1.5 or "4"."""
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise BadRequest(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}", _SP + name)
+    return int(value)
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool | np.bool_):
+        raise BadRequest(f"{name} must be true or false, got {type(value).__name__} {value!r:.40}", _SP + name)
+    return bool(value)
+
+
 class SamplingParams:
     """The vLLM fields that matter for scoring; vLLM's other sampling fields are accepted
     as keyword arguments and do not change the scores. Any other name raises TypeError naming
@@ -64,13 +87,20 @@ class SamplingParams:
         """The ``prompt_logprob_topk`` ... ``prompt_logprob_temperature`` row targets are the HTTP
         endpoint's (``teacher_server.server.protocol.SamplingParams`` documents them); their
         arrays come back in ``RequestOutput``."""
-        self.targets = RowTargets(prompt_logprob_topk, prompt_logprob_union, prompt_logprob_actual,
-                                  prompt_logprob_tail, prompt_logprob_logsumexp, prompt_logprob_temperature)
-        self.max_tokens = max_tokens
+        n = ignored.get("n")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int | float | np.integer) or n != 1):
+            raise BadRequest(f"n must be 1 (this server does not sample), got {n!r:.40}", _SP + "n")
+        self.targets = RowTargets(_whole(prompt_logprob_topk, "prompt_logprob_topk"),
+                                  _flag(prompt_logprob_union, "prompt_logprob_union"),
+                                  _flag(prompt_logprob_actual, "prompt_logprob_actual"),
+                                  _flag(prompt_logprob_tail, "prompt_logprob_tail"),
+                                  _flag(prompt_logprob_logsumexp, "prompt_logprob_logsumexp"),
+                                  prompt_logprob_temperature)
+        self.max_tokens = _whole(max_tokens, "max_tokens")
         # [K] or [rows, K] (-1 pads): lists or numpy integer arrays, or a base64 .npy string
         self.prompt_logprob_token_ids = prompt_logprob_token_ids
-        self.prompt_logprob_start = prompt_logprob_start
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprob_start = _whole(prompt_logprob_start, "prompt_logprob_start")
+        self.prompt_logprobs = _whole(prompt_logprobs, "prompt_logprobs")
         self.extra = ignored
 
 
@@ -130,12 +160,22 @@ class LLM:
             raise TypeError("prompts must be token ids, not text: this service scores token ids only (it has no "
                             "tokenizer). Tokenize with the teacher's and student's shared tokenizer and pass "
                             "TokensPrompt(prompt_token_ids=tokenizer(text).input_ids)")
-        if isinstance(prompts, dict) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:  # one prompt's ids as an array
             prompts = [prompts]
-        prompts = [p if isinstance(p, dict) else {"prompt_token_ids": list(p)} for p in prompts]
+        elif isinstance(prompts, dict) or (isinstance(prompts, Sequence) and prompts
+                                           and isinstance(prompts[0], int | np.integer)):
+            prompts = [prompts]
+        prompts = [p if isinstance(p, dict) else {"prompt_token_ids": p} for p in prompts]
         if any("prompt_token_ids" not in p for p in prompts):  # vLLM's TextPrompt, {"prompt": "..."}
             raise TypeError("each prompt needs prompt_token_ids: this service scores token ids only (it has no "
                             "tokenizer); pass TokensPrompt(prompt_token_ids=[...])")
+        for p in prompts:  # a misspelt cache_salt left out would share another tenant's cached prompts
+            unknown = sorted(set(p) - set(_PROMPT_KEYS) - _PROMPT_IGNORED)
+            if unknown:
+                raise TypeError(f"a prompt has an unknown key {unknown[0]!r}"
+                                f"{did_you_mean(unknown[0], [*_PROMPT_KEYS, *sorted(_PROMPT_IGNORED)])}")
+            if p.get("cache_salt") is not None and not isinstance(p["cache_salt"], str):
+                raise BadRequest(f"cache_salt must be a string, got {type(p['cache_salt']).__name__}", "cache_salt")
         if sampling_params is None:
             sampling_params = SamplingParams()
         sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)

@@ -72,6 +72,12 @@ def rendezvous(key: bytes, replicas: Sequence[str]) -> str:
     return max(replicas, key=lambda r: hashlib.blake2b(key + r.encode(), digest_size=8).digest())
 
 
+def check_routing(routing: str) -> None:
+    """ValueError for a routing policy that is not one of ``Routing``'s."""
+    if routing not in ("affinity", "round_robin"):
+        raise ValueError(f"routing must be 'affinity' or 'round_robin', got {routing!r:.40}")
+
+
 class Router:
     """Picks a replica for each request. ``replicas`` names the candidates (the server's
     replica indices as strings, or the client's base URLs); ``load`` maps each to its
@@ -79,8 +85,9 @@ class Router:
 
     def __init__(self, routing: Routing = "affinity", block_size: int = BLOCK_SIZE,
                  spill_tokens: int = SPILL_TOKENS) -> None:
-        assert routing in ("affinity", "round_robin"), f"unknown routing {routing!r}"
-        assert block_size >= 1 and spill_tokens >= 0, (block_size, spill_tokens)
+        check_routing(routing)
+        if not (block_size >= 1 and spill_tokens >= 0):
+            raise ValueError(f"block_size must be >= 1 and spill_tokens >= 0, got {block_size}, {spill_tokens}")
         self.routing = routing
         self.block_size = block_size
         self.spill_tokens = spill_tokens

@@ -813,3 +813,33 @@ def test_a_given_up_batch_does_not_hold_the_interpreter_exit(tmp_path) -> None:
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and "raised 400" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"start": 1.5}, "start"), ({"start": "4"}, "start"),
+                                              ({"start": True}, "start"), ({"max_tokens": 0.9}, "max_tokens"),
+                                              ({"prompt_logprobs": 2.7}, "prompt_logprobs"),
+                                              ({"priority": 0.5}, "priority")])
+def test_a_value_the_server_would_refuse_raises_before_sending(kwargs: dict, name: str) -> None:
+    """int(1.5) would quietly score other rows than asked; the server answers these with a 400."""
+    from teacher_server.client.protocol import build_body
+
+    with pytest.raises(TypeError, match=f"{name} must be an integer"):
+        build_body(TeacherRequest([1, 2, 3, 4], [5], **kwargs))
+    assert build_body(TeacherRequest([1, 2, 3, 4], [5], start=np.int64(2)))["sampling_params"]["prompt_logprob_start"] == 2
+
+
+@pytest.mark.parametrize(("args", "kwargs", "match"), [
+    (("http://127.0.0.1:1",), {"max_concurrency": 0}, "max_concurrency"),
+    (("http://127.0.0.1:1",), {"max_retries": -1}, "max_retries"),
+    (("http://127.0.0.1:1",), {"routing": "random"}, "routing"),
+    (([],), {}, "at least one base URL"),
+    (("ftp://127.0.0.1:1",), {}, "http:// or https://"),
+    (("127.0.0.1:8000",), {}, "http:// or https://")])
+def test_bad_client_settings_are_value_errors(args: tuple, kwargs: dict, match: str) -> None:
+    """ValueError at construction (not an assert, which python -O drops: max_concurrency=0 then hung)."""
+    with pytest.raises(ValueError, match=match):
+        TeacherClient(*args, **kwargs)
+
+
+def test_spaces_around_a_base_url_are_dropped() -> None:
+    assert TeacherClient(" http://127.0.0.1:1/ ").base_url == "http://127.0.0.1:1"

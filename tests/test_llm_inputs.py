@@ -1,9 +1,11 @@
 """The in-process API refuses what it would otherwise score wrongly: a misspelt SamplingParams
 field (it used to be ignored, scoring every row from 0) and text prompts (the service takes
-token ids only). No engine is needed to refuse them."""
+token ids only), a value of the wrong type (1.5 for a row index), a misspelt prompt key (a
+cache salt dropped); no engine is needed to refuse them. A numpy prompt scores as its list."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from teacher_server import LLM, SamplingParams
@@ -36,3 +38,45 @@ def test_text_prompts_say_the_service_takes_token_ids(prompt) -> None:
     llm = LLM.__new__(LLM)  # the refusal comes before the engine is touched
     with pytest.raises(TypeError, match="token ids only.*prompt_token_ids"):
         llm.generate(prompt, SamplingParams(prompt_logprob_token_ids=[1]))
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"prompt_logprob_start": 1.5}, "prompt_logprob_start"), ({"prompt_logprob_start": "4"}, "prompt_logprob_start"),
+    ({"prompt_logprobs": 2.5}, "prompt_logprobs"), ({"max_tokens": True}, "max_tokens"),
+    ({"prompt_logprob_topk": 2.0}, "prompt_logprob_topk"), ({"prompt_logprob_union": "yes"}, "prompt_logprob_union"),
+    ({"n": 2}, "n"), ({"n": True}, "n")])
+def test_a_value_the_http_endpoint_refuses_is_refused_here_naming_it(kwargs: dict, field: str) -> None:
+    """As POST /inference/v1/generate answers them (a 400): never int(1.5) scoring other rows."""
+    from teacher_server.validation import BadRequest
+
+    with pytest.raises(BadRequest, match=field) as e:
+        SamplingParams(prompt_logprob_token_ids=[1], **kwargs)
+    assert e.value.param == f"sampling_params.{field}"
+
+
+def test_numpy_integers_are_ids() -> None:
+    sp = SamplingParams(prompt_logprob_start=np.int64(3), prompt_logprobs=np.int32(2), n=1.0)
+    assert (sp.prompt_logprob_start, sp.prompt_logprobs) == (3, 2) and type(sp.prompt_logprob_start) is int
+
+
+def test_a_misspelt_prompt_key_is_refused_not_dropped() -> None:
+    """{"cache_slat": ...} dropped would score the prompt unsalted, sharing another tenant's cache."""
+    llm = LLM.__new__(LLM)  # the refusal comes before the engine is touched
+    with pytest.raises(TypeError, match=r"'cache_slat'.*did you mean 'cache_salt'"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "cache_slat": "tenant-b"}, SamplingParams(prompt_logprob_token_ids=[1]))
+    from teacher_server.validation import BadRequest
+
+    with pytest.raises(BadRequest, match="cache_salt must be a string"):
+        llm.generate({"prompt_token_ids": [1, 2, 3], "cache_salt": 5}, SamplingParams(prompt_logprob_token_ids=[1]))
+
+
+def test_a_numpy_prompt_scores_as_its_list() -> None:
+    llm = LLM(max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    try:
+        ids = np.arange(1, 12, dtype=np.int64)
+        sp = SamplingParams(max_tokens=0, prompt_logprob_token_ids=[1, 2], prompt_logprob_start=4)
+        want = llm.generate({"prompt_token_ids": ids.tolist()}, sp)[0].prompt_token_id_logprobs
+        for prompt in (ids, list(ids), {"prompt_token_ids": ids}):  # an array, numpy ints, an array in a dict
+            np.testing.assert_array_equal(llm.generate(prompt, sp)[0].prompt_token_id_logprobs, want)
+    finally:
+        llm.engine.close()

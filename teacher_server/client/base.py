@@ -13,7 +13,7 @@ from teacher_server.client.endpoints import Endpoints
 from teacher_server.client.protocol import GENERATE_PATH, TeacherRequest, build_body
 from teacher_server.client.retry import Attempts, RetryPolicy
 from teacher_server.client.urls import normalise_base_url
-from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing, reusable_tokens
+from teacher_server.routing import BLOCK_SIZE, SPILL_TOKENS, Routing, check_routing, reusable_tokens
 
 JSON_HEADERS = {"content-type": "application/json"}
 
@@ -45,9 +45,12 @@ class ClientBase:
                  *, resolve: bool = False, routing: Routing = "affinity", block_size: int = BLOCK_SIZE,
                  spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0,
                  probe_transport: httpx.BaseTransport | None = None) -> None:
-        assert max_concurrency >= 1, f"max_concurrency must be >= 1, got {max_concurrency}"
+        check_routing(routing)  # (with one URL too: a typo is a typo)
+        if not max_concurrency >= 1:  # (a ValueError, not an assert: python -O would drop it, then hang)
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         urls = [normalise_base_url(u) for u in ([base_url] if isinstance(base_url, str) else base_url)]
-        assert urls, "give at least one base URL"
+        if not urls:
+            raise ValueError("give at least one base URL")
         self.base_url = urls[0]
         self.model = model
         self.max_concurrency = max_concurrency

@@ -67,7 +67,8 @@ class Endpoints:
     def __init__(self, base_urls: Sequence[str], *, resolve: bool, routing: Routing = "affinity",
                  block_size: int = BLOCK_SIZE, spill_tokens: int = SPILL_TOKENS, health_interval: float = 5.0,
                  headers: dict[str, str] | None = None, probe_transport: httpx.BaseTransport | None = None) -> None:
-        assert base_urls, "give at least one base URL"
+        if not base_urls:
+            raise ValueError("give at least one base URL")
         self.seeds = [u.rstrip("/") for u in base_urls]
         self.resolve = resolve
         self.router = Router(routing, block_size, spill_tokens)

@@ -60,7 +60,7 @@ class Targets:
         """The sampling parameters that ask for them."""
         out: dict[str, Any] = {}
         if self.topk is not None:
-            out["prompt_logprob_topk"] = int(self.topk)
+            out["prompt_logprob_topk"] = _whole(self.topk, "targets.topk")
         for name in ("union", "actual", "tail", "logsumexp"):
             if getattr(self, name):
                 out["prompt_logprob_" + name] = True
@@ -139,6 +139,15 @@ def encode_candidates(candidates: Candidates) -> str:
     return b64.encode(buf.getbuffer())
 
 
+def _whole(value: Any, name: str) -> int:
+    """``value`` as an int where it is one (a Python or numpy integer; not a bool): a float or
+    a string would be a 400 from the server, so it is a TypeError here, before anything is sent
+    (``int(1.5)`` would quietly score other rows)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
+    return int(value)
+
+
 def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
     """The JSON body of ``POST /inference/v1/generate`` for one request."""
     toks = np.asarray(req.token_ids)
@@ -146,7 +155,8 @@ def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
         raise ValueError(f"token_ids must be a flat sequence of ids, got shape {list(toks.shape)}")
     if toks.size and toks.dtype.kind not in "iu":
         raise TypeError(f"token_ids must be integer ids, got dtype {toks.dtype}")
-    sp: dict[str, Any] = {"prompt_logprob_start": int(req.start), "max_tokens": int(req.max_tokens)}
+    sp: dict[str, Any] = {"prompt_logprob_start": _whole(req.start, "start"),
+                          "max_tokens": _whole(req.max_tokens, "max_tokens")}
     if req.candidates is not None:
         sp["prompt_logprob_token_ids"] = encode_candidates(req.candidates)
     elif req.targets is None or not req.targets.fields():
@@ -154,10 +164,10 @@ def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
     if req.targets is not None:
         sp.update(req.targets.fields())
     if req.prompt_logprobs is not None:
-        sp["prompt_logprobs"] = int(req.prompt_logprobs)
+        sp["prompt_logprobs"] = _whole(req.prompt_logprobs, "prompt_logprobs")
     body: dict[str, Any] = {"token_ids": toks.astype(np.int64).tolist(), "sampling_params": sp}
     if req.priority:
-        body["priority"] = int(req.priority)
+        body["priority"] = _whole(req.priority, "priority")
     for key, value in (("request_id", req.request_id), ("cache_salt", req.cache_salt), ("model", model)):
         if value is not None:
             body[key] = value

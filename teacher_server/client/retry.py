@@ -81,7 +81,9 @@ class RetryPolicy:
     """One outcome rule per attempt, shared by the sync and async clients."""
 
     def __init__(self, max_retries: int, backoff: float, max_backoff: float) -> None:
-        assert max_retries >= 0 and backoff >= 0 and max_backoff >= 0, (max_retries, backoff, max_backoff)
+        if not (max_retries >= 0 and backoff >= 0 and max_backoff >= 0):
+            raise ValueError(f"max_retries, backoff and max_backoff must be >= 0, got {max_retries}, {backoff}, "
+                             f"{max_backoff}")
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff

@@ -9,11 +9,12 @@ from teacher_server.client.protocol import GENERATE_PATH
 
 def normalise_base_url(url: str) -> str:
     """``url`` without a trailing slash or a trailing endpoint path (``/inference/v1/generate``,
-    ``/inference/v1``). Raises ValueError for a URL without a scheme (httpx would say
-    'Request URL is missing an http:// or https:// protocol' only at the first request)."""
-    if not isinstance(url, str) or "://" not in url:
-        raise ValueError(f"base_url must be a URL such as http://127.0.0.1:8000, got {url!r}")
-    out = url.rstrip("/")
+    ``/inference/v1``) or the spaces around it. Raises ValueError for a URL that is not http(s)://
+    (httpx would say 'Request URL is missing an http:// or https:// protocol', or that it does not
+    support another protocol, only at the first request)."""
+    if not isinstance(url, str) or not url.strip().lower().startswith(("http://", "https://")):
+        raise ValueError(f"base_url must be an http:// or https:// URL such as http://127.0.0.1:8000, got {url!r:.200}")
+    out = url.strip().rstrip("/")
     for suffix in (GENERATE_PATH, GENERATE_PATH.rsplit("/", 1)[0]):
         if out.endswith(suffix):
             return out[: -len(suffix)].rstrip("/")
