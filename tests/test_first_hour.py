@@ -196,3 +196,23 @@ setTimeout(() => {
     assert any("POST" in e and "/inference/v1/generate" in e for e in out["endpoints"]), out["endpoints"]
     assert len(out["endpoints"]) == sum(len(ops) for ops in spec["paths"].values())
     assert {"token_ids *", "sampling_params", "prompt_logprob_token_ids"} <= set(out["fields"]), out["fields"]
+
+
+def test_a_max_model_len_past_the_trained_positions_is_logged(checkpoints, caplog) -> None:
+    """Served (a long-context experiment may mean it), with a warning naming both numbers:
+    positions past the trained ones score by extrapolation."""
+    import json
+
+    from teacher_server.config import Config
+    from teacher_server.engine.engine import Engine
+
+    path = checkpoints["qwen3"]
+    trained = json.loads((path / "config.json").read_text())["max_position_embeddings"]
+    caplog.set_level(logging.WARNING, logger="teacher_server.engine.engine")
+    for max_len, warned in ((trained, False), (trained * 2, True)):
+        caplog.clear()
+        engine = Engine(Config(model=str(path), device="cpu", max_model_len=max_len, num_kv_blocks=max_len // 8 + 1,
+                               block_size=8))
+        engine.close()
+        said = [r.getMessage() for r in caplog.records if "trained for" in r.getMessage()]
+        assert bool(said) == warned and all(f"max_model_len={max_len}" in m and str(trained) in m for m in said)

@@ -71,6 +71,11 @@ class Engine(Stepping):
         self.spec = ModelSpec.from_dir(self.model_dir).with_quantization(cfg.quantization)
         self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")
         self.max_model_len = cfg.max_model_len or self.spec.max_position_embeddings
+        trained = int(self.spec.max_position_embeddings * max(float(self.spec.rope_scaling.get("factor") or 1), 1.0))
+        if self.max_model_len > trained:  # (served all the same: a long-context experiment may mean it)
+            log.warning("max_model_len=%d is above the %d positions this model was trained for "
+                        "(max_position_embeddings x its rope scaling factor): scores of later positions are "
+                        "extrapolation", self.max_model_len, trained)
         if cfg.deterministic and self.device.type == "cuda":
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         self.dtype = resolve_dtype(cfg.dtype, self.spec, self.device)
