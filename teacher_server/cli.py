@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import typing
 
@@ -16,6 +17,7 @@ from pydantic.fields import FieldInfo
 
 from teacher_server import __version__
 from teacher_server.config import DTYPE_ALIASES, NONE_WORDS, Config, ConfigError
+from teacher_server.did_you_mean import did_you_mean
 from teacher_server.human_int import human_int
 from teacher_server.vllm_flags import ALIASES, add_vllm_flags, apply_vllm_flags
 
@@ -27,10 +29,19 @@ OWN_MESSAGES = {"dtype", "kv_cache_dtype"}
 
 
 class OneLineErrors(argparse.ArgumentParser):
-    """A usage mistake is one line naming the flag (the serve usage would be ~40 lines)."""
+    """A usage mistake is one line naming the flag (the serve usage would be ~40 lines), with the
+    closest flag for a misspelt one. Flags are never matched by a prefix (``--max-logprob`` is not
+    ``--max-logprobs``: a misspelling is refused, not guessed)."""
+
+    flag_names: list[str] = []  # the flags the misspelt one is compared with (build_parser sets them)
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        unknown = re.search(r"unrecognized arguments: (--[\w-]+)", message)
+        hint = did_you_mean(unknown.group(1), self.flag_names) if unknown else ""
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         for name, field in Config.model_fields.items():
             add_field_flag(s, name, field)
         add_vllm_flags(s)
+    p.flag_names = sorted({o for a in s._actions for o in a.option_strings if o.startswith("--")})
     # its flags are its own parser's (teacher_server/benchmark/command.py); main() hands it the arguments
     sub.add_parser("bench", add_help=False, help="benchmark the canonical workloads against a running server (--url), "
                                                  "a checkpoint (--model) or a model shape: `teacher-server bench -h`")

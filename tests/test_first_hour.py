@@ -216,3 +216,12 @@ def test_a_max_model_len_past_the_trained_positions_is_logged(checkpoints, caplo
         engine.close()
         said = [r.getMessage() for r in caplog.records if "trained for" in r.getMessage()]
         assert bool(said) == warned and all(f"max_model_len={max_len}" in m and str(trained) in m for m in said)
+
+
+@pytest.mark.parametrize("text", ["{'vocab_size': 8}", "[1, 2]"])
+def test_a_malformed_config_json_is_named(tmp_path, text: str) -> None:
+    from teacher_server.models.spec import ModelSpec
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'} is not")):
+        ModelSpec.from_dir(tmp_path)

@@ -79,6 +79,13 @@ def test_a_usage_mistake_is_one_line(capsys) -> None:
     assert err.count("\n") == 1 and "--no-such-flag" in err, err
 
 
+@pytest.mark.parametrize(("flag", "meant"), [("--max-logprbs", "--max-logprobs"), ("--modle", "--model"),
+                                             ("--max-logprob", "--max-logprobs")])  # (a prefix is not taken for it)
+def test_a_misspelt_flag_names_the_closest(capsys, flag: str, meant: str) -> None:
+    err = _main_error(["serve", flag, "5"], capsys)
+    assert err.count("\n") == 1 and f"{flag}; did you mean '{meant}'?" in err, err
+
+
 def test_serve_version(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["serve", "--version"])

@@ -274,7 +274,13 @@ class ModelSpec:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no config.json in model directory {path}")
-        return cls.from_dict(json.loads(cfg.read_text()))
+        try:
+            d = json.loads(cfg.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"{cfg} is not a JSON object")
+        return cls.from_dict(d)
 
 
 def refuse_unbuilt(arch: str, qkv_bias: bool, d: dict[str, Any], gelu: bool = False) -> None:
