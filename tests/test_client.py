@@ -843,3 +843,11 @@ def test_bad_client_settings_are_value_errors(args: tuple, kwargs: dict, match: 
 
 def test_spaces_around_a_base_url_are_dropped() -> None:
     assert TeacherClient(" http://127.0.0.1:1/ ").base_url == "http://127.0.0.1:1"
+
+
+def test_an_unsigned_id_past_int64_is_named_not_wrapped() -> None:
+    """2**64 - 1 cast to int64 would travel as -1 and come back as the server's 'id -1'."""
+    from teacher_server.client.protocol import build_body
+
+    with pytest.raises(ValueError, match=f"id {2**64 - 1} is out of range"):
+        build_body(TeacherRequest(np.array([1, 2**64 - 1], dtype=np.uint64), [5]))

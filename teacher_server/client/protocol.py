@@ -155,6 +155,8 @@ def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
         raise ValueError(f"token_ids must be a flat sequence of ids, got shape {list(toks.shape)}")
     if toks.size and toks.dtype.kind not in "iu":
         raise TypeError(f"token_ids must be integer ids, got dtype {toks.dtype}")
+    if toks.size and toks.dtype.kind == "u" and toks.max() > np.iinfo(np.int64).max:  # (int64 would wrap it to -1)
+        raise ValueError(f"token_ids: id {int(toks.max())} is out of range")
     sp: dict[str, Any] = {"prompt_logprob_start": _whole(req.start, "start"),
                           "max_tokens": _whole(req.max_tokens, "max_tokens")}
     if req.candidates is not None:
