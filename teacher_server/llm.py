@@ -24,7 +24,7 @@ from teacher_server.did_you_mean import did_you_mean
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
 from teacher_server.targets import union_columns
-from teacher_server.validation import BadRequest, Limits, RowTargets, build_request
+from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_n
 
 _CANDIDATES = "sampling_params.prompt_logprob_token_ids"
 # vLLM's other SamplingParams fields, the names the HTTP endpoint accepts and ignores
@@ -87,9 +87,7 @@ class SamplingParams:
         """The ``prompt_logprob_topk`` ... ``prompt_logprob_temperature`` row targets are the HTTP
         endpoint's (``teacher_server.server.protocol.SamplingParams`` documents them); their
         arrays come back in ``RequestOutput``."""
-        n = ignored.get("n")
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int | float | np.integer) or n != 1):
-            raise BadRequest(f"n must be 1 (this server does not sample), got {n!r:.40}", _SP + "n")
+        check_n(ignored.get("n"), _SP + "n")
         self.targets = RowTargets(_whole(prompt_logprob_topk, "prompt_logprob_topk"),
                                   _flag(prompt_logprob_union, "prompt_logprob_union"),
                                   _flag(prompt_logprob_actual, "prompt_logprob_actual"),

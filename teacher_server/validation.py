@@ -169,6 +169,23 @@ def _sampling_temperature(value: Any, param: str) -> float | None:
     return float(value)
 
 
+def check_in_vocab(ids: Any, limits: Limits, param: str) -> None:
+    """BadRequest naming ``param`` and its first id outside ``[0, vocab_size)`` (a list or an
+    integer array; ids beyond int64 compare as Python ints)."""
+    arr = np.asarray(ids)
+    bad = (arr < 0) | (arr >= limits.vocab_size)
+    if bad.any():
+        raise BadRequest(f"{param}: id {int(arr[bad][0])} is outside [0, {limits.vocab_size})", param)
+
+
+def check_n(value: Any, param: str) -> None:
+    """A request's ``n``, which only 1 may be (nothing is sampled here): absent, 1 or 1.0, as
+    vLLM's and SGLang's request checks read it; a bool or a string is a client's slip."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float | np.integer)
+                              or value != 1):
+        raise BadRequest(f"{param} must be 1 (this server does not sample), got {value!r:.40}", param)
+
+
 def renamed(e: BadRequest, names: dict[str, str], prefix: str = "") -> BadRequest:
     """``e`` (from ``build_request``, which names the native request's fields) in another
     endpoint's words: each field in ``names`` becomes its value, in ``param`` and in the message
@@ -221,9 +238,7 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     if toks.size > limits.max_model_len:
         raise BadRequest(f"token_ids has {toks.size} tokens, more than max_model_len={limits.max_model_len}",
                          "token_ids")
-    bad = (toks < 0) | (toks >= limits.vocab_size)
-    if bad.any():
-        raise BadRequest(f"token_ids: id {int(toks[bad][0])} is outside [0, {limits.vocab_size})", "token_ids")
+    check_in_vocab(toks, limits, "token_ids")
     check_priority(priority, limits)
     if cache_salt is not None and cache_salt == "":
         raise BadRequest("cache_salt must be a non-empty string", "cache_salt")

@@ -15,7 +15,7 @@ from teacher_server.engine.request import ScoreRequest
 from teacher_server.server.parsing import as_model, json_object
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.tokenizer import Tokenizer, require
-from teacher_server.validation import BadRequest, Limits, build_request, check_batch, renamed
+from teacher_server.validation import BadRequest, Limits, build_request, check_batch, check_in_vocab, check_n, renamed
 
 
 class CompletionRequest(BaseModel):
@@ -132,20 +132,16 @@ def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok:
         raise BadRequest(f"The model `{body.model[:200]}` does not exist.", "model", status=404)
     if body.stream:
         raise BadRequest("stream=true is not supported: this server scores, it does not stream", "stream")
-    if body.n not in (None, 1):
-        raise BadRequest(f"n must be 1, got {body.n}", "n")
+    check_n(body.n, "n")
     if body.suffix is not None:
         raise BadRequest("suffix is not currently supported", "suffix")
     mt = 1 if body.max_tokens is None else body.max_tokens
     keep = _truncation(body, limits, mt) if mt in (0, 1) else None  # (another max_tokens: build_request's 400)
     given = body.logprob_token_ids
-    if given:  # range-checked whether or not this request scores them
-        bad = next((i for i in given if not 0 <= i < limits.vocab_size), None)
-        if bad is not None:
-            raise BadRequest(f"logprob_token_ids: id {bad} is outside [0, {limits.vocab_size})", "logprob_token_ids")
     if given is not None:  # (vLLM's checks of it, in its words)
         if not given:
             raise BadRequest("`logprob_token_ids` must not be an empty list.", "logprob_token_ids")
+        check_in_vocab(given, limits, "logprob_token_ids")  # (whether or not this request scores them)
         if body.echo and body.max_tokens == 0:
             raise BadRequest("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because no "
                              "output tokens are generated.", "logprob_token_ids")

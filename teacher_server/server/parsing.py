@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.server.protocol import GenerateRequest, SamplingParams
-from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, RowTargets, build_request
+from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, RowTargets, build_request, check_n
 
 # `"token_ids": [` as a key: inside a JSON string every `"` is escaped, so this only
 # matches a key (the top-level one, or a key of some nested object; see below).
@@ -127,8 +127,7 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
         if body.stream:
             raise BadRequest(STREAM_MESSAGE, "stream")
         sp = body.sampling_params
-        if sp.n not in (None, 1):  # vLLM would answer n sampled choices: nothing is sampled here
-            raise BadRequest(f"n must be 1 (this server does not sample), got {sp.n}", "sampling_params.n")
+        check_n(sp.n, "sampling_params.n")  # (vLLM would answer n sampled choices)
         rid = body.request_id if body.request_id is not None else header_request_id  # "" is an id
         req = build_request(
             token_ids=body.token_ids, limits=limits, candidates=sp.prompt_logprob_token_ids,

@@ -45,6 +45,8 @@ from teacher_server.validation import (
     RowTargets,
     build_request,
     check_batch,
+    check_in_vocab,
+    check_n,
     check_priority,
     renamed,
 )
@@ -170,10 +172,7 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
         if isinstance(mn, bool) or not isinstance(mn, int) or mn not in (0, 1):
             raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
                              f"generate); got {mn!r}", "sampling_params.max_new_tokens")
-        n_samples = sp.get("n", 1)  # (1 or 1.0, as SGLang's n != 1 reads it; true and "1" are a client's slip)
-        if n_samples is not None and (type(n_samples) not in (int, float) or n_samples != 1):
-            raise BadRequest(f"sampling_params.n must be 1 (this server does not sample); got {n_samples!r:.40}",
-                             "sampling_params.n")
+        check_n(sp.get("n"), "sampling_params.n")
         want = bool(_per(body.return_logprob, i, n, "return_logprob"))
         start = _per(body.logprob_start_len, i, n, "logprob_start_len")
         start = -1 if start is None else start
@@ -185,9 +184,8 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
             raise BadRequest(f"top_logprobs_num must be in [0, {cap}] (max_logprobs), got {top}", "top_logprobs_num")
         if tids is not None and not tids:
             tids = None
-        bad = next((t for t in tids or () if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:  # (range-checked whether or not this prompt returns logprobs)
-            raise BadRequest(f"token_ids_logprob: id {bad} is outside [0, {limits.vocab_size})", "token_ids_logprob")
+        if tids is not None:  # (range-checked whether or not this prompt returns logprobs)
+            check_in_vocab(tids, limits, "token_ids_logprob")
         length = len(ids)
         if want and start > length:
             raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens ({length})",
