@@ -25,6 +25,12 @@ _INT32 = np.iinfo(np.int32)
 _INT64_MAX = np.iinfo(np.int64).max
 
 
+def is_whole(value: Any) -> bool:
+    """An integer as a row index or a count: a Python or numpy int, not a bool (1.5 and "4" are
+    not; ``int()`` of them would quietly score other rows)."""
+    return not isinstance(value, bool) and isinstance(value, int | np.integer)
+
+
 class InvalidIds(ValueError):
     """Ids that can never be valid; the message names them as the caller calls them."""
 

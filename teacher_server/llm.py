@@ -18,7 +18,7 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from teacher_server.candidates import InvalidIds, candidate_ids
+from teacher_server.candidates import InvalidIds, candidate_ids, is_whole
 from teacher_server.config import Config
 from teacher_server.did_you_mean import did_you_mean
 from teacher_server.engine.engine import Engine
@@ -58,7 +58,7 @@ def _whole(value: Any, name: str, none: bool = True) -> int | None:
     BadRequest naming the field otherwise, as the HTTP endpoint answers 1.5 or "4"."""
     if value is None and none:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_whole(value):
         raise BadRequest(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}", _SP + name)
     return int(value)
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from teacher_server import b64
-from teacher_server.candidates import Candidates, candidate_ids, check_int32
+from teacher_server.candidates import Candidates, candidate_ids, check_int32, is_whole
 from teacher_server.npy import load_npy
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -143,7 +143,7 @@ def _whole(value: Any, name: str) -> int:
     """``value`` as an int where it is one (a Python or numpy integer; not a bool): a float or
     a string would be a 400 from the server, so it is a TypeError here, before anything is sent
     (``int(1.5)`` would quietly score other rows)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    if not is_whole(value):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}")
     return int(value)
 
