@@ -43,6 +43,20 @@ class OneLineErrors(argparse.ArgumentParser):
         hint = did_you_mean(unknown.group(1), self.flag_names) if unknown else ""
         self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args: typing.Any = None, namespace: typing.Any = None) -> typing.Any:
+        # `teacher-server --dtype bf16`: argparse would call 'bf16' an invalid command
+        first = next(iter(args or []), "")
+        if self.flag_names and first.startswith("-") and first.split("=")[0] not in ("-h", "--help", "--version"):
+            self.error(f"{first.split('=')[0]}: flags follow the command, as in `{self.prog} serve {first} ...`")
+        return super().parse_known_args(args, namespace)
+
+
+class _Choices(list):
+    """A flag's choices, None (``--flag none``) shown as 'none' in argparse's "choose from" list."""
+
+    def __iter__(self) -> typing.Iterator[typing.Any]:
+        return ("none" if c is None else c for c in super().__iter__())
+
 
 def build_parser() -> argparse.ArgumentParser:
     """`teacher-server serve [MODEL]` (and `worker`, a worker node's) with one flag per Config
@@ -93,7 +107,7 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
     convert = _converter(kind, optional)
     parser.add_argument(*flags, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,
                         nargs="+" if name in SEVERAL else None, metavar=metavar,
-                        choices=[*choices, *([None] if optional else [])] if choices else None)
+                        choices=_Choices([*choices, *([None] if optional else [])]) if choices else None)
 
 
 class _OptionalBool(argparse.Action):

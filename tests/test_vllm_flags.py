@@ -67,11 +67,6 @@ def _main_error(argv: list[str], capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_a_misspelled_dtype_is_one_line_naming_the_spelling(capsys) -> None:
-    err = _main_error(["serve", "--dtype", "bf16"], capsys)
-    assert err.count("\n") == 1 and "did you mean 'bfloat16'" in err, err
-
-
 def test_a_usage_mistake_is_one_line(capsys) -> None:
     err = _main_error(["serve", "--attention-backend", "magic"], capsys)
     assert err.count("\n") == 1 and "--attention-backend" in err and "usage:" not in err, err
@@ -84,6 +79,26 @@ def test_a_usage_mistake_is_one_line(capsys) -> None:
 def test_a_misspelt_flag_names_the_closest(capsys, flag: str, meant: str) -> None:
     err = _main_error(["serve", flag, "5"], capsys)
     assert err.count("\n") == 1 and f"{flag}; did you mean '{meant}'?" in err, err
+
+
+@pytest.mark.parametrize(("spelling", "meant"), [("bf16", "bfloat16"), ("float64", "float32"), ("double", "float32")])
+def test_a_dtype_not_built_names_the_nearest_that_is(capsys, spelling: str, meant: str) -> None:
+    """float64 is nearest float16 by its letters; the dtype it means to ask for is float32."""
+    err = _main_error(["serve", "--dtype", spelling], capsys)
+    assert err.count("\n") == 1 and f"did you mean '{meant}'" in err, err
+
+
+def test_a_choice_flag_lists_none_as_it_is_typed(capsys) -> None:
+    err = _main_error(["serve", "--quantization", "awq"], capsys)
+    assert err.count("\n") == 1 and "(choose from 'fp8', 'none')" in err, err
+    assert config_from_args(["serve", "--quantization", "none"]).quantization is None
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "bfloat16"], ["-tp", "2", "/m"], ["--model=/m"]])
+def test_flags_before_the_command_say_where_they_go(capsys, argv: list[str]) -> None:
+    err = _main_error(argv, capsys)
+    flag = argv[0].split("=")[0]
+    assert err.count("\n") == 1 and f"{flag}: flags follow the command, as in `teacher-server serve {argv[0]}" in err, err
 
 
 def test_serve_version(capsys) -> None:
