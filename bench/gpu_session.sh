@@ -17,6 +17,38 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
+# What a fresh machine spends minutes making, kept across sessions: Triton's autotuning choices
+# (fla-core's kernels time every config on a cold machine: ~10 minutes of the Qwen3.5 tests), the
+# cudnn_fe attention plans, the built CUDA kernel library and, when it fits, inductor's compiled
+# stages. Each library keys its entries on source, versions and GPU, so a stale one is only unused.
+# After each step they are packed into $OUT/device_cache.tgz (under 15 MiB: what comes back from a
+# call); copied into .cache/device/ here and carried (carry [".whl", ".cache/device"]), the next
+# session's first call unpacks them. DEVICE_CACHE=off skips both.
+CACHE_ROOT=$HOME/.cache/teacher-server/compile
+export TRITON_CACHE_DIR=$CACHE_ROOT/triton TRITON_CACHE_AUTOTUNING=1 TORCHINDUCTOR_CACHE_DIR=$CACHE_ROOT/inductor \
+  TEACHER_SERVER_PLAN_DIR=$CACHE_ROOT/cudnn_fe
+if [ "${DEVICE_CACHE:-on}" != off ] && [ -f .cache/device/device_cache.tgz ]; then
+  mkdir -p "$CACHE_ROOT" /tmp/ts-ext
+  tar -xzf .cache/device/device_cache.tgz -C "$HOME/.cache/teacher-server" --skip-old-files 2>/dev/null \
+    && echo "device cache: $(tar -tzf .cache/device/device_cache.tgz | grep -vc /$) files unpacked"
+fi
+pack_cache() {
+  [ "${DEVICE_CACHE:-on}" != off ] || return 0
+  mkdir -p "$HOME/.cache/teacher-server/ext-carried"
+  find /tmp/ts-ext -name '*.so' 2>/dev/null | while read -r so; do
+    d="$HOME/.cache/teacher-server/ext-carried/$(basename "$(dirname "$so")")"; mkdir -p "$d"; cp -u "$so" "$d/"; done
+  (cd "$HOME/.cache/teacher-server" && {
+    find compile/triton -name '*.autotune.json' 2>/dev/null; find compile/cudnn_fe ext-carried -type f 2>/dev/null
+  } > /tmp/cache_files.txt
+   tar -czf /tmp/cache_small.tgz -T /tmp/cache_files.txt 2>/dev/null
+   find compile/inductor compile/triton -type f 2>/dev/null | sort -u - /tmp/cache_files.txt > /tmp/cache_all.txt
+   tar -czf /tmp/cache_all.tgz -T /tmp/cache_all.txt 2>/dev/null)
+  for f in /tmp/cache_all.tgz /tmp/cache_small.tgz; do
+    if [ -s $f ] && [ "$(stat -c %s $f)" -lt 15000000 ]; then cp $f "$OUT/device_cache.tgz"; return 0; fi
+  done
+}
+# the carried kernel library, where the build looks for it (TEACHER_SERVER_EXT_DIR below)
+[ -d "$HOME/.cache/teacher-server/ext-carried" ] && mkdir -p /tmp/ts-ext && cp -rn "$HOME/.cache/teacher-server/ext-carried/." /tmp/ts-ext/
 # what this run has against the lock (torch, triton, numpy come from the machine's image)
 python3 bench/lock_wheels.py check > "$OUT/lock_check.txt" 2>&1; tail -1 "$OUT/lock_check.txt"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
@@ -264,4 +296,5 @@ for step in ${STEPS:-tests}; do
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
+  pack_cache
 done
