@@ -53,7 +53,8 @@ def long_body(n: int = 6000, seed: int = 0) -> dict:
 
 # --- auth ---------------------------------------------------------------------------------
 
-def test_api_key(tmp_path_factory) -> None:
+def test_api_key(tmp_path_factory, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="teacher_server.access")
     with LiveServer(demo_cfg(tmp_path_factory, api_key="s3cret")) as s, s.client() as c:
         good = body([1, 2, 3, 4], [5, 6])
         assert_error(c.post(GEN, json=good), 401)
@@ -63,9 +64,22 @@ def test_api_key(tmp_path_factory) -> None:
         refused = c.post(GEN, json=good, headers={"X-Request-Id": "trace-401"})
         assert_error(refused, 401)
         assert refused.headers["X-Request-Id"] == "trace-401"  # the caller's id, refused or not
+        two = c.post("/v1/completions", json={"prompt": [1, 2]}, headers=[("Authorization", "Bearer s3cret")] * 2)
+        assert_error(two, 400, contains="more than one Authorization")
         assert c.post(GEN, json=good, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/health").status_code == 200  # open by default
-        assert c.get("/metrics").status_code == 200
+        text = c.get("/metrics").text
+        # the refusals on the scoring paths are counted as their own refusals are; /v1/models is only logged
+        assert metric(text, "teacher_server_requests_total", status="401") == 4
+        assert metric(text, "teacher_server_requests_total", status="400") == 1
+        assert metric(text, "teacher_server_request_failures_total", reason="unauthorized") == 5
+        assert metric(text, "teacher_server_requests_total", status="200") == 1
+    lines = [r for r in caplog.records if r.name == "teacher_server.access" and r.status in (400, 401)]
+    assert [(r.path, r.status) for r in lines] == [(GEN, 401)] * 3 + [("/v1/models", 401), (GEN, 401),
+                                                                        ("/v1/completions", 400)]
+    assert "reason=invalid or missing API key" in lines[0].getMessage()
+    assert lines[4].request_id == "trace-401" and lines[0].request_id.startswith("score-")
+    assert all(r.getMessage().startswith(r.path) for r in lines)
     with LiveServer(demo_cfg(tmp_path_factory, api_key="k", auth_exempt_health=False,
                              auth_exempt_metrics=False)) as s, s.client() as c:
         assert_error(c.get("/health"), 401)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import os
+import uuid
 
 from fastapi import FastAPI
 
 from teacher_server.config import Config
 from teacher_server.server.responses import error_response, request_id_header, scope_request_id
+
+access_log = logging.getLogger("teacher_server.access")
+# the scoring endpoints: a refusal there is also counted in the request metrics, as their own refusals are
+SCORING_PATHS = frozenset({"/inference/v1/generate", "/v1/completions", "/generate"})
 
 
 class ApiKeyMiddleware:
@@ -25,16 +31,26 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in self.open_paths:
             given = [v for k, v in scope["headers"] if k == b"authorization"]
             if len(given) > 1:  # a proxy or an audit log reading the first would disagree with a check of the last
-                answer = error_response(400, "more than one Authorization header: send exactly one",
-                                        headers=request_id_header(scope_request_id(scope)))
-                await answer(scope, receive, send)
+                await self._refuse(scope, receive, send, 400, "more than one Authorization header: send exactly one")
                 return
             if not hmac.compare_digest(given[0] if given else b"", self.expected):
-                answer = error_response(401, "invalid or missing API key",
-                                        headers=request_id_header(scope_request_id(scope)))
-                await answer(scope, receive, send)
+                await self._refuse(scope, receive, send, 401, "invalid or missing API key")
                 return
         await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(scope, receive, send, status: int, message: str) -> None:  # noqa: ANN001
+        """The error answer, on the access line (an operator sees a trainer's mistyped key) and,
+        on a scoring path, in the request metrics (``reason="unauthorized"``)."""
+        rid = scope_request_id(scope) or f"score-{uuid.uuid4().hex}"  # one of ours, so the caller can quote it
+        await error_response(status, message, headers=request_id_header(rid))(scope, receive, send)
+        path = scope["path"]
+        m = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
+        if path in SCORING_PATHS and m is not None:
+            m.labels(m.requests, status=str(status)).inc()
+            m.labels(m.failures, reason="unauthorized").inc()
+        access_log.info("%s %s -> %d reason=%s", path[:128], rid[:128], status, message,
+                        extra={"request_id": rid[:128], "status": status, "reason": message, "path": path[:128]})
 
 
 def add_api_key(app: FastAPI, cfg: Config) -> None:
