@@ -63,6 +63,26 @@ def test_unsupported_architecture_is_refused(tmp_path) -> None:
         Engine(Config(model=str(tmp_path), device="cpu"))
 
 
+QWEN3_TINY = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 1, "intermediate_size": 64}
+
+
+@pytest.mark.parametrize(("archs", "names_head"), [(["FooForCausalLM"], False),
+                                                   (["Qwen3ForSequenceClassification"], True),
+                                                   (["Qwen3Model"], True)])
+def test_a_known_model_type_does_not_make_an_unbuilt_architecture_load(archs: list[str], names_head: bool) -> None:
+    """A classifier, reward or base model of a built family would load as its causal LM and be
+    scored with a head it does not have: only a config naming no architecture falls back to
+    its model_type."""
+    from teacher_server.models.spec import ModelSpec, UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match=archs[0]) as e:
+        ModelSpec.from_dict({**QWEN3_TINY, "architectures": archs})
+    assert ("has no language-model head" in str(e.value)) == names_head
+    assert ModelSpec.from_dict({**QWEN3_TINY, "architectures": []}).num_layers == 1
+    assert ModelSpec.from_dict(QWEN3_TINY).num_layers == 1
+
+
 def test_every_setting_has_a_flag_with_help_and_default(capsys) -> None:
     """Flags are generated from Config: each field has `--name-with-dashes` with its description
     as help text and its default, as `serve --help` shows them."""

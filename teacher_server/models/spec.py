@@ -176,14 +176,17 @@ class ModelSpec:
                  "tie_word_embeddings": d.get("tie_word_embeddings"),
                  "model_type": d["text_config"].get("model_type", d.get("model_type"))}
         arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
+        if arch is None and not archs:  # a config naming no architecture: its model_type's causal LM
             model_type = d.get("model_type")
             by_type = {v.family: k for k, v in ARCHITECTURES.items()}
             arch = by_type.get(model_type.removesuffix("_text")) if model_type else None
         if arch is None:
+            # a known model_type does not make another head (a classifier, a reward model) a causal LM's
+            heads = [a for a in archs if not a.endswith(("ForCausalLM", "ForConditionalGeneration"))]
             raise UnsupportedModelError(
-                f"unsupported architecture {archs or d.get('model_type')!r}; supported: "
-                + ", ".join(ARCHITECTURES))
+                f"unsupported architecture {archs or d.get('model_type')!r}"
+                + (f" ({', '.join(heads)} has no language-model head to score with)" if heads else "")
+                + "; supported: " + ", ".join(ARCHITECTURES))
         entry = ARCHITECTURES[arch]
         family = entry.family
         seen = top if top is d else {**top, **d}
