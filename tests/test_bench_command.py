@@ -49,6 +49,28 @@ def test_bench_against_a_running_server(demo_server, tmp_path, capsys) -> None:
     assert (again / "bench.png").read_bytes() == png
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--tiny", "--workloads", "W1,W1f"], "no tiny variant of 'W1f': --tiny takes W1, W2"),
+    (["--workloads", "W9"], "no workload 'W9': one of W1, W1f, W2, W3, W4, G1, or L<tokens>"),
+    (["--workloads", "L12"], "no workload 'L12'")])
+def test_an_unknown_workload_is_one_line_before_anything_starts(tmp_path, argv: list[str], says: str) -> None:
+    # (no server listens on port 1: a name checked only later would fail on the connection instead)
+    with pytest.raises(SystemExit, match=f"^teacher-server bench: --workloads: {says}"):
+        bench_main(["--url", "http://127.0.0.1:1", *argv, "--out", str(tmp_path)])
+
+
+def test_a_failed_request_is_one_line(tmp_path, monkeypatch) -> None:
+    from teacher_server.benchmark import command
+    from teacher_server.client import TeacherServerError
+
+    def refused(*a: object, **k: object) -> dict:
+        raise TeacherServerError("queue too long", status=429, type="RateLimitError", attempts=6)
+
+    monkeypatch.setattr(command, "_run", refused)
+    with pytest.raises(SystemExit, match="^teacher-server bench: a request failed: .*queue too long.*--tiny"):
+        bench_main(["--url", "http://127.0.0.1:1", "--out", str(tmp_path)])
+
+
 @no_gpu
 def test_a_full_size_shape_is_refused_without_a_gpu(tmp_path) -> None:
     with pytest.raises(SystemExit, match="no GPU here.*--tiny"):

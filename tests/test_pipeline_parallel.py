@@ -187,10 +187,14 @@ def test_pipeline_equals_one_process(model: str, tp: int, pp: int, settings: dic
         return
     if model == "dense3":
         assert_same(run(path, tp, **settings)[0], many)
-    for x, y in zip(one, many, strict=True):
+    for i, (x, y) in enumerate(zip(one, many, strict=True)):
         fin = np.isfinite(x.token_id_logprobs)
         np.testing.assert_array_equal(fin, np.isfinite(y.token_id_logprobs))
-        np.testing.assert_allclose(y.token_id_logprobs[fin], x.token_id_logprobs[fin], rtol=1e-6, atol=1e-5)
+        # where, if it fails: (row, column) of the largest difference, to find the token behind it
+        where = np.unravel_index(np.argmax(np.where(fin, np.abs(y.token_id_logprobs - x.token_id_logprobs), 0)),
+                                 fin.shape)
+        np.testing.assert_allclose(y.token_id_logprobs[fin], x.token_id_logprobs[fin], rtol=1e-6, atol=1e-5,
+                                   err_msg=f"request {i}, largest difference at (row, column) {where}")
         assert x.next_token == y.next_token
 
 

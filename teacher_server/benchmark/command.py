@@ -23,7 +23,7 @@ from pathlib import Path
 from teacher_server import __version__
 from teacher_server.benchmark import workloads as wl
 from teacher_server.benchmark.report import plot, table
-from teacher_server.client import fetch_model_card, normalise_base_url
+from teacher_server.client import TeacherServerError, fetch_model_card, normalise_base_url
 
 SHAPES = {"qwen3-8b": wl.QWEN3_8B, "qwen3-32b": wl.QWEN3_32B, "qwen3-30b-a3b": wl.QWEN3_30B_A3B,
           "qwen3.5-9b": wl.QWEN3_5_9B, "llama-3.3-70b": wl.LLAMA33_70B, "moonlight-16b-a3b": wl.MOONLIGHT_16B_A3B,
@@ -68,7 +68,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
-        results = _run(args, out)
+        try:
+            results = _run(args, out)
+        except TeacherServerError as e:  # one line, not the client's traceback
+            hint = (": the server cannot take this workload in time (on a CPU, --tiny runs the small versions)"
+                    if e.status in (429, 503, 504) else "")
+            raise SystemExit(f"teacher-server bench: a request failed: {e}{hint}") from None
         (out / "bench.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "bench.png")
     print(table(results))
@@ -78,6 +83,11 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace, out: Path) -> dict:
     names = (args.workloads or ("W1:tiny,W2:tiny" if args.tiny else "W1")).split(",")
     names = [n + ":tiny" if args.tiny and not n.endswith(":tiny") else n for n in names if n]
+    for name in names:  # before a server starts or a checkpoint is made
+        try:
+            wl.check_name(name)
+        except ValueError as e:
+            raise SystemExit(f"teacher-server bench: --workloads: {e}") from None
     if args.url:
         from teacher_server.benchmark.local_server import wait_ready
 

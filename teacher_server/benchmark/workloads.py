@@ -156,6 +156,20 @@ def _candidates(rng: np.random.Generator, rows: int, k: int, vocab: int) -> np.n
     return ((a + np.arange(k)[None, :] * stride) % vocab).astype(np.int32)
 
 
+NAMES = ("W1", "W1f", "W2", "W3", "W4", "G1")
+TINY = ("W1", "W2")
+
+
+def check_name(name: str) -> None:
+    """ValueError naming what is built, for a workload name ``make_workload`` does not take."""
+    base, tiny = name.removesuffix(":tiny"), name.endswith(":tiny")
+    if tiny and base not in TINY:
+        raise ValueError(f"no tiny variant of {base!r}: --tiny takes {', '.join(TINY)}")
+    if not tiny and base not in NAMES and not (base[:1] == "L" and base[1:].isdigit() and int(base[1:]) > 1024):
+        raise ValueError(f"no workload {base!r}: one of {', '.join(NAMES)}, or L<tokens> (one request of that "
+                         f"many tokens, above 1024)")
+
+
 def make_workload(name: str, vocab: int, k: int = 64, seed: int = 0) -> list[Req]:
     """The requests of workload ``name``; "W1:tiny" and "W2:tiny" are the same shapes scaled
     down (CPU smoke runs of the benchmark)."""
