@@ -218,3 +218,27 @@ def test_shell_block_commands_of_ours_parse() -> None:
             serve_parser().parse_args(argv[1:])
     targets = {line.split()[1] for line in lines if line.startswith("make ")}
     assert targets == {"run", "test"}, targets
+
+
+def test_python_md_names_every_public_argument_and_field() -> None:
+    """docs/python.md is the reference of the client and the in-process API: every argument of
+    their public methods and every field of what they return is named there."""
+    import dataclasses
+    import inspect
+
+    from teacher_server.client import AsyncTeacherClient, ScoreOutput, Targets, TeacherClient, TeacherRequest
+    from teacher_server.client.padding import PaddedScores
+    from teacher_server.llm import RequestOutput
+
+    doc = (ROOT / "docs/python.md").read_text()
+    names: dict[str, str] = {}
+    for cls in (TeacherClient, AsyncTeacherClient):
+        for meth in ("__init__", "score", "score_full", "score_batch", "score_batch_full", "score_batch_padded"):
+            for p in list(inspect.signature(getattr(cls, meth)).parameters)[1:]:
+                names[p] = f"{cls.__name__}.{meth}"
+    for cls in (ScoreOutput, Targets, TeacherRequest, PaddedScores, RequestOutput):
+        for f in dataclasses.fields(cls):
+            names[f.name] = cls.__name__
+    missing = sorted(f"{where}: {n}" for n, where in names.items() if f"`{n}" not in doc and f" {n}=" not in doc
+                     and f"({n}" not in doc and f", {n}" not in doc)
+    assert not missing, missing
