@@ -262,10 +262,14 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     if prompt_logprobs is not None:
         cap = min(limits.max_logprobs, limits.vocab_size)
         k = limits.vocab_size if prompt_logprobs == -1 else prompt_logprobs  # (vLLM's -1: every id)
+        if prompt_logprobs == -1 and k > cap:  # allowed, but not on this server's settings
+            raise BadRequest(f"prompt_logprobs=-1 asks for every id ({k}), more than "
+                             f"max_logprobs={limits.max_logprobs} allows: ask for at most {cap}, or start the "
+                             f"server with --max-logprobs -1",
+                             sp + "prompt_logprobs")
         if k < 0 or k > cap:
-            every = f" (-1: every id, {k})" if prompt_logprobs == -1 else ""
-            raise BadRequest(f"prompt_logprobs must be -1 or in [0, {cap}] (max_logprobs), got {prompt_logprobs}"
-                             f"{every}", sp + "prompt_logprobs")
+            raise BadRequest(f"prompt_logprobs must be -1 or in [0, {cap}] (max_logprobs), got {prompt_logprobs}",
+                             sp + "prompt_logprobs")
         prompt_logprobs = k
         entries = (int(toks.size) - 1) * (prompt_logprobs + 1)
         if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:

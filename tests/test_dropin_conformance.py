@@ -179,7 +179,9 @@ def test_minus_one_within_max_logprobs() -> None:
 
     with pytest.raises(BadRequest) as e:  # the native endpoint's (and the in-process LLM's) rule
         build_request(token_ids=[1, 2], limits=limits, prompt_logprobs=-1)
-    assert e.value.param == "sampling_params.prompt_logprobs" and "-1: every id" in e.value.message
+    assert e.value.param == "sampling_params.prompt_logprobs" and e.value.message.startswith(
+        f"prompt_logprobs=-1 asks for every id ({VOCAB}), more than max_logprobs=20 allows: ask for at most 20, "
+        "or start the server with --max-logprobs -1"), e.value.message
     assert build_request(token_ids=[1, 2], limits=limits, prompt_logprobs=20).prompt_logprobs == 20
 
 

@@ -126,6 +126,11 @@ def test_text_needs_a_tokenizer(qwen3_server) -> None:
         assert_error(c.post("/v1/completions", json={"prompt": [1, 2], "logprobs": 1}), 400,
                      contains="return_tokens_as_token_ids")
         assert_error(c.post("/generate", json={"text": "hello"}), 400, contains="token ids")
+        # the prompt is ids already: the message says what to change instead
+        for r in (c.post("/generate", json={"input_ids": [1, 2], "return_text_in_logprobs": True}),
+                  c.post("/v1/completions", json={"prompt": [1, 2], "logprobs": 1})):
+            assert_error(r, 400)
+            assert "token ids" not in r.json()["error"]["message"], r.json()
         r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "prompt_logprobs": 1, "max_tokens": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["prompt_logprobs"][1]["2"]["decoded_token"] is None
 

@@ -83,6 +83,14 @@ def checkpoint_place(model: nn.Module, hf_name: str, extras: tuple[str, ...],
     return model.checkpoint_param(hf_name)
 
 
+def checkpoint_name(model: nn.Module, name: str) -> str:
+    """``lm_head.weight`` for our LM head's parameter (the name a user looks for in the
+    checkpoint), else ``name``: the model's own name, close to the checkpoint's but not always
+    one of them (a fused parameter gathers several tensors: q/k/v, gate/up)."""
+    place = model.checkpoint_param("lm_head.weight")
+    return "lm_head.weight" if place is not None and name == f"{place[0]}.{place[1]}" else name
+
+
 def finish_formats(model: nn.Module) -> None:
     """Each weight-holding layer's format, once its tensors are filled."""
     for m in model.modules():
@@ -165,8 +173,11 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         if filled.get(name, 0) != model.get_submodule(module).shards(param):
             missing.append(name)
     if missing:
-        raise ValueError(f"checkpoint {path} is missing weights for: {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        named = [checkpoint_name(model, n) for n in missing[:8]]
+        untied = " (config.json's tie_word_embeddings is false: the head is its own tensor)" \
+            if "lm_head.weight" in named and spec.tie_word_embeddings is False else ""
+        raise ValueError(f"checkpoint {path} is missing weights for: {', '.join(named)}"
+                         + (" ..." if len(missing) > 8 else "") + untied)
     finish_formats(model)
     log.info("loaded %d checkpoint file(s) in %.1fs", len(files), time.perf_counter() - t_all)
     return model

@@ -158,7 +158,7 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
     if not prompts:
         raise BadRequest("input_ids must not be empty", "input_ids")
     if body.return_text_in_logprobs:
-        require(tok, "return_text_in_logprobs")
+        require(tok, "return_text_in_logprobs", "leave return_text_in_logprobs false (the triples' text is then null)")
     n = len(prompts)
     cap = min(limits.max_logprobs, limits.vocab_size)
     check_priority(body.priority or 0, limits)  # (as sent: it is negated below)

@@ -11,8 +11,8 @@ from typing import Any
 
 from teacher_server.validation import BadRequest
 
-NO_TOKENIZER = ("this model directory has no tokenizer.json, so {what} is not available: send the prompt as "
-                "token ids{hint}")
+NO_TOKENIZER = "this model directory has no tokenizer.json, so {what} is not available: {hint}"
+AS_IDS = "send the prompt as token ids"
 
 
 class Tokenizer:
@@ -56,7 +56,7 @@ class Tokenizer:
         return self._pieces
 
 
-def require(tok: Tokenizer | None, what: str, hint: str = "") -> Tokenizer:
+def require(tok: Tokenizer | None, what: str, hint: str = AS_IDS) -> Tokenizer:
     """The tokenizer, or the 400 that says the model has none."""
     if tok is None:
         raise BadRequest(NO_TOKENIZER.format(what=what, hint=hint))
