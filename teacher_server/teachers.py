@@ -20,9 +20,9 @@ from teacher_server.did_you_mean import did_you_mean
 # One per service: read by the HTTP front, never by a teacher's engine.
 FRONT_KEYS = frozenset({
     "host", "port", "api_key", "auth_exempt_health", "auth_exempt_metrics", "max_body_bytes", "header_timeout_s",
-    "body_timeout_s", "body_read_slots", "max_inflight_bytes", "max_queue_wait_s", "request_timeout_s",
-    "shutdown_timeout_s", "vllm_metric_names", "log_level", "log_json", "ssl_keyfile", "ssl_certfile", "root_path",
-    "allowed_origins", "teachers"})
+    "body_timeout_s", "send_timeout_s", "body_read_slots", "max_inflight_bytes", "max_queue_wait_s",
+    "request_timeout_s", "shutdown_timeout_s", "vllm_metric_names", "log_level", "log_json", "ssl_keyfile",
+    "ssl_certfile", "root_path", "allowed_origins", "teachers"})
 # A teacher's own, never a default for the others.
 MODEL_KEYS = ("model", "revision", "served_model_name", "served_model_aliases")
 

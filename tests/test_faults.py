@@ -258,6 +258,38 @@ def test_concurrent_large_bodies_stay_within_the_byte_budget(tmp_path) -> None:
         proc.wait()
 
 
+def test_a_client_reading_none_of_its_answer_has_its_connection_aborted(tmp_path_factory, caplog) -> None:
+    """A client that never reads its (5 MB) answer, its receive window near zero: the answer's
+    bytes stay counted in the byte budget while the connection's buffers are full, then after
+    ``send_timeout_s`` the connection is aborted and they are freed; the next request is served."""
+    import json
+    import logging
+
+    caplog.set_level(logging.INFO, logger="teacher_server.server")
+    cfg = demo(tmp_path_factory, send_timeout_s=2.0, max_num_batched_tokens=1024, max_rows_x_k=10 ** 7, max_logprobs=256)
+    n, k = 4000, 256
+    rng = np.random.default_rng(0)
+    raw = json.dumps({"token_ids": rng.integers(0, 4096, n).tolist(), "sampling_params": {
+        "max_tokens": 1, "prompt_logprob_start": 0, "prompt_logprob_token_ids": list(range(k))}}).encode()
+    with LiveServer(cfg) as s, s.client() as c:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", s.port))
+        try:
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                         b"\r\n" % (GEN.encode(), len(raw)) + raw)
+            held = []
+
+            def freed() -> bool:
+                held.append(metric(c.get("/metrics").text, "teacher_server_inflight_bytes"))
+                return held[-1] == 0 and max(held) > n * k * 4  # (the answer was held, then let go)
+            wait_until(freed, timeout=120, what="the unread answer's bytes freed")
+            assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
+        finally:
+            sock.close()
+    assert any("read none of its answer" in r.getMessage() for r in caplog.records)
+
+
 # --- an engine that stops making progress ---------------------------------------------------
 
 def test_an_engine_without_step_progress_is_failed(tmp_path) -> None:

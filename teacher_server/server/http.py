@@ -36,9 +36,15 @@ class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline on receiving a request's line and headers
     (slow-header clients would otherwise hold a connection forever): the timer starts when
     the connection opens or, on a kept-alive connection, when the next request's first bytes
-    arrive, and stops when the headers are complete. On expiry the connection is closed."""
+    arrive, and stops when the headers are complete. On expiry the connection is closed.
+
+    And one on the way back: a client that reads none of its answer for ``send_timeout_s``
+    (the connection's write buffer full the whole time: a stopped trainer, a zero TCP window)
+    has its connection aborted, so the answer's bytes, counted in the in-flight byte budget
+    until they are handed to the connection, are freed rather than held for good."""
 
     header_timeout_s: float = 10.0
+    send_timeout_s: float = 60.0
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot frame (a malformed request line or header, contradictory
@@ -69,7 +75,29 @@ class HeaderTimeoutProtocol(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_timeout)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_timer()
+        super().resume_writing()
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_timeout(self) -> None:
+        self._send_timer = None  # (the write buffer stayed full: resume_writing disarms the timer)
+        rid = self._framed_request_id() or "-"
+        log.info("aborting a connection whose client read none of its answer (%s) within %.0fs (send_timeout_s)",
+                 rid[:128], self.send_timeout_s)
+        self.transport.abort()  # (close() would wait for the buffer to drain: for ever)
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -99,6 +127,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._disarm_send_timer()
         super().connection_lost(exc)
 
 
@@ -128,7 +157,8 @@ def check_port_free(host: str, port: int) -> None:
 def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int | None = None,
                    **kw: object) -> uvicorn.Config:
     """uvicorn settings of the service (the CLI and the tests serve through this)."""
-    protocol = type("TeacherHTTPProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": cfg.header_timeout_s})
+    protocol = type("TeacherHTTPProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": cfg.header_timeout_s,
+                                                                      "send_timeout_s": cfg.send_timeout_s})
     for name in ("ssl_keyfile", "ssl_certfile"):  # a clear line now, not uvicorn's traceback at bind time
         path = getattr(cfg, name)
         if path is not None and not os.path.isfile(path):
