@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+from conftest import free_port
 
 from teacher_server import __version__
 from teacher_server.cli import config_from_args, main
@@ -128,6 +129,21 @@ def test_a_port_in_use_is_named_before_the_engine_loads(capsys) -> None:
         port = s.getsockname()[1]
         err = _main_error(["serve", "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"], capsys)
     assert f"port {port}" in err and "--port" in err, err
+
+
+@pytest.mark.parametrize(("host", "says"), [("no.such.host.invalid", "does not resolve"),
+                                             ("192.0.2.1", "is not an address of this machine")])
+def test_a_host_that_is_not_this_machines_is_named_as_such(capsys, host: str, says: str) -> None:
+    err = _main_error(["serve", "--host", host, "--port", str(free_port()), "--device", "cpu"], capsys)
+    assert err.count("\n") == 1 and says in err and "not free" not in err, err
+
+
+def test_tls_files_that_do_not_load_are_one_line(tmp_path, capsys) -> None:
+    for name in ("k.pem", "c.pem"):
+        (tmp_path / name).write_text("not a PEM file\n")
+    err = _main_error(["serve", "--port", "0", "--device", "cpu", "--ssl-keyfile", str(tmp_path / "k.pem"),
+                       "--ssl-certfile", str(tmp_path / "c.pem")], capsys)
+    assert err.count("\n") == 1 and "do not load as a PEM certificate and its private key" in err, err
 
 
 def test_tls_needs_both_files_and_names_a_missing_one(tmp_path, capsys) -> None:

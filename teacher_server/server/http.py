@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import logging
 import os
 import socket
+import ssl
 import uuid
 from collections.abc import AsyncIterator
 
@@ -148,7 +150,16 @@ def check_port_free(host: str, port: int) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+        except socket.gaierror as e:
+            raise ConfigError(f"host {host!r} does not resolve ({e.strerror}): give --host an address of this "
+                              f"machine (0.0.0.0: all of them; 127.0.0.1: this machine only)") from None
         except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"host {host} is not an address of this machine ({e.strerror}): give --host one of "
+                                  f"its addresses (0.0.0.0: all of them; 127.0.0.1: this machine only)") from None
+            if e.errno == errno.EACCES:
+                raise ConfigError(f"port {port} on {host} needs privileges this process lacks ({e.strerror}): pick "
+                                  f"a port from 1024 up with --port N") from None
             raise ConfigError(f"port {port} on {host} is not free ({e.strerror}): another process listens there; "
                               f"pick another with --port N (or TEACHER_SERVER_PORT=N), or stop that "
                               f"process") from None
@@ -163,6 +174,12 @@ def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int
         path = getattr(cfg, name)
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"{name}: no file {path}")
+    if cfg.ssl_keyfile and cfg.ssl_certfile:  # loaded as uvicorn will load them
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+        except (ssl.SSLError, OSError) as e:
+            raise ConfigError(f"ssl_certfile {cfg.ssl_certfile} and ssl_keyfile {cfg.ssl_keyfile} do not load as a PEM "
+                              f"certificate and its private key ({e}): check both files") from None
     tls = {"ssl_keyfile": cfg.ssl_keyfile, "ssl_certfile": cfg.ssl_certfile} if cfg.ssl_keyfile else {}
     return uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port, http=protocol,
                           log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
