@@ -5,7 +5,9 @@ server under 16 concurrent large bodies), and an engine that stops making progre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -288,6 +290,33 @@ def test_a_client_reading_none_of_its_answer_has_its_connection_aborted(tmp_path
         finally:
             sock.close()
     assert any("read none of its answer" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes in /proc")
+def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path) -> None:
+    """DP2 on the fork server, then the fork server stopped (SIGSTOP) and both replicas killed:
+    their exits are never reported and no replica can be started, so the service exits 3 (the
+    orchestrator's cue to replace it) rather than wait for ever; a SIGTERM is not needed."""
+    proc, url, _ = serve_process(tmp_path, "--data-parallel-size", "2", "--replica-restart-backoff-s", "0.1")
+    stopped = None
+    try:
+        kids = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        cmd = {k: Path(f"/proc/{k}/cmdline").read_bytes() for k in kids}
+        stopped = next(k for k, c in cmd.items() if b"forkserver" in c)
+        replicas = [int(p) for p in Path(f"/proc/{stopped}/task/{stopped}/children").read_text().split()]
+        assert len(replicas) == 2, (cmd, replicas)
+        os.kill(stopped, signal.SIGSTOP)
+        for r in replicas:
+            os.kill(r, signal.SIGKILL)
+        code = proc.wait(timeout=120)
+        assert code == 3, (code, (tmp_path / "server.log").read_text()[-3000:])
+        assert "fork server" in (tmp_path / "server.log").read_text()
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
 
 
 # --- an engine that stops making progress ---------------------------------------------------

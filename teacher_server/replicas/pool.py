@@ -189,12 +189,12 @@ class ReplicaPool:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop every replica (their engines shut down) and wait for the processes."""
-        self._stopping = True
+        self._stopping, deadline = True, time.monotonic() + timeout  # (one deadline for them all)
         for r in self.replicas:
             r.stop()
         for r in self.replicas:
             if r.process.pid is not None:
-                r.join(timeout)
+                r.join(max(0.0, deadline - time.monotonic()))
             if r.state != "down":
                 r.state = "stopped"
 
@@ -279,7 +279,7 @@ class ReplicaPool:
                 self._exited(rep)
 
     def _exited(self, rep: Replica) -> None:
-        rep.process.join(1.0)  # its pipes have closed; the exit status follows at once
+        rep.process.pid is None or rep.process.join(1.0)  # its pipes have closed; the exit status follows at once
         code = rep.process.exitcode
         if self._stopping or rep.state == "stopped":
             rep.state = "stopped"

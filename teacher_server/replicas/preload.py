@@ -70,3 +70,19 @@ def process_context() -> BaseContext:
     """The context replica processes start from: the fork server where ``start_preloading``
     started it, else spawn (a fresh interpreter)."""
     return mp.get_context("forkserver" if _preloading else "spawn")
+
+
+def fork_server_stopped() -> str | None:
+    """Why replicas cannot be started now, or None: the fork server they are forked from is
+    stopped (SIGSTOP, a frozen cgroup) or gone unreaped. Starting one would then block on it
+    for as long as it stays so, and the exit of a replica it forked is never reported."""
+    if not _preloading:
+        return None
+    from multiprocessing import forkserver
+
+    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if pid else ""
+    except (OSError, IndexError):  # no /proc (not Linux), or gone and reaped: it is started again
+        return None
+    return f"the fork server (pid {pid}) that replicas start from is stopped" if state in ("T", "t", "Z") else None

@@ -22,6 +22,7 @@ from multiprocessing.context import SpawnContext
 from teacher_server.config import Config
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.replicas.messages import AddMsg, CancelMsg, FromReplica, LostMsg, ResultMsg, StopMsg
+from teacher_server.replicas.preload import fork_server_stopped
 from teacher_server.replicas.worker import run_replica
 
 log = logging.getLogger("teacher_server.replicas")
@@ -34,6 +35,8 @@ class ReplicaLost(Exception):
 class Replica:
     """One replica process (``index`` 0..N-1, routed by ``name``, its index as a string).
     ``state``: starting, ready, down (exited or failed to start) or stopped (shut down)."""
+
+    EXIT_WAIT_S = 5.0  # after its pipe closed, how long its exit status may take to be reported
 
     def __init__(self, index: int, ctx: SpawnContext, cfg: Config, factory: Callable[[Config], object],
                  devices: str | None) -> None:
@@ -62,8 +65,14 @@ class Replica:
 
     def start(self, on_message: Callable[[Replica, FromReplica | None], None]) -> None:
         """Start the process and the reader thread; ``on_message(self, msg)`` is called from
-        that thread for every message, then once with None when the process has exited."""
+        that thread for every message, then once with None when the process has exited. Where
+        the fork server is stopped nothing starts: the start reads as a failure at once (the
+        pool's restarts and give-up rule follow) rather than block the event loop on it."""
         self.started_at = time.monotonic()
+        if (why := fork_server_stopped()) is not None:
+            self.error = why
+            on_message(self, None)
+            return
         self.process.start()
         self._writer.close()  # the child holds the only write end: its exit reads as EOF here
         threading.Thread(target=self._read, args=(on_message,), name=f"teacher-replica{self.index}-out",
@@ -78,8 +87,11 @@ class Replica:
             self.last_heard = time.monotonic()
             on_message(self, msg)
         # Wait for the exit without reaping it: only the loop thread reaps (``exitcode``,
-        # ``join``); two threads waiting on one process race for its status.
-        wait([self.process.sentinel])
+        # ``join``); two threads waiting on one process race for its status. A stopped fork
+        # server never reports the exit of a process it forked: the closed pipe then stands for it.
+        if not wait([self.process.sentinel], timeout=self.EXIT_WAIT_S):
+            log.warning("replica %d closed its pipe but its exit was not reported in %.0fs (%s): taken as down",
+                        self.index, self.EXIT_WAIT_S, fork_server_stopped() or "its parent does not answer")
         on_message(self, None)
 
     # --- on the event loop -------------------------------------------------------------
@@ -142,9 +154,13 @@ class Replica:
             pass
 
     def join(self, timeout: float) -> None:
+        if self.process.pid is None:  # never started (``start`` found the fork server stopped)
+            return
         self.process.join(timeout)
         if self.process.is_alive():
             log.warning("replica %d did not exit in %.0fs; killing it (its threads' stacks follow)", self.index,
                         timeout)
             self._dump_and_kill()
-            self.process.join(5)
+            self.process.join(0 if fork_server_stopped() else 5)  # (its exit cannot be reported then)
+        if self.process.is_alive():  # its exit unreported (a stopped fork server): not joined again at exit,
+            getattr(mp.process, "_children", set()).discard(self.process)  # where it would wait for ever
