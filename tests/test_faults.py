@@ -293,10 +293,12 @@ def test_a_client_reading_none_of_its_answer_has_its_connection_aborted(tmp_path
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes in /proc")
-def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path) -> None:
-    """DP2 on the fork server, then the fork server stopped (SIGSTOP) and both replicas killed:
-    their exits are never reported and no replica can be started, so the service exits 3 (the
-    orchestrator's cue to replace it) rather than wait for ever; a SIGTERM is not needed."""
+@pytest.mark.parametrize("then", ["replicas killed", "SIGTERM"])
+def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path, then: str) -> None:
+    """DP2 on the fork server, then the fork server stopped (SIGSTOP). With both replicas
+    killed their exits are never reported and no replica can be started, so the service exits 3
+    (the orchestrator's cue to replace it) rather than wait for ever. A SIGTERM stops it at once
+    (exit 0), where it waited 30 s per replica and then for ever in the interpreter's exit."""
     proc, url, _ = serve_process(tmp_path, "--data-parallel-size", "2", "--replica-restart-backoff-s", "0.1")
     stopped = None
     try:
@@ -306,6 +308,11 @@ def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path) -> None
         replicas = [int(p) for p in Path(f"/proc/{stopped}/task/{stopped}/children").read_text().split()]
         assert len(replicas) == 2, (cmd, replicas)
         os.kill(stopped, signal.SIGSTOP)
+        if then == "SIGTERM":
+            t = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0 and time.monotonic() - t < 20, time.monotonic() - t
+            return
         for r in replicas:
             os.kill(r, signal.SIGKILL)
         code = proc.wait(timeout=120)

@@ -156,10 +156,11 @@ class Replica:
     def join(self, timeout: float) -> None:
         if self.process.pid is None:  # never started (``start`` found the fork server stopped)
             return
-        self.process.join(timeout)
+        stopped = fork_server_stopped()  # (no exit is reported while it is)
+        self.process.join(0 if stopped else timeout)
         if self.process.is_alive():
-            log.warning("replica %d did not exit in %.0fs; killing it (its threads' stacks follow)", self.index,
-                        timeout)
+            log.warning("replica %d: %s; killing it (its threads' stacks follow)", self.index,
+                        stopped or f"it did not exit in {timeout:.0f}s")
             self._dump_and_kill()
             self.process.join(0 if fork_server_stopped() else 5)  # (its exit cannot be reported then)
         if self.process.is_alive():  # its exit unreported (a stopped fork server): not joined again at exit,
