@@ -87,6 +87,27 @@ def test_api_key(tmp_path_factory, caplog) -> None:
         assert c.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
 
 
+def test_a_body_that_is_not_json_by_its_content_type_is_415(demo_server) -> None:
+    """A browser posts text/plain and form types across origins without asking first: a web
+    page could make its visitors' browsers send scoring work. Those types are refused on every
+    scoring endpoint; JSON's (with a charset, or +json) and none at all are read."""
+    import json
+
+    payloads = {GEN: body([1, 2, 3, 4], [5, 6]), "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 0,
+                                                                     "prompt_logprobs": 1},
+                "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}}}
+    with demo_server.client() as c:
+        for path, payload in payloads.items():
+            raw = json.dumps(payload).encode()
+            for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+                r = c.post(path, content=raw, headers={"content-type": media})
+                assert_error(r, 415, contains="application/json")
+                assert r.json()["error"]["type"] == "UnsupportedMediaType"
+            for media in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
+                r = c.post(path, content=raw, headers={"content-type": media} if media else {})
+                assert r.status_code == 200, (path, media, r.text)
+
+
 # --- limits --------------------------------------------------------------------------------
 
 def test_body_limit_and_rows_x_k(tmp_path_factory) -> None:

@@ -246,6 +246,14 @@ class BodyGate:
                 self._release()
 
 
+def is_json_media(content_type: str) -> bool:
+    """``application/json`` or ``application/*+json`` (parameters such as a charset aside): the
+    types a browser cannot send across origins without asking first, so a web page cannot make
+    a visitor's browser post scoring work here (vLLM's server refuses other types too)."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGate | None = None,
                     hold: Hold | None = None) -> bytes | bytearray:
     """The whole body, at most ``limit`` bytes (413) and within ``timeout_s`` (408) of its
@@ -256,6 +264,10 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
     bytes per byte, all before reading, when the size is declared; ``CHUNKED_FACTOR`` per byte
     as the bytes arrive when it is not; OverBudget when it does not fit (the rest of the body
     is then never read)."""
+    media = request.headers.get("content-type")
+    if media is not None and not is_json_media(media):  # (none given: read as JSON, as FastAPI does)
+        raise BadRequest(f"Content-Type {media[:100]!r} is not JSON: send the body with Content-Type: "
+                         f"application/json", status=415)
     declared = request.headers.get("content-length")
     chunked = "transfer-encoding" in request.headers
     size = int(declared) if not chunked and declared is not None and declared.isdigit() else None

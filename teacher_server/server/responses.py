@@ -23,7 +23,8 @@ from teacher_server.targets import union_columns
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                405: "MethodNotAllowed", 408: "RequestTimeoutError", 409: "ConflictError",
-               413: "RequestEntityTooLarge", 429: "RateLimitError", 499: "ClientClosedRequest",
+               413: "RequestEntityTooLarge", 415: "UnsupportedMediaType", 429: "RateLimitError",
+               499: "ClientClosedRequest",
                500: "InternalServerError", 503: "ServiceUnavailableError", 504: "TimeoutError"}
 NEG_INF_JSON = -9999.0  # JSON has no infinity; vLLM clients expect this value
 PLP_SLICE = 512  # positions of prompt_logprobs serialised at a time (~ 512 * (k+1) entries)
