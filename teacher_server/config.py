@@ -165,8 +165,9 @@ class Config(TeacherSettings, ParallelSettings):
         10.0, gt=0, description="Time a connection has to send a request's line and headers; then it is closed.")
     body_timeout_s: float = Field(60.0, gt=0, description="Time to receive a whole request body; 408 beyond.")
     send_timeout_s: float = Field(
-        60.0, gt=0, description="Time a client may read none of its answer (the connection's write buffer full the "
-                                "whole time) before its connection is aborted and the answer's bytes freed.")
+        60.0, gt=0, description="Time the connection's write buffer may stay full (a client reading none of its "
+                                "answer, or under ~20 KB/s) before the connection is aborted and the answer's bytes "
+                                "freed.")
     body_read_slots: int = Field(
         4, ge=0, description="Large request bodies (256 KiB and up, or chunked) are read this many at a time, "
                              "first come first served, so that a burst of uploads reaches the engine as whole "

@@ -126,6 +126,8 @@ def test_text_needs_a_tokenizer(qwen3_server) -> None:
         assert_error(c.post("/v1/completions", json={"prompt": [1, 2], "logprobs": 1}), 400,
                      contains="return_tokens_as_token_ids")
         assert_error(c.post("/generate", json={"text": "hello"}), 400, contains="token ids")
+        assert_error(c.post("/v1/completions", json={"prompt": "hello", "logprobs": 1}), 400,
+                     contains="send the prompt as token ids and set return_tokens_as_token_ids=true")
         # the prompt is ids already: the message says what to change instead
         for r in (c.post("/generate", json={"input_ids": [1, 2], "return_text_in_logprobs": True}),
                   c.post("/v1/completions", json={"prompt": [1, 2], "logprobs": 1})):

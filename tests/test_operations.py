@@ -85,6 +85,11 @@ def test_api_key(tmp_path_factory, caplog) -> None:
         assert_error(c.get("/health"), 401)
         assert_error(c.get("/metrics"), 401)
         assert c.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
+    # behind a proxy that strips a prefix (uvicorn puts root_path in front of the path the key reads)
+    with LiveServer(demo_cfg(tmp_path_factory, api_key="k", root_path="/p")) as s, s.client() as c:
+        assert c.get("/health").status_code == 200
+        assert_error(c.post(GEN, json=body([1, 2, 3], [4])), 401)
+        assert metric(c.get("/metrics").text, "teacher_server_request_failures_total", reason="unauthorized") == 1
 
 
 def test_a_body_that_is_not_json_by_its_content_type_is_415(demo_server) -> None:

@@ -239,6 +239,7 @@ def test_python_md_names_every_public_argument_and_field() -> None:
     for cls in (ScoreOutput, Targets, TeacherRequest, PaddedScores, RequestOutput):
         for f in dataclasses.fields(cls):
             names[f.name] = cls.__name__
-    missing = sorted(f"{where}: {n}" for n, where in names.items() if f"`{n}" not in doc and f" {n}=" not in doc
-                     and f"({n}" not in doc and f", {n}" not in doc)
+    # named in code (`name`, `name [...]`, `name(...)`), as an argument (name=...) or a signature's first (f(name, ...)
+    missing = sorted(f"{where}: {n}" for n, where in names.items()
+                     if not re.search(rf"`{n}[`\s(\[]|\b{n}=|\({n}[,)]", doc))
     assert not missing, missing

@@ -279,7 +279,7 @@ class ReplicaPool:
                 self._exited(rep)
 
     def _exited(self, rep: Replica) -> None:
-        rep.process.pid is None or rep.process.join(1.0)  # its pipes have closed; the exit status follows at once
+        rep.reap()
         code = rep.process.exitcode
         if self._stopping or rep.state == "stopped":
             rep.state = "stopped"
@@ -298,8 +298,8 @@ class ReplicaPool:
         i = rep.index
         self._quick_failures[i] = 0 if served_s >= self.STABLE_S else self._quick_failures[i] + 1
         if self.gives_up(i):
-            log.critical("replica %d failed %d times in a row and no replica serves: giving up", i,
-                         self._quick_failures[i])
+            self._stopping = True  # once: another replica's exit now reads as the shutdown's
+            log.critical("replica %d failed %d times in a row, none serving: giving up", i, self._quick_failures[i])
             self.on_give_up(f"replica {i} failed {self._quick_failures[i]} times in a row, none serving: {why}")
             return
         delay = self.cfg.replica_restart_backoff_s * 2 ** min(max(self._quick_failures[i] - 1, 0),

@@ -74,8 +74,9 @@ def process_context() -> BaseContext:
 
 def fork_server_stopped() -> str | None:
     """Why replicas cannot be started now, or None: the fork server they are forked from is
-    stopped (SIGSTOP, a frozen cgroup) or gone unreaped. Starting one would then block on it
-    for as long as it stays so, and the exit of a replica it forked is never reported."""
+    stopped (SIGSTOP). Starting one would then block on it for as long as it stays so, and the
+    exit of a replica it forked is never reported. (A dead one is started again by the next
+    start, which reaps it.)"""
     if not _preloading:
         return None
     from multiprocessing import forkserver
@@ -85,4 +86,4 @@ def fork_server_stopped() -> str | None:
         state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if pid else ""
     except (OSError, IndexError):  # no /proc (not Linux), or gone and reaped: it is started again
         return None
-    return f"the fork server (pid {pid}) that replicas start from is stopped" if state in ("T", "t", "Z") else None
+    return f"the fork server (pid {pid}) that replicas start from is stopped" if state in ("T", "t") else None

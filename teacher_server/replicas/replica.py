@@ -89,10 +89,22 @@ class Replica:
         # Wait for the exit without reaping it: only the loop thread reaps (``exitcode``,
         # ``join``); two threads waiting on one process race for its status. A stopped fork
         # server never reports the exit of a process it forked: the closed pipe then stands for it.
-        if not wait([self.process.sentinel], timeout=self.EXIT_WAIT_S):
-            log.warning("replica %d closed its pipe but its exit was not reported in %.0fs (%s): taken as down",
-                        self.index, self.EXIT_WAIT_S, fork_server_stopped() or "its parent does not answer")
+        while not wait([self.process.sentinel], timeout=self.EXIT_WAIT_S):
+            if (stopped := fork_server_stopped()) is not None:
+                log.warning("replica %d closed its pipe; its exit cannot be reported (%s): taken as down",
+                            self.index, stopped)
+                break
         on_message(self, None)
+
+    def reap(self) -> None:
+        """Collect the exit status (its pipe has closed: the status follows at once), unless the
+        fork server is stopped: then it cannot come, and the process is left out of the
+        interpreter's exit, which would wait on it for ever."""
+        if self.process.pid is None:  # never started (``start`` found the fork server stopped)
+            return
+        self.process.join(0 if fork_server_stopped() else 1.0)
+        if self.process.exitcode is None:
+            getattr(mp.process, "_children", set()).discard(self.process)
 
     # --- on the event loop -------------------------------------------------------------
     def submit(self, req: ScoreRequest) -> asyncio.Future:
@@ -160,7 +172,7 @@ class Replica:
         self.process.join(0 if stopped else timeout)
         if self.process.is_alive():
             log.warning("replica %d: %s; killing it (its threads' stacks follow)", self.index,
-                        stopped or f"it did not exit in {timeout:.0f}s")
+                        stopped or "it did not exit within the shutdown's deadline")
             self._dump_and_kill()
             self.process.join(0 if fork_server_stopped() else 5)  # (its exit cannot be reported then)
         if self.process.is_alive():  # its exit unreported (a stopped fork server): not joined again at exit,

@@ -17,6 +17,12 @@ access_log = logging.getLogger("teacher_server.access")
 SCORING_PATHS = frozenset({"/inference/v1/generate", "/v1/completions", "/generate"})
 
 
+def route_path(scope: dict) -> str:
+    """The path the app routes (uvicorn puts ``--root-path`` in front of ``scope["path"]``)."""
+    path, root = scope["path"], scope.get("root_path") or ""
+    return (path[len(root):] or "/") if root and path.startswith(root) else path
+
+
 class ApiKeyMiddleware:
     """`Authorization: Bearer KEY` on every path but the open ones; constant-time compare;
     several Authorization headers are refused (400), whatever they hold.
@@ -28,7 +34,7 @@ class ApiKeyMiddleware:
         self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001
-        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+        if scope["type"] == "http" and route_path(scope) not in self.open_paths:
             given = [v for k, v in scope["headers"] if k == b"authorization"]
             if len(given) > 1:  # a proxy or an audit log reading the first would disagree with a check of the last
                 await self._refuse(scope, receive, send, 400, "more than one Authorization header: send exactly one")
@@ -44,7 +50,7 @@ class ApiKeyMiddleware:
         on a scoring path, in the request metrics (``reason="unauthorized"``)."""
         rid = scope_request_id(scope) or f"score-{uuid.uuid4().hex}"  # one of ours, so the caller can quote it
         await error_response(status, message, headers=request_id_header(rid))(scope, receive, send)
-        path = scope["path"]
+        path = route_path(scope)
         m = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
         if path in SCORING_PATHS and m is not None:
             m.labels(m.requests, status=str(status)).inc()

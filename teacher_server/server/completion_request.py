@@ -149,7 +149,10 @@ def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok:
             raise BadRequest("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
     kl, kp = (_logprobs_k(body, name, limits) for name in ("logprobs", "prompt_logprobs"))
     if body.logprobs is not None and not body.return_tokens_as_token_ids:
-        require(tok, "logprobs with token strings", "set return_tokens_as_token_ids=true")
+        p = body.prompt
+        text = isinstance(p, str) or (isinstance(p, list) and any(isinstance(x, str) for x in p))
+        require(tok, "logprobs with token strings", ("send the prompt as token ids and " if text else "")
+                + "set return_tokens_as_token_ids=true")
     p = body.prompt
     check_batch(len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1, limits, "prompt")
     prompts = _token_prompts(body, tok, keep)

@@ -176,10 +176,12 @@ def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int
             raise ConfigError(f"{name}: no file {path}")
     if cfg.ssl_keyfile and cfg.ssl_certfile:  # loaded as uvicorn will load them
         try:
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile)
+            # (no password: an encrypted key fails here, rather than prompt on the terminal)
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cfg.ssl_certfile, cfg.ssl_keyfile,
+                                                                                password=lambda: b"")
         except (ssl.SSLError, OSError) as e:
             raise ConfigError(f"ssl_certfile {cfg.ssl_certfile} and ssl_keyfile {cfg.ssl_keyfile} do not load as a PEM "
-                              f"certificate and its private key ({e}): check both files") from None
+                              f"certificate and its private key, unencrypted ({e}): check both files") from None
     tls = {"ssl_keyfile": cfg.ssl_keyfile, "ssl_certfile": cfg.ssl_certfile} if cfg.ssl_keyfile else {}
     return uvicorn.Config(app, host=host or cfg.host, port=cfg.port if port is None else port, http=protocol,
                           log_config=None, access_log=False, timeout_keep_alive=KEEP_ALIVE_S,
