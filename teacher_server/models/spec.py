@@ -183,9 +183,8 @@ class ModelSpec:
         if arch is None:
             # a known model_type does not make another head (a classifier, a reward model) a causal LM's
             heads = [a for a in archs if not a.endswith(("ForCausalLM", "ForConditionalGeneration"))]
-            raise UnsupportedModelError(
-                f"unsupported architecture {archs or d.get('model_type')!r}"
-                + (f" ({', '.join(heads)} has no language-model head to score with)" if heads else "")
+            raise UnsupportedModelError(f"unsupported architecture {archs or d.get('model_type')!r}" + (
+                f" ({', '.join(heads)} has no language-model head to score with)" if heads else "")
                 + "; supported: " + ", ".join(ARCHITECTURES))
         entry = ARCHITECTURES[arch]
         family = entry.family
