@@ -292,6 +292,37 @@ def test_a_client_reading_none_of_its_answer_has_its_connection_aborted(tmp_path
     assert any("read none of its answer" in r.getMessage() for r in caplog.records)
 
 
+def test_idle_connections_declaring_large_bodies_give_the_byte_budget_back(tmp_path_factory) -> None:
+    """Connections that declare 64 MiB bodies and send none hold twice that of a 280 MiB budget,
+    so another large body is refused (429); after the grace they are 408s and the budget is
+    whole again, and the same large body is then read (it comes at once, well above the rate)."""
+    from teacher_server.server import http
+
+    cfg = demo(tmp_path_factory, max_inflight_bytes=280 * MiB, body_timeout_s=120)
+    with LiveServer(cfg) as s, s.client() as c:
+        socks = []
+        try:
+            for _ in range(2):
+                sock = socket.create_connection(("127.0.0.1", s.port))
+                sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % (GEN.encode(), 64 * MiB))
+                socks.append(sock)
+            wait_until(lambda: metric(c.get("/metrics").text, "teacher_server_inflight_bytes") >= 128 * MiB)
+            big = body([1, 2, 3], [4]) | {"pad": " " * (20 * MiB)}  # (an unknown key: read, then a 400)
+            assert_error(c.post(GEN, json=big), 429)
+            t = time.monotonic()
+            for sock in socks:
+                sock.settimeout(60)
+                head = sock.recv(4096)
+                assert head.startswith(b"HTTP/1.1 408") and b"slower than 1 MiB/s" in head, head[:300]
+            assert http.SLOW_BODY_GRACE_S - 1 < time.monotonic() - t < 30
+            wait_until(lambda: metric(c.get("/metrics").text, "teacher_server_inflight_bytes") == 0)
+            assert c.post(GEN, json=big).status_code == 400  # read whole: refused for its key, not for bytes
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes in /proc")
 @pytest.mark.parametrize("then", ["replicas killed", "SIGTERM", "one killed, then SIGTERM"])
 def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path, then: str) -> None:
