@@ -103,6 +103,11 @@ class Replica:
         if self.process.pid is None:  # never started (``start`` found the fork server stopped)
             return
         self.process.join(0 if fork_server_stopped() else 1.0)
+        self._forget_if_unreported()
+
+    def _forget_if_unreported(self) -> None:
+        """Leave a process whose exit was not reported (a stopped fork server) out of the
+        interpreter's exit, which would wait on it for ever."""
         if self.process.exitcode is None:
             getattr(mp.process, "_children", set()).discard(self.process)
 
@@ -174,6 +179,5 @@ class Replica:
             log.warning("replica %d: %s; killing it (its threads' stacks follow)", self.index,
                         stopped or "it did not exit within the shutdown's deadline")
             self._dump_and_kill()
-            self.process.join(0 if fork_server_stopped() else 5)  # (its exit cannot be reported then)
-        if self.process.is_alive():  # its exit unreported (a stopped fork server): not joined again at exit,
-            getattr(mp.process, "_children", set()).discard(self.process)  # where it would wait for ever
+            self.process.join(0 if stopped else 5)  # (its exit cannot be reported while the fork server is stopped)
+        self._forget_if_unreported()
