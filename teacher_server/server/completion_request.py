@@ -74,11 +74,16 @@ class ParsedCompletion:
     logprobs_k: int | None  # ``logprobs`` (-1 resolved to the vocabulary)
 
 
+def _is_text(prompt: object) -> bool:
+    """A text prompt, or a batch of them (not token ids)."""
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str))
+
+
 def _token_prompts(body: CompletionRequest, tok: Tokenizer | None, keep: int | None) -> list[list[int]]:
     """The prompts' ids, each cut to ``keep`` tokens where that is set (vLLM's truncation: the
     cut side's tokens go; a text prompt's special tokens count within ``keep``)."""
     p, side = body.prompt, body.truncation_side or "left"
-    if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], str)):
+    if _is_text(p):
         t = require(tok, "a text prompt")
         texts = [p] if isinstance(p, str) else p
         return [t.encode(x, body.add_special_tokens, keep, side) for x in texts]
@@ -149,10 +154,8 @@ def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok:
             raise BadRequest("when using `logprob_token_ids`, `logprobs` must be set.", "logprob_token_ids")
     kl, kp = (_logprobs_k(body, name, limits) for name in ("logprobs", "prompt_logprobs"))
     if body.logprobs is not None and not body.return_tokens_as_token_ids:
-        p = body.prompt
-        text = isinstance(p, str) or (isinstance(p, list) and any(isinstance(x, str) for x in p))
-        require(tok, "logprobs with token strings", ("send the prompt as token ids and " if text else "")
-                + "set return_tokens_as_token_ids=true")
+        require(tok, "logprobs with token strings", ("send the prompt as token ids and " if _is_text(body.prompt)
+                                                     else "") + "set return_tokens_as_token_ids=true")
     p = body.prompt
     check_batch(len(p) if isinstance(p, list) and p and isinstance(p[0], str | list) else 1, limits, "prompt")
     prompts = _token_prompts(body, tok, keep)
