@@ -25,8 +25,10 @@ fi
 # call); copied into .cache/device/ here and carried (carry [".whl", ".cache/device"]), the next
 # session's first call unpacks them. DEVICE_CACHE=off skips both.
 CACHE_ROOT=$HOME/.cache/teacher-server/compile
-export TRITON_CACHE_DIR=$CACHE_ROOT/triton TRITON_CACHE_AUTOTUNING=1 TORCHINDUCTOR_CACHE_DIR=$CACHE_ROOT/inductor \
-  TEACHER_SERVER_PLAN_DIR=$CACHE_ROOT/cudnn_fe
+# the service's own compile-cache variables (compile_cache.use_compile_cache), for every process here, tests too
+eval "$(PYTHONPATH=$PWD python3 -c 'import os, shlex; before = dict(os.environ)
+from teacher_server.compile_cache import use_compile_cache; use_compile_cache(None)
+print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in os.environ.items() if before.get(k) != v))')"
 if [ "${DEVICE_CACHE:-on}" != off ] && [ -f .cache/device/device_cache.tgz ]; then
   mkdir -p "$CACHE_ROOT" /tmp/ts-ext
   tar -xzf .cache/device/device_cache.tgz -C "$HOME/.cache/teacher-server" --skip-old-files 2>/dev/null \
