@@ -50,7 +50,7 @@ pack_cache() {
   done
 }
 # the carried kernel library, where the build looks for it (TEACHER_SERVER_EXT_DIR below)
-[ -d "$HOME/.cache/teacher-server/ext-carried" ] && mkdir -p /tmp/ts-ext && cp -rn "$HOME/.cache/teacher-server/ext-carried/." /tmp/ts-ext/
+[ -d "$HOME/.cache/teacher-server/ext-carried" ] && mkdir -p /tmp/ts-ext && tar -C "$HOME/.cache/teacher-server/ext-carried" -cf - . | tar -C /tmp/ts-ext -xf - --skip-old-files
 # what this run has against the lock (torch, triton, numpy come from the machine's image)
 python3 bench/lock_wheels.py check > "$OUT/lock_check.txt" 2>&1; tail -1 "$OUT/lock_check.txt"
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 TEACHER_SERVER_EXT_DIR=/tmp/ts-ext
@@ -279,13 +279,14 @@ for step in ${STEPS:-tests}; do
       python3 bench/bench_engine.py --model-size qwen3-next-80b-a3b $(fit_layers qwen3-next-80b-a3b) ${OSS_NEXT_ARGS:---workloads W1 --http W1 --baseline W1 \
         --repeats 1 --max-model-len 8192} --out "$OUT/engine_qwen3_next_h200.json" 2>&1 | tee "$OUT/engine_qwen3_next.log" | tail -12 ;;
     # Gemma 3 and GLM-4.5 (issue 50): their GPU tests (float32 parity, bf16 per attention backend beside transformers'
-    # bf16), then W1f in-process and through HTTP beside transformers' forward: Gemma-3-27B's text model (62 layers)
-    # and GLM-4.5-Air's layers (18 of 46); $GEMMA_REPEATS timed passes each (default 1: the step fits ~8 minutes);
-    # $GEMMA_EXTRA adds bench flags (e.g. "--ablate W1f --ablate-only as_configured,no_fused_gate_up")
+    # bf16), then $GEMMA_WL (default W1, the workload the issue's targets name) in-process and through HTTP beside
+    # transformers' forward: Gemma-3-27B's text model (62 layers) and GLM-4.5-Air's layers (18 of 46);
+    # $GEMMA_REPEATS timed passes each (default 1); $GEMMA_EXTRA adds bench flags (e.g. "--ablate W1
+    # --ablate-only as_configured,no_fused_gate_up"). With the tests, run one shape a call (GEMMA_SHAPES)
     gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py tests/test_gate_up_silu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
       for shape in ${GEMMA_SHAPES:-gemma3-27b glm4.5-air}; do
-        python3 bench/bench_engine.py --model-size $shape $(fit_layers $shape) --workloads W1f --http W1f --baseline W1f \
-          --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 ${GEMMA_EXTRA:-} --step-trace "$OUT/trace_${shape}_" --out "$OUT/engine_${shape}_h200.json" 2>&1 \
+        python3 bench/bench_engine.py --model-size $shape $(fit_layers $shape) --workloads ${GEMMA_WL:-W1} --http ${GEMMA_WL:-W1} \
+          --baseline ${GEMMA_WL:-W1} --repeats ${GEMMA_REPEATS:-1} --max-model-len 8192 ${GEMMA_EXTRA:-} --step-trace "$OUT/trace_${shape}_" --out "$OUT/engine_${shape}_h200.json" 2>&1 \
           | tee "$OUT/engine_$shape.log" | tail -12
       done ;;
     # where a shape's step time goes: one profiled pass each of $PROFILE_SIZES (default moonlight) on $PROFILE_WL
