@@ -132,6 +132,10 @@ def test_sglang_refusals_and_batch_ids(server, toks) -> None:
         r = c.put("/generate", json={"input_ids": toks[:5], "sampling_params": {"max_new_tokens": 0}})
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == []
+        # null is absent (1), as SGLang's SamplingParams reads it
+        r = c.post("/generate", json={"input_ids": toks[:5], "sampling_params": {"max_new_tokens": None}})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["output_ids"]) == 1
 
 
 # --- vLLM /v1/completions --------------------------------------------------------------------
@@ -213,6 +217,19 @@ def test_completions_echo_and_logprobs(server, toks, ref) -> None:
     assert ch["text"] == "" and ch["prompt_logprobs"] is None and ch["logprobs"] is None
 
 
+def _stream_text(server, prompt: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
+    """What tokenizers' DecodeStream (vLLM's fast incremental detokenizer) gives for ``ids``
+    after a stream primed with the prompt's last ids."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tok = Tokenizer.from_file(str(server.path / "tokenizer.json"))
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    for t in prompt[-4:]:
+        stream.step(tok, t)
+    return "".join(stream.step(tok, t) or "" for t in ids)
+
+
 def test_completions_text_decoded_token_and_refusals(server, toks, ref) -> None:
     """Echo puts the prompt in text unless return_token_ids (vLLM then leaves it out);
     decoded_token is the detokenizer's text whatever return_tokens_as_token_ids says (vLLM
@@ -224,9 +241,54 @@ def test_completions_text_decoded_token_and_refusals(server, toks, ref) -> None:
                                               "prompt_logprobs": 1, "return_tokens_as_token_ids": True}).json()
     assert echo["choices"][0]["text"] == " ".join(f"w{t}" for t in toks + [greedy])
     ch = ids["choices"][0]
-    assert ch["text"] == f"w{greedy}" and ch["prompt_token_ids"] == toks and ch["token_ids"] == [greedy]
+    # the generated token's text as vLLM's incremental detokenizer gives it after the prompt: with
+    # the decoder's space before a word, as tokenizers' DecodeStream primed with the prompt gives it
+    ch_text = _stream_text(server, toks, [greedy])
+    assert ch_text == f" w{greedy}"
+    assert ch["text"] == ch_text and ch["prompt_token_ids"] == toks and ch["token_ids"] == [greedy]
     assert {v["decoded_token"] for e in ch["prompt_logprobs"][1:] for v in e.values()} \
         == {f"w{t}" for e in ch["prompt_logprobs"][1:] for t in e}
+
+
+def test_completions_echo_of_a_text_prompt_is_the_text_as_sent(server, toks, ref) -> None:
+    """vLLM echoes a text prompt as sent (its renderer keeps the string beside the ids), not
+    its ids decoded: spacing the tokenizer does not keep comes back, and so does the whole text
+    where truncate_prompt_tokens cut the ids; the generated token's text follows."""
+    text = "  w5   w9\tw11  w2"  # (decoded, its ids would read "w5 w9 w11 w2")
+    greedy = int(reference_logprobs(server.path, [5, 9, 11, 2])[-1].argmax())
+    with server.client() as c:
+        only = c.post("/v1/completions", json={"prompt": text, "max_tokens": 0, "echo": True}).json()
+        cut = c.post("/v1/completions", json={"prompt": [text, "w3 w4"], "max_tokens": 1, "echo": True,
+                                              "truncate_prompt_tokens": 2}).json()
+        both = c.post("/v1/completions", json={"prompt": text, "max_tokens": 1, "echo": True}).json()
+    assert only["choices"][0]["text"] == text
+    assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"].startswith(text)
+    assert cut["choices"][1]["text"].startswith("w3 w4")
+    assert both["choices"][0]["text"] == text + _stream_text(server, [5, 9, 11, 2], [greedy])
+
+
+def test_continuation_is_the_incremental_detokenizers(tmp_path) -> None:
+    """Tokenizer.continuation against tokenizers' DecodeStream primed with the context, vLLM's
+    fast detokenizer: the space before a word comes with it; a special token is left out with
+    skip_special_tokens (vLLM's default for the generated text) and kept without it."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.decoders import DecodeStream
+
+    from teacher_server.server.tokenizer import Tokenizer as Ours
+
+    inner = Tokenizer(models.WordLevel({f"w{i}": i for i in range(64)}, unk_token="w0"))
+    inner.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    inner.decoder = decoders.WordPiece(prefix="##")
+    inner.add_special_tokens([AddedToken("w1", special=True)])
+    ours = Ours(inner)
+    for context, ids in (([5, 9, 11, 2], [7]), ([5, 9, 11, 2, 6, 8], [7, 1, 3]), ([4], [9]), ([], [3, 4])):
+        for skip in (True, False):
+            stream = DecodeStream(skip_special_tokens=skip)
+            for t in context[-4:]:
+                stream.step(inner, t)
+            want = "".join(stream.step(inner, t) or "" for t in ids)
+            assert ours.continuation(context, ids, skip) == want, (context, ids, skip)
+    assert ours.continuation([5, 9], [1], True) == "" and ours.continuation([5, 9], [1], False) == " w1"
 
 
 def test_completions_logprob_token_ids(server, toks, ref) -> None:

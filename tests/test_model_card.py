@@ -55,6 +55,11 @@ def test_models_reports_vocab_size_and_tokenizer(teacher, demo_server, tmp_path)
     with open(teacher.cfg.model + "/config.json") as f:
         assert card["vocab_size"] == json.load(f)["vocab_size"]
     assert card["tokenizer"] == tokenizer_identity(teacher.cfg.model)
+    # vLLM's ModelCard fields too (clients that parse the whole card, as vLLM's own models do)
+    assert card["parent"] is None and card["object"] == "model"
+    (perm,) = card["permission"]
+    assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
+    assert perm["allow_logprobs"] is True and perm["organization"] == "*" and perm["group"] is None
     assert fetch_model_card(demo_server.url)["tokenizer"] is None  # the demo checkpoint has none
 
     student = tmp_path / "student"

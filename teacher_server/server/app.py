@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -49,6 +50,15 @@ from teacher_server.server.teacher_set import Teachers
 from teacher_server.server.teacher_start import start_teachers, teachers_health
 
 log = logging.getLogger("teacher_server.server")
+
+
+def _model_permission(created: int) -> dict:
+    """vLLM's ``ModelPermission`` as its model list writes it (OpenAI's old shape, read by clients
+    that parse the whole card)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+            "group": None, "is_blocking": False}
 
 
 def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
@@ -172,7 +182,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
             if not hasattr(t, "tokenizer_identity"):  # read once (a tokenizer.json is megabytes), off the event loop
                 t.tokenizer_identity = await asyncio.to_thread(tokenizer_identity, e.model_dir)
             data.append({"id": e.served_model_name, "object": "model", "created": st.started,
-                         "owned_by": "teacher-server", "root": str(e.model_dir), "max_model_len": e.max_model_len,
+                         "owned_by": "teacher-server", "root": str(e.model_dir), "parent": None,
+                         "max_model_len": e.max_model_len, "permission": [_model_permission(st.started)],
                          "vocab_size": t.limits.vocab_size, "tokenizer": t.tokenizer_identity})
         return json_response(200, {"object": "list", "data": data})
 

@@ -51,6 +51,9 @@ class CompletionRequest(BaseModel):
                           "`decoded_token`): no tokenizer needed.")
     return_token_ids: StrictBool | None = Field(None, description="Also `prompt_token_ids` and `token_ids`.")
     add_special_tokens: StrictBool = Field(True, description="For text prompts: add the tokenizer's special tokens.")
+    skip_special_tokens: StrictBool = Field(
+        True, description="vLLM's: the generated token's `text` leaves special tokens out (an echoed prompt keeps "
+                          "them).")
     n: StrictInt | StrictFloat | None = Field(1, description="1 only (1.0 too, as vLLM reads it).")
     stream: StrictBool | None = Field(False, description="false only.")
     truncate_prompt_tokens: StrictInt | None = Field(
@@ -72,6 +75,9 @@ class ParsedCompletion:
     request_id: str
     prompt_k: int | None  # the k of the prompt's logprobs (``prompt_logprobs``, or ``logprobs`` with echo)
     logprobs_k: int | None  # ``logprobs`` (-1 resolved to the vocabulary)
+    # echo of text prompts: each prompt as sent, which vLLM echoes (not its ids decoded: no added
+    # special tokens, and the whole text where truncate_prompt_tokens cut the ids)
+    echo_texts: list[str] | None = None
 
 
 def _is_text(prompt: object) -> bool:
@@ -186,9 +192,10 @@ def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok:
                          "with prompt_logprob_topk (binary arrays)", "prompt_logprobs")
     # The prompts live on as the requests' arrays: their JSON lists and any large ignored field
     # are let go here, as the native endpoint lets its body go (the byte budget stops counting them).
+    echo_texts = ([p] if isinstance(p, str) else list(p)) if body.echo and _is_text(p) else None
     body.prompt = []
     body.model_extra.clear()
-    return ParsedCompletion(body, reqs, rid, plp, kl)
+    return ParsedCompletion(body, reqs, rid, plp, kl, echo_texts)
 
 
 def _logprobs_k(body: CompletionRequest, name: str, limits: Limits) -> int | None:

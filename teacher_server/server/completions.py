@@ -176,8 +176,13 @@ def build_completion(parsed: ParsedCompletion, results: list[ScoreResult], model
                                res.plp_topk_ids.reshape(-1) if res.plp_topk_ids is not None else []]).astype(np.int64)
         names = _Names(tok, as_ids, used)  # logprobs' tokens
         text = ""
-        if tok is not None:  # (vLLM leaves the echoed prompt out of text when it returns token ids)
-            text = tok.decode((req.token_ids.tolist() if body.echo and not body.return_token_ids else []) + out_ids)
+        if tok is not None:  # vLLM's: the echoed prompt (as sent, or its ids decoded; left out when it returns
+            # token ids), then the generated token's text as its incremental detokenizer gives it
+            prompt_ids = req.token_ids.tolist()
+            skip = body.skip_special_tokens is not False
+            text = tok.continuation(prompt_ids, out_ids, skip) if out_ids else ""
+            if body.echo and not body.return_token_ids:
+                text = (parsed.echo_texts[i] if parsed.echo_texts is not None else tok.decode(prompt_ids)) + text
         choice: dict[str, Any] = {
             "index": i, "text": text,
             "logprobs": None if parsed.logprobs_k is None else _openai_logprobs(

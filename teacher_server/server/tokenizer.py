@@ -44,8 +44,21 @@ class Tokenizer:
         enc.truncate(max(keep - extra, 0), direction=side)
         return self.inner.post_process(enc, None, add_special_tokens).ids if add_special_tokens else enc.ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.inner.decode(ids, skip_special_tokens=False)
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def continuation(self, context: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text ``ids`` add after ``context``, as vLLM's incremental detokenizer gives a
+        generated token's: a space that a word-piece or sentencepiece decoder puts before a word
+        comes with it, which decoding the ids alone drops. Its context: the shortest suffix of 4
+        to 23 ids that decodes whole (no U+FFFD), else all of ``context``."""
+        ctx = context
+        for n in range(4, min(len(context), 23) + 1) if len(context) > 4 else ():
+            if "\ufffd" not in self.decode(context[-n:]):
+                ctx = context[-n:]
+                break
+        head, full = self.decode(ctx, skip_special_tokens), self.decode(ctx + ids, skip_special_tokens)
+        return full[len(head):] if full.startswith(head) else self.decode(ids, skip_special_tokens)
 
     def pieces(self, ids: Iterable[int]) -> dict[int, str]:
         """Each id decoded alone (``decoded_token``), the new ones in one batch call."""
