@@ -164,9 +164,12 @@ def test_sglang_generate(tok_server) -> None:
                                                "logprob_start_len": 0, "top_logprobs_num": 30}),
                      400, "top_logprobs_num", contains="max_prompt_logprobs_entries")  # the JSON cap
         assert_error(c.post("/generate", json={"text": "w1", "input_ids": [1]}), 400, "input_ids")
+        assert_error(c.post("/generate", json={"input_ids": toks, "sampling_params": {"skip_special_tokens": "no"}}),
+                     400, "sampling_params.skip_special_tokens")
     meta = out["meta_info"]
     greedy = int(ref[-1].argmax())
-    assert out["output_ids"] == [greedy] and out["text"] == f"w{greedy}"
+    # text: SGLang's detokenizer decodes the generated ids after the prompt's last 5 (the word's space with it)
+    assert out["output_ids"] == [greedy] and out["text"] == f" w{greedy}"
     assert meta["prompt_tokens"] == 40 and meta["completion_tokens"] == 1
     assert meta["finish_reason"] == {"type": "length", "length": 1}
     assert isinstance(meta["id"], str) and isinstance(meta["e2e_latency"], float)

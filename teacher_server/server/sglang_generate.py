@@ -90,6 +90,7 @@ class _Item:
     ids: list[int] | None
     max_new: int
     rid: str
+    skip_special: bool = True  # sampling_params.skip_special_tokens (the generated text's)
 
 
 @dataclass
@@ -174,6 +175,10 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
             raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
                              f"generate); got {mn!r}", "sampling_params.max_new_tokens")
         check_n(sp.get("n"), "sampling_params.n")
+        skip = sp.get("skip_special_tokens")
+        if skip is not None and not isinstance(skip, bool):
+            raise BadRequest(f"sampling_params.skip_special_tokens must be a boolean, got {skip!r}",
+                             "sampling_params.skip_special_tokens")
         want = bool(_per(body.return_logprob, i, n, "return_logprob"))
         start = _per(body.logprob_start_len, i, n, "logprob_start_len")
         start = -1 if start is None else start
@@ -212,7 +217,7 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
             req.next_candidates = nxt
         entries += (length - first) * (top + 1 + len(tids or ())) if want else 0
         reqs.append(req)
-        items.append(_Item(want, first, top, tids, mn, req.request_id))
+        items.append(_Item(want, first, top, tids, mn, req.request_id, skip is not False))
     if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
         raise BadRequest(f"the requested logprobs make {entries} JSON entries, more than max_prompt_logprobs_entries="
                          f"{limits.max_prompt_logprobs_entries}; ask for fewer, or use POST /inference/v1/generate "
@@ -285,7 +290,9 @@ def build_sglang(parsed: ParsedSGLang, results: list[ScoreResult], model: str, t
                     used.append(it.ids)
                 text = tok.pieces(np.unique(np.concatenate([np.asarray(u, dtype=np.int64) for u in used])).tolist())
             meta.update(_meta_logprobs(req, res, it, text))
-        outs.append({"text": tok.decode(out_ids) if tok is not None else "", "output_ids": out_ids,
+        # (SGLang's detokenizer: the generated ids decoded after the prompt's last 5)
+        gen = tok.continuation(req.token_ids.tolist(), out_ids, it.skip_special, last=5) if tok and out_ids else ""
+        outs.append({"text": gen, "output_ids": out_ids,
                      "meta_info": meta})
         time.sleep(0)  # let the engine thread and the event loop run between prompts
     return orjson.dumps(outs if parsed.batch else outs[0])

@@ -47,13 +47,15 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def continuation(self, context: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text ``ids`` add after ``context``, as vLLM's incremental detokenizer gives a
-        generated token's: a space that a word-piece or sentencepiece decoder puts before a word
-        comes with it, which decoding the ids alone drops. Its context: the shortest suffix of 4
-        to 23 ids that decodes whole (no U+FFFD), else all of ``context``."""
-        ctx = context
-        for n in range(4, min(len(context), 23) + 1) if len(context) > 4 else ():
+    def continuation(self, context: list[int], ids: list[int], skip_special_tokens: bool = True,
+                     last: int | None = None) -> str:
+        """The text ``ids`` add after ``context``, as an incremental detokenizer gives a generated
+        token's: a space that a word-piece or sentencepiece decoder puts before a word comes with
+        it, which decoding the ids alone drops. The context: ``context``'s ``last`` ids (SGLang's
+        5), or as vLLM's picks it, its shortest suffix of 4 to 23 ids that decodes whole (no
+        U+FFFD), else all of it."""
+        ctx = context if last is None else context[-last:]
+        for n in range(4, min(len(context), 23) + 1) if len(context) > 4 and last is None else ():
             if "\ufffd" not in self.decode(context[-n:]):
                 ctx = context[-n:]
                 break
