@@ -178,11 +178,11 @@ def build_completion(parsed: ParsedCompletion, results: list[ScoreResult], model
         text = ""
         if tok is not None:  # vLLM's: the echoed prompt (as sent, or its ids decoded; left out when it returns
             # token ids), then the generated token's text as its incremental detokenizer gives it
-            prompt_ids = req.token_ids.tolist()
-            skip = body.skip_special_tokens is not False
-            text = tok.continuation(prompt_ids, out_ids, skip) if out_ids else ""
+            skip = body.skip_special_tokens is not False  # (the context: at most the prompt's last 23 ids)
+            text = tok.continuation(req.token_ids[-23:].tolist(), out_ids, skip) if out_ids else ""
             if body.echo and not body.return_token_ids:
-                text = (parsed.echo_texts[i] if parsed.echo_texts is not None else tok.decode(prompt_ids)) + text
+                text = (parsed.echo_texts[i] if parsed.echo_texts is not None
+                        else tok.decode(req.token_ids.tolist())) + text
         choice: dict[str, Any] = {
             "index": i, "text": text,
             "logprobs": None if parsed.logprobs_k is None else _openai_logprobs(

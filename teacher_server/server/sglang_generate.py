@@ -291,7 +291,7 @@ def build_sglang(parsed: ParsedSGLang, results: list[ScoreResult], model: str, t
                 text = tok.pieces(np.unique(np.concatenate([np.asarray(u, dtype=np.int64) for u in used])).tolist())
             meta.update(_meta_logprobs(req, res, it, text))
         # (SGLang's detokenizer: the generated ids decoded after the prompt's last 5)
-        gen = tok.continuation(req.token_ids.tolist(), out_ids, it.skip_special, last=5) if tok and out_ids else ""
+        gen = tok.continuation(req.token_ids[-5:].tolist(), out_ids, it.skip_special, last=5) if tok and out_ids else ""
         outs.append({"text": gen, "output_ids": out_ids,
                      "meta_info": meta})
         time.sleep(0)  # let the engine thread and the event loop run between prompts
