@@ -236,3 +236,19 @@ def test_a_teacher_down_leaves_the_other_serving(multi):
     for t in threads:
         t.join()
     assert codes == [200] * 4, codes
+
+
+def test_a_list_of_one_teacher_serves_that_teacher(qwen3_server):
+    """A ``teachers`` list of one entry serves that entry's model, with its own settings, under
+    its name (it once started the built-in demo model with the service's settings instead)."""
+    cfg = Config(device="cpu", max_num_batched_tokens=512, block_size=8, num_kv_blocks=512, max_model_len=1024,
+                 teachers=[{"name": "only", "model": qwen3_server.cfg.model, "max_model_len": 100}])
+    ids = np.random.default_rng(3).integers(0, VOCAB["qwen"], 24)
+    cands = np.random.default_rng(4).integers(0, VOCAB["qwen"], (23, 4))
+    with TeacherClient(qwen3_server.url) as c:
+        want = c.score(ids, cands, 0)
+    with LiveServer(cfg) as s:
+        (card,) = httpx.get(s.url + "/v1/models", timeout=30).json()["data"]
+        assert card["id"] == "only" and card["vocab_size"] == VOCAB["qwen"] and card["max_model_len"] == 100
+        with TeacherClient(s.url) as c:
+            np.testing.assert_allclose(c.score(ids, cands, 0, model="only"), want, atol=TOL, rtol=0)

@@ -67,8 +67,8 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
     port answers at once (`/health` is 503 `{"status": "loading"}` until the engine is ready).
     ``on_fatal`` runs when the engine cannot start or cannot recover (default: SIGTERM to this
     process, so the orchestrator restarts it)."""
-    cfgs = cfg.teacher_configs()  # one, or one per teacher of `teachers`
-    elsewhere = engine_elsewhere(cfg)  # the engine(s) in processes of their own
+    cfgs = cfg.teacher_configs()  # one (`cfg`, or a `teachers` list's one entry), or one per teacher
+    elsewhere = engine_elsewhere(cfgs[0])  # the engine(s) in processes of their own
     if not b64.fast():  # a server dependency; without it every .npy body costs ~5 ms of the GIL
         log.warning("pybase64 is not installed: base64 .npy payloads go through the standard library, "
                     "several times slower (pip install 'teacher-server[server]')")
@@ -96,7 +96,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         st.teachers = Teachers(st, cfgs, st.metrics)
         if len(cfgs) == 1:
             start = start_replicas if elsewhere else start_engine
-            start(app, cfg, engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
+            start(app, cfgs[0], engine_factory, on_step=lambda e, results: st.metrics.observe_engine(e.stats()),
                   on_fatal=lambda exc: on_engine_fatal(app, exc, on_fatal), on_start_failure=on_fatal)
         else:
             start_teachers(app, st.teachers.all, engine_factory, on_fatal)
