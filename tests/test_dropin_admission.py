@@ -148,3 +148,24 @@ def test_a_refused_prompt_refuses_the_batch_at_once() -> None:
         assert slow.cancelled()
 
     asyncio.run(main())
+
+
+def test_native_row_targets_count_in_the_byte_budget(server) -> None:
+    """The native endpoint's teacher top-K (and union, actual, tail, log-sum-exp) arrays are
+    part of the answer an admitted request holds: with bytes of another request held, a short
+    body asking the top-64 of 199 rows (~400 KB of answer) is refused, while the same rows'
+    one candidate each fits; alone both run."""
+    budget: ByteBudget = server.app.state.byte_budget
+    ids = list(range(1, 201))
+    narrow = {"token_ids": ids, "sampling_params": {"prompt_logprob_start": 0, "prompt_logprob_token_ids": [7]}}
+    wide = {"token_ids": ids, "sampling_params": {"prompt_logprob_start": 0, "prompt_logprob_token_ids": [7],
+                                                  "prompt_logprob_topk": 64}}
+    with server.client() as c:
+        budget.take(1)
+        try:
+            assert_error(c.post("/inference/v1/generate", json=wide), 429, contains="max_inflight_bytes")
+            assert c.post("/inference/v1/generate", json=narrow).status_code == 200
+        finally:
+            budget.give(1)
+        assert c.post("/inference/v1/generate", json=wide).status_code == 200
+        wait_until(lambda: budget.used == 0, 3, "the budget given back")

@@ -68,6 +68,17 @@ def held_bytes(token_count: int, rows: int, k: int, prompt_logprobs: int | None)
     return arrays + result
 
 
+def native_held_bytes(req: ScoreRequest) -> int:
+    """``held_bytes`` of a request of the native endpoint, whose row targets come back as binary
+    arrays beside the candidates' matrix: the top-K ids and log-probs, the union's ids and
+    log-probs, and a float per row for each of actual, tail and log-sum-exp."""
+    rows, top = req.rows, req.top_k
+    cells = 2 * rows * top + rows * (req.actual + req.tail + req.logsumexp)
+    if req.union:
+        cells += 2 * rows * (req.k + top)
+    return held_bytes(req.length, req.rows, req.k, req.prompt_logprobs) + RESULT_FACTOR * 4 * cells
+
+
 def json_held_bytes(req: ScoreRequest) -> int:
     """``held_bytes`` of a request whose row targets are answered as JSON entries (the
     trainers' endpoints: one entry per candidate, top-K id and actual token of each row)

@@ -21,7 +21,7 @@ from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind
 from teacher_server.server import parsing
 from teacher_server.server.admission import QueueTooLong, QueueWait
-from teacher_server.server.byte_budget import Hold, OverBudget, held_bytes, over_budget
+from teacher_server.server.byte_budget import Hold, OverBudget, native_held_bytes, over_budget
 from teacher_server.server.errors import HTTP_STATUS, http_status, retry_after
 from teacher_server.server.http import ClientGone, read_body
 from teacher_server.server.metrics import Metrics
@@ -198,7 +198,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
                              f"(max_queue_tokens={t.cfg.max_queue_tokens})", "token_ids")
         # From here the request holds its arrays and, until it is sent, its result.
-        if not hold.resize(held_bytes(req.length, req.rows, req.k, req.prompt_logprobs)):
+        if not hold.resize(native_held_bytes(req)):
             raise over_budget(hold)
         refuse_long_wait(queue, cfg, req.priority)
         if timeout_s is not None:
