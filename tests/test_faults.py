@@ -313,14 +313,41 @@ def test_idle_connections_declaring_large_bodies_give_the_byte_budget_back(tmp_p
             t = time.monotonic()
             for sock in socks:
                 sock.settimeout(60)
-                head = sock.recv(4096)
-                assert head.startswith(b"HTTP/1.1 408") and b"slower than 1 MiB/s" in head, head[:300]
+                answer = _read_answer(sock)  # (its head and body may come in separate reads)
+                assert answer.startswith(b"HTTP/1.1 408") and b"slower than 1 MiB/s" in answer, answer[:400]
             assert http.SLOW_BODY_GRACE_S - 1 < time.monotonic() - t < 30
             wait_until(lambda: metric(c.get("/metrics").text, "teacher_server_inflight_bytes") == 0)
             assert c.post(GEN, json=big).status_code == 400  # read whole: refused for its key, not for bytes
         finally:
             for sock in socks:
                 sock.close()
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One HTTP answer off ``sock``: its head, then as many body bytes as its Content-Length says."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(rest) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        rest += chunk
+    return head + b"\r\n\r\n" + rest
+
+
+def _gone(pid: int) -> bool:
+    """No process ``pid`` left (or only its exit status: a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes in /proc")
@@ -348,6 +375,7 @@ def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path, then: s
                 wait_until(lambda: "cannot be reported" in (tmp_path / "server.log").read_text(), timeout=30)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0 and time.monotonic() - t < 20, time.monotonic() - t
+            wait_until(lambda: _gone(stopped), timeout=10, what="the stopped fork server ended with the service")
             return
         code = proc.wait(timeout=120)
         text = (tmp_path / "server.log").read_text()
@@ -355,6 +383,8 @@ def test_replicas_whose_fork_server_is_stopped_end_the_service(tmp_path, then: s
         # by the give-up rule (~5 s to take the exits, then five refused restarts), not the 40 s fatal-exit watchdog
         assert "fork server" in text and "giving up" in text and "still running" not in text, text[-3000:]
         assert time.monotonic() - t < 30, time.monotonic() - t
+        # a stopped fork server never reads the pipe whose close ends it: the service kills it as it exits
+        wait_until(lambda: _gone(stopped), timeout=10, what="the stopped fork server ended with the service")
     finally:
         if stopped is not None:
             with contextlib.suppress(ProcessLookupError):

@@ -16,9 +16,11 @@ there: the compile cache's variables are set by the engine, in its own process).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
+import signal
 from multiprocessing.context import BaseContext
 
 from teacher_server.config import Config
@@ -63,6 +65,7 @@ def start_preloading() -> bool:
         log.info("replica processes are spawned (no fork server: %s)", e)
         return False
     _preloading = True
+    atexit.register(end_stopped_fork_server)
     return True
 
 
@@ -79,11 +82,30 @@ def fork_server_stopped() -> str | None:
     start, which reaps it.)"""
     if not _preloading:
         return None
-    from multiprocessing import forkserver
-
-    pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    pid = _fork_server_pid()
     try:
         state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if pid else ""
     except (OSError, IndexError):  # no /proc (not Linux), or gone and reaped: it is started again
         return None
     return f"the fork server (pid {pid}) that replicas start from is stopped" if state in ("T", "t") else None
+
+
+def _fork_server_pid() -> int | None:
+    from multiprocessing import forkserver
+
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
+def end_stopped_fork_server() -> None:
+    """At exit: kill the fork server if it is stopped. A running one ends by itself when this
+    process's end closes its pipe; a stopped one never reads that, and would stay behind
+    (holding its memory) after the service exits."""
+    if fork_server_stopped() is None:
+        return
+    pid = _fork_server_pid()
+    try:
+        os.kill(pid, signal.SIGKILL)
+        log.warning("killed the stopped fork server (pid %d)", pid)
+        os.waitpid(pid, 0)  # (it is this process's child)
+    except (OSError, TypeError):  # gone already, or not ours to reap
+        pass
