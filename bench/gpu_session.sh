@@ -282,7 +282,7 @@ for step in ${STEPS:-tests}; do
     # bf16), then $GEMMA_WL (default W1, the workload the issue's targets name) in-process and through HTTP beside
     # transformers' forward: Gemma-3-27B's text model (62 layers) and GLM-4.5-Air's layers (18 of 46);
     # $GEMMA_REPEATS timed passes each (default 1); $GEMMA_EXTRA adds bench flags (e.g. "--ablate W1
-    # --ablate-only as_configured,no_fused_gate_up"). With the tests, run one shape a call (GEMMA_SHAPES)
+    # --ablate-only as_configured,no_fused_gate_up"). W1 is twice W1f's tokens: one shape a call (GEMMA_SHAPES)
     gemma) [ -n "${SKIP_TESTS:-}" ] || python3 -m pytest $PT -m gpu tests/test_gemma_glm_gpu.py tests/test_gate_up_silu.py 2>&1 | tee "$OUT/gpu_gemma_glm_tests.log" | tail -25
       for shape in ${GEMMA_SHAPES:-gemma3-27b glm4.5-air}; do
         python3 bench/bench_engine.py --model-size $shape $(fit_layers $shape) --workloads ${GEMMA_WL:-W1} --http ${GEMMA_WL:-W1} \

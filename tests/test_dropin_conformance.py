@@ -132,7 +132,7 @@ def test_sglang_refusals_and_batch_ids(server, toks) -> None:
         r = c.put("/generate", json={"input_ids": toks[:5], "sampling_params": {"max_new_tokens": 0}})
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == []
-        # null is absent (1), as SGLang's SamplingParams reads it
+        # null (SGLang's "no limit") is 1 here, as absent is
         r = c.post("/generate", json={"input_ids": toks[:5], "sampling_params": {"max_new_tokens": None}})
         assert r.status_code == 200, r.text
         assert len(r.json()["output_ids"]) == 1
@@ -289,6 +289,32 @@ def test_continuation_is_the_incremental_detokenizers(tmp_path) -> None:
             want = "".join(stream.step(inner, t) or "" for t in ids)
             assert ours.continuation(context, ids, skip) == want, (context, ids, skip)
     assert ours.continuation([5, 9], [1], True) == "" and ours.continuation([5, 9], [1], False) == " w1"
+
+
+def test_continuation_of_a_character_split_across_tokens() -> None:
+    """Byte-level BPE (Qwen's, Llama 3's) splits a character the vocabulary lacks into byte
+    tokens. vLLM's detokenizer adds no text for a piece until the character is whole, so a
+    greedy token that starts an emoji is "", and one that completes it (the prompt ending
+    within it, as a rollout cut anywhere does) is the whole emoji, never U+FFFD. SGLang's
+    decodes after the last 5 ids and slices off their text, unchecked."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from teacher_server.server.tokenizer import Tokenizer as Ours
+
+    inner = Tokenizer(models.BPE())
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.train_from_iterator(["hello world, a naive cafe"] * 20, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    ids = inner.encode("hello world \U0001F600").ids
+    ctx, emoji = ids[:-4], ids[-4:]  # (its four bytes, one token each)
+    assert inner.decode(emoji) == "\U0001F600" and all(inner.decode([i]) == "\ufffd" for i in emoji)
+    ours = Ours(inner)
+    assert ours.continuation(ctx, emoji[:1]) == ""
+    assert ours.continuation(ctx + emoji[:3], emoji[3:]) == "\U0001F600"
+    assert ours.continuation(ctx, emoji) == "\U0001F600"
+    assert ours.continuation(ctx + emoji[:3], emoji[3:], last=5) == ""  # SGLang: the emoji's length is its piece's
+    assert ours.continuation(ctx, [ids[1]], last=5) == " world"
 
 
 def test_completions_logprob_token_ids(server, toks, ref) -> None:

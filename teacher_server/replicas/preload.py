@@ -21,6 +21,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import time
 from multiprocessing.context import BaseContext
 
 from teacher_server.config import Config
@@ -30,6 +31,7 @@ log = logging.getLogger("teacher_server.replicas")
 # what a replica process imports before it builds its engine (the target, its config, the engine)
 PRELOAD = ("teacher_server.replicas.fork_server",)
 _preloading = False
+_owner: int | None = None  # the process that started the fork server (its parent)
 NVIDIA_NODE = "/dev/nvidiactl"  # there on a Linux host (or container) with the NVIDIA driver and a GPU given
 
 
@@ -65,6 +67,8 @@ def start_preloading() -> bool:
         log.info("replica processes are spawned (no fork server: %s)", e)
         return False
     _preloading = True
+    global _owner
+    _owner = os.getpid()
     atexit.register(end_stopped_fork_server)
     return True
 
@@ -97,15 +101,19 @@ def _fork_server_pid() -> int | None:
 
 
 def end_stopped_fork_server() -> None:
-    """At exit: kill the fork server if it is stopped. A running one ends by itself when this
-    process's end closes its pipe; a stopped one never reads that, and would stay behind
-    (holding its memory) after the service exits."""
-    if fork_server_stopped() is None:
+    """At exit (and before a hard exit): kill the fork server if it is stopped. A running one
+    ends by itself when this process's end closes its pipe; a stopped one never reads that, and
+    would stay behind (holding its memory) after the service exits. Only the process that
+    started it does this, and it waits at most a second for the exit (a traced one may not
+    report it)."""
+    if os.getpid() != _owner or fork_server_stopped() is None:
         return
     pid = _fork_server_pid()
     try:
         os.kill(pid, signal.SIGKILL)
         log.warning("killed the stopped fork server (pid %d)", pid)
-        os.waitpid(pid, 0)  # (it is this process's child)
+        deadline = time.monotonic() + 1.0
+        while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() < deadline:
+            time.sleep(0.01)
     except (OSError, TypeError):  # gone already, or not ours to reap
         pass

@@ -183,7 +183,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
                 t.tokenizer_identity = await asyncio.to_thread(tokenizer_identity, e.model_dir)
             data.append({"id": e.served_model_name, "object": "model", "created": st.started,
                          "owned_by": "teacher-server", "root": str(e.model_dir), "parent": None,
-                         "max_model_len": e.max_model_len, "permission": [_model_permission(st.started)],
+                         "max_model_len": e.max_model_len, "permission": [_model_permission(int(time.time()))],
                          "vocab_size": t.limits.vocab_size, "tokenizer": t.tokenizer_identity})
         return json_response(200, {"object": "list", "data": data})
 

@@ -25,6 +25,7 @@ from teacher_server.engine.async_engine import AsyncEngine
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult
 from teacher_server.heap import freeze_start_up_heap, thaw_heap
+from teacher_server.replicas.preload import end_stopped_fork_server
 from teacher_server.server.metrics import Metrics
 from teacher_server.validation import Limits
 
@@ -146,6 +147,7 @@ def terminate_self() -> None:
     def hard_exit() -> None:
         time.sleep(limit)
         log.critical("still running %.0fs after a fatal engine error: exiting", limit)
+        end_stopped_fork_server()  # (os._exit runs no exit hooks)
         logging.shutdown()
         os._exit(3)
 

@@ -170,7 +170,7 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
     for i, ids in enumerate(prompts):
         sp = _per(body.sampling_params, i, n, "sampling_params") or {}
         mn = sp.get("max_new_tokens")
-        mn = 1 if mn is None else mn  # (null is absent, as SGLang's SamplingParams reads it)
+        mn = 1 if mn is None else mn  # (null: SGLang's "no limit", which this server's 0 or 1 makes 1)
         if isinstance(mn, bool) or not isinstance(mn, int) or mn not in (0, 1):
             raise BadRequest(f"sampling_params.max_new_tokens must be 0 or 1 (this server scores, it does not "
                              f"generate); got {mn!r}", "sampling_params.max_new_tokens")

@@ -51,16 +51,35 @@ class Tokenizer:
                      last: int | None = None) -> str:
         """The text ``ids`` add after ``context``, as an incremental detokenizer gives a generated
         token's: a space that a word-piece or sentencepiece decoder puts before a word comes with
-        it, which decoding the ids alone drops. The context: ``context``'s ``last`` ids (SGLang's
-        5), or as vLLM's picks it, its shortest suffix of 4 to 23 ids that decodes whole (no
-        U+FFFD), else all of it."""
-        ctx = context if last is None else context[-last:]
-        for n in range(4, min(len(context), 23) + 1) if len(context) > 4 and last is None else ():
-            if "\ufffd" not in self.decode(context[-n:]):
-                ctx = context[-n:]
+        it, which decoding the ids alone drops. ``last`` None: vLLM's (tokenizers' DecodeStream
+        primed with the shortest suffix of 4 to 23 ids that decodes whole, else all of
+        ``context``: the bytes of a character split across tokens come out once it is whole, so
+        its first piece adds no text); ``last``: SGLang's (the ids decoded after the context's
+        ``last`` ids, less what those decode to)."""
+        if last is not None:
+            ctx = context[-last:] if last else []
+            return self.decode(ctx + ids, skip_special_tokens)[len(self.decode(ctx, skip_special_tokens)):]
+        from tokenizers.decoders import DecodeStream
+
+        suffix = context
+        for n in range(4, min(len(context) + 1, 24)) if len(context) > 4 else ():
+            if "\ufffd" not in self.inner.decode(context[-n:]):
+                suffix = context[-n:]
                 break
-        head, full = self.decode(ctx, skip_special_tokens), self.decode(ctx + ids, skip_special_tokens)
-        return full[len(head):] if full.startswith(head) else self.decode(ids, skip_special_tokens)
+        stream = [DecodeStream(skip_special_tokens=skip_special_tokens)]
+
+        def step(i: int) -> str:
+            try:
+                return stream[0].step(self.inner, i) or ""
+            except Exception as e:  # non-monotonic UTF-8 breaks the stream's state: a fresh one, as vLLM does
+                if not str(e).startswith("Invalid prefix"):
+                    raise
+                stream[0] = DecodeStream(skip_special_tokens=skip_special_tokens)
+                return stream[0].step(self.inner, i) or ""
+
+        for i in suffix:
+            step(i)
+        return "".join(step(i) for i in ids)
 
     def pieces(self, ids: Iterable[int]) -> dict[int, str]:
         """Each id decoded alone (``decoded_token``), the new ones in one batch call."""
