@@ -158,7 +158,7 @@ class Config(TeacherSettings, ParallelSettings):
     host: str = Field("0.0.0.0", description="Address to listen on.")
     port: int = Field(8000, ge=0, le=65535, description="Port to listen on.")
     api_key: str | None = Field(None, description="Require `Authorization: Bearer KEY`; also TEACHER_SERVER_API_KEY.")
-    auth_exempt_health: bool = Field(True, description="/health answers without the API key.")
+    auth_exempt_health: bool = Field(True, description="/health and /livez answer without the API key.")
     auth_exempt_metrics: bool = Field(True, description="/metrics answers without the API key.")
     max_body_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="Larger request bodies get 413.")
     header_timeout_s: float = Field(

@@ -247,10 +247,12 @@ def check_release(helm: ModuleType, kube: ModuleType, versions: list[str], value
     assert env["TEACHER_SERVER_PORT"]["value"] == str(http["containerPort"])
     assert env["TEACHER_SERVER_HOST"]["value"] == "0.0.0.0"
 
-    # probes: all on /health through the named port, none with a 1 s timeout
-    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+    # probes through the named port, none with a 1 s timeout: start-up and readiness on /health
+    # (200 once it can serve); liveness on /livez (200 while the process answers: a replica the
+    # server is restarting by itself must not get the pod restarted)
+    for name, path in (("startupProbe", "/health"), ("readinessProbe", "/health"), ("livenessProbe", "/livez")):
         probe = c[name]
-        assert probe["httpGet"] == {"path": "/health", "port": "http"}, (name, probe)
+        assert probe["httpGet"] == {"path": path, "port": "http"}, (name, probe)
         assert probe["timeoutSeconds"] > 1, (name, probe)
 
     # non-root, read-only root filesystem, no privileges
@@ -652,6 +654,11 @@ def test_multi_node_release(helm: ModuleType, kube: ModuleType, kube_versions: l
     selector = one(docs, "Service")["spec"]["selector"]
     assert selector.pop("leaderworkerset.sigs.k8s.io/worker-index") == "0"  # LWS's label of the leader pods
     assert selector.items() <= group["leaderTemplate"]["metadata"]["labels"].items()
+    # NOTES.txt waits on what is there: the LeaderWorkerSet, not a Deployment
+    notes = render(helm, {"nnodes": 2, "pipelineParallelSize": 2, "tensorParallelSize": 8})[
+        "teacher-server/templates/NOTES.txt"]
+    assert f"leaderworkerset/{lws['metadata']['name']}" in notes and "deployment/" not in notes, notes
+    assert "rollout status deployment/" in render(helm, None)["teacher-server/templates/NOTES.txt"]
     # a Secret of one's own: no chart Secret; a model over four pods: two GPUs each
     docs = manifests(render(helm, {"nnodes": 4, "pipelineParallelSize": 4, "tensorParallelSize": 2,
                                    "multiNode": {"authkeySecret": "mine", "masterPort": 4000}}))
@@ -660,6 +667,19 @@ def test_multi_node_release(helm: ModuleType, kube: ModuleType, kube_versions: l
     worker = server_container({"spec": {"template": group["workerTemplate"]}})
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2 and "4000" in worker["args"]
     assert env_of(worker)["TEACHER_SERVER_NODE_AUTHKEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine"
+
+
+def test_schema_refuses_a_teacher_entry_what_the_server_refuses() -> None:
+    """A teacher entry holding one of the service's settings (FRONT_KEYS: the body and queue
+    limits, timeouts, logging, TLS, ...) is refused by the server at start: the schema refuses
+    it at install, with the chart-owned keys."""
+    from teacher_server.teachers import FRONT_KEYS
+
+    item = json.loads((CHART / "values.schema.json").read_text())["properties"]["config"]["properties"][
+        "teachers"]["items"]
+    refused = {k for alt in item["not"]["anyOf"] for k in alt["required"]}
+    assert FRONT_KEYS <= refused, sorted(FRONT_KEYS - refused)
+    assert {"compile_cache_dir", "download_dir", "revision"} <= refused
 
 
 def test_several_teachers_release(helm: ModuleType, kube: ModuleType, kube_versions: list[str],
@@ -673,10 +693,14 @@ def test_several_teachers_release(helm: ModuleType, kube: ModuleType, kube_versi
     c = server_container(one(docs, "Deployment"))
     env = env_of(c)
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 3
-    assert "TEACHER_SERVER_MODEL" not in env and "TEACHER_SERVER_SERVED_MODEL_NAME" not in env, env
+    # the image's TEACHER_SERVER_MODEL=/models cleared (a model beside teachers is refused)
+    assert env["TEACHER_SERVER_MODEL"]["value"] == "" and "TEACHER_SERVER_SERVED_MODEL_NAME" not in env, env
     file = tmp_path / "config.yaml"
     file.write_text(one(docs, "ConfigMap")["data"]["config.yaml"])
-    cfg = Config.load(file, env={k: e["value"] for k, e in env.items() if "value" in e})
+    image_env = {k: v for k, v in args_of(list(stages().values())[-1], "ENV").items()
+                 if k.startswith("TEACHER_SERVER_")}  # (what the image sets, under the chart's env)
+    assert image_env.get("TEACHER_SERVER_MODEL") == "/models", image_env
+    cfg = Config.load(file, env=image_env | {k: e["value"] for k, e in env.items() if "value" in e})
     got = [(t.served_name, t.model, t.tensor_parallel_size, t.dtype, t.gpus, t.log_json)
            for t in cfg.teacher_configs()]
     assert got == [("math", "/models/Qwen3-8B", 1, "auto", ["0"], True),

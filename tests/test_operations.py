@@ -67,7 +67,7 @@ def test_api_key(tmp_path_factory, caplog) -> None:
         two = c.post("/v1/completions", json={"prompt": [1, 2]}, headers=[("Authorization", "Bearer s3cret")] * 2)
         assert_error(two, 400, contains="more than one Authorization")
         assert c.post(GEN, json=good, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert c.get("/health").status_code == 200  # open by default
+        assert c.get("/health").status_code == 200 and c.get("/livez").status_code == 200  # open by default
         text = c.get("/metrics").text
         # the refusals on the scoring paths are counted as their own refusals are; /v1/models is only logged
         assert metric(text, "teacher_server_requests_total", status="401") == 4
@@ -83,6 +83,7 @@ def test_api_key(tmp_path_factory, caplog) -> None:
     with LiveServer(demo_cfg(tmp_path_factory, api_key="k", auth_exempt_health=False,
                              auth_exempt_metrics=False)) as s, s.client() as c:
         assert_error(c.get("/health"), 401)
+        assert_error(c.get("/livez"), 401)
         assert_error(c.get("/metrics"), 401)
         assert c.get("/health", headers={"Authorization": "Bearer k"}).status_code == 200
     # behind a proxy that strips a prefix (uvicorn puts root_path in front of the path the key reads)
@@ -506,6 +507,8 @@ def test_port_answers_while_the_engine_loads(tmp_path) -> None:
             r = c.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "loading"
             assert_error(r, 503)
+            live = c.get("/livez")  # (the liveness probe's: the process answers)
+            assert live.status_code == 200 and live.json() == {"status": "loading"}
             assert_error(c.post(GEN, json=body([1, 2, 3], [4])), 503)
             assert int(c.post(GEN, json=body([1, 2, 3], [4])).headers["Retry-After"]) >= 1
             assert c.get("/metrics").status_code == 200
@@ -514,6 +517,7 @@ def test_port_answers_while_the_engine_loads(tmp_path) -> None:
                 assert time.time() < deadline
                 time.sleep(0.05)
             assert c.get("/health").json() == {"status": "ready"}
+            assert c.get("/livez").json() == {"status": "ready"} and c.head("/livez").status_code == 200
             assert c.post(GEN, json=body([1, 2, 3], [4])).status_code == 200
     finally:
         release.set()

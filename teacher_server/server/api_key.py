@@ -62,7 +62,7 @@ class ApiKeyMiddleware:
 def add_api_key(app: FastAPI, cfg: Config) -> None:
     """Guard ``app`` with the configured key, if there is one (``/health`` and ``/metrics``
     stay open as the config says)."""
-    open_paths = {"/health"} if cfg.auth_exempt_health else set()
+    open_paths = {"/health", "/livez"} if cfg.auth_exempt_health else set()
     if cfg.auth_exempt_metrics:
         open_paths.add("/metrics")
     # ``Config.load`` reads TEACHER_SERVER_API_KEY like every setting's variable, under the flag

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -162,6 +163,13 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
         message = {"loading": "engine is loading", "draining": "server is shutting down"}.get(
             status, (ae.fatal_error if ae is not None else None) or "engine failed to start")
         return json_response(503, {"status": status, **error_body(503, message)})
+
+    @app.api_route("/livez", methods=["GET", "HEAD"])
+    async def livez(request: Request) -> Response:
+        """200 `{"status": <as /health's>}` whenever this process answers: loading, a replica
+        restarting, draining. For a liveness probe, which must not restart the process while
+        it recovers by itself (an engine that cannot recover makes the process exit 3)."""
+        return json_response(200, {"status": orjson.loads((await health(request)).body)["status"]})
 
     @app.get("/version")
     async def version() -> dict:
