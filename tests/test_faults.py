@@ -26,6 +26,7 @@ from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineStalled
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ErrorKind, ScoreRequest
+from teacher_server.replicas.preload import process_state
 from teacher_server.server.admission import QueueWait
 from teacher_server.server.byte_budget import ByteBudget, Hold
 
@@ -344,10 +345,7 @@ def _read_answer(sock: socket.socket) -> bytes:
 
 def _gone(pid: int) -> bool:
     """No process ``pid`` left (or only its exit status: a zombie)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True
+    return process_state(pid) in (None, "Z")
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the processes in /proc")

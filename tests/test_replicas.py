@@ -18,6 +18,7 @@ from conftest import LiveServer, wait_until
 
 from teacher_server.client import AsyncTeacherClient, TeacherClient, TeacherRequest
 from teacher_server.config import Config
+from teacher_server.replicas.preload import process_state
 
 BLOCK = 8
 TOL = 2e-5
@@ -610,11 +611,7 @@ def _front_that_dies_mid_message(conn, model_dir: str) -> None:
 
 def _running(pid: int) -> bool:
     """The process exists and is not a zombie (an orphan's parent may never reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    return process_state(pid) not in (None, "Z")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")

@@ -87,11 +87,18 @@ def fork_server_stopped() -> str | None:
     if not _preloading:
         return None
     pid = _fork_server_pid()
-    try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] if pid else ""
-    except (OSError, IndexError):  # no /proc (not Linux), or gone and reaped: it is started again
-        return None
+    state = process_state(pid) if pid else None  # (None: gone and reaped, started again; or no /proc)
     return f"the fork server (pid {pid}) that replicas start from is stopped" if state in ("T", "t") else None
+
+
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter from /proc (R, S, T stopped, Z a zombie, ...); None when
+    there is no such process (or no /proc: not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _fork_server_pid() -> int | None:

@@ -178,8 +178,8 @@ def build_completion(parsed: ParsedCompletion, results: list[ScoreResult], model
         text = ""
         if tok is not None:  # vLLM's: the echoed prompt (as sent, or its ids decoded; left out when it returns
             # token ids), then the generated token's text as its incremental detokenizer gives it
-            skip = body.skip_special_tokens is not False  # (the context: at most the prompt's last 23 ids)
-            text = tok.continuation(req.token_ids[-23:].tolist(), out_ids, skip) if out_ids else ""
+            # (the context: at most the prompt's last 23 ids, all vLLM's detokenizer looks at)
+            text = tok.continuation(req.token_ids[-23:].tolist(), out_ids, body.skip_special_tokens) if out_ids else ""
             if body.echo and not body.return_token_ids:
                 text = (parsed.echo_texts[i] if parsed.echo_texts is not None
                         else tok.decode(req.token_ids.tolist())) + text
