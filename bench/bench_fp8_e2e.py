@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_engine
 from bench_engine import MODELS, bench_http, provenance
-from workloads import make_workload, tiny, write_config
+from workloads import make_workload, tiny, with_layers, write_config
 
 BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--ckpt-dir", default="/tmp/ts-bench-fp8")
     ap.add_argument("--tiny", action="store_true", help="a small model of the family (CPU smoke runs)")
+    ap.add_argument("--num-layers", type=int, default=None,
+                    help="the shape's first N layers (a card too small for its depth; per-layer rates unchanged)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -93,7 +95,10 @@ def main() -> None:
     cfg, family, _ = MODELS[args.model_size]
     if args.tiny:
         cfg = tiny(cfg)
-    dirs = model_dirs(Path(args.ckpt_dir), cfg, f"{family}-{args.model_size}" + ("-tiny" if args.tiny else ""))
+    if args.num_layers and args.num_layers != cfg["num_hidden_layers"]:
+        cfg = with_layers(cfg, args.num_layers)
+    name = f"{family}-{args.model_size}" + ("-tiny" if args.tiny else "") + f"-{cfg['num_hidden_layers']}l"
+    dirs = model_dirs(Path(args.ckpt_dir), cfg, name)
     reqs = workload(args.workload, cfg["vocab_size"])
     sargs = http_namespace(args)
     bench_engine.GPUS = 1
@@ -113,6 +118,7 @@ def main() -> None:
     bench_engine.wait_ready = wait_and_read
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                      "torch": torch.__version__, "provenance": provenance(), "shape": args.model_size,
+                     "num_layers": cfg["num_hidden_layers"],
                      "workload": args.workload, "tokens": sum(len(r.tokens) for r in reqs), "requests": len(reqs),
                      "variants": {v: {"model": str(dirs[v][0]), "server_args": dirs[v][1]} for v in variants},
                      "rounds": []}
