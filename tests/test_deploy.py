@@ -18,6 +18,7 @@ import base64
 import copy
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from teacher_server.config import Config
+from teacher_server.replicas.pool import ReplicaPool
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "teacher-server"
@@ -377,7 +379,7 @@ PRODUCTION: dict[str, Any] = {
     "config": {"gpu_memory_utilization": 0.92, "max_model_len": 32768, "max_logprobs": 256,
                "max_num_batched_tokens": 16384, "log_json": True},
     "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
-    "shutdown": {"preStopSleepSeconds": 15, "drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 160},
+    "shutdown": {"preStopSleepSeconds": 15, "drainTimeoutSeconds": 120, "terminationGracePeriodSeconds": 180},
 }
 AUTOSCALED = merged(PRODUCTION, {"autoscaling": {"enabled": True, "minReplicas": 4, "maxReplicas": 12}})
 
@@ -511,7 +513,7 @@ def test_production_release(helm: ModuleType, kube: ModuleType, kube_versions: l
     assert env["TEACHER_SERVER_API_KEY"] == {"name": "TEACHER_SERVER_API_KEY", "valueFrom": {
         "secretKeyRef": {"name": "teacher-api-key", "key": "token"}}}
     assert env["TEACHER_SERVER_SHUTDOWN_TIMEOUT_S"]["value"] == "120"
-    assert pod["terminationGracePeriodSeconds"] == 160
+    assert pod["terminationGracePeriodSeconds"] == 180
     assert env["NCCL_DEBUG"]["value"] == "WARN"
     config = yaml.safe_load(one(docs, "ConfigMap")["data"]["config.yaml"])
     assert config == PRODUCTION["config"]
@@ -722,6 +724,10 @@ def test_shutdown_timings_are_consistent(helm: ModuleType) -> None:
     base = yaml.safe_load((CHART / "values.yaml").read_text())["shutdown"]
     assert base["terminationGracePeriodSeconds"] is None, "derived by default"
     assert base["exitMarginSeconds"] >= MIN_EXIT_MARGIN_S
+    # after the drain the server waits for its replicas' teardown (ReplicaPool.shutdown's bound):
+    # a default margin shorter than that has the kubelet kill a pod that is still exiting cleanly
+    teardown = inspect.signature(ReplicaPool.shutdown).parameters["timeout"].default
+    assert base["exitMarginSeconds"] >= teardown + MIN_EXIT_MARGIN_S, (base["exitMarginSeconds"], teardown)
     assert base["drainTimeoutSeconds"] == Config.model_fields["shutdown_timeout_s"].default
 
     pre, drain, grace = timings(None)
