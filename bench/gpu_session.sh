@@ -17,6 +17,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     && export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 fi
+# what only the benchmarks' baselines need, outside the server's lock (e.g. accelerate and psutil for
+# transformers' FP8 path in fp8acc): .whl/bench/*.whl, installed where the machine's image lacks them
+if ls .whl/bench/*.whl >/dev/null 2>&1; then
+  for w in .whl/bench/*.whl; do
+    mod=$(basename "$w" | cut -d- -f1 | tr 'A-Z' 'a-z')
+    python3 -c "import $mod" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/site "$w"
+  done
+  export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+fi
 # What a fresh machine spends minutes making, kept across sessions: Triton's autotuning choices
 # (fla-core's kernels time every config on a cold machine: ~10 minutes of the Qwen3.5 tests), the
 # cudnn_fe attention plans, the built CUDA kernel library and, when it fits, inductor's compiled
