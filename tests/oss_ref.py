@@ -37,12 +37,13 @@ GPT_OSS_GPU = dict(GPT_OSS, hidden_size=256, intermediate_size=256, num_attentio
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 
-def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 512, gpu: bool = False) -> Path:
+def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 512, gpu: bool = False,
+                            **overrides: object) -> Path:
     """``name``: "plain" (transformers' save) or "mxfp4" (experts packed as the hub ships them);
-    ``gpu``: the GPU-sized shape."""
+    ``gpu``: the GPU-sized shape; ``overrides``: config keys."""
     import transformers as tf
 
-    cfg = tf.GptOssConfig(**{**(GPT_OSS_GPU if gpu else GPT_OSS), "vocab_size": vocab})
+    cfg = tf.GptOssConfig(**{**(GPT_OSS_GPU if gpu else GPT_OSS), "vocab_size": vocab, **overrides})
     torch.manual_seed(seed)
     model = tf.GptOssForCausalLM(cfg).to(torch.float32).eval()
     randomize_weights(model, OSS_RULES)

@@ -7,6 +7,8 @@ equal the exact softmax."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -187,6 +189,30 @@ def test_hub_config_reads() -> None:
     assert (spec.q_size, spec.kv_size, spec.vocab_size) == (4096, 512, 201088)
     bare = ModelSpec.from_dict({"architectures": ["GptOssForCausalLM"]})  # transformers' defaults: -120b's shape
     assert (bare.num_layers, bare.num_experts, bare.rope_scaling["rope_type"]) == (36, 128, "yarn")
+
+
+def test_hub_rope_spelling_without_truncate_reads_as_transformers(tmp_path) -> None:
+    """A config in the older spelling (``rope_scaling`` beside a top-level ``rope_theta``) that
+    leaves ``truncate`` out takes transformers' YaRN default (truncate), not a key of the
+    family's default rope (which read truncate=false under it: scores off by up to 1e-2)."""
+    path = make_gpt_oss_checkpoint("plain", tmp_path / "m")
+    d = json.loads((path / "config.json").read_text())
+    rope = d.pop("rope_parameters")
+    rope.pop("truncate")
+    d["rope_theta"], d["rope_scaling"] = rope.pop("rope_theta"), rope
+    (path / "config.json").write_text(json.dumps(d))
+    assert ModelSpec.from_dict(d).rope_scaling.get("truncate", True) is True
+    reqs = make_requests(family_rng("gpt_oss"))
+    check(path, reqs, engine(path).run_to_completion(reqs))
+
+
+def test_attention_without_biases(tmp_path) -> None:
+    """attention_bias=false (transformers builds q, k, v and o without biases) loads and
+    matches the reference."""
+    path = make_gpt_oss_checkpoint("plain", tmp_path / "m", attention_bias=False)
+    assert not ModelSpec.from_dict(json.loads((path / "config.json").read_text())).attention_bias
+    reqs = make_requests(family_rng("gpt_oss"))
+    check(path, reqs, engine(path).run_to_completion(reqs))
 
 
 def test_start_up_check_of_the_expert_activation(ckpt) -> None:

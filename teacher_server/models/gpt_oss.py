@@ -62,7 +62,8 @@ class GptOssAttention(LlamaAttention):
                  tp: TensorParallel = SINGLE, fmt: WeightFormat = UNQUANTIZED) -> None:
         super().__init__(spec, layer_id, dtype, device, tp, fmt)
         self.params = AttentionParams(self.params.scale, self.params.window, sinks=True)
-        self.o_proj = BiasedRowLinear(spec.q_size, spec.hidden_size, dtype, device, tp, fmt)
+        if spec.attention_bias:  # (attention_bias=false: no bias on q, k, v or o, as transformers builds it)
+            self.o_proj = BiasedRowLinear(spec.q_size, spec.hidden_size, dtype, device, tp, fmt)
         self.q_start = tp.rank * self.heads.n_q  # this rank's first query head
         self.sinks = nn.Parameter(torch.empty(self.heads.n_q, dtype=torch.float32, device=device),
                                   requires_grad=False)

@@ -33,6 +33,13 @@ class Architecture:
     # class (keys whose default is derived, such as head_dim or num_key_value_heads, are not here).
     defaults: dict[str, Any] = field(default_factory=dict)
 
+    def with_defaults(self, d: dict[str, Any]) -> dict[str, Any]:
+        """config.json's keys over the family's defaults. A file that sets its rope (either
+        spelling) keeps it whole: no default key is merged under it (gpt-oss's default YaRN
+        carries truncate=false; a file's YaRN that leaves truncate out takes transformers' true)."""
+        rope = ("rope_scaling", "rope_parameters") if d.get("rope_scaling") or d.get("rope_parameters") else ()
+        return {**{k: v for k, v in self.defaults.items() if k not in rope}, **d}
+
 
 def _defaults(vocab: int, hidden: int, inter: int | None, layers: int, heads: int, max_pos: int,
               **more: Any) -> dict[str, Any]:

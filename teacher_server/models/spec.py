@@ -193,7 +193,7 @@ class ModelSpec:
         weight_format = format_name(seen.get("quantization_config"))
         if weight_format == "mxfp4" and not entry.gpt_oss:  # only gpt-oss's expert layout is read packed
             raise UnsupportedModelError(f"{arch} with MXFP4 weights is not supported (gpt-oss's experts are)")
-        d = {**entry.defaults, **d}  # a key left out: transformers' default for the family
+        d = entry.with_defaults(d)  # a key left out: transformers' default for the family
         if entry.gemma3:  # its per-layer-kind rope_parameters as the hub's keys
             d = gemma3_config(d)
         num_heads = int(d["num_attention_heads"])
