@@ -40,6 +40,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -956,6 +957,14 @@ def provenance() -> dict:
 
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no") if commit else None
+    tree = None
+    if commit:  # the files as they ran, whatever HEAD says: a copied tree may carry an older .git
+        with tempfile.TemporaryDirectory() as d:
+            os.environ["GIT_INDEX_FILE"] = f"{d}/index"
+            try:
+                tree = git("add", "-A") is not None and git("write-tree") or None
+            finally:
+                del os.environ["GIT_INDEX_FILE"]
     versions = {}
     for dist in ("torch", "triton", "transformers", "numpy", "nvidia-cudnn-frontend", "fla-core", "flash-attn"):
         try:
@@ -966,6 +975,9 @@ def provenance() -> dict:
         versions["cudnn"] = torch.backends.cudnn.version()
     return {"commit": commit or os.environ.get("TEACHER_SERVER_COMMIT"),
             "tree_changed": bool(status) if status is not None else None,
+            # git's tree id of the files that ran (tracked and untracked, not ignored): the commit
+            # whose tree it is ran them (git log --all --format='%h %T' | grep TREE)
+            "tree": tree,
             "argv": sys.argv, "versions": versions}
 
 
