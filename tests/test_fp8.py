@@ -106,6 +106,8 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
     ("qwen3_5_moe", "ct_channel", (16, 16), ()),
     ("qwen3_5_vl", "block_ws", (16, 16), QWEN3_5_IGNORE),  # the vision-language checkpoint's text model
     ("deepseek_v3", "block", (16, 16), ()),  # DeepSeek-V3's own FP8 layout, latent attention and its MTP layer
+    # q_b's input (q_lora_rank 48) one block column wide: its [N / 16, 1] block scale is not a per-row one
+    ("deepseek_v3", "block", (16, 64), ()),
 ])
 def test_an_fp8_checkpoint_scores_as_transformers_on_its_dequantized_weights(
         family: str, layout: str, block: tuple[int, int], ignore: tuple[str, ...], fp8_checkpoints) -> None:
@@ -243,14 +245,16 @@ def test_tp2_equals_tp1(family: str, layout: str, settings: dict, fp8_checkpoint
     assert_same(one, two)
 
 
-def without(path: Path, dst: Path, name: str) -> Path:
-    """A copy of checkpoint ``path`` without tensor ``name``."""
+def without(path: Path, dst: Path, name: str, instead: torch.Tensor | None = None) -> Path:
+    """A copy of checkpoint ``path`` without tensor ``name`` (or with ``instead`` in its place)."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir()
     (dst / "config.json").write_text((path / "config.json").read_text())
     tensors = load_file(str(path / "model.safetensors"))
     del tensors[name]
+    if instead is not None:
+        tensors[name] = instead
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
 
@@ -265,6 +269,30 @@ def test_a_missing_scale_is_named(layout: str, name: str, fp8_checkpoints, tmp_p
     cut = without(path, tmp_path / "cut", name)
     with pytest.raises(UnsupportedModelError, match=f"checkpoint tensor {name} is missing"):
         load_model(cut, ModelSpec.from_dir(cut), torch.float32, CPU)
+
+
+@pytest.mark.parametrize(("layout", "block", "name", "scale", "says"), [
+    # q/k/v cut 128-row blocks here, so the fused projection is held in the model dtype: its scales
+    # are read to dequantize and were taken whatever their shape (scores off by 0.2)
+    ("block", (128, 128), "model.layers.0.self_attn.q_proj.weight_scale_inv", torch.ones(2, 2), r"\(2, 2\), expected \(1, 1\)"),
+    ("block", (128, 128), "model.layers.0.self_attn.q_proj.weight_scale_inv", torch.ones(64, 1), r"\(64, 1\), expected \(1, 1\)"),
+    ("ct_channel", (16, 16), "model.layers.0.self_attn.k_proj.weight_scale", torch.ones(3, 1), r"\(3, 1\), expected \(64,\)"),
+    ("block", (128, 128), "model.layers.0.self_attn.q_proj.weight_scale_inv", torch.ones(1, 1, dtype=torch.uint8),
+     "is U8: byte-sized"),
+])
+def test_a_scale_of_another_shape_or_dtype_is_refused_by_name(layout, block, name, scale, says, fp8_checkpoints,
+                                                             tmp_path) -> None:
+    path, _ = fp8_checkpoints("qwen3", layout, block)
+    bad = without(path, tmp_path / "bad", name, scale)
+    with pytest.raises(UnsupportedModelError, match=f"checkpoint tensor {re.escape(name)} (has shape )?{says}"):
+        load_model(bad, ModelSpec.from_dir(bad), torch.float32, CPU)
+
+
+def test_experts_whose_intermediate_size_cuts_the_blocks_are_refused_naming_it(fp8_checkpoints) -> None:
+    """At one GPU no smaller tensor-parallel size helps: the message says what does not fit."""
+    moe, _ = fp8_checkpoints("qwen3moe", "block", (64, 16))
+    with pytest.raises(UnsupportedModelError, match="experts' intermediate size 32 is not whole blocks"):
+        load_model(moe, ModelSpec.from_dir(moe), torch.float32, CPU, load_format="dummy")
 
 
 def test_a_tensor_parallel_shard_that_cuts_a_scale_block_is_refused(fp8_checkpoints) -> None:
@@ -314,13 +342,31 @@ def ct(fmt: str = "float-quantized", weights: dict | None = None, acts: dict | N
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),
     ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
      "block-wise weights and activation_scheme static"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "scale_fmt 'ue8m0'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "e4m3"}, "scale_fmt 'e4m3'"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "kv_cache_scheme": {"num_bits": 8}},
+     "quant_method fp8 with kv_cache_scheme (an FP8 KV cache)"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128] is not two positive integers"),
     ({"quant_method": "fbgemm_fp8"}, "quant_method 'fbgemm_fp8' (FP8 weights with per-row scales)"),
 ])
 def test_what_is_not_built_is_refused_by_name(config: dict, says: str) -> None:
     with pytest.raises(UnsupportedModelError, match=re.escape(says)):
         ModelSpec.from_dict({**BASE, "quantization_config": config})
+
+
+def test_deepseek_v3_1s_power_of_two_scales_load_as_float_scales(fp8_checkpoints, tmp_path) -> None:
+    """DeepSeek-V3.1 declares ``scale_fmt: ue8m0`` (its block scales are powers of two, stored in
+    float32 as V3's): read as any float scales, the checkpoint scores as it does without the key."""
+    import shutil
+
+    path, _ = fp8_checkpoints("deepseek_v3", "block")
+    v31 = tmp_path / "v31"
+    shutil.copytree(path, v31)
+    cfg = json.loads((v31 / "config.json").read_text())
+    cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    (v31 / "config.json").write_text(json.dumps(cfg))
+    reqs = requests("deepseek_v3")
+    for got, want in zip(engine(v31).run_to_completion(reqs), engine(path).run_to_completion(reqs)):
+        assert got.error is None and np.array_equal(got.token_id_logprobs, want.token_id_logprobs)
 
 
 def test_the_published_configs_are_read() -> None:

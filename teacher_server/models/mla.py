@@ -82,7 +82,9 @@ class RopeRowsLinear(MergedColumnLinear):
         where = self.rope_rows.get(part)
         # The weight's rows, and a per-row scale's ([N, 1]) with them; a block-wise scale is left as it
         # is: a head's 64 rotated rows start at 64 h mod 128, so they never straddle a 128-row block.
-        if where is not None and (param == "weight" or (loaded.dim() == 2 and loaded.shape[1] == 1)):
+        scheme = getattr(self.fmt, "scheme", None)  # (one column of block scales is not a per-row scale)
+        per_row = loaded.dim() == 2 and loaded.shape[1] == 1 and getattr(scheme, "weights", None) != "block"
+        if where is not None and (param == "weight" or per_row):
             unit, first, width = where
             assert loaded.shape[0] % unit == 0, f"{name}: {loaded.shape[0]} rows are not whole units of {unit}"
             raw = loaded.view(torch.uint8) if loaded.element_size() == 1 else loaded  # (fp8: index the bytes)

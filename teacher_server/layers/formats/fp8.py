@@ -43,7 +43,7 @@ from teacher_server.layers.formats.base import (
     extra_name,
     reformat,
 )
-from teacher_server.layers.formats.fp8_config import Fp8Scheme
+from teacher_server.layers.formats.fp8_config import Fp8Scheme, check_scale_shape
 from teacher_server.layers.formats.fp8_dispatch import QuantizedRows, fp8_compute, product_runs, quant_kernels_ok
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.ops import fp8
@@ -52,6 +52,7 @@ from teacher_server.unsupported import UnsupportedModelError
 E4M3 = "F8_E4M3"  # safetensors' dtype name
 SCALE = "weight_scale_inv"  # the layer's name for a weight's scales, whatever the checkpoint's spelling
 SPELLINGS = ("weight_scale_inv", "weight_scale")
+FLOAT_SCALES = ("F32", "BF16", "F16", "F64")  # safetensors' dtypes a scale may be stored in
 INPUT_SCALE = "input_scale"
 GPU_BLOCK = (128, 128)  # the block torch's block-wise scaled multiply takes
 # Dummy weights: e4m3 values N(0, 1) * DUMMY_SPREAD with scale 0.02 / DUMMY_SPREAD stand for
@@ -190,9 +191,15 @@ class Fp8Weights(WeightFormat):
             for name in names:
                 prefix = name.removesuffix("weight")
                 scales = [prefix + s for s in SPELLINGS if prefix + s in tensors]
+                for s in scales:
+                    if tensors[s].dtype not in FLOAT_SCALES:
+                        raise UnsupportedModelError(f"checkpoint tensor {s} is {tensors[s].dtype}: byte-sized (e8m0) "
+                                                    f"scale tensors are not supported; float scales are")
                 if tensors[name].dtype == E4M3 and not scales:
                     raise UnsupportedModelError(f"checkpoint tensor {prefix}{self.scheme.scale_name or SCALE} is "
                                                 f"missing: {name} is FP8 and needs its scales")
+                if tensors[name].dtype == E4M3:
+                    check_scale_shape(scales[0], tensors[scales[0]].shape, tensors[name].shape, self.scheme)
                 if not held:
                     for s in [*scales, prefix + INPUT_SCALE]:
                         readers[s] = None

@@ -38,6 +38,19 @@ class Fp8Scheme:
     serialized: bool = True  # False: a bf16 checkpoint quantized at load (per row)
 
 
+def check_scale_shape(name: str, scale: tuple[int, ...], weight: tuple[int, ...], scheme: Fp8Scheme) -> None:
+    """Refuse a scale tensor whose shape is not its scheme's for ``weight`` [..., N, K]: one per
+    block ([..., ceil(N / r), ceil(K / c)]), else one per tensor or per row ([..., N] or [..., N, 1])."""
+    *lead, n, k = weight
+    if scheme.weights == "block":
+        (r, c) = scheme.block
+        want = [(*lead, -(-n // r), -(-k // c))]
+    else:
+        want = [(*lead, n), (*lead, n, 1), (1,), ()] + ([(*lead, 1, 1), (*lead, 1), (*lead,)] if lead else [])
+    if tuple(scale) not in want:
+        raise UnsupportedModelError(f"checkpoint tensor {name} has shape {tuple(scale)}, expected {want[0]}")
+
+
 # quantized at load (``--quantization fp8``): per-row weights, per-token dynamic activations
 AT_LOAD = Fp8Scheme("channel", scale_name="", serialized=False)
 
@@ -52,8 +65,12 @@ def fp8_scheme(config: dict[str, Any]) -> Fp8Scheme:
     fmt = str(config.get("fmt", "e4m3")).lower()
     if fmt != "e4m3":
         raise _refuse(f"quant_method fp8 with fmt {fmt!r}")
-    if config.get("scale_fmt", "float") != "float":
-        raise _refuse(f"quant_method fp8 with scale_fmt {config['scale_fmt']!r} (byte-sized block scales)")
+    # ue8m0 (DeepSeek-V3.1): scales that are powers of two, stored as float32 as any others
+    # (byte-sized scale tensors are refused by dtype at load: ``Fp8Weights.plan_load``)
+    if config.get("scale_fmt", "float") not in ("float", "ue8m0"):
+        raise _refuse(f"quant_method fp8 with scale_fmt {config['scale_fmt']!r}")
+    if config.get("kv_cache_scheme"):
+        raise _refuse("quant_method fp8 with kv_cache_scheme (an FP8 KV cache)")
     if config.get("expert_dtype", "fp8") != "fp8":
         raise _refuse(f"quant_method fp8 with expert_dtype {config['expert_dtype']!r}")
     acts = str(config.get("activation_scheme", "dynamic")).lower()
