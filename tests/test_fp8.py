@@ -337,6 +337,12 @@ def ct(fmt: str = "float-quantized", weights: dict | None = None, acts: dict | N
     (ct("nvfp4-pack-quantized", {"type": "float", "num_bits": 4}), "'nvfp4-pack-quantized' (NVFP4 weights)"),
     (ct(weights={**FP8_WEIGHTS, "num_bits": 4}), "compressed-tensors with 4-bit float weights"),
     (ct(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme (an FP8 KV cache)"),
+    (ct(acts={"type": "float", "num_bits": 8, "dynamic": True, "strategy": "token", "symmetric": False}),
+     "asymmetric input activations"),
+    (ct(acts={"type": "float", "num_bits": 8, "dynamic": True, "strategy": "group", "group_size": 64}),
+     "input activations in groups of 64"),
+    ({**ct(), "config_groups": {"g": {"targets": ["Linear"], "weights": FP8_WEIGHTS, "output_activations": {
+        "type": "float", "num_bits": 8}}}}, "quantized output activations"),
     (ct(acts={"type": "float", "num_bits": 8, "dynamic": False, "strategy": "token"}),
      "static input activations with strategy 'token'"),
     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2'"),

@@ -101,6 +101,8 @@ def compressed_tensors_scheme(config: dict[str, Any]) -> Fp8Scheme:
         raise _refuse("compressed-tensors without config_groups")
     schemes = [(g.get("format") or config.get("format"), g.get("weights"), g.get("input_activations"))
                for g in groups.values()]
+    if any(g.get("output_activations") for g in groups.values()):
+        raise _refuse("compressed-tensors with quantized output activations")
     if any(s != schemes[0] for s in schemes):
         raise _refuse("compressed-tensors with config groups of different schemes")
     fmt, weights, acts = schemes[0]
@@ -131,6 +133,10 @@ def compressed_tensors_scheme(config: dict[str, Any]) -> Fp8Scheme:
         return Fp8Scheme(strategy, block, "none", "weight_scale")
     if not isinstance(acts, dict) or acts.get("type") != "float" or acts.get("num_bits") != 8:
         raise _refuse("compressed-tensors with input activations other than 8-bit float")
+    if not acts.get("symmetric", True):
+        raise _refuse("compressed-tensors with asymmetric input activations")
+    if acts.get("strategy") == "group" and acts.get("group_size", 128) != 128:
+        raise _refuse(f"compressed-tensors input activations in groups of {acts.get('group_size')} (1 x 128 are built)")
     if acts.get("dynamic"):
         return Fp8Scheme(strategy, block, "dynamic", "weight_scale")
     if acts.get("strategy") != "tensor" or strategy == "block":
