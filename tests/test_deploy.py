@@ -42,6 +42,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from teacher_server.config import Config
 from teacher_server.replicas.pool import ReplicaPool
+from teacher_server.server.lifecycle import GRACE_S
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "teacher-server"
@@ -724,9 +725,10 @@ def test_shutdown_timings_are_consistent(helm: ModuleType) -> None:
     base = yaml.safe_load((CHART / "values.yaml").read_text())["shutdown"]
     assert base["terminationGracePeriodSeconds"] is None, "derived by default"
     assert base["exitMarginSeconds"] >= MIN_EXIT_MARGIN_S
-    # after the drain the server waits for its replicas' teardown (ReplicaPool.shutdown's bound):
-    # a default margin shorter than that has the kubelet kill a pod that is still exiting cleanly
-    teardown = inspect.signature(ReplicaPool.shutdown).parameters["timeout"].default
+    # after the drain the server answers the cut-off requests (GRACE_S), then waits for its replicas'
+    # teardown (ReplicaPool.shutdown's bound; several teachers' together): a default margin shorter
+    # than that has the kubelet kill a pod that is still exiting cleanly
+    teardown = inspect.signature(ReplicaPool.shutdown).parameters["timeout"].default + GRACE_S
     assert base["exitMarginSeconds"] >= teardown + MIN_EXIT_MARGIN_S, (base["exitMarginSeconds"], teardown)
     assert base["drainTimeoutSeconds"] == Config.model_fields["shutdown_timeout_s"].default
 

@@ -252,3 +252,44 @@ def test_a_list_of_one_teacher_serves_that_teacher(qwen3_server):
         assert card["id"] == "only" and card["vocab_size"] == VOCAB["qwen"] and card["max_model_len"] == 100
         with TeacherClient(s.url) as c:
             np.testing.assert_allclose(c.score(ids, cands, 0, model="only"), want, atol=TOL, rtol=0)
+
+
+def test_the_teachers_are_shut_down_together():
+    """A shutdown takes the slowest teacher's teardown, not their sum (the chart's exit margin
+    is one teardown's): each fake engine's shutdown waits for the other's to have begun, which
+    one after the other would not happen."""
+    from starlette.datastructures import State
+
+    from teacher_server.server.teacher_set import TeacherPools, TeacherSetEngine
+
+    class Slow:
+        def __init__(self, started: threading.Event, other: threading.Event) -> None:
+            self.started, self.other, self.saw_other = started, other, False
+
+        def shutdown(self) -> None:
+            self.started.set()
+            self.saw_other = self.other.wait(timeout=10)
+
+    for wrap in ("aengine", "replica_pool"):
+        a, b = threading.Event(), threading.Event()
+        engines = [Slow(a, b), Slow(b, a)]
+        states = []
+        for e in engines:
+            st = State()
+            setattr(st, wrap, e)
+            states.append(st)
+        (TeacherSetEngine(states) if wrap == "aengine" else TeacherPools(states)).shutdown()
+        assert all(e.saw_other for e in engines), wrap
+
+
+def test_a_teachers_failed_shutdown_is_raised_after_the_others_end():
+    from teacher_server.server.teacher_set import all_at_once
+
+    ended = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("teardown failed")
+
+    with pytest.raises(RuntimeError, match="teardown failed"):
+        all_at_once([boom, ended.set])
+    assert ended.is_set()
