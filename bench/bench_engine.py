@@ -976,7 +976,8 @@ def provenance() -> dict:
     return {"commit": commit or os.environ.get("TEACHER_SERVER_COMMIT"),
             "tree_changed": bool(status) if status is not None else None,
             # git's tree id of the files that ran (tracked and untracked, not ignored): the commit
-            # whose tree it is ran them (git log --all --format='%h %T' | grep TREE)
+            # whose tree it is ran them (git log --all --format='%h %T' | grep TREE), when the
+            # tree sent held no untracked scratch files (a carried baseline, .bench_base/, is ignored)
             "tree": tree,
             "argv": sys.argv, "versions": versions}
 

@@ -45,6 +45,7 @@ from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.ops.slack import alloc_with_slack
 from teacher_server.step_context import StepContext
+from teacher_server.unsupported import UnsupportedModelError
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: DeepSeek builds them with the default eps
 
@@ -77,11 +78,21 @@ class RopeRowsLinear(MergedColumnLinear):
                  **kw: object) -> None:
         super().__init__(*args, **kw)
         self.rope_rows = rope_rows if interleaved else {}
+        scheme = getattr(self.fmt, "scheme", None)
+        r = scheme.block[0] if getattr(scheme, "weights", None) == "block" else 0
+        for part, (unit, first, width) in self.rope_rows.items() if r else ():
+            start, n = self.sources[part]  # a block's scale stays right only if no block holds rotated and other rows
+            for s in range(start + first, start + n, unit):
+                if s // r != (s + width - 1) // r:  # (the permutation moves rows across the whole span)
+                    raise UnsupportedModelError(
+                        f"{part} rows: the {r}-row weight blocks of the FP8 checkpoint cut a head's {width} "
+                        f"rotated rows (rows {s}-{s + width - 1}), which load permuted: not supported (blocks "
+                        f"that hold each head's rotated rows whole, as DeepSeek's 128, are)")
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         where = self.rope_rows.get(part)
         # The weight's rows, and a per-row scale's ([N, 1]) with them; a block-wise scale is left as it
-        # is: a head's 64 rotated rows start at 64 h mod 128, so they never straddle a 128-row block.
+        # is: each head's rotated rows lie in one block (checked when the layer is built).
         scheme = getattr(self.fmt, "scheme", None)  # (one column of block scales is not a per-row scale)
         per_row = loaded.dim() == 2 and loaded.shape[1] == 1 and getattr(scheme, "weights", None) != "block"
         if where is not None and (param == "weight" or per_row):

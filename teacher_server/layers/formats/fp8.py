@@ -43,7 +43,7 @@ from teacher_server.layers.formats.base import (
     extra_name,
     reformat,
 )
-from teacher_server.layers.formats.fp8_config import Fp8Scheme, check_scale_shape
+from teacher_server.layers.formats.fp8_config import Fp8Scheme, check_scale_shape, scale_shape
 from teacher_server.layers.formats.fp8_dispatch import QuantizedRows, fp8_compute, product_runs, quant_kernels_ok
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.ops import fp8
@@ -131,15 +131,12 @@ class Fp8Weights(WeightFormat):
         if not s.serialized:  # the checkpoint's weight as it is; quantized in process_after_load
             setattr(layer, slot, nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False))
             return
-        *lead, out, inp = shape
         setattr(layer, slot, nn.Parameter(torch.empty(*shape, dtype=fp8.FP8, device=device), requires_grad=False))
-        (r, c) = s.block
-        scales = (*lead, -(-out // r), -(-inp // c)) if s.weights == "block" else (*lead, out, 1)
-        setattr(layer, extra_name(slot, SCALE),
-                nn.Parameter(torch.empty(*scales, dtype=torch.float32, device=device), requires_grad=False))
+        setattr(layer, extra_name(slot, SCALE), nn.Parameter(
+            torch.empty(*scale_shape(shape, s), dtype=torch.float32, device=device), requires_grad=False))
         if s.activations == "static":
             setattr(layer, extra_name(slot, INPUT_SCALE),
-                    nn.Parameter(torch.empty(*lead, out, 1, dtype=torch.float32, device=device), requires_grad=False))
+                    nn.Parameter(torch.empty(*shape[:-1], 1, dtype=torch.float32, device=device), requires_grad=False))
 
     def init_random(self, layer: nn.Module, param: str, gen: torch.Generator) -> None:
         p = getattr(layer, param)

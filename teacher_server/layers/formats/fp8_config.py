@@ -38,13 +38,20 @@ class Fp8Scheme:
     serialized: bool = True  # False: a bf16 checkpoint quantized at load (per row)
 
 
+def scale_shape(weight: tuple[int, ...], scheme: Fp8Scheme) -> tuple[int, ...]:
+    """The scales of ``weight`` [..., N, K] as a layer holds them: one per block
+    ([..., ceil(N / r), ceil(K / c)]), else one per row ([..., N, 1])."""
+    *lead, n, k = weight
+    (r, c) = scheme.block
+    return (*lead, -(-n // r), -(-k // c)) if scheme.weights == "block" else (*lead, n, 1)
+
+
 def check_scale_shape(name: str, scale: tuple[int, ...], weight: tuple[int, ...], scheme: Fp8Scheme) -> None:
     """Refuse a scale tensor whose shape is not its scheme's for ``weight`` [..., N, K]: one per
-    block ([..., ceil(N / r), ceil(K / c)]), else one per tensor or per row ([..., N] or [..., N, 1])."""
-    *lead, n, k = weight
+    block, else one per tensor or per row ([..., N] or [..., N, 1])."""
+    *lead, n, _ = weight
     if scheme.weights == "block":
-        (r, c) = scheme.block
-        want = [(*lead, -(-n // r), -(-k // c))]
+        want = [scale_shape(tuple(weight), scheme)]
     else:
         want = [(*lead, n), (*lead, n, 1), (1,), ()] + ([(*lead, 1, 1), (*lead, 1), (*lead,)] if lead else [])
     if tuple(scale) not in want:
@@ -133,12 +140,8 @@ def compressed_tensors_scheme(config: dict[str, Any]) -> Fp8Scheme:
         return Fp8Scheme(strategy, block, "none", "weight_scale")
     if not isinstance(acts, dict) or acts.get("type") != "float" or acts.get("num_bits") != 8:
         raise _refuse("compressed-tensors with input activations other than 8-bit float")
-    if not acts.get("symmetric", True):
-        raise _refuse("compressed-tensors with asymmetric input activations")
-    if acts.get("strategy") == "group" and acts.get("group_size", 128) != 128:
-        raise _refuse(f"compressed-tensors input activations in groups of {acts.get('group_size')} (1 x 128 are built)")
-    if acts.get("dynamic"):
-        return Fp8Scheme(strategy, block, "dynamic", "weight_scale")
+    if acts.get("dynamic"):  # scales made at run time: quantized this server's way (docs/fp8.md), whatever the
+        return Fp8Scheme(strategy, block, "dynamic", "weight_scale")  # checkpoint names (strategy, groups, zero points)
     if acts.get("strategy") != "tensor" or strategy == "block":
         raise _refuse(f"compressed-tensors static input activations with strategy {acts.get('strategy')!r} "
                       f"and {strategy} weights")
