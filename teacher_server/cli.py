@@ -104,7 +104,7 @@ def add_field_flag(parser: argparse.ArgumentParser, name: str, field: FieldInfo)
         else kind.__name__.upper()
     if name in OWN_MESSAGES:  # Config's message is clearer than argparse's list of choices
         choices = []
-    convert = _converter(kind, optional)
+    convert = _converter(kind, optional, name)
     parser.add_argument(*flags, dest=name, type=convert, default=argparse.SUPPRESS, help=help_text,
                         nargs="+" if name in SEVERAL else None, metavar=metavar,
                         choices=_Choices([*choices, *([None] if optional else [])]) if choices else None)
@@ -149,11 +149,19 @@ def _field_kind(annotation: object) -> tuple[type, list[str], bool]:
     return target, [], optional  # type: ignore[return-value]
 
 
-def _converter(kind: type, optional: bool):  # noqa: ANN202
+def _converter(kind: type, optional: bool, name: str = ""):  # noqa: ANN202
     def convert(text: str):  # noqa: ANN202
         if optional and text.lower() in NONE_WORDS:
             return None
-        return human_int(text) if kind is int else kind(text)  # 32k, as vLLM's flags
+        if kind is not int:
+            return kind(text)
+        if name == "max_model_len" and text.strip().lower() in ("auto", "-1"):
+            raise argparse.ArgumentTypeError(f"{text!r} (vLLM's length fitted to memory) is not taken here: give a "
+                                             "length (e.g. 32k), or leave the flag out for the model's own")
+        try:
+            return human_int(text)  # 32k, as vLLM's flags
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
     convert.__name__ = kind.__name__  # argparse names the type in its error messages
     return convert
 

@@ -69,7 +69,8 @@ QWEN3_TINY = {"model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "num_a
 
 @pytest.mark.parametrize(("archs", "names_head"), [(["FooForCausalLM"], False),
                                                    (["Qwen3ForSequenceClassification"], True),
-                                                   (["Qwen3Model"], True)])
+                                                   (["Qwen3Model"], True),
+                                                   (["GPT2LMHeadModel"], False)])  # a head, of a family not built
 def test_a_known_model_type_does_not_make_an_unbuilt_architecture_load(archs: list[str], names_head: bool) -> None:
     """A classifier, reward or base model of a built family would load as its causal LM and be
     scored with a head it does not have: only a config naming no architecture falls back to

@@ -204,6 +204,32 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
         remote.close()
 
 
+def test_the_control_connection_closed_mid_read_ends_the_reader_quietly() -> None:
+    """The node's exit closes its control connection while the reader thread may be inside
+    recv (multiprocessing then fails with a TypeError on the cleared handle): the reader records
+    the end instead of dying with a traceback."""
+    from teacher_server.engine.node_worker import LeaderLink
+
+    class ClosedMidRead:
+        def recv(self) -> tuple:
+            raise TypeError("'NoneType' object cannot be interpreted as an integer")
+
+        def send(self, msg: tuple) -> None:
+            pass
+
+    died: list = []
+    old, threading.excepthook = threading.excepthook, lambda a: died.append(a.exc_value)
+    try:
+        link = LeaderLink(ClosedMidRead())
+        deadline = time.monotonic() + 5
+        while link.closed_at is None and not died and time.monotonic() < deadline:
+            time.sleep(0.01)
+        link.done.set()
+    finally:
+        threading.excepthook = old
+    assert not died and link.closed_at is not None
+
+
 def test_node_settings_are_checked() -> None:
     from teacher_server.cli import config_from_args
 

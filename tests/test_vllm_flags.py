@@ -56,6 +56,15 @@ def test_binary_suffixes_take_whole_numbers() -> None:
         human_int("lots")
 
 
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--max-model-len", "auto"], "'auto' (vLLM's length fitted to memory) is not taken here"),
+    (["--max-model-len", "-1"], "'-1' (vLLM's length fitted to memory) is not taken here"),
+    (["--max-num-batched-tokens", "lots"], "'lots' is not an integer (suffixes: 32k = 32000"),
+])
+def test_a_size_the_flags_do_not_take_says_why(argv: list[str], says: str, capsys) -> None:
+    assert says in _main_error(["serve", *argv], capsys)
+
+
 def test_the_model_given_twice_differently_is_refused() -> None:
     assert config_from_args(["serve", "/m", "--model", "/m"]).model == "/m"
     with pytest.raises(ConfigError, match="given twice"):

@@ -1,4 +1,4 @@
-"""``teacher-server bench``: the canonical workloads (docs/design.md, section 6) through the HTTP
+"""``teacher-server bench``: the canonical workloads (docs/design.md, sections 3 and 4) through the HTTP
 endpoint, with a progress bar, a table and a PNG plot of tokens/s and MFU.
 
   teacher-server bench --url http://127.0.0.1:8000            # a running server

@@ -1,4 +1,4 @@
-"""Canonical workloads (docs/design.md, section 6), the model shapes they run on, and FLOP
+"""Canonical workloads (docs/design.md, sections 3 and 4), the model shapes they run on, and FLOP
 counts for MFU. In the package (not only under bench/) so that ``teacher-server bench`` runs
 them from an installed copy; bench/workloads.py re-exports them beside its checkpoint writer."""
 

@@ -143,7 +143,7 @@ class LeaderLink:
         while True:
             try:
                 msg = self.conn.recv()
-            except (EOFError, OSError):
+            except (EOFError, OSError, TypeError):  # TypeError: closed by this node's exit mid-read
                 self.closed_at = time.monotonic()
                 return
             self.heard = time.monotonic()

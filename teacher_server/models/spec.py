@@ -182,7 +182,7 @@ class ModelSpec:
             arch = by_type.get(model_type.removesuffix("_text")) if model_type else None
         if arch is None:
             # a known model_type does not make another head (a classifier, a reward model) a causal LM's
-            heads = [a for a in archs if not a.endswith(("ForCausalLM", "ForConditionalGeneration"))]
+            heads = [a for a in archs if a.endswith(("Model", "Classification", "Answering")) and "LMHead" not in a]
             raise UnsupportedModelError(f"unsupported architecture {archs or d.get('model_type')!r}" + (
                 f" ({', '.join(heads)} has no language-model head to score with)" if heads else "")
                 + "; supported: " + ", ".join(ARCHITECTURES))
