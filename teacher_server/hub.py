@@ -110,7 +110,8 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None, weig
                                      f"unset HF_HUB_OFFLINE") from None
         raise ModelNotFoundError(f"model {repo_id!r}: no such directory; the hub could not be reached and the hub "
                                  f"cache {where} has no complete snapshot of it (revision {revision or 'main'}): "
-                                 f"check the network (HTTPS_PROXY) or download it first ({get}) "
+                                 f"check the network (HTTPS_PROXY), or download it on a machine with network "
+                                 f"({get}, with the same HF_HUB_CACHE) "
                                  f"({_first_line(e)})") from None
     except errors.HFValidationError as e:
         raise ModelNotFoundError(f"model {repo_id!r}: no such directory, and not a valid hub id "
