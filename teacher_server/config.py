@@ -103,7 +103,7 @@ class Config(TeacherSettings, ParallelSettings):
     linear_state_slots: int = Field(
         0, ge=0, description="Linear-attention state slots of hybrid models (Qwen3.5): one per sequence processed in "
                              "chunks and one per prompt snapshot kept for prefix reuse. 0: 2 * max_num_seqs, cut down "
-                             "to a quarter of the pool's memory (at least 2); the KV blocks take the rest.")
+                             "to a quarter of the pool's memory; at least 2 either way. The KV blocks take the rest.")
     gpu_memory_utilization: float = Field(0.90, gt=0.0, le=1.0, description="Share of GPU memory the process may use.")
     enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompts (rows before the start).")
     attention_backend: AttentionBackend = Field(

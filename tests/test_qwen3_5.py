@@ -310,6 +310,12 @@ def test_a_model_without_a_full_attention_layer_is_refused_by_name() -> None:
     ModelSpec.from_dict({**d, "layer_types": ["linear_attention", "full_attention"]})
     with pytest.raises(UnsupportedModelError, match="no full_attention layer"):
         ModelSpec.from_dict({**d, "layer_types": ["linear_attention"] * 2})
+    # ungated full-attention layers (vLLM reads the flag; transformers gates whatever it says): by name,
+    # not a q_proj shape mismatch at load, nor gated weights served under an ungated FLOP count
+    mixed = {**d, "layer_types": ["linear_attention", "full_attention"]}
+    assert ModelSpec.from_dict({**mixed, "attn_output_gate": True}).attn_output_gate
+    with pytest.raises(UnsupportedModelError, match="attn_output_gate=false"):
+        ModelSpec.from_dict({**mixed, "attn_output_gate": False})
 
 
 def test_gated_attention_stages_compiled_match_their_definitions_and_a_wrong_one_is_caught() -> None:

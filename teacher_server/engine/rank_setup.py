@@ -233,7 +233,8 @@ def plan_memory(cfg: Config, spec: ModelSpec, cache: CacheLayout, device: torch.
         if not cfg.num_kv_blocks and tokens < max(max_model_len, 4 * budget):
             log.warning("only %d tokens of KV fit in GPU memory (rank %d)", max(tokens, 0), tp.rank)
     if state is not None and slots < 2:
-        log.warning("only %d linear-state slots fit the memory share (rank %d); using 2", slots, tp.rank)
+        why = "linear_state_slots is" if cfg.linear_state_slots else "linear-state slots fit the memory share:"
+        log.warning("only %d %s (rank %d): using 2, the fewest a chunked sequence runs with", slots, why, tp.rank)
         slots = 2
     return MemoryPlan(cfg.num_kv_blocks or max(tokens // cfg.block_size, 1), slots, budget)
 

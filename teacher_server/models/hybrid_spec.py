@@ -29,6 +29,9 @@ def hybrid_facts(d: dict[str, Any], num_layers: int, rope_params: dict[str, Any]
         attn_output_gate=bool(d.get("attn_output_gate", True)),
         zero_centered_norm=True,
     )
+    if not facts["attn_output_gate"]:  # (transformers' Qwen3.5 gates whatever the flag says; vLLM's reads it)
+        raise UnsupportedModelError("attn_output_gate=false (full-attention layers without the output gate) is not "
+                                    "supported; the gated layers of the Qwen3.5 and Qwen3-Next releases are")
     if facts["linear_num_value_heads"] % facts["linear_num_key_heads"]:
         raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
     return facts
