@@ -948,10 +948,10 @@ def provenance() -> dict:
 
     root = Path(__file__).resolve().parents[1]
 
-    def git(*a: str) -> str | None:
+    def git(*a: str, env: dict | None = None) -> str | None:
         try:
             return subprocess.run(["git", *a], cwd=root, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
+                                  check=True, env=env).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return None
 
@@ -960,11 +960,9 @@ def provenance() -> dict:
     tree = None
     if commit:  # the files as they ran, whatever HEAD says: a copied tree may carry an older .git
         with tempfile.TemporaryDirectory() as d:
-            os.environ["GIT_INDEX_FILE"] = f"{d}/index"
-            try:
-                tree = git("add", "-A") is not None and git("write-tree") or None
-            finally:
-                del os.environ["GIT_INDEX_FILE"]
+            env = {**os.environ, "GIT_INDEX_FILE": f"{d}/index"}  # a fresh index: the work tree's files
+            if git("add", "-A", env=env) is not None:
+                tree = git("write-tree", env=env)
     versions = {}
     for dist in ("torch", "triton", "transformers", "numpy", "nvidia-cudnn-frontend", "fla-core", "flash-attn"):
         try:

@@ -117,8 +117,8 @@ class ExpertWeights(nn.Module):
         self.first = self.ep.rank * self.num_local
         self.i_local = n = self.tp.split(intermediate, "expert intermediate")  # tensor-parallel split point
         self.fmt.check_shard("expert gate/up rows", 0, self.tp.rank * n, n, intermediate)
-        self.fmt.check_shard("expert up rows after the gate rows", 0, n, n, 2 * n, **({} if self.tp.size > 1 else {
-            "hint": f"the experts' intermediate size {n} is not whole blocks: not supported in this format"}))
+        self.fmt.check_shard("expert up rows after the gate rows", 0, n, n, 2 * n, hint=None if self.tp.size > 1 else
+                             f"the experts' intermediate size {n} is not whole blocks: not supported in this format")
         self.fmt.check_shard("expert down columns", 1, self.tp.rank * n, n, intermediate)
         self.fmt.create(self, "gate_up", (self.num_local, 2 * n, hidden), dtype, device)
         self.fmt.create(self, "down", (self.num_local, hidden, n), dtype, device)

@@ -78,8 +78,8 @@ class RopeRowsLinear(MergedColumnLinear):
                  **kw: object) -> None:
         super().__init__(*args, **kw)
         self.rope_rows = rope_rows if interleaved else {}
-        scheme = getattr(self.fmt, "scheme", None)
-        r = scheme.block[0] if getattr(scheme, "weights", None) == "block" else 0
+        scheme = getattr(self.fmt, "scheme", None)  # the block rows of a block-scaled format, else 0
+        self.block_rows = r = scheme.block[0] if getattr(scheme, "weights", None) == "block" else 0
         for part, (unit, first, width) in self.rope_rows.items() if r else ():
             start, n = self.sources[part]  # a block's scale stays right only if no block holds rotated and other rows
             for s in range(start + first, start + n, unit):
@@ -93,8 +93,7 @@ class RopeRowsLinear(MergedColumnLinear):
         where = self.rope_rows.get(part)
         # The weight's rows, and a per-row scale's ([N, 1]) with them; a block-wise scale is left as it
         # is: each head's rotated rows lie in one block (checked when the layer is built).
-        scheme = getattr(self.fmt, "scheme", None)  # (one column of block scales is not a per-row scale)
-        per_row = loaded.dim() == 2 and loaded.shape[1] == 1 and getattr(scheme, "weights", None) != "block"
+        per_row = loaded.dim() == 2 and loaded.shape[1] == 1 and not self.block_rows  # (not one column of blocks)
         if where is not None and (param == "weight" or per_row):
             unit, first, width = where
             assert loaded.shape[0] % unit == 0, f"{name}: {loaded.shape[0]} rows are not whole units of {unit}"

@@ -100,11 +100,12 @@ class WeightFormat(ABC):
         b = self.shard_unit[axis]
         return b == 1 or not (start % b or (n % b and start + n != full))
 
-    def check_shard(self, what: str, axis: int, start: int, n: int, full: int,
-                    hint: str = "a smaller tensor-parallel size keeps them whole") -> None:
+    def check_shard(self, what: str, axis: int, start: int, n: int, full: int, hint: str | None = None) -> None:
         """Refuse (UnsupportedModelError), when the layer is built, the slice [start, start + n)
-        of a weight axis of ``full`` that cuts one of this format's blocks (``fits``)."""
+        of a weight axis of ``full`` that cuts one of this format's blocks (``fits``); ``hint``
+        says what to do (default: a smaller tensor-parallel size)."""
         if not self.fits(axis, start, n, full):
+            hint = hint or "a smaller tensor-parallel size keeps them whole"
             b, kind = self.shard_unit[axis], ("rows", "columns")[axis]
             raise UnsupportedModelError(f"{what}: {kind} [{start}, {start + n}) of {full} are not whole "
                                         f"{b}-{kind[:-1]} blocks of the {self.name} weight format ({hint})")
