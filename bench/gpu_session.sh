@@ -245,6 +245,9 @@ for step in ${STEPS:-tests}; do
     fp8fmt) python3 -m pytest $PT -m gpu tests/test_fp8.py 2>&1 | tee "$OUT/gpu_fp8fmt_tests.log" | tail -25 ;;
     # FP8 accuracy on a Qwen3-8B-shape W1 sample: FP8 vs its dequantized float32 forward, KL(bf16 || FP8)
     # (the checkpoints are kept under /tmp/ts-fp8-accuracy: a second call on the same machine skips writing them)
+    # the FP8 expert layer (Qwen3-30B-A3B's shapes): bf16 against the two-pass FP8 path and ops.fp8_moe's fused
+    # gate/up kernel, each config ($FP8MOE_ARGS e.g. "--tokens 32768")
+    fp8moe) python3 bench/bench_fp8_moe.py ${FP8MOE_ARGS:-} --out "$OUT/fp8_moe.json" 2>&1 | tee "$OUT/fp8_moe.log" | tail -40 ;;
     fp8acc) python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
     # DeepSeek-V3-class (latent attention, DeepSeekMoE): the GPU tests (each attention backend's answer to v
     # narrower than k is printed), q/k 192 with v 128 against dense 128 per backend, Moonlight-16B-A3B on W1f in-process and through HTTP beside transformers'

@@ -99,7 +99,7 @@ def test_the_warm_up_picks_the_grouping_for_each_rank(monkeypatch: pytest.Monkey
     monkeypatch.setattr(ops, "check_router", lambda *a: None)
     moe_models.pick_gate_up(ops, moe, torch.float32)
     assert not ops.group_kernel and seen == []  # CPU: not asked
-    monkeypatch.setattr(FusedOps, "_decide", lambda self, switch, name, decide, dev: setattr(self, switch, decide()))
+    monkeypatch.setattr(FusedOps, "decide", lambda self, switch, name, decide, dev: setattr(self, switch, decide()))
     moe_models.pick_gate_up(ops, moe, torch.float32)
     assert ops.group_kernel and seen == [(16, 4, "cpu")]
     # an expert-parallel rank (8 of the 16 experts): its experts and the others' bucket

@@ -87,7 +87,7 @@ def test_the_warm_up_decides_the_split_router_gemm_and_the_ranks_agree(monkeypat
     assert not ops.router_gemm_split  # CPU: never on
     monkeypatch.setattr(type(layer), "check_router_gemm", lambda self, dev, dt: (_ for _ in ()).throw(
         RuntimeError("no mm.dtype")))
-    ops._decide("router_gemm_split", "split router GEMM", lambda: layer.check_router_gemm(None, None),
+    ops.decide("router_gemm_split", "split router GEMM", lambda: layer.check_router_gemm(None, None),
                 torch.device("cuda"))
     assert not ops.router_gemm_split  # a failing check leaves it off
 

@@ -6,6 +6,8 @@ crawl on the device, where a run costs a lease; here it costs a test."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton_sm90
@@ -14,6 +16,7 @@ from triton_sm90 import SHARED_LIMIT, Launch, compiled_launches
 from teacher_server.ops import (
     conv_prep,
     fp8_grouped,
+    fp8_moe,
     fp8_quant,
     gate_up_silu,
     gated_delta,
@@ -145,7 +148,37 @@ def test_the_fp8_grouped_gemm_at_an_expert_layers_shapes(monkeypatch: pytest.Mon
             fp8_grouped.grouped_block_mm(x, torch.empty(1024, k // 128), w, torch.empty(experts, n // 128, k // 128),
                                          offs, bm=bm)
         fp8_grouped.grouped_block_mm(x, torch.empty(1024), w, torch.empty(experts, n), offs, row=True)
-    assert_sound(launches, 3, matrix=True)
+        # the down product after ops.fp8_moe: 1x128 input groups with per-channel weights
+        fp8_grouped.grouped_block_mm(x, torch.empty(1024, k // 128), w, torch.empty(experts, n), offs, x_groups=True,
+                                     w_blocks=False)
+    assert_sound(launches, 4, matrix=True)
+
+
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "moonlight", "deepseek-v3"])
+def test_the_fused_fp8_expert_gate_up_kernel_at_each_expert_model(model: str) -> None:
+    """``ops.fp8_moe`` in each scale layout at each config. With 128x128 weight blocks and 1x128
+    input groups each K block's two products are promoted apart from the accumulators (255
+    registers at 128 rows): 8 bytes spill at Qwen3-30B-A3B's width, which still ran fastest
+    (bench/bench_fp8_moe.py on an H100: 2.49 ms at 128 rows against 3.19 ms at 64), so up to 16
+    bytes pass there; per-channel weights spill nothing."""
+    hidden, experts, inter = EXPERT_SHAPES[model]
+    experts = min(experts, 16)
+    t, top, f8 = 1024, 8, torch.float8_e4m3fn
+    x = torch.empty(t, hidden, dtype=f8)
+    w = torch.empty(experts, 2 * inter, hidden, dtype=f8)
+    tokens = torch.zeros(t * top, dtype=torch.int64)
+    offs = torch.full((experts,), t * top, dtype=torch.int32)
+    for config in fp8_moe.CONFIGS:
+        for block in (False, True):
+            sx = torch.empty(t, hidden // 128) if block else torch.empty(t, 1)
+            sw = torch.empty(experts, 2 * inter // 128, hidden // 128) if block else torch.empty(experts, 2 * inter)
+            with compiled_launches() as launches:
+                assert fp8_moe.gate_up_silu_quant(x, sx, tokens, offs, w, sw, x_groups=block, w_blocks=block,
+                                                  config=config) is not None
+            if block and config[0] == 128:
+                assert all(k.stack <= 16 for k in launches), [(k.stack, k.registers) for k in launches]
+                launches = [dataclasses.replace(k, stack=0) for k in launches]
+            assert_sound(launches, 1, matrix=True)
 
 
 @pytest.mark.parametrize("vocab", [151_936, 248_320])

@@ -50,8 +50,8 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit(do_not_specialize=["M"])
     def grouped_block(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, tiles_ptr, out_ptr, M,
-                      N: tl.constexpr, K: tl.constexpr, E: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, ROW: tl.constexpr):
+                      N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, BE: tl.constexpr, XG: tl.constexpr, WB: tl.constexpr):
         # N, K, E: a layer's constants (one compile per expert layer shape); M varies per step
         # the column tiles of one row tile run next to each other: its rows are read from L2 after
         # the first, and an expert's weight stays there while its row tiles pass
@@ -76,21 +76,24 @@ def _kernels() -> dict[str, Any]:
         w_base = w_ptr + e.to(tl.int64) * N * K
         sw_base = sw_ptr + e.to(tl.int64) * nb_n * kb_n + pid_n * kb_n
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        # each 128-wide K block's product is summed by the tensor cores (Triton's FP8 dot on sm90
-        # accumulates in their own precision) and then added in float32: a promotion per block
+        # with a per-block scale (XG or WB) each 128-wide K block's product is summed by the tensor
+        # cores (Triton's FP8 dot on sm90 accumulates in their own precision) and then scaled and
+        # added in float32: a promotion per block; with none, one accumulator, scaled at the end
         for kb in range(kb_n):
             a = tl.load(x_ptr + rows[:, None] * K + kb * BK + ks[None, :])
             b = tl.load(w_base + cols[:, None].to(tl.int64) * K + kb * BK + ks[None, :], mask=cm[:, None], other=0.0)
-            if ROW:  # row scales: applied once, after the sum
-                acc += tl.dot(a, b.T)
+            if XG and WB:
+                acc += tl.dot(a, b.T) * (tl.load(sx_ptr + rows * sx_m + kb * sx_k)[:, None] * tl.load(sw_base + kb))
+            elif XG:
+                acc += tl.dot(a, b.T) * tl.load(sx_ptr + rows * sx_m + kb * sx_k)[:, None]
+            elif WB:
+                acc += tl.dot(a, b.T) * tl.load(sw_base + kb)
             else:
-                sa = tl.load(sx_ptr + rows * sx_m + kb * sx_k)
-                sb = tl.load(sw_base + kb)
-                acc += tl.dot(a, b.T) * (sa[:, None] * sb)
-        if ROW:  # x's [M] scales and the expert's [N] column scales
-            sa = tl.load(sx_ptr + rows * sx_m)
-            sb = tl.load(sw_ptr + e.to(tl.int64) * N + cols, mask=cm, other=0.0)
-            acc = acc * sa[:, None] * sb[None, :]
+                acc = tl.dot(a, b.T, acc)
+        if not XG:  # x's [M] row scales
+            acc = acc * tl.load(sx_ptr + rows * sx_m)[:, None]
+        if not WB:  # the expert's [N] column scales
+            acc = acc * tl.load(sw_ptr + e.to(tl.int64) * N + cols, mask=cm, other=0.0)[None, :]
         out = out_ptr + rows[:, None] * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
 
@@ -107,27 +110,32 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, offs: torch.Tensor,
                      bm: int = 64, warps: int | None = None, stages: int = 3, row: bool = False,
-                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor | None:
+                     out_dtype: torch.dtype = torch.bfloat16, x_groups: bool | None = None,
+                     w_blocks: bool | None = None) -> torch.Tensor | None:
     """[M, K] x [E, N, K] by experts with 1x128 / 128x128 block scales -> [M, N] (bf16 by
     default), or None where the kernel does not apply (module docstring). ``row``: x's scales
-    [M] (or [M, 1]) and per-channel weight scales [E, N] (or [E, N, 1]) instead. ``bm`` the
-    tile's rows (64: 4 warps; 128: 8 warps)."""
+    [M] (or [M, 1]) and per-channel weight scales [E, N] (or [E, N, 1]) instead; ``x_groups`` /
+    ``w_blocks`` set each operand's own (default: ``not row``): 1x128 activation groups with
+    per-channel weights is the experts' down product after ``ops.fp8_moe``'s fused gate/up.
+    ``bm`` the tile's rows (64: 4 warps; 128: 8 warps)."""
     if not applies(x, w):
         return None
     kern = _kernels()
     m, k = x.shape
     e, n, _ = w.shape
+    xg = not row if x_groups is None else x_groups
+    wb = not row if w_blocks is None else w_blocks
     out = torch.empty(m, n, device=x.device, dtype=out_dtype)
     if m == 0 or e == 0:
         return out
     counts = torch.diff(offs.long(), prepend=offs.new_zeros(1).long())
     tiles = ((counts + bm - 1) // bm).cumsum(0).to(torch.int32)  # [E] cumulative row tiles, on the GPU
     sw = sw.float().contiguous()
-    if row:
+    if not xg:
         sx = sx.reshape(m)
-    sx_m, sx_k = (sx.stride(0), 0) if row else (sx.stride(0), sx.stride(1))
+    sx_m, sx_k = (sx.stride(0), sx.stride(1)) if xg else (sx.stride(0), 0)
     grid = (-(-n // BLOCK), -(-m // bm) + e)
     kern["grouped_block"][grid](x, sx, sx_m, sx_k, w, sw, offs, tiles, out, m, n, k, e,
-                                BM=bm, BN=BLOCK, BK=BLOCK, BE=kern["next_pow2"](e), ROW=row,
+                                BM=bm, BN=BLOCK, BK=BLOCK, BE=kern["next_pow2"](e), XG=xg, WB=wb,
                                 num_warps=warps or (4 if bm <= 64 else 8), num_stages=stages)
     return out

@@ -214,11 +214,12 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
     [E, N, K] e4m3 contiguous, offs [E] int32 cumulative row ends (offs[-1] == M, empty experts
     allowed), and by ``mode``:
 
-    - ``row``: xscale [M, 1] (or [M]), wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per
-      expert, expanded): ``ops.fp8_grouped``'s Triton kernel with row scales (K a multiple of
-      128), or torch's grouped row-wise kernel (``backend="torch"``, with ``fast_accum``, or
-      where the Triton kernel does not apply; sm90/sm100): measured at 0.59x the bf16 grouped
-      GEMM without fast accumulation (``ops.fp8``'s docstring);
+    - ``row``: xscale [M, 1] (or [M]; or 1x128 groups [M, K/128], the experts' down input),
+      wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per expert, expanded): ``ops.fp8_grouped``'s
+      Triton kernel with row scales (K a multiple of 128), or torch's grouped row-wise kernel
+      (``backend="torch"``, with ``fast_accum``, or where the Triton kernel does not apply;
+      sm90/sm100): measured at 0.59x the bf16 grouped GEMM without fast accumulation (``ops.fp8``'s
+      docstring);
     - ``block``: xscale [M, K/128] (``quantize_groups``), wscale [E, ceil(N/128), K/128]: the
       Triton kernel of ``ops.fp8_grouped`` (the checkpoint's block scales kept; K a multiple of 128).
 
@@ -240,15 +241,22 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
     if wscale.numel() not in (e, e * n):
         raise ValueError(f"row-wise expert weight scales must be [E, N, 1] or [E, 1, 1] ({e}, {n}), got "
                          f"{tuple(wscale.shape)} (block scales: mode='block')")
-    if xscale.numel() != m:
-        raise ValueError(f"row-wise grouped_scaled_linear takes activation scales [M, 1] ({m}), "
-                         f"got {tuple(xscale.shape)}")
+    groups = xscale.dim() == 2 and k % BLOCK == 0 and xscale.shape == (m, k // BLOCK) and k > BLOCK
+    if xscale.numel() != m and not groups:
+        raise ValueError(f"row-wise grouped_scaled_linear takes activation scales [M, 1] ({m}) or 1x128 groups "
+                         f"[M, K/128], got {tuple(xscale.shape)}")
     sb = wscale.float().reshape(e, -1)
     sb = sb.expand(e, n).contiguous() if sb.shape[1] == 1 and n > 1 else sb  # [E, N]: per-expert scales expanded
     if not xq.is_cuda:
         return grouped_scaled_linear_reference(xq, xscale, wq, sb[..., None], offs, "row", out_dtype)
     if offs.dtype != torch.int32:
         raise ValueError(f"offs must be int32, got {offs.dtype}")
+    if groups:  # 1x128 activation groups (``ops.fp8_moe``'s output) with per-channel weights: the Triton kernel
+        got = fp8_grouped.grouped_block_mm(xq, xscale.float(), wq, sb, offs, x_groups=True, w_blocks=False)
+        if got is None:
+            raise ValueError(f"the Triton grouped kernel does not take these operands (K={k}, x row-major, "
+                             "w contiguous), and no other kernel takes 1x128 activation groups with row weights")
+        return got
     sa = xscale.float().reshape(m)
     if backend == "triton" or (backend == "auto" and not fast_accum):
         got = fp8_grouped.grouped_block_mm(xq, sa, wq, sb, offs, row=True)

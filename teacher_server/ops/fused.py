@@ -232,21 +232,21 @@ class FusedOps:
             config = moe_gate_up.pick(w, top_k, gemm, act=self.silu_mul, total=total)
             self.moe_gate_up_config = config or moe_gate_up.CONFIG
             return config is not None
-        self._decide("moe_gate_up_kernel", "fused expert gate/up", pick, w.device)
+        self.decide("moe_gate_up_kernel", "fused expert gate/up", pick, w.device)
 
     def check_router(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """The router as one kernel where ``layer``'s check (``check_router_kernel``) passes."""
-        self._decide("router_kernel", "router", lambda: layer.check_router_kernel(device, dtype), device)
+        self.decide("router_kernel", "router", lambda: layer.check_router_kernel(device, dtype), device)
 
     def check_router_gemm(self, layer: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """The float32 router logits from bf16 parts where ``layer.check_router_gemm`` passes."""
-        self._decide("router_gemm_split", "split router GEMM", lambda: layer.check_router_gemm(device, dtype), device)
+        self.decide("router_gemm_split", "split router GEMM", lambda: layer.check_router_gemm(device, dtype), device)
 
     def pick_group(self, buckets: int, k: int, device: torch.device) -> None:
         """The counting kernels group the expert rows where right and faster (``ops.moe_group.pick``)."""
-        self._decide("group_kernel", "expert grouping", lambda: moe_group.pick(buckets, k, device), device)
+        self.decide("group_kernel", "expert grouping", lambda: moe_group.pick(buckets, k, device), device)
 
-    def _decide(self, switch: str, name: str, decide: Callable[[], bool], device: torch.device) -> None:
+    def decide(self, switch: str, name: str, decide: Callable[[], bool], device: torch.device) -> None:
         """``switch`` = decide() on CUDA with the kernels on; a failure leaves it off (one log line)."""
         if not self._kernels or device.type != "cuda":
             return
@@ -281,7 +281,7 @@ class FusedOps:
 
     def pick_gated_qk(self, decide: Callable[[], bool], device: torch.device) -> None:
         """Qwen3.5's gated attention input as one kernel where ``decide`` (``ops.gated_qk.pick``) says so."""
-        self._decide("gated_qk_kernel", "gated attention input", decide, device)
+        self.decide("gated_qk_kernel", "gated attention input", decide, device)
 
     def warm_up(self, heads: HeadLayout, hidden: int, intermediate: int, q_norm: torch.Tensor | None,
                 k_norm: torch.Tensor | None, cos_sin: torch.Tensor, device: torch.device, dtype: torch.dtype) -> None:

@@ -189,6 +189,18 @@ class WeightFormat(ABC):
         rows (the caller gathers them). None here."""
         return None
 
+    def fused_gate_up(self, layer: nn.Module, h: torch.Tensor, tokens: torch.Tensor,
+                      offs: torch.Tensor) -> object | None:
+        """An expert layer's down input made from h by one kernel of the format's own (the
+        gather, gate/up product and activation; ``check_fused_gate_up`` passed), or None where
+        it has none (the caller takes ``dense``'s kernel or the passes). None here."""
+        return None
+
+    def check_fused_gate_up(self, layer: nn.Module, top_k: int) -> bool:
+        """Whether ``fused_gate_up`` runs for ``layer``, checked at its weights (at warm-up;
+        False here). RuntimeError where the kernel runs and disagrees with the passes."""
+        return False
+
     def dense(self, layer: nn.Module, slot: str = "weight") -> torch.Tensor | None:
         """The weight of ``slot`` as a plain tensor in the activation dtype, for kernels that
         read it directly (the fused gate/up kernel, the float32 logits, the embedding

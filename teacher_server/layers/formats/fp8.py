@@ -44,7 +44,13 @@ from teacher_server.layers.formats.base import (
     reformat,
 )
 from teacher_server.layers.formats.fp8_config import Fp8Scheme, check_scale_shape, scale_shape
-from teacher_server.layers.formats.fp8_dispatch import QuantizedRows, fp8_compute, product_runs, quant_kernels_ok
+from teacher_server.layers.formats.fp8_dispatch import (
+    ExpertInputs,
+    QuantizedRows,
+    fp8_compute,
+    product_runs,
+    quant_kernels_ok,
+)
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.ops import fp8
 from teacher_server.unsupported import UnsupportedModelError
@@ -103,7 +109,7 @@ def _per_row(rows: int) -> Reader:
     return read
 
 
-class Fp8Weights(WeightFormat):
+class Fp8Weights(ExpertInputs, WeightFormat):
     """FP8 weights of one scheme (see the module docstring)."""
 
     def __init__(self, name: str, scheme: Fp8Scheme) -> None:
@@ -281,18 +287,21 @@ class Fp8Weights(WeightFormat):
         """The GPU mode ``process_after_load`` chose for ``layer`` ("block" or "row")."""
         return layer.fp8_mode
 
-    def _act_mode(self, layer: nn.Module) -> str:
-        """How ``layer``'s input is quantized: 1 x 128 groups for block weights, else per row, or
-        with the static per-tensor scale."""
-        if layer.fp8_mode == "block":
+    def _act_mode(self, layer: nn.Module, slot: str = "weight") -> str:
+        """How ``layer``'s ``slot`` input is quantized: 1 x 128 groups for block weights and for
+        the experts' down input (whole groups wide: what ``ops.fp8_moe``'s kernel makes, so its
+        passes make it too), else per row, or with the static per-tensor scale."""
+        if self.scheme.activations == "static":
+            return "tensor"
+        if layer.fp8_mode == "block" or (slot == "down" and getattr(layer, slot).shape[-1] % GPU_BLOCK[1] == 0):
             return "group"
-        return "tensor" if self.scheme.activations == "static" else "row"
+        return "row"
 
     def _quantize_input(self, layer: nn.Module, slot: str,
                         x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(x, QuantizedRows):  # quantized by the pass that made it
             return x.q, x.scale
-        mode, kernel = self._act_mode(layer), layer.fp8_kernel
+        mode, kernel = self._act_mode(layer, slot), layer.fp8_kernel
         if mode == "group":
             return fp8.quantize_groups(x, GPU_BLOCK[1], kernel=kernel)  # [T, K / 128] M-major scales
         if mode == "tensor":
@@ -316,20 +325,10 @@ class Fp8Weights(WeightFormat):
         """silu(gate) * up of gate_up [T, 2I] as the input of ``layer``'s ``slot``, quantized in
         the same pass (``ops.fp8.silu_mul_quant``): the dense MLP's down projection and the
         experts' take it without a pass of their own over the activation."""
-        mode = self._act_mode(layer)
+        mode = self._act_mode(layer, slot)
         static = getattr(layer, extra_name(slot, INPUT_SCALE)) if mode == "tensor" else None
         q, scale = fp8.silu_mul_quant(gate_up, mode, static, kernel=layer.fp8_kernel)
         return QuantizedRows(q, scale, gate_up.dtype)
-
-    def gather_input(self, layer: nn.Module, slot: str, x: torch.Tensor, index: torch.Tensor) -> QuantizedRows:
-        """x's T rows quantized, then the rows ``index`` gathered as codes and scales: T rows
-        quantized instead of the T * k gathered ones, and the gather moves 1 byte a value instead
-        of 2. A row's codes depend on that row alone (per row, per 1 x 128 group, or one static
-        scale), so the result is the gathered rows' quantization, bit for bit."""
-        xq, xs = self._quantize_input(layer, slot, x)
-        q = xq.view(torch.uint8).index_select(0, index).view(xq.dtype)  # (index_select of bytes: any device)
-        static = self._act_mode(layer) == "tensor"  # (one scale for every row; not numel: a 1-row [1, 1])
-        return QuantizedRows(q, xs if static else xs.index_select(0, index), x.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | QuantizedRows,
               out: torch.Tensor | None = None) -> torch.Tensor:

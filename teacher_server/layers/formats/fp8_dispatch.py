@@ -1,7 +1,9 @@
 """Which FP8 products run on this device, and an FP8 layer's input quantized by the pass that
 made it: ``fp8_compute`` (FP8 multiplies at all), ``product_runs`` (a scaled multiply's mode at a
 layer's shape, checked once against its float32 reference), ``quant_kernels_ok`` (the Triton
-activation quantization), ``QuantizedRows``. ``layers.formats.fp8`` decides with them."""
+activation quantization), ``QuantizedRows``, and ``ExpertInputs``, an expert layer's inputs (the
+gathered rows; the down input by ``ops.fp8_moe``'s fused kernel). ``layers.formats.fp8`` decides
+with them."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from teacher_server.ops import fp8
+from teacher_server.ops import fp8, fp8_moe
 
 log = logging.getLogger(__name__)
 
@@ -77,3 +80,40 @@ class QuantizedRows:
             return QuantizedRows(self.q[rows], self.scale, self.dtype)
         s = self.scale[rows]
         return QuantizedRows(self.q[rows], s if s.shape[1] == 1 else s.t().contiguous().t(), self.dtype)  # M-major
+
+
+class ExpertInputs:
+    """``Fp8Weights``' expert-layer inputs, on its ``_quantize_input`` and ``_act_mode``."""
+
+    def gather_input(self, layer: nn.Module, slot: str, x: torch.Tensor, index: torch.Tensor) -> QuantizedRows:
+        """x's T rows quantized, then the rows ``index`` gathered as codes and scales: T rows
+        quantized instead of the T * k gathered ones, and the gather moves 1 byte a value instead
+        of 2. A row's codes depend on that row alone (per row, per 1 x 128 group, or one static
+        scale), so the result is the gathered rows' quantization, bit for bit."""
+        xq, xs = self._quantize_input(layer, slot, x)
+        q = xq.view(torch.uint8).index_select(0, index).view(xq.dtype)  # (index_select of bytes: any device)
+        static = self._act_mode(layer) == "tensor"  # (one scale for every row; not numel: a 1-row [1, 1])
+        return QuantizedRows(q, xs if static else xs.index_select(0, index), x.dtype)
+
+    def fused_gate_up(self, layer: nn.Module, h: torch.Tensor, tokens: torch.Tensor,
+                      offs: torch.Tensor) -> QuantizedRows | None:
+        """The experts' down input by ``ops.fp8_moe``'s kernel, where ``check_fused_gate_up``
+        passed: h's T rows quantized, then each sorted row's gate/up product, SiLU-mul and 1 x 128
+        quantization in one pass (what ``gather_input``, the product and ``silu_mul_input`` make)."""
+        if not getattr(layer, "fp8_fused", False):
+            return None
+        block = layer.fp8_mode == "block"
+        xq, xs = self._quantize_input(layer, "gate_up", h)
+        got = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, layer.gate_up, layer.gate_up_weight_scale_inv,
+                                         x_groups=block, w_blocks=block, dtype=h.dtype)
+        return None if got is None else QuantizedRows(*got, h.dtype)
+
+    def check_fused_gate_up(self, layer: nn.Module, top_k: int) -> bool:
+        """``ops.fp8_moe.check`` at the layer's weights, where its activations are dynamic and its
+        down input is made in 1 x 128 groups (its width whole groups); the answer is kept on the
+        layer (``fp8_fused``)."""
+        block = layer.fp8_mode == "block"
+        layer.fp8_fused = (self._act_mode(layer, "down") == "group"
+                           and fp8_moe.check(layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block,
+                                             w_blocks=block, dtype=layer.model_dtype))
+        return layer.fp8_fused

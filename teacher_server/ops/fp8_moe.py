@@ -1,0 +1,237 @@
+"""fp8_moe: the FP8 experts' gate/up product, SiLU-mul and the down product's input
+quantization in one Triton kernel, the FP8 counterpart of ``ops.moe_gate_up``:
+
+    q[r], s[r] = quantize_1x128(silu(x[tokens[r]] gate_e^T) * (x[tokens[r]] up_e^T))
+
+for the rows r of expert e (sorted by expert, ``offs`` their cumulative ends). x is the
+layer's input already in e4m3 ([T, K], quantized once per token by the norm's pass), read
+where it is by token (no gathered copy), with per-row scales [T] (``--quantization fp8``,
+compressed-tensors' dynamic tokens) or 1x128 groups [T, K/128] (block checkpoints); the weights
+[E, 2I, K] e4m3 (gate rows, then up rows) with per-channel [E, 2I] or 128x128 block scales
+[E, 2I/128, K/128]. The [M, 2I] bf16 product never reaches memory: the path it replaces
+(``gather_input``, ``ops.fp8_grouped``'s multiply, ``ops.fp8.silu_mul_quant``) writes and reads
+it back, and gathers the rows first.
+
+Each program takes BM rows of one expert and one 128-wide group of I: 128 gate columns and
+the matching up columns (two float32 accumulators), so the 1x128 activation group of its
+output is whole in the program, and its scale is written beside its codes (M-major, as
+``fp8_quant.group_buffers`` lays them out; the down product reads them with per-channel or
+block weight scales, ``ops.fp8_grouped``). Rounding is the two-pass path's step for step: the
+product scaled as ``ops.fp8_grouped`` scales it, rounded to the model dtype, silu rounded, the
+product rounded, then ``fp8_quant``'s group quantization (``div_rn``, clamp, e4m3), so the two
+agree to the tensor cores' accumulation order (``check``).
+
+Blocks of rows are numbered per expert as ``ops.moe_gate_up`` numbers them (no host sync);
+rows past the last row end (another expert-parallel rank's) are not written. I and K must be
+multiples of 128.
+"""
+
+# ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from teacher_server.ops.checks import assert_close
+from teacher_server.ops.fp8_mm import AMAX_FLOOR, FP8_MAX
+from teacher_server.ops.fp8_quant import group_buffers
+from teacher_server.ops.moe_gate_up import block_experts, expert_blocks
+from teacher_server.ops.triton_kernels import lazy
+
+log = logging.getLogger(__name__)
+
+GROUP = 128  # the activation group, the weight block, the K step and the tile's columns
+# (BM, warps, stages). At Qwen3-30B-A3B's experts on an H100 (bench/bench_fp8_moe.py, 16,384
+# tokens) 128 rows, 8 warps, 4 stages ran fastest (row scales 1.98 ms for both products against
+# 2.46 ms at 64 rows, 4 warps); 5 stages do not fit the shared memory; 4 warps for 128 rows spill
+CONFIGS = ((128, 8, 4), (128, 8, 3), (64, 4, 3))
+CONFIG = CONFIGS[0]
+_K: dict[str, Any] = {}
+# set by _define, as globals (the kernel's names resolve there, also under Triton's interpreter)
+libdevice: Any = None  # triton.language.extra.libdevice
+rounded: Any = None  # x rounded to the model dtype and back to float32 (``_define``)
+# Triton's interpreter (the CPU tests) has no libdevice (its exp there is tl.exp, numpy's), its
+# float32 -> bfloat16 cast truncates and its float32 -> e4m3 cast is not round-to-nearest (127.9 ->
+# 64): there bfloat16 rounding is done on the bits, and the kernel writes the clamped quotients in
+# float32 for torch to cast (round-to-nearest-even, as the GPU's cvt.rn)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _define(triton, tl) -> dict[str, Any]:
+    global libdevice, rounded
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def rounded(x, F16: tl.constexpr, NATIVE: tl.constexpr):
+        if F16:
+            return x.to(tl.float16).to(tl.float32)
+        if NATIVE:
+            return x.to(tl.bfloat16).to(tl.float32)
+        b = x.to(tl.uint32, bitcast=True)  # round to nearest even on the bits (finite values; NaN kept)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)
+
+    @triton.jit
+    def fused(x_ptr, sx_ptr, sx_t, sx_k, tok_ptr, offs_ptr, blk_ptr, map_ptr, w_ptr, sw_ptr, q_ptr, sq_ptr, sq_k,
+              E, fp8_max, amax_floor, I: tl.constexpr, K: tl.constexpr, XG: tl.constexpr,  # noqa: E741
+              WB: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NATIVE: tl.constexpr):
+        pid_m = tl.program_id(0)
+        e = tl.load(map_ptr + pid_m)  # this block's expert (E: past the experts' last block)
+        if e >= E:
+            return
+        prev = tl.maximum(e - 1, 0)
+        first_blk = tl.where(e > 0, tl.load(blk_ptr + prev), 0)
+        first_row = tl.where(e > 0, tl.load(offs_ptr + prev), 0)
+        rows = first_row + (pid_m - first_blk) * BM + tl.arange(0, BM)
+        rm = rows < tl.load(offs_ptr + e)
+        tok = tl.load(tok_ptr + rows, mask=rm, other=0).to(tl.int64)  # masked rows read token 0
+        pid_n = tl.program_id(1)
+        cols = pid_n * G + tl.arange(0, G)
+        ks = tl.arange(0, G)
+        kb_n: tl.constexpr = K // G
+        nb_i: tl.constexpr = I // G  # the up rows' first weight block
+        w_e = w_ptr + e.to(tl.int64) * (2 * I * K)
+        g_ptrs = w_e + cols[:, None].to(tl.int64) * K + ks[None, :]
+        u_ptrs = g_ptrs + I * K
+        sw_e = sw_ptr + e.to(tl.int64) * (2 * nb_i * kb_n)
+        acc_g = tl.zeros((BM, G), dtype=tl.float32)
+        acc_u = tl.zeros((BM, G), dtype=tl.float32)
+        for kb in range(kb_n):  # scaled as ops.fp8_grouped scales: per K block where a scale is
+            a = tl.load(x_ptr + tok[:, None] * K + kb * G + ks[None, :])
+            g = tl.load(g_ptrs + kb * G)
+            u = tl.load(u_ptrs + kb * G)
+            if XG and WB:
+                sa = tl.load(sx_ptr + tok * sx_t + kb * sx_k)[:, None]
+                acc_g += tl.dot(a, g.T) * (sa * tl.load(sw_e + pid_n * kb_n + kb))
+                acc_u += tl.dot(a, u.T) * (sa * tl.load(sw_e + (nb_i + pid_n) * kb_n + kb))
+            elif XG:
+                sa = tl.load(sx_ptr + tok * sx_t + kb * sx_k)[:, None]
+                acc_g += tl.dot(a, g.T) * sa
+                acc_u += tl.dot(a, u.T) * sa
+            elif WB:
+                acc_g += tl.dot(a, g.T) * tl.load(sw_e + pid_n * kb_n + kb)
+                acc_u += tl.dot(a, u.T) * tl.load(sw_e + (nb_i + pid_n) * kb_n + kb)
+            else:
+                acc_g = tl.dot(a, g.T, acc_g)
+                acc_u = tl.dot(a, u.T, acc_u)
+        if not XG:  # the rows' scales
+            sa = tl.load(sx_ptr + tok * sx_t)[:, None]
+            acc_g = acc_g * sa
+            acc_u = acc_u * sa
+        if not WB:  # the expert's column scales
+            sw_c = sw_ptr + e.to(tl.int64) * (2 * I) + cols
+            acc_g = acc_g * tl.load(sw_c)[None, :]
+            acc_u = acc_u * tl.load(sw_c + I)[None, :]
+        # the grouped multiply writes bf16, which the layer takes to its dtype; then silu_mul_quant's steps
+        gf = rounded(rounded(acc_g, False, NATIVE), F16, NATIVE)
+        uf = rounded(rounded(acc_u, False, NATIVE), F16, NATIVE)
+        ex = libdevice.exp(-gf) if NATIVE else tl.exp(-gf)  # libdevice's: silu_mul_quant's rounding
+        act = rounded(tl.div_rn(gf, 1.0 + ex), F16, NATIVE)
+        y = rounded(act * uf, F16, NATIVE)
+        s = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), amax_floor), fp8_max)  # [BM]: the group's scale
+        q = tl.minimum(tl.maximum(tl.div_rn(y, s[:, None]), -fp8_max), fp8_max)
+        r64 = rows.to(tl.int64)
+        tl.store(q_ptr + r64[:, None] * I + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rm[:, None])
+        tl.store(sq_ptr + r64 + pid_n * sq_k, s, mask=rm)
+
+    return {"fused": fused}
+
+
+def _kernels() -> dict[str, Any]:
+    return lazy(_K, "fused FP8 expert gate/up kernel", _define)
+
+
+def eligible(xq: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor) -> bool:
+    """xq [T, K] e4m3 contiguous, w [E, 2I, K] e4m3 contiguous, K and I multiples of 128, int64
+    tokens and int32 offs, all on one device (CUDA, or the CPU under Triton's interpreter)."""
+    e4m3 = torch.float8_e4m3fn
+    return (xq.dtype == e4m3 and w.dtype == e4m3 and xq.dim() == 2 and w.dim() == 3 and xq.is_contiguous()
+            and w.is_contiguous() and w.shape[2] == xq.shape[1] and xq.shape[1] % GROUP == 0
+            and w.shape[1] % (2 * GROUP) == 0 and tokens.dtype == torch.int64 and offs.dtype == torch.int32
+            and w.shape[0] == offs.shape[0] > 0 and tokens.dim() == 1 and tokens.is_contiguous()
+            and offs.is_contiguous() and xq.device == w.device == tokens.device == offs.device
+            and "fused" in _kernels())
+
+
+def gate_up_silu_quant(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor,
+                       w: torch.Tensor, sw: torch.Tensor, *, x_groups: bool, w_blocks: bool,
+                       dtype: torch.dtype = torch.bfloat16,
+                       config: tuple[int, int, int] = CONFIG) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes [M, I] e4m3, scales [M, I/128] float32 M-major) of silu(gate) * up of each sorted
+    row's token, quantized per 1x128 group (module docstring); None where the kernel does not
+    apply. sx: [T] or [T, 1] per row (stride 0 for a static per-tensor scale expanded), or
+    [T, K/128] (``x_groups``); sw: [E, 2I] or [E, 2I, 1] per channel, or [E, 2I/128, K/128]
+    (``w_blocks``). ``dtype`` the model's (the two-pass path's roundings)."""
+    if not eligible(xq, w, tokens, offs) or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    bm, warps, stages = config
+    m, (e, two_i, k) = tokens.shape[0], w.shape
+    inter = two_i // 2
+    q, s = group_buffers(m, inter, GROUP, xq.device)
+    if m == 0:
+        return q, s
+    codes = torch.empty(m, inter, dtype=torch.float32) if INTERPRETED else q
+    sw = sw.float().contiguous()
+    if x_groups:
+        sx_t, sx_k = sx.stride(0), sx.stride(1)
+    else:
+        sx = sx.reshape(-1)
+        sx_t, sx_k = (0 if sx.numel() == 1 else sx.stride(0)), 0  # (one scale: every row's)
+    blk = expert_blocks(offs, bm)
+    grid = (-(-m // bm) + e, inter // GROUP)
+    _K["fused"][grid](xq, sx.float(), sx_t, sx_k, tokens, offs, blk, block_experts(blk, grid[0]), w, sw, codes, s,
+                      s.stride(1), e, FP8_MAX, AMAX_FLOOR, I=inter, K=k, XG=x_groups, WB=w_blocks,
+                      F16=dtype == torch.float16, BM=bm, G=GROUP, NATIVE=not INTERPRETED, num_warps=warps,
+                      num_stages=stages)
+    if INTERPRETED:
+        q.copy_(torch.where(offs[-1] > torch.arange(m)[:, None], codes, 0.0).to(q.dtype))  # (rows past the end: 0)
+    return q, s
+
+
+def two_pass(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
+             sw: torch.Tensor, *, x_groups: bool, w_blocks: bool,
+             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """The path the kernel replaces, the same result in three passes: the rows' codes gathered,
+    ``ops.fp8_grouped``'s multiply (bf16, as the layer's grouped multiplies write it, then taken to
+    ``dtype``), ``silu_mul_quant`` in 1x128 groups (the float32 reference of the multiply where its
+    kernel does not run: the CPU)."""
+    from teacher_server.ops import fp8, fp8_grouped
+
+    xg = xq.view(torch.uint8).index_select(0, tokens).view(xq.dtype)
+    sg = sx.reshape(-1, 1).expand(xq.shape[0], 1) if sx.numel() == 1 else sx  # (one static scale)
+    sg = sg.index_select(0, tokens)
+    gu = fp8_grouped.grouped_block_mm(xg, sg, w, sw, offs, x_groups=x_groups, w_blocks=w_blocks)
+    if gu is None:
+        mode = "block" if w_blocks else "row"
+        gu = fp8.grouped_scaled_linear_reference(xg, sg, w, sw if w_blocks else sw.reshape(w.shape[0], -1, 1), offs,
+                                                 mode)
+    return fp8.silu_mul_quant(gu.to(dtype), "group", kernel=gu.is_cuda)  # (bf16 products, as the layer's)
+
+
+def check(w: torch.Tensor, sw: torch.Tensor, top_k: int, *, x_groups: bool, w_blocks: bool,
+          dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int] = CONFIG) -> bool:
+    """Start-up check at a layer's expert weights ``w`` [E, 2I, K] and scales ``sw`` (its own:
+    nothing of their size allocated): the kernel against ``two_pass`` on random inputs and
+    routing (1, 37 and 300 tokens, empty experts), the dequantized outputs within one e4m3 step
+    of each other (a tensor-core sum in another order may round a code the other way; NaN
+    fails). False where the kernel does not apply; RuntimeError on a mismatch."""
+    from teacher_server.ops import fp8
+    from teacher_server.ops.moe_gate_up import _routing
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    for t in (1, 37, 300):
+        x = torch.randn(t, w.shape[2], generator=g).to(w.device, dtype)
+        xq, sx = fp8.quantize_groups(x) if x_groups else fp8.quantize_rows(x)
+        tokens, offs = _routing(t, top_k, w.shape[0], w.device)
+        got = gate_up_silu_quant(xq, sx, tokens, offs, w, sw, x_groups=x_groups, w_blocks=w_blocks, dtype=dtype,
+                                 config=config)
+        if got is None:
+            return False
+        m = int(offs[-1])
+        ref = two_pass(xq, sx, tokens, offs, w, sw, x_groups=x_groups, w_blocks=w_blocks, dtype=dtype)
+        a, b = (q[:m].float() * s[:m].repeat_interleave(GROUP, 1) for q, s in (got, ref))
+        assert_close(f"fused FP8 expert gate/up at {t} tokens", a, b, rel=2 ** -3, floor=1e-3)
+    return True

@@ -1,0 +1,219 @@
+"""The FP8 experts' fused gate/up kernel (``ops.fp8_moe``): gather, gate/up product, SiLU-mul
+and the down input's 1x128 quantization in one pass, against the passes it replaces and the
+float32 definition, with every scale layout (per-row or 1x128 inputs, one static scale;
+per-channel or 128x128 weights), empty experts and an expert-parallel rank's rows past its end;
+its start-up check, which can fail; and an FP8 expert model scoring through it as through the
+passes. Without a GPU the kernel runs in Triton's interpreter (a subprocess), whose float32 ->
+bfloat16 and -> e4m3 casts are not round-to-nearest (the kernel rounds on the bits there, and
+torch makes its e4m3 codes: ``fp8_moe``'s docstring). On the GPU, at a model's shapes."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_fp8 import engine, fp8_checkpoints, requests  # noqa: F401  (the fixture)
+from triton_interp import interpreted
+
+from teacher_server.layers.formats import fp8 as fp8_format
+from teacher_server.ops import fp8, fp8_mm, fp8_moe
+from teacher_server.ops.moe_gate_up import _routing
+
+_OPS = """
+import json, torch
+import torch.nn.functional as F
+from teacher_server.ops import fp8, fp8_moe
+from teacher_server.ops.moe_gate_up import _routing
+
+res = {}
+g = torch.Generator().manual_seed(0)
+def deq(q, s):
+    return q.float() * s.float().repeat_interleave(128, 1)
+def rel(a, b):  # per 1x128 group, the largest difference over the group's largest value
+    m = a.shape[0]
+    return float(((a - b).abs().view(m, -1, 128).amax(-1) / b.abs().view(m, -1, 128).amax(-1).clamp_min(1e-6)).max())
+for dt, e, k, i, top, t in ((torch.bfloat16, 5, 256, 256, 2, 37), (torch.float16, 3, 128, 384, 3, 20),
+                            (torch.bfloat16, 1, 256, 128, 1, 9)):
+    w = torch.randn(e, 2 * i, k, generator=g) * k ** -0.5
+    h = torch.randn(t, k, generator=g).to(dt)
+    tokens, offs = _routing(t, top, e, torch.device("cpu"))
+    m = int(offs[-1])
+    for xmode in ("row", "group", "static"):
+        for wb in (False, True):
+            wq, ws = fp8.quantize_weight(w, "block" if wb else "row")
+            if xmode == "static":
+                xq, xs = fp8.quantize_tensor(h, torch.tensor([0.02]))
+            else:
+                xq, xs = fp8.quantize_groups(h) if xmode == "group" else fp8.quantize_rows(h)
+            kw = dict(x_groups=xmode == "group", w_blocks=wb, dtype=dt)
+            q, s = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, **kw)
+            q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, **kw)
+            # the float32 definition on the dequantized operands
+            xd = fp8.grouped_scaled_linear_reference(
+                xq.view(torch.uint8).index_select(0, tokens).view(xq.dtype),
+                xs.reshape(1, 1).expand(t, 1).index_select(0, tokens) if xs.numel() == 1 else xs.index_select(0, tokens),
+                wq, ws if wb else ws.reshape(e, -1, 1), offs, "block" if wb else "row", torch.float32)
+            ref = F.silu(xd[:, :i]) * xd[:, i:]
+            name = f"{e}x{k}x{i} top-{top} x {xmode} w {'block' if wb else 'row'}"
+            res[name] = {
+                "codes_differ": float((q[:m].view(torch.uint8) != q2[:m].view(torch.uint8)).float().mean()),
+                "vs_passes": rel(deq(q[:m], s[:m]), deq(q2[:m], s2[:m])),
+                "vs_f32": rel(deq(q[:m], s[:m]), ref[:m]),
+                "shape": list(q.shape), "scales": list(s.shape)}
+    res[f"check {e}x{k}x{i}"] = fp8_moe.check(wq, ws, top, x_groups=True, w_blocks=True, dtype=dt)
+dt = torch.bfloat16
+# an expert-parallel rank: 2 experts' rows first, the others' after its last row end
+wq, ws = fp8.quantize_weight(torch.randn(2, 256, 128, generator=g) / 11, "row")
+xq, xs = fp8.quantize_rows(torch.randn(20, 128, generator=g).to(dt))
+tokens = torch.randint(0, 20, (31,), generator=g)
+offs = torch.tensor([7, 19], dtype=torch.int32)
+q, s = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, x_groups=False, w_blocks=False, dtype=dt)
+q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=False, w_blocks=False, dtype=dt)
+res["past the end"] = rel(deq(q[:19], s[:19]), deq(q2[:19], s2[:19]))
+res["past the end shape"] = list(q.shape)
+# the check fails where the two disagree
+real = fp8_moe.two_pass
+fp8_moe.two_pass = lambda *a, **kw: (lambda q, s: (q, s * 1.5))(*real(*a, **kw))
+try:
+    fp8_moe.check(wq, ws, 2, x_groups=False, w_blocks=False, dtype=dt)
+    res["check fails"] = False
+except RuntimeError as e:
+    res["check fails"] = "fused FP8 expert gate/up" in str(e)
+print(json.dumps(res))
+"""
+
+
+def test_the_kernel_in_the_triton_interpreter() -> None:
+    res = json.loads(interpreted(_OPS))
+    cases = [k for k in res if " x " in k]
+    assert len(cases) == 18
+    for name in cases:
+        r = res[name]
+        # the passes' codes, bit for bit but for an e4m3 rounding flipped by the exp's last bit (at
+        # most a step: 32 / 448 of the group's largest value)
+        assert r["codes_differ"] <= 0.01 and r["vs_passes"] <= 0.072, (name, r)
+        assert r["vs_f32"] <= 0.08, (name, r)  # half an e4m3 step at the top (1/28) and float16's roundings
+        m = r["shape"][0]
+        assert r["scales"] == [m, r["shape"][1] // 128], (name, r)
+    assert all(res[k] is True for k in res if k.startswith("check "))
+    assert res["past the end"] <= 0.072 and res["past the end shape"] == [31, 128]
+    assert res["check fails"] is True
+
+
+def test_where_the_kernel_does_not_apply_it_says_so() -> None:
+    """Widths not whole groups of 128, a float32 model, operands of other dtypes: None (the
+    layer takes its passes); the CPU without Triton's interpreter has no kernel either."""
+    tokens, offs = _routing(8, 2, 3, torch.device("cpu"))
+    x = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
+    xs = torch.ones(8, 1)
+    for w in (torch.zeros(3, 2 * 96, 256, dtype=torch.float8_e4m3fn),  # I = 96
+              torch.zeros(3, 256, 256, dtype=torch.bfloat16)):
+        assert fp8_moe.gate_up_silu_quant(x, xs, tokens, offs, w, torch.ones(3, w.shape[1]), x_groups=False,
+                                          w_blocks=False) is None
+    w = torch.zeros(3, 256, 256, dtype=torch.float8_e4m3fn)
+    assert fp8_moe.gate_up_silu_quant(x, xs, tokens, offs, w, torch.ones(3, 256), x_groups=False, w_blocks=False,
+                                      dtype=torch.float32) is None
+    assert fp8_moe.gate_up_silu_quant(x[:, :200], xs, tokens, offs, w[..., :200].contiguous(), torch.ones(3, 256),
+                                      x_groups=False, w_blocks=False) is None
+
+
+def test_row_weights_take_1x128_input_groups() -> None:
+    """The experts' down product with per-channel weights takes its input in 1x128 groups (what
+    the fused kernel and the SiLU-mul pass make for it): each group's scale applied to its own
+    columns, as the float32 product of the dequantized operands; a scale of neither shape is
+    refused."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(19, 384, generator=g), torch.randn(4, 64, 384, generator=g)
+    offs = torch.tensor([5, 5, 12, 19], dtype=torch.int32)
+    xq, xs = fp8.quantize_groups(x.bfloat16())
+    wq, ws = fp8.quantize_weight(w, "row")
+    got = fp8.grouped_scaled_linear(xq, xs, wq, ws, offs, "row")
+    want = fp8_mm.grouped_mm_reference(xq.float() * xs.repeat_interleave(128, 1), (wq.float() * ws).transpose(1, 2),
+                                       offs)
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="1x128 groups"):
+        fp8.grouped_scaled_linear(xq, xs[:, :2], wq, ws, offs, "row")
+
+
+_MODEL = """
+import json, sys, numpy as np, torch
+sys.path.insert(0, "tests")
+from test_fp8 import engine, fp8_checkpoints, requests  # noqa: F401  (the fixture)
+from teacher_server.layers.formats import fp8 as fmt
+from teacher_server.ops import fp8_moe
+fmt.fp8_compute = lambda device: True  # the FP8 modes on the CPU (their references)
+calls = []
+real = fp8_moe.gate_up_silu_quant
+fp8_moe.gate_up_silu_quant = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+out = {}
+def diff(a, b):  # the largest difference where finite; inf where one is finite and the other not
+    if a is None or not a.size:
+        return 0.0
+    fa, fb = np.isfinite(a), np.isfinite(b)
+    return float(np.abs(a[fa] - b[fa]).max()) if (fa == fb).all() else float("inf")
+for path, online in json.loads(sys.argv[1]):
+    kw = dict(dtype="bfloat16", quantization="fp8" if online else None)
+    reqs = requests("moe128")
+    plain = engine(path, **kw).run_to_completion(reqs)
+    on = engine(path, **kw)
+    experts = [m for m in on.model.modules() if getattr(m, "role", None) == "experts"]
+    on.runner.ops.moe_gate_up_kernel = all(m.fmt.check_fused_gate_up(m, 2) for m in experts)
+    calls.clear()
+    got = on.run_to_completion(reqs)
+    out[path] = {"on": on.runner.ops.moe_gate_up_kernel, "calls": len(calls), "errors": [r.error for r in got + plain],
+                 "max_diff": max(diff(a.token_id_logprobs, b.token_id_logprobs) for a, b in zip(got, plain))}
+print(json.dumps(out))
+"""
+
+
+def test_an_fp8_expert_model_scores_through_the_kernel_as_through_the_passes(fp8_checkpoints,  # noqa: F811
+                                                                             monkeypatch) -> None:
+    """Block-wise and quantized-at-load (row) experts: the warm-up's check passes at the layer's
+    weights, every expert layer takes the kernel, and the scores are the passes' (the same bits
+    in the interpreter; on the GPU an e4m3 code may flip with the exp's last bit)."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    paths = [(str(fp8_checkpoints("moe128", "block", (128, 128))[0]), False),
+             (str(fp8_checkpoints("moe128", "block", (128, 128))[1]), True)]  # the bf16 twin, quantized at load
+    res = json.loads(interpreted(_MODEL.replace("sys.argv[1]", repr(json.dumps(paths)))))
+    for path, r in res.items():
+        assert r["on"] and r["calls"] > 0 and not any(r["errors"]), (path, r)
+        assert r["max_diff"] <= 1e-3, (path, r)  # (the same bits, here)
+
+
+def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch) -> None:  # noqa: F811
+    """Without Triton's interpreter the warm-up never turns the kernel on off CUDA, and the
+    experts' down input is the SiLU-mul pass's 1x128 groups, scored as before."""
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    path, _ = fp8_checkpoints("moe128", "block", (128, 128))
+    eng = engine(path)
+    assert not eng.runner.ops.moe_gate_up_kernel
+    got = eng.run_to_completion(requests("moe128"))
+    assert all(r.error is None and not np.isnan(r.token_id_logprobs).any() for r in got)
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix multiplies (sm89+)")
+@pytest.mark.parametrize("block", [False, True])
+def test_the_kernel_on_the_gpu_at_an_expert_models_shapes(block: bool) -> None:
+    """Qwen3-30B-A3B's expert widths (16 of its 128 experts), bf16: the start-up check passes,
+    and on 4,096 tokens routed top-8 the codes are the two passes' but for a few e4m3 roundings."""
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(0)
+    w = torch.randn(16, 1536, 2048, device=cuda, generator=g) * 2048 ** -0.5
+    wq, ws = fp8.quantize_weight(w, "block" if block else "row")
+    ws = ws if block else ws.reshape(16, -1)
+    assert fp8_moe.check(wq, ws, 8, x_groups=block, w_blocks=block)
+    x = torch.randn(4096, 2048, device=cuda, generator=g).bfloat16()
+    xq, xs = fp8.quantize_groups(x) if block else fp8.quantize_rows(x)
+    tokens, offs = _routing(4096, 8, 16, cuda)
+    m = int(offs[-1])
+    q, s = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block)
+    q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block)
+    assert (q[:m].view(torch.uint8) != q2[:m].view(torch.uint8)).float().mean().item() <= 1e-4
+    assert (s[:m] - s2[:m]).abs().max().item() <= 1e-2 * s2[:m].abs().max().item()
