@@ -62,8 +62,19 @@ def fp8_cases(mode: str, x: torch.Tensor, tokens: torch.Tensor, offs: torch.Tens
     def down(a: tuple[torch.Tensor, torch.Tensor], bm: int = 64) -> torch.Tensor:
         return fp8_grouped.grouped_block_mm(*a, q2, s2, offs, x_groups=True, w_blocks=wb, bm=bm)
 
-    out = {f"fp8_{mode} two_pass": lambda: down(fp8_moe.two_pass(xq, xs, tokens, offs, q13, s13, x_groups=wb,
-                                                                  w_blocks=wb))}
+    mid = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, q13, s13, x_groups=wb, w_blocks=wb)
+    mid_rows = fp8.quantize_rows(torch.randn(mid[0].shape, device=x.device).bfloat16())
+    out = {f"fp8_{mode} gate_up alone": lambda: fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, q13, s13,
+                                                                           x_groups=wb, w_blocks=wb),
+           f"fp8_{mode} down alone (1x128 input)": lambda: down(mid),
+           f"fp8_{mode} down alone (row input)": lambda: fp8_grouped.grouped_block_mm(
+               *mid_rows, q2, s2, offs, x_groups=False, w_blocks=wb)}
+    for bm, warps, stages in ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 4, 5)):
+        out[f"fp8_{mode} down alone (1x128 input) {bm, warps, stages}"] = \
+            lambda bm=bm, warps=warps, stages=stages: fp8_grouped.grouped_block_mm(
+                *mid, q2, s2, offs, x_groups=True, w_blocks=wb, bm=bm, warps=warps, stages=stages)
+    out[f"fp8_{mode} two_pass"] = lambda: down(fp8_moe.two_pass(xq, xs, tokens, offs, q13, s13, x_groups=wb,
+                                                                 w_blocks=wb))
     for c in fp8_moe.CONFIGS:
         for bm in (64, 128):
             out[f"fp8_{mode} fused{c} down_bm{bm}"] = lambda c=c, bm=bm: down(
@@ -93,6 +104,9 @@ def main() -> None:
     flops = 2.0 * m * h * 2 * i + 2.0 * m * i * h
     gg = GroupedGemm()
     cases: dict[str, Callable[[], object]] = {}
+    act = moe_gate_up.moe_gate_up_silu(x, tokens, offs, w13)
+    cases["bf16 gate_up alone"] = lambda: moe_gate_up.moe_gate_up_silu(x, tokens, offs, w13, (128, 128, 64, 8, 3))
+    cases["bf16 down alone"] = lambda: gg(act, w2.transpose(1, 2), offs)
     for c in moe_gate_up.CONFIGS:
         cases[f"bf16 gate_up{c}"] = lambda c=c: gg(moe_gate_up.moe_gate_up_silu(x, tokens, offs, w13, c),
                                                      w2.transpose(1, 2), offs)
@@ -108,7 +122,7 @@ def main() -> None:
     for name, fn in cases.items():
         ms = timed(fn, a.iters)
         res["cases"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
-    base = min(v["ms"] for n, v in res["cases"].items() if n.startswith("bf16"))
+    base = min(v["ms"] for n, v in res["cases"].items() if n.startswith("bf16") and "alone" not in n)
     for name, v in res["cases"].items():
         v["x_bf16"] = base / v["ms"]
         print(f"{name:>44} {v['ms']:8.3f} ms {v['tflops']:7.1f} TF/s  x{v['x_bf16']:.3f}", flush=True)
