@@ -10,9 +10,13 @@ contiguous with scales [E, ceil(N/128), K/128], offs [E] int32 cumulative row en
 each block's product summed by the tensor cores (Triton's FP8 dot on sm90 accumulates in their
 own precision), then scaled and added in float32 (the recipe's own definition: one promotion
 per 128-wide K block). With ``row``, the same kernel takes per-row activation scales [M] and
-per-channel weight scales [E, N] (applied once, after the K blocks' float32 sum): the row-wise
-experts' default, because torch's grouped row-wise kernel without fast accumulation ran at
-0.59x the bf16 grouped GEMM on an H200 (Qwen3-30B-A3B's experts; ``ops.fp8``'s docstring).
+per-channel weight scales [E, N] (applied once, after the K blocks' float32 sum, in one
+accumulator the tensor cores add into): the row-wise experts' default, because torch's grouped
+row-wise kernel without fast accumulation ran at 0.59x the bf16 grouped GEMM on an H200
+(Qwen3-30B-A3B's experts; ``ops.fp8``'s docstring). Each operand's layout is its own
+(``x_groups``, ``w_blocks``): the experts' down product takes 1x128 activation groups
+(``ops.fp8_moe``'s output) with per-channel weights, promoted per K block by the groups' scales
+and scaled by the columns' at the end.
 
 Tiles: BM rows of one expert x 128 columns (one weight scale block); BM = 64 (4 warps) by
 default, which ran 1.41x faster than 128 rows (8 warps) at ~1,000 rows per expert. An
