@@ -69,10 +69,12 @@ def fp8_cases(mode: str, x: torch.Tensor, tokens: torch.Tensor, offs: torch.Tens
            f"fp8_{mode} down alone (1x128 input)": lambda: down(mid),
            f"fp8_{mode} down alone (row input)": lambda: fp8_grouped.grouped_block_mm(
                *mid_rows, q2, s2, offs, x_groups=False, w_blocks=wb)}
-    for bm, warps, stages in ((64, 4, 4), (128, 8, 3), (128, 8, 4), (64, 4, 5)):
-        out[f"fp8_{mode} down alone (1x128 input) {bm, warps, stages}"] = \
-            lambda bm=bm, warps=warps, stages=stages: fp8_grouped.grouped_block_mm(
-                *mid, q2, s2, offs, x_groups=True, w_blocks=wb, bm=bm, warps=warps, stages=stages)
+    for bm, warps, stages, bn in ((64, 4, 4, 128), (128, 8, 3, 128), (64, 8, 3, 128), (64, 4, 2, 128),
+                                  (64, 4, 3, 256), (128, 8, 3, 256), (64, 8, 3, 256)):
+        for groups, a in ((True, mid), (False, mid_rows)):
+            out[f"fp8_{mode} down alone ({'1x128' if groups else 'row'} input) {bm, warps, stages, bn}"] = \
+                lambda bm=bm, warps=warps, stages=stages, bn=bn, groups=groups, a=a: fp8_grouped.grouped_block_mm(
+                    *a, q2, s2, offs, x_groups=groups, w_blocks=wb, bm=bm, warps=warps, stages=stages, bn=bn)
     out[f"fp8_{mode} two_pass"] = lambda: down(fp8_moe.two_pass(xq, xs, tokens, offs, q13, s13, x_groups=wb,
                                                                  w_blocks=wb))
     for c in fp8_moe.CONFIGS:

@@ -76,9 +76,10 @@ def _kernels() -> dict[str, Any]:
         cm = cols < N
         ks = tl.arange(0, BK)
         kb_n: tl.constexpr = K // BK
-        nb_n = tl.cdiv(N, BN)  # BN is the scale block's height: one weight scale per tile and K block
+        nb_n = tl.cdiv(N, BK)  # the weight scale blocks' rows (BK = 128 = the block)
         w_base = w_ptr + e.to(tl.int64) * N * K
-        sw_base = sw_ptr + e.to(tl.int64) * nb_n * kb_n + pid_n * kb_n
+        # the tile's weight scales per K block: one (BN the block's height) or one per column's block
+        sw_base = sw_ptr + e.to(tl.int64) * nb_n * kb_n + (pid_n * kb_n if BN == BK else (cols // BK) * kb_n)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         # with a per-block scale (XG or WB) each 128-wide K block's product is summed by the tensor
         # cores (Triton's FP8 dot on sm90 accumulates in their own precision) and then scaled and
@@ -87,11 +88,13 @@ def _kernels() -> dict[str, Any]:
             a = tl.load(x_ptr + rows[:, None] * K + kb * BK + ks[None, :])
             b = tl.load(w_base + cols[:, None].to(tl.int64) * K + kb * BK + ks[None, :], mask=cm[:, None], other=0.0)
             if XG and WB:
-                acc += tl.dot(a, b.T) * (tl.load(sx_ptr + rows * sx_m + kb * sx_k)[:, None] * tl.load(sw_base + kb))
+                sb = tl.load(sw_base + kb) if BN == BK else tl.load(sw_base + kb, mask=cm, other=0.0)[None, :]
+                acc += tl.dot(a, b.T) * (tl.load(sx_ptr + rows * sx_m + kb * sx_k)[:, None] * sb)
             elif XG:
                 acc += tl.dot(a, b.T) * tl.load(sx_ptr + rows * sx_m + kb * sx_k)[:, None]
             elif WB:
-                acc += tl.dot(a, b.T) * tl.load(sw_base + kb)
+                sb = tl.load(sw_base + kb) if BN == BK else tl.load(sw_base + kb, mask=cm, other=0.0)[None, :]
+                acc += tl.dot(a, b.T) * sb
             else:
                 acc = tl.dot(a, b.T, acc)
         if not XG:  # x's [M] row scales
@@ -115,13 +118,13 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, offs: torch.Tensor,
                      bm: int = 64, warps: int | None = None, stages: int = 3, row: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16, x_groups: bool | None = None,
-                     w_blocks: bool | None = None) -> torch.Tensor | None:
+                     w_blocks: bool | None = None, bn: int = BLOCK) -> torch.Tensor | None:
     """[M, K] x [E, N, K] by experts with 1x128 / 128x128 block scales -> [M, N] (bf16 by
     default), or None where the kernel does not apply (module docstring). ``row``: x's scales
     [M] (or [M, 1]) and per-channel weight scales [E, N] (or [E, N, 1]) instead; ``x_groups`` /
     ``w_blocks`` set each operand's own (default: ``not row``): 1x128 activation groups with
     per-channel weights is the experts' down product after ``ops.fp8_moe``'s fused gate/up.
-    ``bm`` the tile's rows (64: 4 warps; 128: 8 warps)."""
+    ``bm`` the tile's rows (64: 4 warps; 128: 8 warps), ``bn`` its columns (128, or 256)."""
     if not applies(x, w):
         return None
     kern = _kernels()
@@ -138,8 +141,8 @@ def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     if not xg:
         sx = sx.reshape(m)
     sx_m, sx_k = (sx.stride(0), sx.stride(1)) if xg else (sx.stride(0), 0)
-    grid = (-(-n // BLOCK), -(-m // bm) + e)
+    grid = (-(-n // bn), -(-m // bm) + e)
     kern["grouped_block"][grid](x, sx, sx_m, sx_k, w, sw, offs, tiles, out, m, n, k, e,
-                                BM=bm, BN=BLOCK, BK=BLOCK, BE=kern["next_pow2"](e), XG=xg, WB=wb,
+                                BM=bm, BN=bn, BK=BLOCK, BE=kern["next_pow2"](e), XG=xg, WB=wb,
                                 num_warps=warps or (4 if bm <= 64 else 8), num_stages=stages)
     return out
