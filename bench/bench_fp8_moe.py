@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import provenance
 from workloads import QWEN3_30B_A3B
 
 from teacher_server.ops import fp8, fp8_grouped, fp8_moe, moe_gate_up
@@ -120,7 +121,7 @@ def main() -> None:
             fn()
         torch.cuda.synchronize()
     res: dict = {"tokens": t, "rows": m, "hidden": h, "inter": i, "experts": e, "top_k": k,
-                 "device": torch.cuda.get_device_name(), "cases": {}}
+                 "device": torch.cuda.get_device_name(), "provenance": provenance(), "cases": {}}
     for name, fn in cases.items():
         ms = timed(fn, a.iters)
         res["cases"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
