@@ -54,16 +54,18 @@ def workload(name: str, vocab: int) -> list:
 
 
 def server_gauges(url: str) -> dict[str, float]:
-    """The KV pool's tokens, the token budget and whether the expert layers' fused gate/up kernel
-    is on (``moe_gate_up_kernel``: FP8's ``ops.fp8_moe`` or bf16's ``ops.moe_gate_up``), from /metrics."""
+    """The KV pool's tokens, the token budget and whether the expert layers' fused gate/up kernels
+    are on (bf16's ``ops.moe_gate_up``: ``moe_gate_up_kernel``; FP8's ``ops.fp8_moe``:
+    ``fp8_moe_kernel``), from /metrics."""
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         for name, key in (("teacher_server_kv_cache_tokens", "kv_pool_tokens"),
-                          ("teacher_server_token_budget", "token_budget"),
-                          ("teacher_server_kernel_enabled", "moe_gate_up_kernel")):
-            if (line.startswith(name + "{") or line.startswith(name + " ")) and (
-                    key != "moe_gate_up_kernel" or 'kernel="moe_gate_up_kernel"' in line):
+                          ("teacher_server_token_budget", "token_budget")):
+            if line.startswith(name + "{") or line.startswith(name + " "):
                 out[key] = float(line.rsplit(" ", 1)[1])
+        for kernel in ("moe_gate_up_kernel", "fp8_moe_kernel"):
+            if line.startswith("teacher_server_kernel_enabled{") and f'kernel="{kernel}"' in line:
+                out[kernel] = float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -144,8 +146,9 @@ def main() -> None:
             rnd[v] = run
             print(f"round {r} {v}: {run['tokens_per_s']:,.0f} tok/s, MFU {run['mfu']:.3f}, "
                   f"KV pool {run.get('kv_pool_tokens', float('nan')):,.0f} tokens, budget "
-                  f"{run.get('token_budget', float('nan')):,.0f}, fused expert gate/up "
-                  f"{run.get('moe_gate_up_kernel', float('nan')):.0f}", flush=True)
+                  f"{run.get('token_budget', float('nan')):,.0f}, fused expert gate/up bf16 "
+                  f"{run.get('moe_gate_up_kernel', float('nan')):.0f} FP8 {run.get('fp8_moe_kernel', float('nan')):.0f}",
+                  flush=True)
         for v in variants:
             if v != "bf16" and "tokens_per_s" in rnd.get(v, {}) and "tokens_per_s" in rnd.get("bf16", {}):
                 rnd[v]["x_bf16"] = rnd[v]["tokens_per_s"] / rnd["bf16"]["tokens_per_s"]
@@ -160,7 +163,8 @@ def main() -> None:
         summary[v] = {"tokens_per_s": [round(x["tokens_per_s"]) for x in runs],
                       "mfu_bf16_flops": [round(x["mfu"], 4) for x in runs],
                       "kv_pool_tokens": runs[0].get("kv_pool_tokens"), "token_budget": runs[0].get("token_budget"),
-                      "moe_gate_up_kernel": runs[0].get("moe_gate_up_kernel")}
+                      "moe_gate_up_kernel": runs[0].get("moe_gate_up_kernel"),
+                      "fp8_moe_kernel": runs[0].get("fp8_moe_kernel")}
         if v != "bf16":
             ratios = [x["x_bf16"] for x in runs if "x_bf16" in x]
             summary[v]["x_bf16_per_round"] = [round(x, 3) for x in ratios]

@@ -102,12 +102,16 @@ def test_the_kernel_in_the_triton_interpreter() -> None:
     assert res["check fails"] is True
 
 
-def test_where_the_kernel_does_not_apply_it_says_so() -> None:
+def test_where_the_kernel_does_not_apply_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     """Widths not whole groups of 128, a float32 model, operands of other dtypes: None (the
     layer takes its passes); the CPU without Triton's interpreter has no kernel either."""
     tokens, offs = _routing(8, 2, 3, torch.device("cpu"))
     x = torch.zeros(8, 256, dtype=torch.float8_e4m3fn)
     xs = torch.ones(8, 1)
+    w = torch.zeros(3, 256, 256, dtype=torch.float8_e4m3fn)
+    assert fp8_moe.gate_up_silu_quant(x, xs, tokens, offs, w, torch.ones(3, 256), x_groups=False,
+                                      w_blocks=False) is None  # the CPU
+    monkeypatch.setattr(fp8_moe, "runs_on", lambda x: True)  # where it runs, the other reasons
     for w in (torch.zeros(3, 2 * 96, 256, dtype=torch.float8_e4m3fn),  # I = 96
               torch.zeros(3, 256, 256, dtype=torch.bfloat16)):
         assert fp8_moe.gate_up_silu_quant(x, xs, tokens, offs, w, torch.ones(3, w.shape[1]), x_groups=False,
@@ -140,57 +144,80 @@ def test_row_weights_take_1x128_input_groups() -> None:
 _MODEL = """
 import json, sys, numpy as np, torch
 sys.path.insert(0, "tests")
-from test_fp8 import engine, fp8_checkpoints, requests  # noqa: F401  (the fixture)
+from test_fp8 import engine, requests
 from teacher_server.layers.formats import fp8 as fmt
-from teacher_server.ops import fp8_moe
+from teacher_server.layers.formats.fp8_dispatch import ExpertInputs
+from teacher_server.models.moe import pick_gate_up
+from teacher_server.ops.fused import FusedOps
 fmt.fp8_compute = lambda device: True  # the FP8 modes on the CPU (their references)
-calls = []
-real = fp8_moe.gate_up_silu_quant
-fp8_moe.gate_up_silu_quant = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-out = {}
+# the warm-up's decision on the FP8 kernel as on the GPU (it skips the CPU); the others as here
+real_decide = FusedOps.decide
+FusedOps.decide = lambda self, switch, name, decide, device: (
+    setattr(self, switch, bool(decide())) if switch == "fp8_moe_kernel" else real_decide(self, switch, name, decide, device))
+made = []  # (layer, whether the kernel made its down input)
+real = ExpertInputs.fused_gate_up
+ExpertInputs.fused_gate_up = lambda self, layer, *a: (lambda r: made.append((id(layer), r is not None)) or r)(
+    real(self, layer, *a))
 def diff(a, b):  # the largest difference where finite; inf where one is finite and the other not
     if a is None or not a.size:
         return 0.0
     fa, fb = np.isfinite(a), np.isfinite(b)
     return float(np.abs(a[fa] - b[fa]).max()) if (fa == fb).all() else float("inf")
+out = {}
 for path, online in json.loads(sys.argv[1]):
     kw = dict(dtype="bfloat16", quantization="fp8" if online else None)
     reqs = requests("moe128")
     plain = engine(path, **kw).run_to_completion(reqs)
     on = engine(path, **kw)
-    experts = [m for m in on.model.modules() if getattr(m, "role", None) == "experts"]
-    on.runner.ops.moe_gate_up_kernel = all(m.fmt.check_fused_gate_up(m, 2) for m in experts)
-    calls.clear()
+    sparse = [layer.mlp for layer in on.model.layers if layer.sparse]
+    assert not on.runner.ops.fp8_moe_kernel
+    pick_gate_up(on.runner.ops, sparse[0], torch.bfloat16)  # the warm-up checks the first expert layer
+    made.clear()
     got = on.run_to_completion(reqs)
-    out[path] = {"on": on.runner.ops.moe_gate_up_kernel, "calls": len(calls), "errors": [r.error for r in got + plain],
-                 "max_diff": max(diff(a.token_id_logprobs, b.token_id_logprobs) for a, b in zip(got, plain))}
+    out[path] = {"on": on.runner.ops.fp8_moe_kernel, "layers": len(sparse),
+                 "layers_made": len({m for m, r in made if r}), "passes": sum(not r for _, r in made),
+                 "errors": [r.error for r in got + plain],
+                 "max_diff": max(diff(a.token_id_logprobs, b.token_id_logprobs) for a, b in zip(got, plain)),
+                 "same": float(np.mean(np.concatenate([(a.token_id_logprobs == b.token_id_logprobs).ravel()
+                                                       for a, b in zip(got, plain) if a.token_id_logprobs.size])))}
 print(json.dumps(out))
 """
 
 
 def test_an_fp8_expert_model_scores_through_the_kernel_as_through_the_passes(fp8_checkpoints,  # noqa: F811
                                                                              monkeypatch) -> None:
-    """Block-wise and quantized-at-load (row) experts: the warm-up's check passes at the layer's
-    weights, every expert layer takes the kernel, and the scores are the passes' (the same bits
-    in the interpreter; on the GPU an e4m3 code may flip with the exp's last bit)."""
+    """Block-wise and quantized-at-load (row) experts, three expert layers: the warm-up checks
+    the first (``pick_gate_up``, as on the GPU), every expert layer of its shapes then takes the
+    kernel, and the scores are the passes' but where a code rounds the other way (in the
+    interpreter its exp is numpy's; on the GPU the tensor cores' order of summation)."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
-    paths = [(str(fp8_checkpoints("moe128", "block", (128, 128))[0]), False),
-             (str(fp8_checkpoints("moe128", "block", (128, 128))[1]), True)]  # the bf16 twin, quantized at load
+    fp8_path, twin = fp8_checkpoints("moe128x3", "block", (128, 128))
+    paths = [(str(fp8_path), False), (str(twin), True)]  # the bf16 twin, quantized at load
     res = json.loads(interpreted(_MODEL.replace("sys.argv[1]", repr(json.dumps(paths)))))
     for path, r in res.items():
-        assert r["on"] and r["calls"] > 0 and not any(r["errors"]), (path, r)
-        assert r["max_diff"] <= 1e-3, (path, r)  # (the same bits, here)
+        assert r["on"] and r["layers"] == 3 and r["layers_made"] == 3 and r["passes"] == 0, (path, r)
+        assert not any(r["errors"]), (path, r)
+        # the same bits but where an exp's last bit (the interpreter's is numpy's, the passes' torch's)
+        # rounds a silu, then an e4m3 code, the other way: a few scores move by up to a few 1e-2
+        assert r["same"] >= 0.8 and r["max_diff"] <= 0.1, (path, r)
 
 
 def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch) -> None:  # noqa: F811
-    """Without Triton's interpreter the warm-up never turns the kernel on off CUDA, and the
-    experts' down input is the SiLU-mul pass's 1x128 groups, scored as before."""
+    """Off CUDA the warm-up never turns the kernel on, and the experts' down input is the
+    SiLU-mul pass's, in 1x128 groups also with per-row weights (quantized at load)."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
-    path, _ = fp8_checkpoints("moe128", "block", (128, 128))
-    eng = engine(path)
-    assert not eng.runner.ops.moe_gate_up_kernel
+    modes = []
+    real = fp8.silu_mul_quant
+    monkeypatch.setattr(fp8, "silu_mul_quant", lambda gu, mode, *a, **kw: modes.append(mode) or real(gu, mode, *a, **kw))
+    _, twin = fp8_checkpoints("moe128", "block", (128, 128))
+    eng = engine(twin, quantization="fp8")
+    assert not eng.runner.ops.fp8_moe_kernel and not eng.runner.ops.moe_gate_up_kernel
+    experts = [m for m in eng.model.modules() if getattr(m, "role", None) == "experts"]
+    assert experts and all(m.fp8_mode == "row" and m.fp8_down_groups for m in experts)
+    modes.clear()
     got = eng.run_to_completion(requests("moe128"))
     assert all(r.error is None and not np.isnan(r.token_id_logprobs).any() for r in got)
+    assert modes and set(modes) == {"group"}, modes
 
 
 def _fp8_gpu() -> bool:

@@ -155,12 +155,13 @@ def test_the_fp8_grouped_gemm_at_an_expert_layers_shapes(monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "moonlight", "deepseek-v3"])
-def test_the_fused_fp8_expert_gate_up_kernel_at_each_expert_model(model: str) -> None:
+def test_the_fused_fp8_expert_gate_up_kernel_at_each_expert_model(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
     """``ops.fp8_moe`` in each scale layout at each config. With 128x128 weight blocks and 1x128
     input groups each K block's two products are promoted apart from the accumulators (255
     registers at 128 rows): 8 bytes spill at Qwen3-30B-A3B's width, which still ran fastest
     (bench/bench_fp8_moe.py on an H100: 2.49 ms at 128 rows against 3.19 ms at 64), so up to 16
     bytes pass there; per-channel weights spill nothing."""
+    monkeypatch.setattr(fp8_moe, "runs_on", lambda x: True)  # CUDA only
     hidden, experts, inter = EXPERT_SHAPES[model]
     experts = min(experts, 16)
     t, top, f8 = 1024, 8, torch.float8_e4m3fn

@@ -281,10 +281,10 @@ class SparseMoe(RuntimeModule):
     def gate_up_act(self, h: torch.Tensor, rows: ExpertRows) -> torch.Tensor | QuantizedRows:
         """The down product's input: silu(gate) * up of each sorted row's token, one fused kernel
         where the warm-up picked it, else the gathered rows, the grouped GEMM and SiLU-mul."""
-        ex, on = self.experts, self.rt.ops.moe_gate_up_kernel
-        w = ex.fmt.dense(ex, "gate_up") if on else None
-        a = moe_gate_up_silu(h, rows.tokens, rows.offs, w, self.rt.ops.moe_gate_up_config) if w is not None else None
-        if a is None and on and w is None:  # FP8: its own kernel, the down input quantized in it
+        ex, ops = self.experts, self.rt.ops
+        w = ex.fmt.dense(ex, "gate_up") if ops.moe_gate_up_kernel else None
+        a = moe_gate_up_silu(h, rows.tokens, rows.offs, w, ops.moe_gate_up_config) if w is not None else None
+        if a is None and ops.fp8_moe_kernel:  # FP8: its own kernel, the down input quantized in it
             a = ex.fmt.fused_gate_up(ex, h, rows.tokens, rows.offs)
         if a is not None:
             return a

@@ -77,7 +77,7 @@ def pick_gate_up(ops: FusedOps, sparse: nn.Module, dtype: torch.dtype) -> None:
     if w is not None:
         ops.pick_moe_gate_up(w, sparse.top_k, GROUPED_GEMM, sparse.experts.num_experts)
     elif isinstance(sparse, SparseMoe):  # FP8 experts: the format's fused kernel where its check passes
-        ops.decide("moe_gate_up_kernel", "fused FP8 expert gate/up",
+        ops.decide("fp8_moe_kernel", "fused FP8 expert gate/up",
                    lambda: ex.fmt.check_fused_gate_up(ex, sparse.top_k), device)
     ops.pick_group(ex.num_local + (ex.ep.size > 1), sparse.top_k, device)  # (per rank: the same rows either way)
     if hasattr(sparse, "check_router_kernel"):  # SparseMoe's softmax routers, DeepSeek's sigmoid one

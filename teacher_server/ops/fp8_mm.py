@@ -296,13 +296,14 @@ def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsc
 
 
 def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0,
-                        bias: bool = False) -> None:
+                        bias: bool = False, groups: bool = False) -> None:
     """Start-up check of the multiply a layer will run: ``scaled_linear`` in ``mode`` at width
     k -> n (a token count not a multiple of 4, and with a bf16 ``bias`` if the layer has one), or,
     with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts, against its float32
     reference on random operands. A combination cuBLAS refuses runs the other way from here on
     (``_block_mm``); raises what torch raises otherwise, and RuntimeError on a mismatch beyond a
-    bf16 step of the output's scale."""
+    bf16 step of the output's scale. ``groups``: 1x128 activation groups whatever the weights'
+    mode (the experts' down input)."""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [33]
     m = sum(counts)
@@ -311,7 +312,7 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     b = torch.randn(n, generator=gen).bfloat16() if bias and not experts else None
     wq, ws = quantize_weight(w if experts else w[0], mode)
     xf = x.float()  # activation scales as the layer makes them: 1x128 groups for block weights, else rows
-    if mode == "block":
+    if mode == "block" or groups:
         s = scale_from_amax(xf.view(m, -1, BLOCK).abs().amax(-1))
         xs = (to_fp8(xf.view(m, -1, BLOCK), s[..., None]).view(m, k), s.t().contiguous().t())
     else:
@@ -328,5 +329,6 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
         ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32, b)
     err = (got.float().cpu() - ref).abs()
     if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
-        raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''} differs "
+        raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''}"
+                           f"{' on 1x128 input groups' if groups else ''} differs "
                            f"from its float32 reference by up to {err.max().item():.3g}")

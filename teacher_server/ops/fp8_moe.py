@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops.checks import assert_close
 from teacher_server.ops.fp8_mm import AMAX_FLOOR, FP8_MAX
 from teacher_server.ops.fp8_quant import group_buffers
 from teacher_server.ops.moe_gate_up import block_experts, expert_blocks
@@ -144,11 +143,17 @@ def _kernels() -> dict[str, Any]:
     return lazy(_K, "fused FP8 expert gate/up kernel", _define)
 
 
+def runs_on(x: torch.Tensor) -> bool:
+    """Whether the kernel runs where x is: CUDA, or the CPU under Triton's interpreter."""
+    return x.is_cuda or INTERPRETED
+
+
 def eligible(xq: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor) -> bool:
     """xq [T, K] e4m3 contiguous, w [E, 2I, K] e4m3 contiguous, K and I multiples of 128, int64
-    tokens and int32 offs, all on one device (CUDA, or the CPU under Triton's interpreter)."""
+    tokens and int32 offs, all on one device: CUDA, or the CPU under Triton's interpreter only."""
     e4m3 = torch.float8_e4m3fn
-    return (xq.dtype == e4m3 and w.dtype == e4m3 and xq.dim() == 2 and w.dim() == 3 and xq.is_contiguous()
+    return (runs_on(xq) and xq.dtype == e4m3 and w.dtype == e4m3 and xq.dim() == 2 and w.dim() == 3
+            and xq.is_contiguous()
             and w.is_contiguous() and w.shape[2] == xq.shape[1] and xq.shape[1] % GROUP == 0
             and w.shape[1] % (2 * GROUP) == 0 and tokens.dtype == torch.int64 and offs.dtype == torch.int32
             and w.shape[0] == offs.shape[0] > 0 and tokens.dim() == 1 and tokens.is_contiguous()
@@ -215,9 +220,10 @@ def check(w: torch.Tensor, sw: torch.Tensor, top_k: int, *, x_groups: bool, w_bl
           dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int] = CONFIG) -> bool:
     """Start-up check at a layer's expert weights ``w`` [E, 2I, K] and scales ``sw`` (its own:
     nothing of their size allocated): the kernel against ``two_pass`` on random inputs and
-    routing (1, 37 and 300 tokens, empty experts), the dequantized outputs within one e4m3 step
-    of each other (a tensor-core sum in another order may round a code the other way; NaN
-    fails). False where the kernel does not apply; RuntimeError on a mismatch."""
+    routing (1, 37 and 300 tokens, empty experts): each 1x128 group of the dequantized outputs
+    within one e4m3 step of its largest value, at most 1% of the codes other (a tensor-core sum
+    in another order may round a code the other way; NaN fails). False where the kernel does not
+    apply; RuntimeError on a mismatch."""
     from teacher_server.ops import fp8
     from teacher_server.ops.moe_gate_up import _routing
 
@@ -232,6 +238,11 @@ def check(w: torch.Tensor, sw: torch.Tensor, top_k: int, *, x_groups: bool, w_bl
             return False
         m = int(offs[-1])
         ref = two_pass(xq, sx, tokens, offs, w, sw, x_groups=x_groups, w_blocks=w_blocks, dtype=dtype)
-        a, b = (q[:m].float() * s[:m].repeat_interleave(GROUP, 1) for q, s in (got, ref))
-        assert_close(f"fused FP8 expert gate/up at {t} tokens", a, b, rel=2 ** -3, floor=1e-3)
+        a, b = (q[:m].float().view(m, -1, GROUP) * s[:m, :, None] for q, s in (got, ref))
+        # per 1x128 group, within one e4m3 step of its largest value (32 / 448), and few codes off
+        err = ((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-30)).max().item() if m else 0.0
+        off = (got[0][:m].view(torch.uint8) != ref[0][:m].view(torch.uint8)).float().mean().item() if m else 0.0
+        if not (err <= 0.072 and off <= 0.01):  # (NaN fails)
+            raise RuntimeError(f"fused FP8 expert gate/up at {t} tokens differs from its passes: a group by up to "
+                               f"{err:.3g} of its largest value, {off:.2%} of the codes")
     return True

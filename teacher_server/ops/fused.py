@@ -57,7 +57,7 @@ _GATE_UP = {"silu": "gate_up_kernel", "gelu_tanh": "gate_up_gelu_kernel"}  # the
 # the kernels' switches (each on or off after the warm-up's checks and picks)
 SWITCHES = ("silu_kernel", "qkv_kernel", "conv_kernel", "gate_up_kernel", "gate_up_gelu_kernel", "combine_kernel",
             "moe_gate_up_kernel", "router_kernel", "group_kernel", "swiglu_kernel", "router_gemm_split",
-            "gated_qk_kernel")
+            "gated_qk_kernel", "fp8_moe_kernel")
 
 
 class FusedOps:
@@ -92,12 +92,11 @@ class FusedOps:
         self.linear_heads: tuple[int, int, int, int] | None = None
         loaded = self._loaded = kernels and kernels_available()
         self.silu_kernel = loaded  # SiLU-mul CUDA kernel
-        # gpt-oss's expert activation as a CUDA kernel where the rows have an end (expert
-        # parallel: it skips the rows after it; the compiled stage cannot), after its check
-        self.swiglu_kernel = loaded
+        self.swiglu_kernel = loaded  # gpt-oss's expert activation where the rows have an end, after its check
         self.combine_kernel = loaded  # the expert layer's weighted sum (``ops.moe_combine``), after its check
         # the experts' gather, gate/up grouped GEMM and SiLU-mul in one Triton kernel: ``pick_moe_gate_up``
         self.moe_gate_up_kernel = False
+        self.fp8_moe_kernel = False  # the same for FP8 experts (``ops.fp8_moe``), where the warm-up's check passes
         self.moe_gate_up_config = moe_gate_up.CONFIG  # the tiles the warm-up found fastest
         # the router in one Triton kernel (``ops.moe_router``, ``ops.softmax_topk``): ``check_router``
         self.router_kernel = False

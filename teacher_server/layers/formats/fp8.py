@@ -245,6 +245,9 @@ class Fp8Weights(ExpertInputs, WeightFormat):
             layer.fmt = UNQUANTIZED
             return
         layer.fp8_mode = mode
+        n, k = layer.down.shape[-2:] if layer.role == "experts" and s.activations != "static" else (0, 1)
+        layer.fp8_down_groups = k % GPU_BLOCK[1] == 0 and (  # the experts' down input in 1 x 128 groups, where
+            mode == "block" or product_runs("row", k, n, 6, device, groups=True))  # that product runs
         # checked at each slot's input width: an expert layer's down input (width I, made in the
         # SiLU-mul pass) as well as its gate/up input (width H)
         layer.fp8_kernel = all(quant_kernels_ok(getattr(layer, slot).shape[-1], device, layer.model_dtype)
@@ -289,13 +292,11 @@ class Fp8Weights(ExpertInputs, WeightFormat):
 
     def _act_mode(self, layer: nn.Module, slot: str = "weight") -> str:
         """How ``layer``'s ``slot`` input is quantized: 1 x 128 groups for block weights and for
-        the experts' down input (whole groups wide: what ``ops.fp8_moe``'s kernel makes, so its
+        the experts' down input (``fp8_down_groups``: what ``ops.fp8_moe``'s kernel makes, so its
         passes make it too), else per row, or with the static per-tensor scale."""
         if self.scheme.activations == "static":
             return "tensor"
-        if layer.fp8_mode == "block" or (slot == "down" and getattr(layer, slot).shape[-1] % GPU_BLOCK[1] == 0):
-            return "group"
-        return "row"
+        return "group" if layer.fp8_mode == "block" or (slot == "down" and layer.fp8_down_groups) else "row"
 
     def _quantize_input(self, layer: nn.Module, slot: str,
                         x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,19 +26,21 @@ def fp8_compute(device: torch.device) -> bool:
 _RUNS: dict[tuple, bool] = {}  # (mode, k, n, experts, device) -> whether that multiply runs there
 
 
-def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device) -> bool:
+def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, groups: bool = False) -> bool:
     """Whether ``ops.fp8``'s multiply in ``mode`` ("block": 128 x 128 weight blocks, "row"),
     grouped over ``experts`` when not 0, runs on ``device`` at width k -> n and matches its
     float32 reference (``check_scaled_linear``, once per shape). Where not, the layer takes the
-    next mode (block, row, then its weights dequantized), with one line logged."""
-    key = (mode, k, n, experts, str(device))
+    next mode (block, row, then its weights dequantized), with one line logged. ``groups``: on
+    1x128 activation groups (the experts' down input; where not, per-row inputs are made)."""
+    key = (mode, k, n, experts, str(device), groups)
     if key not in _RUNS:
         try:
-            fp8.check_scaled_linear(mode, k, n, device, experts)
+            fp8.check_scaled_linear(mode, k, n, device, experts, groups=groups)
             _RUNS[key] = True
         except (RuntimeError, ValueError, NotImplementedError) as e:
-            log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): the next mode is used", mode, k,
-                        n, " (experts)" if experts else "", str(e)[:200])
+            log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): %s", mode, k, n,
+                        " (experts)" if experts else "", str(e)[:200],
+                        "per-row inputs are made" if groups else "the next mode is used")
             _RUNS[key] = False
     return _RUNS[key]
 
@@ -98,9 +100,10 @@ class ExpertInputs:
     def fused_gate_up(self, layer: nn.Module, h: torch.Tensor, tokens: torch.Tensor,
                       offs: torch.Tensor) -> QuantizedRows | None:
         """The experts' down input by ``ops.fp8_moe``'s kernel, where ``check_fused_gate_up``
-        passed: h's T rows quantized, then each sorted row's gate/up product, SiLU-mul and 1 x 128
-        quantization in one pass (what ``gather_input``, the product and ``silu_mul_input`` make)."""
-        if not getattr(layer, "fp8_fused", False):
+        passed at this layer's shapes: h's T rows quantized, then each sorted row's gate/up
+        product, SiLU-mul and 1 x 128 quantization in one pass (what ``gather_input``, the product
+        and ``silu_mul_input`` make)."""
+        if not _FUSED.get(_fused_key(layer)):
             return None
         block = layer.fp8_mode == "block"
         xq, xs = self._quantize_input(layer, "gate_up", h)
@@ -110,10 +113,20 @@ class ExpertInputs:
 
     def check_fused_gate_up(self, layer: nn.Module, top_k: int) -> bool:
         """``ops.fp8_moe.check`` at the layer's weights, where its activations are dynamic and its
-        down input is made in 1 x 128 groups (its width whole groups); the answer is kept on the
-        layer (``fp8_fused``)."""
+        down input is made in 1 x 128 groups; the answer holds for every expert layer of its
+        shapes, mode and dtype on its device (the warm-up checks one layer of a model)."""
         block = layer.fp8_mode == "block"
-        layer.fp8_fused = (self._act_mode(layer, "down") == "group"
-                           and fp8_moe.check(layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block,
-                                             w_blocks=block, dtype=layer.model_dtype))
-        return layer.fp8_fused
+        _FUSED[_fused_key(layer)] = on = (
+            self._act_mode(layer, "down") == "group"
+            and fp8_moe.check(layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block, w_blocks=block,
+                              dtype=layer.model_dtype))
+        return on
+
+
+_FUSED: dict[tuple, bool] = {}  # _fused_key -> whether ops.fp8_moe's kernel passed its check there
+
+
+def _fused_key(layer: nn.Module) -> tuple:
+    """An expert layer's shapes, mode, dtype and device: what ``ops.fp8_moe.check`` depends on."""
+    w = layer.gate_up
+    return tuple(w.shape), tuple(layer.down.shape), layer.fp8_mode, layer.model_dtype, str(w.device)
