@@ -31,22 +31,8 @@ from bench_engine import provenance
 from workloads import QWEN3_30B_A3B
 
 from teacher_server.ops import fp8, fp8_grouped, fp8_moe, moe_gate_up
+from teacher_server.ops.checks import median_ms
 from teacher_server.ops.grouped_mm import GroupedGemm
-
-
-def timed(fn: Callable[[], object], iters: int) -> float:
-    """Median milliseconds per call of ``iters`` calls, each timed by CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def fp8_cases(mode: str, x: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w13: torch.Tensor,
@@ -123,7 +109,7 @@ def main() -> None:
     res: dict = {"tokens": t, "rows": m, "hidden": h, "inter": i, "experts": e, "top_k": k,
                  "device": torch.cuda.get_device_name(), "provenance": provenance(), "cases": {}}
     for name, fn in cases.items():
-        ms = timed(fn, a.iters)
+        ms = median_ms([fn], reps=a.iters + 1, skip=1)[0]
         res["cases"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
     base = min(v["ms"] for n, v in res["cases"].items() if n.startswith("bf16") and "alone" not in n)
     for name, v in res["cases"].items():
