@@ -198,6 +198,13 @@ def main(argv: list[str] | None = None) -> None:
         if (argv[:1] == ["worker"]) != (cfg.node_rank > 0):
             raise ConfigError(f"node_rank={cfg.node_rank}: node 0 (the leader) runs `teacher-server serve`, nodes "
                               f"1..nnodes-1 run `teacher-server worker`")
+        if cfg.nnodes > 1:  # the key, before anything starts (the leader's engine would ask only after the port opened)
+            from teacher_server.engine.remote_ranks import node_authkey
+
+            try:
+                node_authkey(cfg)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     except ConfigError as e:
         print(f"teacher-server: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -252,6 +252,7 @@ def test_node_settings_are_checked() -> None:
     (["serve", "--nnodes", "2", "-pp", "2", "--node-rank", "1"], "nodes 1..nnodes-1 run `teacher-server worker`"),
     (["worker", "--nnodes", "2", "-pp", "3", "--node-rank", "1"], "nnodes=2 does not divide the 3 ranks"),
     (["worker", "--nnodes", "2", "-pp", "2", "--node-rank", "1"], "needs node_authkey"),
+    (["serve", "--nnodes", "2", "-pp", "2"], "needs node_authkey"),  # the leader too, before its port opens
 ])
 def test_the_command_line_refuses(argv: list[str], needle: str, capsys: pytest.CaptureFixture,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
