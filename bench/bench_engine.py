@@ -229,8 +229,9 @@ KERNEL_SWITCHES = SWITCHES  # FusedOps' kernel switches (the results' kernels_on
 ABLATIONS = ("as_configured", "varlen_attention", "cudnn_attention", "cudnn_fe_attention", "one_attention_stream",
              "residual_add_outside_gemm", "all_rows_last_layer", "no_prefix_groups", "no_pipeline", "budget_x2",
              "budget_half", "split_to_fill", "eager_stages", "no_cuda_kernels", "no_fused_gate_up",
-             "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel", "flip_group_kernel", "no_router_gemm_split",
-             "eager_gated_attention", "no_gated_qk_kernel", "no_conv_kernel", "fp8_norm_then_quant")
+             "no_combine_kernel", "flip_moe_gate_up", "no_fp8_moe_kernel", "no_router_kernel", "flip_group_kernel",
+             "no_router_gemm_split", "eager_gated_attention", "no_gated_qk_kernel", "no_conv_kernel",
+             "fp8_norm_then_quant")
 
 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
@@ -288,6 +289,9 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # passes (or, where the warm-up left them so, the fused kernel forced on)
         "no_combine_kernel": lambda: setattr(ops, "combine_kernel", False),
         "flip_moe_gate_up": lambda: setattr(ops, "moe_gate_up_kernel", not ops_saved["moe_gate_up_kernel"]),
+        # FP8 experts: the gather, gate/up product and SiLU-mul + quantization as passes, not ops.fp8_moe's kernel
+        # (on only where its check passed: it cannot be forced on)
+        "no_fp8_moe_kernel": lambda: setattr(ops, "fp8_moe_kernel", False),
         "no_router_kernel": lambda: setattr(ops, "router_kernel", False),  # the router (sigmoid or softmax) in torch
         # the expert rows grouped by torch's sort (or, where the warm-up left it so, the counting kernels forced on)
         "flip_group_kernel": lambda: setattr(ops, "group_kernel", not ops_saved["group_kernel"]),
@@ -310,7 +314,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         runs[v] = runs.get(v, 0) + 1
         key = v if runs[v] == 1 else f"{v}#{runs[v]}"
         if tp and v in ("eager_stages", "eager_gated_attention", "no_cuda_kernels", "no_conv_kernel", "no_fused_gate_up",
-                        "all_rows_last_layer", "no_combine_kernel", "flip_moe_gate_up", "no_router_kernel",
+                        "all_rows_last_layer", "no_combine_kernel", "flip_moe_gate_up", "no_fp8_moe_kernel",
+                        "no_router_kernel",
                         "flip_group_kernel", "no_router_gemm_split", "no_gated_qk_kernel"):  # the workers' own
             out[key] = {"skipped": "tensor parallel: only rank 0's stages and model would change"}
             continue

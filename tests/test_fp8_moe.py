@@ -244,3 +244,43 @@ def test_the_kernel_on_the_gpu_at_an_expert_models_shapes(block: bool) -> None:
     q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block)
     assert (q[:m].view(torch.uint8) != q2[:m].view(torch.uint8)).float().mean().item() <= 1e-4
     assert (s[:m] - s2[:m]).abs().max().item() <= 1e-2 * s2[:m].abs().max().item()
+
+
+def test_the_checks_answer_is_kept_per_shape_and_input_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The warm-up checks one expert layer and its answer holds for the layers like it: not for
+    a layer of the same shapes whose down input is quantized otherwise (a static scale: another
+    engine in the process), whose answer does not overwrite it; a check that raises leaves its
+    key off."""
+    from types import SimpleNamespace
+
+    from teacher_server.layers.formats import fp8_dispatch
+    from teacher_server.layers.formats.fp8 import Fp8Weights
+    from teacher_server.layers.formats.fp8_config import Fp8Scheme
+
+    monkeypatch.setattr(fp8_dispatch, "_FUSED", {})
+    monkeypatch.setattr(fp8_moe, "check", lambda *a, **kw: True)
+
+    def layer(activations: str) -> SimpleNamespace:
+        fmt = Fp8Weights("fp8", Fp8Scheme("channel", activations=activations))
+        return SimpleNamespace(fmt=fmt, fp8_mode="row", fp8_down_groups=True, fp8_kernel=False, model_dtype=torch.bfloat16,
+                               gate_up=torch.zeros(4, 512, 256, dtype=fp8.FP8), down=torch.zeros(4, 256, 256),
+                               gate_up_weight_scale_inv=torch.ones(4, 512, 1))
+
+    dynamic, static = layer("dynamic"), layer("static")
+    assert dynamic.fmt.check_fused_gate_up(dynamic, 2) is True
+    assert static.fmt.check_fused_gate_up(static, 2) is False
+    assert fp8_dispatch._FUSED[fp8_dispatch._fused_key(dynamic)] is True  # still
+    other = layer("dynamic")
+    tokens, offs = _routing(4, 2, 4, torch.device("cpu"))
+    seen = []
+    monkeypatch.setattr(fp8_moe, "gate_up_silu_quant", lambda *a, **kw: seen.append(1))
+    other.fmt.fused_gate_up(other, torch.zeros(4, 256, dtype=torch.bfloat16), tokens, offs)  # a layer like it: on
+    assert seen
+
+    def fails(*a: object, **kw: object) -> bool:
+        raise RuntimeError("differs")
+
+    monkeypatch.setattr(fp8_moe, "check", fails)
+    with pytest.raises(RuntimeError):
+        dynamic.fmt.check_fused_gate_up(dynamic, 2)
+    assert fp8_dispatch._FUSED[fp8_dispatch._fused_key(dynamic)] is False

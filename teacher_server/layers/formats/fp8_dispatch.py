@@ -115,11 +115,11 @@ class ExpertInputs:
         """``ops.fp8_moe.check`` at the layer's weights, where its activations are dynamic and its
         down input is made in 1 x 128 groups; the answer holds for every expert layer of its
         shapes, mode and dtype on its device (the warm-up checks one layer of a model)."""
-        block = layer.fp8_mode == "block"
-        _FUSED[_fused_key(layer)] = on = (
-            self._act_mode(layer, "down") == "group"
-            and fp8_moe.check(layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block, w_blocks=block,
-                              dtype=layer.model_dtype))
+        block, key = layer.fp8_mode == "block", _fused_key(layer)
+        _FUSED[key] = False  # (a check that raises leaves it off)
+        _FUSED[key] = on = key[-1] == "group" and fp8_moe.check(
+            layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block, w_blocks=block,
+            dtype=layer.model_dtype)
         return on
 
 
@@ -127,6 +127,8 @@ _FUSED: dict[tuple, bool] = {}  # _fused_key -> whether ops.fp8_moe's kernel pas
 
 
 def _fused_key(layer: nn.Module) -> tuple:
-    """An expert layer's shapes, mode, dtype and device: what ``ops.fp8_moe.check`` depends on."""
+    """An expert layer's shapes, mode, dtype, device and down input's quantization: what
+    ``ops.fp8_moe.check`` and whether it applies depend on (the last)."""
     w = layer.gate_up
-    return tuple(w.shape), tuple(layer.down.shape), layer.fp8_mode, layer.model_dtype, str(w.device)
+    return (tuple(w.shape), tuple(layer.down.shape), layer.fp8_mode, layer.model_dtype, str(w.device),
+            layer.fmt._act_mode(layer, "down"))
