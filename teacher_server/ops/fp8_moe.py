@@ -35,9 +35,10 @@ from typing import Any
 
 import torch
 
+from teacher_server.ops import fp8, fp8_grouped
 from teacher_server.ops.fp8_mm import AMAX_FLOOR, FP8_MAX
 from teacher_server.ops.fp8_quant import group_buffers
-from teacher_server.ops.moe_gate_up import block_experts, expert_blocks
+from teacher_server.ops.moe_gate_up import _routing, block_experts, expert_blocks
 from teacher_server.ops.triton_kernels import lazy
 
 log = logging.getLogger(__name__)
@@ -203,8 +204,6 @@ def two_pass(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: tor
     ``ops.fp8_grouped``'s multiply (bf16, as the layer's grouped multiplies write it, then taken to
     ``dtype``), ``silu_mul_quant`` in 1x128 groups (the float32 reference of the multiply where its
     kernel does not run: the CPU)."""
-    from teacher_server.ops import fp8, fp8_grouped
-
     xg = xq.view(torch.uint8).index_select(0, tokens).view(xq.dtype)
     sg = sx.reshape(-1, 1).expand(xq.shape[0], 1) if sx.numel() == 1 else sx  # (one static scale)
     sg = sg.index_select(0, tokens)
@@ -224,9 +223,6 @@ def check(w: torch.Tensor, sw: torch.Tensor, top_k: int, *, x_groups: bool, w_bl
     within one e4m3 step of its largest value, at most 1% of the codes other (a tensor-core sum
     in another order may round a code the other way; NaN fails). False where the kernel does not
     apply; RuntimeError on a mismatch."""
-    from teacher_server.ops import fp8
-    from teacher_server.ops.moe_gate_up import _routing
-
     g = torch.Generator(device="cpu").manual_seed(2)
     for t in (1, 37, 300):
         x = torch.randn(t, w.shape[2], generator=g).to(w.device, dtype)

@@ -245,9 +245,10 @@ class Fp8Weights(ExpertInputs, WeightFormat):
             layer.fmt = UNQUANTIZED
             return
         layer.fp8_mode = mode
-        n, k = layer.down.shape[-2:] if layer.role == "experts" and s.activations != "static" else (0, 1)
-        layer.fp8_down_groups = k % GPU_BLOCK[1] == 0 and (  # the experts' down input in 1 x 128 groups, where
-            mode == "block" or k == GPU_BLOCK[1] or product_runs("row", k, n, 6, device, groups=True))  # that runs
+        dynamic_experts = layer.role == "experts" and s.activations != "static"  # their down input in 1 x 128
+        n, k = layer.down.shape[-2:] if dynamic_experts else (0, 0)  # groups where that product runs
+        layer.fp8_down_groups = dynamic_experts and k % GPU_BLOCK[1] == 0 and (
+            mode == "block" or k == GPU_BLOCK[1] or product_runs("row", k, n, 6, device, groups=True))
         # checked at each slot's input width: an expert layer's down input (width I, made in the
         # SiLU-mul pass) as well as its gate/up input (width H)
         layer.fp8_kernel = all(quant_kernels_ok(getattr(layer, slot).shape[-1], device, layer.model_dtype)

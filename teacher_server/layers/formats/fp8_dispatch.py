@@ -128,7 +128,11 @@ _FUSED: dict[tuple, bool] = {}  # _fused_key -> whether ops.fp8_moe's kernel pas
 
 def _fused_key(layer: nn.Module) -> tuple:
     """An expert layer's shapes, mode, dtype, device and down input's quantization: what
-    ``ops.fp8_moe.check`` and whether it applies depend on (the last)."""
-    w = layer.gate_up
-    return (tuple(w.shape), tuple(layer.down.shape), layer.fp8_mode, layer.model_dtype, str(w.device),
-            layer.fmt._act_mode(layer, "down"))
+    ``ops.fp8_moe.check`` and whether it applies depend on (the last); fixed once the layer is
+    loaded, so made once per layer (it is looked up at every forward)."""
+    key = getattr(layer, "fp8_fused_key", None)
+    if key is None:
+        w = layer.gate_up
+        layer.fp8_fused_key = key = (tuple(w.shape), tuple(layer.down.shape), layer.fp8_mode, layer.model_dtype,
+                                     str(w.device), layer.fmt._act_mode(layer, "down"))
+    return key
