@@ -39,9 +39,12 @@ log = logging.getLogger(__name__)
 
 BLOCK = 128  # the scale block: K step and N tile
 _K: dict[str, Any] = {}
+tile: Any = None  # one output tile, a global that both kernels call (set by ``_kernels``; Triton's interpreter
+# resolves a kernel's callees among the module's globals)
 
 
 def _kernels() -> dict[str, Any]:
+    global tile
     if _K:
         return _K
     try:
@@ -52,21 +55,11 @@ def _kernels() -> dict[str, Any]:
         _K["missing"] = True
         return _K
 
-    @triton.jit(do_not_specialize=["M"])
-    def grouped_block(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, tiles_ptr, out_ptr, M,
-                      N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, BE: tl.constexpr, XG: tl.constexpr, WB: tl.constexpr):
-        # N, K, E: a layer's constants (one compile per expert layer shape); M varies per step
-        # the column tiles of one row tile run next to each other: its rows are read from L2 after
-        # the first, and an expert's weight stays there while its row tiles pass
-        pid_n = tl.program_id(0)
-        slot = tl.program_id(1)
-        ei = tl.arange(0, BE)
-        ends = tl.load(tiles_ptr + ei, mask=ei < E, other=2 ** 30)  # cumulative row tiles per expert
-        e = tl.sum((ends <= slot).to(tl.int32), axis=0)  # the expert whose tiles hold this slot
-        if e >= E:
-            return
-        first_tile = tl.sum(tl.where(ei == e - 1, ends, 0), axis=0)  # 0 for e == 0
+    @triton.jit
+    def tile(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, out_ptr, e, first_tile, slot, pid_n,
+             N: tl.constexpr, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+             XG: tl.constexpr, WB: tl.constexpr):
+        # one [BM, BN] output tile: row tile ``slot - first_tile`` of expert e, column tile pid_n
         row_end = tl.load(offs_ptr + e)
         row_start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         rows = row_start + (slot - first_tile) * BM + tl.arange(0, BM)
@@ -76,7 +69,7 @@ def _kernels() -> dict[str, Any]:
         cm = cols < N
         ks = tl.arange(0, BK)
         kb_n: tl.constexpr = K // BK
-        nb_n = tl.cdiv(N, BK)  # the weight scale blocks' rows (BK = 128 = the block)
+        nb_n: tl.constexpr = (N + BK - 1) // BK  # the weight scale blocks' rows (BK = 128 = the block)
         w_base = w_ptr + e.to(tl.int64) * N * K
         # the tile's weight scales per K block: one (BN the block's height) or one per column's block
         sw_base = sw_ptr + e.to(tl.int64) * nb_n * kb_n + (pid_n * kb_n if BN == BK else (cols // BK) * kb_n)
@@ -104,7 +97,44 @@ def _kernels() -> dict[str, Any]:
         out = out_ptr + rows[:, None] * N + cols[None, :]
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
 
-    _K.update(grouped_block=grouped_block, next_pow2=triton.next_power_of_2)
+    @triton.jit(do_not_specialize=["M"])
+    def grouped_block(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, tiles_ptr, out_ptr, M,
+                      N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, BE: tl.constexpr, XG: tl.constexpr, WB: tl.constexpr):
+        # N, K, E: a layer's constants (one compile per expert layer shape); M varies per step
+        # the column tiles of one row tile run next to each other: its rows are read from L2 after
+        # the first, and an expert's weight stays there while its row tiles pass
+        pid_n = tl.program_id(0)
+        slot = tl.program_id(1)
+        ei = tl.arange(0, BE)
+        ends = tl.load(tiles_ptr + ei, mask=ei < E, other=2 ** 30)  # cumulative row tiles per expert
+        e = tl.sum((ends <= slot).to(tl.int32), axis=0)  # the expert whose tiles hold this slot
+        if e < E:
+            first_tile = tl.sum(tl.where(ei == e - 1, ends, 0), axis=0)  # 0 for e == 0
+            tile(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, out_ptr, e, first_tile, slot, pid_n,
+                 N, K, BM, BN, BK, XG, WB)
+
+    @triton.jit(do_not_specialize=["M"])
+    def grouped_persistent(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, tiles_ptr, out_ptr, M,
+                           N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BM: tl.constexpr,
+                           BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, XG: tl.constexpr,
+                           WB: tl.constexpr, PROGS: tl.constexpr, STAGES: tl.constexpr):
+        # as grouped_block, with a program per SM walking the tiles (row tile major, its column
+        # tiles next to each other), the loops over tiles and K blocks flattened into one so that
+        # the next tile's loads are in flight while this one's epilogue runs
+        n_tiles: tl.constexpr = (N + BN - 1) // BN
+        ei = tl.arange(0, BE)
+        ends = tl.load(tiles_ptr + ei, mask=ei < E, other=2 ** 30)
+        total = tl.load(tiles_ptr + E - 1) * n_tiles
+        for t in tl.range(tl.program_id(0), total, PROGS, flatten=True, num_stages=STAGES):
+            slot = t // n_tiles
+            e = tl.sum((ends <= slot).to(tl.int32), axis=0)
+            first_tile = tl.sum(tl.where(ei == e - 1, ends, 0), axis=0)
+            tile(x_ptr, sx_ptr, sx_m, sx_k, w_ptr, sw_ptr, offs_ptr, out_ptr, e, first_tile, slot, t % n_tiles,
+                 N, K, BM, BN, BK, XG, WB)
+
+    _K.update(grouped_block=grouped_block, grouped_persistent=grouped_persistent,
+              next_pow2=triton.next_power_of_2)
     return _K
 
 
@@ -118,13 +148,14 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: torch.Tensor, offs: torch.Tensor,
                      bm: int = 64, warps: int | None = None, stages: int = 3, row: bool = False,
                      out_dtype: torch.dtype = torch.bfloat16, x_groups: bool | None = None,
-                     w_blocks: bool | None = None, bn: int = BLOCK) -> torch.Tensor | None:
+                     w_blocks: bool | None = None, bn: int = BLOCK, persistent: int = 0) -> torch.Tensor | None:
     """[M, K] x [E, N, K] by experts with 1x128 / 128x128 block scales -> [M, N] (bf16 by
     default), or None where the kernel does not apply (module docstring). ``row``: x's scales
     [M] (or [M, 1]) and per-channel weight scales [E, N] (or [E, N, 1]) instead; ``x_groups`` /
     ``w_blocks`` set each operand's own (default: ``not row``): 1x128 activation groups with
     per-channel weights is the experts' down product after ``ops.fp8_moe``'s fused gate/up.
-    ``bm`` the tile's rows (64: 4 warps; 128: 8 warps), ``bn`` its columns (128, or 256)."""
+    ``bm`` the tile's rows (64: 4 warps; 128: 8 warps), ``bn`` its columns (128, or 256);
+    ``persistent`` > 0: that many programs walk the tiles (``grouped_persistent``)."""
     if not applies(x, w):
         return None
     kern = _kernels()
@@ -141,6 +172,12 @@ def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     if not xg:
         sx = sx.reshape(m)
     sx_m, sx_k = (sx.stride(0), sx.stride(1)) if xg else (sx.stride(0), 0)
+    if persistent:
+        kern["grouped_persistent"][(persistent,)](
+            x, sx, sx_m, sx_k, w, sw, offs, tiles, out, m, n, k, e, BM=bm, BN=bn, BK=BLOCK,
+            BE=kern["next_pow2"](e), XG=xg, WB=wb, PROGS=persistent, STAGES=stages,
+            num_warps=warps or (4 if bm <= 64 else 8), num_stages=stages)
+        return out
     grid = (-(-n // bn), -(-m // bm) + e)
     kern["grouped_block"][grid](x, sx, sx_m, sx_k, w, sw, offs, tiles, out, m, n, k, e,
                                 BM=bm, BN=bn, BK=BLOCK, BE=kern["next_pow2"](e), XG=xg, WB=wb,
