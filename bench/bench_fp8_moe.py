@@ -6,7 +6,9 @@ Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, intermediate 768), T tokens rout
 - ``fp8_{row,block}_two_pass``: the FP8 path before ``ops.fp8_moe``: the input's codes gathered,
   ``ops.fp8_grouped``'s gate/up multiply, ``silu_mul_quant`` (1x128 groups), the down multiply;
 - ``fp8_{row,block}_fused``: ``ops.fp8_moe``'s kernel (each config), then the down multiply on
-  its 1x128 groups (each of ``ops.fp8_grouped``'s tile heights).
+  its 1x128 groups (each of ``ops.fp8_grouped``'s tile heights); ``fp8_row fused ... rows fast
+  down`` is the engine's row-wise path: the groups taken per row (``rows_of_groups``), then
+  torch's grouped row-wise multiply with fast accumulation.
 
 The input's quantization (one pass over T rows, made by the norm in the engine) is outside every
 case. Median milliseconds of ``--iters`` back-to-back calls after a pre-heat, TFLOP/s of the
@@ -62,6 +64,15 @@ def fp8_cases(mode: str, x: torch.Tensor, tokens: torch.Tensor, offs: torch.Tens
             out[f"fp8_{mode} down alone ({'1x128' if groups else 'row'} input) {bm, warps, stages, bn}"] = \
                 lambda bm=bm, warps=warps, stages=stages, bn=bn, groups=groups, a=a: fp8_grouped.grouped_block_mm(
                     *a, q2, s2, offs, x_groups=groups, w_blocks=wb, bm=bm, warps=warps, stages=stages, bn=bn)
+    if not wb:  # the engine's path with per-channel weights: the groups taken per row, torch's fast-accumulating down
+        def fast_down(a: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return fp8.grouped_scaled_linear(*fp8_moe.rows_of_groups(*a), q2, s2, offs, "row", fast_accum=True)
+
+        out["fp8_row rows_of_groups alone"] = lambda: fp8_moe.rows_of_groups(mid[0].clone(), mid[1])
+        out["fp8_row clone alone"] = lambda: mid[0].clone()  # (what the line above adds to it)
+        out["fp8_row down alone (rows of groups, fast accumulation)"] = lambda: fast_down((mid[0].clone(), mid[1]))
+        out[f"fp8_row fused{fp8_moe.CONFIG} rows fast down"] = lambda: fast_down(fp8_moe.gate_up_silu_quant(
+            xq, xs, tokens, offs, q13, s13, x_groups=False, w_blocks=False))
     out[f"fp8_{mode} two_pass"] = lambda: down(fp8_moe.two_pass(xq, xs, tokens, offs, q13, s13, x_groups=wb,
                                                                  w_blocks=wb))
     for c in fp8_moe.CONFIGS:

@@ -141,6 +141,53 @@ def test_row_weights_take_1x128_input_groups() -> None:
         fp8.grouped_scaled_linear(xq, xs[:, :2], wq, ws, offs, "row")
 
 
+_REGROUP = """
+import json, torch
+from teacher_server.ops import fp8, fp8_moe
+g = torch.Generator().manual_seed(4)
+out = []
+for m, i in ((1, 256), (37, 768), (300, 1536), (5, 384)):
+    # groups of very different sizes, a zero group and a zero row
+    x = torch.randn(m, i, generator=g) * torch.rand(m, i // 128, generator=g).repeat_interleave(128, 1) * 30
+    x[0, 128:256] = 0
+    x[-1] = 0 if m > 1 else x[-1]
+    q, s = fp8.quantize_groups(x.bfloat16())
+    srow = s.float().amax(1, keepdim=True)  # the definition: the largest group's scale, codes rescaled
+    want = (q.float().view(m, -1, 128) * (s.float() / srow)[..., None]).view(m, i).to(q.dtype)
+    gq, gs = fp8_moe.rows_of_groups(q.clone(), s)
+    out.append([torch.equal(gq.view(torch.uint8), want.view(torch.uint8)), torch.equal(gs, srow)])
+print(json.dumps(out))
+"""
+
+
+def test_rows_of_groups_rescales_each_group_to_its_rows_scale() -> None:
+    """The experts' down input with per-channel weights: 1x128 groups -> one scale per row (its
+    largest group's) and each group's codes rescaled, rounded once more: the largest group's
+    codes unchanged, every value within half an e4m3 step of the row's scale of the group's;
+    the Triton kernel (in the interpreter) gives the torch path's bits; a 128-wide input is
+    already per row; other shapes are refused."""
+    g = torch.Generator().manual_seed(5)
+    m, i = 41, 768
+    x = torch.randn(m, i, generator=g) * torch.rand(m, i // 128, generator=g).repeat_interleave(128, 1) * 30
+    q, s = fp8.quantize_groups(x.bfloat16())
+    rq, rs = fp8_moe.rows_of_groups(q, s)
+    assert rq.dtype == q.dtype and rq.shape == (m, i) and rs.shape == (m, 1)
+    assert torch.equal(rs, s.amax(1, keepdim=True))
+    top = s.argmax(1)
+    for r in range(m):  # the largest group keeps its codes
+        cols = slice(int(top[r]) * 128, int(top[r]) * 128 + 128)
+        assert torch.equal(rq[r, cols].view(torch.uint8), q[r, cols].view(torch.uint8))
+    grouped = q.float() * s.repeat_interleave(128, 1)
+    assert ((rq.float() * rs - grouped).abs() <= 16 * rs).all()  # half the e4m3 step at [256, 448] (32)
+    assert not torch.equal(rq.view(torch.uint8), q.view(torch.uint8))  # (the others were rescaled)
+    q1, s1 = fp8.quantize_groups(x[:, :128].bfloat16())
+    same = fp8_moe.rows_of_groups(q1, s1)
+    assert same[0] is q1 and same[1].shape == (m, 1) and torch.equal(same[1][:, 0], s1[:, 0])
+    with pytest.raises(ValueError, match="1x128 scales"):
+        fp8_moe.rows_of_groups(q, s[:, :2])
+    assert all(all(r) for r in json.loads(interpreted(_REGROUP)))
+
+
 _MODEL = """
 import json, sys, numpy as np, torch
 sys.path.insert(0, "tests")
@@ -204,20 +251,29 @@ def test_an_fp8_expert_model_scores_through_the_kernel_as_through_the_passes(fp8
 
 def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch) -> None:  # noqa: F811
     """Off CUDA the warm-up never turns the kernel on, and the experts' down input is the
-    SiLU-mul pass's, in 1x128 groups also with per-row weights (quantized at load)."""
+    SiLU-mul pass's, in 1x128 groups also with per-row weights (quantized at load), which the
+    down product takes per row (``rows_of_groups``) with fast accumulation (its check passes:
+    on the CPU the float32 reference)."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
     modes = []
     real = fp8.silu_mul_quant
     monkeypatch.setattr(fp8, "silu_mul_quant", lambda gu, mode, *a, **kw: modes.append(mode) or real(gu, mode, *a, **kw))
+    products = []  # (input scales' shape, fast accumulation) of each grouped multiply
+    real_mm = fp8.grouped_scaled_linear
+    monkeypatch.setattr(fp8, "grouped_scaled_linear", lambda xq, xs, *a, fast_accum=False, **kw: products.append(
+        (xs.shape[1], fast_accum)) or real_mm(xq, xs, *a, fast_accum=fast_accum, **kw))
     _, twin = fp8_checkpoints("moe128", "block", (128, 128))
     eng = engine(twin, quantization="fp8")
     assert not eng.runner.ops.fp8_moe_kernel and not eng.runner.ops.moe_gate_up_kernel
     experts = [m for m in eng.model.modules() if getattr(m, "role", None) == "experts"]
-    assert experts and all(m.fp8_mode == "row" and m.fp8_down_groups for m in experts)
+    assert experts and all(m.fp8_mode == "row" and m.fp8_down_groups and m.fp8_fast_down for m in experts)
     modes.clear()
+    products.clear()
     got = eng.run_to_completion(requests("moe128"))
     assert all(r.error is None and not np.isnan(r.token_id_logprobs).any() for r in got)
     assert modes and set(modes) == {"group"}, modes
+    # gate/up per row; down made in groups, taken per row (rows_of_groups) with fast accumulation
+    assert products and set(products) == {(1, False), (1, True)}, products
 
 
 def _fp8_gpu() -> bool:
@@ -284,3 +340,18 @@ def test_the_checks_answer_is_kept_per_shape_and_input_scheme(monkeypatch: pytes
     with pytest.raises(RuntimeError):
         dynamic.fmt.check_fused_gate_up(dynamic, 2)
     assert fp8_dispatch._FUSED[fp8_dispatch._fused_key(dynamic)] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix multiplies (sm89+)")
+def test_rows_of_groups_on_the_gpu_as_on_the_cpu() -> None:
+    """The Triton kernel (in place of the codes) gives the torch path's bits, at Qwen3-30B-A3B's
+    and DeepSeek-V3's intermediate widths, in the fused kernel's M-major scale layout."""
+    g = torch.Generator().manual_seed(6)
+    for m, i in ((1000, 768), (77, 2048), (3, 256)):
+        x = torch.randn(m, i, generator=g) * torch.rand(m, i // 128, generator=g).repeat_interleave(128, 1) * 30
+        q, s = fp8.quantize_groups(x.bfloat16().cuda())
+        want = fp8_moe.rows_of_groups(q.cpu(), s.cpu())
+        got = fp8_moe.rows_of_groups(q, s)
+        assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(got[1].cpu(), want[1])

@@ -554,6 +554,8 @@ def test_multiply_checks_pass_at_model_widths() -> None:
     for mode in ("row", "block"):
         fp8.check_scaled_linear(mode, 2048, 1536, cuda, experts=6)
         fp8.check_scaled_linear(mode, 768, 2048, cuda, experts=6)
+    for k, n in ((2048, 1536), (768, 2048), (2048, 7168)):  # the experts' down product: torch's, fast accumulation
+        fp8.check_scaled_linear("row", k, n, cuda, experts=6, fast_accum=True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, hopper])])

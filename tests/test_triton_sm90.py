@@ -182,6 +182,17 @@ def test_the_fused_fp8_expert_gate_up_kernel_at_each_expert_model(monkeypatch: p
             assert_sound(launches, 1, matrix=True)
 
 
+def test_the_down_inputs_rows_of_groups_at_each_expert_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ops.fp8_moe.rows_of_groups`` at the intermediate widths of the expert models whose down
+    input is made in 1x128 groups (I a multiple of 128)."""
+    monkeypatch.setattr(fp8_moe, "runs_on", lambda x: True)  # CUDA only
+    widths = sorted({i for _, _, i in EXPERT_SHAPES.values() if i % 128 == 0 and i > 128})
+    with compiled_launches() as launches:
+        for i in widths:
+            fp8_moe.rows_of_groups(torch.empty(1024, i, dtype=torch.float8_e4m3fn), torch.empty(1024, i // 128))
+    assert_sound(launches, len(widths), matrix=False)
+
+
 @pytest.mark.parametrize("vocab", [151_936, 248_320])
 def test_the_top_k_kernel_at_large_vocabularies(vocab: int) -> None:
     x = torch.empty(8, vocab)

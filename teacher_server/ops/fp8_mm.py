@@ -296,14 +296,15 @@ def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsc
 
 
 def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0,
-                        bias: bool = False, groups: bool = False) -> None:
+                        bias: bool = False, groups: bool = False, fast_accum: bool = False) -> None:
     """Start-up check of the multiply a layer will run: ``scaled_linear`` in ``mode`` at width
     k -> n (a token count not a multiple of 4, and with a bf16 ``bias`` if the layer has one), or,
     with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts, against its float32
     reference on random operands. A combination cuBLAS refuses runs the other way from here on
     (``_block_mm``); raises what torch raises otherwise, and RuntimeError on a mismatch beyond a
     bf16 step of the output's scale. ``groups``: 1x128 activation groups whatever the weights'
-    mode (the experts' down input)."""
+    mode; ``fast_accum``: the experts' row-wise multiply by torch's kernel with fast accumulation
+    (the experts' down product)."""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [33]
     m = sum(counts)
@@ -322,7 +323,7 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     wq, ws = wq.to(device), ws.to(device)
     if experts:
         offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-        got = grouped_scaled_linear(xq, sx, wq, ws, offs, mode)
+        got = grouped_scaled_linear(xq, sx, wq, ws, offs, mode, fast_accum=fast_accum)
         ref = grouped_scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), offs.cpu(), mode, torch.float32)
     else:
         got = scaled_linear(xq, sx, wq, ws, mode, bias=None if b is None else b.to(device))
@@ -330,5 +331,6 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     err = (got.float().cpu() - ref).abs()
     if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
         raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''}"
-                           f"{' on 1x128 input groups' if groups else ''} differs "
+                           f"{' on 1x128 input groups' if groups else ''}"
+                           f"{' (fast accumulation)' if fast_accum else ''} differs "
                            f"from its float32 reference by up to {err.max().item():.3g}")

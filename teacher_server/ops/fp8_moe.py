@@ -137,7 +137,27 @@ def _define(triton, tl) -> dict[str, Any]:
         tl.store(q_ptr + r64[:, None] * I + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rm[:, None])
         tl.store(sq_ptr + r64 + pid_n * sq_k, s, mask=rm)
 
-    return {"fused": fused}
+    @triton.jit(do_not_specialize=["M", "SR", "ST"])
+    def regroup(q_ptr, sq, s_ptr, SR, ST, out_ptr, so_ptr, M, I: tl.constexpr, IP: tl.constexpr, BR: tl.constexpr,  # noqa: E741
+                G: tl.constexpr):
+        # BR rows of 1x128 codes -> one scale per row (the largest of its groups'), each group's
+        # codes times its scale over the row's, rounded to e4m3 again (the row's largest group: x 1)
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        rm = rows < M
+        r64 = rows.to(tl.int64)
+        gi = tl.arange(0, IP // G)
+        sg = tl.load(s_ptr + gi[None, :].to(tl.int64) * ST + r64[:, None] * SR,
+                     mask=rm[:, None] & (gi[None, :] < I // G), other=0.0)
+        srow = tl.where(rm, tl.max(sg, axis=1), 1.0)
+        ratio = tl.div_rn(sg, srow[:, None])
+        cols = tl.arange(0, IP)
+        m2 = rm[:, None] & (cols[None, :] < I)
+        q = tl.load(q_ptr + r64[:, None] * sq + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        y = tl.reshape(tl.reshape(q, (BR, IP // G, G)) * ratio[:, :, None], (BR, IP))
+        tl.store(out_ptr + r64[:, None] * sq + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m2)
+        tl.store(so_ptr + rows, srow, mask=rm)
+
+    return {"fused": fused, "regroup": regroup}
 
 
 def _kernels() -> dict[str, Any]:
@@ -195,6 +215,36 @@ def gate_up_silu_quant(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor,
     if INTERPRETED:
         q.copy_(torch.where(offs[-1] > torch.arange(m)[:, None], codes, 0.0).to(q.dtype))  # (rows past the end: 0)
     return q, s
+
+
+def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128-group codes q [M, I] (I a multiple of 128) with scales s [M, I/128] (any strides)
+    -> per-row codes and scales [M, 1]: each row's scale is its largest group's, and each
+    group's codes are multiplied by its scale over the row's and rounded to e4m3 again (the
+    largest group's codes unchanged; the others' rounded twice, finer first). What the experts'
+    down product takes with per-channel weights: ``ops.fp8_moe``'s kernel makes whole 1x128
+    groups only, and the row-wise grouped multiply (torch's, with fast accumulation) ran 1.31x
+    bf16 where the 1x128 one ran 0.90x (``bench/bench_fp8_down.py``). On CUDA (and under the
+    interpreter) a Triton kernel, in place of q where CUDA; on the CPU torch, bit for bit."""
+    m, i = q.shape
+    if s.shape != (m, i // GROUP) or i % GROUP:
+        raise ValueError(f"rows_of_groups takes codes [M, I] and 1x128 scales [M, I/128], I a multiple of "
+                         f"{GROUP}: got {tuple(q.shape)} and {tuple(s.shape)}")
+    if i == GROUP:
+        return q, s.reshape(m, 1)
+    if not (runs_on(q) and "regroup" in _kernels() and q.stride(1) == 1):
+        srow = s.float().amax(1, keepdim=True)
+        y = q.float().view(m, -1, GROUP) * (s.float() / srow)[..., None]
+        return y.view(m, i).to(q.dtype), srow
+    srow = torch.empty(m, 1, device=q.device, dtype=torch.float32)
+    if m == 0:
+        return q, srow
+    out = torch.empty(m, i, dtype=torch.float32) if INTERPRETED else q  # (e4m3 cast by torch there)
+    ip = 1 << (i - 1).bit_length()
+    br = max(1, 4096 // ip)
+    _K["regroup"][(-(-m // br),)](q, q.stride(0), s, s.stride(0), s.stride(1), out, srow, m, I=i, IP=ip, BR=br, G=GROUP,
+                                  num_warps=4)
+    return (out.to(q.dtype) if INTERPRETED else out), srow
 
 
 def two_pass(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,

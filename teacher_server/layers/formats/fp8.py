@@ -52,7 +52,7 @@ from teacher_server.layers.formats.fp8_dispatch import (
     quant_kernels_ok,
 )
 from teacher_server.layers.formats.unquantized import UNQUANTIZED
-from teacher_server.ops import fp8
+from teacher_server.ops import fp8, fp8_moe
 from teacher_server.unsupported import UnsupportedModelError
 
 E4M3 = "F8_E4M3"  # safetensors' dtype name
@@ -245,10 +245,7 @@ class Fp8Weights(ExpertInputs, WeightFormat):
             layer.fmt = UNQUANTIZED
             return
         layer.fp8_mode = mode
-        dynamic_experts = layer.role == "experts" and s.activations != "static"  # their down input in 1 x 128
-        n, k = layer.down.shape[-2:] if dynamic_experts else (0, 0)  # groups where that product runs
-        layer.fp8_down_groups = dynamic_experts and k % GPU_BLOCK[1] == 0 and (
-            mode == "block" or k == GPU_BLOCK[1] or product_runs("row", k, n, 6, device, groups=True))
+        self.decide_down(layer, mode, device)
         # checked at each slot's input width: an expert layer's down input (width I, made in the
         # SiLU-mul pass) as well as its gate/up input (width H)
         layer.fp8_kernel = all(quant_kernels_ok(getattr(layer, slot).shape[-1], device, layer.model_dtype)
@@ -343,6 +340,8 @@ class Fp8Weights(ExpertInputs, WeightFormat):
         xq, xs = self._quantize_input(layer, slot, x)
         if xs.numel() == 1:  # a static per-tensor scale: the grouped multiply takes one per row
             xs = xs.reshape(1, 1).expand(x.shape[0], 1)
+        elif layer.fp8_mode == "row" and xs.shape[-1] > 1:  # the down input's 1 x 128 groups, per row
+            xq, xs = fp8_moe.rows_of_groups(xq, xs)  # (``decide_down``)
         y = fp8.grouped_scaled_linear(xq, xs, getattr(layer, slot), getattr(layer, extra_name(slot, SCALE)), offs,
-                                      layer.fp8_mode)
+                                      layer.fp8_mode, fast_accum=slot == "down" and layer.fp8_fast_down)
         return y.to(x.dtype)  # [M, out] (the grouped multiplies write bf16)

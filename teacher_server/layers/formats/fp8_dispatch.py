@@ -26,21 +26,24 @@ def fp8_compute(device: torch.device) -> bool:
 _RUNS: dict[tuple, bool] = {}  # (mode, k, n, experts, device) -> whether that multiply runs there
 
 
-def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, groups: bool = False) -> bool:
+def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, groups: bool = False,
+                 fast_accum: bool = False) -> bool:
     """Whether ``ops.fp8``'s multiply in ``mode`` ("block": 128 x 128 weight blocks, "row"),
     grouped over ``experts`` when not 0, runs on ``device`` at width k -> n and matches its
     float32 reference (``check_scaled_linear``, once per shape). Where not, the layer takes the
     next mode (block, row, then its weights dequantized), with one line logged. ``groups``: on
-    1x128 activation groups (the experts' down input; where not, per-row inputs are made)."""
-    key = (mode, k, n, experts, str(device), groups)
+    1x128 activation groups; ``fast_accum``: torch's grouped row-wise kernel with fast
+    accumulation (the experts' down product; where not, the Triton kernel)."""
+    key = (mode, k, n, experts, str(device), groups, fast_accum)
     if key not in _RUNS:
         try:
-            fp8.check_scaled_linear(mode, k, n, device, experts, groups=groups)
+            fp8.check_scaled_linear(mode, k, n, device, experts, groups=groups, fast_accum=fast_accum)
             _RUNS[key] = True
         except (RuntimeError, ValueError, NotImplementedError) as e:
             log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): %s", mode, k, n,
                         " (experts)" if experts else "", str(e)[:200],
-                        "per-row inputs are made" if groups else "the next mode is used")
+                        "per-row inputs are made" if groups else "the Triton kernel runs it" if fast_accum
+                        else "the next mode is used")
             _RUNS[key] = False
     return _RUNS[key]
 
@@ -110,6 +113,20 @@ class ExpertInputs:
         got = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, layer.gate_up, layer.gate_up_weight_scale_inv,
                                          x_groups=block, w_blocks=block, dtype=h.dtype)
         return None if got is None else QuantizedRows(*got, h.dtype)
+
+    def decide_down(self, layer: nn.Module, mode: str, device: torch.device) -> None:
+        """How an FP8 layer's experts take their down input, set at load: with dynamic
+        activations and I a multiple of 128 it is made in 1 x 128 groups (``fp8_down_groups``:
+        what ``ops.fp8_moe``'s kernel makes, so the SiLU-mul pass makes it too); block weights
+        multiply the groups, per-row weights take them per row (``ops.fp8_moe.rows_of_groups``)
+        and multiply them by torch's grouped kernel with fast accumulation where it checks at
+        these widths (``fp8_fast_down``; 1.31x bf16 where the Triton kernel on 1x128 groups ran
+        0.90x, ``bench/bench_fp8_down.py``), else by the Triton row kernel."""
+        dynamic = layer.role == "experts" and self.scheme.activations != "static"
+        n, k = layer.down.shape[-2:] if dynamic else (0, 0)
+        layer.fp8_down_groups = dynamic and k % 128 == 0
+        layer.fp8_fast_down = layer.fp8_down_groups and mode == "row" and product_runs("row", k, n, 6, device,
+                                                                                       fast_accum=True)
 
     def check_fused_gate_up(self, layer: nn.Module, top_k: int) -> bool:
         """``ops.fp8_moe.check`` at the layer's weights, where its activations are dynamic and its
