@@ -138,24 +138,26 @@ def _define(triton, tl) -> dict[str, Any]:
         tl.store(sq_ptr + r64 + pid_n * sq_k, s, mask=rm)
 
     @triton.jit(do_not_specialize=["M", "SR", "ST"])
-    def regroup(q_ptr, sq, s_ptr, SR, ST, out_ptr, so_ptr, M, I: tl.constexpr, IP: tl.constexpr, BR: tl.constexpr,  # noqa: E741
-                G: tl.constexpr):
-        # BR rows of 1x128 codes -> one scale per row (the largest of its groups'), each group's
-        # codes times its scale over the row's, rounded to e4m3 again (the row's largest group: x 1)
+    def regroup(q_ptr, sq, s_ptr, SR, ST, out_ptr, so_ptr, M, NG: tl.constexpr, GP: tl.constexpr,
+                BR: tl.constexpr, G: tl.constexpr):
+        # BR rows' 1x128 group pid_g: the rows' scale the largest of their NG groups' (GP: NG's
+        # next power of 2), the group's codes times its scale over the row's, rounded to e4m3
+        # again (the row's largest group: x 1); group 0's programs write the rows' scales
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        pid_g = tl.program_id(1)
         rm = rows < M
         r64 = rows.to(tl.int64)
-        gi = tl.arange(0, IP // G)
+        gi = tl.arange(0, GP)
         sg = tl.load(s_ptr + gi[None, :].to(tl.int64) * ST + r64[:, None] * SR,
-                     mask=rm[:, None] & (gi[None, :] < I // G), other=0.0)
+                     mask=rm[:, None] & (gi[None, :] < NG), other=0.0)
         srow = tl.where(rm, tl.max(sg, axis=1), 1.0)
-        ratio = tl.div_rn(sg, srow[:, None])
-        cols = tl.arange(0, IP)
-        m2 = rm[:, None] & (cols[None, :] < I)
-        q = tl.load(q_ptr + r64[:, None] * sq + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-        y = tl.reshape(tl.reshape(q, (BR, IP // G, G)) * ratio[:, :, None], (BR, IP))
-        tl.store(out_ptr + r64[:, None] * sq + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m2)
-        tl.store(so_ptr + rows, srow, mask=rm)
+        ratio = tl.div_rn(tl.load(s_ptr + pid_g * ST + r64 * SR, mask=rm, other=1.0), srow)
+        cols = pid_g * G + tl.arange(0, G)
+        at = r64[:, None] * sq + cols[None, :]
+        y = tl.load(q_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32) * ratio[:, None]
+        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=rm[:, None])
+        if pid_g == 0:
+            tl.store(so_ptr + rows, srow, mask=rm)
 
     return {"fused": fused, "regroup": regroup}
 
@@ -240,10 +242,9 @@ def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torc
     if m == 0:
         return q, srow
     out = torch.empty(m, i, dtype=torch.float32) if INTERPRETED else q  # (e4m3 cast by torch there)
-    ip = 1 << (i - 1).bit_length()
-    br = max(1, 4096 // ip)
-    _K["regroup"][(-(-m // br),)](q, q.stride(0), s, s.stride(0), s.stride(1), out, srow, m, I=i, IP=ip, BR=br, G=GROUP,
-                                  num_warps=4)
+    ng, br = i // GROUP, 64
+    _K["regroup"][(-(-m // br), ng)](q, q.stride(0), s, s.stride(0), s.stride(1), out, srow, m, NG=ng,
+                                     GP=1 << (ng - 1).bit_length(), BR=br, G=GROUP, num_warps=4)
     return (out.to(q.dtype) if INTERPRETED else out), srow
 
 
