@@ -7,6 +7,12 @@ multiply with and without fast accumulation. Per-channel weight scales (``--quan
 fp8``). Median milliseconds of ``--iters`` calls after a pre-heat, TFLOP/s, and x bf16.
 
   python bench/bench_fp8_down.py --tokens 16384 32768 --out fp8_down.json     (GPU, ~2 minutes)
+
+``--accuracy`` (CPU, seconds) instead measures what each layout of the down input costs in
+accuracy: SiLU-mul outputs of random gate/up rows quantized per 1x128 group, per row, per row
+through ``rows_of_groups`` (from groups with any scales: two roundings; from power-of-two
+scales, the engine's: exact), and the down product's error against the float32 product of the
+unquantized input (the same per-channel FP8 weights in every case).
 """
 
 from __future__ import annotations
@@ -59,6 +65,37 @@ def cases(t: int, i: int, h: int, e: int, k: int, sms: int) -> tuple[dict, float
     return out, 2.0 * m * i * h, refs
 
 
+def accuracy(rows: int, inter: int, hidden: int) -> dict[str, dict[str, float]]:
+    """Relative RMS error of the down input and of the down product, per input layout."""
+    import torch.nn.functional as F
+
+    from teacher_server.ops import fp8_moe
+
+    g = torch.Generator().manual_seed(0)
+    act = (F.silu(1.5 * torch.randn(rows, inter, generator=g)) * torch.randn(rows, inter, generator=g)).bfloat16()
+    wq, ws = fp8.quantize_weight(torch.randn(1, hidden, inter, generator=g) * inter ** -0.5, "row")
+    w = (wq.float() * ws)[0]
+    ref_in, ref_out = act.float(), act.float() @ w.T
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+    def deq(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return q.float() * (s if s.shape[1] == 1 else s.repeat_interleave(128, 1))
+
+    groups, groups2 = fp8.quantize_groups(act), fp8.quantize_groups(act, pow2=True)
+    layouts = {"1x128 groups": groups, "per row": fp8.quantize_rows(act),
+               "rows of 1x128 groups (two roundings)": fp8_moe.rows_of_groups(groups[0].clone(), groups[1]),
+               "1x128 groups, power-of-two scales": groups2,
+               "rows of power-of-two groups (the engine's)": fp8_moe.rows_of_groups(groups2[0].clone(), groups2[1])}
+    out = {}
+    for name, (q, s) in layouts.items():
+        d = deq(q, s)
+        out[name] = {"input_rel_rms": rel(d, ref_in), "down_rel_rms": rel(d @ w.T, ref_out)}
+        print(f"{name:>44}  input {out[name]['input_rel_rms']:.5f}  down product {out[name]['down_rel_rms']:.5f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
@@ -69,7 +106,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--preheat-s", type=float, default=3.0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--accuracy", action="store_true", help="the down input layouts' error instead (CPU)")
     a = ap.parse_args()
+    if a.accuracy:
+        res = {"rows": 4096, "inter": a.inter, "hidden": a.hidden, "provenance": provenance(),
+               "layouts": accuracy(4096, a.inter, a.hidden)}
+        if a.out:
+            Path(a.out).write_text(json.dumps(res, indent=1))
+        return
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     res: dict = {"hidden": a.hidden, "inter": a.inter, "experts": a.experts, "top_k": a.top_k,
                  "device": torch.cuda.get_device_name(), "provenance": provenance(), "runs": {}}

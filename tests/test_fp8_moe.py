@@ -72,6 +72,13 @@ offs = torch.tensor([7, 19], dtype=torch.int32)
 q, s = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, x_groups=False, w_blocks=False, dtype=dt)
 q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=False, w_blocks=False, dtype=dt)
 res["past the end"] = rel(deq(q[:19], s[:19]), deq(q2[:19], s2[:19]))
+# power-of-two group scales (the down input with per-channel weights): the passes' bits, powers of two
+qp, sp = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, x_groups=False, w_blocks=False, dtype=dt, pow2=True)
+qp2, sp2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=False, w_blocks=False, dtype=dt, pow2=True)
+res["pow2"] = [bool(torch.equal(sp[:19], sp2[:19])),
+               float((qp[:19].view(torch.uint8) != qp2[:19].view(torch.uint8)).float().mean()),
+               bool((torch.frexp(sp[:19])[0] == 0.5).all()), rel(deq(qp[:19], sp[:19]), deq(q[:19], s[:19]))]
+res["pow2 check"] = fp8_moe.check(wq, ws, 2, x_groups=False, w_blocks=False, dtype=dt, pow2=True)
 res["past the end shape"] = list(q.shape)
 # the check fails where the two disagree
 real = fp8_moe.two_pass
@@ -99,6 +106,11 @@ def test_the_kernel_in_the_triton_interpreter() -> None:
         assert r["scales"] == [m, r["shape"][1] // 128], (name, r)
     assert all(res[k] is True for k in res if k.startswith("check "))
     assert res["past the end"] <= 0.072 and res["past the end shape"] == [31, 128]
+    # power-of-two scales: the passes' scales and codes, every scale a power of two, the values
+    # within an e4m3 step of the other scales' (each rounded once, on another grid)
+    same_scales, codes_differ, powers, vs_plain = res["pow2"]
+    assert same_scales and codes_differ <= 0.01 and powers and 0 < vs_plain <= 0.13, res["pow2"]
+    assert res["pow2 check"] is True
     assert res["check fails"] is True
 
 
@@ -180,6 +192,14 @@ def test_rows_of_groups_rescales_each_group_to_its_rows_scale() -> None:
     grouped = q.float() * s.repeat_interleave(128, 1)
     assert ((rq.float() * rs - grouped).abs() <= 16 * rs).all()  # half the e4m3 step at [256, 448] (32)
     assert not torch.equal(rq.view(torch.uint8), q.view(torch.uint8))  # (the others were rescaled)
+    # power-of-two group scales: the codes move by their exponents only, exactly (but below e4m3's
+    # normal range, 2^-6 of the row's scale, where a half of its smallest step, 2^-10, bounds them)
+    pq, ps = fp8.quantize_groups(x.bfloat16(), pow2=True)
+    prq, prs = fp8_moe.rows_of_groups(pq, ps)
+    pg, pr = pq.float() * ps.repeat_interleave(128, 1), prq.float() * prs
+    normal = pg.abs() >= 2 ** -6 * prs
+    assert torch.equal(pr[normal], pg[normal]) and ((pr - pg).abs() <= 2 ** -10 * prs).all()
+    assert not normal.all()  # (the bound was needed somewhere)
     q1, s1 = fp8.quantize_groups(x[:, :128].bfloat16())
     same = fp8_moe.rows_of_groups(q1, s1)
     assert same[0] is q1 and same[1].shape == (m, 1) and torch.equal(same[1][:, 0], s1[:, 0])
@@ -251,9 +271,9 @@ def test_an_fp8_expert_model_scores_through_the_kernel_as_through_the_passes(fp8
 
 def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch) -> None:  # noqa: F811
     """Off CUDA the warm-up never turns the kernel on, and the experts' down input is the
-    SiLU-mul pass's, in 1x128 groups also with per-row weights (quantized at load), which the
-    down product takes per row (``rows_of_groups``) with fast accumulation (its check passes:
-    on the CPU the float32 reference)."""
+    SiLU-mul pass's, in 1x128 groups with power-of-two scales with per-row weights (quantized at
+    load), which the down product takes per row (``rows_of_groups``) with fast accumulation (its
+    check passes: on the CPU the float32 reference)."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
     modes = []
     real = fp8.silu_mul_quant
@@ -271,7 +291,7 @@ def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch) -> 
     products.clear()
     got = eng.run_to_completion(requests("moe128"))
     assert all(r.error is None and not np.isnan(r.token_id_logprobs).any() for r in got)
-    assert modes and set(modes) == {"group"}, modes
+    assert modes and set(modes) == {"group_pow2"}, modes
     # gate/up per row; down made in groups, taken per row (rows_of_groups) with fast accumulation
     assert products and set(products) == {(1, False), (1, True)}, products
 

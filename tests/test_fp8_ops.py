@@ -78,14 +78,14 @@ def test_tensor_static_and_dynamic_saturate() -> None:
 
 
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("mode", ["row", "group"])
+@pytest.mark.parametrize("mode", ["row", "group", "group_pow2"])
 def test_fused_references_are_the_two_passes(wdtype: torch.dtype, mode: str) -> None:
     """On the CPU each fused op is exactly its two passes: the model's norm (or SiLU-mul), then
     the quantization."""
     x = torch.randn(6, 256, generator=_gen(4)).bfloat16()
     d = torch.randn(6, 256, generator=_gen(5)).bfloat16()
     w = (1 + 0.1 * torch.randn(256, generator=_gen(6))).to(wdtype)
-    q = fp8.quantize_rows if mode == "row" else fp8.quantize_groups
+    q = fp8.quantize_rows if mode == "row" else lambda v: fp8.quantize_groups(v, pow2=mode == "group_pow2")
     for got, want in ((fp8.rms_norm_quant(x, w, 1e-6, mode), q(rms_norm(x, w, 1e-6))),
                       (fp8.silu_mul_quant(torch.cat([x, d], 1), mode), q(silu_mul_reference(torch.cat([x, d], 1))))):
         assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
@@ -450,14 +450,14 @@ def test_fused_norm_quant_kernel(wdtype: torch.dtype, mode: str, k: int) -> None
 
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("mode", ["row", "group"])
+@pytest.mark.parametrize("mode", ["row", "group", "group_pow2"])
 @pytest.mark.parametrize("inter", [768, 12288, 25600])
 def test_fused_silu_mul_quant_kernel(mode: str, inter: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(inter)
     gu = (torch.randn(200, 2 * inter, device="cuda", generator=g) * 4).bfloat16()
     assert fp8_quant.quantize(gu, mode, "silu", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
     _one_step(fp8.silu_mul_quant(gu, mode), _ref_on(gu, fp8.silu_mul_quant, gu, mode),
-              128 if mode == "group" else None)
+              128 if mode != "row" else None)
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor) -> None:

@@ -132,7 +132,10 @@ def test_the_fp8_quantization_kernels_at_dense_widths(monkeypatch: pytest.Monkey
                                       eps=1e-6, delta=torch.empty_like(x)) is not None
             assert fp8_quant.quantize(torch.empty(1024, 2 * inter, dtype=BF), mode, "silu", fp8_max=448.0,
                                       amax_floor=1e-12) is not None
-    assert_sound(launches, 4, matrix=False)
+        # power-of-two group scales (the experts' down input with per-channel weights)
+        assert fp8_quant.quantize(torch.empty(1024, 2 * inter, dtype=BF), "group_pow2", "silu", fp8_max=448.0,
+                                  amax_floor=1e-12) is not None
+    assert_sound(launches, 5, matrix=False)
 
 
 @pytest.mark.parametrize(("experts", "n", "k"), [(128, 1536, 2048), (128, 2048, 768)])  # Qwen3-30B-A3B's gate/up, down
@@ -173,9 +176,9 @@ def test_the_fused_fp8_expert_gate_up_kernel_at_each_expert_model(monkeypatch: p
         for block in (False, True):
             sx = torch.empty(t, hidden // 128) if block else torch.empty(t, 1)
             sw = torch.empty(experts, 2 * inter // 128, hidden // 128) if block else torch.empty(experts, 2 * inter)
-            with compiled_launches() as launches:
+            with compiled_launches() as launches:  # (per-channel weights: the down input's scales powers of two)
                 assert fp8_moe.gate_up_silu_quant(x, sx, tokens, offs, w, sw, x_groups=block, w_blocks=block,
-                                                  config=config) is not None
+                                                  config=config, pow2=not block) is not None
             if block and config[0] == 128:
                 assert all(k.stack <= 16 for k in launches), [(k.stack, k.registers) for k in launches]
                 launches = [dataclasses.replace(k, stack=0) for k in launches]

@@ -101,6 +101,7 @@ from teacher_server.ops.fp8_mm import (  # noqa: F401  (the API, in one place: o
     grouped_scaled_linear,
     grouped_scaled_linear_reference,
     pad_block_scale,
+    pow2_ceil,
     quantize_weight,
     scale_from_amax,
     scaled_linear,
@@ -109,7 +110,9 @@ from teacher_server.ops.fp8_mm import (  # noqa: F401  (the API, in one place: o
 )
 from teacher_server.ops.silu_mul import silu_mul_reference
 
-ACT_MODES = ("row", "group", "tensor")  # activation scales
+# activation scales; ``group_pow2``: 1 x 128 groups whose scales are powers of two (amax / 448
+# rounded up to one), so that ``ops.fp8_moe.rows_of_groups`` takes them per row without a second rounding
+ACT_MODES = ("row", "group", "tensor", "group_pow2")
 
 
 # ---------------------------------------------------------------- torch references
@@ -122,15 +125,17 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return to_fp8(xf, scale), scale
 
 
-def quantize_groups_reference(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32 M-major): one scale per 1 x group,
-    in the kernel's layout (views of buffers of ``fp8_quant.padded_rows(T)`` rows, the padding
-    quantized from zero rows)."""
+def quantize_groups_reference(x: torch.Tensor, group: int = BLOCK,
+                              pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32 M-major): one scale per 1 x group
+    (``pow2``: rounded up to a power of two), in the kernel's layout (views of buffers of
+    ``fp8_quant.padded_rows(T)`` rows, the padding quantized from zero rows)."""
     t, k = x.shape
     _check_groups(k, group)
     r = fp8_quant.padded_rows(t)
     xf = torch.nn.functional.pad(x.float(), (0, 0, 0, r - t)).view(r, k // group, group)
     scale = scale_from_amax(xf.abs().amax(-1))  # [R, G]
+    scale = pow2_ceil(scale) if pow2 else scale
     xq = to_fp8(xf, scale[..., None]).view(r, k)
     buf = torch.empty(k // group, r, device=x.device)  # strides (1, R) even where a dimension is 1
     buf.copy_(scale.t())
@@ -150,8 +155,8 @@ def _quantize_reference(y: torch.Tensor, mode: str, static_scale: torch.Tensor |
                         group: int) -> tuple[torch.Tensor, torch.Tensor]:
     if mode == "row":
         return quantize_rows_reference(y)
-    if mode == "group":
-        return quantize_groups_reference(y, group)
+    if mode in ("group", "group_pow2"):
+        return quantize_groups_reference(y, group, pow2=mode == "group_pow2")
     if static_scale is None:
         raise ValueError("a fused tensor-wise quantization needs a static scale (the whole tensor's amax is not "
                          "known in the pass that produces it)")
@@ -182,7 +187,7 @@ def _quantize(x: torch.Tensor, mode: str, producer: str, static_scale: torch.Ten
     Refuses a mode it does not know and a group width that does not divide the row."""
     if mode not in ACT_MODES:
         raise ValueError(f"activation quantization mode {mode!r}: expected one of {ACT_MODES}")
-    if mode == "group":
+    if mode in ("group", "group_pow2"):
         _check_groups(x.shape[-1] // 2 if producer == "silu" else x.shape[-1], group)
     if not kernel or (mode == "tensor" and static_scale is None):
         return None
@@ -201,12 +206,13 @@ def quantize_rows(x: torch.Tensor, kernel: bool = True) -> tuple[torch.Tensor, t
     return got[:2] if got is not None else quantize_rows_reference(x)
 
 
-def quantize_groups(x: torch.Tensor, group: int = BLOCK, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups(x: torch.Tensor, group: int = BLOCK, kernel: bool = True,
+                    pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] -> (xq [T, K] e4m3, scale [T, K/group] float32, M-major: strides (1, R), R =
     round_up(T, 4), the layout cuBLAS's 1x128 recipe reads; module docstring). K must be a
-    multiple of ``group`` (ValueError)."""
-    got = _quantize(x, "group", "plain", group=group, kernel=kernel)
-    return got[:2] if got is not None else quantize_groups_reference(x, group)
+    multiple of ``group`` (ValueError). ``pow2``: the scales rounded up to powers of two."""
+    got = _quantize(x, "group_pow2" if pow2 else "group", "plain", group=group, kernel=kernel)
+    return got[:2] if got is not None else quantize_groups_reference(x, group, pow2)
 
 
 def quantize_tensor(x: torch.Tensor, static_scale: torch.Tensor | None = None,
@@ -277,6 +283,9 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
                      "add_rms_norm_quant": (add_rms_norm_quant(x, d, w, 1e-6, mode)[1:],
                                             add_rms_norm_quant(x, d, w, 1e-6, mode, kernel=False)[1:]),
                      "silu_mul_quant": (silu_mul_quant(gu, mode), silu_mul_quant(gu, mode, kernel=False))}
+            if mode == "group":  # the experts' down input with per-channel weights
+                cases["silu_mul_quant pow2"] = (silu_mul_quant(gu, "group_pow2"),
+                                                silu_mul_quant(gu, "group_pow2", kernel=False))
             for name, ((xq, s), (rq, rs)) in cases.items():
                 differ = (xq.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
                 if not ((s - rs).abs() <= 2 ** -7 * rs).all() or differ > 0.01:

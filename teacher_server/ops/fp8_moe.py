@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops import fp8, fp8_grouped
+from teacher_server.ops import fp8, fp8_grouped, fp8_quant
 from teacher_server.ops.fp8_mm import AMAX_FLOOR, FP8_MAX
 from teacher_server.ops.fp8_quant import group_buffers
 from teacher_server.ops.moe_gate_up import _routing, block_experts, expert_blocks
@@ -53,6 +53,7 @@ _K: dict[str, Any] = {}
 # set by _define, as globals (the kernel's names resolve there, also under Triton's interpreter)
 libdevice: Any = None  # triton.language.extra.libdevice
 rounded: Any = None  # x rounded to the model dtype and back to float32 (``_define``)
+pow2_ceil: Any = None  # ``fp8_quant.pow2_ceil`` (``_define``)
 # Triton's interpreter (the CPU tests) has no libdevice (its exp there is tl.exp, numpy's), its
 # float32 -> bfloat16 cast truncates and its float32 -> e4m3 cast is not round-to-nearest (127.9 ->
 # 64): there bfloat16 rounding is done on the bits, and the kernel writes the clamped quotients in
@@ -61,8 +62,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _define(triton, tl) -> dict[str, Any]:
-    global libdevice, rounded
+    global libdevice, rounded, pow2_ceil
     from triton.language.extra import libdevice
+
+    fp8_quant._kernels()
+    pow2_ceil = fp8_quant.pow2_ceil  # (a global: the interpreter resolves the kernel's callees there)
 
     @triton.jit
     def rounded(x, F16: tl.constexpr, NATIVE: tl.constexpr):
@@ -77,7 +81,8 @@ def _define(triton, tl) -> dict[str, Any]:
     @triton.jit
     def fused(x_ptr, sx_ptr, sx_t, sx_k, tok_ptr, offs_ptr, blk_ptr, map_ptr, w_ptr, sw_ptr, q_ptr, sq_ptr, sq_k,
               E, fp8_max, amax_floor, I: tl.constexpr, K: tl.constexpr, XG: tl.constexpr,  # noqa: E741
-              WB: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NATIVE: tl.constexpr):
+              WB: tl.constexpr, F16: tl.constexpr, BM: tl.constexpr, G: tl.constexpr, NATIVE: tl.constexpr,
+              POW2: tl.constexpr):
         pid_m = tl.program_id(0)
         e = tl.load(map_ptr + pid_m)  # this block's expert (E: past the experts' last block)
         if e >= E:
@@ -132,6 +137,8 @@ def _define(triton, tl) -> dict[str, Any]:
         act = rounded(tl.div_rn(gf, 1.0 + ex), F16, NATIVE)
         y = rounded(act * uf, F16, NATIVE)
         s = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=1), amax_floor), fp8_max)  # [BM]: the group's scale
+        if POW2:  # rounded up to a power of two (``group_pow2``)
+            s = pow2_ceil(s)
         q = tl.minimum(tl.maximum(tl.div_rn(y, s[:, None]), -fp8_max), fp8_max)
         r64 = rows.to(tl.int64)
         tl.store(q_ptr + r64[:, None] * I + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=rm[:, None])
@@ -186,13 +193,14 @@ def eligible(xq: torch.Tensor, w: torch.Tensor, tokens: torch.Tensor, offs: torc
 
 def gate_up_silu_quant(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor,
                        w: torch.Tensor, sw: torch.Tensor, *, x_groups: bool, w_blocks: bool,
-                       dtype: torch.dtype = torch.bfloat16,
-                       config: tuple[int, int, int] = CONFIG) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int] = CONFIG,
+                       pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(codes [M, I] e4m3, scales [M, I/128] float32 M-major) of silu(gate) * up of each sorted
     row's token, quantized per 1x128 group (module docstring); None where the kernel does not
     apply. sx: [T] or [T, 1] per row (stride 0 for a static per-tensor scale expanded), or
     [T, K/128] (``x_groups``); sw: [E, 2I] or [E, 2I, 1] per channel, or [E, 2I/128, K/128]
-    (``w_blocks``). ``dtype`` the model's (the two-pass path's roundings)."""
+    (``w_blocks``). ``dtype`` the model's (the two-pass path's roundings); ``pow2``: the groups'
+    scales rounded up to powers of two (``ops.fp8``'s ``group_pow2``, for ``rows_of_groups``)."""
     if not eligible(xq, w, tokens, offs) or dtype not in (torch.bfloat16, torch.float16):
         return None
     bm, warps, stages = config
@@ -212,7 +220,7 @@ def gate_up_silu_quant(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor,
     grid = (-(-m // bm) + e, inter // GROUP)
     _K["fused"][grid](xq, sx.float(), sx_t, sx_k, tokens, offs, blk, block_experts(blk, grid[0]), w, sw, codes, s,
                       s.stride(1), e, FP8_MAX, AMAX_FLOOR, I=inter, K=k, XG=x_groups, WB=w_blocks,
-                      F16=dtype == torch.float16, BM=bm, G=GROUP, NATIVE=not INTERPRETED, num_warps=warps,
+                      F16=dtype == torch.float16, BM=bm, G=GROUP, NATIVE=not INTERPRETED, POW2=pow2, num_warps=warps,
                       num_stages=stages)
     if INTERPRETED:
         q.copy_(torch.where(offs[-1] > torch.arange(m)[:, None], codes, 0.0).to(q.dtype))  # (rows past the end: 0)
@@ -223,11 +231,14 @@ def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torc
     """1x128-group codes q [M, I] (I a multiple of 128) with scales s [M, I/128] (any strides)
     -> per-row codes and scales [M, 1]: each row's scale is its largest group's, and each
     group's codes are multiplied by its scale over the row's and rounded to e4m3 again (the
-    largest group's codes unchanged; the others' rounded twice, finer first). What the experts'
-    down product takes with per-channel weights: ``ops.fp8_moe``'s kernel makes whole 1x128
-    groups only, and the row-wise grouped multiply (torch's, with fast accumulation) ran 1.31x
-    bf16 where the 1x128 one ran 0.90x (``bench/bench_fp8_down.py``). On CUDA (and under the
-    interpreter) a Triton kernel, in place of q where CUDA; on the CPU torch, bit for bit."""
+    largest group's codes unchanged). With power-of-two group scales (``group_pow2``, as the
+    layer makes them) the ratios are powers of two and the codes move by their exponent only,
+    exactly, but where a code falls below e4m3's normal range (2^-6 of the row's scale); with
+    other scales they are rounded twice. What the experts' down product takes with per-channel
+    weights: ``ops.fp8_moe``'s kernel makes whole 1x128 groups only, and the row-wise grouped
+    multiply (torch's, with fast accumulation) ran 1.31x bf16 where the 1x128 one ran 0.90x
+    (``bench/bench_fp8_down.py``). On CUDA (and under the interpreter) a Triton kernel, in place
+    of q where CUDA; on the CPU torch, bit for bit."""
     m, i = q.shape
     if s.shape != (m, i // GROUP) or i % GROUP:
         raise ValueError(f"rows_of_groups takes codes [M, I] and 1x128 scales [M, I/128], I a multiple of "
@@ -249,8 +260,8 @@ def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torc
 
 
 def two_pass(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: torch.Tensor, w: torch.Tensor,
-             sw: torch.Tensor, *, x_groups: bool, w_blocks: bool,
-             dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+             sw: torch.Tensor, *, x_groups: bool, w_blocks: bool, dtype: torch.dtype = torch.bfloat16,
+             pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The path the kernel replaces, the same result in three passes: the rows' codes gathered,
     ``ops.fp8_grouped``'s multiply (bf16, as the layer's grouped multiplies write it, then taken to
     ``dtype``), ``silu_mul_quant`` in 1x128 groups (the float32 reference of the multiply where its
@@ -263,11 +274,12 @@ def two_pass(xq: torch.Tensor, sx: torch.Tensor, tokens: torch.Tensor, offs: tor
         mode = "block" if w_blocks else "row"
         gu = fp8.grouped_scaled_linear_reference(xg, sg, w, sw if w_blocks else sw.reshape(w.shape[0], -1, 1), offs,
                                                  mode)
-    return fp8.silu_mul_quant(gu.to(dtype), "group", kernel=gu.is_cuda)  # (bf16 products, as the layer's)
+    mode = "group_pow2" if pow2 else "group"
+    return fp8.silu_mul_quant(gu.to(dtype), mode, kernel=gu.is_cuda)  # (bf16 products, as the layer's)
 
 
 def check(w: torch.Tensor, sw: torch.Tensor, top_k: int, *, x_groups: bool, w_blocks: bool,
-          dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int] = CONFIG) -> bool:
+          dtype: torch.dtype = torch.bfloat16, config: tuple[int, int, int] = CONFIG, pow2: bool = False) -> bool:
     """Start-up check at a layer's expert weights ``w`` [E, 2I, K] and scales ``sw`` (its own:
     nothing of their size allocated): the kernel against ``two_pass`` on random inputs and
     routing (1, 37 and 300 tokens, empty experts): each 1x128 group of the dequantized outputs
@@ -280,11 +292,11 @@ def check(w: torch.Tensor, sw: torch.Tensor, top_k: int, *, x_groups: bool, w_bl
         xq, sx = fp8.quantize_groups(x) if x_groups else fp8.quantize_rows(x)
         tokens, offs = _routing(t, top_k, w.shape[0], w.device)
         got = gate_up_silu_quant(xq, sx, tokens, offs, w, sw, x_groups=x_groups, w_blocks=w_blocks, dtype=dtype,
-                                 config=config)
+                                 config=config, pow2=pow2)
         if got is None:
             return False
         m = int(offs[-1])
-        ref = two_pass(xq, sx, tokens, offs, w, sw, x_groups=x_groups, w_blocks=w_blocks, dtype=dtype)
+        ref = two_pass(xq, sx, tokens, offs, w, sw, x_groups=x_groups, w_blocks=w_blocks, dtype=dtype, pow2=pow2)
         a, b = (q[:m].float().view(m, -1, GROUP) * s[:m, :, None] for q, s in (got, ref))
         # per 1x128 group, within one e4m3 step of its largest value (32 / 448), and few codes off
         err = ((a - b).abs().amax(-1) / b.abs().amax(-1).clamp_min(1e-30)).max().item() if m else 0.0

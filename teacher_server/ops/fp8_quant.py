@@ -10,9 +10,10 @@ be produced in the same pass, so it is never written in bf16 and read back:
   ``ops.silu_mul.silu_mul_reference`` (silu rounded, then the product rounded).
 
 Scales (``ops.fp8`` documents the layouts): per row (``row``: amax / 448 over the row),
-per 1x128 group (``group``: written M-major, as cuBLAS reads them), or one given float32 scale
-(``tensor``). The quantization itself matches ``ops.fp8``'s torch references bit for bit:
-correctly rounded divisions (``div_rn``), a clamp to +-448 and round-to-nearest-even to e4m3.
+per 1x128 group (``group``: written M-major, as cuBLAS reads them; ``group_pow2``: each rounded
+up to a power of two), or one given float32 scale (``tensor``). The quantization itself matches
+``ops.fp8``'s torch references bit for bit: correctly rounded divisions (``div_rn``), a clamp to
++-448 and round-to-nearest-even to e4m3.
 What may differ is the norm's sum of squares (another summation order).
 
 Plain rows up to ``CHUNKED_K`` wide and the norm: one program per row holds the whole row in
@@ -40,8 +41,10 @@ PRODUCERS = {"plain": 0, "norm": 1, "silu": 2}
 # loads then wait on its arithmetic (SiLU-mul measured 0.93 TB/s that way on an H200)
 CHUNKED_K = 8192
 CHUNK = 2048
-MODES = {"row": 0, "group": 1, "tensor": 2}
+MODES = {"row": 0, "group": 1, "tensor": 2, "group_pow2": 3}
 _K: dict[str, Any] = {}
+pow2_ceil: Any = None  # a scale rounded up to a power of two (``ops.fp8.pow2_ceil``'s bits), set by ``_kernels``
+language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
 # (chunked, producer, mode, K, dtype) whose first launch failed (compiling) or succeeded: a failure
 # after a success is an error of the call, raised
 _FAILED: set[tuple] = set()
@@ -60,6 +63,14 @@ def _kernels() -> dict[str, Any]:
         log.info("FP8 activation kernels unavailable: %s: %s", type(e).__name__, e)
         _K["missing"] = True
         return _K
+
+    global pow2_ceil, language
+    language = tl
+
+    @triton.jit
+    def pow2_ceil(s):  # s positive, finite, normal: its exponent, one up where any mantissa bit is set
+        b = s.to(tl.int32, bitcast=True)
+        return ((((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
 
     # T (the step's tokens) differs from step to step: not specialised on. Rows T..R-1 (R the
     # grid) are the padding of a group layout: read as zeros, written as zero codes.
@@ -91,9 +102,11 @@ def _kernels() -> dict[str, Any]:
             scale = tl.div_rn(tl.maximum(tl.max(tl.abs(y), axis=0), amax_floor), fp8_max)
             q = tl.div_rn(y, scale)
             tl.store(scale_ptr + row, scale)
-        elif MODE == 1:  # one scale per GROUP columns, stored M-major: group g of row t at g * ST + t
+        elif MODE == 1 or MODE == 3:  # one scale per GROUP columns, M-major: group g of row t at g * ST + t
             yg = tl.reshape(y, (BLOCK // GROUP, GROUP))
             scale = tl.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=1), amax_floor), fp8_max)
+            if MODE == 3:  # a power of two
+                scale = pow2_ceil(scale)
             q = tl.reshape(tl.div_rn(yg, scale[:, None]), (BLOCK,))
             gi = tl.arange(0, BLOCK // GROUP)
             tl.store(scale_ptr + gi.to(tl.int64) * ST + row, scale, mask=gi * GROUP < K)
@@ -148,9 +161,11 @@ def _kernels() -> dict[str, Any]:
                 y = (a * u).to(dt).to(tl.float32)
             else:
                 y = tl.load(xrow + c + cols, mask=ml, other=0.0).to(tl.float32)
-            if MODE == 1:
+            if MODE == 1 or MODE == 3:
                 yg = tl.reshape(y, (CHUNK // GROUP, GROUP))
                 s = tl.div_rn(tl.maximum(tl.max(tl.abs(yg), axis=1), amax_floor), fp8_max)
+                if MODE == 3:
+                    s = pow2_ceil(s)
                 q = tl.reshape(tl.div_rn(yg, s[:, None]), (CHUNK,))
                 gi = c // GROUP + tl.arange(0, CHUNK // GROUP)
                 tl.store(scale_ptr + gi.to(tl.int64) * ST + row, s, mask=gi * GROUP < K)
@@ -211,7 +226,8 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
         return None
     kern = _kernels()
     block = kern["next_pow2"](k)
-    if mode == "group" and (k % group or block < group):
+    grouped = mode in ("group", "group_pow2")
+    if grouped and (k % group or block < group):
         return None
     dev = x.device
     resid = torch.empty_like(x) if delta is not None else None
@@ -219,7 +235,7 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     if mode == "row":
         xq = torch.empty(t, k, device=dev, dtype=torch.float8_e4m3fn)
         sc = torch.empty(t, 1, device=dev, dtype=torch.float32)
-    elif mode == "group":
+    elif grouped:
         xq, sc = group_buffers(t, k, group, dev)
         rows = padded_rows(t)  # the padding rows are written too (zeros)
     else:

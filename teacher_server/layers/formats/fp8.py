@@ -290,19 +290,21 @@ class Fp8Weights(ExpertInputs, WeightFormat):
 
     def _act_mode(self, layer: nn.Module, slot: str = "weight") -> str:
         """How ``layer``'s ``slot`` input is quantized: 1 x 128 groups for block weights and for
-        the experts' down input (``fp8_down_groups``: what ``ops.fp8_moe``'s kernel makes, so its
-        passes make it too), else per row, or with the static per-tensor scale."""
+        the experts' down input (``fp8_down_groups``, ``decide_down``: power-of-two scales with
+        per-row weights), else per row, or with the static per-tensor scale."""
         if self.scheme.activations == "static":
             return "tensor"
-        return "group" if layer.fp8_mode == "block" or (slot == "down" and layer.fp8_down_groups) else "row"
+        if layer.fp8_mode == "block":
+            return "group"
+        return "group_pow2" if slot == "down" and layer.fp8_down_groups else "row"
 
     def _quantize_input(self, layer: nn.Module, slot: str,
                         x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(x, QuantizedRows):  # quantized by the pass that made it
             return x.q, x.scale
         mode, kernel = self._act_mode(layer, slot), layer.fp8_kernel
-        if mode == "group":
-            return fp8.quantize_groups(x, GPU_BLOCK[1], kernel=kernel)  # [T, K / 128] M-major scales
+        if mode in ("group", "group_pow2"):  # [T, K / 128] M-major scales
+            return fp8.quantize_groups(x, GPU_BLOCK[1], kernel=kernel, pow2=mode == "group_pow2")
         if mode == "tensor":
             return fp8.quantize_tensor(x, getattr(layer, extra_name(slot, INPUT_SCALE)), kernel=kernel)  # [1]
         return fp8.quantize_rows(x, kernel=kernel)  # [T, 1]

@@ -111,17 +111,18 @@ class ExpertInputs:
         block = layer.fp8_mode == "block"
         xq, xs = self._quantize_input(layer, "gate_up", h)
         got = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, layer.gate_up, layer.gate_up_weight_scale_inv,
-                                         x_groups=block, w_blocks=block, dtype=h.dtype)
+                                         x_groups=block, w_blocks=block, dtype=h.dtype, pow2=not block)
         return None if got is None else QuantizedRows(*got, h.dtype)
 
     def decide_down(self, layer: nn.Module, mode: str, device: torch.device) -> None:
         """How an FP8 layer's experts take their down input, set at load: with dynamic
         activations and I a multiple of 128 it is made in 1 x 128 groups (``fp8_down_groups``:
         what ``ops.fp8_moe``'s kernel makes, so the SiLU-mul pass makes it too); block weights
-        multiply the groups, per-row weights take them per row (``ops.fp8_moe.rows_of_groups``)
-        and multiply them by torch's grouped kernel with fast accumulation where it checks at
-        these widths (``fp8_fast_down``; 1.31x bf16 where the Triton kernel on 1x128 groups ran
-        0.90x, ``bench/bench_fp8_down.py``), else by the Triton row kernel."""
+        multiply the groups; per-row weights take groups with power-of-two scales
+        (``group_pow2``), then per row (``ops.fp8_moe.rows_of_groups``: exact, the ratios powers
+        of two) and multiply them by torch's grouped kernel with fast accumulation where it
+        checks at these widths (``fp8_fast_down``; 1.31x bf16 where the Triton kernel on 1x128
+        groups ran 0.90x, ``bench/bench_fp8_down.py``), else by the Triton row kernel."""
         dynamic = layer.role == "experts" and self.scheme.activations != "static"
         n, k = layer.down.shape[-2:] if dynamic else (0, 0)
         layer.fp8_down_groups = dynamic and k % 128 == 0
@@ -134,9 +135,9 @@ class ExpertInputs:
         shapes, mode and dtype on its device (the warm-up checks one layer of a model)."""
         block, key = layer.fp8_mode == "block", _fused_key(layer)
         _FUSED[key] = False  # (a check that raises leaves it off)
-        _FUSED[key] = on = key[-1] == "group" and fp8_moe.check(
+        _FUSED[key] = on = key[-1] == ("group" if block else "group_pow2") and fp8_moe.check(
             layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block, w_blocks=block,
-            dtype=layer.model_dtype)
+            dtype=layer.model_dtype, pow2=not block)
         return on
 
 
