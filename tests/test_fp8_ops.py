@@ -5,8 +5,11 @@ step) and torch's scaled multiplies against the dequantized float32 product."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from triton_interp import interpreted
 
 from teacher_server.ops import fp8, fp8_block, fp8_grouped, fp8_mm, fp8_quant
 from teacher_server.ops.norm import add_rms_norm, rms_norm
@@ -318,6 +321,36 @@ class _Kernel:
             if self.fail:
                 raise RuntimeError("PassManager::run failed")
         return launch
+
+
+_PERSISTENT = """
+import json, torch
+from teacher_server.ops import fp8, fp8_grouped
+fp8_grouped.applies = lambda x, w: True  # (CUDA only: here Triton's interpreter)
+g = torch.Generator().manual_seed(0)
+counts = [5, 0, 70, 129, 3]
+m, e, k, n = sum(counts), len(counts), 256, 384
+offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+x = torch.randn(m, k, generator=g).bfloat16()
+wq, ws = fp8.quantize_weight(torch.randn(e, n, k, generator=g) / 16, "row")
+ws = ws.reshape(e, n)
+out = []
+for xq, xs, xg in (fp8.quantize_groups(x) + (True,), fp8.quantize_rows(x) + (False,)):
+    grid = fp8_grouped.grouped_block_mm(xq, xs, wq, ws, offs, x_groups=xg, w_blocks=False, bm=64)
+    ref = fp8.grouped_scaled_linear_reference(xq, xs, wq, ws[..., None], offs, "row", torch.float32)
+    for progs in (1, 3, 7):
+        got = fp8_grouped.grouped_block_mm(xq, xs, wq, ws, offs, x_groups=xg, w_blocks=False, bm=64, persistent=progs)
+        out.append([torch.equal(got, grid), float((got.float() - ref).abs().max() / ref.abs().max())])
+print(json.dumps(out))
+"""
+
+
+def test_the_persistent_grouped_kernel_is_the_one_program_per_tile_kernel() -> None:
+    """``grouped_block_mm(..., persistent=P)``: P programs walking the tiles (uneven and empty
+    experts, more tiles than programs) give the one-program-per-tile kernel's output, 1x128
+    input groups and per-row input, in Triton's interpreter; both near the float32 product."""
+    res = json.loads(interpreted(_PERSISTENT))
+    assert len(res) == 6 and all(same and err < 0.01 for same, err in res), res
 
 
 def test_a_kernel_that_fails_to_compile_leaves_its_calls_to_the_reference(monkeypatch) -> None:
