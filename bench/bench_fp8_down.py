@@ -85,9 +85,9 @@ def accuracy(rows: int, inter: int, hidden: int) -> dict[str, dict[str, float]]:
 
     groups, groups2 = fp8.quantize_groups(act), fp8.quantize_groups(act, pow2=True)
     layouts = {"1x128 groups": groups, "per row": fp8.quantize_rows(act),
-               "rows of 1x128 groups (two roundings)": fp8_moe.rows_of_groups(groups[0].clone(), groups[1]),
+               "rows of 1x128 groups (two roundings)": fp8_moe.rows_of_groups(*groups),
                "1x128 groups, power-of-two scales": groups2,
-               "rows of power-of-two groups (the engine's)": fp8_moe.rows_of_groups(groups2[0].clone(), groups2[1])}
+               "rows of power-of-two groups (the engine's)": fp8_moe.rows_of_groups(*groups2)}
     out = {}
     for name, (q, s) in layouts.items():
         d = deq(q, s)

@@ -68,11 +68,10 @@ def fp8_cases(mode: str, x: torch.Tensor, tokens: torch.Tensor, offs: torch.Tens
         def fast_down(a: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             return fp8.grouped_scaled_linear(*fp8_moe.rows_of_groups(*a), q2, s2, offs, "row", fast_accum=True)
 
-        out["fp8_row rows_of_groups alone"] = lambda: fp8_moe.rows_of_groups(mid[0].clone(), mid[1])
-        out["fp8_row clone alone"] = lambda: mid[0].clone()  # (what the line above adds to it)
-        out["fp8_row down alone (rows of groups, fast accumulation)"] = lambda: fast_down((mid[0].clone(), mid[1]))
+        out["fp8_row rows_of_groups alone"] = lambda: fp8_moe.rows_of_groups(*mid)
+        out["fp8_row down alone (rows of groups, fast accumulation)"] = lambda: fast_down(mid)
         out[f"fp8_row fused{fp8_moe.CONFIG} rows fast down"] = lambda: fast_down(fp8_moe.gate_up_silu_quant(
-            xq, xs, tokens, offs, q13, s13, x_groups=False, w_blocks=False))
+            xq, xs, tokens, offs, q13, s13, x_groups=False, w_blocks=False, pow2=True))
     out[f"fp8_{mode} two_pass"] = lambda: down(fp8_moe.two_pass(xq, xs, tokens, offs, q13, s13, x_groups=wb,
                                                                  w_blocks=wb))
     for c in fp8_moe.CONFIGS:

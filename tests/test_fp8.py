@@ -51,14 +51,14 @@ def engine(path: Path, **settings: object) -> Engine:
                          max_model_len=512, **settings))
 
 
-def moe_128(path: Path, layers: int = 1) -> Path:
+def moe_128(path: Path, layers: int = 1, inter: int = 128) -> Path:
     """A tiny Qwen3-MoE whose widths are whole 128-blocks (hidden 128, expert intermediate
-    128): its block-scaled experts keep their blocks on the GPU."""
+    ``inter``): its block-scaled experts keep their blocks on the GPU."""
     import transformers as tf
     from reference import ROUTER, randomize_weights
 
     cfg = tf.Qwen3MoeConfig(vocab_size=512, hidden_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=128,
+                            num_key_value_heads=2, head_dim=32, intermediate_size=256, moe_intermediate_size=inter,
                             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024)
     torch.manual_seed(0)
     model = tf.Qwen3MoeForCausalLM(cfg).float().eval()
@@ -76,8 +76,9 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
             ignore: tuple[str, ...] = ()) -> tuple[Path, Path]:
         key = (family, layout, block, ignore)
         if key not in made:
-            if family in ("moe128", "moe128x3"):  # (x3: three expert layers)
-                src = moe_128(tmp_path_factory.mktemp(family) / "m", 3 if family.endswith("x3") else 1)
+            if family in ("moe128", "moe128x3", "moe256"):  # (x3: three expert layers; 256: two 128-groups of I)
+                src = moe_128(tmp_path_factory.mktemp(family) / "m", 3 if family.endswith("x3") else 1,
+                              256 if family == "moe256" else 128)
             elif family.startswith("deepseek_"):  # DeepSeek-V3-class (latent attention, DeepSeekMoE)
                 from deepseek_ref import make_deepseek_checkpoint
 

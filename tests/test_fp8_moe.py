@@ -208,6 +208,30 @@ def test_rows_of_groups_rescales_each_group_to_its_rows_scale() -> None:
     assert all(all(r) for r in json.loads(interpreted(_REGROUP)))
 
 
+def test_rows_of_groups_takes_its_torch_path_where_its_kernel_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose first launch fails (a compile error on this GPU) leaves rows_of_groups to
+    its torch path from then on, the same bits; a failure after a success is the call's error."""
+    class Fails:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise RuntimeError("no kernel here")
+            return launch
+
+    g = torch.Generator().manual_seed(7)
+    q, s = fp8.quantize_groups(torch.randn(9, 384, generator=g).bfloat16(), pow2=True)
+    want = fp8_moe.rows_of_groups(q, s)
+    monkeypatch.setattr(fp8_moe, "runs_on", lambda x: True)
+    monkeypatch.setattr(fp8_moe, "_K", {"regroup": Fails()})
+    monkeypatch.setattr(fp8_moe, "_REGROUP_FAILED", [])
+    got = fp8_moe.rows_of_groups(q, s)
+    assert fp8_moe._REGROUP_FAILED and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1], want[1])
+    monkeypatch.setattr(fp8_moe, "_REGROUP_FAILED", [])
+    fp8_moe._K["regroup_ran"] = True
+    with pytest.raises(RuntimeError, match="no kernel here"):
+        fp8_moe.rows_of_groups(q, s)
+
+
 _MODEL = """
 import json, sys, numpy as np, torch
 sys.path.insert(0, "tests")
@@ -269,31 +293,54 @@ def test_an_fp8_expert_model_scores_through_the_kernel_as_through_the_passes(fp8
         assert r["same"] >= 0.8 and r["max_diff"] <= 0.1, (path, r)
 
 
-def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch) -> None:  # noqa: F811
+@pytest.mark.parametrize(("family", "pow2"), [("moe256", True), ("moe128", False)])
+def test_on_the_cpu_the_layer_keeps_its_passes(fp8_checkpoints, monkeypatch, family: str,  # noqa: F811
+                                               pow2: bool) -> None:
     """Off CUDA the warm-up never turns the kernel on, and the experts' down input is the
-    SiLU-mul pass's, in 1x128 groups with power-of-two scales with per-row weights (quantized at
-    load), which the down product takes per row (``rows_of_groups``) with fast accumulation (its
-    check passes: on the CPU the float32 reference)."""
+    SiLU-mul pass's, in 1x128 groups also with per-row weights (quantized at load): with two or
+    more groups (I = 256) their scales powers of two, taken per row (``rows_of_groups``) by the
+    down product with fast accumulation (its check passes: on the CPU the float32 reference),
+    which gives the float32 product of the groups' dequantized rows; with one group (I = 128)
+    plain amax / 448 scales, per row already."""
     monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
-    modes = []
+    modes, regrouped, downs = [], [], []
     real = fp8.silu_mul_quant
     monkeypatch.setattr(fp8, "silu_mul_quant", lambda gu, mode, *a, **kw: modes.append(mode) or real(gu, mode, *a, **kw))
+    real_rg = fp8_moe.rows_of_groups
+    monkeypatch.setattr(fp8_moe, "rows_of_groups", lambda q, s: regrouped.append((q, s)) or real_rg(q, s))
     products = []  # (input scales' shape, fast accumulation) of each grouped multiply
     real_mm = fp8.grouped_scaled_linear
-    monkeypatch.setattr(fp8, "grouped_scaled_linear", lambda xq, xs, *a, fast_accum=False, **kw: products.append(
-        (xs.shape[1], fast_accum)) or real_mm(xq, xs, *a, fast_accum=fast_accum, **kw))
-    _, twin = fp8_checkpoints("moe128", "block", (128, 128))
+
+    def mm(xq, xs, w, ws, offs, *a, fast_accum=False, **kw):
+        products.append((xs.shape[1], fast_accum))
+        y = real_mm(xq, xs, w, ws, offs, *a, fast_accum=fast_accum, **kw)
+        if fast_accum:
+            downs.append((xq, xs, w, ws, offs, y))
+        return y
+
+    monkeypatch.setattr(fp8, "grouped_scaled_linear", mm)
+    _, twin = fp8_checkpoints(family, "block", (128, 128))
     eng = engine(twin, quantization="fp8")
     assert not eng.runner.ops.fp8_moe_kernel and not eng.runner.ops.moe_gate_up_kernel
     experts = [m for m in eng.model.modules() if getattr(m, "role", None) == "experts"]
     assert experts and all(m.fp8_mode == "row" and m.fp8_down_groups and m.fp8_fast_down for m in experts)
+    assert all(m.fp8_down_pow2 == pow2 for m in experts)
     modes.clear()
     products.clear()
     got = eng.run_to_completion(requests("moe128"))
     assert all(r.error is None and not np.isnan(r.token_id_logprobs).any() for r in got)
-    assert modes and set(modes) == {"group_pow2"}, modes
-    # gate/up per row; down made in groups, taken per row (rows_of_groups) with fast accumulation
+    assert modes and set(modes) == {"group_pow2" if pow2 else "group"}, modes
+    # gate/up per row; down per row (from two groups, or one) with fast accumulation
     assert products and set(products) == {(1, False), (1, True)}, products
+    assert bool(regrouped) == pow2 and downs
+    assert all((torch.frexp(s)[0] == 0.5).all() for _, s in regrouped)  # the groups' scales powers of two
+    for (q, s), (xq, xs, w, ws, offs, y) in zip(regrouped, downs):  # the product of the groups' values
+        m = int(offs[-1])
+        x, rows = (q.float() * s.repeat_interleave(128, 1))[:m], (xq.float() * xs)[:m]
+        normal = x.abs() >= 2 ** -6 * xs[:m]  # exact there; below, within half e4m3's smallest step
+        assert torch.equal(rows[normal], x[normal]) and ((rows - x).abs() <= 2 ** -10 * xs[:m]).all()
+        want = fp8_mm.grouped_mm_reference(rows, (w.float() * ws).transpose(1, 2), offs)
+        torch.testing.assert_close(y[:m].float(), want.bfloat16().float(), rtol=0, atol=0)
 
 
 def _fp8_gpu() -> bool:
@@ -316,10 +363,11 @@ def test_the_kernel_on_the_gpu_at_an_expert_models_shapes(block: bool) -> None:
     xq, xs = fp8.quantize_groups(x) if block else fp8.quantize_rows(x)
     tokens, offs = _routing(4096, 8, 16, cuda)
     m = int(offs[-1])
-    q, s = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block)
-    q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block)
-    assert (q[:m].view(torch.uint8) != q2[:m].view(torch.uint8)).float().mean().item() <= 1e-4
-    assert (s[:m] - s2[:m]).abs().max().item() <= 1e-2 * s2[:m].abs().max().item()
+    for pow2 in (False,) if block else (False, True):  # (per-channel weights: the engine's power-of-two scales)
+        q, s = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block, pow2=pow2)
+        q2, s2 = fp8_moe.two_pass(xq, xs, tokens, offs, wq, ws, x_groups=block, w_blocks=block, pow2=pow2)
+        assert (q[:m].view(torch.uint8) != q2[:m].view(torch.uint8)).float().mean().item() <= 1e-4
+        assert (s[:m] - s2[:m]).abs().max().item() <= 1e-2 * s2[:m].abs().max().item()
 
 
 def test_the_checks_answer_is_kept_per_shape_and_input_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,7 +386,8 @@ def test_the_checks_answer_is_kept_per_shape_and_input_scheme(monkeypatch: pytes
 
     def layer(activations: str) -> SimpleNamespace:
         fmt = Fp8Weights("fp8", Fp8Scheme("channel", activations=activations))
-        return SimpleNamespace(fmt=fmt, fp8_mode="row", fp8_down_groups=True, fp8_kernel=False, model_dtype=torch.bfloat16,
+        return SimpleNamespace(fmt=fmt, fp8_mode="row", fp8_down_groups=True, fp8_down_pow2=True, fp8_kernel=False,
+                               model_dtype=torch.bfloat16,
                                gate_up=torch.zeros(4, 512, 256, dtype=fp8.FP8), down=torch.zeros(4, 256, 256),
                                gate_up_weight_scale_inv=torch.ones(4, 512, 1))
 
@@ -365,7 +414,7 @@ def test_the_checks_answer_is_kept_per_shape_and_input_scheme(monkeypatch: pytes
 @pytest.mark.gpu
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs a GPU with FP8 matrix multiplies (sm89+)")
 def test_rows_of_groups_on_the_gpu_as_on_the_cpu() -> None:
-    """The Triton kernel (in place of the codes) gives the torch path's bits, at Qwen3-30B-A3B's
+    """The Triton kernel gives the torch path's bits, at Qwen3-30B-A3B's
     and DeepSeek-V3's intermediate widths, in the fused kernel's M-major scale layout."""
     g = torch.Generator().manual_seed(6)
     for m, i in ((1000, 768), (77, 2048), (3, 256)):

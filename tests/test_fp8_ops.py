@@ -617,7 +617,7 @@ def test_experts_inputs_made_in_fewer_passes_multiply_as_their_own_pass(device: 
     wmode = "block" if act == "group" else "row"
     fmt = Fp8Weights("fp8", Fp8Scheme("block" if act == "group" else "channel",
                                       activations="static" if act == "tensor" else "dynamic"))
-    layer = SimpleNamespace(fp8_mode=wmode, fp8_kernel=True, fp8_down_groups=act != "tensor")
+    layer = SimpleNamespace(fp8_mode=wmode, fp8_kernel=True, fp8_down_groups=act != "tensor", fp8_down_pow2=False)
     layer.gate_up, ws = (a.to(dev) for a in fp8.quantize_weight(w, wmode))
     setattr(layer, extra_name("gate_up", SCALE), ws)
     for slot in ("gate_up", "down"):

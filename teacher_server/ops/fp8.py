@@ -288,7 +288,10 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
                                                 silu_mul_quant(gu, "group_pow2", kernel=False))
             for name, ((xq, s), (rq, rs)) in cases.items():
                 differ = (xq.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
-                if not ((s - rs).abs() <= 2 ** -7 * rs).all() or differ > 0.01:
+                near = (s - rs).abs() <= 2 ** -7 * rs
+                if name.endswith("pow2"):  # an amax a rounding apart across a power of two: the next one
+                    near = near | (s == 2 * rs) | (2 * s == rs)
+                if not near.all() or differ > 0.01:
                     raise RuntimeError(f"FP8 {name} ({mode}) differs from its torch reference at {t} tokens: "
                                        f"{differ:.2%} of codes, scales by up to {(s - rs).abs().max().item():.3g}")
     return True

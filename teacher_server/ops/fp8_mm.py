@@ -43,9 +43,11 @@ def scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
     """The least power of two >= s (positive, finite, normal float32), on the bits, as the
-    kernels compute it (``fp8_quant.pow2_ceil``): scales whose ratios are exact (``group_pow2``)."""
-    b = s.float().contiguous().view(torch.int32)
-    return ((((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).int()) << 23).view(torch.float32)
+    kernels compute it (``fp8_quant.pow2_ceil``): scales whose ratios are exact (``group_pow2``).
+    NaN stays NaN (a NaN activation's scale)."""
+    s = s.float().contiguous()
+    b = s.view(torch.int32)
+    return torch.where(s.isnan(), s, ((((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).int()) << 23).view(torch.float32))
 
 
 def dequantize(wq: torch.Tensor, wscale: torch.Tensor, mode: str, block: tuple[int, int] = (BLOCK, BLOCK),

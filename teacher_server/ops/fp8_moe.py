@@ -15,8 +15,9 @@ it back, and gathers the rows first.
 Each program takes BM rows of one expert and one 128-wide group of I: 128 gate columns and
 the matching up columns (two float32 accumulators), so the 1x128 activation group of its
 output is whole in the program, and its scale is written beside its codes (M-major, as
-``fp8_quant.group_buffers`` lays them out; the down product reads them with per-channel or
-block weight scales, ``ops.fp8_grouped``). Rounding is the two-pass path's step for step: the
+``fp8_quant.group_buffers`` lays them out; with per-channel weights the scales are powers of two
+and ``rows_of_groups`` takes the groups per row for the down product; with block weights
+``ops.fp8_grouped`` multiplies the groups). Rounding is the two-pass path's step for step: the
 product scaled as ``ops.fp8_grouped`` scales it, rounded to the model dtype, silu rounded, the
 product rounded, then ``fp8_quant``'s group quantization (``div_rn``, clamp, e4m3), so the two
 agree to the tensor cores' accumulation order (``check``).
@@ -145,7 +146,7 @@ def _define(triton, tl) -> dict[str, Any]:
         tl.store(sq_ptr + r64 + pid_n * sq_k, s, mask=rm)
 
     @triton.jit(do_not_specialize=["M", "SR", "ST"])
-    def regroup(q_ptr, sq, s_ptr, SR, ST, out_ptr, so_ptr, M, NG: tl.constexpr, GP: tl.constexpr,
+    def regroup(q_ptr, sq, s_ptr, SR, ST, out_ptr, so, so_ptr, M, NG: tl.constexpr, GP: tl.constexpr,
                 BR: tl.constexpr, G: tl.constexpr):
         # BR rows' 1x128 group pid_g: the rows' scale the largest of their NG groups' (GP: NG's
         # next power of 2), the group's codes times its scale over the row's, rounded to e4m3
@@ -160,9 +161,9 @@ def _define(triton, tl) -> dict[str, Any]:
         srow = tl.where(rm, tl.max(sg, axis=1), 1.0)
         ratio = tl.div_rn(tl.load(s_ptr + pid_g * ST + r64 * SR, mask=rm, other=1.0), srow)
         cols = pid_g * G + tl.arange(0, G)
-        at = r64[:, None] * sq + cols[None, :]
-        y = tl.load(q_ptr + at, mask=rm[:, None], other=0.0).to(tl.float32) * ratio[:, None]
-        tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=rm[:, None])
+        y = tl.load(q_ptr + r64[:, None] * sq + cols[None, :], mask=rm[:, None], other=0.0).to(tl.float32)
+        y = y * ratio[:, None]
+        tl.store(out_ptr + r64[:, None] * so + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=rm[:, None])
         if pid_g == 0:
             tl.store(so_ptr + rows, srow, mask=rm)
 
@@ -237,25 +238,46 @@ def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torc
     other scales they are rounded twice. What the experts' down product takes with per-channel
     weights: ``ops.fp8_moe``'s kernel makes whole 1x128 groups only, and the row-wise grouped
     multiply (torch's, with fast accumulation) ran 1.31x bf16 where the 1x128 one ran 0.90x
-    (``bench/bench_fp8_down.py``). On CUDA (and under the interpreter) a Triton kernel, in place
-    of q where CUDA; on the CPU torch, bit for bit."""
+    (``bench/bench_fp8_down.py``). New buffers: on CUDA (and under the interpreter) a Triton
+    kernel, else torch, bit for bit."""
     m, i = q.shape
     if s.shape != (m, i // GROUP) or i % GROUP:
         raise ValueError(f"rows_of_groups takes codes [M, I] and 1x128 scales [M, I/128], I a multiple of "
                          f"{GROUP}: got {tuple(q.shape)} and {tuple(s.shape)}")
     if i == GROUP:
         return q, s.reshape(m, 1)
-    if not (runs_on(q) and "regroup" in _kernels() and q.stride(1) == 1):
-        srow = s.float().amax(1, keepdim=True)
-        y = q.float().view(m, -1, GROUP) * (s.float() / srow)[..., None]
-        return y.view(m, i).to(q.dtype), srow
+    if runs_on(q) and "regroup" in _kernels() and q.stride(1) == 1 and not _REGROUP_FAILED:
+        got = _regroup(q, s)
+        if got is not None:
+            return got
+    srow = s.float().amax(1, keepdim=True)
+    y = q.float().view(m, -1, GROUP) * (s.float() / srow)[..., None]
+    return y.view(m, i).to(q.dtype), srow
+
+
+_REGROUP_FAILED: list[bool] = []  # the kernel's first launch failed (compiling): the torch path from then on
+
+
+def _regroup(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``rows_of_groups`` by the Triton kernel, into new buffers; None where its first launch
+    failed (logged once; the torch path gives the same bits). A failure after a success raises."""
+    m, i = q.shape
     srow = torch.empty(m, 1, device=q.device, dtype=torch.float32)
+    out = torch.empty(m, i, device=q.device, dtype=torch.float32 if INTERPRETED else q.dtype)  # (e4m3 by torch)
     if m == 0:
-        return q, srow
-    out = torch.empty(m, i, dtype=torch.float32) if INTERPRETED else q  # (e4m3 cast by torch there)
+        return out.to(q.dtype), srow
     ng, br = i // GROUP, 64
-    _K["regroup"][(-(-m // br), ng)](q, q.stride(0), s, s.stride(0), s.stride(1), out, srow, m, NG=ng,
-                                     GP=1 << (ng - 1).bit_length(), BR=br, G=GROUP, num_warps=4)
+    try:
+        _K["regroup"][(-(-m // br), ng)](q, q.stride(0), s, s.stride(0), s.stride(1), out, out.stride(0), srow, m,
+                                         NG=ng, GP=1 << (ng - 1).bit_length(), BR=br, G=GROUP, num_warps=4)
+    except Exception as e:
+        if _K.get("regroup_ran"):
+            raise
+        _REGROUP_FAILED.append(True)
+        log.warning("rows_of_groups' kernel failed (%s: %s): its torch path runs instead", type(e).__name__,
+                    str(e)[:300])
+        return None
+    _K["regroup_ran"] = True
     return (out.to(q.dtype) if INTERPRETED else out), srow
 
 

@@ -68,9 +68,10 @@ def _kernels() -> dict[str, Any]:
     language = tl
 
     @triton.jit
-    def pow2_ceil(s):  # s positive, finite, normal: its exponent, one up where any mantissa bit is set
+    def pow2_ceil(s):  # s positive, finite, normal: its exponent, one up where any mantissa bit is set (NaN kept)
         b = s.to(tl.int32, bitcast=True)
-        return ((((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        p = ((((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0).to(tl.int32)) << 23).to(tl.float32, bitcast=True)
+        return tl.where(s != s, s, p)
 
     # T (the step's tokens) differs from step to step: not specialised on. Rows T..R-1 (R the
     # grid) are the padding of a group layout: read as zeros, written as zero codes.

@@ -294,9 +294,9 @@ class Fp8Weights(ExpertInputs, WeightFormat):
         per-row weights), else per row, or with the static per-tensor scale."""
         if self.scheme.activations == "static":
             return "tensor"
-        if layer.fp8_mode == "block":
-            return "group"
-        return "group_pow2" if slot == "down" and layer.fp8_down_groups else "row"
+        if slot == "down" and layer.fp8_down_pow2:
+            return "group_pow2"
+        return "group" if layer.fp8_mode == "block" or (slot == "down" and layer.fp8_down_groups) else "row"
 
     def _quantize_input(self, layer: nn.Module, slot: str,
                         x: torch.Tensor | QuantizedRows) -> tuple[torch.Tensor, torch.Tensor]:

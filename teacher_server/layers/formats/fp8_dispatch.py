@@ -23,27 +23,25 @@ def fp8_compute(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-_RUNS: dict[tuple, bool] = {}  # (mode, k, n, experts, device) -> whether that multiply runs there
+_RUNS: dict[tuple, bool] = {}  # (mode, k, n, experts, device, fast_accum) -> whether that multiply runs there
 
 
-def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, groups: bool = False,
-                 fast_accum: bool = False) -> bool:
+def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, fast_accum: bool = False) -> bool:
     """Whether ``ops.fp8``'s multiply in ``mode`` ("block": 128 x 128 weight blocks, "row"),
     grouped over ``experts`` when not 0, runs on ``device`` at width k -> n and matches its
     float32 reference (``check_scaled_linear``, once per shape). Where not, the layer takes the
-    next mode (block, row, then its weights dequantized), with one line logged. ``groups``: on
-    1x128 activation groups; ``fast_accum``: torch's grouped row-wise kernel with fast
-    accumulation (the experts' down product; where not, the Triton kernel)."""
-    key = (mode, k, n, experts, str(device), groups, fast_accum)
+    next mode (block, row, then its weights dequantized), with one line logged. ``fast_accum``:
+    torch's grouped row-wise kernel with fast accumulation (the experts' down product; where
+    not, the Triton kernel)."""
+    key = (mode, k, n, experts, str(device), fast_accum)
     if key not in _RUNS:
         try:
-            fp8.check_scaled_linear(mode, k, n, device, experts, groups=groups, fast_accum=fast_accum)
+            fp8.check_scaled_linear(mode, k, n, device, experts, fast_accum=fast_accum)
             _RUNS[key] = True
         except (RuntimeError, ValueError, NotImplementedError) as e:
             log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): %s", mode, k, n,
                         " (experts)" if experts else "", str(e)[:200],
-                        "per-row inputs are made" if groups else "the Triton kernel runs it" if fast_accum
-                        else "the next mode is used")
+                        "the Triton kernel runs it" if fast_accum else "the next mode is used")
             _RUNS[key] = False
     return _RUNS[key]
 
@@ -111,7 +109,7 @@ class ExpertInputs:
         block = layer.fp8_mode == "block"
         xq, xs = self._quantize_input(layer, "gate_up", h)
         got = fp8_moe.gate_up_silu_quant(xq, xs, tokens, offs, layer.gate_up, layer.gate_up_weight_scale_inv,
-                                         x_groups=block, w_blocks=block, dtype=h.dtype, pow2=not block)
+                                         x_groups=block, w_blocks=block, dtype=h.dtype, pow2=layer.fp8_down_pow2)
         return None if got is None else QuantizedRows(*got, h.dtype)
 
     def decide_down(self, layer: nn.Module, mode: str, device: torch.device) -> None:
@@ -119,13 +117,16 @@ class ExpertInputs:
         activations and I a multiple of 128 it is made in 1 x 128 groups (``fp8_down_groups``:
         what ``ops.fp8_moe``'s kernel makes, so the SiLU-mul pass makes it too); block weights
         multiply the groups; per-row weights take groups with power-of-two scales
-        (``group_pow2``), then per row (``ops.fp8_moe.rows_of_groups``: exact, the ratios powers
-        of two) and multiply them by torch's grouped kernel with fast accumulation where it
-        checks at these widths (``fp8_fast_down``; 1.31x bf16 where the Triton kernel on 1x128
-        groups ran 0.90x, ``bench/bench_fp8_down.py``), else by the Triton row kernel."""
+        (``group_pow2``, ``fp8_down_pow2``; where I > 128), then per row
+        (``ops.fp8_moe.rows_of_groups``: the ratios powers of two, exact but below e4m3's normal
+        range) and multiply them by torch's grouped kernel with fast accumulation where it checks
+        at these widths (``fp8_fast_down``; 1.31x bf16 where the Triton kernel on 1x128 groups
+        ran 0.90x, ``bench/bench_fp8_down.py``), else by the Triton row kernel."""
         dynamic = layer.role == "experts" and self.scheme.activations != "static"
         n, k = layer.down.shape[-2:] if dynamic else (0, 0)
-        layer.fp8_down_groups = dynamic and k % 128 == 0
+        layer.fp8_down_groups = dynamic and k % 128 == 0  # (128: the group, ``fp8.GPU_BLOCK``'s columns)
+        # one group (I = 128, also a tensor-parallel slice of a wider I) is per row already: no power of two
+        layer.fp8_down_pow2 = layer.fp8_down_groups and mode == "row" and k > 128
         layer.fp8_fast_down = layer.fp8_down_groups and mode == "row" and product_runs("row", k, n, 6, device,
                                                                                        fast_accum=True)
 
@@ -135,9 +136,10 @@ class ExpertInputs:
         shapes, mode and dtype on its device (the warm-up checks one layer of a model)."""
         block, key = layer.fp8_mode == "block", _fused_key(layer)
         _FUSED[key] = False  # (a check that raises leaves it off)
-        _FUSED[key] = on = key[-1] == ("group" if block else "group_pow2") and fp8_moe.check(
+        pow2 = layer.fp8_down_pow2
+        _FUSED[key] = on = key[-1] == ("group_pow2" if pow2 else "group") and fp8_moe.check(
             layer.gate_up, layer.gate_up_weight_scale_inv, top_k, x_groups=block, w_blocks=block,
-            dtype=layer.model_dtype, pow2=not block)
+            dtype=layer.model_dtype, pow2=pow2)
         return on
 
 
