@@ -323,6 +323,30 @@ class _Kernel:
         return launch
 
 
+def test_a_power_of_two_scale_may_be_the_next_power_and_its_failure_is_its_own(monkeypatch) -> None:
+    """The start-up check's bounds with power-of-two group scales: an amax a rounding apart
+    across a power of two doubles a scale (allowed there, not elsewhere); a SiLU-mul pass in
+    that mode that fails its check leaves that kernel mode, at that width, to the reference."""
+    x = torch.randn(4, 256, generator=_gen(9)).bfloat16()
+    q, s = fp8.quantize_groups(x, pow2=True)
+    assert fp8._differs((q, s), (q, s)) == ""
+    assert fp8._differs((q, 2 * s), (q, s)) and fp8._differs((q, 2 * s), (q, s), pow2=True) == ""
+    assert fp8._differs((q, 4 * s), (q, s), pow2=True)
+    assert fp8._differs(((q.float() * 2).to(q.dtype), s), (q, s), pow2=True)  # the codes
+    monkeypatch.setattr(fp8_quant, "_FAILED", set())
+    monkeypatch.setattr(fp8_quant, "applies", lambda x, k: True)  # (here CUDA only)
+    launched = []  # the modes the stand-in kernel was launched with
+    chunks = {"quant_chunks": type("K", (), {"__getitem__": lambda self, grid: lambda *a, **kw: launched.append(
+        kw["MODE"])})(), "next_pow2": lambda k: k}
+    monkeypatch.setattr(fp8_quant, "_K", chunks)
+    monkeypatch.setattr(fp8_quant, "_LAUNCHED", set())
+    fp8_quant.fail(True, "silu", "group_pow2", 256, torch.bfloat16)
+    gu = torch.randn(4, 512, generator=_gen(10)).bfloat16()
+    assert fp8_quant.quantize(gu, "group_pow2", "silu", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is None
+    assert fp8_quant.quantize(gu, "group", "silu", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
+    assert launched == [fp8_quant.MODES["group"]]  # the other mode, at that width, still launches
+
+
 _PERSISTENT = """
 import json, torch
 from teacher_server.ops import fp8, fp8_grouped

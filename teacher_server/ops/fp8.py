@@ -86,6 +86,8 @@ Measured on an H200 (torch 2.11 + CUDA 13, Triton 3.6; ``bench/bench_fp8.py``, 1
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from teacher_server.ops import fp8_quant
@@ -113,6 +115,7 @@ from teacher_server.ops.silu_mul import silu_mul_reference
 # activation scales; ``group_pow2``: 1 x 128 groups whose scales are powers of two (amax / 448
 # rounded up to one), so that ``ops.fp8_moe.rows_of_groups`` takes them per row without a second rounding
 ACT_MODES = ("row", "group", "tensor", "group_pow2")
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- torch references
@@ -265,7 +268,9 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
     random rows, at 1 and 200 tokens. False where the kernels do not apply (no Triton, not
     CUDA, a width over ``fp8_quant.MAX_K``): the references run instead; RuntimeError when a
     kernel's scales differ from the reference's by more than a bf16 step or more than 1% of its
-    codes differ (the norm sums in another order; the rest give the reference's bits)."""
+    codes differ (the norm sums in another order; the rest give the reference's bits). The
+    SiLU-mul pass with power-of-two group scales (``group_pow2``) that fails leaves that mode
+    alone to its reference (logged)."""
     if not (device.type == "cuda" and fp8_quant.applies(torch.empty(1, 16, device=device, dtype=dtype),
                                                         max(hidden, intermediate))):
         return False
@@ -283,15 +288,29 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
                      "add_rms_norm_quant": (add_rms_norm_quant(x, d, w, 1e-6, mode)[1:],
                                             add_rms_norm_quant(x, d, w, 1e-6, mode, kernel=False)[1:]),
                      "silu_mul_quant": (silu_mul_quant(gu, mode), silu_mul_quant(gu, mode, kernel=False))}
-            if mode == "group":  # the experts' down input with per-channel weights
-                cases["silu_mul_quant pow2"] = (silu_mul_quant(gu, "group_pow2"),
-                                                silu_mul_quant(gu, "group_pow2", kernel=False))
-            for name, ((xq, s), (rq, rs)) in cases.items():
-                differ = (xq.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
-                near = (s - rs).abs() <= 2 ** -7 * rs
-                if name.endswith("pow2"):  # an amax a rounding apart across a power of two: the next one
-                    near = near | (s == 2 * rs) | (2 * s == rs)
-                if not near.all() or differ > 0.01:
-                    raise RuntimeError(f"FP8 {name} ({mode}) differs from its torch reference at {t} tokens: "
-                                       f"{differ:.2%} of codes, scales by up to {(s - rs).abs().max().item():.3g}")
+            for name, got in cases.items():
+                if err := _differs(*got):
+                    raise RuntimeError(f"FP8 {name} ({mode}) differs from its torch reference at {t} tokens: {err}")
+            # the experts' down input with per-channel weights, apart: its failure turns off that mode alone
+            pow2 = "group_pow2"
+            if mode == "group" and (err := _differs(silu_mul_quant(gu, pow2), silu_mul_quant(gu, pow2, kernel=False),
+                                                    pow2=True)):
+                fp8_quant.fail(True, "silu", pow2, intermediate, dtype)
+                log.warning("FP8 silu_mul_quant (%s) differs from its torch reference at %d tokens (%s): its "
+                            "reference runs instead", pow2, t, err)
     return True
+
+
+def _differs(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
+             pow2: bool = False) -> str:
+    """How a quantization kernel's (codes, scales) differ from its reference's beyond the
+    check's bounds (scales a bf16 step; with power-of-two scales also the next power, where an
+    amax a rounding apart crosses one; 1% of the codes), or ''."""
+    (xq, s), (rq, rs) = got, ref
+    differ = (xq.view(torch.uint8) != rq.view(torch.uint8)).float().mean().item()
+    near = (s - rs).abs() <= 2 ** -7 * rs
+    if pow2:
+        near = near | (s == 2 * rs) | (2 * s == rs)
+    if near.all() and differ <= 0.01:
+        return ""
+    return f"{differ:.2%} of codes, scales by up to {(s - rs).abs().max().item():.3g}"

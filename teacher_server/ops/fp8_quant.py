@@ -179,6 +179,11 @@ def _kernels() -> dict[str, Any]:
     return _K
 
 
+def fail(chunked: bool, producer: str, mode: str, k: int, dtype: torch.dtype) -> None:
+    """Leave that kernel's calls to the torch reference from now on (its start-up check failed)."""
+    _FAILED.add((chunked, producer, mode, k, dtype))
+
+
 def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
