@@ -14,9 +14,9 @@ per-channel weight scales [E, N] (applied once, after the K blocks' float32 sum,
 accumulator the tensor cores add into): the row-wise experts' default, because torch's grouped
 row-wise kernel without fast accumulation ran at 0.59x the bf16 grouped GEMM on an H200
 (Qwen3-30B-A3B's experts; ``ops.fp8``'s docstring). Each operand's layout is its own
-(``x_groups``, ``w_blocks``): the experts' down product takes 1x128 activation groups
-(``ops.fp8_moe``'s output) with per-channel weights, promoted per K block by the groups' scales
-and scaled by the columns' at the end.
+(``x_groups``, ``w_blocks``): 1x128 activation groups with per-channel weights are promoted
+per K block by the groups' scales and scaled by the columns' at the end (the engine's row-wise
+experts take their down input per row instead: ``ops.fp8_moe.rows_of_groups``).
 
 Tiles: BM rows of one expert x 128 columns (one weight scale block); BM = 64 (4 warps) by
 default, which ran 1.41x faster than 128 rows (8 warps) at ~1,000 rows per expert. An
@@ -152,8 +152,7 @@ def grouped_block_mm(x: torch.Tensor, sx: torch.Tensor, w: torch.Tensor, sw: tor
     """[M, K] x [E, N, K] by experts with 1x128 / 128x128 block scales -> [M, N] (bf16 by
     default), or None where the kernel does not apply (module docstring). ``row``: x's scales
     [M] (or [M, 1]) and per-channel weight scales [E, N] (or [E, N, 1]) instead; ``x_groups`` /
-    ``w_blocks`` set each operand's own (default: ``not row``): 1x128 activation groups with
-    per-channel weights is the experts' down product after ``ops.fp8_moe``'s fused gate/up.
+    ``w_blocks`` set each operand's own (default: ``not row``).
     ``bm`` the tile's rows (64: 4 warps; 128: 8 warps), ``bn`` its columns (128, or 256);
     ``persistent`` > 0: that many programs walk the tiles (``grouped_persistent``)."""
     if not applies(x, w):

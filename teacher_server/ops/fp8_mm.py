@@ -223,7 +223,7 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
     [E, N, K] e4m3 contiguous, offs [E] int32 cumulative row ends (offs[-1] == M, empty experts
     allowed), and by ``mode``:
 
-    - ``row``: xscale [M, 1] (or [M]; or 1x128 groups [M, K/128], the experts' down input),
+    - ``row``: xscale [M, 1] (or [M]; or 1x128 groups [M, K/128]),
       wscale [E, N, 1] (or [E, 1, 1] / [E]: one scale per expert, expanded): ``ops.fp8_grouped``'s
       Triton kernel with row scales (K a multiple of 128), or torch's grouped row-wise kernel
       (``backend="torch"``, with ``fast_accum``, or where the Triton kernel does not apply;
@@ -260,7 +260,7 @@ def grouped_scaled_linear(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tens
         return grouped_scaled_linear_reference(xq, xscale, wq, sb[..., None], offs, "row", out_dtype)
     if offs.dtype != torch.int32:
         raise ValueError(f"offs must be int32, got {offs.dtype}")
-    if groups:  # 1x128 activation groups (``ops.fp8_moe``'s output) with per-channel weights: the Triton kernel
+    if groups:  # 1x128 activation groups with per-channel weights: the Triton kernel
         got = fp8_grouped.grouped_block_mm(xq, xscale.float(), wq, sb, offs, x_groups=True, w_blocks=False)
         if got is None:
             raise ValueError(f"the Triton grouped kernel does not take these operands (K={k}, x row-major, "
@@ -305,15 +305,14 @@ def _grouped_block(xq: torch.Tensor, xscale: torch.Tensor, wq: torch.Tensor, wsc
 
 
 def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts: int = 0,
-                        bias: bool = False, groups: bool = False, fast_accum: bool = False) -> None:
+                        bias: bool = False, fast_accum: bool = False) -> None:
     """Start-up check of the multiply a layer will run: ``scaled_linear`` in ``mode`` at width
     k -> n (a token count not a multiple of 4, and with a bf16 ``bias`` if the layer has one), or,
     with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts, against its float32
     reference on random operands. A combination cuBLAS refuses runs the other way from here on
     (``_block_mm``); raises what torch raises otherwise, and RuntimeError on a mismatch beyond a
-    bf16 step of the output's scale. ``groups``: 1x128 activation groups whatever the weights'
-    mode; ``fast_accum``: the experts' row-wise multiply by torch's kernel with fast accumulation
-    (the experts' down product)."""
+    bf16 step of the output's scale. ``fast_accum``: the experts' row-wise multiply by torch's
+    kernel with fast accumulation (the experts' down product)."""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [33]
     m = sum(counts)
@@ -322,7 +321,7 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     b = torch.randn(n, generator=gen).bfloat16() if bias and not experts else None
     wq, ws = quantize_weight(w if experts else w[0], mode)
     xf = x.float()  # activation scales as the layer makes them: 1x128 groups for block weights, else rows
-    if mode == "block" or groups:
+    if mode == "block":
         s = scale_from_amax(xf.view(m, -1, BLOCK).abs().amax(-1))
         xs = (to_fp8(xf.view(m, -1, BLOCK), s[..., None]).view(m, k), s.t().contiguous().t())
     else:
@@ -340,6 +339,5 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     err = (got.float().cpu() - ref).abs()
     if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
         raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''}"
-                           f"{' on 1x128 input groups' if groups else ''}"
                            f"{' (fast accumulation)' if fast_accum else ''} differs "
                            f"from its float32 reference by up to {err.max().item():.3g}")
