@@ -42,7 +42,9 @@ def model_dirs(root: Path, cfg: dict, name: str) -> dict[str, tuple[Path, list[s
     """Each variant's model folder and extra server arguments."""
     bf16 = write_config(root / name, cfg)
     block = write_config(root / f"{name}-fp8-block", dict(cfg, quantization_config=BLOCK_CONFIG))
-    return {"bf16": (bf16, []), "row": (bf16, ["--quantization", "fp8"]), "block": (block, [])}
+    return {"bf16": (bf16, []), "row": (bf16, ["--quantization", "fp8"]), "block": (block, []),
+            # the row-wise products promoted to float32 (no fast accumulation): what that setting is worth
+            "row_promoted": (bf16, ["--quantization", "fp8", "--no-fp8-fast-accum"])}
 
 
 def workload(name: str, vocab: int) -> list:
@@ -82,7 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-size", default="8b", choices=sorted(MODELS))
     ap.add_argument("--workload", default="W1")
-    ap.add_argument("--variants", default="bf16,row,block", help="comma-separated: bf16, row, block")
+    ap.add_argument("--variants", default="bf16,row,block", help="comma-separated: bf16, row, block, row_promoted")
     ap.add_argument("--rounds", type=int, default=2, help="each variant's servers, alternating")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per server (the median is its result)")
     ap.add_argument("--concurrency", type=int, default=128)
@@ -95,7 +97,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
-    if set(variants) - {"bf16", "row", "block"}:
+    if set(variants) - {"bf16", "row", "block", "row_promoted"}:
         ap.error(f"unknown variants in {args.variants!r}")
     cfg, family, _ = MODELS[args.model_size]
     if args.tiny:

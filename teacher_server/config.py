@@ -67,6 +67,11 @@ class Config(TeacherSettings, ParallelSettings):
     quantization: Literal["fp8"] | None = Field(
         None, description="fp8: quantize a bf16 checkpoint to FP8 e4m3 at load (per-row weight scales, per-token "
                           "activations; vLLM's flag). None: the checkpoint as it is (docs/fp8.md).")
+    fp8_fast_accum: bool = Field(
+        True, description="FP8 products with per-row or per-tensor scales accumulate in Hopper's fast FP8 mode "
+                          "(as vLLM's FP8 kernels there): 10-16% faster than float32 promotions every few K steps "
+                          "and 0.1% more relative error (docs/fp8.md); false: promoted. Block-wise products promote "
+                          "per block either way.")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(

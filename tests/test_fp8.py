@@ -678,3 +678,31 @@ def test_an_expert_layers_quantization_kernels_are_checked_at_both_input_widths(
     assert experts
     for m in experts:
         assert {m.gate_up.shape[-1], m.down.shape[-1]} <= set(widths) and m.fp8_kernel
+
+
+@pytest.mark.parametrize(("fast", "checks", "want"), [(True, True, True), (False, True, False), (True, False, False)])
+def test_row_wise_products_accumulate_fast_where_set_and_checked(fast: bool, checks: bool, want: bool,
+                                                                fp8_checkpoints, monkeypatch) -> None:
+    """``fp8_fast_accum`` (on by default): the linear layers' row-wise products and the experts'
+    down product ask for Hopper's fast FP8 accumulation where its start-up check at their widths
+    passes; ``--no-fp8-fast-accum``, or a check that fails, leaves them promoted (the experts'
+    down product then the Triton kernel's)."""
+    from teacher_server.layers.formats import fp8_dispatch
+
+    monkeypatch.setattr(fp8_format, "fp8_compute", lambda device: True)
+    real_runs = fp8_dispatch.product_runs
+    monkeypatch.setattr(fp8_dispatch, "product_runs", lambda *a, fast_accum=False: (
+        checks or not fast_accum) and real_runs(*a, fast_accum=fast_accum))
+    asked = []
+    real = ops.scaled_linear
+    monkeypatch.setattr(ops, "scaled_linear", lambda *a, fast_accum=False, **kw: asked.append(fast_accum) or real(
+        *a, fast_accum=fast_accum, **kw))
+    _, twin = fp8_checkpoints("moe256", "block", (128, 128))
+    eng = engine(twin, quantization="fp8", fp8_fast_accum=fast)
+    held = [m for m in eng.model.modules() if isinstance(getattr(m, "fmt", None), Fp8Weights)]
+    linear = [m for m in held if m.role != "experts"]
+    assert linear and all(m.fp8_mode == "row" and m.fp8_fast_accum == want for m in linear)
+    assert all(m.fp8_fast_down == want for m in held if m.role == "experts")
+    got = eng.run_to_completion(requests("moe128"))
+    assert all(r.error is None for r in got)
+    assert asked and set(asked) == {want}

@@ -68,7 +68,7 @@ class Engine(Stepping):
                                       weights=cfg.load_format != "dummy")
         self.model_dir = Path(model_dir)
         phases.done("model files")
-        self.spec = ModelSpec.from_dir(self.model_dir).with_quantization(cfg.quantization)
+        self.spec = ModelSpec.from_dir(self.model_dir).with_quantization(cfg.quantization, cfg.fp8_fast_accum)
         self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")
         self.max_model_len = cfg.max_model_len or self.spec.max_position_embeddings
         trained = int(self.spec.max_position_embeddings * max(float(self.spec.rope_scaling.get("factor") or 1), 1.0))

@@ -292,7 +292,7 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         device = rank_device(torch.device(device_name), rank if local is None else local)
         conn.send(("joining",))
         init_group(device, rank, size, make_store(rank, size, port, host), local)
-        spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization)
+        spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization, cfg.fp8_fast_accum)
         tp, stage = placement(cfg, spec, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp,

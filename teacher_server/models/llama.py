@@ -213,7 +213,8 @@ class LlamaForCausalLM(RuntimeModule):
         self.stage = stage  # pipeline parallel: this rank's layers, embedding (first stage), head (last)
         self._dtype = dtype
         # How every weight-holding layer stores its weights, decided once by the spec.
-        self.weight_format = fmt = make_format(spec.weight_format, spec.quantization_config)
+        self.weight_format = fmt = make_format(spec.weight_format, spec.quantization_config).accumulating(
+            spec.fp8_fast_accum)
         # the embedding on the first stage, and on the last where it is the (tied) LM head
         embeds = stage.first or (tied and stage.last)
         self.embed_tokens = (self.embedding(spec.vocab_size, spec.hidden_size, dtype, device, tp, fmt) if embeds

@@ -72,6 +72,7 @@ class ModelSpec:
     # quantization_config, which the format reads its parameters from).
     weight_format: str = "unquantized"
     quantization_config: dict[str, Any] = field(default_factory=dict)
+    fp8_fast_accum: bool = True  # FP8 row-wise products in Hopper's fast accumulation (``Config.fp8_fast_accum``)
     # DeepSeek-V2/V3 (``deepseek_spec``): latent attention (head_dim is then q/k's width) and
     # the expert routing rules; None in the other families.
     mla: MlaDims | None = None
@@ -257,10 +258,12 @@ class ModelSpec:
             **(glm4_moe_facts(d, rope_params) if entry.glm4_moe else {}),
         )
 
-    def with_quantization(self, quantization: str | None) -> ModelSpec:
+    def with_quantization(self, quantization: str | None, fp8_fast_accum: bool = True) -> ModelSpec:
         """This spec served with ``--quantization`` (None: as it is): ``fp8`` quantizes a bf16
         checkpoint's projections and experts at load (``fp8_online``); a checkpoint quantized
-        already is refused."""
+        already is refused. ``fp8_fast_accum``: ``Config.fp8_fast_accum``."""
+        if fp8_fast_accum != self.fp8_fast_accum:
+            return replace(self, fp8_fast_accum=fp8_fast_accum).with_quantization(quantization, fp8_fast_accum)
         if quantization is None:
             return self
         if quantization != "fp8":

@@ -311,8 +311,8 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     with ``experts``, ``grouped_scaled_linear`` with uneven and empty experts, against its float32
     reference on random operands. A combination cuBLAS refuses runs the other way from here on
     (``_block_mm``); raises what torch raises otherwise, and RuntimeError on a mismatch beyond a
-    bf16 step of the output's scale. ``fast_accum``: the experts' row-wise multiply by torch's
-    kernel with fast accumulation (the experts' down product)."""
+    bf16 step of the output's scale. ``fast_accum``: with Hopper's fast FP8 accumulation (the
+    experts' row-wise multiply: torch's grouped kernel)."""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [33]
     m = sum(counts)
@@ -334,7 +334,7 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
         got = grouped_scaled_linear(xq, sx, wq, ws, offs, mode, fast_accum=fast_accum)
         ref = grouped_scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), offs.cpu(), mode, torch.float32)
     else:
-        got = scaled_linear(xq, sx, wq, ws, mode, bias=None if b is None else b.to(device))
+        got = scaled_linear(xq, sx, wq, ws, mode, bias=None if b is None else b.to(device), fast_accum=fast_accum)
         ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32, b)
     err = (got.float().cpu() - ref).abs()
     if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():

@@ -88,6 +88,11 @@ class WeightFormat(ABC):
         (block-wise FP8 checkpoints keep the embedding and the LM head in bf16)."""
         return self
 
+    def accumulating(self, fast: bool) -> WeightFormat:
+        """This format with its FP8 products' fast accumulation on or off (``Config.fp8_fast_accum``);
+        a format without FP8 products is itself."""
+        return self
+
     @property
     def shard_unit(self) -> tuple[int, int]:
         """The rows and columns a shard must be whole multiples of (1, 1: any slice)."""

@@ -245,7 +245,7 @@ class Fp8Weights(ExpertInputs, WeightFormat):
             layer.fmt = UNQUANTIZED
             return
         layer.fp8_mode = mode
-        self.decide_down(layer, mode, device)
+        self.decide_products(layer, mode, device)
         # checked at each slot's input width: an expert layer's down input (width I, made in the
         # SiLU-mul pass) as well as its gate/up input (width H)
         layer.fp8_kernel = all(quant_kernels_ok(getattr(layer, slot).shape[-1], device, layer.model_dtype)
@@ -290,7 +290,7 @@ class Fp8Weights(ExpertInputs, WeightFormat):
 
     def _act_mode(self, layer: nn.Module, slot: str = "weight") -> str:
         """How ``layer``'s ``slot`` input is quantized: 1 x 128 groups for block weights and for
-        the experts' down input (``fp8_down_groups``, ``decide_down``: power-of-two scales with
+        the experts' down input (``fp8_down_groups``, ``decide_products``: power-of-two scales with
         per-row weights), else per row, or with the static per-tensor scale."""
         if self.scheme.activations == "static":
             return "tensor"
@@ -335,7 +335,7 @@ class Fp8Weights(ExpertInputs, WeightFormat):
               out: torch.Tensor | None = None) -> torch.Tensor:
         xq, xs = self._quantize_input(layer, "weight", x)
         return fp8.scaled_linear(xq, xs, layer.weight, layer.weight_scale_inv, layer.fp8_mode, x.dtype, layer.bias,
-                                 out)
+                                 out, fast_accum=layer.fp8_fast_accum)
 
     def apply_experts(self, layer: nn.Module, slot: str, x: torch.Tensor, offs: torch.Tensor,
                       gemm: GroupedMM) -> torch.Tensor:
@@ -343,7 +343,7 @@ class Fp8Weights(ExpertInputs, WeightFormat):
         if xs.numel() == 1:  # a static per-tensor scale: the grouped multiply takes one per row
             xs = xs.reshape(1, 1).expand(x.shape[0], 1)
         elif layer.fp8_mode == "row" and xs.shape[-1] > 1:  # the down input's 1 x 128 groups, per row
-            xq, xs = fp8_moe.rows_of_groups(xq, xs)  # (``decide_down``)
+            xq, xs = fp8_moe.rows_of_groups(xq, xs)  # (``decide_products``)
         y = fp8.grouped_scaled_linear(xq, xs, getattr(layer, slot), getattr(layer, extra_name(slot, SCALE)), offs,
                                       layer.fp8_mode, fast_accum=slot == "down" and layer.fp8_fast_down)
         return y.to(x.dtype)  # [M, out] (the grouped multiplies write bf16)

@@ -31,8 +31,8 @@ def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, 
     grouped over ``experts`` when not 0, runs on ``device`` at width k -> n and matches its
     float32 reference (``check_scaled_linear``, once per shape). Where not, the layer takes the
     next mode (block, row, then its weights dequantized), with one line logged. ``fast_accum``:
-    torch's grouped row-wise kernel with fast accumulation (the experts' down product; where
-    not, the Triton kernel)."""
+    the row-wise multiply with Hopper's fast FP8 accumulation (linear layers: where not, the
+    promoted one; the experts' down product, torch's grouped kernel: where not, the Triton one)."""
     key = (mode, k, n, experts, str(device), fast_accum)
     if key not in _RUNS:
         try:
@@ -41,7 +41,7 @@ def product_runs(mode: str, k: int, n: int, experts: int, device: torch.device, 
         except (RuntimeError, ValueError, NotImplementedError) as e:
             log.warning("the FP8 %s multiply at %d -> %d%s does not run here (%s): %s", mode, k, n,
                         " (experts)" if experts else "", str(e)[:200],
-                        "the Triton kernel runs it" if fast_accum else "the next mode is used")
+                        "it accumulates in float32" if fast_accum else "the next mode is used")
             _RUNS[key] = False
     return _RUNS[key]
 
@@ -86,7 +86,8 @@ class QuantizedRows:
 
 
 class ExpertInputs:
-    """``Fp8Weights``' expert-layer inputs, on its ``_quantize_input`` and ``_act_mode``."""
+    """``Fp8Weights``' choice of products at load and its expert-layer inputs, on its
+    ``_quantize_input`` and ``_act_mode``."""
 
     def gather_input(self, layer: nn.Module, slot: str, x: torch.Tensor, index: torch.Tensor) -> QuantizedRows:
         """x's T rows quantized, then the rows ``index`` gathered as codes and scales: T rows
@@ -112,8 +113,16 @@ class ExpertInputs:
                                          x_groups=block, w_blocks=block, dtype=h.dtype, pow2=layer.fp8_down_pow2)
         return None if got is None else QuantizedRows(*got, h.dtype)
 
-    def decide_down(self, layer: nn.Module, mode: str, device: torch.device) -> None:
-        """How an FP8 layer's experts take their down input, set at load: with dynamic
+    fast_accum = True  # row-wise products in Hopper's fast FP8 accumulation where they check (``accumulating``)
+
+    def accumulating(self, fast: bool) -> ExpertInputs:
+        self.fast_accum = fast  # (each model makes its own format; ``decide_products``)
+        return self
+
+    def decide_products(self, layer: nn.Module, mode: str, device: torch.device) -> None:
+        """A linear layer's row-wise products in fast accumulation where they check at its widths
+        (``fp8_fast_accum``; else promoted), and how an expert layer takes its down input, set at
+        load (``fp8_down_groups``, ``fp8_down_pow2``, ``fp8_fast_down``): with dynamic
         activations and I a multiple of 128 it is made in 1 x 128 groups (``fp8_down_groups``:
         what ``ops.fp8_moe``'s kernel makes, so the SiLU-mul pass makes it too); block weights
         multiply the groups; per-row weights take groups with power-of-two scales
@@ -122,13 +131,15 @@ class ExpertInputs:
         range) and multiply them by torch's grouped kernel with fast accumulation where it checks
         at these widths (``fp8_fast_down``; 1.31x bf16 where the Triton kernel on 1x128 groups
         ran 0.90x, ``bench/bench_fp8_down.py``), else by the Triton row kernel."""
+        layer.fp8_fast_accum = mode == "row" and layer.role != "experts" and self.fast_accum and all(
+            product_runs("row", *getattr(layer, slot).shape[::-1], 0, device, fast_accum=True) for slot in layer.slots)
         dynamic = layer.role == "experts" and self.scheme.activations != "static"
         n, k = layer.down.shape[-2:] if dynamic else (0, 0)
         layer.fp8_down_groups = dynamic and k % 128 == 0  # (128: the group, ``fp8.GPU_BLOCK``'s columns)
         # one group (I = 128, also a tensor-parallel slice of a wider I) is per row already: no power of two
         layer.fp8_down_pow2 = layer.fp8_down_groups and mode == "row" and k > 128
-        layer.fp8_fast_down = layer.fp8_down_groups and mode == "row" and product_runs("row", k, n, 6, device,
-                                                                                       fast_accum=True)
+        layer.fp8_fast_down = layer.fp8_down_groups and mode == "row" and self.fast_accum and product_runs(
+            "row", k, n, 6, device, fast_accum=True)
 
     def check_fused_gate_up(self, layer: nn.Module, top_k: int) -> bool:
         """``ops.fp8_moe.check`` at the layer's weights, where its activations are dynamic and its
