@@ -312,7 +312,9 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
     reference on random operands. A combination cuBLAS refuses runs the other way from here on
     (``_block_mm``); raises what torch raises otherwise, and RuntimeError on a mismatch beyond a
     bf16 step of the output's scale. ``fast_accum``: with Hopper's fast FP8 accumulation (the
-    experts' row-wise multiply: torch's grouped kernel)."""
+    experts' row-wise multiply: torch's grouped kernel), whose partial sums keep fewer bits
+    (an H100: 0.024 at worst on unit-scale outputs at K = 4096, relative RMS about 1e-3, FP8
+    activations' 0.037): bounded by a relative RMS of 2^-6 and 2^-5 of the largest output."""
     gen = torch.Generator().manual_seed(0)
     counts = [5, 0, 19, 1, 0, 7][:experts] if experts else [33]
     m = sum(counts)
@@ -337,7 +339,12 @@ def check_scaled_linear(mode: str, k: int, n: int, device: torch.device, experts
         got = scaled_linear(xq, sx, wq, ws, mode, bias=None if b is None else b.to(device), fast_accum=fast_accum)
         ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq.cpu(), ws.cpu(), mode, torch.float32, b)
     err = (got.float().cpu() - ref).abs()
-    if not (err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all():
+    rel = (err.norm() / ref.norm().clamp_min(1e-30)).item()
+    if fast_accum:  # partial sums of fewer bits: 1e-3-level RMS, a few 1e-2 at worst (K = 4096, H100)
+        ok = rel <= 2 ** -6 and err.max() <= 2 ** -5 * ref.abs().max()
+    else:
+        ok = bool((err <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all())
+    if not ok:
         raise RuntimeError(f"FP8 {mode} multiply at {k} -> {n}{f' ({experts} experts)' if experts else ''}"
-                           f"{' (fast accumulation)' if fast_accum else ''} differs "
-                           f"from its float32 reference by up to {err.max().item():.3g}")
+                           f"{' (fast accumulation)' if fast_accum else ''} differs from its float32 reference "
+                           f"by up to {err.max().item():.3g} (relative RMS {rel:.3g})")
