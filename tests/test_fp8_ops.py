@@ -430,6 +430,24 @@ def test_multiply_check_runs_and_can_fail(monkeypatch) -> None:
         fp8.check_scaled_linear("row", 256, 64, torch.device("cpu"), fast_accum=True)
 
 
+@pytest.mark.parametrize("fast", [False, True])
+def test_the_experts_check_hands_rows_past_the_last_end_and_ignores_them(monkeypatch, fast: bool) -> None:
+    """An expert-parallel rank's rows past ``offs[-1]`` (other ranks' experts) are in the
+    experts' check, as the layer hands them; what a kernel leaves there is not compared."""
+    real = fp8_mm.grouped_scaled_linear
+    ends = []
+
+    def junk(xq, xs, wq, ws, offs, *a, **k):
+        y = real(xq, xs, wq, ws, offs, *a, **k)
+        ends.append((int(offs[-1]), y.shape[0]))
+        y[int(offs[-1]):] = float("nan")
+        return y
+
+    monkeypatch.setattr(fp8_mm, "grouped_scaled_linear", junk)
+    fp8.check_scaled_linear("row", 256, 64, torch.device("cpu"), experts=6, fast_accum=fast)
+    assert ends and all(end < rows for end, rows in ends)
+
+
 @pytest.mark.parametrize(("off", "fast_passes", "promoted_passes"), [
     (0.0, True, True),
     (0.01, True, False),  # one output 1% of the largest off: a fast-accumulation tail, not a promoted product's
