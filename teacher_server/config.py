@@ -43,11 +43,9 @@ class Config(TeacherSettings, ParallelSettings):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
     # --- model -------------------------------------------------------------------------
-    model: str | None = Field(
-        None, description="HF checkpoint directory (config.json + safetensors) or hub id (org/name). None: built-in "
-                          "demo model.")
-    revision: str | None = Field(
-        None, description="Hub revision (branch, tag or commit) of a hub id `model`; default main.")
+    model: str | None = Field(None, description="HF checkpoint directory (config.json + safetensors) or hub id "
+                                                 "(org/name). None: built-in demo model.")
+    revision: str | None = Field(None, description="Hub revision (branch, tag, commit) of a hub `model`; default main.")
     download_dir: str | None = Field(
         None, description="Hub cache for hub id models; default HF_HUB_CACHE (~/.cache/huggingface/hub).")
     served_model_name: str | None = Field(
@@ -67,11 +65,8 @@ class Config(TeacherSettings, ParallelSettings):
     quantization: Literal["fp8"] | None = Field(
         None, description="fp8: quantize a bf16 checkpoint to FP8 e4m3 at load (per-row weight scales, per-token "
                           "activations; vLLM's flag). None: the checkpoint as it is (docs/fp8.md).")
-    fp8_fast_accum: bool = Field(
-        True, description="FP8 products with per-row or per-tensor scales accumulate in Hopper's fast FP8 mode "
-                          "(as vLLM's FP8 kernels there): 10-16% faster than float32 promotions every few K steps "
-                          "and 0.1% more relative error (docs/fp8.md); false: promoted. Block-wise products promote "
-                          "per block either way.")
+    fp8_fast_accum: bool = Field(True, description="FP8 row-wise products in Hopper's fast accumulation (as vLLM's), "
+                                                   "where checked; false: float32 promotions (docs/fp8.md).")
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(

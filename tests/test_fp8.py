@@ -702,7 +702,8 @@ def test_row_wise_products_accumulate_fast_where_set_and_checked(fast: bool, che
     held = [m for m in eng.model.modules() if isinstance(getattr(m, "fmt", None), Fp8Weights)]
     linear = [m for m in held if m.role != "experts"]
     assert linear and all(m.fp8_mode == "row" and m.fp8_fast_accum == want for m in linear)
-    assert all(m.fp8_fast_down == want for m in held if m.role == "experts")
+    experts = [m for m in held if m.role == "experts"]
+    assert experts and all(m.fp8_fast_down == want for m in experts)
     got = eng.run_to_completion(requests("moe128"))
     assert all(r.error is None for r in got)
     assert asked and set(asked) == {want}

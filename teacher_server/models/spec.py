@@ -100,10 +100,9 @@ class ModelSpec:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_window(self, layer: int) -> int | None:
-        """The sliding window of decoder layer ``layer``'s attention (None: full attention).
-        With ``layer_types`` only its ``sliding_attention`` layers slide (Qwen2/Qwen3 with
-        use_sliding_window: the layers from max_window_layers on); without, every layer takes
-        ``sliding_window`` (Mistral, Mixtral)."""
+        """The sliding window of decoder layer ``layer``'s attention (None: full attention). With
+        ``layer_types`` only its ``sliding_attention`` layers slide (Qwen2/Qwen3 with use_sliding_window:
+        the layers from max_window_layers on); without, every layer takes ``sliding_window`` (Mistral)."""
         if self.layer_types:
             return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
         return self.sliding_window
@@ -137,8 +136,7 @@ class ModelSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` routes through experts (else its MLP is dense)."""
-        return (self.num_experts > 0 and layer not in self.mlp_only_layers
-                and (layer + 1) % self.decoder_sparse_step == 0)
+        return self.num_experts > 0 and layer not in self.mlp_only_layers and not (layer + 1) % self.decoder_sparse_step
 
     def non_embedding_params(self) -> int:
         """Parameters touched per token, excluding the embedding and LM head (for FLOP counts).
@@ -258,21 +256,20 @@ class ModelSpec:
             **(glm4_moe_facts(d, rope_params) if entry.glm4_moe else {}),
         )
 
-    def with_quantization(self, quantization: str | None, fp8_fast_accum: bool = True) -> ModelSpec:
+    def with_quantization(self, quantization: str | None, fp8_fast_accum: bool | None = None) -> ModelSpec:
         """This spec served with ``--quantization`` (None: as it is): ``fp8`` quantizes a bf16
         checkpoint's projections and experts at load (``fp8_online``); a checkpoint quantized
-        already is refused. ``fp8_fast_accum``: ``Config.fp8_fast_accum``."""
-        if fp8_fast_accum != self.fp8_fast_accum:
-            return replace(self, fp8_fast_accum=fp8_fast_accum).with_quantization(quantization, fp8_fast_accum)
+        already is refused. ``fp8_fast_accum``: ``Config.fp8_fast_accum`` (None: as it is)."""
+        spec = self if fp8_fast_accum in (None, self.fp8_fast_accum) else replace(self, fp8_fast_accum=fp8_fast_accum)
         if quantization is None:
-            return self
+            return spec
         if quantization != "fp8":
             raise UnsupportedModelError(f"--quantization {quantization!r}: only fp8 is built")
         if self.weight_format != "unquantized":
             raise UnsupportedModelError(f"--quantization fp8 quantizes a bf16 checkpoint at load; this one is "
                                         f"quantized already (quant_method {self.weight_format!r}): serve it "
                                         f"without --quantization")
-        return replace(self, weight_format="fp8_online", quantization_config={"quant_method": "fp8_online"})
+        return replace(spec, weight_format="fp8_online", quantization_config={"quant_method": "fp8_online"})
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelSpec:
