@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_telemetry import GpuTelemetry, mfu_at_clock
 from hf_baseline import CHECK_REQUESTS, compare
 from workloads import (
+    BLOCK_FP8_CONFIG,
     DEEPSEEK_V3_LAYERS,
     GEMMA3_27B,
     GLM45_AIR_LAYERS,
@@ -771,6 +772,9 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", help="attention_backend of the engine")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="quantize the weights at load (the engine's and every server's; bench_fp8_e2e.py compares)")
+    ap.add_argument("--fp8-block", action="store_true",
+                    help="a block-wise FP8 checkpoint of the shape (DeepSeek's and Qwen's FP8 releases: 128 x 128 "
+                         "weight blocks, 1 x 128 activation groups), dummy weights; no transformers baseline")
     ap.add_argument("--ablate", default="", help="workloads to rerun with one optimisation off at a time")
     ap.add_argument("--ablate-repeats", type=int, default=None, help="runs per ablation variant (default: --repeats)")
     ap.add_argument("--ablate-only", default="", help="variants of --ablate to run, in this order (default: all)")
@@ -803,6 +807,12 @@ def main() -> None:
     depth = cfg["num_hidden_layers"]
     if args.num_layers and args.num_layers != depth:
         cfg = with_layers(cfg, args.num_layers)
+    if args.fp8_block:
+        if args.quantization or args.baseline or args.baseline_from:
+            ap.error("--fp8-block: a block-wise FP8 checkpoint, served as it is (no --quantization, no baseline)")
+        # (the tiny shapes' widths are not whole 128-blocks: 16 x 16 blocks there)
+        qc = dict(BLOCK_FP8_CONFIG, weight_block_size=[16, 16]) if args.tiny else BLOCK_FP8_CONFIG
+        cfg, written = dict(cfg, quantization_config=qc), False
     names = [w for w in args.workloads.split(",") if w]
     base_names = [w for w in args.baseline.split(",") if w]
     http_names = [w for w in args.http.split(",") if w]
@@ -812,6 +822,8 @@ def main() -> None:
         ckpt = ckpt.with_name(ckpt.name + "-tiny")
     if cfg["num_hidden_layers"] != depth:
         ckpt = ckpt.with_name(f"{ckpt.name}-{cfg['num_hidden_layers']}layers")
+    if args.fp8_block:
+        ckpt = ckpt.with_name(ckpt.name + "-fp8-block")
     if written:
         write_random_checkpoint(ckpt, cfg)
         load_format = "auto"
@@ -831,6 +843,7 @@ def main() -> None:
                      "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else "")
+                              + (", a block-wise FP8 checkpoint (128 x 128)" if args.fp8_block else "")
                               + (f", its first {cfg['num_hidden_layers']} of {depth} layers"
                                  if cfg["num_hidden_layers"] != depth else ""),
                      "num_layers": cfg["num_hidden_layers"],

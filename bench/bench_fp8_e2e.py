@@ -33,15 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_engine
 from bench_engine import MODELS, bench_http, provenance
-from workloads import make_workload, tiny, with_layers, write_config
-
-BLOCK_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+from workloads import BLOCK_FP8_CONFIG, make_workload, tiny, with_layers, write_config
 
 
 def model_dirs(root: Path, cfg: dict, name: str) -> dict[str, tuple[Path, list[str]]]:
     """Each variant's model folder and extra server arguments."""
     bf16 = write_config(root / name, cfg)
-    block = write_config(root / f"{name}-fp8-block", dict(cfg, quantization_config=BLOCK_CONFIG))
+    block = write_config(root / f"{name}-fp8-block", dict(cfg, quantization_config=BLOCK_FP8_CONFIG))
     return {"bf16": (bf16, []), "row": (bf16, ["--quantization", "fp8"]), "block": (block, []),
             # the row-wise products promoted to float32 (no fast accumulation): what that setting is worth
             "row_promoted": (bf16, ["--quantization", "fp8", "--no-fp8-fast-accum"])}

@@ -260,6 +260,12 @@ for step in ${STEPS:-tests}; do
         --max-model-len 8192 --step-trace "$OUT/trace_moonlight_" --out "$OUT/engine_moonlight_h200.json" 2>&1 | tee "$OUT/engine_moonlight.log" | tail -16
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
+    # DeepSeek-V3's layer shape as it ships, a block-wise FP8 checkpoint (dummy weights): 11 layers (3 dense, 8 expert,
+    # ~97 GB) on an H200, 7 (3 dense, 4 expert, ~51 GB) on an 80 GB card; W1f in process (issue 49's layer-shape rate)
+    dsv3fp8) layers=11; [ "${GPU_MIB:-200000}" -lt 100000 ] && layers=7
+      python3 bench/bench_engine.py --model-size deepseek-v3-layers --fp8-block --num-layers ${DSV3_LAYERS:-$layers} \
+        --workloads W1f --repeats 2 --max-model-len 8192 --out "$OUT/engine_deepseek_v3_layers_fp8.json" 2>&1 \
+        | tee "$OUT/engine_deepseek_v3_layers_fp8.log" | tail -8 ;;
     # Moonlight-16B-A3B alone: W1f in-process and through HTTP (httpx's client and a bare asyncio one alternating: how
     # much of the time before the first step is the client's) beside transformers, then in-process with the router's
     # kernels switched in turn ($MOONLIGHT_ARGS replaces the arguments)

@@ -37,6 +37,12 @@ from teacher_server.benchmark.workloads import (  # noqa: F401  (re-exported for
 CPU_CHECKPOINT_LIMIT_BYTES = 2 * 2**30
 
 
+# quantization_config of a block-wise FP8 checkpoint as DeepSeek's and Qwen's FP8 releases spell it
+# (128 x 128 weight blocks with weight_scale_inv, dynamic 1 x 128 activation groups)
+BLOCK_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+
+
 def write_config(path: Path, cfg: dict) -> Path:
     """``config.json`` of ``cfg``, rewritten only when it differs, by rename (a baseline process
     may be reading it)."""

@@ -47,3 +47,39 @@ def test_e2e_bench_gives_the_http_runner_every_argument_it_reads() -> None:
     assert read and read <= set(vars(ns)), sorted(read - set(vars(ns)))
     argv = bench_engine.server_args(Path("/m"), ns, 8000, None, ["--quantization", "fp8"], "k")
     assert argv[:2] == ["--model", "/m"] and "--pipeline-parallel-size" not in argv
+
+
+def test_the_e2e_variants_are_server_arguments_the_cli_takes(tmp_path: Path) -> None:
+    """Each bench_fp8_e2e variant's server arguments parse (``row_promoted``: the row-wise
+    products without fast accumulation), and the block variant's config is a block-wise FP8 one."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import bench_fp8_e2e
+
+    from teacher_server.cli import build_parser
+    from teacher_server.config import Config
+
+    dirs = bench_fp8_e2e.model_dirs(tmp_path, {"architectures": ["Qwen3ForCausalLM"]}, "m")
+    assert set(dirs) == {"bf16", "row", "block", "row_promoted"}
+    for name, (path, extra) in dirs.items():
+        args = vars(build_parser().parse_args(["serve", str(path), *extra]))
+        assert (args.get("fp8_fast_accum") is False) == (name == "row_promoted"), (name, args.get("fp8_fast_accum"))
+    assert Config.model_fields["fp8_fast_accum"].default is True
+    block = json.loads((dirs["block"][0] / "config.json").read_text())["quantization_config"]
+    assert block["weight_block_size"] == [128, 128] and block["quant_method"] == "fp8"
+
+
+def test_the_engine_bench_serves_a_block_fp8_checkpoint_of_a_shape(tmp_path: Path) -> None:
+    """``bench_engine.py --fp8-block``: the shape as a block-wise FP8 checkpoint (DeepSeek-V3's
+    release format; tiny: 16 x 16 blocks), dummy weights, scored on the CPU; no baseline."""
+    out = tmp_path / "r.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "bench_engine.py"), "--model-size", "deepseek-v3-layers", "--tiny",
+           "--fp8-block", "--workloads", "W1:tiny", "--repeats", "1", "--max-model-len", "1024",
+           "--ckpt-dir", str(tmp_path), "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert "block-wise FP8" in res["model"] and res["engine"]["W1:tiny"]["tokens_per_s"] > 0
+    written = json.loads(next(tmp_path.glob("*-fp8-block/config.json")).read_text())
+    assert written["quantization_config"]["weight_block_size"] == [16, 16]
+    r = subprocess.run(cmd + ["--baseline", "W1:tiny"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode != 0 and "no baseline" in r.stderr
