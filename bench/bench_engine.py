@@ -843,7 +843,7 @@ def main() -> None:
                      "torch": torch.__version__, "provenance": provenance(),
                      "model": f"{cfg['architectures'][0]} {args.model_size.upper()} shape, random bf16 weights "
                               f"({load_format} load)" + (f", quantized at load ({args.quantization})" if args.quantization else "")
-                              + (", a block-wise FP8 checkpoint (128 x 128)" if args.fp8_block else "")
+                              + (f", as a block-wise FP8 checkpoint ({qc['weight_block_size']} blocks)" if args.fp8_block else "")
                               + (f", its first {cfg['num_hidden_layers']} of {depth} layers"
                                  if cfg["num_hidden_layers"] != depth else ""),
                      "num_layers": cfg["num_hidden_layers"],

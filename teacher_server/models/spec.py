@@ -102,7 +102,7 @@ class ModelSpec:
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer``'s attention (None: full attention). With
         ``layer_types`` only its ``sliding_attention`` layers slide (Qwen2/Qwen3 with use_sliding_window:
-        the layers from max_window_layers on); without, every layer takes ``sliding_window`` (Mistral)."""
+        the layers from max_window_layers on); without, every layer takes ``sliding_window`` (Mistral, Mixtral)."""
         if self.layer_types:
             return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
         return self.sliding_window
