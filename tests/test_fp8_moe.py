@@ -19,12 +19,14 @@ from triton_interp import interpreted
 
 from teacher_server.layers.formats import fp8 as fp8_format
 from teacher_server.ops import fp8, fp8_mm, fp8_moe
+from teacher_server.ops.guarded import FirstLaunch
 from teacher_server.ops.moe_gate_up import _routing
 
 _OPS = """
 import json, torch
 import torch.nn.functional as F
 from teacher_server.ops import fp8, fp8_moe
+from teacher_server.ops.guarded import FirstLaunch
 from teacher_server.ops.moe_gate_up import _routing
 
 res = {}
@@ -222,12 +224,12 @@ def test_rows_of_groups_takes_its_torch_path_where_its_kernel_fails(monkeypatch:
     want = fp8_moe.rows_of_groups(q, s)
     monkeypatch.setattr(fp8_moe, "runs_on", lambda x: True)
     monkeypatch.setattr(fp8_moe, "_K", {"regroup": Fails()})
-    monkeypatch.setattr(fp8_moe, "_REGROUP_FAILED", [])
+    monkeypatch.setattr(fp8_moe, "REGROUP", FirstLaunch("rows_of_groups' kernel"))
     got = fp8_moe.rows_of_groups(q, s)
-    assert fp8_moe._REGROUP_FAILED and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert not fp8_moe.REGROUP.usable() and torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1])
-    monkeypatch.setattr(fp8_moe, "_REGROUP_FAILED", [])
-    fp8_moe._K["regroup_ran"] = True
+    monkeypatch.setattr(fp8_moe, "REGROUP", FirstLaunch("rows_of_groups' kernel"))
+    fp8_moe.REGROUP.launched.add(None)
     with pytest.raises(RuntimeError, match="no kernel here"):
         fp8_moe.rows_of_groups(q, s)
 

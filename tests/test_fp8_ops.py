@@ -12,6 +12,7 @@ import torch
 from triton_interp import interpreted
 
 from teacher_server.ops import fp8, fp8_block, fp8_grouped, fp8_mm, fp8_quant
+from teacher_server.ops.guarded import FirstLaunch
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 from teacher_server.ops.silu_mul import silu_mul_reference
 
@@ -333,18 +334,30 @@ def test_a_power_of_two_scale_may_be_the_next_power_and_its_failure_is_its_own(m
     assert fp8._differs((q, 2 * s), (q, s)) and fp8._differs((q, 2 * s), (q, s), pow2=True) == ""
     assert fp8._differs((q, 4 * s), (q, s), pow2=True)
     assert fp8._differs(((q.float() * 2).to(q.dtype), s), (q, s), pow2=True)  # the codes
-    monkeypatch.setattr(fp8_quant, "_FAILED", set())
+    monkeypatch.setattr(fp8_quant, "LAUNCHES", FirstLaunch("FP8 quantization kernel"))
     monkeypatch.setattr(fp8_quant, "applies", lambda x, k: True)  # (here CUDA only)
     launched = []  # the modes the stand-in kernel was launched with
     chunks = {"quant_chunks": type("K", (), {"__getitem__": lambda self, grid: lambda *a, **kw: launched.append(
         kw["MODE"])})(), "next_pow2": lambda k: k}
     monkeypatch.setattr(fp8_quant, "_K", chunks)
-    monkeypatch.setattr(fp8_quant, "_LAUNCHED", set())
     fp8_quant.fail(True, "silu", "group_pow2", 256, torch.bfloat16)
     gu = torch.randn(4, 512, generator=_gen(10)).bfloat16()
     assert fp8_quant.quantize(gu, "group_pow2", "silu", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is None
     assert fp8_quant.quantize(gu, "group", "silu", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
     assert launched == [fp8_quant.MODES["group"]]  # the other mode, at that width, still launches
+
+
+def test_first_launch_failure_is_remembered_per_key_and_a_later_one_raises():
+    runs = FirstLaunch("a kernel")
+
+    def boom() -> None:
+        raise RuntimeError("does not compile")
+    assert runs.run(lambda: None, "a") and runs.usable("a")
+    assert not runs.run(boom, "b") and not runs.usable("b") and runs.usable("a")  # b: the torch path from now on
+    with pytest.raises(RuntimeError, match="does not compile"):  # a launched before: the call's own error
+        runs.run(boom, "a")
+    runs.fail("c")
+    assert not runs.usable("c") and runs.usable("d")
 
 
 _PERSISTENT = """
@@ -383,8 +396,7 @@ def test_a_kernel_that_fails_to_compile_leaves_its_calls_to_the_reference(monkey
     chunks, rows = _Kernel(fail=True), _Kernel(fail=False)
     monkeypatch.setattr(fp8_quant, "_K", {"quant_chunks": chunks, "quant_rows": rows,
                                           "next_pow2": lambda k: 1 << (k - 1).bit_length()})
-    monkeypatch.setattr(fp8_quant, "_FAILED", set())
-    monkeypatch.setattr(fp8_quant, "_LAUNCHED", set())
+    monkeypatch.setattr(fp8_quant, "LAUNCHES", FirstLaunch("FP8 quantization kernel"))
     monkeypatch.setattr(fp8_quant, "applies", lambda x, k: True)
     gu = torch.randn(5, 512, generator=_gen(12)).bfloat16()
     for _ in range(2):

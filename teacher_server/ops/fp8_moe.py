@@ -30,7 +30,6 @@ multiples of 128.
 # ruff: noqa: ANN001, ANN202  (the Triton kernels' arguments take no annotations)
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -39,10 +38,9 @@ import torch
 from teacher_server.ops import fp8, fp8_grouped, fp8_quant
 from teacher_server.ops.fp8_mm import AMAX_FLOOR, FP8_MAX
 from teacher_server.ops.fp8_quant import group_buffers
+from teacher_server.ops.guarded import FirstLaunch
 from teacher_server.ops.moe_gate_up import _routing, block_experts, expert_blocks
 from teacher_server.ops.triton_kernels import lazy
-
-log = logging.getLogger(__name__)
 
 GROUP = 128  # the activation group, the weight block, the K step and the tile's columns
 # (BM, warps, stages). At Qwen3-30B-A3B's experts on an H100 (bench/bench_fp8_moe.py, 16,384
@@ -246,7 +244,7 @@ def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torc
                          f"{GROUP}: got {tuple(q.shape)} and {tuple(s.shape)}")
     if i == GROUP:
         return q, s.reshape(m, 1)
-    if runs_on(q) and "regroup" in _kernels() and q.stride(1) == 1 and not _REGROUP_FAILED:
+    if runs_on(q) and "regroup" in _kernels() and q.stride(1) == 1 and REGROUP.usable():
         got = _regroup(q, s)
         if got is not None:
             return got
@@ -255,7 +253,7 @@ def rows_of_groups(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torc
     return y.view(m, i).to(q.dtype), srow
 
 
-_REGROUP_FAILED: list[bool] = []  # the kernel's first launch failed (compiling): the torch path from then on
+REGROUP = FirstLaunch("rows_of_groups' kernel")  # its first launch failed (compiling): the torch path from then on
 
 
 def _regroup(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -267,17 +265,10 @@ def _regroup(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     if m == 0:
         return out.to(q.dtype), srow
     ng, br = i // GROUP, 64
-    try:
-        _K["regroup"][(-(-m // br), ng)](q, q.stride(0), s, s.stride(0), s.stride(1), out, out.stride(0), srow, m,
-                                         NG=ng, GP=1 << (ng - 1).bit_length(), BR=br, G=GROUP, num_warps=4)
-    except Exception as e:
-        if _K.get("regroup_ran"):
-            raise
-        _REGROUP_FAILED.append(True)
-        log.warning("rows_of_groups' kernel failed (%s: %s): its torch path runs instead", type(e).__name__,
-                    str(e)[:300])
+    if not REGROUP.run(lambda: _K["regroup"][(-(-m // br), ng)](
+            q, q.stride(0), s, s.stride(0), s.stride(1), out, out.stride(0), srow, m,
+            NG=ng, GP=1 << (ng - 1).bit_length(), BR=br, G=GROUP, num_warps=4)):
         return None
-    _K["regroup_ran"] = True
     return (out.to(q.dtype) if INTERPRETED else out), srow
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from teacher_server.ops.guarded import FirstLaunch
+
 log = logging.getLogger(__name__)
 
 MAX_K = 32768  # the widest row one program holds (Qwen3-32B's intermediate 25600 rounds up to it)
@@ -45,10 +47,8 @@ MODES = {"row": 0, "group": 1, "tensor": 2, "group_pow2": 3}
 _K: dict[str, Any] = {}
 pow2_ceil: Any = None  # a scale rounded up to a power of two (``ops.fp8.pow2_ceil``'s bits), set by ``_kernels``
 language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
-# (chunked, producer, mode, K, dtype) whose first launch failed (compiling) or succeeded: a failure
-# after a success is an error of the call, raised
-_FAILED: set[tuple] = set()
-_LAUNCHED: set[tuple] = set()
+# keyed (chunked, producer, mode, K, dtype): a key whose first launch failed goes to the reference
+LAUNCHES = FirstLaunch("FP8 quantization kernel")
 
 
 def _kernels() -> dict[str, Any]:
@@ -181,7 +181,7 @@ def _kernels() -> dict[str, Any]:
 
 def fail(chunked: bool, producer: str, mode: str, k: int, dtype: torch.dtype) -> None:
     """Leave that kernel's calls to the torch reference from now on (its start-up check failed)."""
-    _FAILED.add((chunked, producer, mode, k, dtype))
+    LAUNCHES.fail((chunked, producer, mode, k, dtype))
 
 
 def _warps(block: int) -> int:
@@ -254,30 +254,24 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     st = padded_rows(t)  # the group scales' column stride
     chunked = producer == "silu" or (producer == "plain" and block > CHUNKED_K)
     key = (chunked, producer, mode, k, x.dtype)
-    if key in _FAILED:
+    if not LAUNCHES.usable(key):
         return None
-    try:
+    chunk = min(CHUNK, block)
+    w = weight if weight is not None else x  # unused unless producer == "norm"
+    d = delta if delta is not None else x
+    s = resid if resid is not None else x
+
+    def launch() -> None:
         if chunked:
-            chunk = min(CHUNK, block)
             kern["quant_chunks"][(rows,)](
                 x, x.stride(0), xq, xq.stride(0), sc, t, st, k, float(fp8_max), float(amax_floor),
                 SILU=producer == "silu", MODE=MODES[mode], CHUNK=chunk, GROUP=group,
                 num_warps=8 if chunk >= 2048 else 4)
         else:
-            w = weight if weight is not None else x  # unused unless producer == "norm"
-            d = delta if delta is not None else x
-            s = resid if resid is not None else x
             kern["quant_rows"][(rows,)](
                 x, x.stride(0), d, d.stride(0), s, s.stride(0), w, xq, xq.stride(0), sc, t, st, k, float(eps),
                 float(fp8_max), float(amax_floor), PRODUCER=PRODUCERS[producer], HAS_DELTA=delta is not None,
                 W_F32=weight is not None and weight.dtype != x.dtype, MODE=MODES[mode], BLOCK=block, GROUP=group,
                 num_warps=_warps(block))
-    except Exception as e:  # a kernel that does not compile here: the torch reference takes its calls
-        if key in _LAUNCHED:
-            raise
-        _FAILED.add(key)
-        log.warning("FP8 quantization kernel (%s, %s, K=%d) failed, the torch reference runs instead: %s: %s",
-                    producer, mode, k, type(e).__name__, str(e)[:300])
-        return None
-    _LAUNCHED.add(key)
-    return xq, sc, resid
+    # a kernel that does not compile here: the torch reference takes its calls
+    return (xq, sc, resid) if LAUNCHES.run(launch, key) else None
