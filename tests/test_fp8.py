@@ -707,3 +707,15 @@ def test_row_wise_products_accumulate_fast_where_set_and_checked(fast: bool, che
     got = eng.run_to_completion(requests("moe128"))
     assert all(r.error is None for r in got)
     assert asked and set(asked) == {want}
+
+
+def test_every_rank_reads_the_spec_with_the_configured_quantization_and_accumulation(fp8_checkpoints) -> None:
+    """The engine's process and each tensor-parallel worker build the spec by one function
+    (``rank_setup.model_spec``): ``--quantization fp8`` and ``--no-fp8-fast-accum`` reach all."""
+    from teacher_server.engine.rank_setup import model_spec
+
+    _, twin = fp8_checkpoints("moe256", "block", (128, 128))
+    for fast in (True, False):
+        spec = model_spec(Config(model=str(twin), quantization="fp8", fp8_fast_accum=fast), twin)
+        assert spec.weight_format == "fp8_online" and spec.fp8_fast_accum is fast
+    assert model_spec(Config(model=str(twin)), twin).weight_format == "unquantized"

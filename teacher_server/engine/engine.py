@@ -23,6 +23,7 @@ from teacher_server.engine.rank_setup import (
     check_split,
     load_rank,
     make_runner,
+    model_spec,
     placement,
     plan_memory,
     resolve_device,
@@ -39,7 +40,6 @@ from teacher_server.engine.tp_workers import TPWorkers
 from teacher_server.engine.tuning import Tuning
 from teacher_server.engine.warm_up import WARM_UP_BATCHES, warm_up_plan
 from teacher_server.hub import resolve_model
-from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import SWITCHES
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Engine(Stepping):
                                       weights=cfg.load_format != "dummy")
         self.model_dir = Path(model_dir)
         phases.done("model files")
-        self.spec = ModelSpec.from_dir(self.model_dir).with_quantization(cfg.quantization, cfg.fp8_fast_accum)
+        self.spec = model_spec(cfg, self.model_dir)
         self.served_model_name = cfg.served_model_name or (cfg.model if cfg.model else "teacher-server-demo")
         self.max_model_len = cfg.max_model_len or self.spec.max_position_embeddings
         trained = int(self.spec.max_position_embeddings * max(float(self.spec.rope_scaling.get("factor") or 1), 1.0))

@@ -66,6 +66,12 @@ def no_gpu_message() -> str:
             f"(in a container: --gpus all / a nvidia.com/gpu limit), or pass --device cpu (or auto)")
 
 
+def model_spec(cfg: Config, model_dir: Path | str) -> ModelSpec:
+    """The model's spec as every rank reads it: the checkpoint's, with the configured
+    quantization (``Config.quantization``) and FP8 accumulation (``Config.fp8_fast_accum``)."""
+    return ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization, cfg.fp8_fast_accum)
+
+
 def resolve_dtype(name: str, spec: ModelSpec, device: torch.device) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]

@@ -282,17 +282,17 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
             MemoryPlan,
             load_rank,
             make_runner,
+            model_spec,
             placement,
             plan_memory,
             resolve_dtype,
         )
-        from teacher_server.models.spec import ModelSpec
 
         cfg = Config(**cfg_dict)
         device = rank_device(torch.device(device_name), rank if local is None else local)
         conn.send(("joining",))
         init_group(device, rank, size, make_store(rank, size, port, host), local)
-        spec = ModelSpec.from_dir(model_dir).with_quantization(cfg.quantization, cfg.fp8_fast_accum)
+        spec = model_spec(cfg, model_dir)
         tp, stage = placement(cfg, spec, rank)
         max_len = cfg.max_model_len or spec.max_position_embeddings
         model, attn = load_rank(cfg, Path(model_dir), spec, device, resolve_dtype(cfg.dtype, spec, device), tp,
