@@ -392,9 +392,10 @@ def test_the_persistent_grouped_kernel_is_the_one_program_per_tile_kernel() -> N
 
 def test_a_kernel_that_fails_to_compile_leaves_its_calls_to_the_reference(monkeypatch) -> None:
     """Its first launch failing, the fused op runs its torch reference from then on (one warning,
-    no second launch); a kernel that has run once and then fails raises."""
-    chunks, rows = _Kernel(fail=True), _Kernel(fail=False)
-    monkeypatch.setattr(fp8_quant, "_K", {"quant_chunks": chunks, "quant_rows": rows,
+    no second launch; the one-read SiLU-mul's failure leaves its calls to the two-pass kernel,
+    whose failure to the reference); a kernel that has run once and then fails raises."""
+    one_read, chunks, rows = _Kernel(fail=True), _Kernel(fail=True), _Kernel(fail=False)
+    monkeypatch.setattr(fp8_quant, "_K", {"quant_chunks": chunks, "silu_rows": one_read, "quant_rows": rows,
                                           "next_pow2": lambda k: 1 << (k - 1).bit_length()})
     monkeypatch.setattr(fp8_quant, "LAUNCHES", FirstLaunch("FP8 quantization kernel"))
     monkeypatch.setattr(fp8_quant, "applies", lambda x, k: True)
@@ -403,7 +404,7 @@ def test_a_kernel_that_fails_to_compile_leaves_its_calls_to_the_reference(monkey
         got = fp8.silu_mul_quant(gu, "row")
         want = fp8.quantize_rows_reference(silu_mul_reference(gu))
         assert torch.equal(got[0].float(), want[0].float()) and torch.equal(got[1], want[1])
-    assert chunks.launches == 1
+    assert one_read.launches == 1 and chunks.launches == 1
     x = torch.randn(5, 256, generator=_gen(13)).bfloat16()
     assert fp8_quant.quantize(x, "row", fp8_max=fp8.FP8_MAX, amax_floor=fp8.AMAX_FLOOR) is not None
     rows.fail = True
@@ -579,6 +580,25 @@ def test_fused_silu_mul_quant_kernel(mode: str, inter: int) -> None:
               128 if mode != "row" else None)
 
 
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("inter", [768, 12288, 25600])
+def test_one_read_silu_mul_row_kernel_at_more_rows_than_programs(inter: int) -> None:
+    """The persistent one-read SiLU-mul (per row): programs walking several rows give the
+    reference's codes and scales; the two-pass kernel, switched in, the same."""
+    t = fp8_quant.silu_programs(1 << 30, inter, 2, torch.device("cuda")) * 2 + 5
+    g = torch.Generator(device="cuda").manual_seed(inter)
+    gu = (torch.randn(t, 2 * inter, device="cuda", generator=g) * 4).bfloat16()
+    want = _ref_on(gu, fp8.silu_mul_quant, gu, "row")
+    _one_step(fp8.silu_mul_quant(gu, "row"), want, None)
+    assert ("one_read", "silu", "row", inter, torch.bfloat16) in fp8_quant.LAUNCHES.launched
+    fp8_quant.SILU_ONE_READ = False
+    try:
+        _one_step(fp8.silu_mul_quant(gu, "row"), want, None)
+    finally:
+        fp8_quant.SILU_ONE_READ = True
+
+
 def _close(y: torch.Tensor, ref: torch.Tensor) -> None:
     """torch's multiply accumulates in float32; its output is rounded once to y's dtype."""
     err = (y.float() - ref.float()).abs()
@@ -723,3 +743,33 @@ def test_experts_inputs_made_in_fewer_passes_multiply_as_their_own_pass(device: 
     tail, alone = fmt.silu_mul_input(layer, gu_tail, "down"), fmt.silu_mul_input(layer, gu[:end].clone(), "down")
     assert torch.equal(tail.q[:end].view(torch.uint8), alone.q.view(torch.uint8))
     assert torch.equal(tail.scale if act == "tensor" else tail.scale[:end], alone.scale)
+
+
+_SILU_ROWS = """
+import json, torch
+import triton.language as tl
+from teacher_server.ops import fp8_quant
+k = fp8_quant._kernels()
+fp8_quant.libdevice = tl  # (the interpreter has no libdevice: its tl.exp; the kernels' globals resolve here)
+g = torch.Generator().manual_seed(3)
+out = []
+for t, i, progs, chunk in ((11, 384, 4, 128), (3, 200, 5, 64), (9, 256, 1, 256)):
+    gu = (4 * torch.randn(t, 2 * i, generator=g)).bfloat16()
+    want_q, want_s = torch.empty(t, i, dtype=torch.float8_e4m3fn), torch.empty(t, 1)
+    k["quant_chunks"][(t,)](gu, gu.stride(0), want_q, i, want_s, t, t, i, 448.0, 1e-12, SILU=True, MODE=0,
+                            CHUNK=chunk, GROUP=128)
+    got_q, got_s = torch.zeros(t, i, dtype=torch.float8_e4m3fn), torch.zeros(t, 1)
+    scratch = torch.empty(min(progs, t), i, dtype=gu.dtype)
+    k["silu_rows"][(min(progs, t),)](gu, gu.stride(0), got_q, i, got_s, scratch, t, i, 448.0, 1e-12, CHUNK=chunk)
+    out.append([torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), torch.equal(got_s, want_s),
+                bool((got_s > 0).all())])
+print(json.dumps(out))
+"""
+
+
+def test_the_one_read_silu_mul_row_kernel_gives_the_two_pass_kernels_bits() -> None:
+    """``silu_rows`` (persistent: programs walking several rows, a row narrower than a chunk and
+    a tail chunk, one program for all rows) writes ``quant_chunks``' codes and scales, bit for
+    bit, in Triton's interpreter (whose roundings both share)."""
+    res = json.loads(interpreted(_SILU_ROWS))
+    assert res == [[True, True, True]] * 3, res

@@ -265,7 +265,8 @@ def silu_mul_quant(gate_up: torch.Tensor, mode: str = "row", static_scale: torch
 def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Start-up check at a model's widths: each quantization kernel (plain, RMSNorm with and
     without the residual add, SiLU-mul; per row and per 1x128 group) against its reference on
-    random rows, at 1 and 200 tokens. False where the kernels do not apply (no Triton, not
+    random rows, at 1 and 200 tokens (SiLU-mul per row also at more rows than its persistent
+    programs). False where the kernels do not apply (no Triton, not
     CUDA, a width over ``fp8_quant.MAX_K``): the references run instead; RuntimeError when a
     kernel's scales differ from the reference's by more than a bf16 step or more than 1% of its
     codes differ (the norm sums in another order; the rest give the reference's bits). The
@@ -298,6 +299,11 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
                 fp8_quant.fail(True, "silu", pow2, intermediate, dtype)
                 log.warning("FP8 silu_mul_quant (%s) differs from its torch reference at %d tokens (%s): its "
                             "reference runs instead", pow2, t, err)
+    # the one-read SiLU-mul's persistent programs each walking more than one row
+    t = fp8_quant.silu_programs(1 << 30, intermediate, torch.empty((), dtype=dtype).element_size(), device) + 7
+    gu = (4 * torch.randn(t, 2 * intermediate, device=device, generator=gen)).to(dtype)
+    if err := _differs(silu_mul_quant(gu, "row"), silu_mul_quant(gu, "row", kernel=False)):
+        raise RuntimeError(f"FP8 silu_mul_quant (row) differs from its torch reference at {t} tokens: {err}")
     return True
 
 
