@@ -265,9 +265,9 @@ def silu_mul_quant(gate_up: torch.Tensor, mode: str = "row", static_scale: torch
 def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dtype: torch.dtype) -> bool:
     """Start-up check at a model's widths: each quantization kernel (plain, RMSNorm with and
     without the residual add, SiLU-mul; per row and per 1x128 group) against its reference on
-    random rows, at 1 and 200 tokens (SiLU-mul per row also at more rows than its persistent
-    programs). False where the kernels do not apply (no Triton, not
-    CUDA, a width over ``fp8_quant.MAX_K``): the references run instead; RuntimeError when a
+    random rows, at 1 and 200 tokens (first the one-read SiLU-mul per row, ``_check_one_read``).
+    False where the kernels do not apply (no Triton, not CUDA, a width over
+    ``fp8_quant.MAX_K``): the references run instead; RuntimeError when a
     kernel's scales differ from the reference's by more than a bf16 step or more than 1% of its
     codes differ (the norm sums in another order; the rest give the reference's bits). The
     SiLU-mul pass with power-of-two group scales (``group_pow2``) that fails leaves that mode
@@ -276,6 +276,7 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
                                                         max(hidden, intermediate))):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
+    _check_one_read(intermediate, device, dtype, gen)
     w = (1 + 0.1 * torch.randn(hidden, device=device, generator=gen)).to(dtype)
     for t in (1, 200):
         x = torch.randn(t, hidden, device=device, generator=gen).to(dtype)
@@ -299,12 +300,18 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
                 fp8_quant.fail(True, "silu", pow2, intermediate, dtype)
                 log.warning("FP8 silu_mul_quant (%s) differs from its torch reference at %d tokens (%s): its "
                             "reference runs instead", pow2, t, err)
-    # the one-read SiLU-mul's persistent programs each walking more than one row
+    return True
+
+
+def _check_one_read(intermediate: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
+    """The one-read SiLU-mul per row, its persistent programs each walking more than one row;
+    where it differs from the reference, the two-pass kernel takes its calls (logged)."""
     t = fp8_quant.silu_programs(1 << 30, intermediate, torch.empty((), dtype=dtype).element_size(), device) + 7
     gu = (4 * torch.randn(t, 2 * intermediate, device=device, generator=gen)).to(dtype)
     if err := _differs(silu_mul_quant(gu, "row"), silu_mul_quant(gu, "row", kernel=False)):
-        raise RuntimeError(f"FP8 silu_mul_quant (row) differs from its torch reference at {t} tokens: {err}")
-    return True
+        fp8_quant.LAUNCHES.fail(("one_read", "silu", "row", intermediate, dtype))
+        log.warning("FP8 one-read silu_mul_quant (row) differs from its torch reference at %d tokens (%s): the "
+                    "two-pass kernel runs instead", t, err)
 
 
 def _differs(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
