@@ -267,14 +267,15 @@ def applies(x: torch.Tensor, k: int) -> bool:
 
 def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: float, amax_floor: float,
              group: int = 128, weight: torch.Tensor | None = None, eps: float = 0.0,
-             delta: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+             delta: torch.Tensor | None = None, scale: torch.Tensor | None = None, one_read: bool = True,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """(xq [T, K] e4m3, scale, residual or None) of ``producer`` applied to x, or None where the
     kernel does not apply. ``mode``: ``row`` (scale [T, 1]), ``group`` (scale [T, K / group]
     M-major, strides (1, R), R = ``padded_rows(T)``: xq and the scales are views of buffers of
     R rows, the rows past T zeros), ``tensor`` (``scale`` given, float32, one element; returned
     as is). ``norm`` takes ``weight`` [K] and ``eps`` (and ``delta``: x + delta is normed and
-    returned as the residual); ``silu`` takes x = [T, 2K]."""
+    returned as the residual); ``silu`` takes x = [T, 2K]. ``one_read``: False takes SiLU-mul per
+    row to the two-pass kernel (``SILU_ONE_READ`` off: always)."""
     t = x.shape[0]
     k = x.shape[1] // 2 if producer == "silu" else x.shape[1]
     if not applies(x, k) or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1
@@ -306,7 +307,7 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
         return xq, sc, resid
     st = padded_rows(t)  # the group scales' column stride
     one = ("one_read", producer, mode, k, x.dtype)  # where its first launch fails, the two-pass kernel runs
-    if producer == "silu" and mode == "row" and SILU_ONE_READ and LAUNCHES.usable(one):
+    if producer == "silu" and mode == "row" and one_read and SILU_ONE_READ and LAUNCHES.usable(one):
         progs = silu_programs(rows, k, x.element_size(), dev)
         scratch = torch.empty(progs, k, device=dev, dtype=x.dtype)
         if LAUNCHES.run(lambda: kern["silu_rows"][(progs,)](
