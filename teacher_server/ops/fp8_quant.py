@@ -50,8 +50,8 @@ MODES = {"row": 0, "group": 1, "tensor": 2, "group_pow2": 3}
 # SiLU-mul per row in one read (``silu_rows``; False: ``quant_chunks``' two): its persistent grid
 # holds a scratch row per program in L2, SILU_SCRATCH bytes in all (up to SILU_PER_SM programs per SM)
 SILU_ONE_READ = True
-SILU_SCRATCH = 16 << 20
-SILU_PER_SM = 8
+SILU_SCRATCH = 32 << 20
+SILU_PER_SM = 4
 SILU_CHUNK, SILU_WARPS = 2048, 8
 _K: dict[str, Any] = {}
 pow2_ceil: Any = None  # a scale rounded up to a power of two (``ops.fp8.pow2_ceil``'s bits), set by ``_kernels``
