@@ -1,33 +1,60 @@
-"""The fast-accumulation error at model widths: relative RMS, max/|ref|max, and the regression slope
-of got on ref (a scale error shows there), promoted and fast, row mode, plus with a 1% scale error."""
+"""The FP8 row-wise product's error with and without Hopper's fast accumulation, at model widths:
+against the float32 product of the same FP8 operands (the start-up check's operands: 33 random
+rows, unit-scale outputs), its relative RMS error, its worst output against the largest, and the
+slope of the output on the reference (least squares, minus one: a scale error moves it; the fast
+sums' truncation leans it below zero); each also with a 1% activation scale error, the kind of
+fault the start-up check (``ops.fp8.check_scaled_linear``) must catch.
+
+  python bench/probe_fast_accum.py --out bench/results/fp8_fast_accum_error.json   (GPU, seconds)
+  python bench/probe_fast_accum.py --tiny                                           (CPU smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
 import json
-import sys
+from pathlib import Path
 
 import torch
 
 from teacher_server.ops.fp8_mm import quantize_weight, scale_from_amax, scaled_linear, scaled_linear_reference, to_fp8
 
-dev = torch.device("cuda")
-out = []
-for k, n in [(4096, 6144), (4096, 24576), (12288, 4096), (5120, 10240), (25600, 5120), (2048, 3072), (7168, 4096), (18432, 7168)]:
-    for seed in (0, 1):
-        gen = torch.Generator().manual_seed(seed)
-        m = 33
-        x = torch.randn(m, k, generator=gen).bfloat16()
-        w = torch.randn(n, k, generator=gen) * k ** -0.5
-        wq, ws = quantize_weight(w, "row")
-        xf = x.float()
-        s = scale_from_amax(xf.abs().amax(-1, keepdim=True))
-        xq, sx = to_fp8(xf, s).to(dev), s.to(dev)
-        ref = scaled_linear_reference(xq.cpu(), sx.cpu(), wq, ws, "row", torch.float32, None)
-        for fast in (False, True):
-            for scl in (1.0, 1.01):
-                got = scaled_linear(xq, sx * scl, wq.to(dev), ws.to(dev), "row", fast_accum=fast).float().cpu()
-                err = got - ref
-                rec = dict(k=k, n=n, seed=seed, fast=fast, scale=scl, rel=(err.norm() / ref.norm()).item(),
-                           maxrel=(err.abs().max() / ref.abs().max()).item(),
-                           slope=((got * ref).sum() / (ref * ref).sum()).item() - 1,
-                           bias=(err.mean() / ref.abs().mean()).item())
-                out.append(rec)
-                print(rec, flush=True)
-json.dump(out, open(sys.argv[1], "w"), indent=1)
+# k -> n: Qwen3-8B (qkv, gate/up, down), Qwen3-32B (qkv, down), Moonlight, DeepSeek-V3 (o, dense down)
+WIDTHS = [(4096, 6144), (4096, 24576), (12288, 4096), (5120, 10240), (25600, 5120), (2048, 3072), (7168, 4096),
+          (18432, 7168)]
+
+
+def errors(k: int, n: int, seed: int, dev: torch.device, fast: bool, scale: float) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(33, k, generator=gen).bfloat16().float()
+    wq, ws = quantize_weight(torch.randn(n, k, generator=gen) * k ** -0.5, "row")
+    s = scale_from_amax(x.abs().amax(-1, keepdim=True))
+    xq = to_fp8(x, s)
+    ref = scaled_linear_reference(xq, s, wq, ws, "row", torch.float32, None)
+    got = scaled_linear(xq.to(dev), s.to(dev) * scale, wq.to(dev), ws.to(dev), "row", fast_accum=fast).float().cpu()
+    err = got - ref
+    return {"k": k, "n": n, "seed": seed, "fast": fast, "scale": scale, "rel": (err.norm() / ref.norm()).item(),
+            "maxrel": (err.abs().max() / ref.abs().max()).item(),
+            "slope": ((got * ref).sum() / (ref * ref).sum()).item() - 1}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="small widths on the CPU (the reference path; a smoke test)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available() and not args.tiny
+    dev = torch.device("cuda" if cuda else "cpu")
+    widths = WIDTHS if cuda else [(256, 64)]
+    out = [errors(k, n, seed, dev, fast, scale) for k, n in widths for seed in (0, 1) for fast in (False, True)
+           for scale in (1.0, 1.01)]
+    for r in out:
+        print(f"K={r['k']:6d} N={r['n']:6d} seed {r['seed']} {'fast    ' if r['fast'] else 'promoted'} scale "
+              f"x{r['scale']:.2f}: rel RMS {r['rel']:.5f}, worst {r['maxrel']:.5f}, slope {r['slope']:+.6f}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name() if cuda else "cpu",
+                                              "torch": torch.__version__, "cases": out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -83,3 +83,18 @@ def test_the_engine_bench_serves_a_block_fp8_checkpoint_of_a_shape(tmp_path: Pat
     assert written["quantization_config"]["weight_block_size"] == [16, 16]
     r = subprocess.run(cmd + ["--baseline", "W1:tiny"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert r.returncode != 0 and "no baseline" in r.stderr
+
+
+def test_the_silu_and_fast_accumulation_benches_run_on_the_cpu(tmp_path: Path) -> None:
+    """bench_fp8_silu.py and probe_fast_accum.py in their smoke modes: every case written, the
+    SiLU-mul cases equal to the reference (an error would be written instead of a time), and a
+    1% scale error moving the slope by about 1%."""
+    for script, out in (("bench_fp8_silu.py", tmp_path / "silu.json"), ("probe_fast_accum.py", tmp_path / "p.json")):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--tiny", "--out", str(out)],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-2000:]
+    cases = json.loads((tmp_path / "silu.json").read_text())["widths"]["tiny"]["cases"]
+    assert len(cases) == 3 and all("ms" in c for c in cases.values()), cases
+    probe = json.loads((tmp_path / "p.json").read_text())["cases"]
+    assert len(probe) == 8
+    assert all(abs(c["slope"] - (0.01 if c["scale"] > 1 else 0)) < 1e-3 for c in probe), probe
