@@ -56,7 +56,8 @@ SILU_CHUNK, SILU_WARPS = 2048, 8
 _K: dict[str, Any] = {}
 pow2_ceil: Any = None  # a scale rounded up to a power of two (``ops.fp8.pow2_ceil``'s bits), set by ``_kernels``
 language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
-# keyed (chunked, producer, mode, K, dtype): a key whose first launch failed goes to the reference
+# keyed (chunked or "one_read", producer, mode, K, dtype): a key whose first launch failed goes to
+# the reference (one_read's: to the two-pass kernel)
 LAUNCHES = FirstLaunch("FP8 quantization kernel")
 
 
@@ -235,8 +236,8 @@ def _warps(block: int) -> int:
 
 
 def silu_programs(rows: int, k: int, itemsize: int, device: torch.device) -> int:
-    """The persistent SiLU-mul grid: at least one program per SM, their scratch rows within
-    ``SILU_SCRATCH`` bytes (L2), at most ``SILU_PER_SM`` a SM and one a row."""
+    """The persistent SiLU-mul grid: ``SILU_PER_SM`` programs per SM, fewer where their scratch
+    rows would pass ``SILU_SCRATCH`` bytes (L2; one per SM at least), and never more than rows."""
     sms = sm_count(device) if device.type == "cuda" else 4  # (4: Triton's interpreter, the CPU tests)
     return max(1, min(rows, sms * max(1, min(SILU_PER_SM, SILU_SCRATCH // (k * itemsize * sms)))))
 
