@@ -86,11 +86,13 @@ Measured on an H200 (torch 2.11 + CUDA 13, Triton 3.6; ``bench/bench_fp8.py``, 1
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
 from teacher_server.ops import fp8_quant
+from teacher_server.ops.checks import faster
 from teacher_server.ops.fp8_mm import (  # noqa: F401  (the API, in one place: ops.fp8)
     AMAX_FLOOR,
     BLOCK,
@@ -305,9 +307,9 @@ def check_quant_kernels(hidden: int, intermediate: int, device: torch.device, dt
 
 def _check_one_read(intermediate: int, device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> None:
     """The one-read SiLU-mul per row, its persistent programs each walking more than one row:
-    where it differs from the reference, or is not the faster of the two at a step's rows
-    (timed against the two-pass kernel), the two-pass kernel takes its calls (logged)."""
-    key = ("one_read", "silu", "row", intermediate, dtype)
+    where it differs from the reference, or does not time 3% faster than the two-pass kernel at
+    a step's rows (``checks.faster``), the two-pass kernel takes its calls (logged)."""
+    key = fp8_quant.one_read_key(intermediate, dtype)
     progs = fp8_quant.silu_programs(1 << 30, intermediate, torch.empty((), dtype=dtype).element_size(), device)
     gu = (4 * torch.randn(progs + 7, 2 * intermediate, device=device, generator=gen)).to(dtype)
     if err := _differs(silu_mul_quant(gu, "row"), silu_mul_quant(gu, "row", kernel=False)):
@@ -316,21 +318,10 @@ def _check_one_read(intermediate: int, device: torch.device, dtype: torch.dtype,
                     "two-pass kernel runs instead", progs + 7, err)
         return
     gu = torch.randn(max(4096, 4 * progs), 2 * intermediate, device=device, generator=gen).to(dtype)
-
-    def ms(one_read: bool) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for i in range(6):  # the first call compiles
-            if i == 1:
-                a.record()
-            fp8_quant.quantize(gu, "row", "silu", fp8_max=FP8_MAX, amax_floor=AMAX_FLOOR, one_read=one_read)
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b)
-    one, two = ms(True), ms(False)
-    if one >= two:
+    run = functools.partial(fp8_quant.quantize, gu, "row", "silu", fp8_max=FP8_MAX, amax_floor=AMAX_FLOOR)
+    if not faster("FP8 silu_mul_quant (row), one read,", functools.partial(run, one_read=True),
+                  functools.partial(run, one_read=False), "the two-pass kernel", f"I={intermediate}, {len(gu)} rows"):
         fp8_quant.LAUNCHES.fail(key)
-        log.info("FP8 silu_mul_quant (row) at I=%d: the two-pass kernel (%.3f ms) times faster than the one-read "
-                 "one (%.3f ms); it runs", intermediate, two / 5, one / 5)
 
 
 def _differs(got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],

@@ -231,6 +231,11 @@ def fail(chunked: bool, producer: str, mode: str, k: int, dtype: torch.dtype) ->
     LAUNCHES.fail((chunked, producer, mode, k, dtype))
 
 
+def one_read_key(k: int, dtype: torch.dtype) -> tuple:
+    """``LAUNCHES``' key of the one-read SiLU-mul per row at width k (its start-up check fails it)."""
+    return "one_read", "silu", "row", k, dtype
+
+
 def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
@@ -307,7 +312,7 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     if rows == 0:
         return xq, sc, resid
     st = padded_rows(t)  # the group scales' column stride
-    one = ("one_read", producer, mode, k, x.dtype)  # where its first launch fails, the two-pass kernel runs
+    one = one_read_key(k, x.dtype)  # where its first launch fails, the two-pass kernel runs
     if producer == "silu" and mode == "row" and one_read and SILU_ONE_READ and LAUNCHES.usable(one):
         progs = silu_programs(rows, k, x.element_size(), dev)
         scratch = torch.empty(progs, k, device=dev, dtype=x.dtype)

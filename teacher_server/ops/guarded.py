@@ -33,8 +33,8 @@ class Guarded:
 class FirstLaunch:
     """What a Triton kernel's launches have shown, per key (what it was compiled for): a key
     whose first launch raised (compiling, or a launch this build refuses) is left to the
-    caller's torch path from then on, logged once; a launch that raises after one of that key
-    succeeded is the call's own error, raised."""
+    caller's fallback (a torch path, another kernel) from then on, logged once; a launch that
+    raises after one of that key succeeded is the call's own error, raised."""
 
     def __init__(self, what: str) -> None:
         self.what, self.failed, self.launched = what, set(), set()
@@ -54,7 +54,7 @@ class FirstLaunch:
             if key in self.launched:
                 raise
             self.failed.add(key)
-            log.warning("%s%s failed, its torch path runs instead: %s: %s", self.what,
+            log.warning("%s%s failed, its fallback runs instead: %s: %s", self.what,
                         "" if key is None else f" {key}", type(e).__name__, str(e)[:300])
             return False
         self.launched.add(key)
