@@ -235,9 +235,10 @@ for step in ${STEPS:-tests}; do
     fp8e2e) python3 bench/bench_fp8_e2e.py ${FP8E2E_ARGS:---model-size 8b --workload W1 --rounds 2} --out "$OUT/fp8_e2e.json" \
       2>&1 | tee "$OUT/fp8_e2e.log" | grep -E "^round|x_bf16_median" ;;
     # where an FP8 step's time goes: W1 (Qwen3-8B shape) profiled quantized at load (row-wise), then in bf16, one
-    # engine each (the first 24 requests; per-kernel CUDA time in the .profile.txt files)
-    fp8prof) for q in fp8 bf16; do
-        extra=""; [ $q = fp8 ] && extra="--quantization fp8"
+    # engine each (the first 24 requests; per-kernel CUDA time in the .profile.txt files); FP8PROF="fp8 block bf16"
+    # adds a block-wise checkpoint
+    fp8prof) for q in ${FP8PROF:-fp8 bf16}; do
+        extra=""; [ $q = fp8 ] && extra="--quantization fp8"; [ $q = block ] && extra="--fp8-block"
         python3 bench/bench_engine.py --workloads W1 --profile W1 --repeats 1 $extra \
           --out "$OUT/engine_8b_w1_profile_$q.json" 2>&1 | tee "$OUT/engine_8b_w1_profile_$q.log" | grep -E "^W1 |profile:"
       done ;;

@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton_interp import interpreted
 
-from teacher_server.ops import fp8, fp8_block, fp8_grouped, fp8_mm, fp8_quant
+from teacher_server.ops import fp8, fp8_block, fp8_grouped, fp8_mm, fp8_quant, fp8_silu_rows
 from teacher_server.ops.guarded import FirstLaunch
 from teacher_server.ops.norm import add_rms_norm, rms_norm
 from teacher_server.ops.silu_mul import silu_mul_reference
@@ -395,8 +395,9 @@ def test_a_kernel_that_fails_to_compile_leaves_its_calls_to_the_reference(monkey
     no second launch; the one-read SiLU-mul's failure leaves its calls to the two-pass kernel,
     whose failure to the reference); a kernel that has run once and then fails raises."""
     one_read, chunks, rows = _Kernel(fail=True), _Kernel(fail=True), _Kernel(fail=False)
-    monkeypatch.setattr(fp8_quant, "_K", {"quant_chunks": chunks, "silu_rows": one_read, "quant_rows": rows,
-                                          "next_pow2": lambda k: 1 << (k - 1).bit_length()})
+    pow2 = lambda k: 1 << (k - 1).bit_length()  # noqa: E731
+    monkeypatch.setattr(fp8_quant, "_K", {"quant_chunks": chunks, "quant_rows": rows, "next_pow2": pow2})
+    monkeypatch.setattr(fp8_silu_rows, "_K", {"silu_rows": one_read, "next_pow2": pow2})
     monkeypatch.setattr(fp8_quant, "LAUNCHES", FirstLaunch("FP8 quantization kernel"))
     monkeypatch.setattr(fp8_quant, "applies", lambda x, k: True)
     gu = torch.randn(5, 512, generator=_gen(12)).bfloat16()
@@ -588,17 +589,19 @@ def test_fused_silu_mul_quant_kernel(mode: str, inter: int) -> None:
 @pytest.mark.gpu
 @hopper
 @pytest.mark.parametrize("inter", [768, 12288, 25600])
-def test_one_read_silu_mul_row_kernel_at_more_rows_than_programs(inter: int, monkeypatch) -> None:
-    """The persistent one-read SiLU-mul (per row): programs walking several rows give the
-    reference's codes and scales; the two-pass kernel, switched in, the same."""
+@pytest.mark.parametrize("piped", [False, True])
+def test_one_read_silu_mul_row_kernel_at_more_rows_than_programs(inter: int, piped: bool, monkeypatch) -> None:
+    """The persistent one-read SiLU-mul (per row), in turns or pipelined: programs walking several
+    rows give the reference's codes and scales; the two-pass kernel, switched in, the same."""
     monkeypatch.setattr(fp8_quant, "LAUNCHES", FirstLaunch("FP8 quantization kernel"))  # (whatever a check chose)
-    t = fp8_quant.silu_programs(1 << 30, inter, 2, torch.device("cuda")) * 2 + 5
+    monkeypatch.setattr(fp8_silu_rows, "PIPED", piped)
+    t = fp8_silu_rows.programs(1 << 30, inter, 2, torch.device("cuda")) * 2 + 5
     g = torch.Generator(device="cuda").manual_seed(inter)
     gu = (torch.randn(t, 2 * inter, device="cuda", generator=g) * 4).bfloat16()
     want = _ref_on(gu, fp8.silu_mul_quant, gu, "row")
     _one_step(fp8.silu_mul_quant(gu, "row"), want, None)
     assert ("one_read", "silu", "row", inter, torch.bfloat16) in fp8_quant.LAUNCHES.launched
-    monkeypatch.setattr(fp8_quant, "SILU_ONE_READ", False)
+    monkeypatch.setattr(fp8_silu_rows, "ONE_READ", False)
     _one_step(fp8.silu_mul_quant(gu, "row"), want, None)
 
 
@@ -749,21 +752,23 @@ def test_experts_inputs_made_in_fewer_passes_multiply_as_their_own_pass(device: 
 
 
 _SILU_ROWS = """
-import json, torch
+import itertools, json, torch
 import triton.language as tl
-from teacher_server.ops import fp8_quant
-k = fp8_quant._kernels()
-fp8_quant.libdevice = tl  # (the interpreter has no libdevice: its tl.exp; the kernels' globals resolve here)
+from teacher_server.ops import fp8_quant, fp8_silu_rows
+k = dict(fp8_quant._kernels(), **fp8_silu_rows._kernels())
+fp8_quant.libdevice = fp8_silu_rows.libdevice = tl  # (the interpreter has no libdevice: its tl.exp; the kernels' globals resolve here)
 g = torch.Generator().manual_seed(3)
 out = []
-for t, i, progs, chunk in ((11, 384, 4, 128), (3, 200, 5, 64), (9, 256, 1, 256)):
+for (t, i, progs, chunk), piped in itertools.product(((11, 384, 4, 128), (3, 200, 5, 64), (9, 256, 1, 256),
+                                                     (8, 256, 4, 128)), (0, 1)):
     gu = (4 * torch.randn(t, 2 * i, generator=g)).bfloat16()
     want_q, want_s = torch.empty(t, i, dtype=torch.float8_e4m3fn), torch.empty(t, 1)
     k["quant_chunks"][(t,)](gu, gu.stride(0), want_q, i, want_s, t, t, i, 448.0, 1e-12, SILU=True, MODE=0,
                             CHUNK=chunk, GROUP=128)
     got_q, got_s = torch.zeros(t, i, dtype=torch.float8_e4m3fn), torch.zeros(t, 1)
-    scratch = torch.empty(min(progs, t), i, dtype=gu.dtype)
-    k["silu_rows"][(min(progs, t),)](gu, gu.stride(0), got_q, i, got_s, scratch, t, i, 448.0, 1e-12, CHUNK=chunk)
+    scratch = torch.full((min(progs, t) * (1 + piped), i), float("nan"), dtype=gu.dtype)
+    k["silu_rows"][(min(progs, t),)](gu, gu.stride(0), got_q, i, got_s, scratch, t, i, 448.0, 1e-12, CHUNK=chunk,
+                                     PIPED=piped)
     out.append([torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8)), torch.equal(got_s, want_s),
                 bool((got_s > 0).all())])
 print(json.dumps(out))
@@ -771,8 +776,9 @@ print(json.dumps(out))
 
 
 def test_the_one_read_silu_mul_row_kernel_gives_the_two_pass_kernels_bits() -> None:
-    """``silu_rows`` (persistent: programs walking several rows, a row narrower than a chunk and
-    a tail chunk, one program for all rows) writes ``quant_chunks``' codes and scales, bit for
-    bit, in Triton's interpreter (whose roundings both share)."""
+    """``silu_rows``, in turns or pipelined (persistent: programs walking several rows, a row
+    narrower than a chunk and a tail chunk, one program for all rows, programs with equal rows)
+    writes ``quant_chunks``' codes and scales, bit for bit, in Triton's interpreter (whose
+    roundings both share)."""
     res = json.loads(interpreted(_SILU_ROWS))
-    assert res == [[True, True, True]] * 3, res
+    assert res == [[True, True, True]] * 8, res

@@ -91,7 +91,7 @@ import logging
 
 import torch
 
-from teacher_server.ops import fp8_quant
+from teacher_server.ops import fp8_quant, fp8_silu_rows
 from teacher_server.ops.checks import faster
 from teacher_server.ops.fp8_mm import (  # noqa: F401  (the API, in one place: ops.fp8)
     AMAX_FLOOR,
@@ -309,8 +309,8 @@ def _check_one_read(intermediate: int, device: torch.device, dtype: torch.dtype,
     """The one-read SiLU-mul per row, its persistent programs each walking more than one row:
     where it differs from the reference, or does not time 3% faster than the two-pass kernel at
     a step's rows (``checks.faster``), the two-pass kernel takes its calls (logged)."""
-    key = fp8_quant.one_read_key(intermediate, dtype)
-    progs = fp8_quant.silu_programs(1 << 30, intermediate, torch.empty((), dtype=dtype).element_size(), device)
+    key = fp8_silu_rows.one_read_key(intermediate, dtype)
+    progs = fp8_silu_rows.programs(1 << 30, intermediate, torch.empty((), dtype=dtype).element_size(), device)
     gu = (4 * torch.randn(progs + 7, 2 * intermediate, device=device, generator=gen)).to(dtype)
     if err := _differs(silu_mul_quant(gu, "row"), silu_mul_quant(gu, "row", kernel=False)):
         fp8_quant.LAUNCHES.fail(key)

@@ -19,8 +19,7 @@ What may differ is the norm's sum of squares (another summation order).
 Plain rows up to ``CHUNKED_K`` wide and the norm: one program per row holds the whole row in
 registers (``BLOCK`` the next power of two of K), so K is at most ``MAX_K``. SiLU-mul and wider
 plain rows: one program per row walks it in ``CHUNK``-wide steps (``quant_chunks``); SiLU-mul
-per row: a persistent grid reads each gate/up row once and keeps its product in an L2-resident
-scratch row for the second pass (``silu_rows``). Group
+per row: each gate/up row read once (``ops.fp8_silu_rows``). Group
 scales and codes are written into buffers padded to ``padded_rows(T)`` rows (cuBLAS's 1x128
 recipe takes M a multiple of 4 only). ``quantize`` returns None where the kernel does not apply
 (no Triton, not CUDA, a dtype or width it does not take) and the caller takes the reference.
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from teacher_server.ops.gate_up_silu import sm_count
+from teacher_server.ops import fp8_silu_rows
 from teacher_server.ops.guarded import FirstLaunch
 
 log = logging.getLogger(__name__)
@@ -47,12 +46,6 @@ PRODUCERS = {"plain": 0, "norm": 1, "silu": 2}
 CHUNKED_K = 8192
 CHUNK = 2048
 MODES = {"row": 0, "group": 1, "tensor": 2, "group_pow2": 3}
-# SiLU-mul per row in one read (``silu_rows``; False: ``quant_chunks``' two): its persistent grid
-# holds a scratch row per program in L2, SILU_SCRATCH bytes in all (up to SILU_PER_SM programs per SM)
-SILU_ONE_READ = True
-SILU_SCRATCH = 32 << 20
-SILU_PER_SM = 4
-SILU_CHUNK, SILU_WARPS = 2048, 8
 _K: dict[str, Any] = {}
 pow2_ceil: Any = None  # a scale rounded up to a power of two (``ops.fp8.pow2_ceil``'s bits), set by ``_kernels``
 language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
@@ -185,44 +178,7 @@ def _kernels() -> dict[str, Any]:
             q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
             tl.store(q_ptr + row * sq + c + cols, q.to(tl.float8e4nv), mask=m)
 
-    # SiLU-mul per row in one read of [T, 2I]: a persistent grid, each program walking rows
-    # pid, pid + P, ...; pass 1 writes the row's rounded silu(gate) * up (bf16, the values pass 2
-    # quantizes, so they are never recomputed) into the program's own scratch row, which stays
-    # in L2 (evict_last; the gate/up rows, read once, evict_first), and takes its amax; pass 2
-    # reads the scratch back and writes the codes. Each thread reads back what it wrote (one
-    # layout); the barriers keep a program's passes apart all the same.
-    @triton.jit(do_not_specialize=["T"])
-    def silu_rows(x_ptr, sx, q_ptr, sq, scale_ptr, h_ptr, T, K: tl.constexpr, fp8_max, amax_floor,
-                  CHUNK: tl.constexpr):
-        pid = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, CHUNK)
-        hrow = h_ptr + pid * K
-        dt = x_ptr.dtype.element_ty
-        for base in range(0, T, tl.num_programs(0)):  # the last turn of some programs has no row
-            row = pid + base
-            live = row < T
-            xrow = x_ptr + row * sx
-            amax = tl.zeros((CHUNK,), dtype=tl.float32)
-            for c in range(0, K, CHUNK):
-                m = (c + cols < K) & live
-                g = tl.load(xrow + c + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                u = tl.load(xrow + K + c + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                a = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
-                y = (a * u).to(dt)
-                amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-                tl.store(hrow + c + cols, y, mask=m, eviction_policy="evict_last")
-            scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), fp8_max)
-            tl.store(scale_ptr + row, scale, mask=live)
-            tl.debug_barrier()
-            for c in range(0, K, CHUNK):
-                m = (c + cols < K) & live
-                y = tl.load(hrow + c + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -fp8_max), fp8_max)
-                tl.store(q_ptr + row * sq + c + cols, q.to(tl.float8e4nv), mask=m)
-            tl.debug_barrier()
-
-    _K.update(quant_rows=quant_rows, quant_chunks=quant_chunks, silu_rows=silu_rows,
-              next_pow2=triton.next_power_of_2)
+    _K.update(quant_rows=quant_rows, quant_chunks=quant_chunks, next_pow2=triton.next_power_of_2)
     return _K
 
 
@@ -231,20 +187,8 @@ def fail(chunked: bool, producer: str, mode: str, k: int, dtype: torch.dtype) ->
     LAUNCHES.fail((chunked, producer, mode, k, dtype))
 
 
-def one_read_key(k: int, dtype: torch.dtype) -> tuple:
-    """``LAUNCHES``' key of the one-read SiLU-mul per row at width k (its start-up check fails it)."""
-    return "one_read", "silu", "row", k, dtype
-
-
 def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
-
-
-def silu_programs(rows: int, k: int, itemsize: int, device: torch.device) -> int:
-    """The persistent SiLU-mul grid: ``SILU_PER_SM`` programs per SM, fewer where their scratch
-    rows would pass ``SILU_SCRATCH`` bytes (L2; one per SM at least), and never more than rows."""
-    sms = sm_count(device) if device.type == "cuda" else 4  # (4: Triton's interpreter, the CPU tests)
-    return max(1, min(rows, sms * max(1, min(SILU_PER_SM, SILU_SCRATCH // (k * itemsize * sms)))))
 
 
 def padded_rows(t: int) -> int:
@@ -281,7 +225,7 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     R rows, the rows past T zeros), ``tensor`` (``scale`` given, float32, one element; returned
     as is). ``norm`` takes ``weight`` [K] and ``eps`` (and ``delta``: x + delta is normed and
     returned as the residual); ``silu`` takes x = [T, 2K]. ``one_read``: False takes SiLU-mul per
-    row to the two-pass kernel (``SILU_ONE_READ`` off: always)."""
+    row to the two-pass kernel (``fp8_silu_rows.ONE_READ`` off: always)."""
     t = x.shape[0]
     k = x.shape[1] // 2 if producer == "silu" else x.shape[1]
     if not applies(x, k) or (delta is not None and (delta.shape != x.shape or delta.stride(1) != 1
@@ -312,14 +256,10 @@ def quantize(x: torch.Tensor, mode: str, producer: str = "plain", *, fp8_max: fl
     if rows == 0:
         return xq, sc, resid
     st = padded_rows(t)  # the group scales' column stride
-    one = one_read_key(k, x.dtype)  # where its first launch fails, the two-pass kernel runs
-    if producer == "silu" and mode == "row" and one_read and SILU_ONE_READ and LAUNCHES.usable(one):
-        progs = silu_programs(rows, k, x.element_size(), dev)
-        scratch = torch.empty(progs, k, device=dev, dtype=x.dtype)
-        if LAUNCHES.run(lambda: kern["silu_rows"][(progs,)](
-                x, x.stride(0), xq, xq.stride(0), sc, scratch, t, k, float(fp8_max), float(amax_floor),
-                CHUNK=min(SILU_CHUNK, block), num_warps=SILU_WARPS), one):
-            return xq, sc, resid
+    # (where the one-read kernel's first launch fails, the two-pass kernel runs)
+    if producer == "silu" and mode == "row" and one_read and fp8_silu_rows.run(x, xq, sc, k, fp8_max, amax_floor,
+                                                                                  LAUNCHES):
+        return xq, sc, resid
     chunked = producer == "silu" or (producer == "plain" and block > CHUNKED_K)
     key = (chunked, producer, mode, k, x.dtype)
     if not LAUNCHES.usable(key):
