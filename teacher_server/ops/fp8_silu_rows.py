@@ -26,9 +26,8 @@ from teacher_server.ops.guarded import FirstLaunch
 
 log = logging.getLogger(__name__)
 
-# the scratch rows, SCRATCH bytes in all, stay in L2 (up to PER_SM programs per SM); False: the
-# two-pass kernel takes every call
-ONE_READ = True
+ONE_READ = True  # False: the two-pass kernel takes every call
+# the scratch rows, SCRATCH bytes in all, stay in L2 (up to PER_SM programs per SM, CHUNK columns a step)
 SCRATCH = 32 << 20
 PER_SM = 4
 CHUNK, WARPS = 2048, 8
@@ -52,6 +51,7 @@ def _kernels() -> dict[str, Any]:
 
     global language
     language = tl
+
     # (evict_last on the scratch rows, evict_first on the gate/up rows, read once; each thread reads
     # back what it wrote, one layout, and the barriers keep a program's passes apart all the same)
     @triton.jit(do_not_specialize=["T"])
