@@ -146,9 +146,10 @@ class Fp8Weights(ExpertInputs, WeightFormat):
 
     def init_random(self, layer: nn.Module, param: str, gen: torch.Generator) -> None:
         p = getattr(layer, param)
-        if p.dtype == fp8.FP8:
-            draw = torch.empty(p.shape, dtype=torch.float32, device=p.device).normal_(0.0, 1.0, generator=gen)
-            p.copy_((draw * DUMMY_SPREAD).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8))
+        if p.dtype == fp8.FP8:  # drawn in float32 512 MiB at a time (an expert layer's whole draw: 28 GiB)
+            for part in p.view(-1).split(1 << 27):
+                draw = torch.empty(part.shape, dtype=torch.float32, device=p.device).normal_(0.0, 1.0, generator=gen)
+                part.copy_((draw * DUMMY_SPREAD).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8))
         elif param.endswith(SCALE):
             p.fill_(0.02 / DUMMY_SPREAD)
         elif param.endswith(INPUT_SCALE):
