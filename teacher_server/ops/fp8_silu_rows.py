@@ -6,11 +6,11 @@ A row's scale (its amax / 448) needs the whole row before its first code. A pers
 programs, each walking rows pid, pid + P, ..., writes each row's rounded silu(gate) * up (bf16:
 the values the codes are made of, so they are never recomputed) into a scratch row of its own,
 which stays in L2, takes the row's amax on the way, and makes the codes from the scratch row.
-``PIPED``: two scratch rows per program, and one walk over the columns does both passes, the
-first of the program's next row and the second of the row before it, so the gate/up reads never
-pause for a codes-only pass. Either gives ``quant_chunks``' bits (the two-pass kernel, which
-reads each row twice and computes SiLU twice): silu rounded, then the product rounded, as
-``ops.silu_mul.silu_mul_reference``; correctly rounded divisions; a clamp to +-448.
+It gives ``quant_chunks``' bits (the two-pass kernel, which reads each row twice and computes
+SiLU twice): silu rounded, then the product rounded, as ``ops.silu_mul.silu_mul_reference``;
+correctly rounded divisions; a clamp to +-448. (Measured slower, and not kept: two scratch rows
+per program, one walk over the columns making the next row's scratch and the previous row's
+codes; 0.573 against 0.495 ms at Qwen3-8B's width, ``bench/results/fp8_silu_h100_3eb6847.json``.)
 """
 
 # ruff: noqa: ANN001, ANN202  (the Triton kernel's arguments take no annotations)
@@ -31,7 +31,6 @@ ONE_READ = True  # False: the two-pass kernel takes every call
 SCRATCH = 32 << 20
 PER_SM = 4
 CHUNK, WARPS = 2048, 8
-PIPED = False
 _K: dict[str, Any] = {}
 language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
 
@@ -56,20 +55,14 @@ def _kernels() -> dict[str, Any]:
     # back what it wrote, one layout, and the barriers keep a program's passes apart all the same)
     @triton.jit(do_not_specialize=["T"])
     def silu_rows(x_ptr, sx, q_ptr, sq, scale_ptr, h_ptr, T, K: tl.constexpr, fp8_max, amax_floor,
-                  CHUNK: tl.constexpr, PIPED: tl.constexpr):
+                  CHUNK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
-        p = tl.num_programs(0)
         cols = tl.arange(0, CHUNK)
+        hrow = h_ptr + pid * K
         dt = x_ptr.dtype.element_ty
-        pscale = tl.div_rn(amax_floor, fp8_max)  # the scale of the row coded next (PIPED)
-        for it in range(0, T + PIPED * p, p):  # the last turn of some programs has no row
-            row = pid + it  # the row read this turn
+        for base in range(0, T, tl.num_programs(0)):  # the last turn of some programs has no row
+            row = pid + base
             live = row < T
-            prow = row - PIPED * p  # the row coded this turn
-            plive = (prow >= 0) & (prow < T)
-            slot = (it // p) % 2 * PIPED
-            hrow = h_ptr + (pid * (1 + PIPED) + slot) * K
-            hprev = h_ptr + (pid * (1 + PIPED) + (1 - slot) * PIPED) * K
             xrow = x_ptr + row * sx
             amax = tl.zeros((CHUNK,), dtype=tl.float32)
             for c in range(0, K, CHUNK):
@@ -80,22 +73,15 @@ def _kernels() -> dict[str, Any]:
                 y = (a * u).to(dt)
                 amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
                 tl.store(hrow + c + cols, y, mask=m, eviction_policy="evict_last")
-                if PIPED:
-                    mp = (c + cols < K) & plive
-                    yp = tl.load(hprev + c + cols, mask=mp, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    q = tl.minimum(tl.maximum(tl.div_rn(yp, pscale), -fp8_max), fp8_max)
-                    tl.store(q_ptr + prow * sq + c + cols, q.to(tl.float8e4nv), mask=mp)
             scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), fp8_max)
             tl.store(scale_ptr + row, scale, mask=live)
             tl.debug_barrier()
-            if not PIPED:
-                for c in range(0, K, CHUNK):
-                    m = (c + cols < K) & live
-                    y = tl.load(hrow + c + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
-                    q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -fp8_max), fp8_max)
-                    tl.store(q_ptr + row * sq + c + cols, q.to(tl.float8e4nv), mask=m)
-                tl.debug_barrier()
-            pscale = scale
+            for c in range(0, K, CHUNK):
+                m = (c + cols < K) & live
+                y = tl.load(hrow + c + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -fp8_max), fp8_max)
+                tl.store(q_ptr + row * sq + c + cols, q.to(tl.float8e4nv), mask=m)
+            tl.debug_barrier()
 
     _K.update(silu_rows=silu_rows, next_pow2=triton.next_power_of_2)
     return _K
@@ -111,8 +97,7 @@ def programs(rows: int, k: int, itemsize: int, device: torch.device) -> int:
     """The persistent grid: ``PER_SM`` programs per SM, fewer where their scratch rows would pass
     ``SCRATCH`` bytes (L2; one per SM at least), and never more than rows."""
     sms = sm_count(device) if device.type == "cuda" else 4  # (4: Triton's interpreter, the CPU tests)
-    row_bytes = k * itemsize * (2 if PIPED else 1)
-    return max(1, min(rows, sms * max(1, min(PER_SM, SCRATCH // (row_bytes * sms)))))
+    return max(1, min(rows, sms * max(1, min(PER_SM, SCRATCH // (k * itemsize * sms)))))
 
 
 def run(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, k: int, fp8_max: float, amax_floor: float,
@@ -125,7 +110,7 @@ def run(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, k: int, fp8_max:
         return False
     t = x.shape[0]
     progs = programs(t, k, x.element_size(), x.device)
-    scratch = torch.empty(progs * (2 if PIPED else 1), k, device=x.device, dtype=x.dtype)
+    scratch = torch.empty(progs, k, device=x.device, dtype=x.dtype)
     return launches.run(lambda: kern["silu_rows"][(progs,)](
         x, x.stride(0), xq, xq.stride(0), scale, scratch, t, k, float(fp8_max), float(amax_floor),
-        CHUNK=min(CHUNK, kern["next_pow2"](k)), PIPED=int(PIPED), num_warps=WARPS), key)
+        CHUNK=min(CHUNK, kern["next_pow2"](k)), num_warps=WARPS), key)
