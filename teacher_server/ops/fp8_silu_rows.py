@@ -69,9 +69,9 @@ def _kernels() -> dict[str, Any]:
             if KEEP > 0:  # the row's first KEEP columns stay in registers
                 kc = tl.arange(0, KEEP)
                 mk = (kc < K) & live
-                g = tl.load(xrow + kc, mask=mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                u = tl.load(xrow + K + kc, mask=mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                yk = (tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)
+                gk = tl.load(xrow + kc, mask=mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                uk = tl.load(xrow + K + kc, mask=mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                yk = (tl.div_rn(gk, 1.0 + libdevice.exp(-gk)).to(dt).to(tl.float32) * uk).to(dt).to(tl.float32)
                 top = tl.max(tl.abs(yk), axis=0)
             for c in range(KEEP, K, CHUNK):
                 m = (c + cols < K) & live
@@ -88,8 +88,8 @@ def _kernels() -> dict[str, Any]:
             tl.store(scale_ptr + row, scale, mask=live)
             tl.debug_barrier()
             if KEEP > 0:
-                q = tl.minimum(tl.maximum(tl.div_rn(yk, scale), -fp8_max), fp8_max)
-                tl.store(q_ptr + row * sq + kc, q.to(tl.float8e4nv), mask=mk)
+                qk = tl.minimum(tl.maximum(tl.div_rn(yk, scale), -fp8_max), fp8_max)
+                tl.store(q_ptr + row * sq + kc, qk.to(tl.float8e4nv), mask=mk)
             for c in range(KEEP, K, CHUNK):
                 m = (c + cols < K) & live
                 y = tl.load(hrow + c + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
