@@ -8,9 +8,11 @@ the values the codes are made of, so they are never recomputed) into a scratch r
 which stays in L2, takes the row's amax on the way, and makes the codes from the scratch row.
 It gives ``quant_chunks``' bits (the two-pass kernel, which reads each row twice and computes
 SiLU twice): silu rounded, then the product rounded, as ``ops.silu_mul.silu_mul_reference``;
-correctly rounded divisions; a clamp to +-448. (Measured slower, and not kept: two scratch rows
-per program, one walk over the columns making the next row's scratch and the previous row's
-codes; 0.573 against 0.495 ms at Qwen3-8B's width, ``bench/results/fp8_silu_h100_3eb6847.json``.)
+correctly rounded divisions; a clamp to +-448. Measured slower on an H100, and not kept: two
+scratch rows per program, one walk over the columns making the next row's scratch and the previous
+row's codes (0.573 against 0.495 ms at Qwen3-8B's width, ``bench/results/fp8_silu_h100_3eb6847.json``);
+a row's first 4,096-16,384 columns held in registers, only the rest through the scratch row (at
+best 0.530 against 0.493, ``fp8_silu_keep_h100_034427c.json``).
 """
 
 # ruff: noqa: ANN001, ANN202  (the Triton kernel's arguments take no annotations)
@@ -31,7 +33,6 @@ ONE_READ = True  # False: the two-pass kernel takes every call
 SCRATCH = 32 << 20
 PER_SM = 4
 CHUNK, WARPS = 2048, 8
-KEEP = 0  # a row's first KEEP columns (a power of two, at least CHUNK; 0: none) held in registers, not scratch
 _K: dict[str, Any] = {}
 language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
 
@@ -56,24 +57,17 @@ def _kernels() -> dict[str, Any]:
     # back what it wrote, one layout, and the barriers keep a program's passes apart all the same)
     @triton.jit(do_not_specialize=["T"])
     def silu_rows(x_ptr, sx, q_ptr, sq, scale_ptr, h_ptr, T, K: tl.constexpr, fp8_max, amax_floor,
-                  CHUNK: tl.constexpr, KEEP: tl.constexpr):
+                  CHUNK: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, CHUNK)
-        hrow = h_ptr + pid * max(K - KEEP, 1) - KEEP  # (the scratch holds columns KEEP..K-1)
+        hrow = h_ptr + pid * K
         dt = x_ptr.dtype.element_ty
         for base in range(0, T, tl.num_programs(0)):  # the last turn of some programs has no row
             row = pid + base
             live = row < T
             xrow = x_ptr + row * sx
             amax = tl.zeros((CHUNK,), dtype=tl.float32)
-            if KEEP > 0:  # the row's first KEEP columns stay in registers
-                kc = tl.arange(0, KEEP)
-                mk = (kc < K) & live
-                gk = tl.load(xrow + kc, mask=mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                uk = tl.load(xrow + K + kc, mask=mk, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                yk = (tl.div_rn(gk, 1.0 + libdevice.exp(-gk)).to(dt).to(tl.float32) * uk).to(dt).to(tl.float32)
-                top = tl.max(tl.abs(yk), axis=0)
-            for c in range(KEEP, K, CHUNK):
+            for c in range(0, K, CHUNK):
                 m = (c + cols < K) & live
                 g = tl.load(xrow + c + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
                 u = tl.load(xrow + K + c + cols, mask=m, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -81,16 +75,10 @@ def _kernels() -> dict[str, Any]:
                 y = (a * u).to(dt)
                 amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
                 tl.store(hrow + c + cols, y, mask=m, eviction_policy="evict_last")
-            top_all = tl.max(amax, axis=0)
-            if KEEP > 0:
-                top_all = tl.maximum(top_all, top)
-            scale = tl.div_rn(tl.maximum(top_all, amax_floor), fp8_max)
+            scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), amax_floor), fp8_max)
             tl.store(scale_ptr + row, scale, mask=live)
             tl.debug_barrier()
-            if KEEP > 0:
-                qk = tl.minimum(tl.maximum(tl.div_rn(yk, scale), -fp8_max), fp8_max)
-                tl.store(q_ptr + row * sq + kc, qk.to(tl.float8e4nv), mask=mk)
-            for c in range(KEEP, K, CHUNK):
+            for c in range(0, K, CHUNK):
                 m = (c + cols < K) & live
                 y = tl.load(hrow + c + cols, mask=m, other=0.0, eviction_policy="evict_last").to(tl.float32)
                 q = tl.minimum(tl.maximum(tl.div_rn(y, scale), -fp8_max), fp8_max)
@@ -111,8 +99,7 @@ def programs(rows: int, k: int, itemsize: int, device: torch.device) -> int:
     """The persistent grid: ``PER_SM`` programs per SM, fewer where their scratch rows would pass
     ``SCRATCH`` bytes (L2; one per SM at least), and never more than rows."""
     sms = sm_count(device) if device.type == "cuda" else 4  # (4: Triton's interpreter, the CPU tests)
-    width = max(k - KEEP, 1)
-    return max(1, min(rows, sms * max(1, min(PER_SM, SCRATCH // (width * itemsize * sms)))))
+    return max(1, min(rows, sms * max(1, min(PER_SM, SCRATCH // (k * itemsize * sms)))))
 
 
 def run(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, k: int, fp8_max: float, amax_floor: float,
@@ -125,7 +112,7 @@ def run(x: torch.Tensor, xq: torch.Tensor, scale: torch.Tensor, k: int, fp8_max:
         return False
     t = x.shape[0]
     progs = programs(t, k, x.element_size(), x.device)
-    scratch = torch.empty(progs, max(k - KEEP, 1), device=x.device, dtype=x.dtype)
+    scratch = torch.empty(progs, k, device=x.device, dtype=x.dtype)
     return launches.run(lambda: kern["silu_rows"][(progs,)](
         x, x.stride(0), xq, xq.stride(0), scale, scratch, t, k, float(fp8_max), float(amax_floor),
-        CHUNK=min(CHUNK, kern["next_pow2"](k)), KEEP=KEEP, num_warps=WARPS), key)
+        CHUNK=min(CHUNK, kern["next_pow2"](k)), num_warps=WARPS), key)
