@@ -262,8 +262,9 @@ for step in ${STEPS:-tests}; do
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --workloads W1f --repeats 2 --max-model-len 8192 \
         --out "$OUT/engine_deepseek_v3_layers_h200.json" 2>&1 | tee "$OUT/engine_deepseek_v3_layers.log" | tail -8 ;;
     # DeepSeek-V3's layer shape as it ships, a block-wise FP8 checkpoint (dummy weights): 11 layers (3 dense, 8 expert,
-    # ~97 GB) on an H200, 7 (3 dense, 4 expert, ~51 GB) on an 80 GB card; W1f in process (issue 49's layer-shape rate)
-    dsv3fp8) layers=11; [ "${GPU_MIB:-200000}" -lt 100000 ] && layers=7
+    # ~97 GB) on an H200, 6 (3 dense, 3 expert, ~40 GB) on an 80 GB card (with 7, the start-up's activation estimate at
+    # a 16,384-token step leaves no KV pool); W1f in process (issue 49's layer-shape rate)
+    dsv3fp8) layers=11; [ "${GPU_MIB:-200000}" -lt 100000 ] && layers=6
       python3 bench/bench_engine.py --model-size deepseek-v3-layers --fp8-block --num-layers ${DSV3_LAYERS:-$layers} \
         --workloads W1f --repeats 2 --max-model-len 8192 --out "$OUT/engine_deepseek_v3_layers_fp8.json" 2>&1 \
         | tee "$OUT/engine_deepseek_v3_layers_fp8.log" | tail -8 ;;
