@@ -18,15 +18,13 @@ best 0.530 against 0.493, ``fp8_silu_keep_h100_034427c.json``).
 # ruff: noqa: ANN001, ANN202  (the Triton kernel's arguments take no annotations)
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from teacher_server.ops.gate_up_silu import sm_count
 from teacher_server.ops.guarded import FirstLaunch
-
-log = logging.getLogger(__name__)
+from teacher_server.ops.triton_kernels import lazy
 
 ONE_READ = True  # False: the two-pass kernel takes every call
 # the scratch rows, SCRATCH bytes in all, stay in L2 (up to PER_SM programs per SM, CHUNK columns a step)
@@ -34,24 +32,13 @@ SCRATCH = 32 << 20
 PER_SM = 4
 CHUNK, WARPS = 2048, 8
 _K: dict[str, Any] = {}
-language: Any = None  # triton.language, where Triton's interpreter looks for it (a jit function's module globals)
+libdevice: Any = None  # set by _define, a global: the kernel's names resolve there, also under Triton's interpreter
 
 
-def _kernels() -> dict[str, Any]:
-    """The kernel, compiled on first use ({"missing": True} without Triton)."""
-    if _K:
-        return _K
-    try:
-        import triton
-        import triton.language as tl
-        from triton.language.extra import libdevice
-    except Exception as e:  # the CPU wheel has no triton: the two-pass kernel's caller takes the reference
-        log.info("FP8 one-read SiLU-mul kernel unavailable: %s: %s", type(e).__name__, e)
-        _K["missing"] = True
-        return _K
-
-    global language
-    language = tl
+def _define(triton, tl) -> dict[str, Any]:
+    """The kernel (``triton_kernels.lazy``)."""
+    global libdevice
+    from triton.language.extra import libdevice
 
     # (evict_last on the scratch rows, evict_first on the gate/up rows, read once; each thread reads
     # back what it wrote, one layout, and the barriers keep a program's passes apart all the same)
@@ -85,8 +72,11 @@ def _kernels() -> dict[str, Any]:
                 tl.store(q_ptr + row * sq + c + cols, q.to(tl.float8e4nv), mask=m)
             tl.debug_barrier()
 
-    _K.update(silu_rows=silu_rows, next_pow2=triton.next_power_of_2)
-    return _K
+    return {"silu_rows": silu_rows, "next_pow2": triton.next_power_of_2}
+
+
+def _kernels() -> dict[str, Any]:
+    return lazy(_K, "FP8 one-read SiLU-mul kernel", _define)
 
 
 def one_read_key(k: int, dtype: torch.dtype) -> tuple:
