@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import re
 import sys
 import time
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_fp8_kernel
 from workloads import QWEN3_8B, QWEN3_32B, make_workload, tiny, write_config, write_random_checkpoint
 
 from teacher_server.config import Config
@@ -108,10 +110,13 @@ def full_vocab_scores(path: Path, reqs: list, vocab: int, dtype: str, quantizati
             torch.cuda.empty_cache()
 
 
-def transformers_fp8_scores(path: Path, reqs: list) -> list[np.ndarray]:
+def transformers_fp8_scores(path: Path, reqs: list, kernel: str | None = None) -> tuple[list[np.ndarray], dict]:
     """transformers' fine-grained FP8 forward of the block-wise checkpoint (GPU): each request's
-    [rows, vocab] float32 log-probs."""
+    [rows, vocab] float32 log-probs, and the kernel it ran (``kernel``: its source folder, where
+    the hub cannot be reached; ``hf_fp8_kernel``)."""
     import transformers as tf
+
+    info = hf_fp8_kernel.install(kernel) if kernel else {"path": "the kernels package's download"}
 
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda").eval()
     out = []
@@ -120,10 +125,11 @@ def transformers_fp8_scores(path: Path, reqs: list) -> list[np.ndarray]:
             ids = torch.tensor([r.tokens.tolist()], device="cuda")
             logits = model(ids, logits_to_keep=r.rows + 1).logits[0, :r.rows]  # rows start .. L-2
             out.append(torch.log_softmax(logits.float(), -1).cpu().numpy())
+    info["fp8_linear_layers"] = sum(type(m).__name__ == "FP8Linear" for m in model.modules())
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    return out
+    return out, info
 
 
 def errors(got: list[np.ndarray], ref: list[np.ndarray], reqs: list) -> dict[str, float]:
@@ -152,6 +158,8 @@ def main() -> None:
     ap.add_argument("--emulate", action="store_true",
                     help="FP8 products by ops.fp8's definitions where the device has none (the CPU default)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' FP8 path")
+    ap.add_argument("--hf-fp8-kernel", default=os.environ.get("HF_FP8_KERNEL"),
+                    help="transformers' finegrained-fp8 kernel from this folder (no network; hf_fp8_kernel.py)")
     ap.add_argument("--out", help="JSON results file")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
@@ -194,7 +202,7 @@ def main() -> None:
     }
     if cuda and not args.no_transformers:
         try:
-            theirs = transformers_fp8_scores(block, reqs)
+            theirs, result["transformers_kernel"] = transformers_fp8_scores(block, reqs, args.hf_fp8_kernel)
             result["vs_dequantized"]["transformers_block"] = errors(theirs, scores["block_ref"], reqs)
         except Exception as e:  # reported: no accelerate, a transformers without that path, ...
             result["vs_dequantized"]["transformers_block"] = f"not run: {type(e).__name__}: {str(e)[:200]}"

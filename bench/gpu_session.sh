@@ -249,7 +249,12 @@ for step in ${STEPS:-tests}; do
     # the FP8 expert layer (Qwen3-30B-A3B's shapes): bf16 against the two-pass FP8 path and ops.fp8_moe's fused
     # gate/up kernel, each config ($FP8MOE_ARGS e.g. "--tokens 32768")
     fp8moe) python3 bench/bench_fp8_moe.py ${FP8MOE_ARGS:-} --out "$OUT/fp8_moe.json" 2>&1 | tee "$OUT/fp8_moe.log" | tail -40 ;;
-    fp8acc) python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
+    # transformers' FP8 path takes its kernel from .whl/bench/finegrained-fp8 where that folder was carried (the
+    # finegrained-fp8 folder of a huggingface/kernels-community checkout: bench/hf_fp8_kernel.py); its autotuner
+    # times 8 configurations per shape here (the scores do not depend on the tiles)
+    fp8acc) [ -d .whl/bench/finegrained-fp8 ] && export HF_FP8_KERNEL=${HF_FP8_KERNEL:-.whl/bench/finegrained-fp8/torch-ext/finegrained_fp8} \
+        FINEGRAINED_AUTOTUNE_TRIALS=${FINEGRAINED_AUTOTUNE_TRIALS:-8}
+      python3 bench/fp8_accuracy.py ${FP8ACC_ARGS:-} --out "$OUT/fp8_accuracy_8b.json" 2>&1 | tee "$OUT/fp8_accuracy.log" | tail -40 ;;
     # DeepSeek-V3-class (latent attention, DeepSeekMoE): the GPU tests (each attention backend's answer to v
     # narrower than k is printed), q/k 192 with v 128 against dense 128 per backend, Moonlight-16B-A3B on W1f in-process and through HTTP beside transformers'
     # DeepSeek-V3 forward (and in-process with each expert-layer kernel switched in turn), then DeepSeek-V3's layer
