@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -98,3 +100,47 @@ def test_the_silu_and_fast_accumulation_benches_run_on_the_cpu(tmp_path: Path) -
     probe = json.loads((tmp_path / "p.json").read_text())["cases"]
     assert len(probe) == 8
     assert all(abs(c["slope"] - (0.01 if c["scale"] > 1 else 0)) < 1e-3 for c in probe), probe
+
+
+def test_transformers_fp8_kernel_from_a_source_folder(tmp_path: Path) -> None:
+    """bench/hf_fp8_kernel.py: a finegrained-fp8 kernel folder (its ops registered through the
+    ``_ops`` module its build would write, made in memory) becomes the kernel transformers' FP8
+    integration loads, as the hub's download would; a folder lacking an entry point is refused."""
+    import torch
+    from transformers.integrations import finegrained_fp8 as tf_fp8
+    from transformers.integrations import hub_kernels
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hf_fp8_kernel
+
+    pkg = tmp_path / "finegrained-fp8" / "torch-ext" / "finegrained_fp8"
+    pkg.mkdir(parents=True)
+    (tmp_path / "finegrained-fp8" / "build.toml").write_text('[general]\nname = "finegrained-fp8"\nversion = 4\n')
+    (pkg / "mm.py").write_text(
+        "import torch\nfrom torch.library import custom_op\nfrom ._ops import add_op_namespace_prefix, ops\n\n"
+        "@custom_op(add_op_namespace_prefix('twice'), mutates_args=())\n"
+        "def _twice(x: torch.Tensor) -> torch.Tensor:\n    return 2 * x\n\n"
+        "def matmul_2d(a, b, *rest, **kw):\n    return ops.twice(a @ b.T)\n")
+    (pkg / "__init__.py").write_text("from .mm import matmul_2d\nmatmul_batched = matmul_grouped = matmul_2d\n")
+    saved = (dict(hub_kernels._KERNEL_MODULE_MAPPING), tf_fp8.is_kernels_available, tf_fp8._FINEGRAINED_FP8)
+    try:
+        info = hf_fp8_kernel.install(pkg)
+        assert info["kernel_version"] == 4 and info["path"] == str(pkg.resolve())
+        kernel = tf_fp8.load_finegrained_fp8_kernel()  # transformers' own loader
+        a, b = torch.randn(3, 4), torch.randn(5, 4)
+        torch.testing.assert_close(kernel.matmul(a, b), 2 * a @ b.T)
+    finally:
+        hub_kernels._KERNEL_MODULE_MAPPING.clear()
+        hub_kernels._KERNEL_MODULE_MAPPING.update(saved[0])
+        tf_fp8.is_kernels_available, tf_fp8._FINEGRAINED_FP8 = saved[1], saved[2]
+        for name in [n for n in sys.modules if n.split(".")[0] == hf_fp8_kernel.PACKAGE]:
+            del sys.modules[name]
+    bad = tmp_path / "bad" / "finegrained_fp8"
+    bad.mkdir(parents=True)
+    (bad / "__init__.py").write_text("def matmul_2d(*a):\n    pass\n")
+    try:
+        with pytest.raises(ImportError, match="matmul_batched, matmul_grouped"):
+            hf_fp8_kernel.install(bad)
+    finally:
+        for name in [n for n in sys.modules if n.split(".")[0] == hf_fp8_kernel.PACKAGE]:
+            del sys.modules[name]
