@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--emulate", action="store_true",
                     help="FP8 products by ops.fp8's definitions where the device has none (the CPU default)")
     ap.add_argument("--no-transformers", action="store_true", help="skip transformers' FP8 path")
+    ap.add_argument("--only", default="", help="of bf16,block,online: these runs alone (each error's float32 "
+                    "reference runs with it; transformers' path beside block)")
     ap.add_argument("--hf-fp8-kernel", default=os.environ.get("HF_FP8_KERNEL"),
                     help="transformers' finegrained-fp8 kernel from this folder (no network; hf_fp8_kernel.py)")
     ap.add_argument("--out", help="JSON results file")
@@ -186,8 +188,12 @@ def main() -> None:
         "online": (bf16, model_dtype, "fp8", fp8_products),
         "online_ref": (bf16, "float32", "fp8", False),
     }
+    keep = set(args.only.split(",")) if args.only else set(runs)
+    keep |= {f"{v}_ref" for v in ("block", "online") if v in keep}  # an error needs its reference
     scores = {}
     for name, (path, dtype, quant, products) in runs.items():
+        if name not in keep:
+            continue
         t = time.perf_counter()
         scores[name] = full_vocab_scores(path, reqs, vocab, dtype, quant, products, device)
         print(f"{name}: {time.perf_counter() - t:.0f}s", flush=True)
@@ -195,12 +201,11 @@ def main() -> None:
         "shape": args.shape, "tiny": args.tiny, "device": torch.cuda.get_device_name() if cuda else "cpu",
         "fp8_products": "emulated (ops.fp8 definitions)" if emulate and not cuda else "device",
         "requests": len(reqs), "rows": sum(r.rows for r in reqs), "k": int(reqs[0].cand.shape[1]),
-        "vs_dequantized": {"block": errors(scores["block"], scores["block_ref"], reqs),
-                           "online": errors(scores["online"], scores["online_ref"], reqs)},
-        "kl_bf16_fp8": {"block": mean_kl(scores["bf16"], scores["block"]),
-                        "online": mean_kl(scores["bf16"], scores["online"])},
+        "vs_dequantized": {v: errors(scores[v], scores[f"{v}_ref"], reqs) for v in ("block", "online") if v in scores},
+        "kl_bf16_fp8": {v: mean_kl(scores["bf16"], scores[v]) for v in ("block", "online")
+                        if v in scores and "bf16" in scores},
     }
-    if cuda and not args.no_transformers:
+    if cuda and not args.no_transformers and "block_ref" in scores:
         try:
             theirs, result["transformers_kernel"] = transformers_fp8_scores(block, reqs, args.hf_fp8_kernel)
             result["vs_dequantized"]["transformers_block"] = errors(theirs, scores["block_ref"], reqs)
