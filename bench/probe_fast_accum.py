@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from teacher_server.ops.checks import error_stats
 from teacher_server.ops.fp8_mm import quantize_weight, scale_from_amax, scaled_linear, scaled_linear_reference, to_fp8
 
 # k -> n: Qwen3-8B (qkv, gate/up, down), Qwen3-32B (qkv, down), Moonlight, DeepSeek-V3 (o, dense down)
@@ -32,10 +33,8 @@ def errors(k: int, n: int, seed: int, dev: torch.device, fast: bool, scale: floa
     xq = to_fp8(x, s)
     ref = scaled_linear_reference(xq, s, wq, ws, "row", torch.float32, None)
     got = scaled_linear(xq.to(dev), s.to(dev) * scale, wq.to(dev), ws.to(dev), "row", fast_accum=fast).float().cpu()
-    err = got - ref
-    return {"k": k, "n": n, "seed": seed, "fast": fast, "scale": scale, "rel": (err.norm() / ref.norm()).item(),
-            "maxrel": (err.abs().max() / ref.abs().max()).item(),
-            "slope": ((got * ref).sum() / (ref * ref).sum()).item() - 1}
+    rel, maxrel, slope = error_stats(got, ref)
+    return {"k": k, "n": n, "seed": seed, "fast": fast, "scale": scale, "rel": rel, "maxrel": maxrel, "slope": slope}
 
 
 def main() -> None:

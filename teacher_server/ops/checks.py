@@ -20,6 +20,16 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor, rel: float = 1
         raise RuntimeError(f"{name} differs from its torch reference by {err:.3g} (bound {bound:.3g})")
 
 
+def error_stats(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """(relative RMS error, worst error over the largest reference magnitude, slope - 1) of
+    ``got`` against ``ref`` (float32 tensors of one shape); the slope is the least-squares
+    factor of got on ref: a scale error moves it, rounding does not."""
+    err, tiny = got - ref, 1e-30
+    rel = (err.norm() / ref.norm().clamp_min(tiny)).item()
+    worst = (err.abs().max() / ref.abs().max().clamp_min(tiny)).item()
+    return rel, worst, ((got * ref).sum() / (ref * ref).sum().clamp_min(tiny)).item() - 1
+
+
 def assert_same_picks(name: str, got: tuple[torch.Tensor, torch.Tensor], ref: tuple[torch.Tensor, torch.Tensor],
                       scores: torch.Tensor, tie: float, what: str, tied: torch.Tensor | None = None) -> None:
     """A router kernel's (weights, ids) [T, k] against its torch path's: a row may pick other
