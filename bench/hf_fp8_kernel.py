@@ -56,10 +56,15 @@ def load(path: str | Path) -> types.ModuleType:
     try:
         spec.loader.exec_module(mod)
     except Exception:
-        sys.modules.pop(PACKAGE, None)
-        sys.modules.pop(f"{PACKAGE}._ops", None)
+        unload()
         raise
     return mod
+
+
+def unload() -> None:
+    """Forget the imported package and its modules (the next ``load`` imports its folder anew)."""
+    for name in [n for n in sys.modules if n.split(".")[0] == PACKAGE]:
+        del sys.modules[name]
 
 
 def install(path: str | Path) -> dict:

@@ -133,8 +133,7 @@ def test_transformers_fp8_kernel_from_a_source_folder(tmp_path: Path) -> None:
         hub_kernels._KERNEL_MODULE_MAPPING.clear()
         hub_kernels._KERNEL_MODULE_MAPPING.update(saved[0])
         tf_fp8.is_kernels_available, tf_fp8._FINEGRAINED_FP8 = saved[1], saved[2]
-        for name in [n for n in sys.modules if n.split(".")[0] == hf_fp8_kernel.PACKAGE]:
-            del sys.modules[name]
+        hf_fp8_kernel.unload()
     bad = tmp_path / "bad" / "finegrained_fp8"
     bad.mkdir(parents=True)
     (bad / "__init__.py").write_text("def matmul_2d(*a):\n    pass\n")
@@ -142,5 +141,4 @@ def test_transformers_fp8_kernel_from_a_source_folder(tmp_path: Path) -> None:
         with pytest.raises(ImportError, match="matmul_batched, matmul_grouped"):
             hf_fp8_kernel.install(bad)
     finally:
-        for name in [n for n in sys.modules if n.split(".")[0] == hf_fp8_kernel.PACKAGE]:
-            del sys.modules[name]
+        hf_fp8_kernel.unload()
