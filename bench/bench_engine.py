@@ -78,6 +78,7 @@ from workloads import (
     write_random_checkpoint,
 )
 
+from teacher_server.client.protocol import loads, parse_output
 from teacher_server.compile_cache import use_compile_cache
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
@@ -401,7 +402,8 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
     """``reqs`` through the server at ``url``, ``concurrency`` at a time. client: ``httpx`` (one
     AsyncClient, its connection pool) or ``raw`` (``raw_post``: a fresh connection per request,
     no client library). Every answer must be a 200 with a finite matrix of the request's shape
-    (checked after the clock stops).
+    (checked after the clock stops); each is decoded inside the clock as teacher_server's client
+    decodes one (``client.protocol``: orjson and pybase64 where installed).
 
     The client runs in the benchmark's process, which holds torch, transformers and perhaps an
     in-process engine: a few hundred thousand objects that each full collection of Python's
@@ -429,9 +431,8 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
                 s = time.perf_counter()
                 status, data = await post(i)
                 assert status == 200, data[:300]
-                body = json.loads(data)
-                mats[i] = np.load(io.BytesIO(base64.b64decode(body["prompt_token_id_logprobs"])))
-                cached[i] = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+                out = parse_output(loads(data))  # decoded as teacher_server's client decodes an answer
+                mats[i], cached[i] = out.scores, out.cached_tokens
                 lat[i] = time.perf_counter() - s
 
         with FrozenHeap() as gc_pauses:

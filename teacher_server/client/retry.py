@@ -28,7 +28,7 @@ from email.utils import parsedate_to_datetime
 import httpx
 
 from teacher_server.client.endpoints import DOWN_STATUSES, Endpoints
-from teacher_server.client.protocol import ScoreOutput, TeacherServerError, parse_output
+from teacher_server.client.protocol import ScoreOutput, TeacherServerError, loads, parse_output
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 # Failures where the request may not have reached the engine, or its answer was lost.
@@ -96,7 +96,7 @@ class RetryPolicy:
         raises when the failure is final."""
         if resp is not None and resp.status_code == 200:
             try:
-                return parse_output(resp.json(), expect_scores)
+                return parse_output(loads(resp.content), expect_scores)
             except (ValueError, TypeError, KeyError, AttributeError) as e:  # not our answer (a proxy's page, ...)
                 raise TeacherServerError(f"unreadable answer: {type(e).__name__}: {str(e)[:200]}", status=200,
                                          type="invalid_response", attempts=attempt) from e
