@@ -35,18 +35,29 @@ constexpr int64_t kAlgoWords = sizeof(cublasLtMatmulAlgo_t) / sizeof(int64_t);
 static_assert(sizeof(cublasLtMatmulAlgo_t) % sizeof(int64_t) == 0, "algo size");
 
 // The descriptors of one problem: column-major, D[N, M] = op(W)[N, K] * X[K, M] (+ C), i.e.
-// row-major out[M, N] = x[M, K] w[N, K]^T with row strides ldx, ldw, ldo.
+// row-major out[M, N] = x[M, K] w[N, K]^T with row strides ldx, ldw, ldo. bf16 operands, or with
+// `block` e4m3 ones with the FP8 block-scaled recipe as torch's scaled_gemm sets it: cuBLASLt's A
+// is the weight (BLK128x128_32F scales, [Nb] rows of round_up(Kb, 4) floats), B the activations
+// (VEC128_32F scales, Kb columns of M floats).
 struct Problem {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cudaDataType_t out_t;
 
-  Problem(int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldw, int64_t ldo, cudaDataType_t out_type) {
+  Problem(int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldw, int64_t ldo, cudaDataType_t out_type,
+          bool block) : out_t(out_type) {
     LT_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
     LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_16BF, k, n, ldw));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_16BF, k, m, ldx));
+    if (block) {
+      int32_t amode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, bmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+      LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &amode, sizeof(amode)));
+      LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bmode, sizeof(bmode)));
+    }
+    const cudaDataType_t in_t = block ? CUDA_R_8F_E4M3 : CUDA_R_16BF;
+    LT_CHECK(cublasLtMatrixLayoutCreate(&a, in_t, k, n, ldw));
+    LT_CHECK(cublasLtMatrixLayoutCreate(&b, in_t, k, m, ldx));
     LT_CHECK(cublasLtMatrixLayoutCreate(&c, out_type, n, m, ldo));
   }
   ~Problem() {
@@ -57,6 +68,14 @@ struct Problem {
   }
   Problem(const Problem&) = delete;
   Problem& operator=(const Problem&) = delete;
+
+  // The block recipe's scale pointers (the weight's, the activations'), set before each call.
+  void set_scales(const at::Tensor& wscale, const at::Tensor& xscale) {
+    const void* sa = wscale.data_ptr();
+    const void* sb = xscale.data_ptr();
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  }
 };
 
 using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int>;
@@ -73,13 +92,13 @@ struct KeyHash {
 
 // Descriptors are made once per shape and device (a few microseconds each otherwise).
 Problem& problem_for(int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldw, int64_t ldo, cudaDataType_t t,
-                     int device) {
+                     int device, bool block = false) {
   static std::mutex mu;
   static std::unordered_map<Key, std::unique_ptr<Problem>, KeyHash> cache;
   std::lock_guard<std::mutex> g(mu);
-  Key key{m, n, k, ldx, ldw, ldo, int(t), device};
+  Key key{m, n, k, ldx, ldw, ldo, int(t) * 2 + int(block), device};
   auto it = cache.find(key);
-  if (it == cache.end()) it = cache.emplace(key, std::make_unique<Problem>(m, n, k, ldx, ldw, ldo, t)).first;
+  if (it == cache.end()) it = cache.emplace(key, std::make_unique<Problem>(m, n, k, ldx, ldw, ldo, t, block)).first;
   return *it->second;
 }
 
@@ -153,56 +172,12 @@ void lt_gemm_out(const at::Tensor& x, const at::Tensor& w, const at::Tensor& out
 }
 
 // ---- FP8 block-scaled: out[M, N] = (xq[M, K] * 1x128 scales) (wq[N, K] * 128x128 scales)^T ----
-// As torch's scaled_gemm sets it: cuBLASLt's A is the weight (BLK128x128_32F scales, [Nb] rows
-// of round_up(Kb, 4) floats), B the activations (VEC128_32F scales, Kb columns of M floats).
 
 namespace {
 
-struct BlockProblem {
-  cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
-  cudaDataType_t out_t;
-
-  BlockProblem(int64_t m, int64_t n, int64_t k, int64_t ldx, int64_t ldw, int64_t ldo, cudaDataType_t t) : out_t(t) {
-    LT_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    int32_t amode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, bmode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &amode, sizeof(amode)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &bmode, sizeof(bmode)));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, k, n, ldw));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, k, m, ldx));
-    LT_CHECK(cublasLtMatrixLayoutCreate(&c, t, n, m, ldo));
-  }
-  ~BlockProblem() {
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (op) cublasLtMatmulDescDestroy(op);
-  }
-  BlockProblem(const BlockProblem&) = delete;
-  BlockProblem& operator=(const BlockProblem&) = delete;
-
-  void set_scales(const at::Tensor& wscale, const at::Tensor& xscale) {
-    const void* sa = wscale.data_ptr();
-    const void* sb = xscale.data_ptr();
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
-    LT_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
-  }
-};
-
-BlockProblem& block_problem_for(const at::Tensor& xq, const at::Tensor& wq, const at::Tensor& out) {
-  static std::mutex mu;
-  static std::unordered_map<Key, std::unique_ptr<BlockProblem>, KeyHash> cache;
-  std::lock_guard<std::mutex> g(mu);
-  const int64_t m = xq.size(0), n = wq.size(0), k = xq.size(1);
-  Key key{m, n, k, xq.stride(0), wq.stride(0), out.stride(0), int(out_type(out)), xq.get_device()};
-  auto it = cache.find(key);
-  if (it == cache.end())
-    it = cache.emplace(key, std::make_unique<BlockProblem>(m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
-                                                           out_type(out))).first;
-  return *it->second;
+Problem& block_problem_for(const at::Tensor& xq, const at::Tensor& wq, const at::Tensor& out) {
+  return problem_for(xq.size(0), wq.size(0), xq.size(1), xq.stride(0), wq.stride(0), out.stride(0), out_type(out),
+                     xq.get_device(), true);
 }
 
 void check_block(const at::Tensor& xq, const at::Tensor& xscale, const at::Tensor& wq, const at::Tensor& wscale,
@@ -237,7 +212,7 @@ at::Tensor lt_block_algos(const at::Tensor& xq, const at::Tensor& xscale, const 
                           bool sweep) {
   check_block(xq, xscale, wq, wscale, out);
   c10::cuda::CUDAGuard guard(xq.device());
-  BlockProblem& p = block_problem_for(xq, wq, out);
+  Problem& p = block_problem_for(xq, wq, out);
   p.set_scales(wscale, xscale);
   cublasLtHandle_t h = at::cuda::getCurrentCUDABlasLtHandle();
   std::vector<int64_t> rows;
@@ -321,7 +296,7 @@ void lt_block_out(const at::Tensor& xq, const at::Tensor& xscale, const at::Tens
   TORCH_CHECK(workspace.is_cuda() && workspace.scalar_type() == at::kByte, "lt_block: CUDA uint8 workspace");
   c10::cuda::CUDAGuard guard(xq.device());
   if (xq.size(0) == 0) return;
-  BlockProblem& p = block_problem_for(xq, wq, out);
+  Problem& p = block_problem_for(xq, wq, out);
   p.set_scales(wscale, xscale);
   cublasLtMatmulAlgo_t a;
   std::memcpy(&a, algo.data_ptr<int64_t>(), sizeof(a));
