@@ -12,7 +12,7 @@ picks, alternating, for several seconds each, with the SM clock and power sample
 ``--recipe block`` does the same for the FP8 block-scaled products (1x128 activation and 128x128
 weight scales, what a DeepSeek- or Qwen-FP8 checkpoint runs through torch's ``F.scaled_mm``):
 the best-fit heuristic's list, each algorithm id's own list and its tiles x stages, screened by
-a burst each, the fastest ``--sustain-top`` timed sustained against torch's call.
+a burst each (``--sustain-top N``: only the N fastest then timed sustained against torch's call).
 
   python bench/bench_gemm_algos.py --model-size 8b --tokens 16384 --out gemm_algos.json
   python bench/bench_gemm_algos.py --recipe block --model-size 8b --out gemm_algos_block.json
@@ -62,10 +62,11 @@ def sustained(fn, seconds: float) -> float:  # noqa: ANN001
 def rank(name: str, rows: int, k: int, n: int, resid: bool, fl: float, cands: list[dict],
          args: argparse.Namespace, res: dict) -> dict:
     """Time one shape's candidates (``cands[0]`` torch's call): a burst each, then the torch call
-    and the ``--sustain-top`` fastest bursts sustained in interleaved rounds; the winner."""
+    and the candidates (the ``--sustain-top`` fastest bursts where given) sustained in
+    interleaved rounds; the winner."""
     for c in cands:
         c["burst_s"] = timed(c["fn"], 20)
-    top = [cands[0]] + sorted(cands[1:], key=lambda c: c["burst_s"])[:args.sustain_top]
+    top = [cands[0]] + sorted(cands[1:], key=lambda c: c["burst_s"])[:args.sustain_top]  # (None: all)
     times: dict = {str(c["id"]): [] for c in top}
     for _ in range(args.rounds):
         for c in top:
@@ -139,7 +140,8 @@ def main() -> None:
     ap.add_argument("--layer-s", type=float, default=2.0)
     ap.add_argument("--layer-rounds", type=int, default=3)
     ap.add_argument("--recipe", default="bf16", choices=("bf16", "block"))
-    ap.add_argument("--sustain-top", type=int, default=6, help="candidates timed sustained (the fastest bursts)")
+    ap.add_argument("--sustain-top", type=int, default=None,
+                    help="candidates timed sustained: the fastest bursts (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     ext = build_ext()

@@ -324,7 +324,7 @@ for step in ${STEPS:-tests}; do
       done ;;
     # cuBLASLt's candidates for the FP8 block-scaled products of a layer ($BLOCKALGOS_SIZE, default 8b) against
     # torch's F.scaled_mm pick, burst and sustained, then the layer's sequence with each side's picks ($BLOCKALGOS_ARGS: more)
-    blockalgos) python3 bench/bench_gemm_algos.py --recipe block --model-size ${BLOCKALGOS_SIZE:-8b} ${BLOCKALGOS_ARGS:-} \
+    blockalgos) python3 bench/bench_gemm_algos.py --recipe block --sustain-top 6 --model-size ${BLOCKALGOS_SIZE:-8b} ${BLOCKALGOS_ARGS:-} \
         --out "$OUT/gemm_algos_block.json" 2>&1 | tee "$OUT/gemm_algos_block.log" | tail -12 ;;
     engine32b) python3 bench/bench_engine.py --model-size 32b ${ENGINE32_ARGS:---workloads W4 --baseline W4} --out "$OUT/engine_32b_h200.json" 2>&1 | tee "$OUT/engine32b.log" | tail -30 ;;
     *) echo "unknown step $step" ;;
