@@ -275,7 +275,8 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
         if limits.max_prompt_logprobs_entries is not None and entries > limits.max_prompt_logprobs_entries:
             raise BadRequest(f"prompt_logprobs={prompt_logprobs} on {toks.size} tokens makes {entries} entries, more "
                              f"than max_prompt_logprobs_entries={limits.max_prompt_logprobs_entries}; ask for fewer, "
-                             "or score candidates with prompt_logprob_token_ids", sp + "prompt_logprobs")
+                             "or use POST /inference/v1/generate with prompt_logprob_token_ids (candidates) or "
+                             "prompt_logprob_topk (binary arrays)", sp + "prompt_logprobs")
     tg.check(rows, 0 if cand is None else int(cand.shape[-1]), limits)
     temp = tg.temperature
     st = _sampling_temperature(sampling_temperature, sp + "temperature")

@@ -105,6 +105,16 @@ def test_completions_errors(tok_server, body: dict, status: int, param: str) -> 
         assert_error(c.post("/v1/completions", json=body), status, param)
 
 
+def test_the_json_cap_points_to_the_native_endpoint(tok_server) -> None:
+    """Past max_prompt_logprobs_entries, one prompt or several: the message names the endpoint
+    whose fields it suggests (/v1/completions has no prompt_logprob_token_ids)."""
+    with tok_server.client() as c:
+        for prompt in (list(range(200)), [list(range(100))] * 2):
+            err = assert_error(c.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 30}), 400,
+                               "prompt_logprobs", contains="max_prompt_logprobs_entries")
+            assert "POST /inference/v1/generate with prompt_logprob_" in err["message"], err
+
+
 def test_native_targets_on_zero_rows(qwen3_server) -> None:
     """A single token (or a start at the end) has no scored rows: [0, K] and [0] arrays, never null."""
     from apiutil import decode
@@ -203,7 +213,9 @@ def test_sglang_generate(tok_server) -> None:
 def test_prompt_logprobs_json_equals_the_entries_as_dicts() -> None:
     """The byte-template builder gives what serialising the entries as dicts gives: the actual
     token first, then the top-k by rank without it (where it is among them, its top-k entry in
-    its place, as vLLM's dict by id has it), -inf as -9999.0, decoded tokens escaped."""
+    its place, as vLLM's dict by id has it), -inf as -9999.0 (a finite value below it kept, as
+    vLLM's prompt_logprobs keep it: processed log-probs at a tiny temperature reach -76,000),
+    decoded tokens escaped."""
     import orjson
 
     from teacher_server.engine.request import ScoreRequest, ScoreResult
@@ -216,28 +228,55 @@ def test_prompt_logprobs_json_equals_the_entries_as_dicts() -> None:
     res = ScoreResult.empty_for(req)
     res.plp_token_logprob[:] = -rng.random(n - 1) * 5
     res.plp_token_logprob[3] = -np.inf
+    res.plp_token_logprob[4] = -12345.5
     res.plp_token_rank[:] = rng.integers(1, 50, n - 1)
     for j in range(n - 1):
         res.plp_topk_ids[j] = rng.choice(50, k, replace=False)
     res.plp_topk_logprobs[:] = -np.sort(rng.random((n - 1, k)) * 5, axis=1)
     res.plp_topk_logprobs[5, -1] = -np.inf
+    res.plp_topk_logprobs[6, -1] = -76775.75
 
     class Tok:
         def pieces(self, ids):
             return {i: f'w"{i}\\n' for i in ids}  # characters JSON must escape
 
+    def finite(v: float) -> float:
+        return v if np.isfinite(v) else -9999.0
+
     names = _Names(Tok(), False, np.arange(50))
     want = [None]
     for j in range(1, n):
         t = int(toks[j])
-        e = {str(t): {"logprob": max(float(res.plp_token_logprob[j - 1]), -9999.0),
+        e = {str(t): {"logprob": finite(float(res.plp_token_logprob[j - 1])),
                       "rank": int(res.plp_token_rank[j - 1]), "decoded_token": names(t)}}
         # vLLM's dict: a top-k entry of the actual token replaces its own, in its place
         for r, (i, v) in enumerate(zip(res.plp_topk_ids[j - 1].tolist(), res.plp_topk_logprobs[j - 1].tolist()), 1):
-            e[str(i)] = {"logprob": max(v, -9999.0), "rank": r, "decoded_token": names(i)}
+            e[str(i)] = {"logprob": finite(v), "rank": r, "decoded_token": names(i)}
         want.append(e)
     got = prompt_logprobs_json(req, res, k, names)
     assert got == orjson.dumps(want)
+
+
+def test_a_log_prob_below_minus_9999_is_written_as_it_is(checkpoints) -> None:
+    """In processed_logprobs mode at a tiny temperature the log-probs reach far below -9999:
+    ``prompt_logprobs`` (native and /v1/completions, as vLLM replaces only -inf) and SGLang's
+    input logprobs give them as they are, the same on the three endpoints."""
+    cfg = Config(model=str(checkpoints["qwen3"]), device="cpu", max_num_batched_tokens=64, block_size=8,
+                 num_kv_blocks=128, max_model_len=256, max_logprobs=8, logprobs_mode="processed_logprobs")
+    toks = [1, 5, 9, 100, 200, 300, 7, 8]
+    with LiveServer(cfg) as s, s.client() as c:
+        native = c.post("/inference/v1/generate", json={"token_ids": toks, "sampling_params": {
+            "prompt_logprobs": 2, "temperature": 1e-4, "max_tokens": 1}})
+        comp = c.post("/v1/completions", json={"prompt": toks, "prompt_logprobs": 2, "temperature": 1e-4,
+                                               "max_tokens": 1})
+        sgl = c.post("/generate", json={"input_ids": toks, "return_logprob": True, "logprob_start_len": 0,
+                                        "sampling_params": {"temperature": 1e-4, "max_new_tokens": 1}})
+    assert native.status_code == comp.status_code == sgl.status_code == 200, (native.text, comp.text, sgl.text)
+    want = [float(e[str(t)]["logprob"]) for e, t in zip(native.json()["prompt_logprobs"][1:], toks[1:])]
+    assert min(want) < -10000 and all(np.isfinite(want))
+    got = [float(e[str(t)]["logprob"]) for e, t in zip(comp.json()["choices"][0]["prompt_logprobs"][1:], toks[1:])]
+    assert got == want
+    assert [e[0] for e in sgl.json()["meta_info"]["input_token_logprobs"][1:]] == want
 
 
 @pytest.mark.parametrize("side", ["left", "right"])

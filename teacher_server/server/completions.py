@@ -65,7 +65,13 @@ class _Names:
 
 
 def _lp(x: float) -> float:
-    return x if x > NEG_INF_JSON else NEG_INF_JSON  # (-inf and NaN-free: JSON has no infinity)
+    """An OpenAI ``logprobs`` value as vLLM writes it: at least -9999.0 (-inf and NaN-free)."""
+    return x if x > NEG_INF_JSON else NEG_INF_JSON
+
+
+def _finite(a: np.ndarray) -> np.ndarray:
+    """``prompt_logprobs`` values as vLLM writes them: -inf (any non-finite) as -9999.0."""
+    return np.where(np.isfinite(a), a, NEG_INF_JSON)
 
 
 def prompt_logprobs_json(req: ScoreRequest, res: ScoreResult, k: int, name: _Names) -> bytes:
@@ -85,11 +91,12 @@ def prompt_logprobs_json(req: ScoreRequest, res: ScoreResult, k: int, name: _Nam
     for a in range(1, n, PLP_SLICE):
         b = min(a + PLP_SLICE, n)
         rows = slice(a - 1, b - 1)
-        # -inf as -9999.0 (JSON has no infinity); one orjson call formats all of a slice's floats
-        act = orjson.dumps(np.maximum(res.plp_token_logprob[rows], NEG_INF_JSON).tolist())[1:-1].split(b",")
+        # -inf as -9999.0 (JSON has no infinity; vLLM's prompt_logprobs replace it alone, a finite
+        # value below -9999 is kept); one orjson call formats all of a slice's floats
+        act = orjson.dumps(_finite(res.plp_token_logprob[rows]).tolist())[1:-1].split(b",")
         rk = res.plp_token_rank[rows].tolist()
         ids = res.plp_topk_ids[rows, :k].tolist()
-        vals = orjson.dumps(np.maximum(res.plp_topk_logprobs[rows, :k], NEG_INF_JSON).tolist())[2:-2].split(b"],[") \
+        vals = orjson.dumps(_finite(res.plp_topk_logprobs[rows, :k]).tolist())[2:-2].split(b"],[") \
             if k else [b""] * (b - a)
         for j in range(a, b):
             t0, i = toks[j], j - a

@@ -25,6 +25,7 @@ with orjson and bounded by ``max_prompt_logprobs_entries`` over the batch, as
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -229,7 +230,8 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
 
 
 def _lp(x: float) -> float:
-    return x if x > NEG_INF_JSON else NEG_INF_JSON
+    """-inf (any non-finite value) as -9999.0; a finite value below it is kept."""
+    return x if math.isfinite(x) else NEG_INF_JSON
 
 
 def _meta_logprobs(req: ScoreRequest, res: ScoreResult, it: _Item, text: dict[int, str] | None) -> dict[str, Any]:
