@@ -151,8 +151,8 @@ def _token_ids(value: Any) -> np.ndarray:
 
 def _sampling_temperature(value: Any, param: str) -> float | None:
     """The request's sampling ``temperature`` as vLLM's request models read it: a number, or a
-    string of one ("0.7"). Anything else is a 400: ignored, it would leave a server in
-    ``processed_logprobs`` mode returning unscaled scores without a word."""
+    string of one ("0.7"), not negative. Anything else is a 400: ignored, it would leave a server
+    in ``processed_logprobs`` mode returning unscaled scores without a word."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -166,6 +166,8 @@ def _sampling_temperature(value: Any, param: str) -> float | None:
         ok = False
     if not ok:
         raise BadRequest(f"temperature must be a finite number, got {value!r:.40}", param)
+    if value < 0:  # (vLLM's and SGLang's sampling parameters refuse it too)
+        raise BadRequest(f"temperature must be non-negative, got {float(value)}", param)
     return float(value)
 
 

@@ -99,6 +99,14 @@ BAD = [
     ("temperature a word", COMP, {**_COMP, "temperature": "warm"}, 400, "temperature"),
     ("temperature a list", COMP, {**_COMP, "temperature": [0.5]}, 400, "temperature"),
     ("temperature a bool", COMP, {**_COMP, "temperature": True}, 400, "temperature"),
+    ("temperature negative", COMP, {**_COMP, "temperature": -1}, 400, "temperature"),
+    # vLLM's sampling fields, which do not change the scores, type-checked as vLLM's model reads them
+    ("top_p a word", COMP, {**_COMP, "top_p": "abc"}, 400, "top_p"),
+    ("seed a word", COMP, {**_COMP, "seed": "x"}, 400, "seed"),
+    ("seed past int64", COMP, {**_COMP, "seed": 2**63}, 400, "seed"),
+    ("stop a number", COMP, {**_COMP, "stop": 5}, 400, "stop"),
+    ("logit_bias a word", COMP, {**_COMP, "logit_bias": "x"}, 400, "logit_bias"),
+    ("use_beam_search a word", COMP, {**_COMP, "use_beam_search": "x"}, 400, "use_beam_search"),
     ("unknown model", COMP, {**_COMP, "model": "nope"}, 404, "model"),
     # more prompts than the queue holds: a 400 (no retry helps), not a 429 after reading them all
     ("a batch past the queue", COMP, {**_COMP, "prompt": [[1, 2]] * (QUEUE + 1)}, 400, "prompt"),
@@ -111,6 +119,10 @@ BAD = [
     ("logprob_start_len below -1", SGL, {**_SGL, "logprob_start_len": -2}, 400, "logprob_start_len"),
     ("max_new_tokens 2", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 2}}, 400, "sampling_params.max_new_tokens"),
     ("temperature a word", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "temperature": "warm"}}, 400,
+     "sampling_params.temperature"),
+    ("temperature negative", SGL, {**_SGL, "sampling_params": {"max_new_tokens": 0, "temperature": -0.5}}, 400,
+     "sampling_params.temperature"),
+    ("temperature negative", GEN, _gen(prompt_logprob_token_ids=[1], temperature=-1), 400,
      "sampling_params.temperature"),
     # a value of the wrong type is refused, never converted (true is not 1, "1" is not 1)
     ("prompt_logprob_temperature a bool", GEN, _gen(prompt_logprob_token_ids=[1], prompt_logprob_temperature=True),
@@ -266,6 +278,13 @@ def test_a_temperature_sent_as_a_string_scales_as_the_number(server) -> None:
     assert plain != half  # (the mode is on: the temperature matters)
     assert _completion_row(c, temperature="0.5") == half
     assert _sglang_row(c, "0.5") == _sglang_row(c, 0.5) != _sglang_row(c, None)
+
+
+def test_vllms_sampling_fields_of_the_right_type_leave_the_scores_alone(server) -> None:
+    """What vLLM's request model takes (a number as a string too) is taken, and changes nothing."""
+    c = server.c
+    assert _completion_row(c, top_p="0.9", seed=7, stop=["x"], logit_bias={"5": 1}, use_beam_search=False,
+                           stop_token_ids=[2], min_tokens=0, user="u") == _completion_row(c)
 
 
 def test_still_serving_the_same_answers_after_the_bad_ones(server) -> None:
