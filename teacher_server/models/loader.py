@@ -130,6 +130,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp, stage=stage)
     filled: dict[str, int] = {}  # our parameter name -> count of parts written
+    given: dict[str, list[str]] = {}  # ... and the checkpoint tensors written into it
     fmt = model.weight_format
     extras = tuple(fmt.extras)  # suffixes read beside a weight (a layer kept unquantized has none)
     dev = "cpu" if device.type == "cpu" else str(device)
@@ -158,6 +159,11 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                     raise ValueError(f"checkpoint tensor {hf_name} has no place in {spec.architecture} "
                                      f"(config/weights mismatch)")
                 if reader is read_slice:
+                    raw, held = tensors[hf_name].dtype, getattr(owner, param).dtype  # (no format reads codes)
+                    if fmt.name == "unquantized" and raw.startswith(("F8", "F4", "I", "U", "BOOL")) and \
+                            held.is_floating_point:
+                        raise ValueError(f"checkpoint tensor {hf_name} is {raw}, quantized codes, and config.json "
+                                         f"names no quantization_config that says how to read them")
                     where = getattr(owner, "checkpoint_slice", None)
                     loaded = read_slice(sf, hf_name, where(param, part) if where is not None else None)
                 else:  # read whole, then as the format says (the layer cuts its slice)
@@ -165,13 +171,17 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                 owner.load_weight(param, loaded, part, hf_name)
                 key = f"{module}.{param}"
                 filled[key] = filled.get(key, 0) + 1
+                given.setdefault(key, []).append(hf_name)
         log.info("loaded checkpoint file %d/%d (%s, %.2f GB) in %.1fs", i, len(files), f.name,
                  f.stat().st_size / 1e9, time.perf_counter() - t0)
-    missing = []
+    missing, twice = [], []
     for name, _ in model.named_parameters():
         module, _, param = name.rpartition(".")
-        if filled.get(name, 0) != model.get_submodule(module).shards(param):
-            missing.append(name)
+        want = model.get_submodule(module).shards(param)
+        (missing if filled.get(name, 0) < want else twice if filled.get(name, 0) > want else []).append(name)
+    if twice:
+        raise ValueError(f"checkpoint {path} gives these weights more than once (a tensor in two files, or under two "
+                         f"names): {'; '.join(' + '.join(given[n]) for n in twice[:8])}")
     if missing:
         named = [checkpoint_name(model, n) for n in missing[:8]]
         untied = " (config.json's tie_word_embeddings is false: the head is its own tensor)" \

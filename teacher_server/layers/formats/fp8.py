@@ -43,7 +43,7 @@ from teacher_server.layers.formats.base import (
     extra_name,
     reformat,
 )
-from teacher_server.layers.formats.fp8_config import Fp8Scheme, check_scale_shape, scale_shape
+from teacher_server.layers.formats.fp8_config import E4M3, SPELLINGS, Fp8Scheme, scale_shape, weight_scale
 from teacher_server.layers.formats.fp8_dispatch import (
     ExpertInputs,
     QuantizedRows,
@@ -55,10 +55,8 @@ from teacher_server.layers.formats.unquantized import UNQUANTIZED
 from teacher_server.ops import fp8, fp8_moe
 from teacher_server.unsupported import UnsupportedModelError
 
-E4M3 = "F8_E4M3"  # safetensors' dtype name
 SCALE = "weight_scale_inv"  # the layer's name for a weight's scales, whatever the checkpoint's spelling
-SPELLINGS = ("weight_scale_inv", "weight_scale")
-FLOAT_SCALES = ("F32", "BF16", "F16", "F64")  # safetensors' dtypes a scale may be stored in
+FLOATS = ("BF16", "F16", "F32", "F64")  # safetensors' dtypes of weights kept unquantized
 INPUT_SCALE = "input_scale"
 GPU_BLOCK = (128, 128)  # the block torch's block-wise scaled multiply takes
 # Dummy weights: e4m3 values N(0, 1) * DUMMY_SPREAD with scale 0.02 / DUMMY_SPREAD stand for
@@ -91,19 +89,31 @@ def row_amax(layer: nn.Module, slot: str, w: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_weight(wq: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """A weight [..., N, K] from its e4m3 values and scales, float32: per row ([..., N, 1]),
-    per tensor (one element) or per ``block`` (any other shape)."""
+    """A weight [..., N, K] from its e4m3 values and scales, float32: per row ([..., N, 1] or
+    [..., N], as compressed-tensors' channel scales may be stored), per tensor (one element) or
+    per ``block`` (any other shape)."""
     if scale.numel() == 1:  # (also one block covering the whole weight)
         return fp8.dequantize(wq, scale.reshape(1), "tensor")
-    if scale.dim() >= 2 and scale.shape[-1] == 1 and scale.shape[-2] == wq.shape[-2]:
+    if (scale.dim() >= 2 and scale.shape[-1] == 1 and scale.shape[-2] == wq.shape[-2]) or \
+            scale.shape == wq.shape[:-1]:
         return fp8.dequantize(wq, scale, "row")
     return fp8.dequantize(wq, scale, "block", block)
 
 
-def _per_row(rows: int) -> Reader:
+def _finite(name: str) -> Reader:
+    """Scale tensor ``name`` as it is; a NaN or infinite value (NaN scores) is refused by name."""
+    def read(t: torch.Tensor, fetch: Fetch) -> torch.Tensor:
+        if not bool(torch.isfinite(t).all()):
+            raise UnsupportedModelError(f"checkpoint tensor {name} holds a NaN or infinite scale")
+        return t
+
+    return read
+
+
+def _per_row(rows: int, name: str) -> Reader:
     """A per-tensor ([1] or []) or per-row ([N] or [N, 1]) scale as [rows, 1] float32."""
     def read(t: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-        t = t.float().reshape(-1, 1)
+        t = _finite(name)(t, fetch).float().reshape(-1, 1)
         return t.expand(rows, 1) if t.shape[0] == 1 else t
 
     return read
@@ -176,8 +186,9 @@ class Fp8Weights(ExpertInputs, WeightFormat):
             place = model.checkpoint_param(name) if name.endswith(".weight") else None
             if place is None:
                 continue
-            if info.dtype.startswith("F8") and info.dtype != E4M3:
-                raise UnsupportedModelError(f"checkpoint tensor {name} is {info.dtype}; FP8 weights must be e4m3")
+            if info.dtype != E4M3 and (info.dtype.startswith("F8") or info.dtype not in FLOATS):
+                raise UnsupportedModelError(f"checkpoint tensor {name} is {info.dtype}; weights must be e4m3 (FP8, "
+                                            f"with their scales) or {', '.join(FLOATS)}")
             if info.dtype == E4M3 and not self.scheme.serialized:
                 raise UnsupportedModelError(f"--quantization fp8 quantizes a bf16 checkpoint, and {name} is FP8 "
                                             f"already: serve this checkpoint without --quantization")
@@ -193,36 +204,25 @@ class Fp8Weights(ExpertInputs, WeightFormat):
                 reformat(owner, UNQUANTIZED, dtype)  # bf16 in the checkpoint (wholly or some parts): plain
                 held = False
             for name in names:
-                prefix = name.removesuffix("weight")
-                scales = [prefix + s for s in SPELLINGS if prefix + s in tensors]
-                for s in scales:
-                    if tensors[s].dtype not in FLOAT_SCALES:
-                        raise UnsupportedModelError(f"checkpoint tensor {s} is {tensors[s].dtype}: byte-sized (e8m0) "
-                                                    f"scale tensors are not supported; float scales are")
-                if tensors[name].dtype == E4M3 and not scales:
-                    raise UnsupportedModelError(f"checkpoint tensor {prefix}{self.scheme.scale_name or SCALE} is "
-                                                f"missing: {name} is FP8 and needs its scales")
-                if tensors[name].dtype == E4M3:
-                    check_scale_shape(scales[0], tensors[scales[0]].shape, tensors[name].shape, self.scheme)
+                prefix, scale = name.removesuffix("weight"), weight_scale(name, tensors, self.scheme)
                 if not held:
-                    for s in [*scales, prefix + INPUT_SCALE]:
-                        readers[s] = None
+                    readers.update(dict.fromkeys(s for s in (scale, prefix + INPUT_SCALE) if s))
                     if tensors[name].dtype == E4M3:
-                        readers[name] = self._dequantizing(scales[0])
+                        readers[name] = self._dequantizing(scale)
                     continue
                 if self.scheme.activations == "static":
                     if prefix + INPUT_SCALE not in tensors:
                         raise UnsupportedModelError(f"checkpoint tensor {prefix}{INPUT_SCALE} is missing: the "
                                                     f"checkpoint's activation scheme is static")
-                    readers[prefix + INPUT_SCALE] = _per_row(tensors[name].shape[0])
-                if self.scheme.weights != "block":
-                    readers[scales[0]] = _per_row(tensors[name].shape[0])
+                    readers[prefix + INPUT_SCALE] = _per_row(tensors[name].shape[0], prefix + INPUT_SCALE)
+                rows = self.scheme.weights != "block"
+                readers[scale] = _per_row(tensors[name].shape[0], scale) if rows else _finite(scale)
         return readers
 
     def _dequantizing(self, scale_name: str) -> Reader:
         """An e4m3 weight read for a layer held in the model dtype: dequantized with its scales."""
         def read(t: torch.Tensor, fetch: Fetch) -> torch.Tensor:
-            return dequantize_weight(t, fetch(scale_name).float(), self.scheme.block)
+            return dequantize_weight(t, _finite(scale_name)(fetch(scale_name), fetch).float(), self.scheme.block)
 
         return read
 

@@ -46,6 +46,31 @@ def scale_shape(weight: tuple[int, ...], scheme: Fp8Scheme) -> tuple[int, ...]:
     return (*lead, -(-n // r), -(-k // c)) if scheme.weights == "block" else (*lead, n, 1)
 
 
+E4M3 = "F8_E4M3"  # safetensors' dtype name
+SPELLINGS = ("weight_scale_inv", "weight_scale")  # a weight's scales, as checkpoints name them
+FLOAT_SCALES = ("F32", "BF16", "F16", "F64")  # safetensors' dtypes a scale may be stored in
+
+
+def weight_scale(weight: str, tensors: dict[str, Any], scheme: Fp8Scheme) -> str | None:
+    """The checkpoint's scale tensor of ``weight`` (``tensors``: name -> its dtype and shape),
+    None where it has none, refused by name where it cannot be read: under both spellings, a
+    byte-sized dtype, missing beside an e4m3 weight, or a shape not its scheme's."""
+    prefix = weight.removesuffix("weight")
+    scales = [prefix + s for s in SPELLINGS if prefix + s in tensors]
+    if len(scales) > 1:
+        raise UnsupportedModelError(f"checkpoint tensors {scales[0]} and {scales[1]} are both scales of {weight}: "
+                                    f"a weight's scales are one tensor, under either name")
+    if scales and tensors[scales[0]].dtype not in FLOAT_SCALES:
+        raise UnsupportedModelError(f"checkpoint tensor {scales[0]} is {tensors[scales[0]].dtype}: byte-sized (e8m0) "
+                                    f"scale tensors are not supported; float scales are")
+    if tensors[weight].dtype == E4M3:
+        if not scales:
+            raise UnsupportedModelError(f"checkpoint tensor {prefix}{scheme.scale_name or SPELLINGS[0]} is missing: "
+                                        f"{weight} is FP8 and needs its scales")
+        check_scale_shape(scales[0], tensors[scales[0]].shape, tensors[weight].shape, scheme)
+    return scales[0] if scales else None
+
+
 def check_scale_shape(name: str, scale: tuple[int, ...], weight: tuple[int, ...], scheme: Fp8Scheme) -> None:
     """Refuse a scale tensor whose shape is not its scheme's for ``weight`` [..., N, K]: one per
     block, else one per tensor or per row ([..., N] or [..., N, 1])."""
