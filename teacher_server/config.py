@@ -70,7 +70,7 @@ class Config(TeacherSettings, ParallelSettings):
 
     # --- scoring contract --------------------------------------------------------------
     max_model_len: int | None = Field(
-        None, ge=2, description="Longest accepted sequence; default the model's max_position_embeddings.")
+        None, ge=2, le=2**31 - 1, description="Longest accepted sequence; default the model's max_position_embeddings.")
     max_logprobs: int = Field(
         256, ge=-1, description="Largest K (candidates per row) and largest classic prompt_logprobs; -1: the "
                                 "vocabulary's size (as vLLM's -1).")
@@ -150,7 +150,7 @@ class Config(TeacherSettings, ParallelSettings):
     replica_restart_backoff_s: float = Field(
         2.0, ge=0, description="Delay before a failed replica restarts (doubled after quick failures, up to 64x).")
     heartbeat_timeout_s: float = Field(
-        10.0, gt=0, description="A replica silent this long (it beats each second: stopped or hung) is killed.")
+        10.0, ge=2, description="A replica silent this long (it beats each second: stopped or hung) is killed.")
     replica_start_timeout_s: float = Field(
         1800.0, ge=0, description="A replica not ready this long after it started (hung load) is killed; 0: no limit.")
 
@@ -259,7 +259,7 @@ class Config(TeacherSettings, ParallelSettings):
     def _served_names(cls, values: Any) -> Any:
         # `served_model_name: [a, b]` (vLLM's nargs="+" flag, a YAML list): a is the name, b an alias
         if isinstance(values, dict) and isinstance(values.get("served_model_name"), list | tuple):
-            names = [str(n) for n in values["served_model_name"]]
+            names = [str(n) for n in values["served_model_name"] if n is not None]  # (`--served-model-name a none`)
             values = {**values, "served_model_name": names[0] if names else None,
                       "served_model_aliases": [*names[1:], *(values.get("served_model_aliases") or [])]}
         return values
@@ -300,9 +300,9 @@ class Config(TeacherSettings, ParallelSettings):
             try:
                 loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
             except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
-                raise ConfigError(f"config file {path} cannot be read as YAML: {str(e)[:300]}") from None
-            if not isinstance(loaded, dict):
-                raise ConfigError(f"config file {path} must hold a mapping of settings")
+                raise ConfigError(f"config file {path} is not YAML: {' '.join(str(e).split())[:300]}") from None
+            if not isinstance(loaded, dict) or not all(isinstance(k, str) for k in loaded):
+                raise ConfigError(f"config file {path} must hold a mapping of settings, each named by text")
             values.update(loaded)
         env = dict(os.environ) if env is None else env
         check_env_names(env, cls.model_fields)
@@ -345,6 +345,6 @@ def check_env_names(env: dict[str, str], fields: dict[str, Any]) -> None:
     bad = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in OTHER_ENV
                  and not _SERVICE_LINK.fullmatch(k))
     if bad:
-        hints = [f"{k}{did_you_mean(k, known)}" for k in bad]
+        hints = [f"{k}{did_you_mean(k.upper(), known)}" for k in bad]
         raise ConfigError(f"unknown environment variable(s): {'; '.join(hints)} (each TEACHER_SERVER_<FIELD> "
                           f"names a setting of config.yaml; unset it or fix its name)")

@@ -45,8 +45,13 @@ class TeacherSettings(BaseModel):
     @field_validator("gpus", mode="before")
     @classmethod
     def _gpu_ids(cls, v: Any) -> Any:
+        if isinstance(v, list | tuple) and all(isinstance(x, str) for x in v):  # the flag's words: "0,1" or "0 1"
+            v = ",".join(v)
         if isinstance(v, str):  # a flag's or a variable's text: ids as CUDA_VISIBLE_DEVICES spells them
-            v = yaml.safe_load(v) if v.strip().startswith("[") else v.split(",")
+            try:
+                v = yaml.safe_load(v) if v.strip().startswith("[") else v.split(",")
+            except yaml.YAMLError:
+                raise ValueError(f"GPU ids {v[:80]!r}: expected ids separated by commas, or a list [0, 1]") from None
         if isinstance(v, int) and not isinstance(v, bool):
             v = [v]
         if isinstance(v, list | tuple):  # (YAML's [0, 1]: numbers)

@@ -140,8 +140,42 @@ def test_settings_that_may_be_none_take_none_from_flags_and_the_environment(tmp_
 def test_a_config_file_that_is_not_yaml_is_a_config_error(tmp_path, content: bytes) -> None:
     f = tmp_path / "bad.yaml"
     f.write_bytes(content)
-    with pytest.raises(ConfigError, match="cannot be read as YAML"):
+    with pytest.raises(ConfigError, match="is not YAML") as e:
         Config.load(f, env={})
+    assert "\n" not in str(e.value)  # (one line: PyYAML's message spans several)
+
+
+@pytest.mark.parametrize("content", ["1: x\n", "null: x\n", "[1, 2]\n"])
+def test_a_config_file_of_other_than_named_settings_is_a_config_error(tmp_path, content: str) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text(content)
+    with pytest.raises(ConfigError, match="must hold a mapping of settings, each named by text"):
+        Config.load(f, env={})
+
+
+@pytest.mark.parametrize(("given", "ids"), [(["0,1"], ["0", "1"]), (["0", "1"], ["0", "1"]), ("2,3", ["2", "3"]),
+                                            ("[0, 1]", ["0", "1"]), ([4, 5], ["4", "5"])])
+def test_gpu_ids_read_alike_from_the_flag_a_variable_and_the_file(given, ids) -> None:
+    """``--gpus 0,1`` (the flag's words) was one id '0,1'; a variable's and the file's were two."""
+    assert Config.load(env={}, overrides={"gpus": given}).gpus == ids
+
+
+def test_a_malformed_gpu_list_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"gpus: GPU ids '\[1,2': expected ids separated by commas"):
+        Config.load(env={"TEACHER_SERVER_GPUS": "[1,2"})
+
+
+def test_the_settings_the_probe_found_unchecked() -> None:
+    """A heartbeat timeout under two beats killed healthy replicas; a max_model_len past int32
+    failed after the port opened; `--served-model-name a none` served the alias 'None'; a
+    lowercase variable's suggestion was another setting's."""
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
+        Config.load(env={}, overrides={"heartbeat_timeout_s": 0.3})
+    with pytest.raises(ConfigError, match="max_model_len"):
+        Config.load(env={}, overrides={"max_model_len": 10 ** 23})
+    assert Config.load(env={}, overrides={"served_model_name": ["a", None]}).served_names == ("a",)
+    with pytest.raises(ConfigError, match="did you mean 'TEACHER_SERVER_MAX_MODEL_LEN'"):
+        Config.load(env={"TEACHER_SERVER_max_model_len": "1"})
 
 
 def test_max_logprobs_minus_one_is_the_vocabulary(checkpoints) -> None:
