@@ -194,6 +194,36 @@ def test_sync_matches_raw_post(demo_server, form: str) -> None:
         assert np.isneginf(got[cands == -1]).all() and np.isfinite(got[cands != -1]).all()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_process_takes_a_connection_pool_of_its_own(demo_server) -> None:
+    """A client made before a fork (DataLoader workers): parent and child scoring at once over
+    one inherited kept-alive socket read each other's answers (the wrong scores, no error, in
+    about half the runs). The child now makes its own pool; each side gets its own answers."""
+    client = TeacherClient(demo_server.url, max_concurrency=1, max_retries=0, timeout=10)
+    mine = {"child": (seq(30), [7]), "parent": (seq(12), [7])}
+    want = {k: client.score(*v) for k, v in mine.items()}  # (leaves a kept-alive connection in the pool)
+    inherited = id(client._http)
+    read, write = os.pipe()
+    pid = os.fork()
+    side = "child" if pid == 0 else "parent"
+    try:
+        wrong = 0
+        for i in range(20):
+            out = client.score_full(*mine[side], request_id=f"{side}-{i}")
+            wrong += out.request_id != f"{side}-{i}" or out.scores.shape != want[side].shape or \
+                not np.allclose(out.scores, want[side], rtol=0, atol=1e-4)  # (batched with the other side's)
+        own_pool = id(client._http) != inherited
+    except Exception as e:  # (the child must report, whatever happens)
+        wrong, own_pool = repr(e)[:200], None
+    if pid == 0:
+        os.write(write, json.dumps([wrong, own_pool]).encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child_wrong, child_own = json.loads(os.read(read, 4096))
+    client.close()
+    assert (wrong, own_pool) == (0, False) and (child_wrong, child_own) == (0, True)
+
+
 @pytest.mark.parametrize("form", ["shared", "per_row"])
 def test_async_matches_sync(demo_server, form: str) -> None:
     toks, start = seq(33), 4

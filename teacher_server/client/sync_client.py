@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
@@ -63,8 +64,17 @@ class TeacherClient(ClientBase):
         super().__init__(base_url, api_key, timeout, max_retries, backoff, max_backoff, max_concurrency, model,
                          resolve=resolve, routing=routing, block_size=block_size, spill_tokens=spill_tokens,
                          health_interval=health_interval, probe_transport=transport)
-        self._http = httpx.Client(transport=transport, **self._client_kw)
+        self._transport = transport
+        self._http, self._pid = httpx.Client(transport=transport, **self._client_kw), os.getpid()
         self._slots = threading.BoundedSemaphore(max_concurrency)
+
+    def _pool(self) -> httpx.Client:
+        """The pooled connections of this process: a process forked from the one that made them
+        (a DataLoader worker) takes a pool of its own, as two processes reading one socket take
+        each other's answers. The parent's pool is left to the parent (not closed here)."""
+        if os.getpid() != self._pid:
+            self._http, self._pid = httpx.Client(transport=self._transport, **self._client_kw), os.getpid()
+        return self._http
 
     def __enter__(self) -> TeacherClient:
         return self
@@ -191,7 +201,7 @@ class TeacherClient(ClientBase):
             with attempts.sending() as url:
                 path, headers, extensions = self._post_args(url)
                 with self._slots:
-                    attempts.resp = self._http.post(path, content=content, headers=headers, extensions=extensions)
+                    attempts.resp = self._pool().post(path, content=content, headers=headers, extensions=extensions)
             out = attempts.outcome()
             if out is not None:
                 return out
