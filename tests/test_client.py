@@ -194,6 +194,16 @@ def test_sync_matches_raw_post(demo_server, form: str) -> None:
         assert np.isneginf(got[cands == -1]).all() and np.isfinite(got[cands != -1]).all()
 
 
+def test_a_server_error_pickles_as_it_was() -> None:
+    """Across processes (a process pool, Ray): its text was formatted a second time on unpickling."""
+    import pickle
+
+    e = TeacherServerError("bad thing", status=400, type="BadRequestError", param="x", code=400, attempts=2)
+    back = pickle.loads(pickle.dumps(e))
+    assert str(back) == str(e) == "400 BadRequestError: bad thing (param: x) [after 2 attempt(s)]"
+    assert (back.status, back.type, back.param, back.code, back.attempts) == (400, "BadRequestError", "x", 400, 2)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_process_takes_a_connection_pool_of_its_own(demo_server) -> None:
     """A client made before a fork (DataLoader workers): parent and child scoring at once over

@@ -50,6 +50,14 @@ class TeacherServerError(Exception):
         head = f"{status} {type or 'error'}" if status is not None else (type or "error")
         super().__init__(f"{head}: {message}{where} [after {attempts} attempt(s)]")
 
+    def __reduce__(self) -> tuple:  # (pickled across processes: made again from its parts, not its text)
+        return _remade_error, (self.message, self.status, self.type, self.param, self.code, self.attempts)
+
+
+def _remade_error(message: str, status: int | None, type: str | None, param: str | None, code: int | None,
+                  attempts: int) -> TeacherServerError:
+    return TeacherServerError(message, status=status, type=type, param=param, code=code, attempts=attempts)
+
 
 @dataclass(frozen=True)
 class Targets:
