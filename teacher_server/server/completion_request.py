@@ -9,18 +9,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.server.parsing import as_model, json_object
-from teacher_server.server.protocol import _FF, IntList
+from teacher_server.server.protocol import _FF, IgnoredSampling, IntList
 from teacher_server.server.tokenizer import Tokenizer, require
 from teacher_server.validation import BadRequest, Limits, build_request, check_batch, check_in_vocab, check_n, renamed
 
-_IGNORED = "vLLM's sampling field: type-checked as vLLM does, no effect on the scores."
 
-
-class CompletionRequest(BaseModel):
+class CompletionRequest(IgnoredSampling):
     """Body of ``POST /v1/completions`` (vLLM's OpenAI-compatible request). Scores the prompt;
     ``max_tokens`` 1 also returns the greedy next token. Other fields of vLLM's request
     (``temperature``, ``top_p``, ``seed``, ``stop``, ...) are accepted and do not change the
@@ -68,27 +66,12 @@ class CompletionRequest(BaseModel):
     request_id: StrictStr | None = None
     cache_salt: StrictStr | None = Field(None, description="Isolates prefix-cache entries between tenants.")
     priority: StrictInt = 0
-    # vLLM's sampling fields, which do not change the scores: read as vLLM's request model reads
-    # them (pydantic's lax types: "0.9" is 0.9), so a value of the wrong type is its 400 here too
-    best_of: int | None = Field(None, description=_IGNORED)
-    frequency_penalty: float | None = Field(None, description=_IGNORED)
-    presence_penalty: float | None = Field(None, description=_IGNORED)
-    repetition_penalty: float | None = Field(None, description=_IGNORED)
-    length_penalty: float | None = Field(None, description=_IGNORED)
-    top_p: float | None = Field(None, description=_IGNORED)
-    min_p: float | None = Field(None, description=_IGNORED)
-    top_k: int | None = Field(None, description=_IGNORED)
-    min_tokens: int | None = Field(None, description=_IGNORED)
-    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = Field(None, description=_IGNORED)
-    logit_bias: Annotated[dict[str, float], _FF] | None = Field(None, description=_IGNORED)
-    stop: str | Annotated[list[str], _FF] | None = Field(None, description=_IGNORED)
-    stop_token_ids: Annotated[list[int], _FF] | None = Field(None, description=_IGNORED)
-    allowed_token_ids: Annotated[list[int], _FF] | None = Field(None, description=_IGNORED)
-    user: str | None = Field(None, description=_IGNORED)
-    use_beam_search: bool | None = Field(None, description=_IGNORED)
-    ignore_eos: bool | None = Field(None, description=_IGNORED)
-    include_stop_str_in_output: bool | None = Field(None, description=_IGNORED)
-    spaces_between_special_tokens: bool | None = Field(None, description=_IGNORED)
+    # more of vLLM's sampling fields than IgnoredSampling's, equally without effect; its seed bounded as vLLM's
+    best_of: int | None = None
+    length_penalty: float | None = None
+    user: str | None = None
+    use_beam_search: bool | None = None
+    seed: Annotated[int, Field(ge=-(2 ** 63), le=2 ** 63 - 1)] | None = None
 
 
 @dataclass

@@ -20,7 +20,29 @@ _FF = _FailFast()
 IntList = Annotated[list[StrictInt], _FF]
 
 
-class SamplingParams(BaseModel):
+class IgnoredSampling(BaseModel):
+    """vLLM's sampling fields that do not change the scores, on the native endpoint's
+    ``sampling_params`` and /v1/completions alike: read as vLLM's request models read them
+    (pydantic's lax types: "0.9" is 0.9), so a value of the wrong type is a 400 here too."""
+
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | Annotated[list[str], _FF] | None = None
+    stop_token_ids: Annotated[list[int], _FF] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    logit_bias: Annotated[dict[str, float], _FF] | None = None
+    allowed_token_ids: Annotated[list[int], _FF] | None = None
+
+
+class SamplingParams(IgnoredSampling):
     """vLLM sampling parameters. Only the scoring fields change the result; the others are
     accepted and ignored (vLLM's prompt scores ignore them too); unknown fields are 400."""
 
@@ -64,25 +86,10 @@ class SamplingParams(BaseModel):
     # Accepted for compatibility; they do not change the scores (``temperature`` does with
     # ``--logprobs-mode processed_logprobs``: a number, or a string of one as vLLM reads it).
     temperature: StrictFloat | StrictStr | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | Annotated[list[str], _FF] | None = None
-    stop_token_ids: Annotated[list[int], _FF] | None = None
     bad_words: Annotated[list[str], _FF] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    include_stop_str_in_output: bool | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
     logprobs: int | None = None
     detokenize: bool | None = None
     skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    logit_bias: Annotated[dict[str, float], _FF] | None = None
-    allowed_token_ids: Annotated[list[int], _FF] | None = None
     extra_args: dict[str, Any] | None = None
     output_kind: Any = None
     structured_outputs: Any = None

@@ -107,13 +107,14 @@ def encode_npy(arr: np.ndarray, dtype: str = "<f4") -> str:
     return b64.encode(buf.getbuffer())  # (a view of the buffer: no copy)
 
 
-def _finite(x: float) -> float:
+def finite_json(x: float) -> float:
+    """x, or -9999.0 where it is -inf or NaN (JSON has no infinity), as vLLM writes prompt logprobs."""
     return NEG_INF_JSON if not math.isfinite(x) else x
 
 
 def format_prompt_logprobs(req_tokens: np.ndarray, res: ScoreResult) -> list:
     """JSON form: ``{token id: {logprob, rank, decoded_token}}`` per entry, -inf as -9999.0."""
-    return [None if e is None else {str(t): {"logprob": _finite(v), "rank": r, "decoded_token": None}
+    return [None if e is None else {str(t): {"logprob": finite_json(v), "rank": r, "decoded_token": None}
                                     for t, v, r in e}
             for e in prompt_logprob_entries(req_tokens, res)]
 

@@ -25,7 +25,6 @@ with orjson and bounded by ``max_prompt_logprobs_entries`` over the batch, as
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from teacher_server.engine.request import ScoreRequest, ScoreResult
 from teacher_server.server.parsing import as_model, json_object
 from teacher_server.server.protocol import _FF, IntList
-from teacher_server.server.responses import NEG_INF_JSON
+from teacher_server.server.responses import finite_json as _lp  # (-inf as -9999.0, as vLLM writes it)
 from teacher_server.server.tokenizer import Tokenizer, require
 from teacher_server.validation import (
     BadRequest,
@@ -227,11 +226,6 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
     body.input_ids = body.text = body.sampling_params = None
     body.model_extra.clear()
     return ParsedSGLang(body, reqs, items, batch)
-
-
-def _lp(x: float) -> float:
-    """-inf (any non-finite value) as -9999.0; a finite value below it is kept."""
-    return x if math.isfinite(x) else NEG_INF_JSON
 
 
 def _meta_logprobs(req: ScoreRequest, res: ScoreResult, it: _Item, text: dict[int, str] | None) -> dict[str, Any]:
