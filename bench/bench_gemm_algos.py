@@ -96,8 +96,8 @@ def block_candidates(ext, ws: torch.Tensor, m: int, k: int, n: int, args: argpar
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     x = torch.randn(m, k, device=dev, dtype=dt)
-    wq, wsc = fp8_mm.quantize_weight(torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5, "block")
-    wsc = fp8_block.pad_block_scale(wsc)
+    wq, wsc0 = fp8_mm.quantize_weight(torch.randn(n, k, device=dev, dtype=dt) * k ** -0.5, "block")
+    wsc = fp8_block.pad_block_scale(wsc0)
     xq, xs = fp8.quantize_groups(x)
 
     def dflt() -> None:
@@ -127,7 +127,44 @@ def block_candidates(ext, ws: torch.Tensor, m: int, k: int, n: int, args: argpar
             continue
         cands.append({"id": i, "fn": fn, "source": int(row[-1]), "workspace": int(row[-3]),
                       "waves": int(row[-2]) / 1000, "max_err": err})
+    cands += triton_candidates(xq, xs, wq, wsc0, ref, m)
     return 2.0 * m * k * n, cands
+
+
+def triton_candidates(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, wsc: torch.Tensor, ref: torch.Tensor,
+                      m: int) -> list[dict]:
+    """The same product through the experts' Triton block-FP8 kernel (``ops.fp8_grouped``) as
+    one expert, in a few tilings: a kernel of the service's own against cuBLASLt's."""
+    from teacher_server.ops import fp8_grouped
+
+    w3, s3 = wq.unsqueeze(0).contiguous(), wsc.float().unsqueeze(0).contiguous()
+    offs = torch.tensor([m], device=xq.device, dtype=torch.int32)
+    sms = torch.cuda.get_device_properties(xq.device).multi_processor_count
+    out: list[dict] = []
+    for bm, bn, warps, stages, pers in ((64, 128, 4, 4, 0), (128, 128, 8, 3, 0), (128, 128, 8, 4, 0),
+                                         (128, 256, 8, 3, 0), (128, 128, 8, 3, sms), (128, 256, 8, 3, sms)):
+        tag = f"triton_bm{bm}_bn{bn}_w{warps}_s{stages}" + (f"_p{pers}" if pers else "")
+
+        def fn(bm=bm, bn=bn, warps=warps, stages=stages, pers=pers) -> None:  # noqa: ANN001
+            fp8_grouped.grouped_block_mm(xq, xs, w3, s3, offs, bm=bm, warps=warps, stages=stages, bn=bn,
+                                         persistent=pers)
+
+        try:
+            got = fp8_grouped.grouped_block_mm(xq, xs, w3, s3, offs, bm=bm, warps=warps, stages=stages, bn=bn,
+                                               persistent=pers)
+            torch.cuda.synchronize()
+        except Exception as e:  # a tiling Triton cannot compile here (shared memory): skipped
+            print(f"  {tag}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            continue
+        if got is None:
+            print("  the Triton kernel does not apply here", flush=True)
+            return out
+        err = (got.float() - ref).abs().max().item()
+        if not err <= 1e-2 * ref.abs().max().item():
+            print(f"  {tag}: max error {err:.3g}: dropped", flush=True)
+            continue
+        out.append({"id": tag, "fn": fn, "source": "triton", "max_err": err})
+    return out
 
 
 def main() -> None:
