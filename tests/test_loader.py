@@ -52,6 +52,24 @@ def test_missing_weight_is_refused(tmp_path, checkpoints) -> None:
         score(tmp_path)
 
 
+def test_a_part_given_twice_does_not_stand_in_for_one_missing(tmp_path, checkpoints) -> None:
+    """q_proj in two files and k_proj in none: the fused q/k/v had its three writes, and loaded
+    with k's rows never written (every score NaN). Both are named."""
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoints["llama"]
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    w = load_file(tmp_path / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    del w["model.layers.0.self_attn.k_proj.weight"]
+    save_file(w, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    save_file({q: w[q]}, tmp_path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"more than once .*{q} \+ .*{q}.*; and is missing weights for: "
+                                         rf"layers\.0\.self_attn\.qkv_proj\.weight \(given only {q}, "):
+        score(tmp_path)
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.0001])  # data cut off; the header itself cut
 def test_a_truncated_file_is_named(tmp_path, checkpoints, keep: float) -> None:
     src = checkpoints["llama"]

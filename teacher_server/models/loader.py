@@ -129,8 +129,7 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     if spec.tie_word_embeddings is True and "lm_head.weight" in names:
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp, stage=stage)
-    filled: dict[str, int] = {}  # our parameter name -> count of parts written
-    given: dict[str, list[str]] = {}  # ... and the checkpoint tensors written into it
+    given: dict[str, list[str]] = {}  # our parameter name -> the checkpoint tensors written into it
     fmt = model.weight_format
     extras = tuple(fmt.extras)  # suffixes read beside a weight (a layer kept unquantized has none)
     dev = "cpu" if device.type == "cpu" else str(device)
@@ -169,21 +168,27 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                 else:  # read whole, then as the format says (the layer cuts its slice)
                     loaded = reader(sf.get_tensor(hf_name), fetch)
                 owner.load_weight(param, loaded, part, hf_name)
-                key = f"{module}.{param}"
-                filled[key] = filled.get(key, 0) + 1
-                given.setdefault(key, []).append(hf_name)
+                given.setdefault(f"{module}.{param}", []).append(hf_name)
         log.info("loaded checkpoint file %d/%d (%s, %.2f GB) in %.1fs", i, len(files), f.name,
                  f.stat().st_size / 1e9, time.perf_counter() - t0)
     missing, twice = [], []
     for name, _ in model.named_parameters():
         module, _, param = name.rpartition(".")
-        want = model.get_submodule(module).shards(param)
-        (missing if filled.get(name, 0) < want else twice if filled.get(name, 0) > want else []).append(name)
+        want, got = model.get_submodule(module).shards(param), given.get(name, [])
+        if len(set(got)) < want:  # (counted by name: a part given twice does not stand in for one missing)
+            missing.append(name)
+        if len(got) > len(set(got)) or len(set(got)) > want:
+            twice.append(name)
+
+    def lacking(n: str) -> str:  # a fused parameter names the tensors it has (q and v of q/k/v...)
+        got = sorted(set(given.get(n, [])))
+        return checkpoint_name(model, n) + (f" (given only {', '.join(got)})" if got else "")
     if twice:
+        also = f"; and is missing weights for: {', '.join(lacking(n) for n in missing[:8])}" if missing else ""
         raise ValueError(f"checkpoint {path} gives these weights more than once (a tensor in two files, or under two "
-                         f"names): {'; '.join(' + '.join(given[n]) for n in twice[:8])}")
+                         f"names): {'; '.join(' + '.join(given[n]) for n in twice[:8])}{also}")
     if missing:
-        named = [checkpoint_name(model, n) for n in missing[:8]]
+        named = [lacking(n) for n in missing[:8]]
         untied = " (config.json's tie_word_embeddings is false: the head is its own tensor)" \
             if "lm_head.weight" in named and spec.tie_word_embeddings is False else ""
         raise ValueError(f"checkpoint {path} is missing weights for: {', '.join(named)}"
