@@ -52,6 +52,23 @@ def test_prefix_hits(name: str, ckpt) -> None:
     check(path, reqs, results)
 
 
+def test_only_the_configured_multi_token_prediction_layers_are_passed_over(ckpt, tmp_path) -> None:
+    """A layer after the last that config.json's num_nextn_predict_layers does not declare (a
+    checkpoint of 4 layers, a config of 3): refused as a mismatch. Every layer past
+    num_hidden_layers had been passed over as an MTP layer, and a truncated model served."""
+    import json
+    import shutil
+
+    shutil.copytree(ckpt["v3"], tmp_path / "m")
+    cfg = tmp_path / "m" / "config.json"
+    d = json.loads(cfg.read_text())
+    assert ModelSpec.from_dict(d).mtp_layers == 1
+    d.pop("num_nextn_predict_layers")
+    cfg.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"model\.layers\.3\.\S+ has no place .*config/weights mismatch"):
+        engine(tmp_path / "m")
+
+
 def test_pool_keeps_the_latent_only(ckpt) -> None:
     """Every layer declares a latent cache of kv_lora_rank + qk_rope_head_dim per token, one
     head and no values; the pool's bytes per token are that, not per-head keys and values."""

@@ -288,6 +288,58 @@ def test_rope_theta_in_rope_parameters_wins_over_the_top_level_one(tmp_path) -> 
     assert ModelSpec.from_dict({k: v for k, v in d.items() if k != "rope_parameters"}).rope_theta == 5.0
 
 
+@pytest.mark.parametrize("scaling", [{"type": "linear", "factor": 4.0},
+                                     {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+                                     {"rope_type": "linear", "factor": 2.0, "rope_theta": 300.0}])
+def test_rope_scaling_given_beside_rope_parameters_is_read_whole_as_transformers_does(tmp_path, scaling) -> None:
+    """A legacy rope_scaling (``type``) added to a config that transformers 5 saved with a default
+    rope_parameters: transformers takes rope_scaling whole; the spec had let the default rope win."""
+    import transformers as tf
+
+    from teacher_server.models.spec import ModelSpec, UnsupportedModelError
+
+    cfg = tiny_configs()["Qwen3ForCausalLM"]
+    cfg.architectures = ["Qwen3ForCausalLM"]
+    cfg.save_pretrained(tmp_path)
+    d = json.loads((tmp_path / "config.json").read_text())
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
+    d["rope_scaling"] = scaling
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    theirs = tf.AutoConfig.from_pretrained(tmp_path).rope_parameters
+    spec = ModelSpec.from_dict(d)
+    assert spec.rope_scaling["rope_type"] == theirs["rope_type"] != "default"
+    assert spec.rope_scaling["factor"] == theirs["factor"] and spec.rope_theta == theirs["rope_theta"]
+    for bad, said in (({"type": "dynamic", "factor": 2.0}, "unsupported rope scaling 'dynamic'"),
+                      ({"type": scaling.get("type", "linear")}, "rope scaling without factor")):
+        with pytest.raises(UnsupportedModelError, match=said):
+            ModelSpec.from_dict({**d, "rope_scaling": bad})
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    ({"vocab_size": None}, "vocab_size is null: a whole number is needed"),
+    ({"num_hidden_layers": [2]}, r"num_hidden_layers is \[2\]: a whole number of at least 1"),
+    ({"num_attention_heads": 0}, "num_attention_heads is 0: a whole number of at least 1"),
+    ({"num_attention_heads": 4.5}, "num_attention_heads is 4.5: a whole number"),
+    ({"num_key_value_heads": 3}, r"num_key_value_heads is 3: it must divide num_attention_heads \(4\)"),
+    ({"sliding_window": "4k", "use_sliding_window": True}, 'sliding_window is "4k": a whole number of at least 0'),
+    ({"rms_norm_eps": "1e-6"}, 'rms_norm_eps is "1e-6": a number is needed'),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e6x"}}, 'rope_parameters.rope_theta is "1e6x"'),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "yarn rope scaling without factor"),
+    ({"rope_scaling": "linear"}, 'rope_scaling is "linear": an object of rope parameters'),
+])
+def test_config_numbers_of_the_wrong_kind_are_refused_by_name(edit: dict, said: str) -> None:
+    """A size given as null, a list, text or a fraction, a count of 0, a rope number as text:
+    refused naming the key (they had stopped the start with a bare TypeError or
+    ZeroDivisionError, or a head count of 4.5 been cut to 4), before any weight is read."""
+    from teacher_server.models.spec import ModelSpec, UnsupportedModelError
+
+    d = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    ModelSpec.from_dict(d)
+    with pytest.raises(UnsupportedModelError, match="^(config.json's )?" + said):
+        ModelSpec.from_dict({**d, **edit})
+
+
 def test_a_vision_language_config_is_read_at_its_top_level_too() -> None:
     """A ...ForConditionalGeneration config.json: the head is tied as its top level says (what
     transformers' model does), and a quantization_config there is refused by name."""

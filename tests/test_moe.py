@@ -348,6 +348,30 @@ def test_a_zero_width_shared_expert_is_no_shared_expert(tmp_path) -> None:
     check(path, reqs, engine(path).run_to_completion(reqs))
 
 
+def test_shared_expert_weights_where_the_config_gives_none_are_refused(checkpoints, tmp_path) -> None:
+    """A shared expert 48 wide in the files and none in config.json (width 0; Qwen3-MoE has none):
+    its tensors had been passed over and another model served. Refused by name, as transformers
+    refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    src = checkpoints["qwen3moe"]
+    for f in src.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    spec = ModelSpec.from_dir(src)
+    name = "model.layers.1.mlp.shared_expert.gate_proj.weight"
+    save_file({**tensors, name: torch.randn(48, spec.hidden_size)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"{name} is \[48, {spec.hidden_size}\], a shared expert's weights, but "
+                                         "config.json gives no shared expert"):
+        load_model(tmp_path, spec, torch.float32, torch.device("cpu"))
+    e = spec.num_experts  # an expert past config.json's count: an error, not an assert (gone under python -O)
+    name = f"model.layers.0.mlp.experts.{e}.down_proj.weight"
+    save_file({**tensors, name: torch.randn(spec.hidden_size, spec.moe_intermediate_size)},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"^checkpoint tensor {name}: expert {e} outside 0\.\.{e - 1}"):
+        load_model(tmp_path, spec, torch.float32, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Qwen3_5MoeForCausalLM"])
 def test_sparse_step_keys_apply_only_where_transformers_reads_them(arch: str) -> None:
     """decoder_sparse_step / mlp_only_layers make Qwen2/3-MoE layers dense; transformers'

@@ -159,7 +159,9 @@ class ExpertWeights(nn.Module):
 
     def local_expert(self, e: int, name: str) -> int | None:
         """Global expert e's index among this rank's experts, None where another rank holds it."""
-        assert 0 <= e < self.num_experts, f"{name}: expert {e} outside 0..{self.num_experts - 1}"
+        if not 0 <= e < self.num_experts:  # (not an assert: python -O would read it as another rank's)
+            raise ValueError(f"checkpoint tensor {name}: expert {e} outside 0..{self.num_experts - 1} "
+                             "(config.json's expert count)")
         e -= self.first
         return e if 0 <= e < self.num_local else None
 
@@ -167,7 +169,8 @@ class ExpertWeights(nn.Module):
         """This rank's experts of a stacked [E, ...] tensor (read whole, or already cut to them)."""
         if loaded.shape[0] == self.num_experts and self.num_local != self.num_experts:
             return loaded.narrow(0, self.first, self.num_local)
-        assert loaded.shape[0] == self.num_local, f"{name}: {loaded.shape[0]} experts, expected {self.num_local}"
+        if loaded.shape[0] != self.num_local:
+            raise ValueError(f"checkpoint tensor {name}: {loaded.shape[0]} experts, expected {self.num_experts}")
         return loaded
 
     def shards(self, param: str) -> int:

@@ -55,8 +55,8 @@ class DeepseekForCausalLM(MoeModel, LlamaForCausalLM):
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
         m = _LAYER.match(hf_name)
-        if m and int(m.group(1)) >= self.spec.num_layers:  # a multi-token-prediction layer: not for scoring
-            return None
+        if m and 0 <= int(m.group(1)) - self.spec.num_layers < self.spec.mtp_layers:  # multi-token prediction's
+            return None  # (a layer past those: no place, refused as a config/weights mismatch)
         if m and ".self_attn.q_proj." in hf_name and self.layers[0].self_attn.q_in_a:  # q and kv_a: one GEMM
             hf_name = hf_name.replace(".self_attn.q_proj.", ".self_attn.q_a_proj.")
         return super().checkpoint_param(hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))

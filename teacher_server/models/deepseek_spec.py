@@ -88,4 +88,5 @@ def deepseek_facts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         decoder_sparse_step=1,
         mlp_only_layers=tuple(range(first_dense)),
+        mtp_layers=int(d.get("num_nextn_predict_layers") or 0),  # model.layers.<num_hidden_layers + i>
     )

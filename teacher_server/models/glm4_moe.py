@@ -8,7 +8,7 @@ layers. The decoder layer is DeepSeek's (``models.deepseek``) over this attentio
 
 Checkpoint names: ``shared_experts`` load into the layer's shared MLP, the experts as the
 other expert families; the multi-token-prediction layers (``model.layers.<num_hidden_layers
-+ i>``) are skipped.
++ i>``, ``num_nextn_predict_layers`` of them) are skipped.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
         m = _LAYER.match(hf_name)
-        if m and int(m.group(1)) >= self.spec.num_layers:  # a multi-token-prediction layer: not for scoring
-            return None
+        if m and 0 <= int(m.group(1)) - self.spec.num_layers < self.spec.mtp_layers:  # multi-token prediction's
+            return None  # (a layer past those: no place, refused as a config/weights mismatch)
         return super().checkpoint_param(hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
 
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:

@@ -51,5 +51,6 @@ def glm4_moe_facts(d: dict[str, Any], rope_params: dict[str, Any]) -> dict[str, 
         norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         decoder_sparse_step=1,
         mlp_only_layers=tuple(range(first_dense)),
+        mtp_layers=int(d.get("num_nextn_predict_layers") or 0),  # model.layers.<num_hidden_layers + i>
         partial_rotary_factor=factor,
     )

@@ -129,6 +129,8 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     if spec.tie_word_embeddings is True and "lm_head.weight" in names:
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp, stage=stage)
+    if hasattr(model, "check_checkpoint"):  # a family's own look at what the files hold
+        model.check_checkpoint({n: info.shape for n, info in tensors.items()})
     given: dict[str, list[str]] = {}  # our parameter name -> the checkpoint tensors written into it
     fmt = model.weight_format
     extras = tuple(fmt.extras)  # suffixes read beside a weight (a layer kept unquantized has none)

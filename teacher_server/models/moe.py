@@ -121,6 +121,18 @@ class MoeModel:
             hf_name = f"model.layers.{layer}.mlp.{rest}"
         return super().checkpoint_param(hf_name)  # type: ignore[misc]
 
+    def check_checkpoint(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The loader's look at the checkpoint's tensors before reading them: a shared expert with
+        weights where config.json says it has none (width 0, or a family without one) would be
+        passed over, and another model served; transformers refuses it too (a size mismatch)."""
+        if self.spec.shared_expert_intermediate_size:  # type: ignore[attr-defined]
+            return
+        for name, shape in shapes.items():
+            m = _MLP.match(name)
+            if m and m.group(2).startswith(("shared_expert.", "shared_experts.")) and all(shape):
+                raise ValueError(f"checkpoint tensor {name} is {list(shape)}, a shared expert's weights, but "
+                                 "config.json gives no shared expert (shared_expert_intermediate_size is 0 or unset)")
+
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:
         """The dense stages' checks, then the expert layers' (``warm_up_experts``)."""
         super().warm_up_ops(ops, ropes)  # type: ignore[misc]

@@ -8,6 +8,8 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from teacher_server.models.config_fields import check_fields
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -36,9 +38,10 @@ class Architecture:
     def with_defaults(self, d: dict[str, Any]) -> dict[str, Any]:
         """config.json's keys over the family's defaults. A file that sets its rope (either
         spelling) keeps it whole: no default key is merged under it (gpt-oss's default YaRN
-        carries truncate=false; a file's YaRN that leaves truncate out takes transformers' true)."""
+        carries truncate=false; a file's YaRN that leaves truncate out takes transformers' true).
+        Its numbers are checked by name (``config_fields``)."""
         rope = ("rope_scaling", "rope_parameters") if d.get("rope_scaling") or d.get("rope_parameters") else ()
-        return {**{k: v for k, v in self.defaults.items() if k not in rope}, **d}
+        return check_fields({**{k: v for k, v in self.defaults.items() if k not in rope}, **d})
 
 
 def _defaults(vocab: int, hidden: int, inter: int | None, layers: int, heads: int, max_pos: int,

@@ -68,8 +68,7 @@ class ModelSpec:
     partial_rotary_factor: float = 1.0  # rotary on the first head_dim * factor dims of q and k
     attn_output_gate: bool = False  # q_proj also makes a per-head gate: out * sigmoid(gate)
     zero_centered_norm: bool = False  # RMSNorm scales by (1 + weight)
-    # How the weights are stored: a format of ``layers.formats`` (chosen by config.json's
-    # quantization_config, which the format reads its parameters from).
+    # How the weights are stored: a format of ``layers.formats`` (config.json's quantization_config)
     weight_format: str = "unquantized"
     quantization_config: dict[str, Any] = field(default_factory=dict)
     fp8_fast_accum: bool = True  # FP8 row-wise products in Hopper's fast accumulation (``Config.fp8_fast_accum``)
@@ -77,6 +76,7 @@ class ModelSpec:
     # the expert routing rules; None in the other families.
     mla: MlaDims | None = None
     routing: ExpertRouting | None = None
+    mtp_layers: int = 0  # (and GLM-4.5) multi-token-prediction layers after the last: not for scoring
     # gpt-oss (``gpt_oss_spec``): a learned sink logit per attention head, and the experts'
     # clamped SwiGLU (``layers.gpt_oss_moe``); off in the other families.
     attention_sinks: bool = False
@@ -200,23 +200,23 @@ class ModelSpec:
         head_dim = d.get("head_dim") or hidden // num_heads
         if entry.deepseek:  # q/k's width (transformers' head_dim there is the rope part)
             head_dim = int(d["qk_nope_head_dim"]) + int(d["qk_rope_head_dim"])
-        rope_params = dict(d.get("rope_parameters") or {})
-        scaling = dict(d.get("rope_scaling") or {})
+        # rope_scaling, where a file gives it, replaces rope_parameters whole, as transformers reads
+        # it (a legacy {"type": "yarn"} added to a config that transformers 5 saved with a default rope)
+        rope_params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
         theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))  # transformers' order
-        # The newer layout keeps the scaling keys in rope_parameters next to rope_theta.
-        # (Qwen3.5's multimodal rope keys: its text positions are the same on every axis, so it is
-        # plain rope; the partial rotary factor is a field of its own.)
+        # (Qwen3.5's multimodal rope keys: text positions the same on every axis, plain rope)
         not_scaling = {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
-        merged = {**{k: v for k, v in rope_params.items() if k not in not_scaling}, **scaling}
-        rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+        merged = {k: v for k, v in rope_params.items() if k not in not_scaling}
+        rope_type = merged.get("rope_type") or merged.get("type") or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise UnsupportedModelError(
                 f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         merged["rope_type"] = rope_type
+        need = dict(llama3=("factor", "low_freq_factor", "high_freq_factor"), linear=("factor",), yarn=("factor",))
+        missing = [k for k in need.get(rope_type, ()) if k not in merged]
+        if missing:  # (refused here, not after the weights have loaded)
+            raise UnsupportedModelError(f"{rope_type} rope scaling without {', '.join(missing)}")
         if rope_type == "llama3":
-            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in merged]
-            if missing:
-                raise UnsupportedModelError(f"llama3 rope scaling without {', '.join(missing)}")
             merged.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
         sliding, layer_types = None, ()
         if entry.sliding_window:

@@ -1,0 +1,63 @@
+"""config.json's numbers checked by name before the spec reads them: a size given as null, a
+list, text or a fraction, a count of 0, a rope parameter that is not a number, would otherwise
+stop the start with a bare ``TypeError`` or ``ZeroDivisionError`` naming no key, or (a float
+head count) be cut to a whole number and another model built."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from teacher_server.unsupported import UnsupportedModelError
+
+# whole numbers of at least 1, where given (the four first: always given, the family's default at least)
+POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "num_experts_per_tok", "kv_lora_rank", "qk_rope_head_dim",
+            "v_head_dim", "n_group", "topk_group", "decoder_sparse_step", "sliding_window_pattern")
+REQUIRED = POSITIVE[:4]
+# whole numbers of at least 0, where given (0: the feature off, as the families' configs use it)
+COUNTS = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+          "num_local_experts", "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "q_lora_rank",
+          "qk_nope_head_dim", "sliding_window", "max_window_layers", "num_nextn_predict_layers",
+          "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+          "linear_conv_kernel_dim")
+NUMBERS = ("rms_norm_eps", "rope_theta", "rope_local_base_freq", "routed_scaling_factor", "partial_rotary_factor",
+           "final_logit_softcapping", "query_pre_attn_scalar", "swiglu_limit")
+ROPE_NUMBERS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "partial_rotary_factor")
+
+
+def _bad(key: str, value: Any, want: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"config.json's {key} is {json.dumps(value, default=str)}: {want}")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` (config.json's keys over the family's defaults) when its numbers are numbers of the
+    right kind; else an ``UnsupportedModelError`` naming the key and what it needs."""
+    for key in POSITIVE + COUNTS:
+        v = d.get(key)
+        if v is None:
+            if key in REQUIRED and key in d:
+                raise _bad(key, v, "a whole number is needed")
+            continue
+        low = 1 if key in POSITIVE else 0
+        if not _number(v) or not float(v).is_integer() or v < low:
+            raise _bad(key, v, f"a whole number of at least {low} is needed")
+    for key in NUMBERS:
+        if d.get(key) is not None and not _number(d[key]):
+            raise _bad(key, d[key], "a number is needed")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key)
+        if rope is not None and not isinstance(rope, dict):
+            raise _bad(key, rope, "an object of rope parameters is needed")
+        for name, v in (rope or {}).items():
+            if name in ROPE_NUMBERS and v is not None and not _number(v) and not isinstance(v, dict):
+                raise _bad(f"{key}.{name}", v, "a number is needed")
+    heads, kv = d.get("num_attention_heads"), d.get("num_key_value_heads")
+    if heads and kv and int(heads) % int(kv):
+        raise _bad("num_key_value_heads", kv, f"it must divide num_attention_heads ({heads})")
+    return d
