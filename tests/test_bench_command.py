@@ -45,8 +45,11 @@ def test_bench_against_a_running_server(demo_server, tmp_path, capsys) -> None:
     assert "W1:tiny" in printed and "tok/s" in printed and "MFU" in printed
     # the same table and plot again from the JSON alone
     again = tmp_path / "again"
+    capsys.readouterr()
     bench_main(["--from-json", str(tmp_path / "bench.json"), "--out", str(again)])
     assert (again / "bench.png").read_bytes() == png
+    assert not (again / "bench.json").exists()  # (and not said to be written)
+    assert capsys.readouterr().out.rstrip().endswith(f"wrote {again / 'bench.png'}")
 
 
 @pytest.mark.parametrize(("argv", "says"), [

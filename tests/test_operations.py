@@ -102,7 +102,9 @@ def test_a_body_that_is_not_json_by_its_content_type_is_415(demo_server) -> None
     payloads = {GEN: body([1, 2, 3, 4], [5, 6]), "/v1/completions": {"prompt": [1, 2, 3], "max_tokens": 0,
                                                                      "prompt_logprobs": 1},
                 "/generate": {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}}}
+    failures = "teacher_server_request_failures_total"
     with demo_server.client() as c:
+        before = c.get("/metrics").text
         for path, payload in payloads.items():
             raw = json.dumps(payload).encode()
             for media in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
@@ -112,6 +114,10 @@ def test_a_body_that_is_not_json_by_its_content_type_is_415(demo_server) -> None
             for media in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json", None):
                 r = c.post(path, content=raw, headers={"content-type": media} if media else {})
                 assert r.status_code == 200, (path, media, r.text)
+        after = c.get("/metrics").text  # counted as what they are (they had been counted as too_large)
+        assert metric(after, failures, reason="unsupported_media_type") - metric(
+            before, failures, reason="unsupported_media_type") == 9
+        assert metric(after, failures, reason="too_large") == metric(before, failures, reason="too_large")
 
 
 # --- limits --------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         (out / "bench.json").write_text(json.dumps(results, indent=1))
     plot(results, out / "bench.png")
     print(table(results))
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    print(f"wrote {out / 'bench.png'}" if args.from_json else f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
 
 
 def _run(args: argparse.Namespace, out: Path) -> dict:

@@ -162,7 +162,8 @@ def refuse_long_wait(queue: QueueWait, cfg: Config, priority: int) -> None:
 
 def refusal_reason(e: BadRequest) -> str:
     """The failure metric's reason for a request refused with ``e``."""
-    return {400: "validation", 404: "unknown_model", 408: "body_timeout"}.get(e.status, "too_large")
+    return {400: "validation", 404: "unknown_model", 408: "body_timeout", 413: "too_large",
+            415: "unsupported_media_type"}.get(e.status, "validation")
 
 
 def busy_response(e: OverBudget | QueueTooLong, m: Metrics) -> Response:
