@@ -358,11 +358,12 @@ class ServeProcess:
             self.proc.wait()
 
 
-def post_in_threads(url: str, bodies: list[dict]) -> tuple[list[threading.Thread], dict[int, httpx.Response]]:
+def post_in_threads(url: str, bodies: list[dict], paths: list[str] | None = None,
+                    ) -> tuple[list[threading.Thread], dict[int, httpx.Response]]:
     out: dict[int, httpx.Response] = {}
 
     def post(i: int, b: dict) -> None:
-        out[i] = httpx.post(url + GEN, json=b, timeout=300)
+        out[i] = httpx.post(url + (paths[i] if paths else GEN), json=b, timeout=300)
 
     threads = [threading.Thread(target=post, args=(i, b)) for i, b in enumerate(bodies)]
     for t in threads:
@@ -422,35 +423,49 @@ def test_the_drain_waits_for_an_answer_still_being_built(tmp_path, monkeypatch) 
 
 def test_a_body_still_arriving_when_the_drain_ends_gets_the_json_503(tmp_path) -> None:
     """A request whose body is still on its way is not in flight: when the drain ends it is
-    answered with the JSON 503 (not cancelled by uvicorn's shutdown, a plain-text 500)."""
+    answered with the JSON 503 (not cancelled by uvicorn's shutdown, a plain-text 500), on every
+    scoring endpoint."""
     s = ServeProcess(tmp_path, shutdown_timeout_s="5", body_timeout_s="60")
+    socks = []
     try:
         s.wait_ready()
-        with socket.create_connection(("127.0.0.1", s.port), timeout=60) as sock:
-            sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100000\r\n\r\n{\"token_ids\": [1, 2, 3")  # and no more
-            time.sleep(0.5)  # the server is reading the body
-            s.proc.send_signal(signal.SIGTERM)
+        for path, start in ((GEN, b'{"token_ids": [1, 2, 3'), ("/v1/completions", b'{"prompt": [1, 2, 3'),
+                            ("/generate", b'{"input_ids": [1, 2, 3')):
+            sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+            socks.append(sock)
+            sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n" + start)  # and no more
+        time.sleep(0.5)  # the server is reading the bodies
+        s.proc.send_signal(signal.SIGTERM)
+        for sock in socks:
             got = b""
             while chunk := sock.recv(65536):
                 got += chunk
+            head, _, payload = got.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503"), got[:300]
+            assert json.loads(payload)["error"]["code"] == 503
         assert s.proc.wait(60) == 0
-        head, _, payload = got.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 503"), got[:300]
-        assert json.loads(payload)["error"]["code"] == 503
     finally:
+        for sock in socks:
+            sock.close()
         s.kill()
 
 
 def test_shutdown_takes_about_the_drain_timeout(tmp_path) -> None:
     """SIGTERM with long requests in flight: exit about T after the signal (not 3T + 5), and
-    the requests cut off at T get a JSON 503 with Retry-After."""
+    the requests cut off at T get a JSON 503 with Retry-After, on the trainers' endpoints too
+    (theirs had been left to uvicorn's exit: a plain-text 500 at about 2T)."""
     drain_s = 5.0
     # a 16-token step budget: 4 x 8000 tokens take hundreds of steps, far longer than T
     s = ServeProcess(tmp_path, max_num_batched_tokens="16", shutdown_timeout_s=str(drain_s))
+    ids = [np.random.default_rng(i).integers(0, 4096, 8000).tolist() for i in range(2)]
+    bodies = [long_body(8000, seed=2), long_body(8000, seed=3),
+              {"prompt": ids[0], "max_tokens": 0, "prompt_logprobs": 1},
+              {"input_ids": ids[1], "return_logprob": True, "logprob_start_len": 0,
+               "sampling_params": {"max_new_tokens": 0}}]
     try:
         s.wait_ready()
-        threads, out = post_in_threads(s.url, [long_body(8000, seed=i) for i in range(4)])
+        threads, out = post_in_threads(s.url, bodies, [GEN, GEN, "/v1/completions", "/generate"])
         with httpx.Client(base_url=s.url) as c:
             s.wait_in_flight(c, 4)
         t0 = time.monotonic()

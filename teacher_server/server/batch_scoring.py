@@ -30,10 +30,12 @@ from teacher_server.server.generate import (
     _wait_disconnect,
     busy_response,
     error_reason,
+    finished_unless_cut_off,
     ready_engine,
     refusal_reason,
     refuse_long_wait,
     request_timeout,
+    shut_down_response,
 )
 from teacher_server.server.http import ClientGone, read_body
 from teacher_server.server.metrics import Metrics
@@ -92,9 +94,14 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     info = RequestInfo(rid)  # (its teacher, once the body names it)
     try:
         try:
-            resp, tokens = await _score(request, cfg, t0, parse, build, hold, info)
+            # the drain's cut-off answers it 503 as the native endpoint's (not uvicorn's plain 500 at exit)
+            work = asyncio.ensure_future(_score(request, cfg, t0, parse, build, hold, info))
+            cut = not await finished_unless_cut_off(request.app.state, work, info)
+            resp, tokens = (shut_down_response(), info.tokens) if cut else work.result()
         finally:
             m = m if info.teacher is None else info.teacher.metrics  # counted under the teacher named
+        if cut:
+            m.labels(m.failures, reason="shutdown").inc()
     except BadRequest as e:
         info.request_id = e.request_id or info.request_id
         m.labels(m.failures, reason=refusal_reason(e)).inc()
@@ -152,7 +159,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     del raw, args, obj
     reqs: list[ScoreRequest] = parsed.reqs
     info.request_id = parsed.request_id
-    tokens = sum(r.length for r in reqs)
+    tokens = info.tokens = sum(r.length for r in reqs)
     if tokens > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
         raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "
                          f"(max_queue_tokens={t.cfg.max_queue_tokens})", "prompt")
@@ -189,6 +196,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
         if gathered not in done:
             raise ClientGone("client disconnected")
         results: list[ScoreResult] = gathered.result()  # (raises a prompt's refusal: the call's)
+        info.scored = True  # (the drain's cut-off now waits for the answer being built)
     finally:
         app.state.handling -= 1
     failed = next((r for r in results if r.error is not None), None)

@@ -62,23 +62,11 @@ async def handle_generate(request: Request, cfg: Config) -> Response:
     m: Metrics = st.metrics
     info = RequestInfo(request.headers.get("x-request-id"))
     work = asyncio.ensure_future(_generate(request, cfg, t0, info))
-    cutoff = asyncio.ensure_future(st.cutoff.wait())
-    try:
-        await asyncio.wait({work, cutoff}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() and info.scored:  # its result is in: the answer is being built, not dropped
-            await asyncio.wait({work})
-    except BaseException:  # this handler was cancelled (the server's own shutdown): so is its work
-        work.cancel()
-        raise
-    finally:
-        cutoff.cancel()
-    if work.done():
+    if await finished_unless_cut_off(st, work, info):
         resp = work.result()
-    else:  # shutdown stopped waiting: drop the work (frees its KV) and say so
-        work.cancel()
+    else:
         m.labels(m.failures, reason="shutdown").inc()
-        resp = error_response(503, "server shut down before the request finished; retry on another replica",
-                              headers=retry_after(ErrorKind.UNAVAILABLE))
+        resp = shut_down_response()
     dt = time.monotonic() - t0
     m = m if info.teacher is None else info.teacher.metrics
     m.labels(m.requests, status=str(resp.status_code)).inc()
@@ -93,6 +81,31 @@ async def handle_generate(request: Request, cfg: Config) -> Response:
                     extra={"request_id": rid, "status": resp.status_code, "latency_s": round(dt, 4),
                            "tokens": info.tokens, "rows": info.rows, **({"reason": reason} if reason else {})})
     return resp
+
+
+async def finished_unless_cut_off(st: State, work: asyncio.Future, info: RequestInfo) -> bool:
+    """Whether a request's ``work`` (body, admission, scoring, answer) finished before the
+    shutdown's cut-off (``lifecycle.cut_off``); one whose result is in is waited for (its answer
+    is being built, not dropped). Work cut off is cancelled: its engine work dropped, KV freed."""
+    cutoff = asyncio.ensure_future(st.cutoff.wait())
+    try:
+        await asyncio.wait({work, cutoff}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done() and info.scored:
+            await asyncio.wait({work})
+    except BaseException:  # this handler was cancelled (the server's own shutdown): so is its work
+        work.cancel()
+        raise
+    finally:
+        cutoff.cancel()
+    if not work.done():
+        work.cancel()
+    return work.done() and not work.cancelled()
+
+
+def shut_down_response() -> Response:
+    """503 with Retry-After: the drain's time ran out before the request's answer was ready."""
+    return error_response(503, "server shut down before the request finished; retry on another replica",
+                          headers=retry_after(ErrorKind.UNAVAILABLE))
 
 
 def error_reason(resp: Response, limit: int = 200) -> str | None:
