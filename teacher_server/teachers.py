@@ -159,9 +159,11 @@ def teacher_configs(cfg: BaseModel) -> list[BaseModel]:
             t = make(**values)
         except ValueError as e:  # (pydantic's ValidationError is one)
             errs = getattr(e, "errors", None)
-            msg = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg'].removeprefix('Value error, ')}"
-                            for err in errs()) if callable(errs) else str(e)
+            msg = "; ".join(_error_line(err) for err in errs()) if callable(errs) else str(e)
             raise ValueError(f"teachers[{i}]: {msg}") from None
+        if t.nnodes > 1:  # (its workers would be waited for as the only teacher's are: for ever, beside others)
+            raise ValueError(f"teachers[{i}]: nnodes > 1 spreads one model over hosts: not one of several teachers "
+                             f"(run one release per teacher)")
         for name in t.served_names:
             if name in seen:
                 raise ValueError(f"teachers[{i}]: the name {name!r} is teachers[{seen[name]}]'s too; give each "
@@ -169,6 +171,12 @@ def teacher_configs(cfg: BaseModel) -> list[BaseModel]:
             seen[name] = i
         out.append(t)
     return _share_gpus(cfg, out)
+
+
+def _error_line(err: dict[str, Any]) -> str:
+    """One of pydantic's errors as ``field: message`` (the message alone for the whole entry's)."""
+    where, text = ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+    return f"{where}: {text}" if where else text
 
 
 def _share_gpus(cfg: BaseModel, teachers: list[BaseModel]) -> list[BaseModel]:

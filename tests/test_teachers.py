@@ -238,6 +238,81 @@ def test_a_teacher_down_leaves_the_other_serving(multi):
     assert codes == [200] * 4, codes
 
 
+def test_a_teacher_ready_answers_while_another_still_loads(demo_server, qwen3_server, tmp_path):
+    """One teacher's engine still loading: the other's requests are answered on every endpoint
+    (they had all been 503 "engine is loading"); the loading one's are 503, counted under its
+    name, and /health names why it is not ready."""
+    from teacher_server.engine.engine import Engine
+
+    release = threading.Event()
+
+    def factory(cfg: Config) -> Engine:
+        if cfg.served_name == "slow":
+            release.wait(120)
+        return Engine(cfg)
+
+    cfg = Config(device="cpu", max_num_batched_tokens=512, block_size=8, num_kv_blocks=512, max_model_len=1024,
+                 teachers=[{"name": "slow", "demo_model_dir": demo_server.cfg.demo_model_dir, "engine_process": False},
+                           {"name": "fast", "model": qwen3_server.cfg.model, "engine_process": False}])
+    s = LiveServer(cfg, engine_factory=factory)
+    s.thread.start()
+    try:
+        health = lambda: httpx.get(s.url + "/health", timeout=10)  # noqa: E731
+        wait_until(lambda: s.server.started and health().json()["teachers"]["fast"]["status"] == "ready", 120,
+                   "fast ready")
+        r = health()
+        assert r.status_code == 503 and r.json()["status"] == "loading", r.text
+        assert r.json()["teachers"]["slow"] == {"status": "loading", "replicas_serving": 0, "replicas": 1,
+                                                "message": "engine is loading"}
+        ids = np.random.default_rng(7).integers(0, VOCAB["qwen"], 24)
+        cands = np.random.default_rng(8).integers(0, VOCAB["qwen"], (23, 4))
+        with TeacherClient(qwen3_server.url) as c:
+            want = c.score(ids, cands, 0)
+        with TeacherClient(s.url, max_retries=0) as c:
+            np.testing.assert_allclose(c.score(ids, cands, 0, model="fast"), want, atol=TOL, rtol=0)
+            with pytest.raises(TeacherServerError, match="engine is loading") as e:
+                c.score(ids, cands, 0, model="slow")
+            assert e.value.status == 503
+        for path, payload in (("/v1/completions", {"prompt": ids.tolist(), "max_tokens": 0, "prompt_logprobs": 1}),
+                              ("/generate", {"input_ids": ids.tolist(), "return_logprob": True,
+                                             "sampling_params": {"max_new_tokens": 0}})):
+            assert httpx.post(s.url + path, json={**payload, "model": "fast"}, timeout=60).status_code == 200, path
+            assert httpx.post(s.url + path, json={**payload, "model": "slow"}, timeout=60).status_code == 503, path
+        reqs = _series(httpx.get(s.url + "/metrics").text, "teacher_server_requests_total")
+        assert reqs['model_name="slow",status="503"'] == 3 and reqs['model_name="fast",status="200"'] == 3, reqs
+        release.set()
+        wait_until(lambda: health().status_code == 200, 120, "both ready")
+    finally:
+        release.set()
+        s.__exit__()
+
+
+def test_a_teacher_that_cannot_start_ends_the_service_with_exit_3(qwen3_server, tmp_path):
+    """As one teacher's engine does: the orchestrator restarts on a failure (the service had
+    exited 0). A teacher whose entry asks for several nodes is refused at start (it had waited
+    for worker nodes for ever)."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    from test_operations import ServeProcess
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    shutil.copy(os.path.join(qwen3_server.cfg.model, "config.json"), bad / "config.json")  # and no weights
+    good = {"name": "good", "model": qwen3_server.cfg.model}
+    s = ServeProcess(tmp_path, teachers=json.dumps([good, {"name": "bad", "model": str(bad)}]))
+    try:
+        assert s.proc.wait(180) == 3, s.proc.stderr.read()[-2000:]
+    finally:
+        s.kill()
+    out = subprocess.run([sys.executable, "-m", "teacher_server", "serve", "--device", "cpu", "--teacher",
+                          f"good={qwen3_server.cfg.model}", "--teacher", f"far={qwen3_server.cfg.model},nnodes=2,tensor_parallel_size=2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "teachers[1]: nnodes > 1 spreads one model over hosts" in out.stderr, out.stderr
+
+
 def test_a_list_of_one_teacher_serves_that_teacher(qwen3_server):
     """A ``teachers`` list of one entry serves that entry's model, with its own settings, under
     its name (it once started the built-in demo model with the service's settings instead)."""

@@ -147,8 +147,8 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     body_read = time.monotonic()
     # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
     t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
+    info.teacher = t  # (a refusal below is counted under the teacher named)
     ae = ready_engine(request, t)
-    info.teacher = t
     m: Metrics = t.metrics
     queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
     loop = asyncio.get_running_loop()

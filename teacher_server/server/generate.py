@@ -152,7 +152,11 @@ def ready_engine(request: Request, teacher: State | None = None) -> AsyncEngine:
     """The engine (of ``teacher``; default the service's, all teachers'), when it takes
     requests and the body's encoding is one it reads; EngineUnavailable (503) or BadRequest
     otherwise."""
-    ae: AsyncEngine | None = (request.app.state if teacher is None else teacher).aengine
+    st = request.app.state
+    ae: AsyncEngine | None = (st if teacher is None else teacher).aengine
+    if ae is None and teacher is None and st.teachers.single is None:
+        # several teachers, some still loading: those ready take their requests (the body says which)
+        ae = next((t.aengine for t in st.teachers.all if t.aengine is not None), None)
     if ae is None:
         raise EngineUnavailable("engine is loading")
     if not ae.accepting or not ae.alive:
@@ -196,8 +200,8 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
         body_read = time.monotonic()
         # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
         t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
+        info.teacher, m = t, t.metrics  # (a refusal below is counted under the teacher named)
         ae = ready_engine(request, t)
-        info.teacher, m = t, t.metrics
         queue: QueueWait = t.queue_wait  # (each teacher's wait is its own queue over its own throughput)
         engine: Engine = t.engine
         # Parsing and validating a large body takes a while: keep it off the event loop.

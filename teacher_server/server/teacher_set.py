@@ -168,7 +168,8 @@ def teacher_health(t: State) -> dict:
     """One teacher's line of ``/health``: its status and replicas serving."""
     ae = t.aengine
     if ae is None:
-        return {"status": t.status, "replicas_serving": 0, "replicas": t.cfg.data_parallel_size}
+        return {"status": t.status, "replicas_serving": 0, "replicas": t.cfg.data_parallel_size,
+                "message": "engine is loading" if t.status == "loading" else "engine failed to start"}
     serving, total = ae.capacity
     status = "failed" if not ae.alive or serving == 0 else "draining" if not ae.accepting \
         else "ready" if serving == total else "degraded"

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.datastructures import State
 
 from teacher_server.replicas.pool import engine_elsewhere
-from teacher_server.server.lifecycle import on_engine_fatal, start_engine
+from teacher_server.server.lifecycle import on_engine_fatal, start_engine, terminate_self
 from teacher_server.server.replica_lifecycle import start_replicas
 from teacher_server.server.responses import error_body, json_response
 from teacher_server.server.teacher_set import TeacherPools, TeacherSetEngine, teacher_health
@@ -28,11 +28,16 @@ log = logging.getLogger("teacher_server.server")
 
 
 def start_teachers(app: FastAPI, teachers: list[State], factory: Callable, on_fatal: Callable[[], None] | None) -> None:
-    """Start every teacher; the app takes requests once all are ready (``app.state.aengine``
-    the set of them). A teacher that cannot start, or whose replicas keep failing, ends the
-    service as one teacher's engine does (its orchestrator restarts it)."""
+    """Start every teacher; each takes its requests once it is ready (``ready_engine``), the
+    service's ``app.state.aengine`` is the set of them once all are. A teacher that cannot
+    start, or whose replicas keep failing, ends the service with exit 3 as one teacher's engine
+    does (its orchestrator restarts it)."""
     st = app.state
     st.replica_pool = TeacherPools(teachers)  # stopped by stop_engine should the service end while they start
+
+    def failed_to_start() -> None:
+        st.exit_code = 3  # (the process's: a teacher's own state had it, and the service exited 0)
+        (on_fatal or terminate_self)()
 
     def ready() -> None:
         if all(t.aengine is not None for t in teachers):
@@ -44,7 +49,7 @@ def start_teachers(app: FastAPI, teachers: list[State], factory: Callable, on_fa
         start(app, t.cfg, factory, on_step=lambda e, results, t=t: t.metrics.observe_engine(e.stats()),
               on_fatal=lambda exc, t=t: on_engine_fatal(app, RuntimeError(f"teacher {t.cfg.served_name}: {exc}"),
                                                          on_fatal),
-              on_start_failure=on_fatal, st=t, on_ready=ready)
+              on_start_failure=failed_to_start, st=t, on_ready=ready)
 
 
 def teachers_health(st: State) -> Response:
