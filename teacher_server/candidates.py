@@ -47,12 +47,23 @@ def integer_ids(value: Any, name: str) -> np.ndarray:
         arr = np.asarray(value)
     except (OverflowError, ValueError, TypeError):  # rows of rows of unequal depth, ...
         raise InvalidIds(f"{name} must be a list of integer ids (or a list of equal-length rows)") from None
+    if arr.dtype.kind in "iu" and not isinstance(value, np.ndarray) and _holds_bool(value):
+        raise NonIntegerIds(f"{name} must hold integer ids, not True/False")  # (numpy made 1/0 of them)
     if arr.size and arr.dtype.kind not in "iu":  # object: ids beyond 64 bits, or values of mixed types
         big = None if isinstance(value, np.ndarray) else _beyond_int64(value)
         if big is not None:  # (integers all: numpy made floats of [1, 2**63], "dtype float64" would mislead)
             raise NonIntegerIds(f"{name}: id {big} is out of range")
         raise NonIntegerIds(f"{name} must hold integer ids within int64, got dtype {arr.dtype}")
     return arr
+
+
+def _holds_bool(value: Any) -> bool:
+    """Whether a list (or list of rows) mixing bools with ints holds a bool: numpy's integer
+    array of it reads True as id 1."""
+    if not isinstance(value, list | tuple):
+        return False
+    return any(isinstance(x, bool | np.bool_) for row in value
+               for x in (row if isinstance(row, list | tuple) else (row,)))
 
 
 def _beyond_int64(value: Any) -> int | None:

@@ -50,6 +50,9 @@ _PROMPT_KEYS = ("prompt_token_ids", "cache_salt")
 # vLLM's other TokensPrompt keys: text kept beside the ids, and multimodal inputs a text teacher has no use for
 _PROMPT_IGNORED = frozenset({"prompt", "token_type_ids", "multi_modal_data", "mm_processor_kwargs",
                              "multi_modal_uuids"})
+# vLLM's LLM.generate keywords beside sampling_params and use_tqdm: none changes a score here
+_GENERATE_IGNORED = frozenset({"lora_request", "prompt_adapter_request", "guided_options_request", "priority",
+                               "tokenization_kwargs"})
 _SP = "sampling_params."
 
 
@@ -151,15 +154,21 @@ class LLM:
 
     def generate(self, prompts: TokensPrompt | Sequence[TokensPrompt] | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False, **_: Any) -> list[RequestOutput]:
+                 use_tqdm: bool = False, **vllm_kwargs: Any) -> list[RequestOutput]:
         """Score each prompt; one RequestOutput per prompt, in order. Invalid input raises
-        ``teacher_server.validation.BadRequest`` (a ValueError) naming the field."""
+        ``teacher_server.validation.BadRequest`` (a ValueError) naming the field. vLLM's other
+        keywords (``lora_request``, ``priority``, ...) are taken and change nothing; another raises
+        TypeError, as vLLM's ``generate`` would."""
+        unknown = sorted(set(vllm_kwargs) - _GENERATE_IGNORED)
+        if unknown:
+            raise TypeError(f"generate() got an unexpected keyword argument {unknown[0]!r}"
+                            f"{did_you_mean(unknown[0], ['sampling_params', 'use_tqdm', *sorted(_GENERATE_IGNORED)])}")
         if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], str)):
             raise TypeError("prompts must be token ids, not text: this service scores token ids only (it has no "
                             "tokenizer). Tokenize with the teacher's and student's shared tokenizer and pass "
                             "TokensPrompt(prompt_token_ids=tokenizer(text).input_ids)")
-        if isinstance(prompts, np.ndarray) and prompts.ndim == 1:  # one prompt's ids as an array
-            prompts = [prompts]
+        if getattr(prompts, "ndim", None) == 1 and not isinstance(prompts, Sequence):  # one prompt's ids as an
+            prompts = [prompts]  # array (numpy's, torch's)
         elif isinstance(prompts, dict) or (isinstance(prompts, Sequence) and prompts
                                            and isinstance(prompts[0], int | np.integer)):
             prompts = [prompts]
@@ -176,7 +185,12 @@ class LLM:
                 raise BadRequest(f"cache_salt must be a string, got {type(p['cache_salt']).__name__}", "cache_salt")
         if sampling_params is None:
             sampling_params = SamplingParams()
-        sps = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        one = isinstance(sampling_params, SamplingParams) or not isinstance(sampling_params, list | tuple)
+        sps = [sampling_params] * len(prompts) if one else list(sampling_params)
+        if not all(isinstance(sp, SamplingParams) for sp in sps):  # (a dict, vLLM's own class: fields unread)
+            bad = next(sp for sp in sps if not isinstance(sp, SamplingParams))
+            raise TypeError(f"sampling_params must be SamplingParams (or a list of them), got {type(bad).__name__}: "
+                            "SamplingParams(**fields) from teacher_server.llm")
         if len(sps) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts and {len(sps)} sampling params")
         reqs = [build_request(token_ids=p["prompt_token_ids"], limits=self.limits,
@@ -191,7 +205,8 @@ class LLM:
     def score(self, token_ids: Sequence[int] | np.ndarray, candidates: Any, start: int = 0) -> np.ndarray:
         """Convenience: the [rows, K] float32 matrix for one sequence. ``candidates`` is
         ``[K]`` or ``[rows, K]`` (lists or a numpy integer array, -1 pads), K >= 1."""
-        out = self.generate({"prompt_token_ids": list(np.asarray(token_ids).tolist())},
+        ids = list(token_ids) if isinstance(token_ids, list | tuple) else np.asarray(token_ids).tolist()
+        out = self.generate({"prompt_token_ids": ids},  # (a list as given: a True in it is refused, not id 1)
                             SamplingParams(max_tokens=0, prompt_logprob_token_ids=candidates,
                                            prompt_logprob_start=start))
         return out[0].prompt_token_id_logprobs

@@ -94,7 +94,8 @@ class RowTargets:
                              "prompt_logprob_topk", sp + "prompt_logprob_tail")
         t = self.temperature
         # below 1e-5 (vLLM's greedy threshold) logits / t overflow float32 and the softmax is NaN
-        if t is not None and not (isinstance(t, int | float) and math.isfinite(t) and t >= 1e-5):
+        if t is not None and not (isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
+                                  and t >= 1e-5):
             raise BadRequest(f"prompt_logprob_temperature must be a finite number >= 1e-5, got {t!r}",
                              sp + "prompt_logprob_temperature")
 

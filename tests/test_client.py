@@ -463,6 +463,11 @@ def test_pad_scores() -> None:
     with pytest.raises(ValueError, match="return_tensors"):
         pad_scores([a], return_tensors="tf")  # type: ignore[arg-type]
     assert pad_scores([]).scores.shape == (0, 0, 0)
+    vec = pad_scores([np.array([-1.0, -2.0], np.float32), np.array([-3.0], np.float32)])  # actual_logprobs and co.
+    np.testing.assert_array_equal(vec.scores, [[-1.0, -2.0], [-3.0, 0.0]])
+    np.testing.assert_array_equal(vec.mask, [[1, 1], [1, 0]])
+    with pytest.raises(ValueError, match="all \\[rows, K\\] matrices or all \\[rows\\] vectors"):
+        pad_scores([a, np.zeros(3, np.float32)])
 
 
 def test_score_batch_padded(demo_server) -> None:

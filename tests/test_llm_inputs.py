@@ -80,3 +80,52 @@ def test_a_numpy_prompt_scores_as_its_list() -> None:
             np.testing.assert_array_equal(llm.generate(prompt, sp)[0].prompt_token_id_logprobs, want)
     finally:
         llm.engine.close()
+
+
+def test_a_bool_among_ids_is_refused_as_http_refuses_it() -> None:
+    """[True, 2, 3] had scored as [1, 2, 3] in the LLM and been sent as it by the client (numpy
+    makes 1 of True beside ints); the HTTP endpoint answers 400. So are a bool temperature, a
+    dict for sampling_params (its fields were never read: an AttributeError) and a keyword vLLM's
+    generate does not take (it was dropped)."""
+    from teacher_server.client import Targets, TeacherRequest
+    from teacher_server.client.protocol import build_body
+    from teacher_server.validation import BadRequest
+
+    llm = LLM(max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    try:
+        sp = SamplingParams(prompt_logprob_token_ids=[1])
+        for prompt in ([True, 2, 3], {"prompt_token_ids": (1, np.False_, 3)}):
+            with pytest.raises(BadRequest, match="token_ids must hold integer ids, not True/False"):
+                llm.generate(prompt, sp)
+        with pytest.raises(BadRequest, match="token_ids must hold integer ids, not True/False"):
+            llm.score([True, 2, 3], [7])
+        with pytest.raises(BadRequest, match="candidates must hold integer ids, not True/False") as e:
+            llm.generate([1, 2, 3], SamplingParams(prompt_logprob_token_ids=[True, 5]))
+        assert e.value.param == "sampling_params.prompt_logprob_token_ids"
+        with pytest.raises(BadRequest, match="prompt_logprob_temperature"):
+            llm.generate([1, 2, 3], SamplingParams(prompt_logprob_token_ids=[1], prompt_logprob_temperature=True))
+        with pytest.raises(TypeError, match="sampling_params must be SamplingParams .* got dict"):
+            llm.generate([1, 2, 3], {"max_tokens": 0})
+        with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+            llm.generate([1, 2, 3], sp, bogus=2)
+    finally:
+        llm.engine.close()
+    with pytest.raises(TypeError, match="token_ids must hold integer ids, not True/False"):
+        build_body(TeacherRequest([True, 2, 3], [1]))
+    with pytest.raises(TypeError, match="not True/False"):
+        build_body(TeacherRequest([1, 2, 3], [[True, 5]]))
+    with pytest.raises(TypeError, match="targets.temperature must be a number, got bool"):
+        build_body(TeacherRequest([1, 2, 3], [1], targets=Targets(temperature=True)))
+    assert build_body(TeacherRequest((1, 2, 3), [1], targets=Targets(temperature=np.float32(2))))["token_ids"] == [1, 2, 3]
+
+
+def test_a_torch_prompt_scores_as_its_list() -> None:
+    torch = pytest.importorskip("torch")
+    llm = LLM(max_model_len=64, max_num_batched_tokens=64, num_kv_blocks=64, block_size=8)
+    try:
+        sp = SamplingParams(max_tokens=0, prompt_logprob_token_ids=[1, 2], prompt_logprob_start=4)
+        want = llm.generate(list(range(1, 12)), sp)[0].prompt_token_id_logprobs
+        got = llm.generate(torch.arange(1, 12), sp, lora_request=None)[0].prompt_token_id_logprobs
+        np.testing.assert_array_equal(got, want)
+    finally:
+        llm.engine.close()

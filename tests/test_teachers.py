@@ -171,6 +171,20 @@ def test_metrics_carry_the_model(multi):
     assert teachers[0].queue_wait is not teachers[1].queue_wait
 
 
+def test_the_model_card_and_tokenizer_check_take_the_teacher(multi, tmp_path):
+    """With several teachers the card (and the tokenizer check) is the named teacher's; both had
+    read the first teacher's only."""
+    from teacher_server.client import TokenizerMismatch, check_tokenizer, fetch_model_card
+
+    assert fetch_model_card(multi.url)["id"] == "demo"
+    for name, vocab in VOCAB.items():
+        assert fetch_model_card(multi.url, model=name)["vocab_size"] == vocab
+    with pytest.raises(ValueError, match="serves no teacher 'nope'; it serves demo, qwen"):
+        fetch_model_card(multi.url, model="nope")
+    with pytest.raises(TokenizerMismatch, match=r"larger than the teacher's \(512\)"):
+        check_tokenizer(multi.url, tmp_path, vocab_size=1000, model="qwen")
+
+
 def test_prefix_affinity_within_a_teacher_and_the_async_client(multi):
     """A GRPO group sent to the teacher of two replicas: each member after the first finds the
     prompt cached (the teacher's own router sent it to the replica that holds it); the async

@@ -27,19 +27,24 @@ def pad_scores(results: Sequence[np.ndarray], *, length: int | None = None, fill
     ``fill`` goes in padded rows; 0.0 keeps ``scores * mask`` free of NaN, which ``-inf``
     would not be. ``-inf`` from ``-1`` candidate padding inside real rows is kept as the
     server sent it. ``return_tensors="pt"`` gives torch tensors (torch must be installed).
-    Every matrix must have the same K.
+    Every matrix must have the same K. ``[rows_b]`` vectors (a ``ScoreOutput``'s
+    ``actual_logprobs``, ``tail_logprobs``, ``logsumexp``) stack into ``[B, T]`` the same way.
     """
     if return_tensors not in ("np", "pt"):
         raise ValueError(f"return_tensors must be 'np' or 'pt', got {return_tensors!r}")
-    ks = {int(r.shape[1]) for r in results}
+    ndims = {np.ndim(r) for r in results}
+    if len(ndims) > 1 or not ndims <= {1, 2}:
+        raise ValueError(f"results must be all [rows, K] matrices or all [rows] vectors, got {sorted(ndims)} "
+                         "dimensions")
+    ks = {int(r.shape[1]) for r in results} if ndims == {2} else set()
     if len(ks) > 1:
         raise ValueError(f"results have different K ({sorted(ks)}); pad candidates to one K with -1 first")
     rows = [int(r.shape[0]) for r in results]
     t = max(rows, default=0) if length is None else length
     if rows and max(rows) > t:
         raise ValueError(f"length={t} is shorter than the longest result ({max(rows)} rows)")
-    k = ks.pop() if ks else 0
-    scores = np.full((len(results), t, k), fill, dtype=np.float32)
+    inner = () if ndims == {1} else (ks.pop() if ks else 0,)
+    scores = np.full((len(results), t, *inner), fill, dtype=np.float32)
     mask = np.zeros((len(results), t), dtype=bool)
     for b, (r, n) in enumerate(zip(results, rows)):
         scores[b, :n] = r

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from teacher_server import b64
-from teacher_server.candidates import Candidates, candidate_ids, check_int32, is_whole
+from teacher_server.candidates import Candidates, candidate_ids, check_int32, integer_ids, is_whole
 from teacher_server.npy import load_npy
 
 GENERATE_PATH = "/inference/v1/generate"
@@ -85,7 +85,10 @@ class Targets:
             if getattr(self, name):
                 out["prompt_logprob_" + name] = True
         if self.temperature is not None:
-            out["prompt_logprob_temperature"] = float(self.temperature)
+            t = self.temperature
+            if isinstance(t, bool) or not isinstance(t, int | float | np.integer | np.floating):
+                raise TypeError(f"targets.temperature must be a number, got {type(t).__name__} {t!r:.40}")
+            out["prompt_logprob_temperature"] = float(t)
         return out
 
 
@@ -170,7 +173,8 @@ def _whole(value: Any, name: str) -> int:
 
 def build_body(req: TeacherRequest, model: str | None = None) -> dict[str, Any]:
     """The JSON body of ``POST /inference/v1/generate`` for one request."""
-    toks = np.asarray(req.token_ids)
+    toks = integer_ids(req.token_ids, "token_ids") if isinstance(req.token_ids, list | tuple) \
+        else np.asarray(req.token_ids)  # (a list holding True is refused: numpy would send id 1)
     if toks.ndim != 1:
         raise ValueError(f"token_ids must be a flat sequence of ids, got shape {list(toks.shape)}")
     if toks.size and toks.dtype.kind not in "iu":

@@ -50,22 +50,32 @@ def tokenizer_identity(directory: str | Path) -> dict[str, str] | None:
     return None
 
 
-def fetch_model_card(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
-    """The served model's entry of ``GET /v1/models`` (id, max_model_len, vocab_size, tokenizer)."""
+def fetch_model_card(base_url: str, api_key: str | None = None, timeout: float = 30.0,
+                     model: str | None = None) -> dict[str, Any]:
+    """The served model's entry of ``GET /v1/models`` (id, max_model_len, vocab_size, tokenizer):
+    the teacher named ``model`` (its name, the card's ``id``) where the server has several, else
+    the first; a name it does not list is a ``ValueError`` naming those it does."""
     headers = {"authorization": f"Bearer {api_key}"} if api_key is not None else {}
     r = httpx.get(base_url.rstrip("/") + MODELS_PATH, headers=headers, timeout=timeout)
     r.raise_for_status()
-    return r.json()["data"][0]
+    cards = r.json()["data"]
+    if model is None:
+        return cards[0]
+    for card in cards:
+        if card["id"] == model:
+            return card
+    raise ValueError(f"the server serves no teacher {model!r}; it serves {', '.join(c['id'] for c in cards)}")
 
 
 def check_tokenizer(base_url: str, student: str | Path, *, vocab_size: int | None = None,
-                    api_key: str | None = None) -> dict[str, Any]:
+                    api_key: str | None = None, model: str | None = None) -> dict[str, Any]:
     """Raise ``TokenizerMismatch`` unless the student's tokenizer (a checkpoint or tokenizer
-    directory) is the served teacher's, and, given ``vocab_size`` (the student's logits width),
-    unless the teacher's vocab holds every id the student can emit. Returns the teacher's model
-    card. A teacher checkpoint without tokenizer files cannot be checked: that raises too, naming
-    what to do, since scoring ids of an unknown vocabulary is the failure this check exists for."""
-    card = fetch_model_card(base_url, api_key)
+    directory) is the served teacher's (``model``: which, where the server has several), and,
+    given ``vocab_size`` (the student's logits width), unless the teacher's vocab holds every id
+    the student can emit. Returns the teacher's model card. A teacher checkpoint without
+    tokenizer files cannot be checked: that raises too, naming what to do, since scoring ids of
+    an unknown vocabulary is the failure this check exists for."""
+    card = fetch_model_card(base_url, api_key, model=model)
     theirs = card.get("tokenizer")
     if vocab_size is not None and vocab_size > card["vocab_size"]:
         raise TokenizerMismatch(f"the student's vocab ({vocab_size}) is larger than the teacher's "
