@@ -244,6 +244,37 @@ def test_the_first_stage_gets_the_next_step_before_the_last_stage_runs_this_one(
     assert_same(one.run_to_completion(requests(one.spec.vocab_size, 0)), got)
 
 
+def test_a_step_plan_larger_than_a_pipe_does_not_deadlock_the_stages(dense3: Path) -> None:
+    """A step's plan over the pipe's 64 KiB (256 rows of 128 candidates each): the engine wrote the
+    next step's plan to stage 0 while stage 0, in this step, waited to hand its activations to
+    this rank, which had not launched the step yet (planning ahead): both waited for ever. The
+    workers read their plans as they come, and the scores equal one process's."""
+    from teacher_server.engine.request import ScoreRequest
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 256, 900)
+    reqs = lambda: [ScoreRequest(f"r{i}", toks[: 900 - 7 * i], 0, rng2.integers(0, 256, (899 - 7 * i, 128)))  # noqa: E731
+                    for i in range(2)]
+    common = dict(model=str(dense3), device="cpu", max_num_batched_tokens=256, block_size=8, num_kv_blocks=512,
+                  max_model_len=1024, max_logprobs=128)
+    rng2 = np.random.default_rng(1)
+    one = Engine(Config(**common)).run_to_completion(reqs())
+    rng2 = np.random.default_rng(1)
+    engine = Engine(Config(**common, pipeline_parallel_size=2))
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(engine.run_to_completion(reqs())), daemon=True)
+    try:
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "the stages deadlocked on a step plan larger than the pipe"
+    finally:
+        if t.is_alive():
+            engine._workers.kill()
+        else:
+            engine.close()
+    assert_same(one, out[0])
+
+
 def stage_workers(engine: Engine) -> list[int]:
     """Pids of the first stage's ranks (the engine waits on the hidden states they send)."""
     cfg = engine.cfg

@@ -11,7 +11,8 @@ and nothing per layer crosses processes except the all-reduces. Every rank's res
 same after the vocab-parallel combine; only rank 0's are used. Under pipeline parallel the ranks
 are pipeline x tensor parallel: a worker of a stage before the last runs its layers and sends the
 residual stream on (``layers.pipeline``); the plans go to every rank at once, up to a step per
-stage ahead of rank 0 (a rank of the last stage).
+stage ahead of rank 0 (a rank of the last stage), and each worker reads them on a thread as they
+come (``_read_plans``), so a plan larger than the pipe never waits on a rank busy in a step.
 
 Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a rank
 that is gone: each worker says it is loaded and how many KV blocks (and linear-state slots) fit
@@ -28,6 +29,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
 import threading
 import time
@@ -264,6 +266,28 @@ def _orphan_guard(parent: int) -> None:
     os._exit(1)  # the engine's process is gone: nobody will stop this one
 
 
+def _read_plans(conn: Connection) -> queue.SimpleQueue:
+    """The step plans as they arrive, read on a thread of their own into a queue (an EOFError or
+    OSError where the connection ends). Read only between steps, a plan larger than the pipe's
+    buffer (64 KiB: a few hundred rows of candidates) would block the engine's write while this
+    rank, in the step before, waits on the engine's rank in a collective or a stage hand-off:
+    both would wait for ever (pipeline parallel plans a step per stage ahead)."""
+    q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                data = conn.recv_bytes()
+                q.put(data)
+                if not data:
+                    return
+        except (EOFError, OSError) as e:
+            q.put(e)
+
+    threading.Thread(target=read, name="teacher-tp-plans", daemon=True).start()
+    return q
+
+
 def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str, device_name: str,
                 conn: Connection, parent: int, host: str = "127.0.0.1", local: int | None = None) -> None:
     """A worker's life: join, load its shard, agree on the KV size, then run steps. ``conn``: a
@@ -302,8 +326,11 @@ def worker_main(rank: int, size: int, port: int, cfg_dict: dict, model_dir: str,
         runner = make_runner(cfg, model, attn, MemoryPlan(*agreed), max_len, device)
         conn.send(("built",))
         freeze_start_up_heap(f"tensor-parallel rank {rank}")
+        plans = _read_plans(conn)
         while True:
-            data = conn.recv_bytes()
+            data = plans.get()
+            if isinstance(data, BaseException):
+                raise EOFError from data
             if not data:  # the engine stops us
                 break
             runner.execute(pickle.loads(data), Unpaced())
