@@ -235,6 +235,11 @@ def main(argv: list[str] | None = None) -> None:
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
         check_port_free(cfg.host, cfg.port)
+        if cfg.nnodes > 1:  # the worker nodes' control listener, on every address (as it binds)
+            if cfg.master_port == cfg.port:
+                raise ConfigError(f"master_port {cfg.master_port} is the HTTP port too: give the worker nodes' "
+                                  "control listener a port of its own (--master-port N)")
+            check_port_free("0.0.0.0", cfg.master_port, "master_port")
         app = create_app(cfg)
         # The drain itself is bounded by shutdown_timeout_s (DrainingServer); uvicorn's own
         # graceful wait then only covers writing the last responses.

@@ -264,6 +264,31 @@ def test_the_command_line_refuses(argv: list[str], needle: str, capsys: pytest.C
     assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
+def test_a_leader_whose_master_port_is_taken_is_refused_before_it_loads(capsys: pytest.CaptureFixture,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --master-port another process holds (or the HTTP port itself): one line naming it and
+    exit 2, as for --port (it was an engine failure, exit 3, "Address already in use")."""
+    import socket
+
+    from teacher_server.cli import main
+
+    monkeypatch.setenv("TEACHER_SERVER_NODE_AUTHKEY", "k")
+    port = free_port()
+    base = ["serve", "--device", "cpu", "--nnodes", "2", "-pp", "2", "--host", "127.0.0.1", "--port", str(port)]
+    with socket.socket() as held:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        for extra, says in ((["--master-port", str(busy)], f"port {busy} on 0.0.0.0 is not free (Address already in "
+                                                            f"use): another process listens there; pick another with "
+                                                            f"--master-port N (or TEACHER_SERVER_MASTER_PORT=N)"),
+                            (["--master-port", str(port)], f"master_port {port} is the HTTP port too")):
+            with pytest.raises(SystemExit) as e:
+                main([*base, *extra])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and says in err and err.count("\n") == 1, err
+
+
 def test_a_leader_without_a_key_is_refused(dense3: Path) -> None:  # noqa: F811
     from teacher_server.engine.engine import Engine
 

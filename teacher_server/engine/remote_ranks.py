@@ -98,8 +98,14 @@ class RemoteRanks:
         """The remote ranks' connections in rank order, once every one has connected; raises
         ``TimeoutError`` past ``timeout``, or what ``failed()`` (the group's other faults) raises."""
         deadline = time.monotonic() + timeout
+        note = time.monotonic() + 60.0
         while not self._complete.wait(0.2):
             failed()
+            if time.monotonic() > note:  # a line a minute: whom the leader still waits for, and how long at most
+                note += 60.0
+                log.info("still waiting for worker node(s) %s on port %d (at most %.0fs more)",
+                         sorted(set(range(1, self.nnodes)) - set(self.nodes)), self.listener.address[1],
+                         deadline - time.monotonic())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.nnodes)) - set(self.nodes))
                 raise TimeoutError(f"worker node(s) {missing or 'ranks'} did not connect to the leader within "

@@ -140,9 +140,11 @@ class HeaderTimeoutProtocol(H11Protocol):
 KEEP_ALIVE_S = 30
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, setting: str = "port") -> None:
     """ConfigError naming the port when it cannot be bound (another server holds it), with
-    how to pick another; bound as uvicorn binds (SO_REUSEADDR), then released at once."""
+    how to pick another (``setting``: the one that gives it); bound as uvicorn binds
+    (SO_REUSEADDR), then released at once."""
+    flag, var = "--" + setting.replace("_", "-"), "TEACHER_SERVER_" + setting.upper()
     if port == 0:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -159,10 +161,9 @@ def check_port_free(host: str, port: int) -> None:
                                   f"its addresses (0.0.0.0: all of them; 127.0.0.1: this machine only)") from None
             if e.errno == errno.EACCES:
                 raise ConfigError(f"port {port} on {host} needs privileges this process lacks ({e.strerror}): pick "
-                                  f"a port from 1024 up with --port N") from None
+                                  f"a port from 1024 up with {flag} N") from None
             raise ConfigError(f"port {port} on {host} is not free ({e.strerror}): another process listens there; "
-                              f"pick another with --port N (or TEACHER_SERVER_PORT=N), or stop that "
-                              f"process") from None
+                              f"pick another with {flag} N (or {var}=N), or stop that process") from None
 
 
 def uvicorn_config(app: FastAPI, cfg: Config, host: str | None = None, port: int | None = None,
