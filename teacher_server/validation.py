@@ -283,7 +283,7 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
     tg.check(rows, 0 if cand is None else int(cand.shape[-1]), limits)
     temp = tg.temperature
     st = _sampling_temperature(sampling_temperature, sp + "temperature")
-    if temp is None and limits.processed and st is not None and st > 1e-5:  # (vLLM's greedy threshold)
+    if temp is None and limits.processed and st is not None and st >= 1e-5:  # (vLLM: greedy below 1e-5)
         temp = st
     return ScoreRequest(
         request_id=request_id if request_id is not None else f"score-{uuid.uuid4().hex}",

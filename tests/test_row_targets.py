@@ -287,6 +287,17 @@ def test_processed_logprobs_mode_applies_the_sampling_temperature(checkpoints) -
         assert_targets(path, req, res)
 
 
+@pytest.mark.parametrize(("given", "used"), [(1e-5, 1e-5), (2e-5, 2e-5), (9.9e-6, 1.0), (0.0, 1.0), (None, 1.0)])
+def test_processed_logprobs_take_the_sampling_temperature_from_vllms_greedy_threshold_on(given, used) -> None:
+    """vLLM samples greedily below 1e-5, so 1e-5 itself divides the logits (it had been taken as 1,
+    where prompt_logprob_temperature=1e-5 divided them)."""
+    from teacher_server.validation import Limits, build_request
+
+    limits = Limits(vocab_size=512, max_model_len=128, max_logprobs=256, max_rows_x_k=10000, processed=True)
+    req = build_request(token_ids=[1, 2, 3], limits=limits, candidates=[4], sampling_temperature=given)
+    assert req.temperature == used
+
+
 @pytest.mark.parametrize("t", [1e-39, 1e-6, 0.0, -1.0, float("inf")])
 def test_a_temperature_that_would_overflow_is_refused(t) -> None:
     """logits / t past float32's range makes the softmax NaN: below vLLM's greedy threshold
