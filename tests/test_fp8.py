@@ -359,6 +359,10 @@ def ct(fmt: str = "float-quantized", weights: dict | None = None, acts: dict | N
      "quant_method fp8 with kv_cache_scheme (an FP8 KV cache)"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128] is not two positive integers"),
     ({"quant_method": "fbgemm_fp8"}, "quant_method 'fbgemm_fp8' (FP8 weights with per-row scales)"),
+    # malformed rather than unbuilt: named (they failed as an AttributeError or "unhashable type")
+    (ct(sparsity_config="dense"), "quantization_config's sparsity_config is 'dense': an object is needed"),
+    ({**ct(), "config_groups": {"group_0": "FP8_DYNAMIC"}}, "config_groups.group_0 is 'FP8_DYNAMIC': an object"),
+    ({"quant_method": ["fp8"]}, "quant_method is ['fp8']: a method's name is needed"),
 ])
 def test_what_is_not_built_is_refused_by_name(config: dict, says: str) -> None:
     with pytest.raises(UnsupportedModelError, match=re.escape(says)):

@@ -112,6 +112,8 @@ def format_name(quantization_config: Any) -> str:
     if not quantization_config:
         return "unquantized"
     method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else None
+    if not isinstance(method, str | None):  # (a list is no registered name: it failed as unhashable)
+        raise UnsupportedModelError(f"quantization_config's quant_method is {method!r:.60}: a method's name is needed")
     if method in FORMATS and method not in FLAG_ONLY:
         if method in CHECKS:
             CHECKS[method](quantization_config)

@@ -131,6 +131,11 @@ def compressed_tensors_scheme(config: dict[str, Any]) -> Fp8Scheme:
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
         raise _refuse("compressed-tensors without config_groups")
+    bad = next((f"config_groups.{k} is {v!r:.60}" for k, v in groups.items() if not isinstance(v, dict)), None)
+    if bad is None and not isinstance(config.get("sparsity_config") or {}, dict):
+        bad = f"sparsity_config is {config['sparsity_config']!r:.60}"
+    if bad is not None:  # (an object with its keys is needed; read as one, it failed as an AttributeError)
+        raise UnsupportedModelError(f"compressed-tensors quantization_config's {bad}: an object is needed")
     schemes = [(g.get("format") or config.get("format"), g.get("weights"), g.get("input_activations"))
                for g in groups.values()]
     if any(g.get("output_activations") for g in groups.values()):
