@@ -320,7 +320,6 @@ def test_rope_scaling_given_beside_rope_parameters_is_read_whole_as_transformers
     ({"num_hidden_layers": [2]}, r"num_hidden_layers is \[2\]: a whole number of at least 1"),
     ({"num_attention_heads": 0}, "num_attention_heads is 0: a whole number of at least 1"),
     ({"num_attention_heads": 4.5}, "num_attention_heads is 4.5: a whole number"),
-    ({"num_key_value_heads": 3}, r"num_key_value_heads is 3: it must divide num_attention_heads \(4\)"),
     ({"sliding_window": "4k", "use_sliding_window": True}, 'sliding_window is "4k": a whole number of at least 0'),
     ({"rms_norm_eps": "1e-6"}, 'rms_norm_eps is "1e-6": a number is needed'),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e6x"}}, 'rope_parameters.rope_theta is "1e6x"'),
