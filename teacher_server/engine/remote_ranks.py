@@ -94,6 +94,10 @@ class RemoteRanks:
             if len(self.nodes) == self.nnodes - 1 and len(self.ranks) == self.size - self.local:
                 self._complete.set()
 
+    def _missing(self) -> list[int]:
+        """The worker nodes not connected yet."""
+        return sorted(set(range(1, self.nnodes)) - set(self.nodes))
+
     def wait_all(self, timeout: float, failed: Callable[[], None]) -> list[Connection]:
         """The remote ranks' connections in rank order, once every one has connected; raises
         ``TimeoutError`` past ``timeout``, or what ``failed()`` (the group's other faults) raises."""
@@ -103,11 +107,10 @@ class RemoteRanks:
             failed()
             if time.monotonic() > note:  # a line a minute: whom the leader still waits for, and how long at most
                 note += 60.0
-                log.info("still waiting for worker node(s) %s on port %d (at most %.0fs more)",
-                         sorted(set(range(1, self.nnodes)) - set(self.nodes)), self.listener.address[1],
-                         deadline - time.monotonic())
+                log.info("still waiting for worker node(s) %s on port %d (at most %.0fs more)", self._missing(),
+                         self.listener.address[1], deadline - time.monotonic())
             if time.monotonic() > deadline:
-                missing = sorted(set(range(1, self.nnodes)) - set(self.nodes))
+                missing = self._missing()
                 raise TimeoutError(f"worker node(s) {missing or 'ranks'} did not connect to the leader within "
                                    f"{timeout:.0f}s (is `teacher-server worker` running there with master_addr and "
                                    f"master_port pointing here and the same node_authkey?)")

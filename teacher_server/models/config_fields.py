@@ -51,6 +51,6 @@ def check_fields(d: dict[str, Any]) -> dict[str, Any]:
         if rope is not None and not isinstance(rope, dict):
             raise _bad(key, rope, "an object of rope parameters is needed")
         for name, v in (rope or {}).items():
-            if name in ROPE_NUMBERS and v is not None and not _number(v) and not isinstance(v, dict):
+            if name in ROPE_NUMBERS and v is not None and not _number(v):
                 raise _bad(f"{key}.{name}", v, "a number is needed")
     return d

@@ -10,8 +10,6 @@ per-expert tensors and the stacked ones as the other expert families (``models.m
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -26,8 +24,6 @@ from teacher_server.models.moe import GROUPED_GEMM, MoeDecoderLayer, MoeModel
 from teacher_server.models.spec import ModelSpec
 from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.mla_prep import check_mla_stages
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekDecoderLayer(MoeDecoderLayer):
@@ -54,10 +50,9 @@ class DeepseekForCausalLM(MoeModel, LlamaForCausalLM):
     )
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
-        m = _LAYER.match(hf_name)
-        if m and 0 <= int(m.group(1)) - self.spec.num_layers < self.spec.mtp_layers:  # multi-token prediction's
-            return None  # (a layer past those: no place, refused as a config/weights mismatch)
-        if m and ".self_attn.q_proj." in hf_name and self.layers[0].self_attn.q_in_a:  # q and kv_a: one GEMM
+        if self.multi_token_prediction(hf_name):
+            return None
+        if ".self_attn.q_proj." in hf_name and self.layers[0].self_attn.q_in_a:  # q and kv_a: one GEMM
             hf_name = hf_name.replace(".self_attn.q_proj.", ".self_attn.q_a_proj.")
         return super().checkpoint_param(hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
 

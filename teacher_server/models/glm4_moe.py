@@ -13,8 +13,6 @@ other expert families; the multi-token-prediction layers (``model.layers.<num_hi
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from teacher_server.layers.formats.base import WeightFormat
@@ -30,8 +28,6 @@ from teacher_server.ops.fused import FusedOps
 from teacher_server.ops.partial_rope import check_partial_qk_prep
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.step_context import StepContext
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class Glm4MoeAttention(LlamaAttention):
@@ -63,9 +59,8 @@ class Glm4MoeForCausalLM(MoeModel, LlamaForCausalLM):
     decoder_layer = DeepseekDecoderLayer
 
     def checkpoint_param(self, hf_name: str) -> tuple[str, str, str | None] | None:
-        m = _LAYER.match(hf_name)
-        if m and 0 <= int(m.group(1)) - self.spec.num_layers < self.spec.mtp_layers:  # multi-token prediction's
-            return None  # (a layer past those: no place, refused as a config/weights mismatch)
+        if self.multi_token_prediction(hf_name):
+            return None
         return super().checkpoint_param(hf_name.replace(".mlp.shared_experts.", ".mlp.shared_expert."))
 
     def warm_up_ops(self, ops: FusedOps, ropes: dict[str, RotaryEmbedding]) -> None:

@@ -26,6 +26,7 @@ GROUPED_GEMM = GroupedGemm()
 
 # "model.layers.N.<mlp | block_sparse_moe>.<rest>": Mixtral's hub checkpoints say block_sparse_moe.
 _MLP = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(.+)$")
+_MLP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")  # any tensor of decoder layer N
 
 
 class MoeDecoderLayer(LlamaDecoderLayer):
@@ -120,6 +121,14 @@ class MoeModel:
                     return f"layers.{layer}.mlp.experts", *place
             hf_name = f"model.layers.{layer}.mlp.{rest}"
         return super().checkpoint_param(hf_name)  # type: ignore[misc]
+
+    def multi_token_prediction(self, hf_name: str) -> bool:
+        """Whether ``hf_name`` is a tensor of the ``mtp_layers`` multi-token-prediction layers after
+        the last (``model.layers.<num_hidden_layers + i>``: DeepSeek-V3's, GLM-4.5's), not for
+        scoring; a layer past those has no place, refused as a config/weights mismatch."""
+        m = _MLP_LAYER.match(hf_name)
+        spec: ModelSpec = self.spec  # type: ignore[attr-defined]
+        return m is not None and 0 <= int(m.group(1)) - spec.num_layers < spec.mtp_layers
 
     def check_checkpoint(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """The loader's look at the checkpoint's tensors before reading them: a shared expert with
