@@ -9,8 +9,8 @@ Routing (float32 throughout, as transformers keeps the router in float32):
   ``routed_scaling_factor``.
 - V2 (``softmax``): probabilities over all experts; ``greedy`` takes the top-k,
   ``group_limited_greedy`` first the ``topk_group`` groups with the highest single
-  probability; weights times ``routed_scaling_factor`` (renormalised first when
-  ``norm_topk_prob``, as DeepSeek's code; no published V2 config sets it).
+  probability; weights times ``routed_scaling_factor``, never renormalised (as transformers
+  reads V2 configs, whatever ``norm_topk_prob`` says; no published V2 config sets it).
 
 The ``n_shared_experts`` shared experts are one MLP of their summed width that every token
 takes, ungated (``SharedExpert`` with no gate). Tensor parallel as ``SparseMoe``: the router

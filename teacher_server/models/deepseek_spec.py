@@ -85,7 +85,8 @@ def deepseek_facts(arch: str, d: dict[str, Any]) -> dict[str, Any]:
         moe_intermediate_size=int(d["moe_intermediate_size"]),
         # the n_shared_experts shared experts are one MLP of their summed width
         shared_expert_intermediate_size=int(d["moe_intermediate_size"]) * int(d.get("n_shared_experts") or 0),
-        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        # V2: transformers scales the top-k weights and never renormalises them, whatever the key says
+        norm_topk_prob=arch == V3 and bool(d.get("norm_topk_prob", False)),
         decoder_sparse_step=1,
         mlp_only_layers=tuple(range(first_dense)),
         mtp_layers=int(d.get("num_nextn_predict_layers") or 0),  # model.layers.<num_hidden_layers + i>

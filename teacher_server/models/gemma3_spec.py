@@ -36,6 +36,8 @@ def gemma3_config(d: dict[str, Any]) -> dict[str, Any]:
     """``d`` with transformers 5's per-kind ``rope_parameters`` rewritten into the hub's keys
     (the global layers' rope as ``rope_parameters``, the local base as ``rope_local_base_freq``);
     a hub-layout ``d`` is returned as it is."""
+    # (transformers' per-kind rope reads the pretraining length from the dicts alone)
+    d = {k: v for k, v in d.items() if k != "original_max_position_embeddings"}
     rp = d.get("rope_parameters")
     if not isinstance(rp, dict) or not ({SLIDING, FULL} & rp.keys()):
         return d
@@ -43,8 +45,11 @@ def gemma3_config(d: dict[str, Any]) -> dict[str, Any]:
     if local.get("rope_type", "default") != "default":
         raise UnsupportedModelError(f"Gemma 3 with rope_type={local['rope_type']!r} on its sliding-window layers "
                                     "is not supported (plain rope there)")
-    out = {**d, "rope_parameters": dict(rp.get(FULL) or {"rope_type": "default"})}
-    out.pop("rope_scaling", None)  # (the per-kind dict holds it)
+    full = dict(rp.get(FULL) or {"rope_type": "default"})
+    if isinstance(d.get("rope_scaling"), dict):  # a legacy rope_scaling beside them: merged into the global
+        full.update(d["rope_scaling"])           # layers' rope, as transformers does
+    out = {**d, "rope_parameters": full}
+    out.pop("rope_scaling", None)  # (now in the global layers' dict)
     if "rope_theta" in local:
         out["rope_local_base_freq"] = local["rope_theta"]
     return out

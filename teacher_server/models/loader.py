@@ -125,8 +125,10 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     names = set(tensors)
     # config.json decides when it says; an untied model without lm_head.weight is then an error
     # (missing weights below), a tied one with it ignores it (as vLLM)
-    tied = spec.tie_word_embeddings is True or (spec.tie_word_embeddings is None and "lm_head.weight" not in names)
-    if spec.tie_word_embeddings is True and "lm_head.weight" in names:
+    # (the head under a prefix too: a vision-language checkpoint's language_model.lm_head.weight)
+    has_head = any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names)
+    tied = spec.tie_word_embeddings is True or (spec.tie_word_embeddings is None and not has_head)
+    if spec.tie_word_embeddings is True and has_head:
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")
     model = cls(spec, dtype, device, tied=tied, tp=tp, stage=stage)
     if hasattr(model, "check_checkpoint"):  # a family's own look at what the files hold

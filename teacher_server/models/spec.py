@@ -19,9 +19,8 @@ from teacher_server.models.glm4_moe_spec import glm4_moe_facts
 from teacher_server.models.gpt_oss_spec import gpt_oss_facts
 from teacher_server.models.hybrid_spec import hybrid_facts
 from teacher_server.models.registry import ARCHITECTURES
+from teacher_server.models.rope_config import rope_facts
 from teacher_server.unsupported import UnsupportedModelError
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -200,24 +199,7 @@ class ModelSpec:
         head_dim = d.get("head_dim") or hidden // num_heads
         if entry.deepseek:  # q/k's width (transformers' head_dim there is the rope part)
             head_dim = int(d["qk_nope_head_dim"]) + int(d["qk_rope_head_dim"])
-        # rope_scaling, where a file gives it, replaces rope_parameters whole, as transformers reads
-        # it (a legacy {"type": "yarn"} added to a config that transformers 5 saved with a default rope)
-        rope_params = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
-        theta = rope_params.get("rope_theta", d.get("rope_theta", 10000.0))  # transformers' order
-        # (Qwen3.5's multimodal rope keys: text positions the same on every axis, plain rope)
-        not_scaling = {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}
-        merged = {k: v for k, v in rope_params.items() if k not in not_scaling}
-        rope_type = merged.get("rope_type") or merged.get("type") or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise UnsupportedModelError(
-                f"unsupported rope scaling {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        merged["rope_type"] = rope_type
-        need = dict(llama3=("factor", "low_freq_factor", "high_freq_factor"), linear=("factor",), yarn=("factor",))
-        missing = [k for k in need.get(rope_type, ()) if k not in merged]
-        if missing:  # (refused here, not after the weights have loaded)
-            raise UnsupportedModelError(f"{rope_type} rope scaling without {', '.join(missing)}")
-        if rope_type == "llama3":
-            merged.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+        rope_params, theta, merged = rope_facts(d)
         sliding, layer_types = None, ()
         if entry.sliding_window:
             sliding = d.get("sliding_window")
