@@ -19,6 +19,7 @@ from teacher_server.engine.request import ScoreRequest
 from teacher_server.npy import load_npy
 
 STREAM_MESSAGE = "prompt_logprob_token_ids are not available when stream=true."
+FLOAT32_MAX = 3.4028234663852886e38  # a temperature divides float32 logits: above this it is infinite
 
 
 class BadRequest(ValueError):
@@ -93,10 +94,11 @@ class RowTargets:
             raise BadRequest("prompt_logprob_tail needs columns to be outside of: prompt_logprob_token_ids and/or "
                              "prompt_logprob_topk", sp + "prompt_logprob_tail")
         t = self.temperature
-        # below 1e-5 (vLLM's greedy threshold) logits / t overflow float32 and the softmax is NaN
+        # below 1e-5 (vLLM's greedy threshold) logits / t overflow float32 and the softmax is NaN; above
+        # float32's largest number t itself is infinite there
         if t is not None and not (isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
-                                  and t >= 1e-5):
-            raise BadRequest(f"prompt_logprob_temperature must be a finite number >= 1e-5, got {t!r}",
+                                  and 1e-5 <= t <= FLOAT32_MAX):
+            raise BadRequest(f"prompt_logprob_temperature must be a number from 1e-5 to {FLOAT32_MAX:.7g}, got {t!r}",
                              sp + "prompt_logprob_temperature")
 
 
@@ -169,6 +171,9 @@ def _sampling_temperature(value: Any, param: str) -> float | None:
         raise BadRequest(f"temperature must be a finite number, got {value!r:.40}", param)
     if value < 0:  # (vLLM's and SGLang's sampling parameters refuse it too)
         raise BadRequest(f"temperature must be non-negative, got {float(value)}", param)
+    if value > FLOAT32_MAX:  # (infinite in the float32 it divides the logits in)
+        raise BadRequest(f"temperature must be at most {FLOAT32_MAX:.7g} (float32's largest), got {float(value)}",
+                         param)
     return float(value)
 
 

@@ -5,6 +5,7 @@ answers correctly afterwards."""
 from __future__ import annotations
 
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -364,27 +365,18 @@ def test_prompt_logprobs_output_is_capped(tmp_path_factory) -> None:
         assert c.post(GEN, json=body(range(1, 1001), [1, 2], start=900)).status_code == 200  # candidates: no cap
 
 
-def test_chunked_body_ignores_a_bogus_content_length(demo_server) -> None:
-    """Chunked framing overrides Content-Length: the size limit applies to what arrives."""
-    import json
-    import socket
-
-    payload = json.dumps(GOOD).encode()
-    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=60) as sock:
-        sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Transfer-Encoding: chunked\r\nContent-Length: 999999999999\r\n\r\n"
-                     + f"{len(payload):x}\r\n".encode() + payload + b"\r\n0\r\n\r\n")
-        head = sock.recv(65536).split(b"\r\n", 1)[0]
-    assert head.startswith(b"HTTP/1.1 200"), head
-
-
 @pytest.mark.parametrize("raw", [b"GARBAGE\r\n\r\n",
                                  b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
                                  b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n"
-                                 b"Content-Length: 4\r\n\r\nabcd"],
-                         ids=["request line", "negative length", "two lengths"])
+                                 b"Content-Length: 4\r\n\r\nabcd",
+                                 # both framings (how requests are smuggled): refused, not read by the first
+                                 b"POST /inference/v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                 b"Transfer-Encoding: chunked\r\nContent-Length: 999999999999\r\n\r\n"
+                                 b"13\r\n{\"token_ids\":[1,2]}\r\n0\r\n\r\n"],
+                         ids=["request line", "negative length", "two lengths", "two framings"])
 def test_a_request_http_cannot_frame_gets_the_json_error(demo_server, raw: bytes) -> None:
-    """Below the app (h11 refuses the framing) the 400 still has the documented shape."""
+    """Below the app (h11 refuses the framing, or OneFraming two framings) the 400 still has
+    the documented shape, and the connection closes."""
     import json
     import socket
 
@@ -472,3 +464,32 @@ def test_binary_candidates_are_range_checked_in_the_dtype_sent(dtype) -> None:
     for row in bad:
         with pytest.raises(BadRequest, match="outside|out of range"):
             parse_candidates(npy_b64(np.array([row, [1, 1]], dtype)), 2, limits, "c")
+
+
+def test_a_coding_on_a_second_content_encoding_line_is_read(client) -> None:
+    """``identity`` then ``gzip`` on two lines is the list ``identity, gzip``: refused as on one
+    line (only the first line had been read, and the body taken as plain JSON)."""
+    headers = [("Content-Type", "application/json"), ("Content-Encoding", "identity"), ("Content-Encoding", "gzip")]
+    assert_error(client.post(GEN, content=json.dumps(GOOD).encode(), headers=headers), 400,
+                 contains="Content-Encoding 'gzip' is not supported")
+    both = [("Content-Type", "application/json"), ("Content-Encoding", "identity"), ("Content-Encoding", "Identity")]
+    assert client.post(GEN, content=json.dumps(GOOD).encode(), headers=both).status_code == 200
+
+
+def test_an_error_names_a_long_field_without_echoing_it_whole(client) -> None:
+    """``param`` names the field a body got wrong, capped as ``message`` is (a 1 MB unknown key
+    had come back whole)."""
+    got = client.post(GEN, json={**GOOD, "x" * 100_000: 1})
+    assert_error(got, 400, contains="unknown field")
+    err = got.json()["error"]
+    assert len(err["param"]) <= 200 and len(err["message"]) <= 500 and len(got.content) < 2000
+
+
+def test_the_openapi_page_says_what_the_server_does(client) -> None:
+    """An empty ``token_ids`` is a 400, so the schema asks for one id at least; ``/metrics``
+    answers Prometheus' text format, not JSON (schemathesis found both)."""
+    spec = client.get("/openapi.json").json()
+    assert spec["components"]["schemas"]["GenerateRequest"]["properties"]["token_ids"]["minItems"] == 1
+    assert_error(client.post(GEN, json={"token_ids": []}), 400, "token_ids")
+    assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert client.get("/metrics").headers["content-type"].startswith("text/plain")

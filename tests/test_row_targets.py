@@ -308,3 +308,36 @@ def test_a_temperature_that_would_overflow_is_refused(t) -> None:
     with pytest.raises(BadRequest, match="prompt_logprob_temperature"):
         RowTargets(topk=4, temperature=t).check(8, False, limits)
     RowTargets(topk=4, temperature=1e-5).check(8, False, limits)
+
+
+@pytest.mark.parametrize("t", [3.5e38, 1e39, "1e39"])
+def test_a_temperature_infinite_in_float32_is_refused(t) -> None:
+    """A temperature above float32's largest number is infinite where it divides the logits:
+    every logit 0, the greedy token and the top-K ids the lowest ids. Refused, naming the field,
+    as ``prompt_logprob_temperature`` and as the sampling temperature of processed_logprobs."""
+    from teacher_server.validation import FLOAT32_MAX, BadRequest, Limits, RowTargets, build_request
+
+    limits = Limits(vocab_size=512, max_model_len=128, max_logprobs=256, max_rows_x_k=10000, processed=True)
+    if not isinstance(t, str):
+        with pytest.raises(BadRequest, match="prompt_logprob_temperature must be a number from 1e-5 to"):
+            RowTargets(topk=4, temperature=t).check(8, False, limits)
+    with pytest.raises(BadRequest, match="temperature must be at most") as e:
+        build_request(token_ids=[1, 2, 3], limits=limits, candidates=[4], sampling_temperature=t)
+    assert e.value.param == "sampling_params.temperature"
+    RowTargets(topk=4, temperature=FLOAT32_MAX).check(8, False, limits)
+    assert build_request(token_ids=[1, 2, 3], limits=limits, candidates=[4],
+                         sampling_temperature=FLOAT32_MAX).temperature == FLOAT32_MAX
+
+
+def test_the_greedy_token_is_the_unscaled_logits_argmax_whatever_the_temperature(checkpoints) -> None:
+    """The generated token is taken before the temperature divides the logits (docs/trainers.md:
+    "the greedy one, whatever temperature"): a temperature the engine holds as infinity had
+    made every logit 0 and the token id 0."""
+    path = checkpoints["qwen3"]
+    eng = Engine(Config(model=str(path), device="cpu", max_model_len=128, num_kv_blocks=32, block_size=16))
+    toks = np.random.default_rng(3).integers(0, 512, 20)
+    want = int(np.argmax(reference_logits(path, toks)[-1]))
+    assert want != 0
+    for t in (1.0, 1e30, 1e39):
+        (res,) = eng.run_to_completion([ScoreRequest("g", toks, 10, np.array([1, 2]), max_tokens=1, temperature=t)])
+        assert res.error is None and res.next_token == want, (t, res.next_token)

@@ -146,14 +146,14 @@ def score_rows(hidden: torch.Tensor, head: VocabRows, plan: ScoringPlan, logits_
     for r0 in range(0, r, chunk_rows):
         r1 = min(r0 + chunk_rows, r)
         logits = head.logits(hidden[r0:r1])  # [r, V] float32 (with tp > 1: [r, Vr], this rank's shard)
+        if n_a:  # the greedy token of the unscaled logits (a large T would tie them in float32), and before
+            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])  # the plp rows: their tail masks in place
+            if b > a:
+                out.argmax[a:b] = ops.argmax(logits[plan.argmax_rows[a:b] - r0])
         if plan.row_temp is not None:  # vLLM's processed_logprobs: logits / T, then log_softmax
             logits.div_(plan.row_temp[r0:r1, None])
         if out.scores is not None:
             out.scores[r0:r1] = ops.candidates(logits, plan.cand[r0:r1], logits_mode)
-        if n_a:  # before the plp rows: their tail masks the logits in place
-            a, b = np.searchsorted(plan.argmax_rows_host, [r0, r1])
-            if b > a:
-                out.argmax[a:b] = ops.argmax(logits[plan.argmax_rows[a:b] - r0])
         if n_p:
             a, b = np.searchsorted(plan.plp_rows_host, [r0, r1])
             if b > a:

@@ -18,7 +18,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -195,7 +195,7 @@ def create_app(cfg: Config, engine_factory: Callable[[Config], Engine] = Engine,
                          "vocab_size": t.limits.vocab_size, "tokenizer": t.tokenizer_identity})
         return json_response(200, {"object": "list", "data": data})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # (Prometheus' text format)
     async def metrics_endpoint(request: Request) -> Response:
         m: Metrics = request.app.state.metrics
         for t in request.app.state.teachers.all:

@@ -95,7 +95,7 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     try:
         try:
             # the drain's cut-off answers it 503 as the native endpoint's (not uvicorn's plain 500 at exit)
-            work = asyncio.ensure_future(_score(request, cfg, t0, parse, build, hold, info))
+            work = asyncio.ensure_future(_score(request, cfg, t0, parse, build, hold, info, name))
             cut = not await finished_unless_cut_off(request.app.state, work, info)
             resp, tokens = (shut_down_response(), info.tokens) if cut else work.result()
         finally:
@@ -134,7 +134,7 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
 
 
 async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: Build,
-                 hold: Hold, info: RequestInfo) -> tuple[Response, int]:
+                 hold: Hold, info: RequestInfo, name: str) -> tuple[Response, int]:
     """The call's work, admitted as the native endpoint's is: the byte budget (the body while
     it is read, then the requests' arrays and answer until it is sent), the queue's estimated
     wait, and the deadline (``X-Request-Timeout`` within ``request_timeout_s``: 504, and the
@@ -146,7 +146,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
     body_read = time.monotonic()
     # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
-    t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool)
+    t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool, name)
     info.teacher = t  # (a refusal below is counted under the teacher named)
     ae = ready_engine(request, t)
     m: Metrics = t.metrics

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest
-from teacher_server.server.parsing import as_model, json_object
+from teacher_server.server.parsing import as_model, json_object, refuse_long_prompt
 from teacher_server.server.protocol import _FF, IgnoredSampling, IntList
 from teacher_server.server.tokenizer import Tokenizer, require
 from teacher_server.validation import BadRequest, Limits, build_request, check_batch, check_in_vocab, check_n, renamed
@@ -132,6 +132,7 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
     ``request_id`` does (vLLM's ``_base_request_id``); ``obj``: the body's JSON object where it
     was parsed already (``Teachers.pick``)."""
     try:
+        refuse_long_prompt(raw, "completions", limits.max_model_len)
         obj = json_object(raw) if obj is None else obj
         return _parse_completion(as_model(obj, CompletionRequest), limits, served, tok, aliases, header_request_id)
     except BadRequest as e:  # (the id the access line names a refusal by, as the completion's id would be)

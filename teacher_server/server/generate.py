@@ -161,8 +161,10 @@ def ready_engine(request: Request, teacher: State | None = None) -> AsyncEngine:
         raise EngineUnavailable("engine is loading")
     if not ae.accepting or not ae.alive:
         raise EngineUnavailable("server is shutting down" if ae.alive else ae.fatal_error)
-    coding = request.headers.get("content-encoding", "identity").strip().lower()
-    if coding not in ("", "identity"):
+    # the codings of every Content-Encoding line (a list split over two lines is one list)
+    codings = [c.strip() for v in request.headers.getlist("content-encoding") for c in v.lower().split(",")]
+    coding = ", ".join(c for c in codings if c not in ("", "identity"))
+    if coding:
         raise BadRequest(f"Content-Encoding {coding[:40]!r} is not supported: send the JSON body uncompressed")
     return ae
 

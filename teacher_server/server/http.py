@@ -23,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from teacher_server.config import Config, ConfigError
 from teacher_server.server.byte_budget import BODY_FACTOR, CHUNKED_FACTOR, Hold, over_budget
+from teacher_server.server.framing import OneFraming
 from teacher_server.server.responses import error_body, header_safe, scope_request_id
 from teacher_server.validation import BadRequest
 
@@ -76,6 +77,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.conn = OneFraming(self.conn)  # type: ignore[assignment]
         self._header_timer: asyncio.TimerHandle | None = None
         self._send_timer: asyncio.TimerHandle | None = None
         self._arm_header_timer()
@@ -271,12 +273,11 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
                     hold: Hold | None = None) -> bytes | bytearray:
     """The whole body, at most ``limit`` bytes (413) and within ``timeout_s`` (408) of its
     turn at ``gate``; a client that goes away meanwhile raises ClientGone. A declared
-    Content-Length above the limit is refused before reading, unless Transfer-Encoding is
-    present (chunked framing overrides Content-Length, so the size is then enforced while
-    reading). ``hold`` takes the body's share of the in-flight byte budget: ``BODY_FACTOR``
-    bytes per byte, all before reading, when the size is declared; ``CHUNKED_FACTOR`` per byte
-    as the bytes arrive when it is not; OverBudget when it does not fit (the rest of the body
-    is then never read)."""
+    Content-Length above the limit is refused before reading; a chunked body's size is enforced
+    while reading (a request giving both framings never gets here: ``OneFraming``). ``hold``
+    takes the body's share of the in-flight byte budget: ``BODY_FACTOR`` bytes per byte, all
+    before reading, when the size is declared; ``CHUNKED_FACTOR`` per byte as the bytes arrive
+    when it is not; OverBudget when it does not fit (the rest of the body is then never read)."""
     media = request.headers.get("content-type")
     if media is not None and not is_json_media(media):  # (none given: read as JSON, as FastAPI does)
         raise BadRequest(f"Content-Type {media[:100]!r} is not JSON: send the body with Content-Type: "

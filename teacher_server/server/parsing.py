@@ -16,13 +16,15 @@ from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, RowTar
 
 # `"token_ids": [` as a key: inside a JSON string every `"` is escaped, so this only
 # matches a key (the top-level one, or a key of some nested object; see below).
-_TOKEN_IDS_KEY = re.compile(rb'"token_ids"\s*:\s*\[')
+_IDS_KEYS = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*\[') for key in ("token_ids", "prompt", "input_ids")}
+# each endpoint's prompt ids: its key (None: not told from the bytes when the body also truncates them)
+IDS_KEY = {"generate": "token_ids", "completions": "prompt", "sglang-generate": "input_ids"}
 M = TypeVar("M", bound=BaseModel)
 PRECHECK_BYTES = 64 * 1024  # bodies below this are parsed at once (counting would gain nothing)
 
 
-def count_token_ids(raw: bytes | bytearray, above: int = -1) -> int | None:
-    """The number of elements of the top-level ``token_ids`` array, counted on the bytes
+def count_token_ids(raw: bytes | bytearray, above: int = -1, key: str = "token_ids") -> int | None:
+    """The number of elements of the top-level ``key`` array (``token_ids``), counted on the bytes
     (C-speed ``find``/``count``, no Python objects per id), when it is more than ``above``;
     else, or when it cannot be told that way, None. A body of 20M ids is then refused in
     milliseconds instead of being parsed into 20M Python ints (seconds and gigabytes) first.
@@ -32,7 +34,7 @@ def count_token_ids(raw: bytes | bytearray, above: int = -1) -> int | None:
     the array replaced by a marker string: only the top-level member then reads as it.
     That parse is as long as the real one, so it is made only for a count over ``above``:
     a count within it refuses nothing (a request within the limits pays one parse)."""
-    m = _TOKEN_IDS_KEY.search(raw)
+    m = _IDS_KEYS[key].search(raw)
     if m is None:
         return None
     end = raw.find(b"]", m.end())
@@ -46,7 +48,21 @@ def count_token_ids(raw: bytes | bytearray, above: int = -1) -> int | None:
         rest = orjson.loads(raw[:m.end() - 1] + b'"' + marker.encode() + b'"' + raw[end + 1:])
     except orjson.JSONDecodeError:
         return None
-    return n if isinstance(rest, dict) and rest.get("token_ids") == marker else None
+    return n if isinstance(rest, dict) and rest.get(key) == marker else None
+
+
+def refuse_long_prompt(raw: bytes | bytearray, endpoint: str, max_model_len: int) -> None:
+    """BadRequest when a large body's prompt (the top-level flat id array of ``endpoint``'s
+    key: ``IDS_KEY``) holds more than ``max_model_len`` ids, told from its bytes before they
+    are parsed into Python objects (a 25 MB prompt: milliseconds, not seconds and 12 times the
+    body in memory). A batch of prompts is left to the parse, and so is a ``/v1/completions``
+    body that names ``truncate_prompt_tokens`` (vLLM then cuts a long prompt)."""
+    key = IDS_KEY[endpoint]
+    if len(raw) <= PRECHECK_BYTES or (endpoint == "completions" and b'"truncate_prompt_tokens"' in raw):
+        return
+    n = count_token_ids(raw, above=max_model_len, key=key)
+    if n is not None:
+        raise BadRequest(f"{key} has {n} tokens, more than max_model_len={max_model_len}", key)
 
 
 def max_commas(limits: Limits) -> int:
@@ -106,11 +122,8 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
     ``aliases``: other names accepted as ``model``; ``obj``: the bytes' JSON object where it
     was parsed already (``validated``). The byte checks of a large body run either way: a
     body refused by them is refused alike, parsed or not."""
+    refuse_long_prompt(raw, "generate", limits.max_model_len)
     if len(raw) > PRECHECK_BYTES:
-        n = count_token_ids(raw, above=limits.max_model_len)
-        if n is not None:
-            raise BadRequest(f"token_ids has {n} tokens, more than max_model_len={limits.max_model_len}",
-                             "token_ids")
         # Whatever its keys say (an escaped or repeated key, a nested one first, a large ignored
         # field): a body with many more values than a request can use is refused unparsed.
         commas, most = raw.count(b","), max_commas(limits)
@@ -184,4 +197,6 @@ def pydantic_message(errors: list) -> tuple[str, str | None]:
         msg = "unknown field"
     elif e.get("type") == "missing":
         msg = "field required"
-    return f"{where}: {msg}"[:500], param
+    # (a field's name comes from the body: capped, so the error never echoes a long key whole)
+    where = where if len(where) <= 200 else where[:200] + "..."
+    return f"{where}: {msg}"[:500], None if param is None else param[:200]

@@ -108,7 +108,8 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: IntList = Field(..., description="Prompt ids followed by response ids (at least one).")
+    token_ids: IntList = Field(..., description="Prompt ids followed by response ids (at least one).",
+                               json_schema_extra={"minItems": 1})
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     request_id: StrictStr | None = Field(None, description="Echoed back; generated when absent.")
     model: StrictStr | None = Field(None, description="Must name the served model.")

@@ -35,7 +35,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from teacher_server.engine.request import ScoreRequest, ScoreResult
-from teacher_server.server.parsing import as_model, json_object
+from teacher_server.server.parsing import as_model, json_object, refuse_long_prompt
 from teacher_server.server.protocol import _FF, IntList
 from teacher_server.server.responses import finite_json as _lp  # (-inf as -9999.0, as vLLM writes it)
 from teacher_server.server.tokenizer import Tokenizer, require
@@ -121,6 +121,7 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
     """JSON bytes -> one engine request per prompt; BadRequest otherwise. (SGLang names a
     request by its body's ``rid`` alone: ``header_request_id`` is not read.) ``obj``: the body's
     JSON object where it was parsed already (``Teachers.pick``)."""
+    refuse_long_prompt(raw, "sglang-generate", limits.max_model_len)
     obj = json_object(raw) if obj is None else obj
     try:
         return _parse_sglang(as_model(obj, SGLangGenerateRequest), limits, tok)

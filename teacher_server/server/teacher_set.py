@@ -19,6 +19,7 @@ from starlette.datastructures import State
 from teacher_server.config import Config
 from teacher_server.server.admission import QueueWait
 from teacher_server.server.metrics import Metrics
+from teacher_server.server.parsing import refuse_long_prompt
 from teacher_server.validation import BadRequest
 
 PEEK_INLINE_BYTES = 256 * 1024  # larger bodies are read for their `model` off the event loop
@@ -65,11 +66,15 @@ class Teachers:
         raise BadRequest(f"The model `{model[:200]}` does not exist; this server serves {served}.", "model",
                          status=404)
 
-    async def pick(self, raw: bytes, pool: Executor) -> tuple[State, dict | None]:
+    async def pick(self, raw: bytes, pool: Executor, endpoint: str = "generate") -> tuple[State, dict | None]:
         """The teacher of a request body (JSON) by its ``model``, and the body's JSON object,
         parsed here once: the teacher's endpoint validates it without parsing the bytes again.
         A body that is no JSON object goes to the first teacher (with None), whose parser
-        answers it with the usual 400."""
+        answers it with the usual 400. A prompt longer than every teacher takes is refused from
+        the bytes first, as with one teacher (``refuse_long_prompt``; not while one is loading)."""
+        lens = [getattr(t, "limits", None) for t in self.all]
+        if all(x is not None for x in lens):
+            refuse_long_prompt(raw, endpoint, max(x.max_model_len for x in lens))
         loop = asyncio.get_running_loop()
         obj = await loop.run_in_executor(pool, body_object, raw) if len(raw) > PEEK_INLINE_BYTES \
             else body_object(raw)
