@@ -989,3 +989,89 @@ def test_a_replicas_kernel_switches_are_gauges() -> None:
     assert metric(text, "teacher_server_kernel_enabled", kernel="router_kernel", replica="0") == 1
     assert metric(text, "teacher_server_kernel_enabled", kernel="router_kernel", replica="1") == 0
     assert metric(text, "teacher_server_kernel_enabled", kernel="group_kernel", replica="1") == 1
+
+
+def test_a_dead_replica_holds_nothing_and_its_successor_is_counted_whole() -> None:
+    """A replica that goes down had its last snapshot's running request and KV blocks on the
+    gauges until its successor reported (the request had gone to the other replica: two running
+    for one); the successor's totals, from 0 again, are counted whole."""
+    from prometheus_client import generate_latest
+
+    from teacher_server.engine.stats import EngineStats, StepTiming
+    from teacher_server.server.metrics import Metrics
+
+    m = Metrics("t", replicas=2)
+    base = dict(timing=StepTiming(), computed_tokens=0, waiting=2, running=1, active_requests=3,
+                kv_blocks_used=5, kv_blocks_total=10, prefix_query_tokens=0, prefix_hit_tokens=0)
+    m.observe_engine(EngineStats(**base, steps=7), 0)
+    m.observe_engine(EngineStats(**base, steps=4), 1)
+    m.set_healthy(False, 0)
+    text = generate_latest(m.registry).decode()
+    for name in ("teacher_server_num_requests_running", "teacher_server_num_requests_waiting",
+                 "teacher_server_kv_cache_usage_perc"):
+        assert metric(text, name, replica="0") == 0 and metric(text, name, replica="1") > 0, name
+    m.set_healthy(True, 0)
+    m.observe_engine(EngineStats(**{**base, "running": 0, "waiting": 0}, steps=3), 0)  # the successor's first
+    text = generate_latest(m.registry).decode()
+    assert metric(text, "teacher_server_engine_steps_total", replica="0") == 10
+
+
+def test_a_teachers_fatal_error_marks_that_teacher_unhealthy() -> None:
+    """The fatal hook of a teacher's engine marks its own series (it had marked the first
+    teacher's, whatever teacher failed)."""
+    from prometheus_client import generate_latest
+    from starlette.datastructures import State
+
+    from teacher_server.server.lifecycle import on_engine_fatal
+    from teacher_server.server.metrics import Metrics
+
+    first = Metrics("a")
+    second = first.for_model("b", 1)
+    for m in (first, second):
+        m.set_healthy(True)
+    app = State()
+    app.state = State()
+    app.state.metrics = first
+    on_engine_fatal(app, RuntimeError("teacher b: gone"), lambda: None, second)
+    text = generate_latest(first.registry).decode()
+    assert metric(text, "teacher_server_healthy", model_name="a") == 1
+    assert metric(text, "teacher_server_healthy", model_name="b") == 0
+
+
+def test_the_trainers_endpoints_are_counted_and_logged_as_the_native_one(tmp_path_factory, caplog) -> None:
+    """/v1/completions and SGLang's /generate count their scored rows and time their requests'
+    queue and inference as the native endpoint does (they counted neither), their access lines
+    give the rows and, on a refusal after the body was read, its tokens (0 had been logged); a
+    refused SGLang call without ``rid`` is logged by the X-Request-Id its answer carries (an id
+    of ours, in no answer, had been); a 401 is timed as it is counted."""
+    caplog.set_level(logging.INFO, logger="teacher_server.access")
+    cfg = demo_cfg(tmp_path_factory, max_queue_tokens=15, api_key="k")
+    auth = {"Authorization": "Bearer k"}
+    # (path, body, the result-matrix rows it scores: the completion's are classic logprobs, no matrix)
+    calls = [(GEN, body(range(1, 11), [[5, 6]] * 9, start=0), 9),
+             ("/v1/completions", {"prompt": list(range(1, 11)), "max_tokens": 1, "echo": True, "logprobs": 1,
+                                  "logprob_token_ids": [5, 6], "return_tokens_as_token_ids": True}, 0),
+             ("/generate", {"input_ids": list(range(1, 11)), "return_logprob": True, "max_new_tokens": 0,
+                            "logprob_start_len": 0, "token_ids_logprob": [5, 6]}, 9)]
+    with LiveServer(cfg) as s, s.client() as c:
+        for path, b, want in calls:
+            before = c.get("/metrics").text
+            assert c.post(path, json=b, headers=auth).status_code == 200, path
+            after = c.get("/metrics").text
+            for name in ("teacher_server_request_queue_time_seconds_count",
+                         "teacher_server_request_inference_time_seconds_count"):
+                assert metric(after, name) - metric(before, name) == 1, (path, name)
+            rows = metric(after, "teacher_server_scored_rows_total") - metric(before, "teacher_server_scored_rows_total")
+            assert rows == want, (path, rows)
+        long = {"input_ids": list(range(1, 21)), "return_logprob": True, "max_new_tokens": 0}
+        refused = c.post("/generate", json=long, headers={**auth, "X-Request-Id": "mine-1"})
+        assert_error(refused, 400, contains="more than the queue holds")
+        assert refused.headers["x-request-id"] == "mine-1"
+        assert c.post(GEN, json=body([1, 2, 3], [5]), headers={"X-Request-Id": "no-key"}).status_code == 401
+        text = c.get("/metrics").text
+        assert metric(text, "teacher_server_e2e_request_latency_seconds_count") == \
+            metric(text, "teacher_server_requests_total")
+    lines = {r.request_id: r for r in caplog.records if r.name == "teacher_server.access" and hasattr(r, "request_id")}
+    assert lines["mine-1"].status == 400 and lines["mine-1"].tokens == 20 and lines["mine-1"].rows == 19
+    ok = [r for r in caplog.records if r.name == "teacher_server.access" and getattr(r, "status", 0) == 200]
+    assert [r.rows for r in ok] == [9, 0, 9], [r.getMessage() for r in ok]

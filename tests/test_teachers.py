@@ -104,6 +104,12 @@ def test_unknown_or_missing_model_on_every_endpoint(multi):
         r = httpx.post(multi.url + path, json=body, timeout=30)  # no model: which teacher is not guessed
         assert r.status_code == 400 and r.json()["error"]["param"] == "model", (path, r.text)
         assert httpx.post(multi.url + path, content=b"{not json", timeout=30).status_code == 400
+    # a refusal of the `model` is named by the body's id, as with one teacher (it had become one of ours)
+    for path, body, said in (("/inference/v1/generate", {**gen, "request_id": "rid-1"}, "rid-1"),
+                             ("/v1/completions", {**bodies["/v1/completions"], "request_id": "rid-2"}, "cmpl-rid-2"),
+                             ("/generate", {**bodies["/generate"], "rid": "rid-3"}, "rid-3")):
+        r = httpx.post(multi.url + path, json={**body, "model": "nope"}, timeout=30)
+        assert r.status_code == 404 and r.headers["x-request-id"] == said, (path, r.headers)
     # a token id of the larger vocabulary is out of range for the smaller one (each teacher's own limits)
     big = {**gen, "token_ids": [1, 2, 3, 4000]}
     assert httpx.post(multi.url + "/inference/v1/generate", json={**big, "model": "demo"}).status_code == 200
@@ -167,6 +173,8 @@ def test_metrics_carry_the_model(multi):
     assert tokens['model_name="demo"'] > 0 and tokens['model_name="qwen"'] > 0, tokens
     waits = _series(text, "teacher_server_estimated_queue_wait_seconds")  # each teacher's own queue
     assert set(waits) == {'model_name="demo"', 'model_name="qwen"'}, waits
+    # the bytes in flight are the service's, under the first teacher only (the second's read 0 for ever)
+    assert set(_series(text, "teacher_server_inflight_bytes")) == {'model_name="demo"'}, text
     teachers = multi.app.state.teachers.all
     assert teachers[0].queue_wait is not teachers[1].queue_wait
 
@@ -382,3 +390,25 @@ def test_a_teachers_failed_shutdown_is_raised_after_the_others_end():
     with pytest.raises(RuntimeError, match="teardown failed"):
         all_at_once([boom, ended.set])
     assert ended.is_set()
+
+
+def test_a_request_cut_off_by_the_shutdown_counts_under_its_teacher(multi, monkeypatch):
+    """The native endpoint's cut-off 503 is a failure of the teacher the request named (it had
+    been counted under the first teacher while its 503 counted under the named one)."""
+    from teacher_server.server import generate
+
+    async def cut_off(st, work, info):  # the drain's time ran out once the request named its teacher
+        await asyncio.wait({work})
+        return False
+
+    def failures() -> dict[str, float]:
+        return _series(httpx.get(multi.url + "/metrics").text, "teacher_server_request_failures_total")
+
+    before = failures()
+    monkeypatch.setattr(generate, "finished_unless_cut_off", cut_off)
+    body = {"token_ids": [1, 2, 3, 4], "model": "qwen", "sampling_params": {"prompt_logprob_token_ids": [[1]] * 3}}
+    assert httpx.post(multi.url + "/inference/v1/generate", json=body, timeout=30).status_code == 503
+    after = failures()
+    key = 'model_name="{}",reason="shutdown"'
+    assert after.get(key.format("qwen"), 0) - before.get(key.format("qwen"), 0) == 1, after
+    assert after.get(key.format("demo"), 0) == before.get(key.format("demo"), 0), after

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import time
 import uuid
 
 from fastapi import FastAPI
@@ -48,13 +49,15 @@ class ApiKeyMiddleware:
     async def _refuse(scope, receive, send, status: int, message: str) -> None:  # noqa: ANN001
         """The error answer, on the access line (an operator sees a trainer's mistyped key) and,
         on a scoring path, in the request metrics (``reason="unauthorized"``)."""
+        t0 = time.monotonic()
         rid = scope_request_id(scope) or f"score-{uuid.uuid4().hex}"  # one of ours, so the caller can quote it
         await error_response(status, message, headers=request_id_header(rid))(scope, receive, send)
         path = route_path(scope)
         m = getattr(getattr(scope.get("app"), "state", None), "metrics", None)
-        if path in SCORING_PATHS and m is not None:
+        if path in SCORING_PATHS and m is not None:  # (every counted request is timed too)
             m.labels(m.requests, status=str(status)).inc()
             m.labels(m.failures, reason="unauthorized").inc()
+            m.labels(m.e2e).observe(time.monotonic() - t0)
         access_log.info("%s %s -> %d reason=%s", path[:128], rid[:128], status, message,
                         extra={"request_id": rid[:128], "status": status, "reason": message, "path": path[:128]})
 

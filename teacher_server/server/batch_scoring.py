@@ -31,6 +31,7 @@ from teacher_server.server.generate import (
     busy_response,
     error_reason,
     finished_unless_cut_off,
+    observe_scored,
     ready_engine,
     refusal_reason,
     refuse_long_wait,
@@ -90,14 +91,13 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     rid = request.headers.get("x-request-id")
     hold = Hold(request.app.state.byte_budget)  # the call's bytes in flight, until its answer is sent
     resp: Response | None = None
-    tokens = 0
     info = RequestInfo(rid)  # (its teacher, once the body names it)
     try:
         try:
             # the drain's cut-off answers it 503 as the native endpoint's (not uvicorn's plain 500 at exit)
             work = asyncio.ensure_future(_score(request, cfg, t0, parse, build, hold, info, name))
             cut = not await finished_unless_cut_off(request.app.state, work, info)
-            resp, tokens = (shut_down_response(), info.tokens) if cut else work.result()
+            resp = shut_down_response() if cut else work.result()
         finally:
             m = m if info.teacher is None else info.teacher.metrics  # counted under the teacher named
         if cut:
@@ -122,19 +122,19 @@ async def handle_scoring(request: Request, cfg: Config, name: str, parse: Parse,
     m.labels(m.e2e).observe(dt)
     # the header the client sent comes back as it was; else the call's own id (a refusal before one was
     # read: one of ours, so the caller can quote it)
-    logged = info.request_id or rid or f"score-{uuid.uuid4().hex}"
+    logged = (info.call_id if resp.status_code < 400 else None) or info.request_id or rid or f"score-{uuid.uuid4().hex}"
     resp.headers.update(request_id_header(rid if rid is not None else logged))
     logged = logged[:128]
     reason = error_reason(resp)
-    access_log.info("%s %s -> %d tokens=%d %.3fs%s", name, logged, resp.status_code, tokens, dt,
-                    f" reason={reason}" if reason else "",
+    access_log.info("%s %s -> %d tokens=%d rows=%d %.3fs%s", name, logged, resp.status_code, info.tokens, info.rows,
+                    dt, f" reason={reason}" if reason else "",
                     extra={"request_id": logged, "status": resp.status_code, "latency_s": round(dt, 4),
-                           "tokens": tokens, **({"reason": reason} if reason else {})})
+                           "tokens": info.tokens, "rows": info.rows, **({"reason": reason} if reason else {})})
     return resp
 
 
 async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: Build,
-                 hold: Hold, info: RequestInfo, name: str) -> tuple[Response, int]:
+                 hold: Hold, info: RequestInfo, name: str) -> Response:
     """The call's work, admitted as the native endpoint's is: the byte budget (the body while
     it is read, then the requests' arrays and answer until it is sent), the queue's estimated
     wait, and the deadline (``X-Request-Timeout`` within ``request_timeout_s``: 504, and the
@@ -146,7 +146,8 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     raw = await read_body(request, cfg.max_body_bytes, cfg.body_timeout_s, app.state.body_gate, hold)
     body_read = time.monotonic()
     # several teachers: the body's `model` says which (its JSON object, parsed there, handed on)
-    t, obj = (teachers.single, None) if teachers.single else await teachers.pick(raw, app.state.io_pool, name)
+    t, obj = (teachers.single, None) if teachers.single else \
+        await teachers.pick(raw, app.state.io_pool, name, request.headers.get("x-request-id"))
     info.teacher = t  # (a refusal below is counted under the teacher named)
     ae = ready_engine(request, t)
     m: Metrics = t.metrics
@@ -158,8 +159,10 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     parsed = await loop.run_in_executor(app.state.io_pool, parse, *args) if len(raw) > INLINE_BYTES else parse(*args)
     del raw, args, obj
     reqs: list[ScoreRequest] = parsed.reqs
-    info.request_id = parsed.request_id
+    # the call's id: the success's line names it as its answer does; a refusal's, only as the client named it
+    info.call_id, info.request_id = parsed.request_id, parsed.client_id or info.request_id
     tokens = info.tokens = sum(r.length for r in reqs)
+    info.rows = sum(r.rows for r in reqs)
     if tokens > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
         raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "
                          f"(max_queue_tokens={t.cfg.max_queue_tokens})", "prompt")
@@ -192,7 +195,7 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
                              and t.result().error is None)
         if not done:
             m.labels(m.failures, reason="timeout").inc()
-            return error_response(504, "request deadline exceeded: the engine did not answer in time"), tokens
+            return error_response(504, "request deadline exceeded: the engine did not answer in time")
         if gathered not in done:
             raise ClientGone("client disconnected")
         results: list[ScoreResult] = gathered.result()  # (raises a prompt's refusal: the call's)
@@ -203,7 +206,8 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     if failed is not None:
         m.labels(m.failures, reason=failed.error_kind or "internal").inc()
         return error_response(http_status(failed.error_kind), failed.error,
-                              headers=retry_after(failed.error_kind)), tokens
-    m.labels(m.prompt_tokens).inc(tokens)
+                              headers=retry_after(failed.error_kind))
+    for r, res in zip(reqs, results, strict=True):
+        observe_scored(m, r, res)
     content = await loop.run_in_executor(app.state.plp_pool, build, parsed, results, model, tok)
-    return HeldResponse(content, hold), tokens
+    return HeldResponse(content, hold)

@@ -84,6 +84,12 @@ class ParsedCompletion:
     # echo of text prompts: each prompt as sent, which vLLM echoes (not its ids decoded: no added
     # special tokens, and the whole text where truncate_prompt_tokens cut the ids)
     echo_texts: list[str] | None = None
+    header_named: bool = False  # X-Request-Id named the call
+
+    @property
+    def client_id(self) -> str | None:
+        """``request_id`` where the client named the call (X-Request-Id or the body's), else None."""
+        return self.request_id if self.header_named or self.body.request_id is not None else None
 
 
 def _is_text(prompt: object) -> bool:
@@ -203,7 +209,7 @@ def _parse_completion(body: CompletionRequest, limits: Limits, served: str, tok:
     body.prompt = []
     body.model_extra.clear()
     body.logit_bias = body.stop_token_ids = body.allowed_token_ids = None
-    return ParsedCompletion(body, reqs, rid, plp, kl, echo_texts)
+    return ParsedCompletion(body, reqs, rid, plp, kl, echo_texts, header_request_id is not None)
 
 
 def _logprobs_k(body: CompletionRequest, name: str, limits: Limits) -> int | None:

@@ -18,7 +18,7 @@ from starlette.datastructures import State
 from teacher_server.config import Config
 from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
 from teacher_server.engine.engine import Engine
-from teacher_server.engine.request import ErrorKind
+from teacher_server.engine.request import ErrorKind, ScoreRequest, ScoreResult
 from teacher_server.server import parsing
 from teacher_server.server.admission import QueueTooLong, QueueWait
 from teacher_server.server.byte_budget import Hold, OverBudget, native_held_bytes, over_budget
@@ -47,6 +47,7 @@ class RequestInfo:
     def __init__(self, header_request_id: str | None) -> None:
         self.header_request_id = header_request_id
         self.request_id = header_request_id
+        self.call_id: str | None = None  # a trainers' endpoint's call as its answer names it (ours where unnamed)
         self.tokens = 0
         self.rows = 0
         self.admitted = False  # handed to the engine (counted in ``app.state.handling``)
@@ -62,13 +63,12 @@ async def handle_generate(request: Request, cfg: Config) -> Response:
     m: Metrics = st.metrics
     info = RequestInfo(request.headers.get("x-request-id"))
     work = asyncio.ensure_future(_generate(request, cfg, t0, info))
-    if await finished_unless_cut_off(st, work, info):
-        resp = work.result()
-    else:
-        m.labels(m.failures, reason="shutdown").inc()
-        resp = shut_down_response()
+    cut = not await finished_unless_cut_off(st, work, info)
+    resp = shut_down_response() if cut else work.result()
     dt = time.monotonic() - t0
-    m = m if info.teacher is None else info.teacher.metrics
+    m = m if info.teacher is None else info.teacher.metrics  # (counted under the teacher it named)
+    if cut:
+        m.labels(m.failures, reason="shutdown").inc()
     m.labels(m.requests, status=str(resp.status_code)).inc()
     m.labels(m.e2e).observe(dt)
     if info.request_id is None:  # refused before an id was read: one of ours, so the caller can quote it
@@ -100,6 +100,16 @@ async def finished_unless_cut_off(st: State, work: asyncio.Future, info: Request
     if not work.done():
         work.cancel()
     return work.done() and not work.cancelled()
+
+
+def observe_scored(m: Metrics, req: ScoreRequest, res: ScoreResult) -> None:
+    """A scored request's series (every endpoint's): its tokens, its result rows, its time
+    queued and its time in the engine."""
+    m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
+    if res.scheduled_at:
+        m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
+    m.labels(m.prompt_tokens).inc(req.length)
+    m.labels(m.scored_rows).inc(req.rows if req.candidates is not None or req.row_targets else 0)
 
 
 def shut_down_response() -> Response:
@@ -261,11 +271,7 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
     if res.error is not None:  # (a replica's full queue or drain comes back as a result: Retry-After too)
         m.labels(m.failures, reason=res.error_kind or "internal").inc()
         return error_response(http_status(res.error_kind), res.error, headers=retry_after(res.error_kind))
-    m.labels(m.queue_time).observe(max(res.scheduled_at - req.arrival, 0.0) if res.scheduled_at else 0.0)
-    if res.scheduled_at:
-        m.labels(m.inference_time).observe(max(res.finished_at - res.scheduled_at, 0.0))
-    m.labels(m.prompt_tokens).inc(req.length)
-    m.labels(m.scored_rows).inc(req.rows if req.candidates is not None or req.row_targets else 0)
+    observe_scored(m, req, res)
     build = lambda: generate_body(req, res, engine.served_model_name, echo_ids)  # noqa: E731
     pool = app.state.plp_pool if req.prompt_logprobs is not None else \
         app.state.io_pool if req.rows * max(req.k + 2 * req.top_k, 1) > INLINE_BYTES // 4 else None

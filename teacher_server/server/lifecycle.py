@@ -120,10 +120,12 @@ async def stop_engine(app: FastAPI, cfg: Config) -> None:
     ae.shutdown()
 
 
-def on_engine_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None) -> None:
-    """The engine cannot recover: report unhealthy and ask the process to exit (``hook``, by
-    default ``terminate_self``) so the orchestrator restarts it."""
-    m: Metrics = app.state.metrics
+def on_engine_fatal(app: FastAPI, exc: BaseException, hook: Callable[[], None] | None,
+                    metrics: Metrics | None = None) -> None:
+    """The engine cannot recover: report unhealthy (in ``metrics``, the failed teacher's; by
+    default the service's) and ask the process to exit (``hook``, by default
+    ``terminate_self``) so the orchestrator restarts it."""
+    m: Metrics = metrics if metrics is not None else app.state.metrics
     if m.replicas == 1:  # a replica that went down has already marked its own series
         m.set_healthy(False)
     app.state.exit_code = 3

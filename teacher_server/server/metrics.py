@@ -102,15 +102,17 @@ class Metrics:
         view = copy.copy(self)
         view.model_name, view.replicas = model_name, replicas
         assert replicas == 1 or self.replica_label, "a teacher with several replicas needs the replica label"
-        view._export()
+        view._export(front=False)
         return view
 
-    def _export(self) -> None:
+    def _export(self, front: bool = True) -> None:
+        """Every series from the start; the bytes in flight are the service's: the first teacher's
+        (``front``) alone."""
         model_name, replicas = self.model_name, self.replicas
         self._last: dict[int | None, list[float]] = {}  # per replica: the engine totals last seen
         for m in (self.prompt_tokens, self.scored_rows, self.e2e, self.queue_time, self.inference_time,
-                  self.inflight_bytes, self.queue_wait):
-            m.labels(model_name=model_name)  # export every series from the start
+                  self.queue_wait, *([self.inflight_bytes] if front else [])):
+            m.labels(model_name=model_name)
         for rep in ([None] if replicas == 1 else range(replicas)):
             for m in (self.waiting, self.running, self.kv_usage, self.state_used, self.state_snapshots,
                       self.computed_tokens, self.prefix_queries, self.prefix_hits, self.steps, self.healthy,
@@ -136,6 +138,13 @@ class Metrics:
         """Health of the engine, or of one replica; None with several replicas: all of them."""
         for rep in ([replica] if replica is not None or self.replicas == 1 else range(self.replicas)):
             self.engine_labels(self.healthy, rep).set(1 if ok else 0)
+            if not ok:  # a dead engine holds nothing (its last snapshot's work went elsewhere), and its
+                for g in (self.waiting, self.running, self.kv_usage, self.state_used, self.state_snapshots):
+                    self.engine_labels(g, rep).set(0)
+                if self.replicas == 1:  # successor's totals start again from 0: counted whole
+                    self._last.clear()
+                else:
+                    self._last.pop(rep, None)
 
     def observe_front(self, budget: ByteBudget, queue: QueueWait) -> None:
         """The front's own gauges: bytes in flight and the estimated wait."""

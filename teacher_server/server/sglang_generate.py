@@ -105,6 +105,11 @@ class ParsedSGLang:
         """The id the access line names the call by: its prompt's, a batch's first."""
         return self.items[0].rid
 
+    @property
+    def client_id(self) -> str | None:
+        """``request_id`` where the body named it (``rid``), else None (an id of ours)."""
+        return None if self.body.rid is None else self.request_id
+
 
 def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
     """The value of prompt ``i`` of ``n``: a list with one per prompt, or one for all."""

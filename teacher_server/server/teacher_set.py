@@ -66,7 +66,8 @@ class Teachers:
         raise BadRequest(f"The model `{model[:200]}` does not exist; this server serves {served}.", "model",
                          status=404)
 
-    async def pick(self, raw: bytes, pool: Executor, endpoint: str = "generate") -> tuple[State, dict | None]:
+    async def pick(self, raw: bytes, pool: Executor, endpoint: str = "generate",
+                   header_request_id: str | None = None) -> tuple[State, dict | None]:
         """The teacher of a request body (JSON) by its ``model``, and the body's JSON object,
         parsed here once: the teacher's endpoint validates it without parsing the bytes again.
         A body that is no JSON object goes to the first teacher (with None), whose parser
@@ -78,7 +79,27 @@ class Teachers:
         loop = asyncio.get_running_loop()
         obj = await loop.run_in_executor(pool, body_object, raw) if len(raw) > PEEK_INLINE_BYTES \
             else body_object(raw)
-        return (self.all[0], None) if obj is None else (self.named(obj.get("model")), obj)
+        if obj is None:
+            return self.all[0], None
+        try:
+            return self.named(obj.get("model")), obj
+        except BadRequest as e:  # (named as the endpoint names a refused call with one teacher)
+            e.request_id = _call_id(obj, endpoint, header_request_id)
+            raise
+
+
+def _call_id(obj: dict, endpoint: str, header_request_id: str | None) -> str | None:
+    """The id an endpoint's refusal is logged by, from the body (and X-Request-Id): the native
+    ``request_id``; ``cmpl-`` and X-Request-Id or ``request_id``; SGLang's (first) ``rid``."""
+    if endpoint == "completions":
+        rid = header_request_id if header_request_id is not None else obj.get("request_id")
+        return f"cmpl-{rid}" if isinstance(rid, str) else None
+    if endpoint == "generate":
+        rid = obj.get("request_id")
+        return rid if isinstance(rid, str) else None  # ("" is an id there)
+    rid = obj.get("rid")
+    rid = rid[0] if isinstance(rid, list) and rid else rid
+    return rid if isinstance(rid, str) and rid else None
 
 
 def body_object(raw: bytes) -> dict | None:

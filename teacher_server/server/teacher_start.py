@@ -48,7 +48,7 @@ def start_teachers(app: FastAPI, teachers: list[State], factory: Callable, on_fa
         start = start_replicas if engine_elsewhere(t.cfg) else start_engine
         start(app, t.cfg, factory, on_step=lambda e, results, t=t: t.metrics.observe_engine(e.stats()),
               on_fatal=lambda exc, t=t: on_engine_fatal(app, RuntimeError(f"teacher {t.cfg.served_name}: {exc}"),
-                                                         on_fatal),
+                                                         on_fatal, t.metrics),
               on_start_failure=failed_to_start, st=t, on_ready=ready)
 
 
