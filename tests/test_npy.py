@@ -313,7 +313,8 @@ def test_a_trainers_endpoint_prompt_longer_than_max_model_len_is_refused_from_it
     assert e.value.param == "prompt"
     with pytest.raises(BadRequest, match="input_ids has 30000 tokens, more than max_model_len=2000"):
         sglang_generate.parse_sglang(orjson.dumps({"input_ids": prompt}), limits, "m", None)
-    for parsed in (completion(truncate_prompt_tokens=100), orjson.dumps({"prompt": [prompt, prompt]})):
+    texts = orjson.dumps({"prompt": ["a, b, c" * 1000] * 20})  # text prompts: their commas are no ids
+    for parsed in (completion(truncate_prompt_tokens=100), orjson.dumps({"prompt": [prompt, prompt]}), texts):
         with pytest.raises(AssertionError, match="parsed"):
             completion_request.parse_completion(parsed, limits, "m", None)
     teachers = teacher_set.Teachers.__new__(teacher_set.Teachers)

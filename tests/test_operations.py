@@ -1064,14 +1064,16 @@ def test_the_trainers_endpoints_are_counted_and_logged_as_the_native_one(tmp_pat
             rows = metric(after, "teacher_server_scored_rows_total") - metric(before, "teacher_server_scored_rows_total")
             assert rows == want, (path, rows)
         long = {"input_ids": list(range(1, 21)), "return_logprob": True, "max_new_tokens": 0}
-        refused = c.post("/generate", json=long, headers={**auth, "X-Request-Id": "mine-1"})
-        assert_error(refused, 400, contains="more than the queue holds")
-        assert refused.headers["x-request-id"] == "mine-1"
+        for rid, named in (({}, "mine-1"), ({"rid": ""}, "mine-2")):  # (rid "" names nothing: SGLang's uuid)
+            refused = c.post("/generate", json={**long, **rid}, headers={**auth, "X-Request-Id": named})
+            assert_error(refused, 400, contains="more than the queue holds")
+            assert refused.headers["x-request-id"] == named
         assert c.post(GEN, json=body([1, 2, 3], [5]), headers={"X-Request-Id": "no-key"}).status_code == 401
         text = c.get("/metrics").text
         assert metric(text, "teacher_server_e2e_request_latency_seconds_count") == \
             metric(text, "teacher_server_requests_total")
     lines = {r.request_id: r for r in caplog.records if r.name == "teacher_server.access" and hasattr(r, "request_id")}
-    assert lines["mine-1"].status == 400 and lines["mine-1"].tokens == 20 and lines["mine-1"].rows == 19
+    for named in ("mine-1", "mine-2"):
+        assert lines[named].status == 400 and lines[named].tokens == 20 and lines[named].rows == 19
     ok = [r for r in caplog.records if r.name == "teacher_server.access" and getattr(r, "status", 0) == 200]
     assert [r.rows for r in ok] == [9, 0, 9], [r.getMessage() for r in ok]

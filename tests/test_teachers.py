@@ -107,7 +107,9 @@ def test_unknown_or_missing_model_on_every_endpoint(multi):
     # a refusal of the `model` is named by the body's id, as with one teacher (it had become one of ours)
     for path, body, said in (("/inference/v1/generate", {**gen, "request_id": "rid-1"}, "rid-1"),
                              ("/v1/completions", {**bodies["/v1/completions"], "request_id": "rid-2"}, "cmpl-rid-2"),
-                             ("/generate", {**bodies["/generate"], "rid": "rid-3"}, "rid-3")):
+                             ("/generate", {**bodies["/generate"], "rid": "rid-3"}, "rid-3"),
+                             # (SGLang's one rid over a batch: the first prompt's, as with one teacher)
+                             ("/generate", {**bodies["/generate"], "input_ids": [[1, 2], [3, 4]], "rid": "r"}, "r_0")):
         r = httpx.post(multi.url + path, json={**body, "model": "nope"}, timeout=30)
         assert r.status_code == 404 and r.headers["x-request-id"] == said, (path, r.headers)
     # a token id of the larger vocabulary is out of range for the smaller one (each teacher's own limits)

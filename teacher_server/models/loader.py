@@ -125,8 +125,8 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
     names = set(tensors)
     # config.json decides when it says; an untied model without lm_head.weight is then an error
     # (missing weights below), a tied one with it ignores it (as vLLM)
-    # (the head under a prefix too: a vision-language checkpoint's language_model.lm_head.weight)
-    has_head = any(n == "lm_head.weight" or n.endswith(".lm_head.weight") for n in names)
+    # (or a vision-language checkpoint's text head: language_model.lm_head.weight)
+    has_head = bool(names & {"lm_head.weight", "language_model.lm_head.weight", "model.language_model.lm_head.weight"})
     tied = spec.tie_word_embeddings is True or (spec.tie_word_embeddings is None and not has_head)
     if spec.tie_word_embeddings is True and has_head:
         log.warning("tie_word_embeddings is true: the checkpoint's lm_head.weight is ignored (the embedding is used)")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from teacher_server.models.config_fields import _number
 from teacher_server.unsupported import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -24,10 +25,6 @@ _NOT_SCALING = frozenset({"rope_theta", "partial_rotary_factor", "mrope_section"
 _NEEDS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor"), "linear": ("factor",), "yarn": ("factor",)}
 _NULLABLE = {("yarn", "factor")}
 _PRETRAINED_LEN = "original_max_position_embeddings"
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def rope_facts(d: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any]]:

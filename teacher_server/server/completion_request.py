@@ -141,10 +141,16 @@ def parse_completion(raw: bytes, limits: Limits, served: str, tok: Tokenizer | N
         refuse_long_prompt(raw, "completions", limits.max_model_len)
         obj = json_object(raw) if obj is None else obj
         return _parse_completion(as_model(obj, CompletionRequest), limits, served, tok, aliases, header_request_id)
-    except BadRequest as e:  # (the id the access line names a refusal by, as the completion's id would be)
-        rid = header_request_id if header_request_id is not None else (obj or {}).get("request_id")
-        e.request_id = f"cmpl-{rid}" if isinstance(rid, str) else None
+    except BadRequest as e:
+        e.request_id = refused_call_id(obj, header_request_id)
         raise
+
+
+def refused_call_id(obj: dict | None, header_request_id: str | None) -> str | None:
+    """The id the access line names a refused call by, as the completion's id would be:
+    ``cmpl-`` and X-Request-Id or the body's ``request_id`` (``obj``: None where not parsed)."""
+    rid = header_request_id if header_request_id is not None else (obj or {}).get("request_id")
+    return f"cmpl-{rid}" if isinstance(rid, str) else None
 
 
 _NAMES = {"token_ids": "prompt", "sampling_params.prompt_logprob_token_ids": "logprob_token_ids"}

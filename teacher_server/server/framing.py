@@ -18,6 +18,7 @@ class OneFraming:
 
     def __init__(self, conn: h11.Connection) -> None:
         self._conn = conn
+        self.refused_request_id: str | None = None  # the X-Request-Id of a request refused here
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
@@ -27,5 +28,7 @@ class OneFraming:
         if isinstance(event, h11.Request):
             names = {name for name, _ in event.headers}
             if b"transfer-encoding" in names and b"content-length" in names:
+                self.refused_request_id = next((v.decode("latin-1") for k, v in event.headers
+                                                if k == b"x-request-id"), None)
                 raise h11.RemoteProtocolError("both Transfer-Encoding and Content-Length: one framing is read")
         return event

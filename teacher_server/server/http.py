@@ -70,9 +70,10 @@ class HeaderTimeoutProtocol(H11Protocol):
         self.transport.close()
 
     def _framed_request_id(self) -> str | None:
-        """The X-Request-Id of the request being read, when its headers were framed."""
+        """The X-Request-Id of the request being read, when its headers were framed (or refused
+        for two framings, ``OneFraming``)."""
         if self.cycle is None or self.cycle.response_complete:
-            return None
+            return getattr(self.conn, "refused_request_id", None)
         return scope_request_id(self.cycle.scope)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

@@ -17,7 +17,7 @@ from teacher_server.validation import STREAM_MESSAGE, BadRequest, Limits, RowTar
 # `"token_ids": [` as a key: inside a JSON string every `"` is escaped, so this only
 # matches a key (the top-level one, or a key of some nested object; see below).
 _IDS_KEYS = {key: re.compile(rb'"' + key.encode() + rb'"\s*:\s*\[') for key in ("token_ids", "prompt", "input_ids")}
-# each endpoint's prompt ids: its key (None: not told from the bytes when the body also truncates them)
+# each endpoint's key of its prompt's ids
 IDS_KEY = {"generate": "token_ids", "completions": "prompt", "sglang-generate": "input_ids"}
 M = TypeVar("M", bound=BaseModel)
 PRECHECK_BYTES = 64 * 1024  # bodies below this are parsed at once (counting would gain nothing)
@@ -38,7 +38,7 @@ def count_token_ids(raw: bytes | bytearray, above: int = -1, key: str = "token_i
     if m is None:
         return None
     end = raw.find(b"]", m.end())
-    if end < 0:
+    if end < 0 or raw.find(b'"', m.end(), end) >= 0:  # (a quote: strings, such as text prompts, not ids)
         return None
     n = raw.count(b",", m.end(), end) + 1  # elements of a non-empty flat array
     if n <= above:
@@ -82,7 +82,7 @@ def row_targets(sp: SamplingParams) -> RowTargets:
                       logsumexp=bool(sp.prompt_logprob_logsumexp), temperature=sp.prompt_logprob_temperature)
 
 
-def _body_request_id(obj: object) -> str | None:
+def body_request_id(obj: object) -> str | None:
     rid = obj.get("request_id") if isinstance(obj, dict) else None
     return rid if isinstance(rid, str) else None
 
@@ -149,7 +149,7 @@ def parse_request(raw: bytes | bytearray, limits: Limits, served_model_name: str
             truncate_prompt_tokens=sp.truncate_prompt_tokens, targets=row_targets(sp),
             sampling_temperature=sp.temperature)
     except BadRequest as e:
-        rid = _body_request_id(obj)
+        rid = body_request_id(obj)
         e.request_id = rid if rid is not None else header_request_id
         raise
     return body, req

@@ -108,7 +108,8 @@ class ParsedSGLang:
     @property
     def client_id(self) -> str | None:
         """``request_id`` where the body named it (``rid``), else None (an id of ours)."""
-        return None if self.body.rid is None else self.request_id
+        rid = self.body.rid
+        return self.request_id if (rid[0] if isinstance(rid, list) and rid else rid) else None
 
 
 def _per(value: Any, i: int, n: int, name: str, nested: bool = False) -> Any:
@@ -130,14 +131,20 @@ def parse_sglang(raw: bytes, limits: Limits, served: str, tok: Tokenizer | None,
     obj = json_object(raw) if obj is None else obj
     try:
         return _parse_sglang(as_model(obj, SGLangGenerateRequest), limits, tok)
-    except BadRequest as e:  # (the id the access line names a refusal by, as a success names it: the first prompt's)
-        rid, many = obj.get("rid"), obj.get("input_ids") if obj.get("text") is None else obj.get("text")
-        if isinstance(rid, list):
-            rid = rid[0] if rid else None
-        elif isinstance(rid, str) and isinstance(many, list) and many and isinstance(many[0], str | list):
-            rid = f"{rid}_0"  # (SGLang's expansion of one rid over a batch)
-        e.request_id = rid if isinstance(rid, str) and rid else None
+    except BadRequest as e:
+        e.request_id = refused_call_id(obj)
         raise
+
+
+def refused_call_id(obj: dict) -> str | None:
+    """The id the access line names a refused call by, as a success names it: the first
+    prompt's ``rid`` (None where the body gives none)."""
+    rid, many = obj.get("rid"), obj.get("input_ids") if obj.get("text") is None else obj.get("text")
+    if isinstance(rid, list):
+        rid = rid[0] if rid else None
+    elif isinstance(rid, str) and isinstance(many, list) and many and isinstance(many[0], str | list):
+        rid = f"{rid}_0"  # (SGLang's expansion of one rid over a batch)
+    return rid if isinstance(rid, str) and rid else None
 
 
 # build_request's names of the native request's fields -> this endpoint's (its sampling fields stay in

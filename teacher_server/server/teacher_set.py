@@ -18,8 +18,10 @@ from starlette.datastructures import State
 
 from teacher_server.config import Config
 from teacher_server.server.admission import QueueWait
+from teacher_server.server.completion_request import refused_call_id
 from teacher_server.server.metrics import Metrics
-from teacher_server.server.parsing import refuse_long_prompt
+from teacher_server.server.parsing import body_request_id, refuse_long_prompt
+from teacher_server.server.sglang_generate import refused_call_id as sglang_refused_call_id
 from teacher_server.validation import BadRequest
 
 PEEK_INLINE_BYTES = 256 * 1024  # larger bodies are read for their `model` off the event loop
@@ -74,32 +76,35 @@ class Teachers:
         answers it with the usual 400. A prompt longer than every teacher takes is refused from
         the bytes first, as with one teacher (``refuse_long_prompt``; not while one is loading)."""
         lens = [getattr(t, "limits", None) for t in self.all]
-        if all(x is not None for x in lens):
-            refuse_long_prompt(raw, endpoint, max(x.max_model_len for x in lens))
-        loop = asyncio.get_running_loop()
-        obj = await loop.run_in_executor(pool, body_object, raw) if len(raw) > PEEK_INLINE_BYTES \
-            else body_object(raw)
-        if obj is None:
-            return self.all[0], None
-        try:
+        most = max(x.max_model_len for x in lens) if all(x is not None for x in lens) else None
+        loop, obj = asyncio.get_running_loop(), None
+        try:  # (a large body's byte check and parse off the event loop)
+            obj = await loop.run_in_executor(pool, _peek, raw, endpoint, most) if len(raw) > PEEK_INLINE_BYTES \
+                else _peek(raw, endpoint, most)
+            if obj is None:
+                return self.all[0], None
             return self.named(obj.get("model")), obj
         except BadRequest as e:  # (named as the endpoint names a refused call with one teacher)
             e.request_id = _call_id(obj, endpoint, header_request_id)
             raise
 
 
-def _call_id(obj: dict, endpoint: str, header_request_id: str | None) -> str | None:
-    """The id an endpoint's refusal is logged by, from the body (and X-Request-Id): the native
-    ``request_id``; ``cmpl-`` and X-Request-Id or ``request_id``; SGLang's (first) ``rid``."""
+def _peek(raw: bytes, endpoint: str, most: int | None) -> dict | None:
+    """``body_object``, after ``refuse_long_prompt`` against the longest prompt a teacher takes
+    (None: a teacher is still loading, its length unknown)."""
+    if most is not None:
+        refuse_long_prompt(raw, endpoint, most)
+    return body_object(raw)
+
+
+def _call_id(obj: dict | None, endpoint: str, header_request_id: str | None) -> str | None:
+    """The id an endpoint's refusal is logged by, as each endpoint's own parse names it (``obj``:
+    None where the body was refused unparsed)."""
     if endpoint == "completions":
-        rid = header_request_id if header_request_id is not None else obj.get("request_id")
-        return f"cmpl-{rid}" if isinstance(rid, str) else None
-    if endpoint == "generate":
-        rid = obj.get("request_id")
-        return rid if isinstance(rid, str) else None  # ("" is an id there)
-    rid = obj.get("rid")
-    rid = rid[0] if isinstance(rid, list) and rid else rid
-    return rid if isinstance(rid, str) and rid else None
+        return refused_call_id(obj, header_request_id)
+    if obj is None:
+        return None
+    return sglang_refused_call_id(obj) if endpoint == "sglang-generate" else body_request_id(obj)
 
 
 def body_object(raw: bytes) -> dict | None:
