@@ -152,6 +152,17 @@ class LLM:
                              cfg.max_rows_x_k, processed=cfg.logprobs_mode == "processed_logprobs")
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor or pipeline parallel; none at size 1). Also
+        done at the interpreter's exit; ``with LLM(...) as llm:`` closes at the block's end."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(self, prompts: TokensPrompt | Sequence[TokensPrompt] | Sequence[int],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False, **vllm_kwargs: Any) -> list[RequestOutput]:

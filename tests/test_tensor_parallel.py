@@ -687,3 +687,27 @@ def test_gpu_tp2_comm_parts(dtype: str, checkpoints, monkeypatch) -> None:
         d = np.concatenate([np.abs(x.token_id_logprobs - y.token_id_logprobs)[np.isfinite(x.token_id_logprobs)]
                             for x, y in zip(ref, out[2, 3], strict=True)])
         assert d.mean() < 2e-2 and d.max() < 0.25, (d.mean(), d.max())
+
+
+def test_a_process_that_never_closes_its_parallel_llm_still_exits(odd_vocab: Path) -> None:
+    """An in-process ``LLM`` at TP2 whose script ends without closing it: its worker ignores
+    multiprocessing's SIGTERM at exit and waited on its pipe, so the process hung for ever; the
+    workers are now closed at exit. ``with LLM(...)`` closes them at the block's end."""
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, multiprocessing as mp\n"
+        "from teacher_server import LLM, SamplingParams, TokensPrompt\n"
+        "if __name__ == '__main__':\n"
+        "    kw = dict(device='cpu', tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64, block_size=8)\n"
+        "    sp = SamplingParams(max_tokens=1, prompt_logprob_token_ids=[7, 8], prompt_logprob_start=2)\n"
+        "    with LLM(sys.argv[1], **kw) as llm:\n"
+        "        llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3, 4, 5, 6]), sp)\n"
+        "    assert not mp.active_children()\n"
+        "    llm = LLM(sys.argv[1], **kw)\n"
+        "    out = llm.generate(TokensPrompt(prompt_token_ids=[1, 2, 3, 4, 5, 6]), sp)\n"
+        "    print('scored', out[0].prompt_token_id_logprobs.shape, flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", child, str(odd_vocab)], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "scored (3, 2)" in done.stdout, done.stderr[-2000:]

@@ -25,6 +25,7 @@ thread polls the parent pid) and ignore SIGINT and SIGTERM (the engine stops the
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -70,8 +71,7 @@ class TPWorkers:
         if device.type == "cuda" and torch.cuda.device_count() < local:
             on = f" / nnodes={cfg.nnodes}" if cfg.nnodes > 1 else ""
             raise RuntimeError(f"tensor_parallel_size x pipeline_parallel_size{on} = {local} ranks need {local} GPUs, "
-                               f"this host has "
-                               f"{torch.cuda.device_count()} visible")
+                               f"this host has {torch.cuda.device_count()} visible")
         self.size, self.device = size, device
         self.store = make_store(0, size)  # held while the group lives
         self.remote: RemoteRanks | None = None
@@ -79,7 +79,7 @@ class TPWorkers:
             from teacher_server.engine.remote_ranks import RemoteRanks
 
             self.remote = RemoteRanks(cfg, size, self.store.port)
-        self._closing = False
+        self._closing = self._closed = False  # (closing: a kill or a close under way)
         self._reaped: set[int | None] = set()  # pids the watchdog has reaped (never signalled again)
         self._hook: Callable[[BaseException], None] | None = None
         self.failure: str | None = None
@@ -96,6 +96,7 @@ class TPWorkers:
             self.procs.append(p)
             self.conns.append(parent)
         threading.Thread(target=self._watch, name="teacher-tp-watchdog", daemon=True).start()
+        atexit.register(self.close)  # before multiprocessing joins (never ends: they ignore its SIGTERM)
 
     # --- start-up ------------------------------------------------------------------------
     def _recv(self, i: int, what: str, timeout: float) -> tuple:
@@ -235,7 +236,10 @@ class TPWorkers:
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker: ask, wait, then kill; leave the process group."""
-        self._closing = True
+        atexit.unregister(self.close)
+        if self._closed:
+            return
+        self._closed = self._closing = True
         if self.remote is not None:  # before their ranks are asked: a node then takes their exits as clean
             try:
                 self.remote.tell(("stop",))
