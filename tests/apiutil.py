@@ -38,3 +38,16 @@ def assert_error(resp, status: int, param: str | None = None, contains: str | No
     if contains is not None:
         assert contains in err["message"], err
     return err
+
+
+def raw_http(port: int, data: bytes, timeout: float = 60) -> bytes:
+    """Send ``data`` as it is on a new connection to the local server; everything it answers
+    until it closes the connection."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got

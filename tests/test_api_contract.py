@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from apiutil import assert_error, body, decode, npy_b64
+from apiutil import assert_error, body, decode, npy_b64, raw_http
 
 GEN = "/inference/v1/generate"
 TOKS = [5, 17, 99, 3, 250, 1000, 7, 42, 8, 1]
@@ -498,12 +498,6 @@ def test_the_openapi_page_says_what_the_server_does(client) -> None:
 def test_a_request_refused_for_two_framings_keeps_its_request_id(demo_server) -> None:
     """The two-framings 400 names the request by the X-Request-Id its headers gave, as the other
     framing errors after the headers do (it had been one of ours)."""
-    import socket
-
-    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=60) as sock:
-        sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Request-Id: mine-7\r\n"
-                     b"Transfer-Encoding: chunked\r\nContent-Length: 19\r\n\r\n13\r\n{\"token_ids\":[1,2]}\r\n0\r\n\r\n")
-        got = b""
-        while chunk := sock.recv(65536):
-            got += chunk
+    got = raw_http(demo_server.port, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nX-Request-Id: mine-7\r\n"
+                   b"Transfer-Encoding: chunked\r\nContent-Length: 19\r\n\r\n13\r\n{\"token_ids\":[1,2]}\r\n0\r\n\r\n")
     assert got.startswith(b"HTTP/1.1 400") and b"\r\nx-request-id: mine-7\r\n" in got.lower(), got

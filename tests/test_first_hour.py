@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import logging
 import re
-import socket
 import subprocess
 import sys
 import textwrap
 
 import httpx
 import pytest
-from apiutil import assert_error, body
+from apiutil import assert_error, body, raw_http
 
 from teacher_server.client import TeacherClient, normalise_base_url
 
@@ -74,12 +73,8 @@ def test_a_path_with_no_route_is_a_404_naming_the_nearest(demo_server) -> None:
 
 def test_a_request_http_cannot_frame_gets_an_id_and_a_logged_reason(demo_server, caplog) -> None:
     caplog.set_level(logging.INFO, logger="teacher_server.access")
-    with socket.create_connection(("127.0.0.1", demo_server.port), timeout=30) as sock:
-        sock.sendall(b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
-                     b"Content-Length: 6\r\n\r\nhello!")
-        reply = b""
-        while chunk := sock.recv(65536):
-            reply += chunk
+    reply = raw_http(demo_server.port, b"POST " + GEN.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+                     b"Content-Length: 6\r\n\r\nhello!", timeout=30)
     head = reply.split(b"\r\n\r\n")[0].decode().lower()
     assert head.startswith("http/1.1 400") and "x-request-id: score-" in head, head
     assert any(rec.name == "teacher_server.access" and "invalid HTTP request" in getattr(rec, "reason", "")
