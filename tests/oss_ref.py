@@ -56,8 +56,10 @@ def make_gpt_oss_checkpoint(name: str, path: Path, seed: int = 0, vocab: int = 5
             ex = block.mlp.experts
             for proj in ("gate_up_proj", "down_proj"):
                 p = getattr(ex, proj)  # [E, in, out]
-                blocks, scales = quantize(p.transpose(1, 2))  # [E, out, in / 32, 16], [E, out, in / 32]
-                p.copy_(dequantize(blocks, scales).transpose(1, 2))  # the reference holds what the file says
+                n = p.shape[1]  # (in a multiple of 32 for the packing: the last block zero-padded, as exporters do)
+                w = torch.nn.functional.pad(p.transpose(1, 2), (0, -n % 32))
+                blocks, scales = quantize(w)  # [E, out, in / 32, 16], [E, out, in / 32]
+                p.copy_(dequantize(blocks, scales)[..., :n].transpose(1, 2))  # the reference holds what the file says
                 packed[f"model.layers.{layer}.mlp.experts.{proj}_blocks"] = blocks
                 packed[f"model.layers.{layer}.mlp.experts.{proj}_scales"] = scales
     model.save_pretrained(path, safe_serialization=True)

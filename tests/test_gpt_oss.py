@@ -248,3 +248,29 @@ def test_start_up_check_of_the_expert_activation_on_an_expert_parallel_rank(ckpt
     ops.compiled = True  # as if compiled: its checks run
     model.warm_up_ops(ops, model.make_ropes(64, torch.device("cpu")))
     assert ops.compiled
+
+
+def test_mxfp4_checkpoint_edges(tmp_path) -> None:
+    """Expert tensors wider than config.json's intermediate_size are a config/weights mismatch
+    (they had been cut to the config's width and another model served: error 3.77), packed or
+    plain; an intermediate size off the 32-value blocks, its last block zero-padded, loads and
+    matches transformers; scales stored as float8_e8m0fnu read as their exponent bytes; another
+    packed layout or a NaN scale (255) is refused naming the tensor (bare asserts before)."""
+    from teacher_server.layers.formats.mxfp4 import dequantize, quantize
+
+    for name in ("mxfp4", "plain"):
+        path = make_gpt_oss_checkpoint(name, tmp_path / name, num_hidden_layers=1)
+        d = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**d, "intermediate_size": 32}))
+        with pytest.raises(ValueError, match=r"experts\.(gate_up|down)_proj\S* has 64 .*expected 32.*mismatch"):
+            engine(path)
+    odd = make_gpt_oss_checkpoint("mxfp4", tmp_path / "odd", intermediate_size=48, num_hidden_layers=1)
+    reqs = make_requests(family_rng("gpt_oss"))[:4]
+    check(odd, reqs, engine(odd).run_to_completion(reqs))
+    blocks, scales = quantize(torch.randn(3, 64))
+    if hasattr(torch, "float8_e8m0fnu"):
+        torch.testing.assert_close(dequantize(blocks, scales.view(torch.float8_e8m0fnu)), dequantize(blocks, scales))
+    for b, s, said in ((blocks.to(torch.int8), scales, "uint8"), (blocks.flatten(-2), scales, "blocks \\[..., G, 16\\]"),
+                       (blocks, torch.full_like(scales, 255), "reserves for NaN")):
+        with pytest.raises(ValueError, match=f"w1: .*{said}"):
+            dequantize(b, s, name="w1")

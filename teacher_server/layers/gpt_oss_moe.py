@@ -75,25 +75,35 @@ class GptOssExperts(ExpertWeights):
         this rank's experts (every tensor here is stacked [E, ...])."""
         return (0, self.first, self.num_local) if self.ep.size > 1 else None
 
-    def _gate_up_rows(self, w: torch.Tensor) -> torch.Tensor:
+    def _gate_up_rows(self, w: torch.Tensor, name: str) -> torch.Tensor:
         """[..., 2I, in] with interleaved gate/up rows -> this rank's [..., gate | up, in]."""
         start, n = self.tp.rank * self.i_local, self.i_local
+        if w.shape[-2] != 2 * n * self.tp.size:  # (whole rows: a wider tensor is another model's, not cut)
+            raise ValueError(f"checkpoint tensor {name} has {w.shape[-2]} gate/up rows, expected "
+                             f"{2 * n * self.tp.size} (2 x intermediate_size) (config/weights mismatch)")
         gate, up = w[..., 0::2, :], w[..., 1::2, :]
         return torch.cat([gate[..., start:start + n, :], up[..., start:start + n, :]], dim=-2)
 
-    def _copy_expert(self, param: str, e: int, w: torch.Tensor, name: str) -> None:
+    def _copy_expert(self, param: str, e: int, w: torch.Tensor, name: str, packed: bool = False) -> None:
         """Expert e's whole weight w ([out, in]) -> this rank's part of it."""
         start, n = self.tp.rank * self.i_local, self.i_local
         dst = getattr(self, param).data[e]
         if param == "gate_up":
-            copy_checked(dst, self._gate_up_rows(w), name)
-        else:  # down [H, I]: this rank's columns
-            copy_checked(dst, w[:, start:start + n], name)
+            copy_checked(dst, self._gate_up_rows(w, name), name)
+            return
+        # down [H, I]: this rank's columns; MXFP4 packs I in blocks of 32, the last one zero-padded
+        full = n * self.tp.size
+        pad = -full % 32 if packed else 0
+        if w.shape[1] not in (full, full + pad) or (w.shape[1] > full and bool(w[:, full:].any())):
+            raise ValueError(f"checkpoint tensor {name} has {w.shape[1]} input columns, expected {full} "
+                             f"(intermediate_size){f', or {full + pad} zero-padded' if pad else ''} "
+                             "(config/weights mismatch)")
+        copy_checked(dst, w[:, start:start + n], name)
 
     def load_weight(self, param: str, loaded: torch.Tensor, part: str | None, name: str) -> None:
         loaded = self.local_stack(loaded, name)
         if param == "gate_up_bias":  # [E, 2I] interleaved
-            copy_checked(self.gate_up_bias.data, self._gate_up_rows(loaded[..., None])[..., 0], name)
+            copy_checked(self.gate_up_bias.data, self._gate_up_rows(loaded[..., None], name)[..., 0], name)
         elif param == "down_bias":
             copy_checked(self.down_bias.data, loaded, name)
         elif part in PACKED:  # one of the MXFP4 pair: the weight once both are here, expert by expert
@@ -101,9 +111,11 @@ class GptOssExperts(ExpertWeights):
             pair = self.fmt.load_packed(self, param, part, loaded)
             if pair is not None:
                 blocks, scales = pair
-                assert blocks.shape[0] == self.num_local, f"{name}: {blocks.shape[0]} experts"
+                if blocks.shape[0] != self.num_local:
+                    raise ValueError(f"checkpoint tensor {name} holds {blocks.shape[0]} experts, expected "
+                                     f"{self.num_local}")
                 for e in range(self.num_local):
-                    self._copy_expert(param, e, dequantize(blocks[e], scales[e]), name)
+                    self._copy_expert(param, e, dequantize(blocks[e], scales[e], name=name), name, packed=True)
         else:  # transformers' [E, in, out]
             assert part == "hf", (name, part, tuple(loaded.shape))
             for e in range(self.num_local):

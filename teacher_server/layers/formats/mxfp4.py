@@ -24,11 +24,22 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 PACKED = ("blocks", "scales")  # checkpoint suffixes of one packed weight (``<name>_blocks``)
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """blocks uint8 [..., G, 16] and scales uint8 [..., G] -> [..., G * 32] in ``dtype`` (exact:
-    every FP4 value times a power of two is representable in bf16 and float32)."""
-    assert blocks.dtype == torch.uint8 and scales.dtype == torch.uint8, (blocks.dtype, scales.dtype)
-    assert blocks.shape[:-1] == scales.shape and blocks.shape[-1] == BLOCK // 2, (blocks.shape, scales.shape)
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32,
+               name: str = "MXFP4 weight") -> torch.Tensor:
+    """blocks uint8 [..., G, 16] and scales uint8 (or float8_e8m0fnu: the same exponent bytes)
+    [..., G] -> [..., G * 32] in ``dtype`` (exact: every FP4 value times a power of two is
+    representable in bf16 and float32). Another layout, or a NaN scale (255), is a ValueError
+    naming ``name``."""
+    if scales.dtype == getattr(torch, "float8_e8m0fnu", None):
+        scales = scales.view(torch.uint8)
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales are uint8 (scales also float8_e8m0fnu), got "
+                         f"{blocks.dtype} and {scales.dtype}")
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != BLOCK // 2:
+        raise ValueError(f"{name}: MXFP4 blocks [..., G, {BLOCK // 2}] with scales [..., G] (one per {BLOCK} "
+                         f"values), got blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)}")
+    if bool((scales == 255).any()):
+        raise ValueError(f"{name}: a scale of 255, which the MX format reserves for NaN")
     lut = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
     vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # [..., G, 16, 2]
     vals = vals.flatten(-2) * torch.exp2(scales.float() - 127.0)[..., None]  # [..., G, 32]
