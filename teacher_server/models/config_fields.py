@@ -27,7 +27,8 @@ def _bad(key: str, value: Any, want: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"config.json's {key} is {json.dumps(value, default=str)}: {want}")
 
 
-def _number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """A JSON number (not a bool): what config.json's numeric keys must hold."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -41,16 +42,16 @@ def check_fields(d: dict[str, Any]) -> dict[str, Any]:
                 raise _bad(key, v, "a whole number is needed")
             continue
         low = 1 if key in POSITIVE else 0
-        if not _number(v) or not float(v).is_integer() or v < low:
+        if not is_number(v) or not float(v).is_integer() or v < low:
             raise _bad(key, v, f"a whole number of at least {low} is needed")
     for key in NUMBERS:
-        if d.get(key) is not None and not _number(d[key]):
+        if d.get(key) is not None and not is_number(d[key]):
             raise _bad(key, d[key], "a number is needed")
     for key in ("rope_scaling", "rope_parameters"):
         rope = d.get(key)
         if rope is not None and not isinstance(rope, dict):
             raise _bad(key, rope, "an object of rope parameters is needed")
         for name, v in (rope or {}).items():
-            if name in ROPE_NUMBERS and v is not None and not _number(v):
+            if name in ROPE_NUMBERS and v is not None and not is_number(v):
                 raise _bad(f"{key}.{name}", v, "a number is needed")
     return d

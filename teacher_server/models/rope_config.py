@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from teacher_server.models.config_fields import _number
+from teacher_server.models.config_fields import is_number
 from teacher_server.unsupported import UnsupportedModelError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -41,7 +41,7 @@ def rope_facts(d: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any]
     missing = [k for k in _NEEDS.get(rope_type, ()) if k not in merged]
     if missing:  # (refused here, not after the weights have loaded)
         raise UnsupportedModelError(f"{rope_type} rope scaling without {', '.join(missing)}")
-    bad = [k for k in _NEEDS.get(rope_type, ()) if not _number(merged[k])
+    bad = [k for k in _NEEDS.get(rope_type, ()) if not is_number(merged[k])
            and not (merged[k] is None and (rope_type, k) in _NULLABLE)]
     if bad:
         raise UnsupportedModelError(f"{rope_type} rope scaling with " + ", ".join(
@@ -52,7 +52,7 @@ def rope_facts(d: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, Any]
             merged[_PRETRAINED_LEN] = d[_PRETRAINED_LEN]
         elif merged.get(_PRETRAINED_LEN) is None:
             merged[_PRETRAINED_LEN] = max_pos
-        if not _number(merged[_PRETRAINED_LEN]) or merged[_PRETRAINED_LEN] <= 0:
+        if not is_number(merged[_PRETRAINED_LEN]) or merged[_PRETRAINED_LEN] <= 0:
             raise UnsupportedModelError(f"{rope_type} rope scaling with {_PRETRAINED_LEN}="
                                         f"{merged[_PRETRAINED_LEN]!r}: a positive number")
         if merged["factor"] is None:
