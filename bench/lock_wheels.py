@@ -7,7 +7,10 @@ installed).
 
 ``select`` prints one path per line. A package of the lock with only another version in the
 folder is a warning (its wheel is installed, and ``check`` reports it), or an error with
-``--strict``; a wheel of a package the lock does not name is left out."""
+``--strict``; a wheel of a package the lock does not name is left out. A locked wheel that a
+package of the machine's image outside the lock refuses (transformers, the GPU tests' and the
+baselines' reference, bounds huggingface-hub below the lock's 2.x) is left out too, the image's
+own version kept, and said on stderr; ``check`` then lists it as different."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import importlib.metadata as md
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +57,62 @@ def wheel_id(path: Path) -> tuple[str, str]:
     return norm(parts[0]), parts[1]
 
 
-def select(folder: Path, pins: dict[str, str], strict: bool) -> list[Path]:
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release of a version (1.5.0rc1 -> (1, 5, 0)), for the bounds below."""
+    return tuple(int(m.group()) for m in (re.match(r"\d+", x) for x in version.split(".")) if m)
+
+
+def _allows(spec: str, version: str) -> bool:
+    """Whether ``version`` meets a requirement's comma-separated specifiers (==, !=, <, <=, >, >=,
+    ~=; wildcards and local labels read loosely: a bound this cannot read allows)."""
+    have = _release(version)
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        m = re.fullmatch(r"(==|!=|<=|>=|~=|<|>)\s*([0-9][0-9A-Za-z.*+!-]*)", part)
+        if m is None or "*" in m.group(2):
+            continue
+        op, bound = m.group(1), _release(m.group(2))
+        n = max(len(have), len(bound))
+        a, b = have + (0,) * (n - len(have)), bound + (0,) * (n - len(bound))
+        ok = {"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b,
+              "~=": a >= b and a[:len(bound) - 1] == b[:len(bound) - 1]}[op]
+        if not ok:
+            return False
+    return True
+
+
+def image_refusals(pins: dict[str, str], dists: Iterable[md.Distribution] | None = None) -> dict[str, str]:
+    """name -> why, for each locked package already installed here whose locked version an
+    installed distribution outside the lock (of ``dists``: all) requires otherwise (its optional
+    extras aside)."""
+    why: dict[str, str] = {}
+    for dist in md.distributions() if dists is None else dists:
+        owner = norm(dist.metadata["Name"] or "")
+        if not owner or owner in pins:
+            continue
+        for req in dist.requires or ():
+            body, _, marker = req.partition(";")
+            if "extra" in marker:
+                continue
+            m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*\(?([^)]*)\)?", body)
+            if m is None:
+                continue
+            name = norm(m.group(1))
+            if name in pins and not _allows(m.group(2), pins[name]) and _installed(name):
+                why[name] = f"{owner} {dist.version} requires {name}{m.group(2).replace(' ', '')}"
+    return why
+
+
+def _installed(name: str) -> bool:
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+def select(folder: Path, pins: dict[str, str], strict: bool,
+           refused: dict[str, str] | None = None) -> list[Path]:
+    refused = image_refusals(pins) if refused is None else refused
     by_name: dict[str, list[Path]] = {}
     for w in sorted(folder.glob("*.whl")):
         by_name.setdefault(wheel_id(w)[0], []).append(w)
@@ -61,6 +120,10 @@ def select(folder: Path, pins: dict[str, str], strict: bool) -> list[Path]:
     for name, wheels in sorted(by_name.items()):
         if name not in pins:
             print(f"lock_wheels: {wheels[0].name}: not in requirements.lock, left out", file=sys.stderr)
+            continue
+        if name in refused:
+            print(f"lock_wheels: {wheels[0].name}: left out, this machine's own {name} {md.version(name)} kept: "
+                  f"{refused[name]}", file=sys.stderr)
             continue
         exact = [w for w in wheels if wheel_id(w)[1] == pins[name]]
         if exact:

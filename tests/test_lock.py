@@ -4,6 +4,7 @@ session installs .whl/ through it."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import re
 import subprocess
 import sys
@@ -66,13 +67,43 @@ def test_select_installs_the_locked_version_of_each(tmp_path, capsys) -> None:
     keep = [_wheel(tmp_path, "fastapi", "0.165.0"), _wheel(tmp_path, "pydantic_core", "2.50.5")]
     _wheel(tmp_path, "fastapi", "0.170.0")  # a second download: the locked one is chosen
     _wheel(tmp_path, "requests", "2.0.0")  # not in the lock: left out
-    assert sorted(lock_wheels.select(tmp_path, pins, strict=False)) == sorted(keep)
+    assert sorted(lock_wheels.select(tmp_path, pins, strict=False, refused={})) == sorted(keep)
     assert "requests" in capsys.readouterr().err
     other = _wheel(tmp_path, "einops", "0.7.0")  # only another version: a warning, or refused
-    assert other in lock_wheels.select(tmp_path, pins, strict=False)
+    assert other in lock_wheels.select(tmp_path, pins, strict=False, refused={})
     assert "einops: requirements.lock pins 0.8.1, .whl/ has 0.7.0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        lock_wheels.select(tmp_path, pins, strict=True)
+        lock_wheels.select(tmp_path, pins, strict=True, refused={})
+
+
+def test_select_keeps_what_the_machine_image_requires(tmp_path, capsys) -> None:
+    """A locked version that an installed package outside the lock refuses (the image's transformers
+    and huggingface-hub 2.x) is left out: the image's own stays, said on stderr."""
+    info = tmp_path / "site" / "imagepkg-5.17.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: imagepkg\nVersion: 5.17.0\n"
+                                   "Requires-Dist: pyyaml<2.0,>=1.5.0\n"
+                                   "Requires-Dist: numpy==0.1; extra == \"dev\"\n"
+                                   "Requires-Dist: not-installed-here<1\n")
+    image = list(md.distributions(path=[str(tmp_path / "site")]))
+    pins = {"pyyaml": "6.0.4", "numpy": "2.5.2", "not-installed-here": "3.0"}
+    refused = lock_wheels.image_refusals(pins, image)
+    # pyyaml 6 is outside <2.0 and installed here; numpy's bound is an optional extra's; a package
+    # the machine lacks is installed from the lock whatever the bound
+    assert list(refused) == ["pyyaml"] and "imagepkg 5.17.0 requires pyyaml<2.0,>=1.5.0" in refused["pyyaml"]
+    assert lock_wheels.image_refusals({"pyyaml": "1.6", "numpy": "2.5.2"}, image) == {}
+    wheels = [_wheel(tmp_path, "PyYAML", "6.0.4"), _wheel(tmp_path, "numpy", "2.5.2")]
+    assert lock_wheels.select(tmp_path, pins, strict=True, refused=refused) == [wheels[1]]
+    assert "PyYAML-6.0.4-py3-none-any.whl: left out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "version", "ok"), [
+    ("<2.0,>=1.5.0", "1.9.9", True), ("<2.0,>=1.5.0", "2.4.0", False), ("<=0.23.0", "0.23.3", False),
+    ("~=1.4", "1.9", True), ("~=1.4.2", "1.5.0", False), ("==2.*", "3.0", True), ("!=1.0", "1.0.0", False),
+    ("", "1.0", True), (">0.21.1", "0.21.1rc1", False),
+])
+def test_version_bounds(spec: str, version: str, ok: bool) -> None:
+    assert lock_wheels._allows(spec, version) is ok
 
 
 def test_check_reports_each_locked_package(capsys) -> None:
