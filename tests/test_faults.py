@@ -114,6 +114,10 @@ def test_queue_wait_estimate() -> None:
     of a request counts the tokens of its priority and more urgent ones only."""
     q = QueueWait(limit_s=2.0)
     t = 1000.0
+    q.admit(0, 1000, now=t)
+    q.finish(0, 1000, answered=True, now=t + 1.0)  # no step budget known yet: nothing measured
+    assert q.rate() is None
+    q.step_budget(None, 100)
     assert q.refuse(0, now=t) is None  # no measurement yet: admitted
     q.admit(0, 1000, now=t)
     q.finish(0, 1000, answered=True, now=t + 1.0)  # 1000 tokens in one busy second
@@ -130,6 +134,36 @@ def test_queue_wait_estimate() -> None:
     q.finish(5, 10 ** 6, answered=False, now=t + 1)
     assert q.queued == 0 and q.by_priority == {} and q.refuse(0, now=t + 1) is None
     assert QueueWait(None).refuse(0) is None
+
+
+def test_queue_wait_measures_only_saturated_time() -> None:
+    """Requests smaller than a step, alone, are mostly fixed cost: their time and tokens do not
+    measure the throughput, so a burst after light traffic is judged by the rate of a backlog
+    (a fresh server had refused work clearing in 6 s as 1,351 s of wait). Replicas' budgets add."""
+    q = QueueWait(limit_s=60.0)
+    q.step_budget(None, 2048)
+    t = 0.0
+    for _ in range(100):  # light traffic: 9 tokens answered per 0.6 s, 60 s busy
+        q.admit(0, 9, now=t)
+        q.finish(0, 9, answered=True, now=t + 0.6)
+        t += 1.0
+    assert q.rate() is None
+    q.admit(0, 16 * 1800, now=t)  # a burst at once: admitted, nothing measured says otherwise
+    assert q.refuse(0, now=t) is None
+    for i in range(16):  # it clears at 4,800 tokens/s; the last requests leave below a step's worth
+        q.finish(0, 1800, answered=True, now=t + (i + 1) * 0.375)
+    assert q.rate() == pytest.approx(1800 * 15 / (0.375 * 15), rel=1e-2)
+    q.admit(0, 4800 * 59, now=t + 10)  # 59 s of work at the measured rate: admitted, 61 s refused
+    assert q.refuse(0, now=t + 10) is None
+    q.admit(0, 4800 * 2, now=t + 10)
+    assert q.refuse(0, now=t + 10) == pytest.approx(1.0, rel=0.05)
+    dp = QueueWait(limit_s=1.0)
+    dp.step_budget(0, 1000)
+    dp.step_budget(1, 1000)
+    dp.admit(0, 1500, now=0.0)  # one replica's step, not both
+    assert not dp.saturated
+    dp.admit(0, 500, now=0.0)
+    assert dp.saturated
 
 
 def test_admission_by_estimated_wait(tmp_path_factory) -> None:

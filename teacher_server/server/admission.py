@@ -4,10 +4,15 @@ throughput measured while requests were waiting, is the time it would wait; beyo
 ``max_queue_wait_s`` it is refused with 429 and a Retry-After of the excess. Plain Python, on
 the event loop; fed by the generate endpoint for the single engine and the replica pool alike.
 
-The throughput is tokens answered per second of busy time (time with something queued), with
-exponential forgetting over ``TAU_S`` of busy time: idle hours do not dilute it, and it follows a
-change of workload within a minute. Until ``MIN_BUSY_S`` of busy time has been seen there is no
-estimate and nothing is refused by this rule (``max_queue_tokens`` still holds)."""
+The throughput is tokens answered per second of saturated time (time with at least one forward
+step's worth of tokens queued: the engines' step budgets, summed over replicas), with exponential
+forgetting over ``TAU_S`` of that time: idle hours do not dilute it, and it follows a change of
+workload within a minute. Time with less queued is left out, and so are the tokens answered in it:
+there a step is part-filled and a request's time is mostly fixed cost, so a few small requests
+would measure a tiny fraction of the capacity a backlog gets (a 9-token request alone had made
+a burst of work that cleared in 6 s look like 20 minutes). Until ``MIN_BUSY_S`` of saturated time
+has been seen there is no estimate and nothing is refused by this rule (``max_queue_tokens``
+still holds)."""
 
 from __future__ import annotations
 
@@ -31,15 +36,28 @@ class QueueWait:
         self.limit_s = limit_s
         self.by_priority: dict[int, int] = {}  # queued tokens per priority
         self.queued = 0
-        self._busy_s = 0.0  # forgetting sums: busy seconds and tokens answered in them
+        self._busy_s = 0.0  # forgetting sums: saturated seconds and tokens answered in them
         self._done = 0.0
-        self._seen_busy_s = 0.0  # busy time ever seen (without forgetting)
+        self._seen_busy_s = 0.0  # saturated time ever seen (without forgetting)
         self._last = time.monotonic()
+        self._budgets: dict[int | None, int] = {}  # each engine's (replica's) step budget, tokens
+        self._saturation = 0  # their sum; 0: none known yet
+
+    def step_budget(self, replica: int | None, tokens: int) -> None:
+        """An engine's tokens per forward step (``replica`` None: the one engine). Any thread:
+        the table is replaced, never changed in place, and its sum read as one number."""
+        budgets = {**self._budgets, replica: tokens}
+        self._budgets, self._saturation = budgets, sum(budgets.values())
+
+    @property
+    def saturated(self) -> bool:
+        """Whether a full step's worth of every engine is queued (never before a budget is known)."""
+        return 0 < self._saturation <= self.queued
 
     def _advance(self, now: float) -> None:
         dt = max(now - self._last, 0.0)
         self._last = now
-        if self.queued > 0 and dt > 0:
+        if dt > 0 and self.saturated:
             keep = math.exp(-dt / self.TAU_S)
             self._busy_s = self._busy_s * keep + dt
             self._done *= keep
@@ -73,14 +91,14 @@ class QueueWait:
         """A request admitted with ``admit`` has left the queue; ``answered``: it was scored
         (its tokens count towards the throughput; a cancelled or failed one's do not)."""
         self._advance(time.monotonic() if now is None else now)
+        if answered and self.saturated:
+            self._done += tokens
         left = self.by_priority[priority] - tokens
         if left:
             self.by_priority[priority] = left
         else:
             del self.by_priority[priority]
         self.queued -= tokens
-        if answered:
-            self._done += tokens
 
     @property
     def estimated_wait_s(self) -> float:

@@ -50,6 +50,7 @@ def start_engine(app: FastAPI, cfg: Config, factory: Callable[[Config], Engine],
                            cfg.max_prompt_logprobs_entries, priority_limit=cfg.priority_limit,
                            processed=cfg.logprobs_mode == "processed_logprobs", max_prompts=cfg.max_queue_requests)
         freeze_start_up_heap("server")  # (before the first request can come: the collection takes a while)
+        st.queue_wait.step_budget(None, engine.tuning.token_budget)
         st.engine, st.aengine, st.status = engine, ae, "ready"
         st.metrics.set_healthy(True)
         log.info("engine ready in %.1fs: serving %s (max_model_len %d)", time.monotonic() - t0,

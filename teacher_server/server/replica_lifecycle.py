@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from starlette.datastructures import State
 
 from teacher_server.config import Config
+from teacher_server.engine.stats import EngineStats
 from teacher_server.heap import freeze_start_up_heap
 from teacher_server.replicas.messages import ReplicaInfo
 from teacher_server.replicas.pool import ReplicaPool
@@ -57,7 +58,11 @@ def start_replicas(app: FastAPI, cfg: Config, factory: Callable[[Config], object
         if restarted:
             m.engine_labels(m.restarts, index if m.replicas > 1 else None).inc()
 
-    pool = ReplicaPool(cfg, factory, on_stats=lambda i, s: m.observe_engine(s, i),
+    def stats(index: int, s: EngineStats) -> None:
+        m.observe_engine(s, index)
+        st.queue_wait.step_budget(index, s.token_budget)
+
+    pool = ReplicaPool(cfg, factory, on_stats=stats,
                        on_down=lambda index, why: m.set_healthy(False, index), on_up=up,
                        on_give_up=lambda why: on_fatal(RuntimeError(why)))
     pool.start()
