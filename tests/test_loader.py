@@ -81,6 +81,31 @@ def test_a_truncated_file_is_named(tmp_path, checkpoints, keep: float) -> None:
         score(tmp_path)
 
 
+@pytest.mark.parametrize(("index", "error"), [
+    ("{'weight_map': {}}", "is not a safetensors index: Expecting property name"),
+    ('{"metadata": {}}', "has no weight_map"),
+    ('{"weight_map": ["model.safetensors"]}', "is not a safetensors index"),
+    ('{"weight_map": {"lm_head.weight": 3}}', "weight_map's values must be file names"),
+    ('{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}',
+     "model-00002-of-00002.safetensors is missing \\(the index names it\\)"),
+])
+def test_a_broken_index_or_shard_is_named(tmp_path, checkpoints, index: str, error: str) -> None:
+    for f in checkpoints["llama"].iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".*" + error):
+        score(tmp_path)
+
+
+def test_an_unreadable_shard_is_not_called_corrupt(tmp_path, checkpoints) -> None:
+    for f in checkpoints["llama"].iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-2.safetensors"}}')
+    (tmp_path / "model-2.safetensors").mkdir()
+    with pytest.raises(ValueError, match=r"model-2\.safetensors cannot be read by this process .*not a regular file"):
+        score(tmp_path)
+
+
 def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:
     src = checkpoints["llama"]
     for f in src.iterdir():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -32,7 +33,15 @@ log = logging.getLogger(__name__)
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            why = "has no weight_map" if isinstance(e, KeyError) else f"is not a safetensors index: {e}"
+            raise ValueError(f"{index} {why}"[:300] + " (an interrupted download? fetch it again, or remove it "
+                             "to read every *.safetensors file of the folder)") from None
+        if not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"{index}: weight_map's values must be file names")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -52,8 +61,13 @@ def open_checkpoint_file(f: Path, device: str = "cpu") -> Iterator[Any]:
         with safe_open(str(f), framework="pt", device=device) as sf:
             yield sf
     except (SafetensorError, OSError) as e:
-        size = f"{f.stat().st_size:,} bytes" if f.is_file() else "missing"
-        raise ValueError(f"checkpoint file {f} ({size}) cannot be read: {' '.join(str(e).split())[:200]}; it is "
+        why = " ".join(str(e).split())[:200]
+        if not f.exists():
+            raise ValueError(f"checkpoint file {f} is missing (the index names it): fetch it again") from None
+        if not f.is_file() or not os.access(f, os.R_OK):
+            raise ValueError(f"checkpoint file {f} cannot be read by this process (user id {os.getuid()}): "
+                             f"{'not a regular file' if not f.is_file() else 'no read permission'}") from None
+        raise ValueError(f"checkpoint file {f} ({f.stat().st_size:,} bytes) cannot be read: {why}; it is "
                          f"truncated or corrupt (an interrupted download or copy?): fetch it again") from None
 
 
