@@ -289,6 +289,19 @@ def test_a_scale_of_another_shape_or_dtype_is_refused_by_name(layout, block, nam
         load_model(bad, ModelSpec.from_dir(bad), torch.float32, CPU)
 
 
+@pytest.mark.parametrize("layout", ["block", "ct_channel"])
+def test_an_fp8_weights_nan_code_is_refused_by_name(layout: str, fp8_checkpoints, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    path, _ = fp8_checkpoints("qwen3", layout)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    w = load_file(str(path / "model.safetensors"))[name].clone()
+    w.view(torch.uint8)[1, 2] = 0xFF  # e4m3fn's NaN (-NaN)
+    bad = without(path, tmp_path / "bad", name, w)
+    with pytest.raises(ValueError, match=f"holds NaN or infinite values in: {re.escape(name)}"):
+        load_model(bad, ModelSpec.from_dir(bad), torch.float32, CPU)
+
+
 def test_latent_attention_blocks_that_cut_a_heads_rotated_rows_are_refused(fp8_checkpoints) -> None:
     """DeepSeek's rotated rows load permuted (interleaved to halves): a block scale stays right
     only when each head's rotated rows lie in one block (16 rows at 32-47 of each 48: 8-row

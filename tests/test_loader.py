@@ -106,6 +106,22 @@ def test_an_unreadable_shard_is_not_called_corrupt(tmp_path, checkpoints) -> Non
         score(tmp_path)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_infinite_weights_are_refused_by_name(tmp_path, checkpoints, value: float) -> None:
+    """One bad number would make every score NaN (and the drop-in endpoints' -9999.0)."""
+    from safetensors.torch import load_file, save_file
+
+    for f in checkpoints["llama"].iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    w = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.up_proj.weight"
+    w[name] = w[name].clone()
+    w[name][3, 5] = value
+    save_file(w, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"holds NaN or infinite values in: {re.escape(name)} \(every score"):
+        score(tmp_path)
+
+
 def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:
     src = checkpoints["llama"]
     for f in src.iterdir():

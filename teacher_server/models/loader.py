@@ -105,6 +105,24 @@ def checkpoint_name(model: nn.Module, name: str) -> str:
     return "lm_head.weight" if place is not None and name == f"{place[0]}.{place[1]}" else name
 
 
+@torch.no_grad()
+def nonfinite(x: torch.Tensor, chunk: int = 1 << 26) -> list[torch.Tensor]:
+    """Whether ``x`` holds a NaN or an infinity, as 0-d flags on its device (one per chunk: a
+    bounded temporary; read them all at once, one sync): floating tensors by value, FP8 codes
+    by their NaN (e4m3fn) or NaN/inf (e5m2) bit patterns; integer codes (packed FP4) hold none."""
+    x = x.detach().reshape(-1)
+    if x.dtype == torch.float8_e4m3fn:
+        mask = 0x7F  # S.1111.111
+    elif x.dtype == torch.float8_e5m2:
+        mask = 0x7C  # S.11111.xx: inf or NaN
+    elif x.is_floating_point():
+        mask = 0
+    else:
+        return []
+    return [(~torch.isfinite(part) if not mask else part.view(torch.uint8).bitwise_and(mask) == mask).any()
+            for part in x.split(chunk)]
+
+
 def finish_formats(model: nn.Module) -> None:
     """Each weight-holding layer's format, once its tensors are filled."""
     for m in model.modules():
@@ -157,6 +175,8 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
         with open_checkpoint_file(tensors[name].file, dev) as other:
             return other.get_tensor(name)
     t_all = time.perf_counter()
+    checks: list[torch.Tensor] = []  # each tensor's non-finite flags (nonfinite), and its name
+    checked: list[str] = []
     for i, f in enumerate(files, 1):
         t0 = time.perf_counter()
         with open_checkpoint_file(f, dev) as sf:
@@ -185,6 +205,9 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
                     loaded = read_slice(sf, hf_name, where(param, part) if where is not None else None)
                 else:  # read whole, then as the format says (the layer cuts its slice)
                     loaded = reader(sf.get_tensor(hf_name), fetch)
+                flags = nonfinite(loaded)
+                checks += flags
+                checked += [hf_name] * len(flags)
                 owner.load_weight(param, loaded, part, hf_name)
                 given.setdefault(f"{module}.{param}", []).append(hf_name)
         log.info("loaded checkpoint file %d/%d (%s, %.2f GB) in %.1fs", i, len(files), f.name,
@@ -211,6 +234,11 @@ def load_model(path: str | Path, spec: ModelSpec, dtype: torch.dtype, device: to
             if "lm_head.weight" in named and spec.tie_word_embeddings is False else ""
         raise ValueError(f"checkpoint {path} is missing weights for: {', '.join(named)}"
                          + (" ..." if len(missing) > 8 else "") + untied)
+    bad = list(dict.fromkeys(n for n, h in zip(checked, torch.stack(checks).tolist() if checks else []) if h))
+    if bad:
+        raise ValueError(f"checkpoint {path} holds NaN or infinite values in: {', '.join(bad[:8])}"
+                         + (" ..." if len(bad) > 8 else "") + " (every score would be NaN: a corrupt download, or "
+                         "an export that overflowed)")
     finish_formats(model)
     log.info("loaded %d checkpoint file(s) in %.1fs", len(files), time.perf_counter() - t_all)
     return model
