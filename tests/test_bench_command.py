@@ -40,6 +40,8 @@ def test_bench_against_a_running_server(demo_server, tmp_path, capsys) -> None:
     assert w1["tok_s"] == pytest.approx(w1["tokens"] / w1["seconds"])
     assert w1["mfu"] is not None and w1["mfu"] > 0  # the demo checkpoint's config.json is readable here
     assert w2["cached_share"] > 0  # the groups' prompts came from the prefix cache
+    # every pass alike: a repeat, or W2 after W1, finds nothing of an earlier pass in the cache
+    assert w1["all_cached_shares"] == [0.0, 0.0] and len(set(w2["all_cached_shares"])) == 1
     png = (tmp_path / "bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and b"IEND" in png[-12:]
     assert "W1:tiny" in printed and "tok/s" in printed and "MFU" in printed
@@ -50,6 +52,21 @@ def test_bench_against_a_running_server(demo_server, tmp_path, capsys) -> None:
     assert (again / "bench.png").read_bytes() == png
     assert not (again / "bench.json").exists()  # (and not said to be written)
     assert capsys.readouterr().out.rstrip().endswith(f"wrote {again / 'bench.png'}")
+
+
+def test_salted_passes_keep_shapes_and_shared_prefixes() -> None:
+    from teacher_server.benchmark import workloads as wl
+    from teacher_server.benchmark.command import gpu_peak, salted
+
+    reqs = wl.make_workload("W2:tiny", 1000)
+    again = salted(reqs, 3, 1000)
+    assert [len(r.tokens) for r in again] == [len(r.tokens) for r in reqs]
+    assert all((a.tokens != r.tokens).all() and a.start == r.start and (a.cand == r.cand).all()
+               for a, r in zip(again, reqs))
+    shared = lambda rs: [(rs[0].tokens[:n] == r.tokens[:n]).all() for r in rs for n in [50]]  # noqa: E731
+    assert shared(again) == shared(reqs)
+    assert gpu_peak("NVIDIA H100 PCIe") == 756 and gpu_peak("NVIDIA H200 NVL") == 835
+    assert gpu_peak("NVIDIA H100 80GB HBM3") == gpu_peak("NVIDIA H200") == gpu_peak(None) == 989
 
 
 @pytest.mark.parametrize(("argv", "says"), [

@@ -30,7 +30,9 @@ SHAPES = {"qwen3-8b": wl.QWEN3_8B, "qwen3-32b": wl.QWEN3_32B, "qwen3-30b-a3b": w
           "gpt-oss-20b": wl.GPT_OSS_20B, "qwen3-next-80b-a3b-24l": wl.QWEN3_NEXT_80B_A3B_LAYERS,
           "gemma-3-27b": wl.GEMMA3_27B, "glm-4.5-air-layers": wl.GLM45_AIR_LAYERS}
 # dense bf16 peak per GPU by name, for MFU when the server runs here; elsewhere --peak-tflops (default H200's)
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H20": 148.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+# (the first name found in the GPU's name: the PCIe and NVL cards before the SXM ones they contain)
+PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200": 989.0, "H100": 989.0,
+               "H20": 148.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
 
 
 def build_parser(prog: str = "teacher-server bench") -> argparse.ArgumentParser:
@@ -131,13 +133,14 @@ def _measure(args: argparse.Namespace, url: str, names: list[str], local_gpu: st
 
     card = fetch_model_card(url, args.api_key)
     cfg = cfg or _flops_config(args.model_config, card.get("root"))
-    peak = args.peak_tflops or next((v for k, v in PEAK_TFLOPS.items() if local_gpu and k in local_gpu), 989.0)
+    peak = args.peak_tflops or gpu_peak(local_gpu)
     results = {"url": url, "model": card["id"], "vocab_size": card["vocab_size"],
                "max_model_len": card["max_model_len"], "device": local_gpu, "peak_tflops": peak, "gpus": args.gpus,
                "concurrency": args.concurrency,
                "k": args.k, "version": __version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "flops_config": cfg is not None, "workloads": {}}
     warm_up(url, card["vocab_size"], args.api_key)
+    salt = 0
     for name in names:
         reqs = wl.make_workload(name, card["vocab_size"], k=args.k)
         longest = max(len(r.tokens) for r in reqs)
@@ -148,10 +151,26 @@ def _measure(args: argparse.Namespace, url: str, names: list[str], local_gpu: st
         if args.warm_up:  # other random ids (no prefix of the timed pass cached), not timed
             warm = wl.make_workload(name, card["vocab_size"], k=args.k, seed=1)
             run_pass(url, warm[: max(2, len(warm) // 8)], args.concurrency, args.api_key, f"{name} warm-up")
-        passes = [run_pass(url, reqs, args.concurrency, args.api_key, f"{name} {i + 1}/{args.repeats}")
-                  for i in range(args.repeats)]
+        passes = []
+        for i in range(args.repeats):
+            salt += 1
+            passes.append(run_pass(url, salted(reqs, salt, card["vocab_size"]), args.concurrency, args.api_key,
+                                   f"{name} {i + 1}/{args.repeats}"))
         results["workloads"][name] = _summary(reqs, passes, cfg, peak * 1e12 * args.gpus)
     return results
+
+
+def gpu_peak(name: str | None) -> float:
+    """Dense bf16 TFLOP/s of a GPU by its name (989, an H200's, for one not listed or none)."""
+    return next((v for k, v in PEAK_TFLOPS.items() if name and k in name), 989.0)
+
+
+def salted(reqs: list[wl.Req], salt: int, vocab: int) -> list[wl.Req]:
+    """The requests with every token id shifted by ``salt`` (mod the vocabulary): the same shapes
+    and the same prefixes shared within the workload (W2's groups), but none with an earlier
+    pass or workload, whose prefixes the server's cache still holds (W2's prompts begin as W1f's:
+    a repeat, or W2 after W1f, had timed cache hits as throughput)."""
+    return [wl.Req((r.tokens + salt) % vocab, r.start, r.cand) for r in reqs]
 
 
 def _flops_config(path: str | None, root: str | None) -> dict | None:
@@ -176,4 +195,5 @@ def _summary(reqs: list[wl.Req], passes: list, cfg: dict | None, peak_flops: flo
     return {"requests": len(reqs), "tokens": tokens, "scored_rows": sum(r.rows for r in reqs),
             "seconds": mid.seconds, "tok_s": tokens / mid.seconds, "mfu": mfu,
             "p50_s": statistics.median(lat), "p99_s": lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-            "cached_share": sum(mid.cached_tokens) / tokens, "all_seconds": [p.seconds for p in passes]}
+            "cached_share": sum(mid.cached_tokens) / tokens, "all_seconds": [p.seconds for p in passes],
+            "all_cached_shares": [sum(p.cached_tokens) / tokens for p in passes]}
