@@ -8,7 +8,6 @@ Sources, lowest to highest precedence: field defaults < YAML file < environment
 from __future__ import annotations
 
 import os
-import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -17,10 +16,9 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from teacher_server.did_you_mean import DTYPE_HINTS, did_you_mean
+from teacher_server.env_names import ENV_PREFIX, ConfigError, check_env_names
 from teacher_server.parallel_settings import ParallelSettings
 from teacher_server.teachers import TeacherSettings
-
-ENV_PREFIX = "TEACHER_SERVER_"
 
 LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs"]
 AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash_attn"]
@@ -28,15 +26,6 @@ AttentionBackend = Literal["auto", "sdpa", "varlen", "cudnn", "cudnn_fe", "flash
 NONE_WORDS = ("none", "null")  # an optional setting's None, in a flag or a variable
 # vLLM's other spellings of the weight dtypes (its --dtype takes half and float too)
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-# TEACHER_SERVER_* variables that are not settings (read by the kernel build and the benchmarks);
-# any other TEACHER_SERVER_* variable that names no setting is refused (a misspelling)
-OTHER_ENV = ("TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH", "TEACHER_SERVER_COMMIT",
-             "TEACHER_SERVER_PLAN_DIR")
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
-
-
 class Config(TeacherSettings, ParallelSettings):
     """Every setting of the service. Built once at startup, passed down explicitly."""
 
@@ -209,6 +198,16 @@ class Config(TeacherSettings, ParallelSettings):
     def _empty_is_none(cls, v: Any) -> Any:
         return None if isinstance(v, str) and v.strip() == "" else v
 
+    @field_validator("api_key", mode="after")
+    @classmethod
+    def _sendable_key(cls, v: str | None) -> str | None:
+        """Surrounding whitespace (a key file's trailing newline) is dropped: no client can send it
+        (HTTP strips it from a header value); a key no client can send at all is refused."""
+        v = None if v is None else v.strip()
+        if v is not None and not all(" " <= c <= "~" for c in v):
+            raise ValueError("api_key must be printable ASCII: a client sends it in an Authorization header")
+        return v
+
     @field_validator("dtype", mode="before")
     @classmethod
     def _dtype_alias(cls, v: Any) -> Any:
@@ -325,26 +324,3 @@ class Config(TeacherSettings, ParallelSettings):
             msgs = [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
                     for err in e.errors()]
             raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
-
-
-# Kubernetes' service links of a Service named teacher-server (TEACHER_SERVER_SERVICE_HOST,
-# TEACHER_SERVER_PORT_8000_TCP_ADDR, ...): not settings, and not misspellings
-_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_HOST|SERVICE_PORT(_\w+)?"
-                           r"|PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?)")
-
-
-def check_env_names(env: dict[str, str], fields: dict[str, Any]) -> None:
-    """Refuse a TEACHER_SERVER_* variable that names no setting (a misspelling, which would
-    otherwise be ignored silently: the chart's extraEnv makes that easy), with the closest name."""
-    port = env.get(ENV_PREFIX + "PORT", "")
-    if port.startswith(("tcp://", "udp://")):
-        raise ConfigError(f"{ENV_PREFIX}PORT={port[:60]} is a Kubernetes service link (a Service named "
-                          f"teacher-server in the namespace): set enableServiceLinks: false on the pod (the chart "
-                          f"does), or set {ENV_PREFIX}PORT to the port to listen on")
-    known = [ENV_PREFIX + name.upper() for name in fields]
-    bad = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known and k not in OTHER_ENV
-                 and not _SERVICE_LINK.fullmatch(k))
-    if bad:
-        hints = [f"{k}{did_you_mean(k.upper(), known)}" for k in bad]
-        raise ConfigError(f"unknown environment variable(s): {'; '.join(hints)} (each TEACHER_SERVER_<FIELD> "
-                          f"names a setting of config.yaml; unset it or fix its name)")

@@ -14,7 +14,8 @@ import orjson
 
 # fields that records may carry (``extra=``) and the JSON form writes as members
 RECORD_FIELDS = ("request_id", "status", "latency_s", "tokens", "rows", "reason")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\u0085\u2028\u2029]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # C0, DEL, C1 (0x9b: a terminal's CSI), separators
+_JSON_RAW = re.compile(r"[\x7f-\x9f\u2028\u2029]")
 
 
 def escape_control(text: str) -> str:
@@ -31,7 +32,8 @@ class JsonFormatter(logging.Formatter):
                 out[key] = getattr(record, key)
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return orjson.dumps(out).decode()
+        # (orjson leaves DEL, C1 and the line separators raw: valid JSON, but a terminal acts on them)
+        return _JSON_RAW.sub(lambda m: f"\\u{ord(m.group()):04x}", orjson.dumps(out).decode())
 
 
 class TextFormatter(logging.Formatter):

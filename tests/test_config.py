@@ -136,6 +136,17 @@ def test_settings_that_may_be_none_take_none_from_flags_and_the_environment(tmp_
         Config.load(env={"TEACHER_SERVER_MAX_LOGPROBS": "none"})
 
 
+def test_an_api_key_is_what_a_client_can_send() -> None:
+    """A key file's trailing newline (a Kubernetes Secret made --from-file) is dropped: HTTP strips
+    a header value's surrounding whitespace, so no client could ever match it; a key a header
+    cannot carry is refused."""
+    assert Config.load(env={"TEACHER_SERVER_API_KEY": "k3y\n"}).api_key == "k3y"
+    assert Config(api_key=" a b\t").api_key == "a b" and Config(api_key=" \n").api_key is None
+    for bad in ("k\x00y", "k\ny", "kéy"):
+        with pytest.raises(ConfigError, match="api_key must be printable ASCII"):
+            Config.load(overrides={"api_key": bad})
+
+
 @pytest.mark.parametrize("content", [b"port: [1\n", b"port: \xff\xfe\n"])
 def test_a_config_file_that_is_not_yaml_is_a_config_error(tmp_path, content: bytes) -> None:
     f = tmp_path / "bad.yaml"

@@ -752,9 +752,9 @@ def test_oversized_token_ids_are_refused_before_the_rest_is_parsed(demo_server) 
 
 
 def test_request_ids_cannot_forge_log_lines(demo_server, caplog) -> None:
-    from teacher_server.logging_setup import TextFormatter
+    from teacher_server.logging_setup import JsonFormatter, TextFormatter
 
-    forged = "r-1\n2026-01-01 00:00:00,000 INFO teacher_server.server: forged\r\x1b[2J\u2028"
+    forged = "r-1\n2026-01-01 00:00:00,000 INFO teacher_server.server: forged\r\x1b[2J\u2028\x9b31m\x85"
     caplog.set_level(logging.INFO, logger="teacher_server")
     with demo_server.client() as c:
         assert c.post(GEN, json={**body([1, 2, 3], [4]), "request_id": forged}).status_code == 200
@@ -763,9 +763,10 @@ def test_request_ids_cannot_forge_log_lines(demo_server, caplog) -> None:
     assert len(lines) == 2
     fmt = TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     for rec in lines:
-        text = fmt.format(rec)
-        assert "\n" not in text and "\r" not in text and "\x1b" not in text and "\u2028" not in text, text
-        assert "\\n2026-01-01" in text  # written as an escape, still readable
+        for text in (fmt.format(rec), JsonFormatter().format(rec)):  # C1's 0x9b: a terminal's CSI
+            assert not any(ch in text for ch in "\n\r\x1b\u2028\x9b\x85"), text
+            assert "\\n2026-01-01" in text  # written as an escape, still readable
+        assert json.loads(JsonFormatter().format(rec))["request_id"] == forged[:128]
 
 
 def test_access_line_and_vllm_metric_names(demo_server, caplog) -> None:
