@@ -173,7 +173,7 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
     from teacher_server.engine.remote_ranks import RemoteRanks
 
     port = free_port()
-    cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY)
+    cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY, api_key="k")
     remote = RemoteRanks(cfg, 2, store_port=1234)
     try:
         with pytest.raises(AuthenticationError):
@@ -184,7 +184,10 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
         node = Client(("127.0.0.1", port), authkey=KEY.encode())
         node.send(("node", 1, 2))
         kind, first, count, size, store_port, sent = node.recv()
-        assert (kind, first, count, size, store_port) == ("ranks", 1, 1, 2, 1234) and Config(**sent) == cfg
+        assert (kind, first, count, size, store_port) == ("ranks", 1, 1, 2, 1234)
+        # the leader's settings, but neither secret: the node proves its own key, and needs no API key
+        assert sent["node_authkey"] is None and sent["api_key"] is None
+        assert Config(**{**sent, "node_authkey": KEY, "api_key": "k"}) == cfg
         rank = Client(("127.0.0.1", port), authkey=KEY.encode())
         rank.send(("rank", 1))
         (conn,) = remote.wait_all(10, lambda: None)
@@ -202,6 +205,44 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
         assert remote.check(list(watched)) == "worker node 1 is gone (its control connection closed)"
     finally:
         remote.close()
+
+
+def test_a_silent_connection_holds_up_no_node_and_the_port_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer that connects to the control port and says nothing (a scanner, a load balancer's
+    probe) is dropped after GREET_TIMEOUT_S, and the group's nodes join meanwhile; once the group
+    is whole, or closed while waiting, the port is free again (a restarted group binds it)."""
+    import socket
+    from multiprocessing.connection import Client, Listener
+
+    from teacher_server.engine import remote_ranks
+    from teacher_server.engine.remote_ranks import RemoteRanks
+
+    monkeypatch.setattr(remote_ranks, "GREET_TIMEOUT_S", 1.0)
+    port = free_port()
+    cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY)
+    remote = RemoteRanks(cfg, 2, store_port=1234)
+    try:
+        silent = socket.create_connection(("127.0.0.1", port))
+        t0 = time.monotonic()
+        node = Client(("127.0.0.1", port), authkey=KEY.encode())
+        node.send(("node", 1, 2))
+        assert node.recv()[0] == "ranks" and time.monotonic() - t0 < 0.9
+        assert silent.recv(1024) and silent.recv(1024) == b""  # the key's challenge, then closed unanswered
+        rank = Client(("127.0.0.1", port), authkey=KEY.encode())
+        rank.send(("rank", 1))
+        remote.wait_all(10, lambda: None)
+        deadline = time.monotonic() + 5
+        while remote._acceptor.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        Listener(("", port)).close()  # the whole group's port is free
+        silent.close()
+    finally:
+        remote.close()
+    waiting = RemoteRanks(cfg, 2, store_port=1234)  # closed before any node came
+    waiting.close()
+    waiting._acceptor.join(5)
+    assert not waiting._acceptor.is_alive()
+    Listener(("", port)).close()
 
 
 def test_the_control_connection_closed_mid_read_ends_the_reader_quietly() -> None:

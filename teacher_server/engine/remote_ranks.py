@@ -13,12 +13,16 @@ rank fails says so on it, then exits.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
 
 from teacher_server.config import Config
 
@@ -26,7 +30,10 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often each side says it is there
 HEARTBEAT_TIMEOUT_S = 30.0  # silence after which the other side is taken as gone (a host lost without a reset)
-GREET_TIMEOUT_S = 10.0  # an accepted connection names itself within this
+GREET_TIMEOUT_S = 10.0  # an accepted connection proves the key and names itself within this
+# what the nodes need of the leader's settings: not the HTTP API key, nor the node key, which each
+# node holds and proves in the handshake (the setup travels unencrypted)
+SECRETS = {"api_key": None, "node_authkey": None}
 
 
 def node_authkey(cfg: Config) -> bytes:
@@ -37,40 +44,77 @@ def node_authkey(cfg: Config) -> bytes:
     return cfg.node_authkey.encode()
 
 
+@contextlib.contextmanager
+def read_timeout(conn: Connection, seconds: float) -> Iterator[None]:
+    """A blocking read on ``conn`` fails (``BlockingIOError``) after ``seconds`` of silence, within
+    the block; reads block without limit again after it."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # (the option is the socket's, shared by its descriptors)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        sock.close()
+
+
 class RemoteRanks:
     """Accepts the worker nodes and their ranks; watches the nodes' connections."""
 
     def __init__(self, cfg: Config, size: int, store_port: int) -> None:
         self.nnodes, self.local, self.size = cfg.nnodes, cfg.ranks_per_node(), size
         # the ranks learn from here what a spawned worker gets as arguments
-        self._setup = (size, store_port, cfg.model_dump())
-        self.listener = Listener(("", cfg.master_port), authkey=node_authkey(cfg))
+        self._setup = (size, store_port, {**cfg.model_dump(), **SECRETS})
+        self._key = node_authkey(cfg)
+        self.listener = Listener(("", cfg.master_port))  # (the key is checked per connection: _join)
         self.nodes: dict[int, Connection] = {}
         self.ranks: dict[int, Connection] = {}
         self._heard: dict[int, float] = {}  # node -> when it last spoke
         self._beat = 0.0
         self._lock = threading.Lock()  # the node connections are sent on from the watchdog and from close()
         self._complete = threading.Event()
-        threading.Thread(target=self._accept, name="teacher-node-listener", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name="teacher-node-listener", daemon=True)
+        self._acceptor.start()
         log.info("waiting for %d worker node(s) on port %d (ranks %d..%d)", self.nnodes - 1, cfg.master_port,
                  self.local, size - 1)
 
     # --- joining -------------------------------------------------------------------------
     def _accept(self) -> None:
-        while not self._complete.is_set():
+        while True:
             try:
                 conn = self.listener.accept()
-            except (OSError, EOFError, AuthenticationError) as e:  # a wrong key, a peer gone while greeting
+            except OSError as e:
                 if self._complete.is_set():
                     return
-                log.warning("refused a control connection: %s", e)
+                log.warning("control listener: %s", e)
                 continue
-            try:
-                self._greet(conn)
-            except (OSError, EOFError, ValueError) as e:
-                log.warning("refused a control connection: %s", e)
+            if self._complete.is_set():  # (the group is whole, or closing: _wake's connection)
                 conn.close()
+                break
+            threading.Thread(target=self._join, args=(conn,), name="teacher-node-join", daemon=True).start()
         self.listener.close()
+
+    def _wake(self) -> None:
+        """Bring the accept loop out of its wait (a connection of this process's own) to close the
+        listener, which frees the port; closing it from another thread would not end the wait."""
+        if self._acceptor.is_alive():
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", self.listener.address[1]), timeout=1.0).close()
+
+    def _join(self, conn: Connection) -> None:
+        """One connection's key handshake and greeting, on a thread of its own and within
+        ``GREET_TIMEOUT_S``: a peer that connects and says nothing (a port scanner, a load
+        balancer's probe) holds up no node's joining."""
+        try:
+            with read_timeout(conn, GREET_TIMEOUT_S):
+                deliver_challenge(conn, self._key)
+                answer_challenge(conn, self._key)
+                self._greet(conn)
+            if self._complete.is_set():
+                self._wake()
+        except (OSError, EOFError, AuthenticationError, ValueError) as e:  # a wrong key, a peer gone or silent
+            log.warning("refused a control connection: %s", e)
+            conn.close()
 
     def _greet(self, conn: Connection) -> None:
         if not conn.poll(GREET_TIMEOUT_S):
@@ -156,6 +200,7 @@ class RemoteRanks:
         connections), then close: a node not told (the group failed) takes its connection's end
         as the leader gone and ends its ranks at once."""
         self._complete.set()
+        self._wake()
         if stop:
             try:
                 self.tell(("stop",))
