@@ -136,7 +136,7 @@ def test_settings_that_may_be_none_take_none_from_flags_and_the_environment(tmp_
         Config.load(env={"TEACHER_SERVER_MAX_LOGPROBS": "none"})
 
 
-def test_an_api_key_is_what_a_client_can_send() -> None:
+def test_an_api_key_is_what_a_client_can_send(monkeypatch) -> None:
     """A key file's trailing newline (a Kubernetes Secret made --from-file) is dropped: HTTP strips
     a header value's surrounding whitespace, so no client could ever match it; a key a header
     cannot carry is refused."""
@@ -145,6 +145,12 @@ def test_an_api_key_is_what_a_client_can_send() -> None:
     for bad in ("k\x00y", "k\ny", "kéy"):
         with pytest.raises(ConfigError, match="api_key must be printable ASCII"):
             Config.load(overrides={"api_key": bad})
+    # a Config made in-process reads the variable at app creation, the same way
+    from teacher_server.server.app import create_app
+
+    monkeypatch.setenv("TEACHER_SERVER_API_KEY", "k3y\r\n")
+    app = create_app(Config(device="cpu"))
+    assert [m.kwargs["api_key"] for m in app.user_middleware if "api_key" in m.kwargs] == ["k3y"]
 
 
 @pytest.mark.parametrize("content", [b"port: [1\n", b"port: \xff\xfe\n"])
