@@ -15,7 +15,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     # plain data and helpers that know nothing of the engine
     frozenset({"step_context", "cache_layout", "b64", "npy", "candidates", "logging_setup", "routing", "config", "heap",
                "hub", "demo_model", "unsupported", "human_int", "compile_cache", "targets", "did_you_mean",
-               "teachers", "parallel_settings"}),
+               "teachers", "parallel_settings", "env_names"}),
     frozenset({"ops"}),  # kernels and their references
     frozenset({"kv_pool", "attention"}),  # the cache's owner; attention backends
     frozenset({"layers"}),  # layers built from plain sizes

@@ -32,13 +32,13 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-node-key"
 
 
-def worker_node(model: Path, port: int, *extra: str, key: str = KEY) -> subprocess.Popen:
+def worker_node(model: Path, port: int, *extra: str, key: str = KEY, cwd: Path = ROOT) -> subprocess.Popen:
     """`teacher-server worker` as node 1 of 2 at PP2, reaching the leader on localhost."""
     return subprocess.Popen(
         [sys.executable, "-m", "teacher_server", "worker", "--device", "cpu", "--model", str(model),
          "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
          "--master-port", str(port), *extra],
-        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=key), cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), TEACHER_SERVER_NODE_AUTHKEY=key), cwd=cwd,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -73,6 +73,85 @@ def test_two_nodes_equal_one_process(tp: int, dense3: Path) -> None:  # noqa: F8
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_a_node_that_finds_another_model_is_refused_by_name(dense3: Path, tmp_path: Path,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each node resolves the leader's ``model`` on its own host: one that finds another checkpoint
+    there (here a relative path from another folder; the same shapes, other weights: it had served
+    the other model's scores, off by up to 19) fails the group's start, the leader's error naming
+    the node and the file."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from teacher_server.engine.tp_workers import TensorParallelError
+
+    shutil.copytree(dense3, tmp_path / "leader" / "m")
+    other = tmp_path / "node" / "m"
+    shutil.copytree(dense3, other)
+    w = load_file(str(other / "model.safetensors"))
+    w = {n: t * 1.5 if t.dim() == 2 else t for n, t in w.items()}  # a fine-tune: every matrix moved
+    save_file(w, str(other / "model.safetensors"), metadata={"format": "pt"})
+    port = free_port()
+    node = worker_node(Path("m"), port, cwd=tmp_path / "node")
+    monkeypatch.chdir(tmp_path / "leader")
+    try:
+        with pytest.raises(TensorParallelError, match=r"worker node 1: ValueError: this node's model at "
+                                                      r".*node/m is not the leader's: model\.safetensors differs"):
+            run(Path("m"), 1, **leader_settings(port))
+        assert node.wait(60) == 1
+    finally:
+        if node.poll() is None:
+            node.kill()
+        node.wait()
+
+
+def test_model_fingerprints(tmp_path: Path) -> None:
+    """Two copies agree; config.json, a weight, a missing file or another file each differ by name;
+    a dummy load compares config.json alone."""
+    import shutil
+
+    from teacher_server.engine.model_identity import compare, model_fingerprint
+
+    a = tiny_dir(tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    compare(model_fingerprint(a, True), model_fingerprint(b, True), b)
+    data = bytearray((b / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # the last byte of the last weight
+    (b / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model at .*b is not the leader's: model\.safetensors differs \(every"):
+        compare(model_fingerprint(a, True), model_fingerprint(b, True), b)
+    compare(model_fingerprint(a, False), model_fingerprint(b, False), b)
+    (b / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"config\.json differs"):
+        compare(model_fingerprint(a, False), model_fingerprint(b, False), b)
+    (b / "model.safetensors").rename(b / "model-00001-of-00001.safetensors")
+    with pytest.raises(ValueError, match=r"model-00001-of-00001\.safetensors not in the leader's; "
+                                         r"model\.safetensors missing here"):
+        compare(model_fingerprint(a, True), model_fingerprint(b, True), b)
+
+
+def test_the_worker_nodes_handshake_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A master_port where something else listens and says nothing (or answers otherwise) ends the
+    node with a line saying so, not a wait for ever; an IPv6 master_addr is refused at once."""
+    import socket
+
+    from teacher_server.engine import node_worker
+    from teacher_server.engine.remote_ranks import node_authkey
+
+    monkeypatch.setattr(node_worker, "GREET_TIMEOUT_S", 0.5)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        cfg = Config(pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=silent.getsockname()[1],
+                     node_authkey=KEY)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=r"did not answer as a teacher-server leader's control port within "
+                                                  r"0s \((BlockingIOError|TimeoutError).*is master_port the leader"):
+            node_worker.connect(cfg, node_authkey(cfg), timeout=5)
+        assert time.monotonic() - t0 < 3
+    with pytest.raises(ValueError, match="master_addr=::1 is an IPv6 address"):
+        Config(pipeline_parallel_size=2, nnodes=2, master_addr="::1", node_authkey=KEY)
 
 
 def test_a_killed_worker_node_makes_health_503(dense3: Path, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
@@ -161,7 +240,17 @@ def test_the_worker_node_exits_when_the_leader_is_killed(dense3: Path) -> None: 
             p.wait()
 
 
-def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPatch) -> None:
+def tiny_dir(path: Path) -> Path:
+    """A model folder for the fingerprint (config.json and one weights file)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text('{"model_type": "qwen3"}')
+    save_file({"w": torch.arange(4096.0)}, str(path / "model.safetensors"))
+    return path
+
+
+def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The leader's side of the control connections, without a model: a wrong key and a node of
     another group size are turned away (and the listener goes on); the node learns its ranks,
     the group is complete once its rank connects; the node's connection closing, or its
@@ -174,7 +263,7 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
 
     port = free_port()
     cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY, api_key="k")
-    remote = RemoteRanks(cfg, 2, store_port=1234)
+    remote = RemoteRanks(cfg, 2, store_port=1234, model_dir=tiny_dir(tmp_path / "m"))
     try:
         with pytest.raises(AuthenticationError):
             Client(("127.0.0.1", port), authkey=b"wrong")
@@ -183,8 +272,9 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
         assert other.recv() == ("refused", "the leader runs nnodes=2, this node nnodes=3")
         node = Client(("127.0.0.1", port), authkey=KEY.encode())
         node.send(("node", 1, 2))
-        kind, first, count, size, store_port, sent = node.recv()
+        kind, first, count, size, store_port, sent, fingerprint = node.recv()
         assert (kind, first, count, size, store_port) == ("ranks", 1, 1, 2, 1234)
+        assert list(fingerprint) == ["config.json", "model.safetensors"]
         # the leader's settings, but neither secret: the node proves its own key, and needs no API key
         assert sent["node_authkey"] is None and sent["api_key"] is None
         assert Config(**{**sent, "node_authkey": KEY, "api_key": "k"}) == cfg
@@ -207,7 +297,8 @@ def test_the_control_listener_admits_only_the_group(monkeypatch: pytest.MonkeyPa
         remote.close()
 
 
-def test_a_silent_connection_holds_up_no_node_and_the_port_is_freed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_silent_connection_holds_up_no_node_and_the_port_is_freed(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
     """A peer that connects to the control port and says nothing (a scanner, a load balancer's
     probe) is dropped after GREET_TIMEOUT_S, and the group's nodes join meanwhile; once the group
     is whole, or closed while waiting, the port is free again (a restarted group binds it)."""
@@ -220,7 +311,7 @@ def test_a_silent_connection_holds_up_no_node_and_the_port_is_freed(monkeypatch:
     monkeypatch.setattr(remote_ranks, "GREET_TIMEOUT_S", 1.0)
     port = free_port()
     cfg = Config(pipeline_parallel_size=2, nnodes=2, master_port=port, node_authkey=KEY)
-    remote = RemoteRanks(cfg, 2, store_port=1234)
+    remote = RemoteRanks(cfg, 2, store_port=1234, model_dir=tiny_dir(tmp_path / "m"))
     try:
         silent = socket.create_connection(("127.0.0.1", port))
         t0 = time.monotonic()
@@ -238,7 +329,7 @@ def test_a_silent_connection_holds_up_no_node_and_the_port_is_freed(monkeypatch:
         silent.close()
     finally:
         remote.close()
-    waiting = RemoteRanks(cfg, 2, store_port=1234)  # closed before any node came
+    waiting = RemoteRanks(cfg, 2, store_port=1234, model_dir=tmp_path / "m")  # closed before any node came
     waiting.close()
     waiting._acceptor.join(5)
     assert not waiting._acceptor.is_alive()

@@ -16,13 +16,22 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
-from multiprocessing.connection import Client, Connection, wait
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge, wait
 from pathlib import Path
 
 from teacher_server.config import Config
-from teacher_server.engine.remote_ranks import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, node_authkey
+from teacher_server.engine.model_identity import compare, model_fingerprint
+from teacher_server.engine.remote_ranks import (
+    GREET_TIMEOUT_S,
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    node_authkey,
+    read_timeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +40,38 @@ STOP_WAIT_S = 15.0  # after the leader's stop and close, for this node's ranks t
 
 
 def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Connection:
-    """The control connection to the leader, retried while it is not listening yet."""
+    """The control connection to the leader, retried while it is not listening yet; the key's
+    handshake within ``GREET_TIMEOUT_S`` (a port where something else listens and says nothing
+    would hold this node for ever)."""
     deadline = time.monotonic() + timeout
+    where = f"{cfg.master_addr}:{cfg.master_port}"
     while True:
         try:
-            return Client((cfg.master_addr, cfg.master_port), authkey=key)
-        except OSError:  # not listening yet (refused), or its address not resolvable yet (DNS of a new pod)
+            conn = Client((cfg.master_addr, cfg.master_port))  # (the key below, within a time limit)
+            break
+        except socket.gaierror as e:
+            if e.errno == socket.EAI_ADDRFAMILY:  # an IPv6-only name: the control connection is IPv4
+                raise ConnectionError(f"master_addr {cfg.master_addr} has no IPv4 address: {e}") from None
+            if time.monotonic() > deadline:  # (a new pod's name not in the DNS yet: retried)
+                raise
+            time.sleep(1.0)
+        except OSError:  # not listening yet (refused)
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
+    try:
+        with read_timeout(conn, GREET_TIMEOUT_S):
+            answer_challenge(conn, key)
+            deliver_challenge(conn, key)
+    except AuthenticationError:
+        conn.close()
+        raise
+    except (OSError, EOFError) as e:
+        conn.close()
+        raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port within "
+                              f"{GREET_TIMEOUT_S:.0f}s ({type(e).__name__}{': ' if str(e) else ''}{e}): is "
+                              f"master_port the leader's master_port, not its HTTP port?") from None
+    return conn
 
 
 def model_files(cfg: Config) -> Path:
@@ -76,11 +108,12 @@ def run_worker_node(cfg: Config) -> int:
              cfg.master_port)
     conn = connect(cfg, key)
     conn.send(("node", cfg.node_rank, cfg.nnodes))
-    msg = conn.recv()
+    with read_timeout(conn, GREET_TIMEOUT_S):
+        msg = conn.recv()
     if msg[0] == "refused":
         log.error("the leader refused this node: %s", msg[1])
         return 2
-    _, first, count, size, store_port, cfg_dict = msg
+    _, first, count, size, store_port, cfg_dict, fingerprint = msg
     leader = Config(**cfg_dict)
     link = LeaderLink(conn)
     device = resolve_device(leader.device)
@@ -94,6 +127,7 @@ def run_worker_node(cfg: Config) -> int:
             if torch.cuda.device_count() < count:
                 raise RuntimeError(f"this node holds {count} ranks, {torch.cuda.device_count()} GPUs are visible")
         model_dir = model_files(leader)
+        compare(fingerprint, model_fingerprint(model_dir, weights=leader.load_format != "dummy"), model_dir.resolve())
         for local in range(count):
             p = ctx.Process(target=rank_main, name=f"teacher-tp{first + local}", daemon=True,
                             args=(first + local, local, size, store_port, cfg_dict, str(model_dir), str(device),

@@ -23,8 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, Listener, answer_challenge, deliver_challenge
+from pathlib import Path
 
 from teacher_server.config import Config
+from teacher_server.engine.model_identity import model_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +63,11 @@ def read_timeout(conn: Connection, seconds: float) -> Iterator[None]:
 class RemoteRanks:
     """Accepts the worker nodes and their ranks; watches the nodes' connections."""
 
-    def __init__(self, cfg: Config, size: int, store_port: int) -> None:
+    def __init__(self, cfg: Config, size: int, store_port: int, model_dir: Path) -> None:
         self.nnodes, self.local, self.size = cfg.nnodes, cfg.ranks_per_node(), size
-        # the ranks learn from here what a spawned worker gets as arguments
-        self._setup = (size, store_port, {**cfg.model_dump(), **SECRETS})
+        # the ranks learn from here what a spawned worker gets as arguments, and what model to find
+        self._setup = (size, store_port, {**cfg.model_dump(), **SECRETS},
+                       model_fingerprint(model_dir, weights=cfg.load_format != "dummy"))
         self._key = node_authkey(cfg)
         self.listener = Listener(("", cfg.master_port))  # (the key is checked per connection: _join)
         self.nodes: dict[int, Connection] = {}
@@ -158,6 +161,10 @@ class RemoteRanks:
                 raise TimeoutError(f"worker node(s) {missing or 'ranks'} did not connect to the leader within "
                                    f"{timeout:.0f}s (is `teacher-server worker` running there with master_addr and "
                                    f"master_port pointing here and the same node_authkey?)")
+        failed()  # (closed while waiting: a node's failure, said by the watchdog, is the reason)
+        absent = [r for r in range(self.local, self.size) if r not in self.ranks]
+        if absent:
+            raise RuntimeError(f"the multi-node group closed before rank(s) {absent} connected")
         return [self.ranks[r] for r in range(self.local, self.size)]
 
     # --- watching --------------------------------------------------------------------------

@@ -78,7 +78,7 @@ class TPWorkers:
         if cfg.nnodes > 1:
             from teacher_server.engine.remote_ranks import RemoteRanks
 
-            self.remote = RemoteRanks(cfg, size, self.store.port)
+            self.remote = RemoteRanks(cfg, size, self.store.port, model_dir)
         self._closing = self._closed = False  # (closing: a kill or a close under way)
         self._reaped: set[int | None] = set()  # pids the watchdog has reaped (never signalled again)
         self._hook: Callable[[BaseException], None] | None = None
