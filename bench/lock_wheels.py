@@ -85,13 +85,15 @@ def image_refusals(pins: dict[str, str], dists: Iterable[md.Distribution] | None
     installed distribution outside the lock (of ``dists``: all) requires otherwise (its optional
     extras aside)."""
     why: dict[str, str] = {}
+    seen: set[str] = set()
     for dist in md.distributions() if dists is None else dists:
         owner = norm(dist.metadata["Name"] or "")
-        if not owner or owner in pins:
+        if not owner or owner in pins or owner in seen:  # (the first on the path is the one imported)
             continue
+        seen.add(owner)
         for req in dist.requires or ():
             body, _, marker = req.partition(";")
-            if "extra" in marker:
+            if not _applies(marker):
                 continue
             m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*\(?([^)]*)\)?", body)
             if m is None:
@@ -100,6 +102,21 @@ def image_refusals(pins: dict[str, str], dists: Iterable[md.Distribution] | None
             if name in pins and not _allows(m.group(2), pins[name]) and _installed(name):
                 why[name] = f"{owner} {dist.version} requires {name}{m.group(2).replace(' ', '')}"
     return why
+
+
+def _applies(marker: str) -> bool:
+    """Whether a requirement's environment marker holds here: an optional extra's never; others as
+    ``packaging`` evaluates them where it is installed (the GPU image has it), else taken to hold."""
+    if "extra" in marker:
+        return False
+    if not marker.strip():
+        return True
+    try:
+        from packaging.markers import Marker
+
+        return Marker(marker).evaluate()
+    except Exception:  # (no packaging, or a marker it cannot read)
+        return True
 
 
 def _installed(name: str) -> bool:

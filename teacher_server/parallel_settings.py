@@ -57,8 +57,9 @@ class ParallelSettings(BaseModel):
         if self.node_rank >= self.nnodes:
             raise ValueError(f"node_rank={self.node_rank} must be below nnodes={self.nnodes}")
         if self.nnodes > 1 and ":" in self.master_addr:
-            raise ValueError(f"master_addr={self.master_addr[:60]} is an IPv6 address: the nodes' control "
-                             f"connection is IPv4 (give the leader's IPv4 address or a name that has one)")
+            raise ValueError(f"master_addr={self.master_addr[:60]} holds a ':': an IPv6 address (the nodes' "
+                             f"control connection is IPv4: give the leader's IPv4 address or a name that has one) or "
+                             f"a port (give it as master_port)")
         return self
 
     def ranks_per_node(self) -> int:

@@ -157,6 +157,12 @@ def test_queue_wait_measures_only_saturated_time() -> None:
     assert q.refuse(0, now=t + 10) is None
     q.admit(0, 4800 * 2, now=t + 10)
     assert q.refuse(0, now=t + 10) == pytest.approx(1.0, rel=0.05)
+    one = QueueWait(limit_s=60.0)  # a step's answers counted alike, whichever of them comes first
+    one.step_budget(None, 8192)
+    one.admit(0, 12 * 1000, now=0.0)
+    for i in range(8):
+        one.finish(0, 1000, answered=True, now=1.0 + i * 1e-5)
+    assert one.rate() == pytest.approx(8000, rel=1e-2)
     dp = QueueWait(limit_s=1.0)
     dp.step_budget(0, 1000)
     dp.step_budget(1, 1000)

@@ -122,6 +122,28 @@ def test_nan_or_infinite_weights_are_refused_by_name(tmp_path, checkpoints, valu
         score(tmp_path)
 
 
+def test_nonfinite_reads_each_float_kind_in_row_chunks() -> None:
+    import torch
+
+    from teacher_server.models.loader import nonfinite
+
+    def bad(x: torch.Tensor, **kw: int) -> bool:
+        flags = nonfinite(x, **kw)
+        return bool(torch.stack(flags).any()) if flags else False
+
+    x = torch.randn(10, 8)[:, ::2]  # not contiguous: read as it is, no copy
+    assert not bad(x) and len(nonfinite(x, chunk=8)) == 5
+    x[9, 3] = float("-inf")
+    assert bad(x, chunk=8)
+    assert bad(torch.tensor(float("nan"))) and nonfinite(torch.zeros(3, dtype=torch.uint8)) == []
+    for dtype, nan in [(torch.float8_e4m3fn, 0x7F), (torch.float8_e5m2, 0xFC), (torch.float8_e4m3fnuz, 0x80),
+                       (torch.float8_e8m0fnu, 0xFF)]:  # (e8m0: MXFP4's scales; isfinite calls its NaN finite)
+        codes = torch.full((4, 4), 0x3C, dtype=torch.uint8)
+        assert not bad(codes.view(dtype)), dtype
+        codes[2, 1] = nan
+        assert bad(codes.view(dtype)), dtype
+
+
 def test_shape_mismatch_is_refused(tmp_path, checkpoints) -> None:
     src = checkpoints["llama"]
     for f in src.iterdir():

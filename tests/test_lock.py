@@ -84,7 +84,8 @@ def test_select_keeps_what_the_machine_image_requires(tmp_path, capsys) -> None:
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: imagepkg\nVersion: 5.17.0\n"
                                    "Requires-Dist: pyyaml<2.0,>=1.5.0\n"
                                    "Requires-Dist: numpy==0.1; extra == \"dev\"\n"
-                                   "Requires-Dist: not-installed-here<1\n")
+                                   "Requires-Dist: not-installed-here<1\n"
+                                   "Requires-Dist: pyyaml<1; python_version < \"3.0\"\n")  # (not here: ignored)
     image = list(md.distributions(path=[str(tmp_path / "site")]))
     pins = {"pyyaml": "6.0.4", "numpy": "2.5.2", "not-installed-here": "3.0"}
     refused = lock_wheels.image_refusals(pins, image)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import tempfile
@@ -140,7 +141,7 @@ def _measure(args: argparse.Namespace, url: str, names: list[str], local_gpu: st
                "k": args.k, "version": __version__, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "flops_config": cfg is not None, "workloads": {}}
     warm_up(url, card["vocab_size"], args.api_key)
-    salt = 0
+    salt = secrets.randbelow(card["vocab_size"])  # (another run against the same server: other ids)
     for name in names:
         reqs = wl.make_workload(name, card["vocab_size"], k=args.k)
         longest = max(len(r.tokens) for r in reqs)

@@ -49,9 +49,10 @@ def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Conn
         try:
             conn = Client((cfg.master_addr, cfg.master_port))  # (the key below, within a time limit)
             break
-        except socket.gaierror as e:
-            if e.errno == socket.EAI_ADDRFAMILY:  # an IPv6-only name: the control connection is IPv4
-                raise ConnectionError(f"master_addr {cfg.master_addr} has no IPv4 address: {e}") from None
+        except socket.gaierror:
+            if ipv6_only(cfg.master_addr):  # the control connection is IPv4
+                raise ConnectionError(f"master_addr {cfg.master_addr} has only IPv6 addresses: the nodes' control "
+                                      f"connection is IPv4") from None
             if time.monotonic() > deadline:  # (a new pod's name not in the DNS yet: retried)
                 raise
             time.sleep(1.0)
@@ -66,12 +67,22 @@ def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Conn
     except AuthenticationError:
         conn.close()
         raise
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, AssertionError) as e:  # (Python 3.10 asserts the challenge's form)
         conn.close()
-        raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port within "
-                              f"{GREET_TIMEOUT_S:.0f}s ({type(e).__name__}{': ' if str(e) else ''}{e}): is "
-                              f"master_port the leader's master_port, not its HTTP port?") from None
+        why = "silent" if isinstance(e, BlockingIOError) else f"{type(e).__name__}{': ' if str(e) else ''}{e}"
+        raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port ({why}, "
+                              f"{GREET_TIMEOUT_S:g}s allowed for each message): is master_port the leader's "
+                              f"master_port, not its HTTP port?") from None
     return conn
+
+
+def ipv6_only(host: str) -> bool:
+    """Whether ``host`` resolves, and only to IPv6 addresses."""
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(found) and all(family == socket.AF_INET6 for family, *_ in found)
 
 
 def model_files(cfg: Config) -> Path:

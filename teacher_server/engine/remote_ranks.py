@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often each side says it is there
 HEARTBEAT_TIMEOUT_S = 30.0  # silence after which the other side is taken as gone (a host lost without a reset)
-GREET_TIMEOUT_S = 10.0  # an accepted connection proves the key and names itself within this
+GREET_TIMEOUT_S = 10.0  # an accepted connection's silence, at most, in proving the key and naming itself
+MAX_JOINING = 64  # connections in the handshake at once (more are closed at once)
 # what the nodes need of the leader's settings: not the HTTP API key, nor the node key, which each
 # node holds and proves in the handshake (the setup travels unencrypted)
 SECRETS = {"api_key": None, "node_authkey": None}
@@ -76,6 +77,9 @@ class RemoteRanks:
         self._beat = 0.0
         self._lock = threading.Lock()  # the node connections are sent on from the watchdog and from close()
         self._complete = threading.Event()
+        self._port = cfg.master_port
+        self._closed = False  # (close() called: no node admitted after it)
+        self._joining = threading.BoundedSemaphore(MAX_JOINING)
         self._acceptor = threading.Thread(target=self._accept, name="teacher-node-listener", daemon=True)
         self._acceptor.start()
         log.info("waiting for %d worker node(s) on port %d (ranks %d..%d)", self.nnodes - 1, cfg.master_port,
@@ -102,28 +106,40 @@ class RemoteRanks:
         listener, which frees the port; closing it from another thread would not end the wait."""
         if self._acceptor.is_alive():
             with contextlib.suppress(OSError):
-                socket.create_connection(("127.0.0.1", self.listener.address[1]), timeout=1.0).close()
+                socket.create_connection(("127.0.0.1", self._port), timeout=1.0).close()
 
     def _join(self, conn: Connection) -> None:
-        """One connection's key handshake and greeting, on a thread of its own and within
-        ``GREET_TIMEOUT_S``: a peer that connects and says nothing (a port scanner, a load
-        balancer's probe) holds up no node's joining."""
+        """One connection's key handshake and greeting, on a thread of its own (at most
+        ``MAX_JOINING`` at once), each read within ``GREET_TIMEOUT_S`` of silence: a peer that
+        connects and says nothing (a port scanner, a load balancer's probe) holds up no node."""
+        if not self._joining.acquire(blocking=False):
+            conn.close()
+            return
         try:
             with read_timeout(conn, GREET_TIMEOUT_S):
                 deliver_challenge(conn, self._key)
                 answer_challenge(conn, self._key)
-                self._greet(conn)
+                if not conn.poll(GREET_TIMEOUT_S):
+                    raise ValueError("it did not say which node or rank it is")
+                msg = conn.recv()
+            self._greet(conn, msg)  # (reads on it block without limit from here: the watchdog's, the steps')
             if self._complete.is_set():
                 self._wake()
-        except (OSError, EOFError, AuthenticationError, ValueError) as e:  # a wrong key, a peer gone or silent
-            log.warning("refused a control connection: %s", e)
+        except BlockingIOError:
+            log.warning("refused a control connection: silent for %.0fs in the key's handshake", GREET_TIMEOUT_S)
             conn.close()
+        except (OSError, EOFError, AuthenticationError, ValueError, TypeError, IndexError) as e:
+            # a wrong key, a peer gone, a greeting of another form
+            log.warning("refused a control connection: %s", f"{type(e).__name__}: {e}".rstrip(": "))
+            conn.close()
+        finally:
+            self._joining.release()
 
-    def _greet(self, conn: Connection) -> None:
-        if not conn.poll(GREET_TIMEOUT_S):
-            raise ValueError("it did not say which node or rank it is")
-        msg = conn.recv()
+    def _greet(self, conn: Connection, msg: tuple) -> None:
         with self._lock:
+            if self._closed:
+                conn.send(("refused", "the group is closing"))
+                raise ValueError("the group is closing")
             if msg[0] == "node":
                 _, n, nnodes = msg
                 if nnodes != self.nnodes or not 1 <= n < self.nnodes or n in self.nodes:
@@ -155,7 +171,7 @@ class RemoteRanks:
             if time.monotonic() > note:  # a line a minute: whom the leader still waits for, and how long at most
                 note += 60.0
                 log.info("still waiting for worker node(s) %s on port %d (at most %.0fs more)", self._missing(),
-                         self.listener.address[1], deadline - time.monotonic())
+                         self._port, deadline - time.monotonic())
             if time.monotonic() > deadline:
                 missing = self._missing()
                 raise TimeoutError(f"worker node(s) {missing or 'ranks'} did not connect to the leader within "
@@ -214,6 +230,7 @@ class RemoteRanks:
             except (OSError, ValueError):
                 pass
         with self._lock:
+            self._closed = True
             for c in [*self.nodes.values(), *self.ranks.values()]:
                 c.close()
         try:

@@ -105,22 +105,32 @@ def checkpoint_name(model: nn.Module, name: str) -> str:
     return "lm_head.weight" if place is not None and name == f"{place[0]}.{place[1]}" else name
 
 
+# the NaN/inf bit patterns of the 1-byte floats: (mask, pattern) of a code's byte
+_FP8_NONFINITE = {torch.float8_e4m3fn: (0x7F, 0x7F), torch.float8_e5m2: (0x7C, 0x7C),
+                  torch.float8_e4m3fnuz: (0xFF, 0x80), torch.float8_e5m2fnuz: (0xFF, 0x80)}
+if hasattr(torch, "float8_e8m0fnu"):  # (MXFP4's scales)
+    _FP8_NONFINITE[torch.float8_e8m0fnu] = (0xFF, 0xFF)
+
+
 @torch.no_grad()
 def nonfinite(x: torch.Tensor, chunk: int = 1 << 26) -> list[torch.Tensor]:
-    """Whether ``x`` holds a NaN or an infinity, as 0-d flags on its device (one per chunk: a
-    bounded temporary; read them all at once, one sync): floating tensors by value, FP8 codes
-    by their NaN (e4m3fn) or NaN/inf (e5m2) bit patterns; integer codes (packed FP4) hold none."""
-    x = x.detach().reshape(-1)
-    if x.dtype == torch.float8_e4m3fn:
-        mask = 0x7F  # S.1111.111
-    elif x.dtype == torch.float8_e5m2:
-        mask = 0x7C  # S.11111.xx: inf or NaN
-    elif x.is_floating_point():
-        mask = 0
-    else:
+    """Whether ``x`` holds a NaN or an infinity, as 0-d flags on its device (one per chunk of rows:
+    a bounded temporary; read them all at once, one sync): floating tensors by value, 1-byte
+    floats by their NaN/inf bit patterns; integer codes (packed FP4) hold none."""
+    x = x.detach()
+    if x.dim() == 0:
+        x = x.reshape(1)
+    code = _FP8_NONFINITE.get(x.dtype)
+    if code is None and not x.is_floating_point():
         return []
-    return [(~torch.isfinite(part) if not mask else part.view(torch.uint8).bitwise_and(mask) == mask).any()
-            for part in x.split(chunk)]
+    rows = max(1, chunk // max(1, x[0].numel()))
+    flags = []
+    for part in x.split(rows):
+        if code is None:
+            flags.append((~torch.isfinite(part)).any())
+        else:
+            flags.append((part.view(torch.uint8).bitwise_and(code[0]) == code[1]).any())
+    return flags
 
 
 def finish_formats(model: nn.Module) -> None:

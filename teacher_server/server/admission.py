@@ -31,6 +31,7 @@ class QueueTooLong(Exception):
 class QueueWait:
     TAU_S = 30.0
     MIN_BUSY_S = 0.5
+    SAME_MOMENT_S = 1e-3  # events closer than this are one moment (one step's answers)
 
     def __init__(self, limit_s: float | None) -> None:
         self.limit_s = limit_s
@@ -42,6 +43,7 @@ class QueueWait:
         self._last = time.monotonic()
         self._budgets: dict[int | None, int] = {}  # each engine's (replica's) step budget, tokens
         self._saturation = 0  # their sum; 0: none known yet
+        self._saturated_then = False  # whether the queue was saturated before the answers of this moment
 
     def step_budget(self, replica: int | None, tokens: int) -> None:
         """An engine's tokens per forward step (``replica`` None: the one engine). Any thread:
@@ -57,6 +59,8 @@ class QueueWait:
     def _advance(self, now: float) -> None:
         dt = max(now - self._last, 0.0)
         self._last = now
+        if dt > self.SAME_MOMENT_S:  # a step's answers come together: they count as the queue was before them
+            self._saturated_then = self.saturated
         if dt > 0 and self.saturated:
             keep = math.exp(-dt / self.TAU_S)
             self._busy_s = self._busy_s * keep + dt
@@ -91,7 +95,7 @@ class QueueWait:
         """A request admitted with ``admit`` has left the queue; ``answered``: it was scored
         (its tokens count towards the throughput; a cancelled or failed one's do not)."""
         self._advance(time.monotonic() if now is None else now)
-        if answered and self.saturated:
+        if answered and self._saturated_then:
             self._done += tokens
         left = self.by_priority[priority] - tokens
         if left:
