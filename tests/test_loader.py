@@ -136,6 +136,7 @@ def test_nonfinite_reads_each_float_kind_in_row_chunks() -> None:
     x[9, 3] = float("-inf")
     assert bad(x, chunk=8)
     assert bad(torch.tensor(float("nan"))) and nonfinite(torch.zeros(3, dtype=torch.uint8)) == []
+    assert nonfinite(torch.zeros(0, 5)) == [] == nonfinite(torch.zeros(0, 5, dtype=torch.float8_e4m3fn))
     for dtype, nan in [(torch.float8_e4m3fn, 0x7F), (torch.float8_e5m2, 0xFC), (torch.float8_e4m3fnuz, 0x80),
                        (torch.float8_e8m0fnu, 0xFF)]:  # (e8m0: MXFP4's scales; isfinite calls its NaN finite)
         codes = torch.full((4, 4), 0x3C, dtype=torch.uint8)

@@ -121,7 +121,7 @@ def nonfinite(x: torch.Tensor, chunk: int = 1 << 26) -> list[torch.Tensor]:
     if x.dim() == 0:
         x = x.reshape(1)
     code = _FP8_NONFINITE.get(x.dtype)
-    if code is None and not x.is_floating_point():
+    if x.numel() == 0 or (code is None and not x.is_floating_point()):  # (an expert rank's empty slice)
         return []
     rows = max(1, chunk // max(1, x[0].numel()))
     flags = []
