@@ -201,12 +201,7 @@ class Config(TeacherSettings, ParallelSettings):
     @field_validator("api_key", mode="after")
     @classmethod
     def _sendable_key(cls, v: str | None) -> str | None:
-        """Surrounding whitespace (a key file's trailing newline) is dropped: no client can send it
-        (HTTP strips it from a header value); a key no client can send at all is refused."""
-        v = None if v is None else v.strip()
-        if v is not None and not all(" " <= c <= "~" for c in v):
-            raise ValueError("api_key must be printable ASCII: a client sends it in an Authorization header")
-        return v
+        return None if v is None else sendable_api_key(v)
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -324,3 +319,12 @@ class Config(TeacherSettings, ParallelSettings):
             msgs = [f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg'].removeprefix('Value error, ')}"
                     for err in e.errors()]
             raise ConfigError("invalid configuration: " + "; ".join(msgs)) from None
+
+
+def sendable_api_key(key: str) -> str:
+    """``key`` without surrounding whitespace (a key file's trailing newline), which no client can
+    send (HTTP strips it from a header value); a key no client can send at all is a ConfigError."""
+    key = key.strip()
+    if not all(" " <= c <= "~" for c in key):
+        raise ConfigError("api_key must be printable ASCII: a client sends it in an Authorization header")
+    return key

@@ -49,14 +49,10 @@ def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Conn
         try:
             conn = Client((cfg.master_addr, cfg.master_port))  # (the key below, within a time limit)
             break
-        except socket.gaierror:
-            if ipv6_only(cfg.master_addr):  # the control connection is IPv4
+        except OSError as e:  # not listening yet (refused), or a new pod's name not in the DNS yet
+            if isinstance(e, socket.gaierror) and ipv6_only(cfg.master_addr):  # the control connection is IPv4
                 raise ConnectionError(f"master_addr {cfg.master_addr} has only IPv6 addresses: the nodes' control "
                                       f"connection is IPv4") from None
-            if time.monotonic() > deadline:  # (a new pod's name not in the DNS yet: retried)
-                raise
-            time.sleep(1.0)
-        except OSError:  # not listening yet (refused)
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)

@@ -10,7 +10,7 @@ import uuid
 
 from fastapi import FastAPI
 
-from teacher_server.config import Config
+from teacher_server.config import Config, sendable_api_key
 from teacher_server.server.responses import error_response, request_id_header, scope_request_id
 
 access_log = logging.getLogger("teacher_server.access")
@@ -71,6 +71,6 @@ def add_api_key(app: FastAPI, cfg: Config) -> None:
     # ``Config.load`` reads TEACHER_SERVER_API_KEY like every setting's variable, under the flag
     # (``--api-key none`` turns it off); a Config made without it falls back to the variable.
     from_env = None if "api_key" in cfg.model_fields_set else os.environ.get("TEACHER_SERVER_API_KEY")
-    api_key = cfg.api_key or (Config.load(env={}, overrides={"api_key": from_env}).api_key if from_env else None)
+    api_key = cfg.api_key or ((sendable_api_key(from_env) or None) if from_env else None)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
