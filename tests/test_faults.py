@@ -157,12 +157,20 @@ def test_queue_wait_measures_only_saturated_time() -> None:
     assert q.refuse(0, now=t + 10) is None
     q.admit(0, 4800 * 2, now=t + 10)
     assert q.refuse(0, now=t + 10) == pytest.approx(1.0, rel=0.05)
-    one = QueueWait(limit_s=60.0)  # a step's answers counted alike, whichever of them comes first
-    one.step_budget(None, 8192)
-    one.admit(0, 12 * 1000, now=0.0)
+    for gap in (1e-5, 1.5e-3, 0.02):  # a step's answers counted alike, however far apart they reach the front
+        one = QueueWait(limit_s=60.0)
+        one.step_budget(None, 8192)
+        one.admit(0, 12 * 1000, now=0.0)
+        for i in range(8):
+            one.finish(0, 1000, answered=True, now=1.0 + i * gap, step_end=1.0)
+        assert one.rate() == pytest.approx(8000, rel=0.1), gap  # (the old moment rule: 3,982 at 1.5 ms)
+    late = QueueWait(limit_s=60.0)  # the next step's answers, with the queue below a step: not counted
+    late.step_budget(None, 8192)
+    late.admit(0, 12 * 1000, now=0.0)
     for i in range(8):
-        one.finish(0, 1000, answered=True, now=1.0 + i * 1e-5)
-    assert one.rate() == pytest.approx(8000, rel=1e-2)
+        late.finish(0, 1000, answered=True, now=1.0 + i * 1e-3, step_end=1.0)
+    late.finish(0, 4000, answered=True, now=1.5, step_end=1.5)
+    assert late.rate() == pytest.approx(8000, rel=0.02)  # (counted: 12,000)
     dp = QueueWait(limit_s=1.0)
     dp.step_budget(0, 1000)
     dp.step_budget(1, 1000)

@@ -31,7 +31,7 @@ class QueueTooLong(Exception):
 class QueueWait:
     TAU_S = 30.0
     MIN_BUSY_S = 0.5
-    SAME_MOMENT_S = 1e-3  # events closer than this are one moment (one step's answers)
+    MOMENTS = 16  # the step ends whose saturation is remembered (replicas' steps interleave)
 
     def __init__(self, limit_s: float | None) -> None:
         self.limit_s = limit_s
@@ -43,7 +43,9 @@ class QueueWait:
         self._last = time.monotonic()
         self._budgets: dict[int | None, int] = {}  # each engine's (replica's) step budget, tokens
         self._saturation = 0  # their sum; 0: none known yet
-        self._saturated_then = False  # whether the queue was saturated before the answers of this moment
+        # per step end (``ScoreResult.finished_at``, which one step's answers share): whether the queue
+        # was saturated before the first of them left it, so each of them counts alike
+        self._saturated_at: dict[float, bool] = {}
 
     def step_budget(self, replica: int | None, tokens: int) -> None:
         """An engine's tokens per forward step (``replica`` None: the one engine). Any thread:
@@ -59,8 +61,6 @@ class QueueWait:
     def _advance(self, now: float) -> None:
         dt = max(now - self._last, 0.0)
         self._last = now
-        if dt > self.SAME_MOMENT_S:  # a step's answers come together: they count as the queue was before them
-            self._saturated_then = self.saturated
         if dt > 0 and self.saturated:
             keep = math.exp(-dt / self.TAU_S)
             self._busy_s = self._busy_s * keep + dt
@@ -91,11 +91,17 @@ class QueueWait:
         self.by_priority[priority] = self.by_priority.get(priority, 0) + tokens
         self.queued += tokens
 
-    def finish(self, priority: int, tokens: int, answered: bool, now: float | None = None) -> None:
+    def finish(self, priority: int, tokens: int, answered: bool, now: float | None = None,
+               step_end: float | None = None) -> None:
         """A request admitted with ``admit`` has left the queue; ``answered``: it was scored
-        (its tokens count towards the throughput; a cancelled or failed one's do not)."""
-        self._advance(time.monotonic() if now is None else now)
-        if answered and self._saturated_then:
+        (its tokens count towards the throughput; a cancelled or failed one's do not).
+        ``step_end``: when the engine finished it (``ScoreResult.finished_at``, the same for every
+        answer of one step): a step's answers reach here one by one, milliseconds apart (each
+        handler wakes in turn, between others' answer encoding), and each counts as the queue was
+        before the step's first one left it, not as the earlier ones left it."""
+        now = time.monotonic() if now is None else now
+        self._advance(now)
+        if answered and (self.saturated if step_end is None else self._saturated_when(step_end)):
             self._done += tokens
         left = self.by_priority[priority] - tokens
         if left:
@@ -103,6 +109,16 @@ class QueueWait:
         else:
             del self.by_priority[priority]
         self.queued -= tokens
+
+    def _saturated_when(self, step_end: float) -> bool:
+        """Whether the queue was saturated before the first answer of the step that ended at
+        ``step_end`` left it (decided at that first answer, now)."""
+        seen = self._saturated_at.get(step_end)
+        if seen is None:
+            seen = self._saturated_at[step_end] = self.saturated
+            if len(self._saturated_at) > self.MOMENTS:  # (the oldest step end: its answers are all in)
+                del self._saturated_at[next(iter(self._saturated_at))]
+        return seen
 
     @property
     def estimated_wait_s(self) -> float:

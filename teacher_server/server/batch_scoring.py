@@ -191,8 +191,9 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
                     t.cancel()  # drops their work and frees their KV
                 gathered.cancel()
             for r, t in zip(reqs, tasks):
-                queue.finish(r.priority, r.length, t.done() and not t.cancelled() and t.exception() is None
-                             and t.result().error is None)
+                answered = t.done() and not t.cancelled() and t.exception() is None
+                queue.finish(r.priority, r.length, answered and t.result().error is None,
+                             step_end=t.result().finished_at if answered else None)
         if not done:
             m.labels(m.failures, reason="timeout").inc()
             return error_response(504, "request deadline exceeded: the engine did not answer in time")

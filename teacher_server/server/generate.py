@@ -247,8 +247,9 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
             watcher.cancel()
             if not task.done():  # cancelled from outside (shutdown), the client went away, or the deadline
                 task.cancel()
-            queue.finish(req.priority, req.length, task.done() and not task.cancelled()
-                         and task.exception() is None and task.result().error is None)
+            answered = task.done() and not task.cancelled() and task.exception() is None
+            queue.finish(req.priority, req.length, answered and task.result().error is None,
+                         step_end=task.result().finished_at if answered else None)
         if not done:
             m.labels(m.failures, reason="timeout").inc()
             return error_response(504, "request deadline exceeded: the engine did not answer in time")
