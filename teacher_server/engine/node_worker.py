@@ -36,40 +36,57 @@ from teacher_server.engine.remote_ranks import (
 log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 900.0  # the leader's pod may start (pull its image, resolve its model) after this one
+RANK_CONNECT_TIMEOUT_S = 120.0  # a rank's own connection, the leader known to be there
 STOP_WAIT_S = 15.0  # after the leader's stop and close, for this node's ranks to end
 
 
 def connect(cfg: Config, key: bytes, timeout: float = CONNECT_TIMEOUT_S) -> Connection:
-    """The control connection to the leader, retried while it is not listening yet; the key's
+    """The control connection to the leader, retried while it is not listening yet or closes the
+    connection before its challenge (its places for handshakes in progress taken); the key's
     handshake within ``GREET_TIMEOUT_S`` (a port where something else listens and says nothing
     would hold this node for ever)."""
+    return connect_to(cfg.master_addr, cfg.master_port, key, timeout)
+
+
+def connect_to(addr: str, port: int, key: bytes, timeout: float) -> Connection:
+    """``connect`` at ``addr:port`` (a rank's own connection too), for at most ``timeout``."""
     deadline = time.monotonic() + timeout
-    where = f"{cfg.master_addr}:{cfg.master_port}"
+    where, told = f"{addr}:{port}", 0.0
     while True:
         try:
-            conn = Client((cfg.master_addr, cfg.master_port))  # (the key below, within a time limit)
-            break
+            conn = Client((addr, port))  # (the key below, within a time limit)
         except OSError as e:  # not listening yet (refused), or a new pod's name not in the DNS yet
-            if isinstance(e, socket.gaierror) and ipv6_only(cfg.master_addr):  # the control connection is IPv4
-                raise ConnectionError(f"master_addr {cfg.master_addr} has only IPv6 addresses: the nodes' control "
+            if isinstance(e, socket.gaierror) and ipv6_only(addr):  # the control connection is IPv4
+                raise ConnectionError(f"master_addr {addr} has only IPv6 addresses: the nodes' control "
                                       f"connection is IPv4") from None
             if time.monotonic() > deadline:
                 raise
             time.sleep(1.0)
-    try:
-        with read_timeout(conn, GREET_TIMEOUT_S):
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
-    except AuthenticationError:
-        conn.close()
-        raise
-    except (OSError, EOFError, AssertionError) as e:  # (Python 3.10 asserts the challenge's form)
-        conn.close()
-        why = "silent" if isinstance(e, BlockingIOError) else f"{type(e).__name__}{': ' if str(e) else ''}{e}"
-        raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port ({why}, "
-                              f"{GREET_TIMEOUT_S:g}s allowed for each message): is master_port the leader's "
-                              f"master_port, not its HTTP port?") from None
-    return conn
+            continue
+        try:
+            with read_timeout(conn, GREET_TIMEOUT_S):
+                answer_challenge(conn, key)
+                deliver_challenge(conn, key)
+            return conn
+        except AuthenticationError:
+            conn.close()
+            raise
+        except (EOFError, ConnectionResetError) as e:  # closed before a word: a leader busy with handshakes
+            conn.close()
+            if time.monotonic() > deadline:
+                raise ConnectionError(f"{where} closed every control connection at once for {timeout:.0f}s "
+                                      f"({type(e).__name__}): is master_port the leader's master_port?") from None
+            if time.monotonic() - told > 30.0:
+                told = time.monotonic()
+                log.warning("%s closed the control connection at once (a leader with too many handshakes in "
+                            "progress, or not a teacher-server leader's control port): retrying", where)
+            time.sleep(1.0)
+        except (OSError, AssertionError) as e:  # (Python 3.10 asserts the challenge's form)
+            conn.close()
+            why = "silent" if isinstance(e, BlockingIOError) else f"{type(e).__name__}{': ' if str(e) else ''}{e}"
+            raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port ({why}, "
+                                  f"{GREET_TIMEOUT_S:g}s allowed for each message): is master_port the leader's "
+                                  f"master_port, not its HTTP port?") from None
 
 
 def ipv6_only(host: str) -> bool:
@@ -98,7 +115,7 @@ def rank_main(rank: int, local: int, size: int, store_port: int, cfg_dict: dict,
     """One rank of this node: its own control connection, then a local worker's life on it."""
     from teacher_server.engine.tp_workers import worker_main
 
-    conn = Client((addr, port), authkey=key)
+    conn = connect_to(addr, port, key, RANK_CONNECT_TIMEOUT_S)
     conn.send(("rank", rank))
     worker_main(rank, size, store_port, cfg_dict, model_dir, device_name, conn, parent, host=addr, local=local)
 
@@ -115,10 +132,19 @@ def run_worker_node(cfg: Config) -> int:
              cfg.master_port)
     conn = connect(cfg, key)
     conn.send(("node", cfg.node_rank, cfg.nnodes))
-    with read_timeout(conn, GREET_TIMEOUT_S):
-        msg = conn.recv()
-    if msg[0] == "refused":
+    try:
+        with read_timeout(conn, GREET_TIMEOUT_S):
+            msg = conn.recv()
+    except (OSError, EOFError) as e:
+        why = "no answer" if isinstance(e, BlockingIOError) else f"{type(e).__name__}{': ' if str(e) else ''}{e}"
+        log.error("the leader did not answer this node's greeting within %gs (%s)", GREET_TIMEOUT_S, why)
+        return 1
+    if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "refused":
         log.error("the leader refused this node: %s", msg[1])
+        return 2
+    if not (isinstance(msg, tuple) and len(msg) == 7 and msg[0] == "ranks"):
+        log.error("the leader's answer has another form (%.100r): is it the same teacher-server version as this "
+                  "node?", msg)
         return 2
     _, first, count, size, store_port, cfg_dict, fingerprint = msg
     leader = Config(**cfg_dict)

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0  # how often each side says it is there
 HEARTBEAT_TIMEOUT_S = 30.0  # silence after which the other side is taken as gone (a host lost without a reset)
-GREET_TIMEOUT_S = 10.0  # an accepted connection's silence, at most, in proving the key and naming itself
-MAX_JOINING = 64  # connections in the handshake at once (more are closed at once)
+GREET_TIMEOUT_S = 10.0  # an accepted connection's time, at most, to prove the key and name itself
+MAX_JOINING = 64  # connections in the handshake at once (more are closed at once) ...
+MAX_JOINING_PER_HOST = 16  # ... and from one address (a node's ranks connect at once: 8 GPUs and its retries)
 # what the nodes need of the leader's settings: not the HTTP API key, nor the node key, which each
 # node holds and proves in the handshake (the setup travels unencrypted)
 SECRETS = {"api_key": None, "node_authkey": None}
@@ -45,6 +46,34 @@ def node_authkey(cfg: Config) -> bytes:
         raise ValueError("nnodes > 1 needs node_authkey (TEACHER_SERVER_NODE_AUTHKEY), the same on every node: the "
                          "control connection carries pickled plans and must only accept the group's own nodes")
     return cfg.node_authkey.encode()
+
+
+@contextlib.contextmanager
+def cut_off_after(conn: Connection, seconds: float) -> Iterator[threading.Event]:
+    """Within the block, ``conn`` is shut down ``seconds`` after it began (a blocked read then
+    ends as EOFError) and the event yielded is set: one limit on the whole exchange, where a
+    per-read limit lets a peer that sends a byte now and then hold it for ever."""
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # (shutdown acts on the connection, shared by its descriptors)
+    expired, lock, over = threading.Event(), threading.Lock(), [False]
+
+    def cut() -> None:
+        with lock:
+            if over[0]:  # (the block ended as the timer fired)
+                return
+            expired.set()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(seconds, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield expired
+    finally:
+        with lock:
+            over[0] = True
+        timer.cancel()
+        sock.close()
 
 
 @contextlib.contextmanager
@@ -79,7 +108,7 @@ class RemoteRanks:
         self._complete = threading.Event()
         self._port = cfg.master_port
         self._closed = False  # (close() called: no node admitted after it)
-        self._joining = threading.BoundedSemaphore(MAX_JOINING)
+        self._joining: dict[str, int] = {}  # connections in the handshake per peer address (under _lock)
         self._acceptor = threading.Thread(target=self._accept, name="teacher-node-listener", daemon=True)
         self._acceptor.start()
         log.info("waiting for %d worker node(s) on port %d (ranks %d..%d)", self.nnodes - 1, cfg.master_port,
@@ -90,16 +119,39 @@ class RemoteRanks:
         while True:
             try:
                 conn = self.listener.accept()
-            except OSError as e:
+            except (OSError, EOFError, AuthenticationError) as e:  # (a peer gone mid-accept; out of descriptors)
                 if self._complete.is_set():
                     return
                 log.warning("control listener: %s", e)
+                time.sleep(0.1)  # (an error that lasts, EMFILE, would spin here)
                 continue
             if self._complete.is_set():  # (the group is whole, or closing: _wake's connection)
                 conn.close()
                 break
-            threading.Thread(target=self._join, args=(conn,), name="teacher-node-join", daemon=True).start()
+            host = str(self.listener.last_accepted[0]) if self.listener.last_accepted else "?"
+            if not self._enter(host):
+                conn.close()
+                continue
+            threading.Thread(target=self._join, args=(conn, host), name="teacher-node-join", daemon=True).start()
         self.listener.close()
+
+    def _enter(self, host: str) -> bool:
+        """Whether a connection from ``host`` may start its handshake: at most ``MAX_JOINING`` at
+        once, ``MAX_JOINING_PER_HOST`` of one address (a peer that opens many and says nothing
+        cannot take every place; a node refused one retries)."""
+        with self._lock:
+            if sum(self._joining.values()) >= MAX_JOINING or self._joining.get(host, 0) >= MAX_JOINING_PER_HOST:
+                return False
+            self._joining[host] = self._joining.get(host, 0) + 1
+            return True
+
+    def _leave(self, host: str) -> None:
+        with self._lock:
+            left = self._joining[host] - 1
+            if left:
+                self._joining[host] = left
+            else:
+                del self._joining[host]
 
     def _wake(self) -> None:
         """Bring the accept loop out of its wait (a connection of this process's own) to close the
@@ -108,39 +160,37 @@ class RemoteRanks:
             with contextlib.suppress(OSError):
                 socket.create_connection(("127.0.0.1", self._port), timeout=1.0).close()
 
-    def _join(self, conn: Connection) -> None:
-        """One connection's key handshake and greeting, on a thread of its own (at most
-        ``MAX_JOINING`` at once), each read within ``GREET_TIMEOUT_S`` of silence: a peer that
-        connects and says nothing (a port scanner, a load balancer's probe) holds up no node."""
-        if not self._joining.acquire(blocking=False):
-            conn.close()
-            return
+    def _join(self, conn: Connection, host: str) -> None:
+        """One connection's key handshake and greeting, on a thread of its own, within
+        ``GREET_TIMEOUT_S`` in all: a peer that connects and says nothing, or a byte at a time (a
+        port scanner, a load balancer's probe, a hostile peer), holds up no node for longer."""
         try:
-            with read_timeout(conn, GREET_TIMEOUT_S):
-                deliver_challenge(conn, self._key)
-                answer_challenge(conn, self._key)
-                if not conn.poll(GREET_TIMEOUT_S):
-                    raise ValueError("it did not say which node or rank it is")
-                msg = conn.recv()
+            with cut_off_after(conn, GREET_TIMEOUT_S) as expired:
+                try:
+                    deliver_challenge(conn, self._key)
+                    answer_challenge(conn, self._key)
+                    msg = conn.recv()
+                except (OSError, EOFError) as e:
+                    if expired.is_set():
+                        raise TimeoutError(f"no key and greeting within {GREET_TIMEOUT_S:g}s") from None
+                    raise e
             self._greet(conn, msg)  # (reads on it block without limit from here: the watchdog's, the steps')
             if self._complete.is_set():
                 self._wake()
-        except BlockingIOError:
-            log.warning("refused a control connection: silent for %.0fs in the key's handshake", GREET_TIMEOUT_S)
-            conn.close()
-        except (OSError, EOFError, AuthenticationError, ValueError, TypeError, IndexError) as e:
-            # a wrong key, a peer gone, a greeting of another form
-            log.warning("refused a control connection: %s", f"{type(e).__name__}: {e}".rstrip(": "))
+        except Exception as e:  # a wrong key, a peer gone or too slow, a greeting of another form: this one only
+            log.warning("refused a control connection from %s: %s", host, f"{type(e).__name__}: {e}".rstrip(": "))
             conn.close()
         finally:
-            self._joining.release()
+            self._leave(host)
 
     def _greet(self, conn: Connection, msg: tuple) -> None:
         with self._lock:
             if self._closed:
                 conn.send(("refused", "the group is closing"))
                 raise ValueError("the group is closing")
-            if msg[0] == "node":
+            if not (isinstance(msg, tuple) and msg and isinstance(msg[0], str)):
+                raise ValueError(f"unexpected greeting {msg!r:.100}")
+            if msg[0] == "node" and len(msg) == 3 and all(isinstance(x, int) for x in msg[1:]):
                 _, n, nnodes = msg
                 if nnodes != self.nnodes or not 1 <= n < self.nnodes or n in self.nodes:
                     why = (f"the leader runs nnodes={self.nnodes}, this node nnodes={nnodes}" if nnodes != self.nnodes
@@ -150,7 +200,8 @@ class RemoteRanks:
                 conn.send(("ranks", n * self.local, self.local, *self._setup))
                 self.nodes[n], self._heard[n] = conn, time.monotonic()
                 log.info("worker node %d joined", n)
-            elif msg[0] == "rank" and self.local <= msg[1] < self.size and msg[1] not in self.ranks:
+            elif (msg[0] == "rank" and len(msg) == 2 and isinstance(msg[1], int) and self.local <= msg[1] < self.size
+                  and msg[1] not in self.ranks):
                 self.ranks[msg[1]] = conn
             else:
                 raise ValueError(f"unexpected greeting {msg!r:.100}")
