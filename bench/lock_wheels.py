@@ -64,11 +64,20 @@ def _release(version: str) -> tuple[int, ...]:
 
 def _allows(spec: str, version: str) -> bool:
     """Whether ``version`` meets a requirement's comma-separated specifiers (==, !=, <, <=, >, >=,
-    ~=; wildcards and local labels read loosely: a bound this cannot read allows)."""
+    ~=; ``==X.*`` and ``!=X.*`` as the release's prefix; local labels read loosely: a bound this
+    cannot read allows)."""
     have = _release(version)
     for part in filter(None, (x.strip() for x in spec.split(","))):
         m = re.fullmatch(r"(==|!=|<=|>=|~=|<|>)\s*([0-9][0-9A-Za-z.*+!-]*)", part)
-        if m is None or "*" in m.group(2):
+        if m is None:
+            continue
+        if "*" in m.group(2):
+            prefix = m.group(2).removesuffix(".*")
+            if m.group(1) not in ("==", "!=") or "*" in prefix:
+                continue
+            bound = _release(prefix)
+            if (have[:len(bound)] + (0,) * (len(bound) - len(have)) == bound) != (m.group(1) == "=="):
+                return False
             continue
         op, bound = m.group(1), _release(m.group(2))
         n = max(len(have), len(bound))

@@ -322,9 +322,10 @@ class Config(TeacherSettings, ParallelSettings):
 
 
 def sendable_api_key(key: str) -> str:
-    """``key`` without surrounding whitespace (a key file's trailing newline), which no client can
-    send (HTTP strips it from a header value); a key no client can send at all is a ConfigError."""
-    key = key.strip()
+    """``key`` without surrounding ASCII whitespace (a key file's trailing newline), which no client
+    can send (HTTP strips spaces and tabs from a header value); a key no client can send at all,
+    a no-break space included, is a ConfigError (not stripped: it would become another key)."""
+    key = key.strip(" \t\r\n")
     if not all(" " <= c <= "~" for c in key):
         raise ConfigError("api_key must be printable ASCII: a client sends it in an Authorization header")
     return key

@@ -13,7 +13,7 @@ ENV_PREFIX = "TEACHER_SERVER_"
 # TEACHER_SERVER_* variables that are not settings (read by the kernel build and the benchmarks);
 # any other TEACHER_SERVER_* variable that names no setting is refused (a misspelling)
 OTHER_ENV = ("TEACHER_SERVER_EXT_DIR", "TEACHER_SERVER_CUDA_ARCH", "TEACHER_SERVER_COMMIT",
-             "TEACHER_SERVER_PLAN_DIR")
+             "TEACHER_SERVER_PLAN_DIR", "TEACHER_SERVER_BENCH_ALLOW_CPU_CHECKPOINT")
 
 
 class ConfigError(ValueError):

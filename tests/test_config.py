@@ -142,7 +142,7 @@ def test_an_api_key_is_what_a_client_can_send(monkeypatch) -> None:
     cannot carry is refused."""
     assert Config.load(env={"TEACHER_SERVER_API_KEY": "k3y\n"}).api_key == "k3y"
     assert Config(api_key=" a b\t").api_key == "a b" and Config(api_key=" \n").api_key is None
-    for bad in ("k\x00y", "k\ny", "kéy"):
+    for bad in ("k\x00y", "k\ny", "kéy", "abc\u00a0", "\u2003abc"):  # (Unicode spaces are not stripped into another key)
         with pytest.raises(ConfigError, match="api_key must be printable ASCII"):
             Config.load(overrides={"api_key": bad})
     # a Config made in-process reads the variable at app creation, the same way

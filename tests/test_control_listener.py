@@ -140,3 +140,23 @@ def test_a_node_retries_while_the_handshake_places_are_taken(monkeypatch: pytest
                      node_authkey=KEY)
         with pytest.raises(ConnectionError, match="closed every control connection at once for 2s"):
             node_worker.connect(cfg, KEY.encode(), timeout=2)
+
+
+def test_the_fingerprint_samples_spread_tensors_and_reads_odd_headers(tmp_path: Path) -> None:
+    """A file of more tensors than TENSORS is sampled evenly, first and last included (a step of
+    len // TENSORS had read 1,023 of 1,023 and half of 1,500); a header whose offsets are not
+    pairs of numbers gives a digest of its bytes, not a TypeError on the leader."""
+    import json
+    import struct
+
+    from teacher_server.engine.model_identity import TENSORS, _file_digest, sampled
+
+    spans = [(i, i + 1) for i in range(1500)]
+    got = sampled(spans)
+    assert len(got) == TENSORS and got[0] == spans[0] and got[-1] == spans[-1] and len(set(got)) == TENSORS
+    assert sampled(spans[:TENSORS]) == spans[:TENSORS]
+    for offsets in (["a", "b"], [1], [5, 2], None):
+        header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}).encode()
+        f = tmp_path / "odd.safetensors"
+        f.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
+        assert len(_file_digest(f, weights=True)) == 16

@@ -87,13 +87,24 @@ def test_a_truncated_file_is_named(tmp_path, checkpoints, keep: float) -> None:
     ('{"weight_map": ["model.safetensors"]}', "is not a safetensors index"),
     ('{"weight_map": {"lm_head.weight": 3}}', "weight_map's values must be file names"),
     ('{"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}',
-     "model-00002-of-00002.safetensors is missing \\(the index names it\\)"),
+     "model-00002-of-00002.safetensors is missing \\(the folder's model.safetensors.index.json names it\\)"),
 ])
 def test_a_broken_index_or_shard_is_named(tmp_path, checkpoints, index: str, error: str) -> None:
     for f in checkpoints["llama"].iterdir():
         shutil.copy(f, tmp_path / f.name)
     (tmp_path / "model.safetensors.index.json").write_text(index)
     with pytest.raises(ValueError, match=re.escape(str(tmp_path)) + ".*" + error):
+        score(tmp_path)
+
+
+def test_a_dangling_cache_link_is_named(tmp_path, checkpoints) -> None:
+    """A cache snapshot whose blob is gone (no index: the message names the link, not an index)."""
+    src = checkpoints["llama"]
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / "0123abcd")
+    with pytest.raises(ValueError, match=r"model\.safetensors is a link to .*blobs/0123abcd, which is missing"):
         score(tmp_path)
 
 

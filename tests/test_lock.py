@@ -100,7 +100,8 @@ def test_select_keeps_what_the_machine_image_requires(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize(("spec", "version", "ok"), [
     ("<2.0,>=1.5.0", "1.9.9", True), ("<2.0,>=1.5.0", "2.4.0", False), ("<=0.23.0", "0.23.3", False),
-    ("~=1.4", "1.9", True), ("~=1.4.2", "1.5.0", False), ("==2.*", "3.0", True), ("!=1.0", "1.0.0", False),
+    ("~=1.4", "1.9", True), ("~=1.4.2", "1.5.0", False), ("==2.*", "3.0", False), ("==2.*", "2.4.1", True),
+    ("!=2.4.*", "2.4.0", False), ("!=2.4.*", "2.5", True), ("==2.*.1", "3.0", True), ("!=1.0", "1.0.0", False),
     ("", "1.0", True), (">0.21.1", "0.21.1rc1", False),
 ])
 def test_version_bounds(spec: str, version: str, ok: bool) -> None:

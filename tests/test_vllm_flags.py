@@ -132,6 +132,22 @@ def test_a_misspelled_variable_is_refused_with_the_closest_name(monkeypatch, cap
     assert Config.load().max_logprobs == 256
 
 
+def test_every_variable_the_code_reads_is_a_setting_or_known() -> None:
+    """A TEACHER_SERVER_* variable read by the package, the benchmarks or the examples is a setting
+    or in OTHER_ENV: else setting it (as the benchmarks' own runs do) makes every server refuse to
+    start as if it were a misspelling."""
+    import re
+
+    from teacher_server.env_names import OTHER_ENV
+
+    root = Path(__file__).resolve().parents[1]
+    read = re.compile(r"(?:environ(?:\.get)?\(?\[?|getenv\()\s*[\"'](TEACHER_SERVER_[A-Z0-9_]+)[\"']")
+    found = {m.group(1) for d in ("teacher_server", "bench", "examples") for f in (root / d).rglob("*.py")
+             for m in read.finditer(f.read_text())}
+    known = {"TEACHER_SERVER_" + n.upper() for n in Config.model_fields} | set(OTHER_ENV)
+    assert "TEACHER_SERVER_EXT_DIR" in found and found <= known, found - known
+
+
 def test_a_port_in_use_is_named_before_the_engine_loads(capsys) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -4,9 +4,10 @@ out-of-date copy, another revision), and nothing in the process group would noti
 shapes serve another model's scores, other shapes crash the leader in its first collective.
 
 A fingerprint per file: config.json whole; each safetensors file's size, header (every tensor's
-name, dtype, shape and offsets) and the first and last bytes of its tensors (up to ``TENSORS`` of
-them, evenly spread), so two copies of one checkpoint agree and a fine-tune of it, even of a few
-of its tensors, does not. Reading tens of KB per file, not the weights."""
+name, dtype, shape and offsets) and the first and last bytes of its tensors (of every one in a
+file of up to ``TENSORS``, else of ``TENSORS`` evenly spread), so two copies of one checkpoint agree
+and another checkpoint, or a fine-tune of this one, does not (a change that spares those bytes of
+every sampled tensor goes unseen). Reading tens of KB per file, not the weights."""
 
 from __future__ import annotations
 
@@ -32,15 +33,32 @@ def _file_digest(path: Path, weights: bool) -> str:
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
         header = f.read(min(n, size, MAX_HEADER))
         h.update(header)
-        try:  # each tensor's data_offsets, relative to the end of the header
-            spans = sorted(tuple(v["data_offsets"]) for k, v in json.loads(header).items() if k != "__metadata__")
-        except (ValueError, TypeError, KeyError, AttributeError):
-            spans = []  # (not a safetensors header: its bytes and size only; the loader says what is wrong)
-        for begin, end in spans[:: max(1, len(spans) // TENSORS)]:
+        for begin, end in sampled(_spans(header)):
             for at in (begin,) if end - begin <= EDGE_BYTES else (begin, end - EDGE_BYTES):
                 f.seek(8 + n + at)
                 h.update(f.read(min(EDGE_BYTES, end - at)))
     return h.hexdigest()[:16]
+
+
+def _spans(header: bytes) -> list[tuple[int, int]]:
+    """Each tensor's data_offsets (relative to the end of the header), sorted; none where the
+    header is not a safetensors one (its bytes and size only: the loader says what is wrong)."""
+    try:
+        spans = [v["data_offsets"] for k, v in json.loads(header).items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+    if not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) and 0 <= s[0] <= s[1]
+               for s in spans):
+        return []
+    return sorted((b, e) for b, e in spans)
+
+
+def sampled(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """All of ``spans`` up to ``TENSORS``, else ``TENSORS`` of them evenly spread, the last among them."""
+    n = len(spans)
+    if n <= TENSORS:
+        return spans
+    return [spans[(i * (n - 1)) // (TENSORS - 1)] for i in range(TENSORS)]
 
 
 def model_fingerprint(model_dir: Path, weights: bool) -> dict[str, str]:

@@ -63,7 +63,11 @@ def open_checkpoint_file(f: Path, device: str = "cpu") -> Iterator[Any]:
     except (SafetensorError, OSError) as e:
         why = " ".join(str(e).split())[:200]
         if not f.exists():
-            raise ValueError(f"checkpoint file {f} is missing (the index names it): fetch it again") from None
+            if f.is_symlink():  # (a Hugging Face cache snapshot: its blob gone, an interrupted or pruned download)
+                raise ValueError(f"checkpoint file {f} is a link to {os.readlink(f)}, which is missing (a cache "
+                                 f"snapshot whose blob was removed or never finished?): fetch it again") from None
+            raise ValueError(f"checkpoint file {f} is missing (the folder's model.safetensors.index.json names "
+                             f"it): fetch it again") from None
         if not f.is_file() or not os.access(f, os.R_OK):
             raise ValueError(f"checkpoint file {f} cannot be read by this process (user id {os.getuid()}): "
                              f"{'not a regular file' if not f.is_file() else 'no read permission'}") from None
