@@ -127,7 +127,7 @@ _MODULES = {"pyyaml": "yaml", "prometheus-client": "prometheus_client"}
 
 def _server_only_modules() -> list[str]:
     """The import names of the ``server`` extra's packages that the ``client`` extra lacks."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 

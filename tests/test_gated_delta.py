@@ -180,6 +180,8 @@ def test_rule_matches_transformers(lens: list[int]) -> None:
     for n in range(len(lens)):
         sl = slice(b[n], b[n + 1])
         args = [x[sl][None] for x in (q, k, v, g, beta)]
+        group = v.shape[-2] // k.shape[-2]  # q and k heads expanded to v's here (transformers before 5.21 does not)
+        args[0], args[1] = (x.repeat_interleave(group, dim=2) for x in args[:2])
         for ref in (hf35.torch_chunk_gated_delta_rule, hf35.torch_recurrent_gated_delta_rule):
             ro, rs = ref(*args, initial_state=init[n:n + 1], output_final_state=True, use_qk_l2norm_in_kernel=True)
             torch.testing.assert_close(o[sl], ro[0], atol=1e-4, rtol=1e-4)

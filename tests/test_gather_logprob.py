@@ -7,6 +7,7 @@ the kernel (fresh random inputs, poisoned outputs) and skip when CUDA is absent.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,7 +149,7 @@ def test_installed_package_ships_every_kernel_source() -> None:
     cover every source the extension builds from."""
     import fnmatch
 
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    tomllib = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
     data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     globs = data["teacher_server"]
     for name in extension.SOURCES:

@@ -4,12 +4,20 @@ Plain Python + numpy: no torch here."""
 
 from __future__ import annotations
 
+import enum
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # Python 3.10: its members are their values as strings too (metric labels, messages)
+    class StrEnum(str, enum.Enum):
+        __str__ = str.__str__
+        __format__ = str.__format__
 
 _uids = itertools.count()
 

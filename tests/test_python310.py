@@ -1,0 +1,101 @@
+"""The package claims Python 3.10 (pyproject's requires-python): no name of the standard library
+that 3.10 lacks is used outside a version guard (``enum.StrEnum`` had made the whole server fail
+to import there), and where a 3.10 interpreter is on this machine, every file compiles with it."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIRS = ("teacher_server", "bench", "examples")
+
+# what the standard library gained in 3.11 and 3.12 (module -> names; None: the module itself)
+NEW: dict[str, set[str] | None] = {
+    "enum": {"StrEnum", "ReprEnum", "EnumCheck", "FlagBoundary", "verify", "member", "nonmember", "global_enum",
+             "show_flag_values"},
+    "typing": {"Self", "Never", "LiteralString", "assert_never", "assert_type", "reveal_type", "Required",
+               "NotRequired", "TypeVarTuple", "Unpack", "dataclass_transform", "get_overloads", "clear_overloads",
+               "override", "TypeAliasType", "get_protocol_members", "is_protocol"},
+    "asyncio": {"TaskGroup", "timeout", "timeout_at", "Runner", "Barrier", "BrokenBarrierError"},
+    "datetime": {"UTC"}, "hashlib": {"file_digest"}, "contextlib": {"chdir"}, "itertools": {"batched"},
+    "logging": {"getLevelNamesMapping"}, "operator": {"call"}, "math": {"cbrt", "exp2", "sumprod"},
+    "inspect": {"markcoroutinefunction", "getasyncgenstate"}, "tomllib": None, "wsgiref.types": None,
+}
+BUILTINS = {"ExceptionGroup", "BaseExceptionGroup"}
+
+
+def guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Inside ``if sys.version_info ...`` or a ``try`` that catches ImportError/AttributeError."""
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "version_info" in ast.unparse(node.test):
+            return True
+        if isinstance(node, ast.Try) and any(h.type is not None and any(
+                n in ast.unparse(h.type) for n in ("ImportError", "ModuleNotFoundError", "AttributeError"))
+                for h in node.handlers):
+            return True
+    return False
+
+
+def uses_of_new_names(source: str) -> list[str]:
+    tree = ast.parse(source)
+    parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    found = []
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, ast.ImportFrom) and node.module in NEW:
+            names = NEW[node.module]
+            bad = [a.name for a in node.names if names is None or a.name in names]
+            what = bad and f"from {node.module} import {', '.join(bad)}"
+        elif isinstance(node, ast.Import):
+            bad = [a.name for a in node.names if a.name in NEW and NEW[a.name] is None]
+            what = bad and f"import {', '.join(bad)}"
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in NEW:
+            names = NEW[node.value.id]
+            what = names is not None and node.attr in names and f"{node.value.id}.{node.attr}"
+        elif isinstance(node, ast.Name) and node.id in BUILTINS:
+            what = node.id
+        elif type(node).__name__ == "TryStar":
+            what = "except*"
+        if what and not guarded(node, parents):
+            found.append(f"line {node.lineno}: {what}")
+    return found
+
+
+def test_no_standard_library_name_newer_than_python_310() -> None:
+    bad = {str(f.relative_to(ROOT)): u for d in DIRS for f in sorted((ROOT / d).rglob("*.py"))
+           if (u := uses_of_new_names(f.read_text()))}
+    assert not bad, f"names Python 3.10 lacks, outside a version guard: {bad}"
+    assert uses_of_new_names("from enum import StrEnum\n") == ["line 1: from enum import StrEnum"]
+    assert uses_of_new_names("import sys\nif sys.version_info >= (3, 11):\n    from enum import StrEnum\n") == []
+
+
+def python310() -> str | None:
+    """A working Python 3.10 interpreter of this machine (pyenv's shim answers only where selected)."""
+    for exe in [*map(str, sorted(Path.home().glob(".pyenv/versions/3.10*/bin/python3.10"))), shutil.which("python3.10")]:
+        if exe and subprocess.run([exe, "-c", "import sys; assert sys.version_info[:2] == (3, 10)"],
+                                  capture_output=True, timeout=60).returncode == 0:
+            return exe
+    return None
+
+
+def test_every_file_compiles_under_python_310(tmp_path: Path) -> None:
+    exe = python310()
+    if exe is None:
+        pytest.skip("no Python 3.10 interpreter on this machine")
+    for d in DIRS + ("tests",):
+        shutil.copytree(ROOT / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([exe, "-m", "compileall", "-q", *(str(tmp_path / d) for d in DIRS + ("tests",))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    r = subprocess.run([exe, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import teacher_server.engine.request "
+                        "as r; assert str(r.ErrorKind.TIMEOUT) == 'timeout' and f'{r.ErrorKind.CANCELLED}' == "
+                        "'cancelled'", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    if "No module named 'numpy'" in r.stderr:
+        return  # (the interpreter's bare standard library: compiling is what it checks)
+    assert r.returncode == 0, r.stderr[-2000:]
