@@ -92,24 +92,29 @@ def test_sglang_given_ids_at_the_generated_token(server, toks, ref, start: int) 
     assert [e[1] for e in out] == ids
     np.testing.assert_allclose([e[0] for e in out], ref[-1, ids], atol=TOL)
     assert r.json()["output_ids"] == [int(ref[-1].argmax())]
-    assert len(meta["input_token_ids_logprobs"]) == (len(toks) if start == 0 else 0)
+    assert len(meta["input_token_ids_logprobs"]) == (len(toks) if start == 0 else 1)  # (-1: the last position alone)
     if start == 0:
         np.testing.assert_allclose([[e[0] for e in row] for row in meta["input_token_ids_logprobs"][1:]],
                                    ref[:-1][:, ids], atol=TOL)
 
 
-@pytest.mark.parametrize(("start", "entries"), [(29, 1), (30, 0)])
-def test_sglang_start_at_the_end(server, toks, start: int, entries: int) -> None:
-    """A start at the last input position returns it alone (no logprob); at the input's
-    length, nothing."""
+@pytest.mark.parametrize(("start", "new", "entries"), [(29, 1, 1), (-1, 1, 1), (30, 0, 0), (-1, 0, 0), (30, 1, None)])
+def test_sglang_start_at_the_end(server, toks, start: int, new: int, entries: int | None) -> None:
+    """As SGLang's scheduler reads the start: at the last input position (-1, the default, is that
+    position) it returns it alone, without a logprob; a prefill-only request (max_new_tokens 0)
+    at -1 or at the input's length returns nothing; the input's length with a token to generate
+    is its error (the start must be less)."""
     with server.client() as c:
-        r = c.post("/generate", json={"input_ids": toks, "sampling_params": {"max_new_tokens": 1},
+        r = c.post("/generate", json={"input_ids": toks, "sampling_params": {"max_new_tokens": new},
                                       "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 1})
+    if entries is None:
+        assert_error(r, 400, "logprob_start_len")
+        return
     assert r.status_code == 200, r.text
     meta = r.json()["meta_info"]
     assert meta["input_token_logprobs"] == [[None, toks[-1], None]] * entries
     assert meta["input_top_logprobs"] == [None] * entries
-    assert len(meta["output_token_logprobs"]) == 1
+    assert len(meta["output_token_logprobs"]) == new
 
 
 def test_sglang_refusals_and_batch_ids(server, toks) -> None:
