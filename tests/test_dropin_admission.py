@@ -14,7 +14,7 @@ from conftest import LiveServer, wait_until
 
 from teacher_server.config import Config
 from teacher_server.engine.engine import Engine
-from teacher_server.server.byte_budget import ByteBudget, Hold
+from teacher_server.server.byte_budget import ByteBudget, Hold, over_budget
 from teacher_server.server.sglang_generate import parse_sglang
 from teacher_server.validation import Limits
 
@@ -125,6 +125,9 @@ def test_a_hold_alone_grows_past_the_budget() -> None:
     assert not other.take(1)
     h.release()
     assert other.take(1) and not h.take(100) and h.take(99) and not h.resize(500) and b.used == 100
+    # the refusal says why retrying under traffic does not help a request larger than the budget
+    big, busy = str(over_budget(h, 300 << 20)), str(over_budget(h, 50))
+    assert "more than the whole" in big and "raise max_inflight_bytes" in big and "whole" not in busy
 
 
 def test_a_refused_prompt_refuses_the_batch_at_once() -> None:

@@ -166,8 +166,8 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
     if tokens > t.cfg.max_queue_tokens:  # could never be admitted: retrying cannot help
         raise BadRequest(f"the prompts hold {tokens} tokens, more than the queue holds "
                          f"(max_queue_tokens={t.cfg.max_queue_tokens})", "prompt")
-    if not hold.resize(sum(json_held_bytes(r) for r in reqs)):
-        raise over_budget(hold)
+    if not hold.resize(need := sum(json_held_bytes(r) for r in reqs)):
+        raise over_budget(hold, need)
     refuse_long_wait(queue, cfg, min(r.priority for r in reqs))
     deadline = None if timeout_s is None else t0 + timeout_s
     for r in reqs:

@@ -228,8 +228,8 @@ async def _generate_counted(request: Request, cfg: Config, t0: float, info: Requ
             raise BadRequest(f"token_ids has {req.length} tokens, more than the queue holds "
                              f"(max_queue_tokens={t.cfg.max_queue_tokens})", "token_ids")
         # From here the request holds its arrays and, until it is sent, its result.
-        if not hold.resize(native_held_bytes(req)):
-            raise over_budget(hold)
+        if not hold.resize(need := native_held_bytes(req)):
+            raise over_budget(hold, need)
         refuse_long_wait(queue, cfg, req.priority)
         if timeout_s is not None:
             req.deadline = t0 + timeout_s

@@ -290,7 +290,7 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
         raise BadRequest(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
     hold = hold or Hold(None)
     if size is not None and not hold.take(BODY_FACTOR * size):
-        raise over_budget(hold)
+        raise over_budget(hold, hold.n + BODY_FACTOR * size)
 
     async def receive_declared() -> bytearray:
         # Straight into one buffer of the declared size (HTTP framing holds the body to it): no
@@ -322,7 +322,7 @@ async def read_body(request: Request, limit: int, timeout_s: float, gate: BodyGa
             if got > limit:
                 raise BadRequest(f"request body exceeds the limit of {limit} bytes", status=413)
             if not hold.take(CHUNKED_FACTOR * len(part)):
-                raise over_budget(hold)
+                raise over_budget(hold, hold.n + CHUNKED_FACTOR * len(part))
             chunks.append(part)
         return b"".join(chunks)
 
