@@ -70,7 +70,7 @@ def test_a_peer_sending_a_byte_at_a_time_is_cut_off(monkeypatch: pytest.MonkeyPa
 
         threading.Thread(target=trickle, daemon=True).start()
         took = closed_within(drip, 4.0)
-        assert took is not None and 0.8 < took < 2.0, took
+        assert took is not None and 0.8 < took < 3.0, took  # (a per-read limit: never)
         deadline = time.monotonic() + 2
         while remote._joining and time.monotonic() < deadline:  # (its thread's last line)
             time.sleep(0.02)
@@ -94,10 +94,14 @@ def test_silent_peers_of_one_address_leave_places_for_the_nodes(monkeypatch: pyt
         time.sleep(0.3)
         third = socket.create_connection(("127.0.0.1", port))
         took = closed_within(third, 2.0)
-        assert took is not None and took < 1.0
+        assert took is not None and took < 2.5  # (at once, not after GREET_TIMEOUT_S)
         t0 = time.monotonic()
         node = node_from("127.0.0.2", port)
-        assert node.recv()[0] == "ranks" and time.monotonic() - t0 < 1.0 and 1 in remote.nodes
+        assert node.recv()[0] == "ranks" and time.monotonic() - t0 < 2.5
+        deadline = time.monotonic() + 2
+        while 1 not in remote.nodes and time.monotonic() < deadline:  # (registered just after its answer is sent)
+            time.sleep(0.02)
+        assert 1 in remote.nodes
         for s in silent:
             s.close()
         deadline = time.monotonic() + 3
@@ -128,7 +132,7 @@ def test_a_node_retries_while_the_handshake_places_are_taken(monkeypatch: pytest
         cfg = Config(pipeline_parallel_size=2, nnodes=2, node_rank=1, master_port=port, node_authkey=KEY)
         t0 = time.monotonic()
         conn = node_worker.connect(cfg, KEY.encode(), timeout=10)
-        assert 0.8 < time.monotonic() - t0 < 5
+        assert 0.8 < time.monotonic() - t0 < 8
         conn.send(("node", 1, 2))
         assert conn.recv()[0] == "ranks"
         silent.close()
