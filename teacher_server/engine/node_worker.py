@@ -83,10 +83,15 @@ def connect_to(addr: str, port: int, key: bytes, timeout: float) -> Connection:
             time.sleep(1.0)
         except (OSError, AssertionError) as e:  # (Python 3.10 asserts the challenge's form)
             conn.close()
-            why = "silent" if isinstance(e, BlockingIOError) else f"{type(e).__name__}{': ' if str(e) else ''}{e}"
+            why = "silent" if isinstance(e, BlockingIOError) else named(e)
             raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port ({why}, "
                                   f"{GREET_TIMEOUT_S:g}s allowed for each message): is master_port the leader's "
                                   f"master_port, not its HTTP port?") from None
+
+
+def named(e: BaseException) -> str:
+    """``Type: message`` of an exception (its type alone where it has no message)."""
+    return f"{type(e).__name__}{': ' if str(e) else ''}{e}"
 
 
 def ipv6_only(host: str) -> bool:
@@ -136,7 +141,7 @@ def run_worker_node(cfg: Config) -> int:
         with read_timeout(conn, GREET_TIMEOUT_S):
             msg = conn.recv()
     except (OSError, EOFError) as e:
-        why = "no answer" if isinstance(e, BlockingIOError) else f"{type(e).__name__}{': ' if str(e) else ''}{e}"
+        why = "no answer" if isinstance(e, BlockingIOError) else named(e)
         log.error("the leader did not answer this node's greeting within %gs (%s)", GREET_TIMEOUT_S, why)
         return 1
     if isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "refused":
