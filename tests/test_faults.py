@@ -171,6 +171,19 @@ def test_queue_wait_measures_only_saturated_time() -> None:
         late.finish(0, 1000, answered=True, now=1.0 + i * 1e-3, step_end=1.0)
     late.finish(0, 4000, answered=True, now=1.5, step_end=1.5)
     assert late.rate() == pytest.approx(8000, rel=0.02)  # (counted: 12,000)
+    batch = QueueWait(limit_s=60.0)  # a batch's prompts, scored over two steps and finished together
+    batch.step_budget(None, 8192)
+    batch.admit(0, 16 * 1000, now=0.0)
+    batch.finish_many([(0, 1000, True, 1.0)] * 8 + [(0, 1000, True, 2.0)] * 8, now=2.0)
+    assert batch.queued == 0 and batch.rate() == pytest.approx(8000, rel=0.02)  # (one at a time: 4,000)
+    many = QueueWait(limit_s=60.0)  # a batch naming 40 step ends does not make a step's later answers
+    many.step_budget(None, 8192)    # forget how the queue stood at its first
+    many.admit(0, 8 * 1000 + 40 * 100, now=0.0)
+    many.finish(0, 1000, answered=True, now=1.0, step_end=1.0)
+    many.finish_many([(0, 100, True, 0.5 + i * 1e-3) for i in range(40)], now=1.001)
+    for i in range(7):
+        many.finish(0, 1000, answered=True, now=1.002 + i * 1e-3, step_end=1.0)
+    assert many.rate() == pytest.approx((8000 + 4000) / 1.0, rel=0.02)
     dp = QueueWait(limit_s=1.0)
     dp.step_budget(0, 1000)
     dp.step_budget(1, 1000)

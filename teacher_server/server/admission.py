@@ -31,7 +31,7 @@ class QueueTooLong(Exception):
 class QueueWait:
     TAU_S = 30.0
     MIN_BUSY_S = 0.5
-    MOMENTS = 16  # the step ends whose saturation is remembered (replicas' steps interleave)
+    KEEP_S = 10.0  # how long a step end's saturation is remembered after its first answer
 
     def __init__(self, limit_s: float | None) -> None:
         self.limit_s = limit_s
@@ -44,8 +44,9 @@ class QueueWait:
         self._budgets: dict[int | None, int] = {}  # each engine's (replica's) step budget, tokens
         self._saturation = 0  # their sum; 0: none known yet
         # per step end (``ScoreResult.finished_at``, which one step's answers share): whether the queue
-        # was saturated before the first of them left it, so each of them counts alike
-        self._saturated_at: dict[float, bool] = {}
+        # was saturated before the first of them left it, so each of them counts alike, and when
+        # that was decided
+        self._saturated_at: dict[float, tuple[bool, float]] = {}
 
     def step_budget(self, replica: int | None, tokens: int) -> None:
         """An engine's tokens per forward step (``replica`` None: the one engine). Any thread:
@@ -99,26 +100,38 @@ class QueueWait:
         answer of one step): a step's answers reach here one by one, milliseconds apart (each
         handler wakes in turn, between others' answer encoding), and each counts as the queue was
         before the step's first one left it, not as the earlier ones left it."""
+        self.finish_many([(priority, tokens, answered, step_end)], now)
+
+    def finish_many(self, done: list[tuple[int, int, bool, float | None]], now: float | None = None) -> None:
+        """Several requests (``(priority, tokens, answered, step_end)`` as ``finish`` takes) that
+        leave the queue at once: a batch's prompts, answered over several steps and sent back
+        together. Each step's saturation is settled before any of them leaves, so none is judged
+        by a queue its own batch has already left."""
         now = time.monotonic() if now is None else now
         self._advance(now)
-        if answered and (self.saturated if step_end is None else self._saturated_when(step_end)):
-            self._done += tokens
-        left = self.by_priority[priority] - tokens
-        if left:
-            self.by_priority[priority] = left
-        else:
-            del self.by_priority[priority]
-        self.queued -= tokens
+        counted = [answered and (self.saturated if step_end is None else self._saturated_when(step_end, now))
+                   for _, _, answered, step_end in done]
+        for (priority, tokens, _, _), count in zip(done, counted):
+            if count:
+                self._done += tokens
+            left = self.by_priority[priority] - tokens
+            if left:
+                self.by_priority[priority] = left
+            else:
+                del self.by_priority[priority]
+            self.queued -= tokens
 
-    def _saturated_when(self, step_end: float) -> bool:
+    def _saturated_when(self, step_end: float, now: float) -> bool:
         """Whether the queue was saturated before the first answer of the step that ended at
-        ``step_end`` left it (decided at that first answer, now)."""
+        ``step_end`` left it (decided at that first answer, now). A step's answers all arrive
+        within ``KEEP_S`` of its first: older decisions are dropped (in the order they were made),
+        however many steps a batch's answers name at once."""
         seen = self._saturated_at.get(step_end)
         if seen is None:
-            seen = self._saturated_at[step_end] = self.saturated
-            if len(self._saturated_at) > self.MOMENTS:  # (the oldest step end: its answers are all in)
+            while self._saturated_at and next(iter(self._saturated_at.values()))[1] < now - self.KEEP_S:
                 del self._saturated_at[next(iter(self._saturated_at))]
-        return seen
+            self._saturated_at[step_end] = seen = (self.saturated, now)
+        return seen[0]
 
     @property
     def estimated_wait_s(self) -> float:

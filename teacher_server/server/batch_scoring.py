@@ -190,10 +190,12 @@ async def _score(request: Request, cfg: Config, t0: float, parse: Parse, build: 
                 for t in tasks:
                     t.cancel()  # drops their work and frees their KV
                 gathered.cancel()
+            left = []
             for r, t in zip(reqs, tasks):
                 answered = t.done() and not t.cancelled() and t.exception() is None
-                queue.finish(r.priority, r.length, answered and t.result().error is None,
-                             step_end=t.result().finished_at if answered else None)
+                left.append((r.priority, r.length, answered and t.result().error is None,
+                             t.result().finished_at if answered else None))
+            queue.finish_many(left)  # (every step the batch spanned judged with the batch still queued)
         if not done:
             m.labels(m.failures, reason="timeout").inc()
             return error_response(504, "request deadline exceeded: the engine did not answer in time")
