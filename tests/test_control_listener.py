@@ -164,3 +164,31 @@ def test_the_fingerprint_samples_spread_tensors_and_reads_odd_headers(tmp_path: 
         f = tmp_path / "odd.safetensors"
         f.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 8)
         assert len(_file_digest(f, weights=True)) == 16
+
+
+def test_a_greeting_read_as_the_limit_falls_is_refused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Where the limit falls after the greeting was read (the thread descheduled at that moment,
+    widened here by a delay after the read), the connection was shut by it: it is refused, not
+    registered as a rank whose connection is already dead."""
+    monkeypatch.setattr(remote_ranks, "GREET_TIMEOUT_S", 1.0)
+    read = Connection.recv
+
+    def slow_after_greeting(self: Connection):
+        msg = read(self)
+        if threading.current_thread().name == "teacher-node-join" and isinstance(msg, tuple):
+            time.sleep(1.3)
+        return msg
+
+    monkeypatch.setattr(Connection, "recv", slow_after_greeting)
+    port = free_port()
+    remote = leader(tmp_path, port)
+    try:
+        rank = Client(("127.0.0.1", port), authkey=KEY.encode())
+        rank.send(("rank", 1))
+        time.sleep(2.0)
+        assert 1 not in remote.ranks
+        with pytest.raises(EOFError):
+            rank.recv()  # (closed by the leader: a rank would retry)
+        rank.close()
+    finally:
+        remote.close()

@@ -174,6 +174,8 @@ class RemoteRanks:
                     if expired.is_set():
                         raise TimeoutError(f"no key and greeting within {GREET_TIMEOUT_S:g}s") from None
                     raise e
+            if expired.is_set():  # (the limit fell after the greeting was read: the connection is shut)
+                raise TimeoutError(f"no key and greeting within {GREET_TIMEOUT_S:g}s")
             self._greet(conn, msg)  # (reads on it block without limit from here: the watchdog's, the steps')
             if self._complete.is_set():
                 self._wake()
