@@ -128,6 +128,11 @@ def test_a_hold_alone_grows_past_the_budget() -> None:
     # the refusal says why retrying under traffic does not help a request larger than the budget
     big, busy = str(over_budget(h, 300 << 20)), str(over_budget(h, 50))
     assert "more than the whole" in big and "raise max_inflight_bytes" in big and "whole" not in busy
+    mib = ByteBudget(100 << 20)  # what others hold, not counting the refused request's own bytes
+    mine, theirs = Hold(mib), Hold(mib)
+    assert mine.take(20 << 20) and theirs.take(1 << 20)
+    assert "(1 MiB held by others now)" in str(over_budget(mine, 300 << 20))
+    assert "the other requests in flight hold 1 MiB of the 100 MiB" in str(over_budget(mine, 90 << 20))
 
 
 def test_a_refused_prompt_refuses_the_batch_at_once() -> None:

@@ -123,10 +123,11 @@ def over_budget(hold: Hold, need: int = 0) -> OverBudget:
     would hold in all (one larger than the whole budget runs only alone, and is told so)."""
     b = hold.budget
     assert b is not None, "a hold without a budget never refuses"
+    others = b.used - hold.n  # (what this request holds already is not another's)
     if need > b.limit:
         return OverBudget(f"server busy: this request needs {need >> 20} MiB in flight, more than the whole "
                           f"{b.limit >> 20} MiB budget (max_inflight_bytes), so it runs only while no other request "
-                          f"holds any ({b.used >> 20} MiB held now); retry when the server is idle, split it, or "
-                          "raise max_inflight_bytes", b.retry_after_s())
-    return OverBudget(f"server busy: the requests in flight hold {b.used >> 20} MiB of the {b.limit >> 20} MiB "
+                          f"holds any ({others >> 20} MiB held by others now); retry when the server is idle, split "
+                          "it, or raise max_inflight_bytes", b.retry_after_s())
+    return OverBudget(f"server busy: the other requests in flight hold {others >> 20} MiB of the {b.limit >> 20} MiB "
                       "budget (max_inflight_bytes); retry later", b.retry_after_s())
