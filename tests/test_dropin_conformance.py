@@ -98,12 +98,13 @@ def test_sglang_given_ids_at_the_generated_token(server, toks, ref, start: int) 
                                    ref[:-1][:, ids], atol=TOL)
 
 
-@pytest.mark.parametrize(("start", "new", "entries"), [(29, 1, 1), (-1, 1, 1), (30, 0, 0), (-1, 0, 0), (30, 1, None)])
+@pytest.mark.parametrize(("start", "new", "entries"), [(29, 1, 1), (-1, 1, 1), (30, 0, 0), (-1, 0, 0), (30, 1, None),
+                                                     (31, 0, 0), (31, 1, None)])
 def test_sglang_start_at_the_end(server, toks, start: int, new: int, entries: int | None) -> None:
     """As SGLang's scheduler reads the start: at the last input position (-1, the default, is that
     position) it returns it alone, without a logprob; a prefill-only request (max_new_tokens 0)
-    at -1 or at the input's length returns nothing; the input's length with a token to generate
-    is its error (the start must be less)."""
+    at -1 or at or past the input's length returns nothing; the input's length or more with a
+    token to generate is its error (the start must be less)."""
     with server.client() as c:
         r = c.post("/generate", json={"input_ids": toks, "sampling_params": {"max_new_tokens": new},
                                       "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 1})

@@ -9,7 +9,7 @@ takes them), ``return_text_in_logprobs``. The answer is SGLang's: ``text``, ``ou
 
 - ``input_token_logprobs``: ``[logprob, token_id, text]`` per input position from
   ``logprob_start_len`` (``-1``, the default: the last input position, none of them with
-  ``max_new_tokens`` 0; from the input's length on: 400, the length itself allowed with 0);
+  ``max_new_tokens`` 0; from the input's length on: none with 0, 400 with 1);
   the first entry's logprob is ``None`` whatever the start, as SGLang pads it (its scheduler
   takes the first returned position's logprob as not computed);
 - ``input_top_logprobs`` (``top_logprobs_num`` > 0): per position the top-k as such triples
@@ -208,12 +208,11 @@ def _parse_sglang(body: SGLangGenerateRequest, limits: Limits, tok: Tokenizer | 
             check_in_vocab(tids, limits, "token_ids_logprob")
         length = len(ids)
         # SGLang's scheduler: -1 is the last input position (a prefill-only request's, max_new_tokens 0: none), and
-        # a start at or past the input's length is refused unless the request is prefill-only
-        if want and (start > length or (start == length and mn == 1)):
-            raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens ({length})"
-                             if start > length else f"logprob_start_len ({start}) is the number of input tokens: "
-                             "with max_new_tokens 1 it must be less", "logprob_start_len")
-        first = (length - mn) if start == -1 else start  # the first input position returned
+        # a start at or past the input's length is refused unless the request is prefill-only (then: none)
+        if want and mn == 1 and start >= length:
+            raise BadRequest(f"logprob_start_len ({start}) must be less than the number of input tokens ({length}) "
+                             "when max_new_tokens is 1", "logprob_start_len")
+        first = (length - mn) if start == -1 else min(start, length)  # the first input position returned
         # Position ``first`` is returned without logprobs (as SGLang does); position p > first is scored
         # by causal row p - 1, so the rows (and the given ids as shared candidates) start at ``first``.
         rows = want and first < length - 1
