@@ -41,7 +41,15 @@ class OneLineErrors(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         unknown = re.search(r"unrecognized arguments: (--[\w-]+)", message)
         hint = did_you_mean(unknown.group(1), self.flag_names) if unknown else ""
-        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {getattr(self, 'help_for', self.prog)} --help)\n")
+
+    def parse_args(self, args: typing.Any = None, namespace: typing.Any = None) -> typing.Any:
+        ns, extra = self.parse_known_args(args, namespace)
+        if extra:  # (the command's flags are in its own help, not the top level's)
+            command = getattr(ns, "command", None)
+            self.help_for = f"{self.prog} {command}" if command else self.prog
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns
 
     def parse_known_args(self, args: typing.Any = None, namespace: typing.Any = None) -> typing.Any:
         # `teacher-server --dtype bf16`: argparse would call 'bf16' an invalid command

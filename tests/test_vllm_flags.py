@@ -90,6 +90,7 @@ def test_a_usage_mistake_is_one_line(capsys) -> None:
 def test_a_misspelt_flag_names_the_closest(capsys, flag: str, meant: str) -> None:
     err = _main_error(["serve", flag, "5"], capsys)
     assert err.count("\n") == 1 and f"{flag}; did you mean '{meant}'?" in err, err
+    assert err.endswith("(see teacher-server serve --help)\n"), err  # (the command's flags are in its help)
 
 
 @pytest.mark.parametrize(("spelling", "meant"), [("bf16", "bfloat16"), ("float64", "float32"), ("double", "float32")])
