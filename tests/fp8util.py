@@ -26,7 +26,7 @@ FP8 = torch.float8_e4m3fn
 MAX = 448.0
 # The projections of every family (attention, MLP, experts, Gated DeltaNet in/out); not the
 # embedding, LM head, routers, shared-expert gates, norms or convolutions.
-PROJECTION = re.compile(r"(_proj|_proj_(qkv|z|b|a)|_proj_with_mqa|\.w[123])\.weight$")
+PROJECTION = re.compile(r"(_proj|_proj_(qkv|qkvz|ba|z|b|a)|_proj_with_mqa|\.w[123])\.weight$")
 LAYOUTS = ("block", "block_ws", "ct_channel", "ct_tensor_static", "ct_block", "fp8_tensor_static", "online")
 
 

@@ -83,6 +83,10 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
                 from deepseek_ref import make_deepseek_checkpoint
 
                 src = make_deepseek_checkpoint(family.removeprefix("deepseek_"), tmp_path_factory.mktemp("ds") / "m")
+            elif family == "qwen3_next":  # its grouped in-projections (in_proj_qkvz, in_proj_ba) quantized too
+                from oss_ref import make_qwen3_next_checkpoint
+
+                src = make_qwen3_next_checkpoint(tmp_path_factory.mktemp("next") / "m")
             else:
                 src = checkpoints[family]
             made[key] = make_fp8(src, tmp_path_factory.mktemp("fp8"), layout, block, ignore)
@@ -106,6 +110,8 @@ def fp8_checkpoints(checkpoints, tmp_path_factory):
     ("qwen3_5", "block", (16, 16), QWEN3_5_IGNORE),  # in_proj: fp8 q/k/v/z, bf16 b/a -> held whole in fp32
     ("qwen3_5_moe", "ct_channel", (16, 16), ()),
     ("qwen3_5_vl", "block_ws", (16, 16), QWEN3_5_IGNORE),  # the vision-language checkpoint's text model
+    ("qwen3_next", "online", (16, 16), ()),
+    ("qwen3_next", "block", (16, 16), ()),
     ("deepseek_v3", "block", (16, 16), ()),  # DeepSeek-V3's own FP8 layout, latent attention and its MTP layer
     # q_b's input (q_lora_rank 48) one block column wide: its [N / 16, 1] block scale is not a per-row one
     ("deepseek_v3", "block", (16, 64), ()),
