@@ -756,3 +756,24 @@ def test_a_replica_whose_start_hangs_is_killed_at_the_start_deadline() -> None:
     why, seconds = asyncio.run(run())
     assert "replica_start_timeout_s=3s" in why, why
     assert 3 <= seconds < 30, seconds
+
+
+def test_a_request_cancelled_before_it_began_leaves_the_replicas_table() -> None:
+    """A cancel read in the same loop turn as its request cancels a task before its first step,
+    whose coroutine then never runs: the table of tasks drops it all the same (it had kept the
+    request's arrays for the process's life)."""
+    from teacher_server.replicas.worker import Tasks
+
+    async def scenario() -> Tasks:
+        tasks = Tasks()
+
+        async def score() -> None:
+            await asyncio.sleep(0.01)
+
+        tasks.start(1, score())
+        tasks.start(2, score())
+        tasks[1].cancel()  # before it began
+        await asyncio.sleep(0.05)
+        return tasks
+
+    assert asyncio.run(scenario()) == {}

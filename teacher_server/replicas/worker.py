@@ -17,7 +17,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from multiprocessing.connection import Connection
 
 from teacher_server.config import Config
@@ -105,6 +105,17 @@ def answer(res: ScoreResult, engine_alive: bool) -> ResultMsg | LostMsg:
     return ResultMsg(res)
 
 
+class Tasks(dict):
+    """The requests this replica is scoring (uid -> task). Each leaves as its task ends, by a
+    done callback: a task cancelled before its first step (the front's cancel read in the loop
+    turn its request arrived in) never runs its coroutine, so no cleanup inside it would run,
+    and its request's arrays would stay here for the process's life."""
+
+    def start(self, uid: int, coro: Coroutine) -> None:
+        self[uid] = task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(lambda _: self.pop(uid, None))
+
+
 async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], inbox: mp.Queue,
                  out: _Sender) -> int:
     from teacher_server.engine.async_engine import AsyncEngine, EngineOverloaded, EngineUnavailable
@@ -118,7 +129,7 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
         fatal.append(e)
         loop.call_soon_threadsafe(stop.set)
 
-    tasks: dict[int, asyncio.Task] = {}
+    tasks = Tasks()
     ae: AsyncEngine | None = None  # set once built; the front's messages are read from the start
 
     async def one(req: ScoreRequest) -> None:
@@ -126,14 +137,12 @@ async def _serve(index: int, cfg: Config, factory: Callable[[Config], object], i
             res = await ae.score(req)
         except (EngineOverloaded, EngineUnavailable) as e:
             res = ScoreResult.failed(req, e.kind, str(e))
-        finally:
-            tasks.pop(req.uid, None)
         out.send(answer(res, ae.alive))
 
     def handle(msg: object) -> None:  # on the loop
         match msg:
             case AddMsg(req=req):
-                tasks[req.uid] = loop.create_task(one(req))
+                tasks.start(req.uid, one(req))
             case CancelMsg(uid=uid):
                 t = tasks.get(uid)
                 if t is not None:
