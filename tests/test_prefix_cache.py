@@ -175,6 +175,24 @@ def test_no_salt_and_empty_salt_hash_apart() -> None:
     assert block_hashes(t, 2, 16, None) != block_hashes(t, 2, 16, "")
 
 
+def test_a_salt_of_any_str_is_hashed(checkpoints) -> None:
+    """A salt UTF-8 cannot encode strictly (a lone surrogate, a str the Python API takes) is
+    hashed as any other, apart from its neighbours: it had raised inside the scheduler, after
+    the step's earlier sequences had taken their blocks, and every later step raised again."""
+    from teacher_server.engine.block_manager import block_hashes
+
+    t = np.arange(32)
+    assert len({tuple(block_hashes(t, 2, 16, s)) for s in ("bad\udc80", "bad\udc81", "bad", None)}) == 4
+    base = group(np.random.default_rng(4), 40, 1, 10, per_row=False)[0]
+    eng = engine(checkpoints["qwen2"], cache=True)
+    mk = lambda rid, salt: ScoreRequest(rid, base.token_ids, base.start, base.candidates, cache_salt=salt)  # noqa: E731
+    a, b = eng.run_to_completion([mk("a", "ok"), mk("b", "bad\udc80")])
+    c = eng.run_to_completion([mk("c", "bad\udc80")])[0]
+    assert a.error is None and b.error is None and c.cached_tokens == 32
+    assert_same([b, c], [a, a])
+    assert eng.stats().kv_blocks_used == 0
+
+
 def test_tuning_switches_the_cache_and_the_budget(checkpoints) -> None:
     """The switches a built engine takes (the benchmark's ablations): with the cache off
     and a 16-token budget nothing is reused and steps hold at most 16 tokens; restored,

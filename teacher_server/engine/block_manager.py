@@ -21,7 +21,8 @@ import numpy as np
 def block_hashes(tokens: np.ndarray, n_blocks: int, block_size: int, salt: str | None) -> list[bytes]:
     """Hash chain of the first ``n_blocks`` full blocks: h_i = H(h_{i-1} | salt | tokens_i)."""
     out: list[bytes] = []
-    seed = b"\x00" if salt is None else b"\x01" + salt.encode()  # no salt and "" never collide
+    # no salt and "" never collide; any str hashes (a lone surrogate too, as the replicas' router reads it)
+    seed = b"\x00" if salt is None else b"\x01" + salt.encode("utf-8", "surrogatepass")
     prev = hashlib.blake2b(seed, digest_size=16, person=b"ts-salt").digest()
     toks = np.ascontiguousarray(tokens[: n_blocks * block_size], dtype=np.int64)
     for i in range(n_blocks):
