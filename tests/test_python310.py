@@ -31,20 +31,18 @@ BUILTINS = {"ExceptionGroup", "BaseExceptionGroup"}
 
 
 def _newer_than_310(test: ast.expr) -> bool | None:
-    """For ``sys.version_info >= (3, 11)`` (or ``> (3, 10)``): True; for ``< (3, 11)`` (or
-    ``<= (3, 10)``): False; None for any other test."""
+    """For ``sys.version_info >= (3, 11)`` (or ``>`` a 3.11 bound): True, its body runs on 3.11+
+    only; for ``< (3, 11)`` (or ``<=``): False, its ``else`` does; None for any other test."""
     if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and "version_info" in ast.unparse(test.left)):
         return None
     try:
         version = tuple(ast.literal_eval(test.comparators[0]))
     except (ValueError, TypeError):
         return None
+    if version[:2] < (3, 11):  # (``> (3, 10)`` holds on 3.10.1: only a 3.11 bound keeps 3.10 out)
+        return None
     op = type(test.ops[0])
-    if (op is ast.GtE and version >= (3, 11)) or (op is ast.Gt and version >= (3, 10)):
-        return True
-    if (op is ast.Lt and version >= (3, 11)) or (op is ast.LtE and version >= (3, 10)):
-        return False
-    return None
+    return True if op in (ast.GtE, ast.Gt) else False if op in (ast.Lt, ast.LtE) else None
 
 
 def guarded(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -97,7 +95,9 @@ def test_no_standard_library_name_newer_than_python_310() -> None:
     assert uses_of_new_names("try:\n    import tomllib\nexcept ImportError:\n    tomllib = None\n") == []
     for unguarded in ("if sys.version_info < (3, 11):\n    from enum import StrEnum\n",  # the 3.10 branch
                       "if sys.version_info >= (3, 11):\n    pass\nelse:\n    from enum import StrEnum\n",
-                      "try:\n    import x\nexcept ImportError:\n    from enum import StrEnum\n"):
+                      "try:\n    import x\nexcept ImportError:\n    from enum import StrEnum\n",
+                      "if sys.version_info > (3, 10):\n    from enum import StrEnum\n",  # (3.10.1 > (3, 10))
+                      "if sys.version_info <= (3, 10):\n    pass\nelse:\n    from enum import StrEnum\n"):
         assert uses_of_new_names(unguarded) == ["line " + str(unguarded.count("\n")) + ": from enum import StrEnum"]
 
 
