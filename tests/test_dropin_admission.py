@@ -132,7 +132,9 @@ def test_a_hold_alone_grows_past_the_budget() -> None:
     mine, theirs = Hold(mib), Hold(mib)
     assert mine.take(20 << 20) and theirs.take(1 << 20)
     assert "(1 MiB held by others now)" in str(over_budget(mine, 300 << 20))
-    assert "the other requests in flight hold 1 MiB of the 100 MiB" in str(over_budget(mine, 90 << 20))
+    assert not mine.resize(100 << 20)  # (1 + 100 > 100)
+    assert "the other requests in flight hold 1 MiB of the 100 MiB budget (max_inflight_bytes) and this one needs " \
+           "100 MiB" in str(over_budget(mine, 100 << 20))
 
 
 def test_a_refused_prompt_refuses_the_batch_at_once() -> None:

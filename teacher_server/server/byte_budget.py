@@ -130,4 +130,5 @@ def over_budget(hold: Hold, need: int = 0) -> OverBudget:
                           f"holds any ({others >> 20} MiB held by others now); retry when the server is idle, split "
                           "it, or raise max_inflight_bytes", b.retry_after_s())
     return OverBudget(f"server busy: the other requests in flight hold {others >> 20} MiB of the {b.limit >> 20} MiB "
-                      "budget (max_inflight_bytes); retry later", b.retry_after_s())
+                      f"budget (max_inflight_bytes) and this one needs {need >> 20} MiB; retry later",
+                      b.retry_after_s())
