@@ -62,8 +62,8 @@ def _holds_bool(value: Any) -> bool:
     array of it reads True as id 1."""
     if not isinstance(value, list | tuple):
         return False
-    return any(isinstance(x, bool | np.bool_) for row in value
-               for x in (row if isinstance(row, list | tuple) else (row,)))
+    return any(isinstance(x, bool | np.bool_) or (isinstance(x, np.ndarray) and x.dtype == np.bool_)
+               for row in value for x in (row if isinstance(row, list | tuple) else (row,)))
 
 
 def _beyond_int64(value: Any) -> int | None:

@@ -76,6 +76,7 @@ class RowTargets:
         the candidates' K (0: no candidates)."""
         sp = "sampling_params."
         if self.topk is not None:
+            integer(self.topk, sp + "prompt_logprob_topk")
             cap = min(limits.max_logprobs, limits.vocab_size)
             if not 1 <= self.topk <= cap:
                 raise BadRequest(f"prompt_logprob_topk must be in [1, {cap}], got {self.topk}",
@@ -95,11 +96,11 @@ class RowTargets:
                              "prompt_logprob_topk", sp + "prompt_logprob_tail")
         t = self.temperature
         # below 1e-5 (vLLM's greedy threshold) logits / t overflow float32 and the softmax is NaN; above
-        # float32's largest number t itself is infinite there
-        if t is not None and not (isinstance(t, int | float) and not isinstance(t, bool) and math.isfinite(t)
-                                  and 1e-5 <= t <= FLOAT32_MAX):
-            raise BadRequest(f"prompt_logprob_temperature must be a number from 1e-5 to {FLOAT32_MAX:.7g}, got {t!r}",
-                             sp + "prompt_logprob_temperature")
+        # float32's largest number t itself is infinite there (an int past a float's range: compared exactly)
+        if t is not None and not (isinstance(t, int | float) and not isinstance(t, bool)
+                                  and 1e-5 <= t <= FLOAT32_MAX and math.isfinite(t)):
+            raise BadRequest(f"prompt_logprob_temperature must be a number from 1e-5 to {FLOAT32_MAX:.7g}, "
+                             f"got {t!r:.60}", sp + "prompt_logprob_temperature")
 
 
 def decode_npy(data: str, param: str) -> np.ndarray:
@@ -140,14 +141,22 @@ def parse_candidates(value: Any, rows: int, limits: Limits, param: str) -> np.nd
                                max_rows_x_k=limits.max_rows_x_k, name=param)
     except InvalidIds as e:
         raise BadRequest(str(e), param) from None
-    return np.ascontiguousarray(arr, dtype=np.int32)
+    return _own(np.ascontiguousarray(arr, dtype=np.int32), value)
+
+
+def _own(arr: np.ndarray, value: Any) -> np.ndarray:
+    """``arr``, made from the caller's ``value``, as memory of the request's own: the in-process
+    API's arrays (numpy, torch, a memoryview) are read as views, and a caller changing one after
+    submitting would change what the engine scores, and what the prefix cache keeps under the
+    hash of what was validated."""
+    return arr if isinstance(value, str | list | tuple) or arr.base is None and arr is not value else arr.copy()
 
 
 def _token_ids(value: Any) -> np.ndarray:
     """Token ids as int64 under the candidates' integer rule (an array of the in-process API
     too: floats and bools refused)."""
     try:
-        return signed_ids(integer_ids(value, "token_ids"), "token_ids").astype(np.int64, copy=False)
+        return _own(signed_ids(integer_ids(value, "token_ids"), "token_ids").astype(np.int64, copy=False), value)
     except InvalidIds as e:
         raise BadRequest(str(e), "token_ids") from None
 
@@ -223,6 +232,15 @@ def check_batch(n: int, limits: Limits, param: str) -> None:
                          "max_queue_requests): send it in parts", param)
 
 
+def integer(value: Any, param: str) -> int:
+    """``value`` as an int: a Python or numpy integer (not a bool, not a float); else BadRequest
+    naming ``param``. (The in-process API's values meet the engine's arithmetic as they come: a
+    numpy unsigned start wrapped its block count round, a float one failed inside the step.)"""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise BadRequest(f"{param.rsplit('.', 1)[-1]} must be an integer, got {value!r:.60}", param)
+    return int(value)
+
+
 def check_priority(priority: int, limits: Limits) -> None:
     """BadRequest naming ``priority`` outside -priority_limit..priority_limit."""
     if limits.priority_limit is not None and abs(priority) > limits.priority_limit:
@@ -247,9 +265,15 @@ def build_request(*, token_ids: Any, limits: Limits, candidates: Any = None, sta
         raise BadRequest(f"token_ids has {toks.size} tokens, more than max_model_len={limits.max_model_len}",
                          "token_ids")
     check_in_vocab(toks, limits, "token_ids")
+    priority = integer(priority, "priority")
     check_priority(priority, limits)
-    if cache_salt is not None and cache_salt == "":
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
         raise BadRequest("cache_salt must be a non-empty string", "cache_salt")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest(f"request_id must be a string, got {type(request_id).__name__}", "request_id")
+    start = None if start is None else integer(start, sp + "prompt_logprob_start")
+    prompt_logprobs = None if prompt_logprobs is None else integer(prompt_logprobs, sp + "prompt_logprobs")
+    max_tokens = None if max_tokens is None else integer(max_tokens, sp + "max_tokens")
     if truncate_prompt_tokens is not None:
         raise BadRequest("truncate_prompt_tokens is not supported: inputs are never truncated",
                          sp + "truncate_prompt_tokens")

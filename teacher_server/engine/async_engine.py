@@ -188,8 +188,11 @@ class AsyncEngine:
 
     def _deliver(self, res: ScoreResult) -> None:
         p = self._pending.pop(res.uid, None)
-        if p is None:
-            return
+        if p is not None:
+            self._answer(p, res)
+
+    def _answer(self, p: _Pending, res: ScoreResult) -> None:
+        """Release ``p``'s place in the queue and set its caller's result."""
         self._release(p.req)
 
         def _set(f: asyncio.Future = p.future, r: ScoreResult = res) -> None:
@@ -203,15 +206,21 @@ class AsyncEngine:
     def _handle(self, msg: Msg) -> None:
         match msg:
             case AddMsg(pending=p):
+                if p.req.uid in self._pending:  # the same ScoreRequest object again: refused, the first kept
+                    self._answer(p, ScoreResult.failed(p.req, ErrorKind.INTERNAL, "this ScoreRequest object is "
+                                                       "already queued (submit a new one for each call)"))
+                    return
                 self._pending[p.req.uid] = p
                 try:
                     immediate = self.engine.add_request(p.req)
                 except Exception as e:  # a request the engine refuses must not stop the thread
-                    log.exception("request %s rejected by the engine", p.req.request_id[:100])
+                    log.exception("request %s rejected by the engine", str(p.req.request_id)[:100])
                     immediate = ScoreResult.failed(p.req, ErrorKind.INTERNAL, str(e))
                 if immediate is not None:
                     self._deliver(immediate)
             case CancelMsg(pending=p):
+                if self._pending.get(p.req.uid) is not p:  # answered already (or a refused second submission)
+                    return
                 res = self.engine.abort_request(p.req.uid)
                 if res is not None:
                     self._deliver(res)

@@ -225,14 +225,14 @@ class Engine(Stepping):
     def add_request(self, req: ScoreRequest) -> ScoreResult | None:
         """Queue a validated request. Returns its result at once if it needs no forward."""
         if req.uid in self._seqs:  # the same ScoreRequest object twice (ids may repeat, uids never)
-            raise ValueError(f"request {req.request_id[:100]!r} (uid {req.uid}) is already queued")
+            raise ValueError(f"request {str(req.request_id)[:100]!r} (uid {req.uid}) is already queued")
         seq = Sequence(req, self._blocks.block_size, self._prefix_caching)
         seq.result = ScoreResult.empty_for(req)
         if seq.num_tokens == 0:
             seq.result.finished_at = time.monotonic()
             return seq.result
+        self._scheduler.add(seq)  # (first: a request it cannot order is held nowhere)
         self._seqs[req.uid] = seq
-        self._scheduler.add(seq)
         return None
 
     def abort_request(self, uid: int, kind: ErrorKind = ErrorKind.CANCELLED,
