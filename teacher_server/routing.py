@@ -2,11 +2,13 @@
 and for the client over many hosts.
 
 Affinity: requests whose reusable prefix (the full token blocks before the first scored row,
-``block_size`` tokens each, the server's block size, 16 by default) starts with the same
-blocks under the same ``cache_salt`` go to the same replica, the one with the highest
-rendezvous weight ``hash(key, replica)``. A GRPO group (n responses to one prompt) so lands
-where the prompt's KV is cached, and adding or removing a replica moves only the keys that
-replica wins or held.
+``block_size`` tokens each, the server's block size, 16 by default) is the same under the same
+``cache_salt`` go to the same replica, the one with the highest rendezvous weight
+``hash(key, replica)``. A GRPO group (n responses to one prompt) so lands where the prompt's KV
+is cached, and adding or removing a replica moves only the keys that replica wins or held. The
+key covers the whole reusable prefix, not its first blocks: prompts that open with one system
+prompt (of any length) and differ after it are different groups, spread over the replicas (each
+of which then computes the shared part once), not one key on one replica.
 
 Spill, decided once per prefix: the first request of a key goes to its preferred replica unless
 that one is overloaded, that is when its outstanding tokens (sent, not yet answered) exceed the
@@ -39,7 +41,6 @@ import numpy as np
 
 Routing = Literal["affinity", "round_robin"]
 BLOCK_SIZE = 16  # the server's default block_size (Config.block_size)
-ROUTE_BLOCKS = 16  # the key covers at most this many leading blocks (256 tokens by default)
 SPILL_TOKENS = 8192
 STICKY_RATIO = 2.0
 STICKY_SPILLS = 8
@@ -53,10 +54,10 @@ def reusable_tokens(start: int, prompt_logprobs: int | None = None) -> int:
 
 
 def prefix_key(token_ids: Sequence[int] | np.ndarray, reusable: int, cache_salt: str | None = None,
-               block_size: int = BLOCK_SIZE, route_blocks: int = ROUTE_BLOCKS) -> bytes | None:
-    """The routing key of a request: a digest of its first ``min(reusable // block_size,
-    route_blocks)`` token blocks and its salt, or None when it has no full reusable block."""
-    n = min(reusable // block_size, route_blocks) * block_size
+               block_size: int = BLOCK_SIZE) -> bytes | None:
+    """The routing key of a request: a digest of its ``reusable // block_size`` full token blocks
+    and its salt, or None when it has no full reusable block."""
+    n = min(reusable, len(token_ids)) // block_size * block_size
     if n <= 0:
         return None
     toks = np.asarray(token_ids[:n], dtype="<i8")  # the same bytes whatever the caller's dtype

@@ -28,6 +28,25 @@ def test_every_member_of_a_group_goes_to_one_replica() -> None:
     assert spread == set(names), spread  # 64 groups land on every one of 4 replicas
 
 
+def test_prompts_sharing_a_long_system_prompt_spread_over_the_replicas() -> None:
+    """32 groups whose prompts open with one 300-token system prompt: 32 keys over 4 replicas,
+    each group whole on one (the key had covered the first 256 tokens: one key, one replica,
+    the others idle)."""
+    rng = np.random.default_rng(5)
+    router = Router()
+    names = [str(i) for i in range(4)]
+    system = rng.integers(0, 50_000, 300)
+    chosen: dict[int, set[str]] = {}
+    for g in range(32):
+        prompt = np.concatenate([system, rng.integers(0, 50_000, int(rng.integers(50, 300)))])
+        for _ in range(4):
+            seq = np.concatenate([prompt, rng.integers(0, 50_000, int(rng.integers(1, 200)))])
+            key = router.key(seq, reusable_tokens(len(prompt) - 1), None)
+            chosen.setdefault(g, set()).add(router.pick(key, dict.fromkeys(names, 0)))
+    assert all(len(c) == 1 for c in chosen.values()), chosen
+    assert {next(iter(c)) for c in chosen.values()} == set(names)
+
+
 def test_key_covers_full_blocks_and_salt_only() -> None:
     toks = np.arange(100)
     assert prefix_key(toks, 15, block_size=16) is None  # no full block before the first scored row
