@@ -18,13 +18,13 @@ from typing import Any, TypedDict
 
 import numpy as np
 
-from teacher_server.candidates import InvalidIds, candidate_ids, is_whole
+from teacher_server.candidates import InvalidIds, candidate_ids
 from teacher_server.config import Config
 from teacher_server.did_you_mean import did_you_mean
 from teacher_server.engine.engine import Engine
 from teacher_server.engine.request import ScoreResult, prompt_logprob_entries
 from teacher_server.targets import union_columns
-from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_n
+from teacher_server.validation import BadRequest, Limits, RowTargets, build_request, check_n, integer
 
 _CANDIDATES = "sampling_params.prompt_logprob_token_ids"
 # vLLM's other SamplingParams fields, the names the HTTP endpoint accepts and ignores
@@ -59,11 +59,7 @@ _SP = "sampling_params."
 def _whole(value: Any, name: str, none: bool = True) -> int | None:
     """``value`` where it is an integer (a Python or numpy one, not a bool) or None (``none``);
     BadRequest naming the field otherwise, as the HTTP endpoint answers 1.5 or "4"."""
-    if value is None and none:
-        return None
-    if not is_whole(value):
-        raise BadRequest(f"{name} must be an integer, got {type(value).__name__} {value!r:.40}", _SP + name)
-    return int(value)
+    return None if value is None and none else integer(value, _SP + name)
 
 
 def _flag(value: Any, name: str) -> bool:

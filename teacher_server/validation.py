@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 
 from teacher_server import b64
-from teacher_server.candidates import InvalidIds, candidate_ids, check_candidate_bounds, integer_ids, signed_ids
+from teacher_server.candidates import (
+    InvalidIds,
+    candidate_ids,
+    check_candidate_bounds,
+    integer_ids,
+    is_whole,
+    signed_ids,
+)
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.npy import load_npy
 
@@ -236,8 +243,9 @@ def integer(value: Any, param: str) -> int:
     """``value`` as an int: a Python or numpy integer (not a bool, not a float); else BadRequest
     naming ``param``. (The in-process API's values meet the engine's arithmetic as they come: a
     numpy unsigned start wrapped its block count round, a float one failed inside the step.)"""
-    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
-        raise BadRequest(f"{param.rsplit('.', 1)[-1]} must be an integer, got {value!r:.60}", param)
+    if not is_whole(value):
+        raise BadRequest(f"{param.rsplit('.', 1)[-1]} must be an integer, got {type(value).__name__} {value!r:.40}",
+                         param)
     return int(value)
 
 

@@ -29,6 +29,7 @@ from teacher_server.engine.remote_ranks import (
     GREET_TIMEOUT_S,
     HEARTBEAT_S,
     HEARTBEAT_TIMEOUT_S,
+    named,
     node_authkey,
     read_timeout,
 )
@@ -87,11 +88,6 @@ def connect_to(addr: str, port: int, key: bytes, timeout: float) -> Connection:
             raise ConnectionError(f"{where} did not answer as a teacher-server leader's control port ({why}, "
                                   f"{GREET_TIMEOUT_S:g}s allowed for each message): is master_port the leader's "
                                   f"master_port, not its HTTP port?") from None
-
-
-def named(e: BaseException) -> str:
-    """``Type: message`` of an exception (its type alone where it has no message)."""
-    return f"{type(e).__name__}{': ' if str(e) else ''}{e}"
 
 
 def ipv6_only(host: str) -> bool:

@@ -48,6 +48,11 @@ def node_authkey(cfg: Config) -> bytes:
     return cfg.node_authkey.encode()
 
 
+def named(e: BaseException) -> str:
+    """``Type: message`` of an exception (its type alone where it has no message)."""
+    return f"{type(e).__name__}{': ' if str(e) else ''}{e}"
+
+
 @contextlib.contextmanager
 def cut_off_after(conn: Connection, seconds: float) -> Iterator[threading.Event]:
     """Within the block, ``conn`` is shut down ``seconds`` after it began (a blocked read then
@@ -180,7 +185,7 @@ class RemoteRanks:
             if self._complete.is_set():
                 self._wake()
         except Exception as e:  # a wrong key, a peer gone or too slow, a greeting of another form: this one only
-            log.warning("refused a control connection from %s: %s", host, f"{type(e).__name__}: {e}".rstrip(": "))
+            log.warning("refused a control connection from %s: %s", host, named(e))
             conn.close()
         finally:
             self._leave(host)
