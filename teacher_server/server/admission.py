@@ -11,8 +11,11 @@ workload within a minute. Time with less queued is left out, and so are the toke
 there a step is part-filled and a request's time is mostly fixed cost, so a few small requests
 would measure a tiny fraction of the capacity a backlog gets (a 9-token request alone had made
 a burst of work that cleared in 6 s look like 20 minutes). Until ``MIN_BUSY_S`` of saturated time
-has been seen there is no estimate and nothing is refused by this rule (``max_queue_tokens``
-still holds)."""
+and ``MIN_STEPS`` steps' answers counted in it have been seen there is no estimate and nothing is
+refused by this rule (``max_queue_tokens`` still holds): a fresh server's first steps run part
+filled (the burst is still arriving) and, on the CPU, beside the front's parsing of that burst,
+so its first second measured a fifth of the rate its first batch then cleared at (CPU, ``-dp 2``,
+256 requests at once: 130 of them refused for 29 s of a queue that took 8 s)."""
 
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ class QueueTooLong(Exception):
 
 class QueueWait:
     TAU_S = 30.0
-    MIN_BUSY_S = 0.5
+    MIN_BUSY_S = 2.0
+    MIN_STEPS = 8
     KEEP_S = 10.0  # how long a step end's saturation is remembered after its first answer
 
     def __init__(self, limit_s: float | None) -> None:
@@ -40,13 +44,14 @@ class QueueWait:
         self._busy_s = 0.0  # forgetting sums: saturated seconds and tokens answered in them
         self._done = 0.0
         self._seen_busy_s = 0.0  # saturated time ever seen (without forgetting)
+        self._steps = 0  # steps whose answers were counted (an answer naming no step: one step)
         self._last = time.monotonic()
         self._budgets: dict[int | None, int] = {}  # each engine's (replica's) step budget, tokens
         self._saturation = 0  # their sum; 0: none known yet
         # per step end (``ScoreResult.finished_at``, which one step's answers share): whether the queue
-        # was saturated before the first of them left it, so each of them counts alike, and when
-        # that was decided
-        self._saturated_at: dict[float, tuple[bool, float]] = {}
+        # was saturated before the first of them left it, so each of them counts alike, when that was
+        # decided, and whether the step has been counted towards ``_steps``
+        self._saturated_at: dict[float, list] = {}
 
     def step_budget(self, replica: int | None, tokens: int) -> None:
         """An engine's tokens per forward step (``replica`` None: the one engine). Any thread:
@@ -70,7 +75,8 @@ class QueueWait:
 
     def rate(self) -> float | None:
         """Measured throughput, tokens/s; None before there is a measurement."""
-        if self._seen_busy_s < self.MIN_BUSY_S or self._done <= 0 or self._busy_s <= 0:
+        if self._seen_busy_s < self.MIN_BUSY_S or self._steps < self.MIN_STEPS or self._done <= 0 \
+                or self._busy_s <= 0:
             return None
         return self._done / self._busy_s
 
@@ -111,9 +117,10 @@ class QueueWait:
         self._advance(now)
         counted = [answered and (self.saturated if step_end is None else self._saturated_when(step_end, now))
                    for _, _, answered, step_end in done]
-        for (priority, tokens, _, _), count in zip(done, counted):
+        for (priority, tokens, _, step_end), count in zip(done, counted):
             if count:
                 self._done += tokens
+                self._steps += self._new_step(step_end)
             left = self.by_priority[priority] - tokens
             if left:
                 self.by_priority[priority] = left
@@ -130,8 +137,16 @@ class QueueWait:
         if seen is None:
             while self._saturated_at and next(iter(self._saturated_at.values()))[1] < now - self.KEEP_S:
                 del self._saturated_at[next(iter(self._saturated_at))]
-            self._saturated_at[step_end] = seen = (self.saturated, now)
+            self._saturated_at[step_end] = seen = [self.saturated, now, False]
         return seen[0]
+
+    def _new_step(self, step_end: float | None) -> bool:
+        """Whether a counted answer is its step's first counted one (one naming no step: always)."""
+        seen = self._saturated_at.get(step_end) if step_end is not None else None
+        if seen is None:
+            return True
+        first, seen[2] = not seen[2], True
+        return first
 
     @property
     def estimated_wait_s(self) -> float:
