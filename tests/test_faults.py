@@ -129,6 +129,27 @@ def test_queue_wait_estimate() -> None:
         q.finish(0, 1000, answered=True, now=t + 0.25 * (i + 1), step_end=t + 0.25 * (i + 1))
         assert (q.rate() is None) == (i < 7)  # only from MIN_STEPS steps and MIN_BUSY_S on
     assert q.rate() == pytest.approx(4000, rel=1e-6)
+    fast = QueueWait(limit_s=2.0)  # 8 steps in 1 s: no estimate until 2 s of saturated time
+    fast.step_budget(None, 100)
+    fast.admit(0, 16_000, now=0.0)
+    for i in range(8):
+        fast.finish(0, 1000, answered=True, now=0.125 * (i + 1), step_end=0.125 * (i + 1))
+    assert fast.rate() is None
+    fast.finish(0, 1000, answered=True, now=2.0, step_end=2.0)
+    assert fast.rate() == pytest.approx(4500, rel=0.03)  # (9,000 tokens in 2 s, the older forgotten a little)
+    one = QueueWait(limit_s=2.0)  # 8 answers of one step, 3 busy seconds: one step, no estimate
+    one.step_budget(None, 100)
+    one.admit(0, 16_000, now=0.0)
+    for i in range(8):
+        one.finish(0, 1000, answered=True, now=3.0 + 0.001 * i, step_end=2.99)
+    assert one.rate() is None
+    late = QueueWait(limit_s=2.0)  # a batch naming a step decided long ago and a new one: 7 steps, not 11
+    late.step_budget(None, 100)
+    late.admit(0, 20_000, now=0.0)
+    for i in range(6):
+        late.finish(0, 100, answered=True, now=1.0 + i, step_end=1.0 + i)
+    late.finish_many([(0, 1250, True, 6.0)] * 4 + [(0, 1250, True, 16.5)] * 4, now=17.0)
+    assert late.rate() is None
     t += 3600  # an idle hour: the rate holds
     assert q.refuse(0, now=t) is None and q.rate() == pytest.approx(4000, rel=1e-6)
     q.admit(0, 10000, now=t)
@@ -147,7 +168,7 @@ def test_a_fresh_server_judges_a_burst_by_more_than_its_first_steps() -> None:
     """A burst at a fresh server (CPU, ``-dp 2``: 256 requests of ~525 tokens at once): the
     replicas' first steps run part filled and slow (the burst still arriving, the front parsing
     it on the same cores); judged by them, 130 of the requests were refused for 29 s of a queue
-    the replicas then cleared in 8 s. The estimate waits for MIN_STEPS steps and MIN_BUSY_S."""
+    the replicas then cleared in 8 s. The estimate waits for MIN_BUSY_S, then for MIN_STEPS."""
     q = QueueWait(limit_s=60.0)
     q.step_budget(0, 2048)
     q.step_budget(1, 2048)
@@ -157,11 +178,13 @@ def test_a_fresh_server_judges_a_burst_by_more_than_its_first_steps() -> None:
     for _ in range(3):  # replica 1's: three
         q.finish(0, 525, answered=True, now=0.8, step_end=0.79)
     assert q.refuse(0, now=1.1) is None  # (judged by these two steps: 69 s of wait, refused)
-    t = 0.8
+    t, steps = 0.8, 2
     while t < 3.0:  # then 4 requests a step on each, a step every 0.45 s: 9,333 tokens/s
         t += 0.225
         for _ in range(4):
             q.finish(0, 525, answered=True, now=t, step_end=t - 0.001)
+        steps += 1
+        assert (q.rate() is None) == (steps < 8), (t, steps)  # 2 s busy at the 7th step: the 8th decides
     assert 6000 < q.rate() < 9400, q.rate()  # the part-filled start still weighs a little
     assert q.refuse(0, now=t) is None  # the rest takes ~16 s
 
@@ -228,17 +251,17 @@ def test_admission_by_estimated_wait(tmp_path_factory, monkeypatch) -> None:
     """A burst far beyond ``max_queue_wait_s`` of measured work: the excess gets 429 with
     Retry-After (everything queued before), the admitted requests are answered right, and an
     urgent request is admitted in front of the queue."""
-    monkeypatch.setattr(QueueWait, "MIN_BUSY_S", 0.5)  # (MIN_STEPS holds: the measurement's 8 answers)
+    monkeypatch.setattr(QueueWait, "MIN_BUSY_S", 0.5)  # (MIN_STEPS holds: the measurement's 12 answers)
     cfg = demo(tmp_path_factory, max_queue_wait_s=0.5, max_num_batched_tokens=64, enable_prefix_caching=False)
     bodies = [long_body(3000, seed=i) for i in range(40)]
     with LiveServer(cfg) as s:
 
-        async def measure() -> list[int]:  # a measurement of the throughput: 8 requests, 8 steps' answers
+        async def measure() -> list[int]:  # a measurement of the throughput: 12 requests, each ending a step
             async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:
-                rs = await asyncio.gather(*(c.post(GEN, json=long_body(500, seed=99 + i)) for i in range(8)))
+                rs = await asyncio.gather(*(c.post(GEN, json=long_body(500, seed=99 + i)) for i in range(12)))
                 return [r.status_code for r in rs]
 
-        assert asyncio.run(measure()) == [200] * 8
+        assert asyncio.run(measure()) == [200] * 12
 
         async def burst() -> tuple[list[httpx.Response], httpx.Response]:
             async with httpx.AsyncClient(base_url=s.url, timeout=300) as c:

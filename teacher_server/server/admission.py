@@ -115,12 +115,18 @@ class QueueWait:
         by a queue its own batch has already left."""
         now = time.monotonic() if now is None else now
         self._advance(now)
-        counted = [answered and (self.saturated if step_end is None else self._saturated_when(step_end, now))
-                   for _, _, answered, step_end in done]
-        for (priority, tokens, _, step_end), count in zip(done, counted):
+        # each answer's step, looked up once (a later lookup may find it pruned by another step's)
+        steps = [None if step_end is None else self._step(step_end, now) for _, _, _, step_end in done]
+        counted = [answered and (self.saturated if step is None else step[0])
+                   for (_, _, answered, _), step in zip(done, steps)]
+        for (priority, tokens, _, _), step, count in zip(done, steps, counted):
             if count:
                 self._done += tokens
-                self._steps += self._new_step(step_end)
+                if step is None:  # an answer naming no step: a step of its own
+                    self._steps += 1
+                elif not step[2]:  # its step's first counted answer
+                    step[2] = True
+                    self._steps += 1
             left = self.by_priority[priority] - tokens
             if left:
                 self.by_priority[priority] = left
@@ -128,25 +134,18 @@ class QueueWait:
                 del self.by_priority[priority]
             self.queued -= tokens
 
-    def _saturated_when(self, step_end: float, now: float) -> bool:
-        """Whether the queue was saturated before the first answer of the step that ended at
-        ``step_end`` left it (decided at that first answer, now). A step's answers all arrive
-        within ``KEEP_S`` of its first: older decisions are dropped (in the order they were made),
-        however many steps a batch's answers name at once."""
+    def _step(self, step_end: float, now: float) -> list:
+        """The step that ended at ``step_end``: [whether the queue was saturated before its first
+        answer left it (decided at that first answer, now), when that was decided, whether it
+        has been counted towards ``_steps``]. A step's answers all arrive within ``KEEP_S`` of its
+        first: older steps are dropped (in the order they were decided), however many steps a
+        batch's answers name at once."""
         seen = self._saturated_at.get(step_end)
         if seen is None:
             while self._saturated_at and next(iter(self._saturated_at.values()))[1] < now - self.KEEP_S:
                 del self._saturated_at[next(iter(self._saturated_at))]
             self._saturated_at[step_end] = seen = [self.saturated, now, False]
-        return seen[0]
-
-    def _new_step(self, step_end: float | None) -> bool:
-        """Whether a counted answer is its step's first counted one (one naming no step: always)."""
-        seen = self._saturated_at.get(step_end) if step_end is not None else None
-        if seen is None:
-            return True
-        first, seen[2] = not seen[2], True
-        return first
+        return seen
 
     @property
     def estimated_wait_s(self) -> float:
