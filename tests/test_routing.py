@@ -12,20 +12,29 @@ def _group_key(rng: np.random.Generator, router: Router, prompt_len: int, salt: 
     return router.key(np.concatenate([prompt, rng.integers(0, 50_000, 100)]), reusable_tokens(prompt_len - 1), salt)
 
 
-def test_every_member_of_a_group_goes_to_one_replica() -> None:
-    rng = np.random.default_rng(0)
+def _placements(rng: np.random.Generator, groups: int, members: int, prompt_len: tuple[int, int],
+                prefix: np.ndarray | None = None) -> dict[int, set[str]]:
+    """The replicas (of 4, none loaded) each of ``groups`` GRPO groups went to: ``members``
+    responses of varied length to one prompt of ``prompt_len`` tokens after ``prefix``, the
+    scored rows starting after the prompt."""
     router = Router()
     names = [str(i) for i in range(4)]
     chosen: dict[int, set[str]] = {}
-    for g in range(64):
-        prompt = rng.integers(0, 50_000, int(rng.integers(40, 300)))
-        for _ in range(8):  # responses of varied length; the scored rows start after the prompt
+    for g in range(groups):
+        prompt = rng.integers(0, 50_000, int(rng.integers(*prompt_len)))
+        prompt = prompt if prefix is None else np.concatenate([prefix, prompt])
+        for _ in range(members):
             seq = np.concatenate([prompt, rng.integers(0, 50_000, int(rng.integers(1, 200)))])
             key = router.key(seq, reusable_tokens(len(prompt) - 1), None)
             chosen.setdefault(g, set()).add(router.pick(key, dict.fromkeys(names, 0)))
+    return chosen
+
+
+def test_every_member_of_a_group_goes_to_one_replica() -> None:
+    chosen = _placements(np.random.default_rng(0), 64, 8, (40, 300))
     assert all(len(c) == 1 for c in chosen.values()), chosen
     spread = {next(iter(c)) for c in chosen.values()}
-    assert spread == set(names), spread  # 64 groups land on every one of 4 replicas
+    assert spread == {"0", "1", "2", "3"}, spread  # 64 groups land on every one of 4 replicas
 
 
 def test_prompts_sharing_a_long_system_prompt_spread_over_the_replicas() -> None:
@@ -33,18 +42,10 @@ def test_prompts_sharing_a_long_system_prompt_spread_over_the_replicas() -> None
     each group whole on one (the key had covered the first 256 tokens: one key, one replica,
     the others idle)."""
     rng = np.random.default_rng(5)
-    router = Router()
-    names = [str(i) for i in range(4)]
     system = rng.integers(0, 50_000, 300)
-    chosen: dict[int, set[str]] = {}
-    for g in range(32):
-        prompt = np.concatenate([system, rng.integers(0, 50_000, int(rng.integers(50, 300)))])
-        for _ in range(4):
-            seq = np.concatenate([prompt, rng.integers(0, 50_000, int(rng.integers(1, 200)))])
-            key = router.key(seq, reusable_tokens(len(prompt) - 1), None)
-            chosen.setdefault(g, set()).add(router.pick(key, dict.fromkeys(names, 0)))
+    chosen = _placements(rng, 32, 4, (50, 300), prefix=system)
     assert all(len(c) == 1 for c in chosen.values()), chosen
-    assert {next(iter(c)) for c in chosen.values()} == set(names)
+    assert {next(iter(c)) for c in chosen.values()} == {"0", "1", "2", "3"}
 
 
 def test_key_covers_full_blocks_and_salt_only() -> None:
