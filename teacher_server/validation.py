@@ -156,7 +156,7 @@ def _own(arr: np.ndarray, value: Any) -> np.ndarray:
     API's arrays (numpy, torch, a memoryview) are read as views, and a caller changing one after
     submitting would change what the engine scores, and what the prefix cache keeps under the
     hash of what was validated."""
-    return arr if isinstance(value, str | list | tuple) or arr.base is None and arr is not value else arr.copy()
+    return arr if isinstance(value, str | list | tuple) or (arr.base is None and arr is not value) else arr.copy()
 
 
 def _token_ids(value: Any) -> np.ndarray:

@@ -31,6 +31,17 @@ class QueueTooLong(Exception):
         self.retry_after_s = max(1, retry_after_s)
 
 
+class _Step:
+    """One step end's answers: whether the queue was saturated before the first of them left it
+    (so each of them counts alike), when that was decided, and whether the step has been counted
+    towards ``QueueWait._steps``."""
+
+    __slots__ = ("saturated", "at", "counted")
+
+    def __init__(self, saturated: bool, at: float) -> None:
+        self.saturated, self.at, self.counted = saturated, at, False
+
+
 class QueueWait:
     TAU_S = 30.0
     MIN_BUSY_S = 2.0
@@ -48,10 +59,7 @@ class QueueWait:
         self._last = time.monotonic()
         self._budgets: dict[int | None, int] = {}  # each engine's (replica's) step budget, tokens
         self._saturation = 0  # their sum; 0: none known yet
-        # per step end (``ScoreResult.finished_at``, which one step's answers share): whether the queue
-        # was saturated before the first of them left it, so each of them counts alike, when that was
-        # decided, and whether the step has been counted towards ``_steps``
-        self._saturated_at: dict[float, list] = {}
+        self._saturated_at: dict[float, _Step] = {}  # per step end (``ScoreResult.finished_at``)
 
     def step_budget(self, replica: int | None, tokens: int) -> None:
         """An engine's tokens per forward step (``replica`` None: the one engine). Any thread:
@@ -117,15 +125,15 @@ class QueueWait:
         self._advance(now)
         # each answer's step, looked up once (a later lookup may find it pruned by another step's)
         steps = [None if step_end is None else self._step(step_end, now) for _, _, _, step_end in done]
-        counted = [answered and (self.saturated if step is None else step[0])
+        counted = [answered and (self.saturated if step is None else step.saturated)
                    for (_, _, answered, _), step in zip(done, steps)]
         for (priority, tokens, _, _), step, count in zip(done, steps, counted):
             if count:
                 self._done += tokens
                 if step is None:  # an answer naming no step: a step of its own
                     self._steps += 1
-                elif not step[2]:  # its step's first counted answer
-                    step[2] = True
+                elif not step.counted:  # its step's first counted answer
+                    step.counted = True
                     self._steps += 1
             left = self.by_priority[priority] - tokens
             if left:
@@ -134,17 +142,15 @@ class QueueWait:
                 del self.by_priority[priority]
             self.queued -= tokens
 
-    def _step(self, step_end: float, now: float) -> list:
-        """The step that ended at ``step_end``: [whether the queue was saturated before its first
-        answer left it (decided at that first answer, now), when that was decided, whether it
-        has been counted towards ``_steps``]. A step's answers all arrive within ``KEEP_S`` of its
-        first: older steps are dropped (in the order they were decided), however many steps a
-        batch's answers name at once."""
+    def _step(self, step_end: float, now: float) -> _Step:
+        """The step that ended at ``step_end`` (its saturation decided at its first answer, now).
+        A step's answers all arrive within ``KEEP_S`` of its first: older steps are dropped (in
+        the order they were decided), however many steps a batch's answers name at once."""
         seen = self._saturated_at.get(step_end)
         if seen is None:
-            while self._saturated_at and next(iter(self._saturated_at.values()))[1] < now - self.KEEP_S:
+            while self._saturated_at and next(iter(self._saturated_at.values())).at < now - self.KEEP_S:
                 del self._saturated_at[next(iter(self._saturated_at))]
-            self._saturated_at[step_end] = seen = [self.saturated, now, False]
+            self._saturated_at[step_end] = seen = _Step(self.saturated, now)
         return seen
 
     @property
