@@ -568,8 +568,8 @@ def trace_window(path: str, t0: float, t1: float) -> dict | None:
     request the pass's steps hold, ``head_to_first_body_s`` until one's body was whole,
     ``head_to_first_arrival_s`` until one was parsed), ``tail_s`` after its last step completed (the last answer's way
     out), its steps' GPU time and the GPU's idle time between them (summed over the engines
-    that wrote the trace: replicas append to one file). A line cut short is skipped. None
-    without steps in the pass."""
+    that wrote the trace: replicas append to one file), and the first step's tokens, GPU time
+    and host launch time. A line cut short is skipped. None without steps in the pass."""
     try:
         text = Path(path).read_text()
     except OSError:
@@ -598,7 +598,10 @@ def trace_window(path: str, t0: float, t1: float) -> dict | None:
     return {"steps": len(steps), "head_s": round(first - t0, 4), **split, "tail_s": round(t1 - last, 4),
             "gpu_s": round(gpu, 4), "gpu_idle_s": round(sum(s.get("gpu_idle_ms", 0.0) for s in steps) / 1e3, 4),
             "gpu_share_of_wall": round(gpu / (t1 - t0), 4), "engines": len({s.get("pid") for s in steps}),
-            "first_step_tokens": min(steps, key=lambda s: s["clock"][0])["tokens"]}
+            "first_step_tokens": (one := min(steps, key=lambda s: s["clock"][0]))["tokens"],
+            # a step of few tokens launched onto an idle GPU: its GPU time against its host's launch time (a step
+            # whose kernels take less time than launching them is timed at the launch's pace)
+            "first_step_gpu_ms": one.get("gpu_ms"), "first_step_launch_ms": one.get("launch_ms")}
 
 
 def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, reqs: list[Req],
