@@ -22,6 +22,7 @@ from multiprocessing.context import SpawnContext
 from teacher_server.config import Config
 from teacher_server.engine.request import ScoreRequest
 from teacher_server.replicas.messages import AddMsg, CancelMsg, FromReplica, LostMsg, ResultMsg, StopMsg
+from teacher_server.replicas.pipes import queue_writer, widen
 from teacher_server.replicas.preload import fork_server_stopped
 from teacher_server.replicas.worker import run_replica
 
@@ -54,6 +55,9 @@ class Replica:
         self._inbox: mp.Queue = ctx.Queue()
         self._inbox.cancel_join_thread()  # never block exit on a replica that stopped reading
         reader, writer = ctx.Pipe(duplex=False)
+        # a request's arrays in, its scores out, each in one read or a few (``pipes``)
+        widen(queue_writer(self._inbox))
+        widen(reader)
         self._reader = reader
         self.process = ctx.Process(target=run_replica, args=(index, cfg, factory, devices, self._inbox, writer),
                                    name=f"teacher-replica-{index}")

@@ -15,6 +15,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -39,6 +40,11 @@ from teacher_server.replicas.messages import (
 log = logging.getLogger("teacher_server.replicas")
 STATS_INTERVAL_S = 0.25  # how often a changed engine snapshot is sent to the front (metrics)
 HEARTBEAT_S = 1.0  # the snapshot is sent at least this often, changed or not: the front sees the process is there
+# The interpreter's switch interval here: while the engine thread launches a step (Python, ~0.1 s a
+# step on a GPU) the threads that take the front's requests in and send answers out wait for the
+# GIL at each read; at Python's 5 ms a W1f request took ~12 ms to arrive through a widened pipe,
+# at 1 ms ~4 ms (``bench/bench_pipes.py``). Threads that want nothing cost the engine nothing.
+SWITCH_INTERVAL_S = 0.001
 
 
 def replica_devices(index: int, per_replica: int, visible: str | None) -> str:
@@ -71,6 +77,7 @@ def run_replica(index: int, cfg: Config, factory: Callable[[Config], object], de
     # handle (it drains), not a replica's to die of with the requests it holds.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     if devices is None:
         import torch
 
