@@ -103,3 +103,41 @@ def test_a_replica_process_switches_threads_often() -> None:
         p.join(30)
         if p.is_alive():
             p.kill()
+
+
+def test_a_plan_reader_reads_what_send_bytes_wrote() -> None:
+    """``PlanReader`` reads ``Connection.send_bytes``'s messages off a socket pair (a
+    tensor-parallel rank's connection) as ``recv_bytes`` would: small ones (header and bytes in
+    one write), large ones (header, then the bytes), empty ones (the stop), in order, and an
+    EOFError once the sender is gone; a one-way pipe is read through ``recv_bytes``."""
+    from teacher_server.engine.wire import PlanReader
+
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()  # duplex: a socket pair
+    rng = np.random.default_rng(0)
+    msgs = [b"x", rng.bytes(16384), rng.bytes(16385), b"", rng.bytes(6_600_000), rng.bytes(3)]
+    reader = PlanReader(b)
+    assert reader.sock is not None
+
+    def send() -> None:
+        for m in msgs:
+            a.send_bytes(m)
+        a.close()
+
+    t = threading.Thread(target=send, daemon=True)
+    t.start()
+    got = [bytes(reader.recv_bytes()) for _ in msgs]
+    t.join(10)
+    assert got == msgs
+    with pytest.raises(EOFError):
+        reader.recv_bytes()
+    reader.close()
+    b.close()
+
+    r, w = ctx.Pipe(duplex=False)
+    reader = PlanReader(r)
+    assert reader.sock is None
+    w.send_bytes(b"plan")
+    assert reader.recv_bytes() == b"plan"
+    for c in (r, w):
+        c.close()

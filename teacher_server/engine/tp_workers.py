@@ -11,8 +11,7 @@ and nothing per layer crosses processes except the all-reduces. Every rank's res
 same after the vocab-parallel combine; only rank 0's are used. Under pipeline parallel the ranks
 are pipeline x tensor parallel: a worker of a stage before the last runs its layers and sends the
 residual stream on (``layers.pipeline``); the plans go to every rank at once, up to a step per
-stage ahead of rank 0 (a rank of the last stage), and each worker reads them on a thread as they
-come (``_read_plans``), so a plan larger than the pipe never waits on a rank busy in a step.
+stage ahead of rank 0 (a rank of the last stage), each read whole on a worker's thread (``_read_plans``).
 
 Start-up and faults go over the same pipes, never over a collective, so nothing blocks on a rank
 that is gone: each worker says it is loaded and how many KV blocks (and linear-state slots) fit
@@ -46,6 +45,7 @@ import torch
 from teacher_server.config import Config
 from teacher_server.engine.host_step import HostStep
 from teacher_server.engine.process_group import init_group, make_store, rank_device, set_nccl_env
+from teacher_server.engine.wire import PlanReader
 from teacher_server.heap import freeze_start_up_heap
 
 if TYPE_CHECKING:
@@ -271,17 +271,17 @@ def _orphan_guard(parent: int) -> None:
 
 
 def _read_plans(conn: Connection) -> queue.SimpleQueue:
-    """The step plans as they arrive, read on a thread of their own into a queue (an EOFError or
-    OSError where the connection ends). Read only between steps, a plan larger than the pipe's
-    buffer (64 KiB: a few hundred rows of candidates) would block the engine's write while this
-    rank, in the step before, waits on the engine's rank in a collective or a stage hand-off:
-    both would wait for ever (pipeline parallel plans a step per stage ahead)."""
+    """The step plans as they arrive, each in one read (``wire``), on a thread of their own into a
+    queue (an EOFError or OSError where the connection ends). Read only between steps, a plan
+    larger than the pipe's buffer would block the engine's write while this rank, in the step
+    before, waits on the engine's rank in a collective or a stage hand-off (pipeline parallel)."""
     q: queue.SimpleQueue = queue.SimpleQueue()
+    reader = PlanReader(conn)
 
     def read() -> None:
         try:
             while True:
-                data = conn.recv_bytes()
+                data = reader.recv_bytes()
                 q.put(data)
                 if not data:
                     return
