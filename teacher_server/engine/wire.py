@@ -5,12 +5,12 @@ The engine sends each worker a step's plan (``HostStep``: for a W1f step of eigh
 that send until the worker has the bytes. ``Connection.recv_bytes`` reads a socket as it fills,
 in pieces of its buffer (~200 KiB), taking back the GIL after each; in a worker whose main
 thread is launching its step (Python, holding the GIL but for the interpreter's switches) each
-piece waits up to a switch interval. Measured (``bench/bench_pipes.py``): a W1f plan read so
-kept the sender waiting ~158 ms for a busy rank (~8 ms for an idle one); read whole, ~8 ms
-(~3 ms). ``PlanReader`` reads the same
-wire format (``multiprocessing.connection``'s length header, then the bytes) with
-``MSG_WAITALL``: one read that returns with the whole message, the GIL released throughout.
-A connection that is not a socket is read as ``Connection.recv_bytes`` reads it.
+piece waits up to a switch interval. ``PlanReader`` reads the same wire format
+(``multiprocessing.connection``'s length header, then the bytes) with ``MSG_WAITALL``: one read
+that returns with the whole message, the GIL released throughout. Measured
+(``bench/bench_pipes.py``): a W1f plan read in pieces kept the sender waiting ~158 ms for a busy
+rank (~8 ms for an idle one); read whole, ~8 ms (~3 ms). A connection that is not a socket is
+read as ``Connection.recv_bytes`` reads it.
 """
 
 from __future__ import annotations

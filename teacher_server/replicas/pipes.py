@@ -6,7 +6,7 @@ inbox queue, its answer connection): ~0.8 MB each way for a W1f-shaped request (
 message in a dozen reads, taking back the GIL after each; in a replica whose engine thread is
 launching a step (Python, holding the GIL but for the interpreter's 5 ms switches), and in a
 front whose event loop is reading uploads, each of those takes up to a switch interval.
-Measured (``bench/bench_pipes.py``): 786 KB took ~60 ms to cross to a process with a thread
+Measured (``bench/bench_pipes.py``): 786 KB took ~65-75 ms to cross to a process with a thread
 busy in Python, against ~12 ms through a pipe that holds it whole. So the pipes are widened to
 ``PIPE_BYTES`` (or the system's cap, ``/proc/sys/fs/pipe-max-size``: 1 MiB by default).
 Elsewhere (not Linux, or past the user's pipe quota) they stay as the system makes them.
