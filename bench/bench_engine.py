@@ -233,7 +233,7 @@ ABLATIONS = ("as_configured", "varlen_attention", "cudnn_attention", "cudnn_fe_a
              "budget_half", "split_to_fill", "eager_stages", "no_cuda_kernels", "no_fused_gate_up",
              "no_combine_kernel", "flip_moe_gate_up", "no_fp8_moe_kernel", "no_router_kernel", "flip_group_kernel",
              "no_router_gemm_split", "eager_gated_attention", "no_gated_qk_kernel", "no_conv_kernel",
-             "fp8_norm_then_quant")
+             "fp8_norm_then_quant", "padded_values")
 
 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
@@ -247,6 +247,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     attn = saved.attention
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
+    narrow_v = attn.distinct_v_width
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
     ops_saved = {n: getattr(ops, n) for n in (*_STAGES, *KERNEL_SWITCHES)}
 
@@ -308,6 +309,9 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         "no_conv_kernel": lambda: setattr(ops, "conv_kernel", False),
         # FP8 models: the q/k/v and gate/up inputs normed in bf16, then quantized in a pass of their own
         "fp8_norm_then_quant": lambda: setattr(ops, "fp8_norm_input", False),
+        # latent attention: values zero-padded to the key width and the output's extra columns dropped, as for a
+        # backend that takes values only as wide as keys (the backend's own calls otherwise take them as they are)
+        "padded_values": lambda: setattr(attn, "distinct_v_width", False),
     }
     assert tuple(variants) == ABLATIONS, "ABLATIONS lists the variants"
     tp = getattr(engine, "_workers", None) is not None
@@ -341,6 +345,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
                 attn.concurrent_streams = streams
             if hasattr(attn, "group_prefixes"):
                 attn.group_prefixes = grouped
+            attn.distinct_v_width = narrow_v
             for n, f in ops_saved.items():
                 setattr(ops, n, f)
     return out
@@ -1042,7 +1047,7 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
     table = ka.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
     host = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)  # host-side cost
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(table + "\n\nby host time:\n" + host)
+    path.write_text(table + "\n\nby host time:\n" + host + "\n\n" + layer_sequence(prof.events()))
     total = sum(e.self_device_time_total for e in ka) / 1e3
     top = sorted(ka, key=lambda e: -e.self_device_time_total)[:15]
     print(f"\nprofile: {dt:.2f}s wall, {total / 1e3:.2f}s of kernels")
@@ -1052,6 +1057,24 @@ def profile(engine: Engine, reqs: list[Req], path: Path) -> list:
         print(f"  {ms:9.1f} ms {100 * ms / total:5.1f}%  x{e.count:<6d} {e.key[:90]}")
         out.append({"kernel": e.key[:200], "ms": ms, "count": e.count})
     return out
+
+
+def layer_sequence(events: list, marker: str = "sdpa") -> str:
+    """The kernels of one layer in the order the GPU ran them, with their times: from one
+    attention kernel (a name holding ``marker``) to the next, the middle such span of the
+    profile (a layer of a full step, usually), so a step's per-layer passes can be told apart."""
+    kernels = sorted((e for e in events if e.device_type.name == "CUDA" and e.device_time > 0),
+                     key=lambda e: e.time_range.start)
+    marks = [i for i, e in enumerate(kernels) if marker in e.name]
+    if len(marks) < 3:
+        return f"layer sequence: fewer than 3 kernels named {marker!r}"
+    mid = len(marks) // 2
+    span = kernels[marks[mid]:marks[mid + 1]]
+    lines = [f"one layer's kernels, in order (attention kernel {mid} of {len(marks)} to the next):"]
+    lines += [f"{e.device_time:10.1f} us  {e.name[:110]}" for e in span]
+    lines.append(f"{sum(e.device_time for e in span):10.1f} us  total; wall "
+                 f"{kernels[marks[mid + 1]].time_range.start - span[0].time_range.start:.1f} us")
+    return "\n".join(lines)
 
 
 def print_table(results: dict) -> None:

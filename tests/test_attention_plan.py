@@ -488,6 +488,94 @@ def test_cudnn_fe_warm_up_survives_a_graph_it_cannot_build(fe_backend, monkeypat
     assert (attn(x, ctx, 32 ** -0.5, None) - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
 
 
+def narrow_values(x: AttentionInputs, dv: int) -> AttentionInputs:
+    """x with values (and the prefixed sequences' values) cut to their first ``dv`` columns:
+    latent attention's widths (keys wider than values)."""
+    cut = lambda t: None if t is None else t[..., :dv].contiguous()  # noqa: E731
+    return AttentionInputs(x.q, x.k, cut(x.v), x.kp, cut(x.vp))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("lens", [CASES["mixed"], [(700, 2100), (300, 300), (512, 512), (40, 40)]])
+def test_cudnn_fe_values_narrower_than_keys(lens, native: bool, fe_backend) -> None:
+    """Values narrower than keys (q/k 32, v 16 here; latent attention's 192 and 128): the
+    frontend's calls take them as they are (a lone prefixed sequence too, where the split
+    would take values only as wide as keys), or, where its check at those widths failed
+    (``native_v`` off), padded to the key width; the output is values-wide and the
+    reference's either way."""
+    seen = []
+
+    class Recording(fe_backend):
+        def _run(self, it, x, scale, out):
+            seen.append((x.v if not it.prefixed else x.vp).shape[2])
+            super()._run(it, x, scale, out)
+
+    attn = Recording(split=CpuCudnn(16))
+    attn.native_v = native
+    x, ctx, _ = make_step(lens, 4, 2, 32, "cpu", torch.float32)
+    x = narrow_values(x, 16)
+    got = attn(x, ctx, 32 ** -0.5, None)
+    assert got.shape == (x.q.shape[0], 4, 16)
+    assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+    assert seen and set(seen) == {16 if native else 32}, seen
+    assert all(type(it).__name__ == "FeCall" for it in ctx.attn_plan.items) or not native
+
+
+def test_cudnn_fe_narrower_values_on_another_route(fe_backend) -> None:
+    """A frontend that refuses the call turns off and the step goes to the split, which takes
+    values only as wide as keys: they are padded for it, and the result is still the
+    reference's, values-wide."""
+    widths = []
+
+    class Refusing(fe_backend):
+        def _run(self, it, x, scale, out):
+            raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+
+    class Split(CpuCudnn):
+        def __call__(self, x, ctx, scale, window, softcap=None):
+            widths.append(x.v.shape[2])
+            return super().__call__(x, ctx, scale, window, softcap)
+
+    attn = Refusing(split=Split(16))
+    x, ctx, _ = make_step(CASES["mixed"], 4, 2, 32, "cpu", torch.float32)
+    x = narrow_values(x, 16)
+    got = attn(x, ctx, 32 ** -0.5, None)
+    assert not attn.enabled and widths == [32]
+    assert got.shape[-1] == 16
+    assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("refuses", ["narrow", "all", "none"])
+def test_cudnn_fe_warm_up_checks_the_models_value_width(refuses: str, fe_backend) -> None:
+    """warm_up's check at the model's widths (keys 32, values 16): passed, the values go to
+    the frontend as they are; failed with narrower values alone, they are padded and the
+    frontend stays on; failed at equal widths too, the frontend is off."""
+
+    class Picky(fe_backend):
+        def _run(self, it, x, scale, out):
+            vt = x.vp if it.prefixed else x.v
+            if refuses == "all" or (refuses == "narrow" and vt.shape[2] != x.q.shape[2]):
+                raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+            super()._run(it, x, scale, out)
+
+        def _handle(self, device):
+            return None
+
+        def _build(self, full, handle):
+            self._graphs[full] = (None, 0)
+            return self._graphs[full]
+
+    from teacher_server.attention.cudnn_fe_check import frontend_check
+
+    attn = Picky(split=None)
+    attn.check = lambda b, dev, dt, heads: frontend_check(b, torch.device("cpu"), torch.float32, heads)  # (on the CPU)
+    attn.warm_up(1024, 4, 2, 32, torch.device("cuda"), torch.float32, dv=16)
+    assert (attn.enabled, attn.native_v) == {"none": (True, True), "narrow": (True, False),
+                                             "all": (False, True)}[refuses]
+    if attn.enabled:  # the graphs warm_up built take the widths the steps will bring
+        assert {full[7] for full in attn._graphs} == {16 if refuses == "none" else 32}
+
+
 class FakeGraph:
     """A frontend graph as the plan store sees it: built (counted), serialized (a list of
     ints, as the bindings give it), read back; bytes b"bad" do not load, b"wrong" load as a

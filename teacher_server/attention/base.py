@@ -67,8 +67,9 @@ class AttentionBackend(ABC):
         return None
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
-                layers: int = 1) -> float:
+                layers: int = 1, dv: int | None = None) -> float:
         """Prepare whatever the backend builds per shape for sequences up to max_len, before
         the first request (``layers``: attention layers per forward, each calling the backend
-        with the step's plan). Returns the seconds it took (nothing to do by default)."""
+        with the step's plan; ``dv``: the values' width where it differs from ``d`` and the backend
+        takes it, ``distinct_v_width``). Returns the seconds it took (nothing to do by default)."""
         return 0.0

@@ -34,20 +34,20 @@ _VARIANTS = (CudnnPaths(True, True), CudnnPaths(True, False), CudnnPaths(False, 
 CHECK_HEADS = (4, 2, 128)  # the start-up checks' query heads, kv heads and head dim
 
 
-def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = CHECK_HEADS,
+def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, ...] = CHECK_HEADS,
                 ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext]]:
     """Prefixed sequences with and without a prefix split, two sharing a prefix, fresh ones
     at and off a bucket length, short ones; every shape fit for cuDNN. heads: (query heads,
-    kv heads, head dim)."""
+    kv heads, head dim[, value width]); values as wide as the keys unless given."""
     g = torch.Generator(device="cpu").manual_seed(0)
     # (q, k): prefixed first; the last two prefixed share their first 800 keys (a group)
     lens = [(320, 900), (260, 300), (300, 1100), (280, 1100), (512, 512), (300, 300), (40, 40)]
     q_lens, k_lens, npf = [a for a, _ in lens], [b for _, b in lens], 4
     shared = [0, 0, 0, 800]
-    hq, hk, d = heads
+    hq, hk, d, dv = (*heads, heads[2])[:4]
     t = sum(q_lens)
-    q, k, v = (torch.randn(t, h, d, generator=g).to(device, dtype) for h in (hq, hk, hk))
-    kp, vp = (torch.randn(sum(k_lens[:npf]), hk, d, generator=g).to(device, dtype) for _ in range(2))
+    q, k, v = (torch.randn(t, h, w, generator=g).to(device, dtype) for h, w in ((hq, d), (hk, d), (hk, dv)))
+    kp, vp = (torch.randn(sum(k_lens[:npf]), hk, w, generator=g).to(device, dtype) for w in (d, dv))
     qo = ko = 0
     for i, (lq, lk) in enumerate(lens[:npf]):  # each prefixed sequence's own keys end its packed keys
         kp[ko + lk - lq:ko + lk] = k[qo:qo + lq]
@@ -70,7 +70,7 @@ def _check_step(device: torch.device, dtype: torch.dtype, heads: tuple[int, int,
     return AttentionInputs(q, k, v, kp, vp), ctx_on
 
 
-def check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, int, int] = CHECK_HEADS,
+def check_with_reference(device: torch.device, dtype: torch.dtype, heads: tuple[int, ...] = CHECK_HEADS,
                           ) -> tuple[AttentionInputs, Callable[[torch.device], StepContext], torch.Tensor]:
     """The check step (``_check_step``) and its float32 sdpa reference output on the CPU."""
     x, ctx_on = _check_step(device, dtype, heads)

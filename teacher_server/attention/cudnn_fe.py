@@ -86,6 +86,11 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     frontend's call rather than varlen), or None."""
 
     sinks_by_lse = False  # its cuDNN calls return no log-sum-exp to a layer: sink models take varlen
+    # Values narrower than keys (latent attention's 128 under keys of 192) go to cuDNN as they
+    # are: no zero columns in its second product, none to drop from its output. Where the
+    # frontend's call cannot take them (its check at the model's widths failed: ``native_v``
+    # off) or a step takes another route (the split, varlen), they are padded here (``_padded``).
+    distinct_v_width = True
 
     name = "cudnn_fe"
 
@@ -98,6 +103,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         self.per_octave = per_octave
         self.split = split
         self.enabled = True  # off for good (one log line) when the frontend refuses a shape
+        self.native_v = True  # values narrower than keys go to the frontend's call as they are (else padded)
         self._graphs: dict[tuple, tuple] = {}  # full key -> (graph, workspace bytes)
         self._tls = threading.local()
         self._lock = threading.Lock()
@@ -119,7 +125,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         for lo, hi, prefixed in ((0, npf, True), (npf, b, False)):
             if lo == hi:
                 continue
-            if prefixed and hi - lo == 1 and self.split is not None:  # one prefixed sequence: the split, where
+            if prefixed and hi - lo == 1 and self.split is not None and dv == x.q.shape[2]:  # the split, where
                 items = self.split.plan_prefixed(ctx)  # its plans exist or are worth building (not varlen)
                 if not any(isinstance(it, Varlen) for it in items):
                     plan.items += items
@@ -140,19 +146,28 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         return plan
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
-                layers: int = 1) -> float:
-        """Check the backend at the model's heads, then build the graphs of fresh sequences
-        (contiguous q, k, v; scale d^-0.5) for up to eight sequences a call and every length
-        class up to ``max_len`` (the runner's: a step's tokens, or less) and ``WARM_MAX``; other
-        classes build on first use (the first W1 steps take a few). Returns seconds."""
+                layers: int = 1, dv: int | None = None) -> float:
+        """Check the backend at the model's heads (values ``dv`` wide, default ``d``), then
+        build the graphs of fresh sequences (contiguous q, k, v; scale d^-0.5) for up to eight
+        sequences a call and every length class up to ``max_len`` (the runner's: a step's
+        tokens, or less) and ``WARM_MAX``; other classes build on first use (the first W1
+        steps take a few). Returns seconds."""
         if device.type != "cuda":
             return 0.0
         t0 = time.perf_counter()
-        # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right
-        if self.enabled and self.check is not None and not self.check(self, device, dtype, (hq, hkv, d)):
-            log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
-                        "cudnn" if self.split is not None else "varlen")
-            self.enabled = False
+        dv = d if dv is None else dv
+        # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right; narrower
+        # values that fail alone are padded to the key width from then on
+        if self.enabled and self.check is not None and not self.check(self, device, dtype, (hq, hkv, d, dv)):
+            self.enabled = True  # (a refused graph turned it off: the check at equal widths decides)
+            if dv != d and self.check(self, device, dtype, (hq, hkv, d)):
+                log.warning("cuDNN frontend attention failed its check with values %d wide under keys of %d; "
+                            "padding them to %d", dv, d, d)
+                self.native_v, dv = False, d
+            else:
+                log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
+                            "cudnn" if self.split is not None else "varlen")
+                self.enabled = False
         if not self.enabled:
             if self.split is not None:
                 self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
@@ -160,12 +175,12 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         if self.split is not None:  # the fresh sequences are this backend's: the split's plain squares are not needed
             self.split.plain_squares = False
         sizes = sorted({size_class(n, self.per_octave) for n in range(64, min(max_len, WARM_MAX) + 64, 64)})
-        qs, ks = (hq * d, d, 1), (hkv * d, d, 1)
+        qs, ks, vs = (hq * d, d, 1), (hkv * d, d, 1), (hkv * dv, dv, 1)
         try:
             handle = self._handle(device)
             for bp in (1, 2, 4, 8):
                 for s in sizes:
-                    full = (False, bp, s, s, hq, hkv, d, dtype, d ** -0.5, qs, ks, ks)
+                    full = (False, bp, s, s, hq, hkv, d, dv, dtype, d ** -0.5, qs, ks, vs)
                     if full not in self._graphs:
                         self._build(full, handle)
         except torch.cuda.OutOfMemoryError:  # the other graphs build on first use
@@ -185,7 +200,10 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     # --- running -----------------------------------------------------------------------
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
                  softcap: float | None = None) -> torch.Tensor:
-        if window is not None or not self._on_device(x) or not self.enabled:
+        fe = window is None and self._on_device(x) and self.enabled
+        if x.v.shape[2] != x.q.shape[2] and not (fe and self.native_v):
+            return self._padded(x, ctx, scale, window, softcap)
+        if not fe:
             if self.split is not None:
                 return self.split(x, ctx, scale, window, softcap)
             return super().__call__(x, ctx, scale, window, softcap)
@@ -212,6 +230,15 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             ctx.attn_plan = None
             return self(x, ctx, scale, window, softcap)
         return out
+
+    def _padded(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
+                softcap: float | None) -> torch.Tensor:
+        """The call with values zero-padded to the key width, the output's extra columns
+        dropped: for a route that takes values only as wide as keys."""
+        d, dv = x.q.shape[2], x.v.shape[2]
+        pad = lambda t: None if t is None else torch.nn.functional.pad(t, (0, d - dv))  # noqa: E731
+        wide = AttentionInputs(x.q, x.k, pad(x.v), x.kp, pad(x.vp), x.sinks)
+        return self(wide, ctx, scale, window, softcap)[..., :dv]
 
     def _turn_off(self, e: Exception) -> None:
         """The frontend refused a graph: off for good, one log line (re-raised where the CUDA
@@ -245,7 +272,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     def _run(self, it: FeCall, x: AttentionInputs, scale: float, out: torch.Tensor) -> None:
         kt, vt = (x.kp, x.vp) if it.prefixed else (x.k, x.v)
         handle = self._handle(x.q.device)
-        full = (*it.key, x.q.shape[1], kt.shape[1], x.q.shape[2], x.q.dtype, scale,
+        full = (*it.key, x.q.shape[1], kt.shape[1], x.q.shape[2], vt.shape[2], x.q.dtype, scale,
                 x.q.stride(), kt.stride(), vt.stride())
         entry = self._graphs.get(full)
         if entry is None:
@@ -312,19 +339,19 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         """The graph of ``full`` with its execution plans chosen, not yet built. Caller holds the lock."""
         import cudnn
 
-        prefixed, bp, sq, sk, hq, hk, d, dtype, scale, qs, ks, vs = full
+        prefixed, bp, sq, sk, hq, hk, d, dv, dtype, scale, qs, ks, vs = full
         io = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
         g = cudnn.pygraph(handle=handle, io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT)
 
-        def thd(name: str, uid: int, h: int, s: int, st: tuple) -> object:  # [B, H, S, D] over packed rows
-            return g.tensor(name=name, dim=[bp, h, s, d], stride=[s * st[0], st[1], st[0], st[2]], data_type=io,
+        def thd(name: str, uid: int, h: int, s: int, st: tuple, w: int) -> object:  # [B, H, S, w] over packed rows
+            return g.tensor(name=name, dim=[bp, h, s, w], stride=[s * st[0], st[1], st[0], st[2]], data_type=io,
                             uid=uid)
 
         def col(name: str, uid: int, n: int, kind: object) -> object:
             return g.tensor(name=name, dim=[n, 1, 1, 1], stride=[1, 1, 1, 1], data_type=kind, uid=uid)
 
-        q, k, v = thd("q", _Q, hq, sq, qs), thd("k", _K, hk, sk, ks), thd("v", _V, hk, sk, vs)
+        q, k, v = thd("q", _Q, hq, sq, qs, d), thd("k", _K, hk, sk, ks, d), thd("v", _V, hk, sk, vs, dv)
         i32, i64 = cudnn.data_type.INT32, cudnn.data_type.INT64
         len_q, len_k = col("len_q", _LEN_Q, bp, i32), col("len_k", _LEN_K, bp, i32)
         off_q, off_k, off_v, off_o = (col(nm, u, bp + 1, i64) for nm, u in
@@ -337,7 +364,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                       diagonal_alignment=(cudnn.diagonal_alignment.BOTTOM_RIGHT if prefixed
                                           else cudnn.diagonal_alignment.TOP_LEFT),
                       diagonal_band_right_bound=0)
-        o.set_uid(_O).set_output(True).set_dim([bp, hq, sq, d]).set_stride([sq * hq * d, d, hq * d, 1])
+        o.set_uid(_O).set_output(True).set_dim([bp, hq, sq, dv]).set_stride([sq * hq * dv, dv, hq * dv, 1])
         o.set_data_type(io).set_ragged_offset(off_o)
         g.validate()
         g.build_operation_graph()

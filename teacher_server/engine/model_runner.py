@@ -70,9 +70,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         if cuda and layout.attention:  # cuDNN plans for every bucketed length a fresh sequence's call can have
             c = layout.widest()
-            hkv, dk, _ = c.attn_shape  # a latent layer's backend shape is its expanded heads'
+            hkv, dk, dv = c.attn_shape  # a latent layer's backend shape is its expanded heads'
             attn.warm_up(min(max_model_len, step_tokens or max_model_len), c.q_heads or c.heads, hkv, dk,
-                         device, layout.dtype, layers=len(layout.attention))
+                         device, layout.dtype, layers=len(layout.attention), dv=dv if attn.distinct_v_width else dk)
             self.startup_s["attention plans"] = time.perf_counter() - t0
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
