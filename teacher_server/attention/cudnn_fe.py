@@ -28,14 +28,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import batch_class, size_class
 from teacher_server.attention.cudnn import CudnnBackend
-from teacher_server.attention.cudnn_items import PathFailed
+from teacher_server.attention.cudnn_items import FeCall, PathFailed, ragged_columns
 from teacher_server.attention.packed import Plan, Varlen, cums
 from teacher_server.attention.plan_store import PlanStore, code_digest
 from teacher_server.attention.varlen import TorchVarlenBackend
@@ -47,34 +46,6 @@ log = logging.getLogger(__name__)
 _Q, _K, _V, _O, _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O = range(1, 11)
 WARM_MAX = 32768  # the longest fresh length whose graphs warm_up builds (the runner passes up to a step's tokens)
 _UIDS = (_Q, _K, _V, _O, _LEN_Q, _LEN_K, _OFF_Q, _OFF_K, _OFF_V, _OFF_O)
-
-
-def ragged_columns(q_lens: list[int], k_lens: list[int], t0: int, prefixed: bool, bp: int,
-                   strides: tuple[int, int, int, int]) -> tuple[list[list[int]], list[list[int]]]:
-    """The per-sequence columns of one call over sequences whose queries start at row t0 of
-    q (and of the output): (lengths [queries, keys], element offsets [q, k, v, output]),
-    each column W = bp + 1 rounded up to 4 long (16-byte aligned), sequences past the real
-    ones empty (length 0, offsets at the end). Keys start at row 0 of the packed keys
-    (prefixed) or at the queries' rows of the step's keys (fresh). ``strides``: the rows'
-    element strides of q, k, v and the output."""
-    w = -(-(bp + 1) // 4) * 4
-    qo = [t0 + c for c in cums(q_lens)]
-    ko = cums(k_lens) if prefixed else qo
-    lens = [(ls + [0] * w)[:w] for ls in (q_lens, k_lens)]
-    qo, ko = ((o + [o[-1]] * w)[:w] for o in (qo, ko))
-    return lens, [[o * st for o in row] for row, st in zip((qo, ko, ko, qo), strides)]
-
-
-@dataclass
-class FeCall:
-    """One cuDNN call over sequences [i, j) of one part (queries q[t0:t1])."""
-
-    prefixed: bool
-    t0: int
-    t1: int
-    key: tuple  # the graph's class: (prefixed, sequences, longest queries, longest keys)
-    lens: torch.Tensor  # int32 [2, W]: each sequence's queries, keys (W: sequences + 1, rounded up to 4)
-    offs: torch.Tensor  # int64 [4, W]: where each sequence starts in q, k, v, the output (elements)
 
 
 class CudnnFrontendBackend(TorchVarlenBackend):
