@@ -572,6 +572,7 @@ def test_cudnn_fe_warm_up_checks_the_models_value_width(refuses: str, fe_backend
     attn.warm_up(1024, 4, 2, 32, torch.device("cuda"), torch.float32, dv=16)
     assert (attn.enabled, attn.native_v) == {"none": (True, True), "narrow": (True, False),
                                              "all": (False, True)}[refuses]
+    assert attn.distinct_v_width == (refuses == "none")  # (padded: the model pads them as it makes them)
     if attn.enabled:  # the graphs warm_up built take the widths the steps will bring
         assert {full[7] for full in attn._graphs} == {16 if refuses == "none" else 32}
 

@@ -60,7 +60,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     # Values narrower than keys (latent attention's 128 under keys of 192) go to cuDNN as they
     # are: no zero columns in its second product, none to drop from its output. Where the
     # frontend's call cannot take them (its check at the model's widths failed: ``native_v``
-    # off) or a step takes another route (the split, varlen), they are padded here (``_padded``).
+    # off) or the frontend is off, it says so (the model then pads them as it makes them); a
+    # call that meets them on another route (the split, varlen) pads them here (``_padded``).
     distinct_v_width = True
 
     name = "cudnn_fe"
@@ -135,10 +136,11 @@ class CudnnFrontendBackend(TorchVarlenBackend):
                 log.warning("cuDNN frontend attention failed its check with values %d wide under keys of %d; "
                             "padding them to %d", dv, d, d)
                 self.native_v, dv = False, d
+                self.distinct_v_width = False  # (the model pads them as it makes them: no copy per call)
             else:
                 log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
                             "cudnn" if self.split is not None else "varlen")
-                self.enabled = False
+                self.enabled = self.distinct_v_width = False
         if not self.enabled:
             if self.split is not None:
                 self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
@@ -218,7 +220,7 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             raise e
         log.warning("cuDNN frontend attention unavailable (%s); using %s", " ".join(str(e).split())[:200],
                     "cudnn" if self.split is not None else "varlen")
-        self.enabled = False
+        self.enabled = self.distinct_v_width = False  # (the model pads values from its next layer on)
         if self.split is not None:  # it takes the fresh sequences now
             self.split.plain_squares = True
 
