@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
 from bench_engine import http_body, provenance  # noqa: E402
 
-from teacher_server.benchmark.workloads import Req  # noqa: E402
+from teacher_server.benchmark.workloads import make_workload  # noqa: E402
 from teacher_server.engine.request import ScoreResult  # noqa: E402
 from teacher_server.engine.wire import PlanReader  # noqa: E402
 from teacher_server.replicas.messages import AddMsg, ResultMsg  # noqa: E402
@@ -47,8 +47,7 @@ PLAN_BYTES = 8 * (3072 * 64 * 4 + 4096 * 8)
 
 def w1f_request() -> object:
     """A parsed W1f-shaped request (4,096 tokens, 3,072 rows of 64 candidates), as the front hands it on."""
-    rng = np.random.default_rng(0)
-    r = Req(rng.integers(0, 163840, 4096), 1023, rng.integers(0, 163840, (3072, 64)).astype(np.int32))
+    r = make_workload("W1f", 163840)[0]  # (Moonlight's vocabulary)
     limits = Limits(vocab_size=163840, max_model_len=8192, max_logprobs=64, max_rows_x_k=1 << 24)
     return parse_request(http_body(r), limits, "m", None, ("m",), None)[1]
 
