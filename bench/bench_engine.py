@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -371,17 +371,23 @@ def http_body(r: Req) -> bytes:
         "max_tokens": 1, "prompt_logprob_start": r.start, "prompt_logprob_token_ids": npy_b64(r.cand)}})
 
 
-async def raw_post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
+async def raw_post(url: str, path: str, body: bytes, sent: dict[str, float] | None = None) -> tuple[int, bytes]:
     """POST body on a fresh HTTP/1.1 connection with asyncio streams alone (no client library:
-    what the server costs, apart from a client's own overhead). Returns (status, response body)."""
+    what the server costs, apart from a client's own overhead). Returns (status, response body);
+    ``sent`` gets the clock (``time.monotonic()``) when the headers were handed to the socket
+    (``headers``) and when the body's last byte was (``body``)."""
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     try:
         head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
         writer.write(head)
+        if sent is not None:
+            sent["headers"] = time.monotonic()
         writer.write(body)
         await writer.drain()
+        if sent is not None:
+            sent["body"] = time.monotonic()
         status = int((await reader.readline()).split()[1])
         length = None
         while (line := await reader.readline()) not in (b"\r\n", b""):
@@ -401,6 +407,20 @@ class HttpRun:
     start: float  # ``time.monotonic()`` at the first send
     cached: list[int]  # each request's prefix-cache hits, as its answer's usage reports them
     client_gc_s: float = 0.0  # the client's own garbage-collector pauses inside ``seconds``
+    # per request, the client's clock (``time.monotonic()``) when its headers and its body's last byte
+    # went to the socket (``headers``, ``body``; either missing where the client did not say)
+    sent: list[dict[str, float]] = field(default_factory=list)
+
+    def sending(self) -> dict[str, float]:
+        """The client's side of the pass's head: seconds from its first send until a first request's
+        headers and a first whole body had left it, and until the last body had (the upload's end)."""
+        out = {}
+        for key, name, pick in (("headers", "first_headers_sent_s", min), ("body", "first_body_sent_s", min),
+                                ("body", "last_body_sent_s", max)):
+            ts = [s[key] for s in self.sent if key in s]
+            if ts:
+                out[name] = round(pick(ts) - self.start, 4)
+        return out
 
 
 async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "httpx") -> HttpRun:
@@ -423,12 +443,19 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
     lat = [0.0] * len(reqs)
     mats: list = [None] * len(reqs)
     cached = [0] * len(reqs)
+    sent: list[dict[str, float]] = [{} for _ in reqs]
 
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=httpx.Limits(max_connections=concurrency)) as c:
         async def post(i: int) -> tuple[int, bytes]:
             if client == "raw":
-                return await raw_post(url, "/inference/v1/generate", bodies[i])
-            r = await c.post("/inference/v1/generate", content=bodies[i], headers={"content-type": "application/json"})
+                return await raw_post(url, "/inference/v1/generate", bodies[i], sent[i])
+
+            async def trace(event: str, info: dict) -> None:  # (httpcore's events: when the bytes left)
+                if event in ("http11.send_request_headers.complete", "http11.send_request_body.complete"):
+                    sent[i]["headers" if "headers" in event else "body"] = time.monotonic()
+
+            r = await c.post("/inference/v1/generate", content=bodies[i], headers={"content-type": "application/json"},
+                             extensions={"trace": trace})
             return r.status_code, r.content
 
         async def one(i: int) -> None:
@@ -447,7 +474,7 @@ async def http_run(url: str, reqs: list[Req], concurrency: int, client: str = "h
     for i, (m, r) in enumerate(zip(mats, reqs)):
         assert m.shape == r.cand.shape, (i, m.shape, r.cand.shape)
         assert np.isfinite(m).all(), f"request {i}: non-finite scores"
-    return HttpRun(dt, lat, clock, cached, round(gc_pauses.seconds, 4))
+    return HttpRun(dt, lat, clock, cached, round(gc_pauses.seconds, 4), sent)
 
 
 class FrozenHeap:
@@ -648,6 +675,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
                 runs[-1]["clock"] = [round(start, 4), round(start + dt, 4)]  # the server's step trace uses this clock
                 if args.step_trace:
                     runs[-1]["trace"] = trace_window(trace_path(args, key or name), start, start + dt)
+                runs[-1]["client_sending"] = run.sending()  # (beside the trace's server side of the head)
                 runs[-1]["http_client"] = client
                 runs[-1]["client_gc_s"] = run.client_gc_s
                 gpu_window(runs[-1], start, start + dt)
@@ -663,6 +691,7 @@ def bench_http(model_dir: Path, args: argparse.Namespace, cfg: dict, name: str, 
         if args.step_trace:
             best["runs_trace"] = [r.get("trace") for r in first]
         best["runs_client_gc_s"] = [r["client_gc_s"] for r in first]
+        best["runs_client_sending"] = [r["client_sending"] for r in first]
         if len(clients) > 1:
             best["by_client"] = {c: {"runs_seconds": [r["seconds"] for r in runs if r["http_client"] == c],
                                      "runs_mfu": [r.get("mfu") for r in runs if r["http_client"] == c],

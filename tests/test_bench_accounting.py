@@ -65,7 +65,7 @@ def test_http_run_refuses_non_finite_answers_and_reads_cache_hits(monkeypatch) -
         r.cand = r.cand[:4, :2]
     nan_at = {2}
 
-    async def fake_post(url: str, path: str, body: bytes) -> tuple[int, bytes]:
+    async def fake_post(url: str, path: str, body: bytes, sent: dict | None = None) -> tuple[int, bytes]:
         i = fake_post.n
         fake_post.n += 1
         m = np.zeros((4, 2), np.float32) - 1.0

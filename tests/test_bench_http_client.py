@@ -50,6 +50,10 @@ def test_raw_client_matches_httpx(demo_server) -> None:
         run = asyncio.run(bench_engine.http_run(demo_server.url, reqs, 2, client))
         dt, lat = run.seconds, run.latencies
         assert dt > 0 and all(x > 0 for x in lat)
+        # each request's headers, then its whole body, left the client inside the pass (the head's client side)
+        assert all(run.start <= s["headers"] <= s["body"] <= run.start + dt for s in run.sent), (client, run.sent)
+        sending = run.sending()
+        assert 0 <= sending["first_headers_sent_s"] <= sending["first_body_sent_s"] <= sending["last_body_sent_s"] <= dt
 
 
 def test_http_client_list() -> None:
