@@ -598,7 +598,8 @@ def trace_window(path: str, t0: float, t1: float) -> dict | None:
     shares) went, from the server's step trace: ``head_s`` before its first step's launch (the
     first request's way in; of it ``head_to_first_received_s`` until the server began handling a
     request the pass's steps hold, ``head_to_first_body_s`` until one's body was whole,
-    ``head_to_first_arrival_s`` until one was parsed), ``tail_s`` after its last step completed (the last answer's way
+    ``head_to_first_arrival_s`` until one was parsed, ``head_to_first_handed_s`` until one was queued for the
+    engine thread), ``tail_s`` after its last step completed (the last answer's way
     out), its steps' GPU time and the GPU's idle time between them (summed over the engines
     that wrote the trace: replicas append to one file), and the first step's tokens, GPU time
     and host launch time. A line cut short is skipped. None without steps in the pass."""
@@ -623,7 +624,7 @@ def trace_window(path: str, t0: float, t1: float) -> dict | None:
     # engine's first step (the hand-off to the engine, its scheduling)
     split = {}
     for key, name in (("received", "head_to_first_received_s"), ("read", "head_to_first_body_s"),
-                      ("arrived", "head_to_first_arrival_s")):
+                      ("arrived", "head_to_first_arrival_s"), ("handed", "head_to_first_handed_s")):
         ts = [s[key][0] for s in steps if s.get(key)]
         if ts:
             split[name] = round(min(ts) - t0, 4)

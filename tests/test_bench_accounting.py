@@ -161,7 +161,8 @@ def test_an_http_pass_splits_into_its_steps_and_the_time_around_them(tmp_path: P
     steps = [{"step": 1, "tokens": 4096, "clock": [99.0, 99.5], "gpu_ms": 500.0},  # the warm-up's, before the pass
              {"step": 2, "tokens": 4096, "clock": [100.25, 100.75], "gpu_ms": 400.0, "gpu_idle_ms": 1.0, "pid": 7,
               "launch_ms": 380.0,
-              "arrived": [100.125, 100.2], "received": [100.0625, 100.1], "read": [100.1, 100.15]},
+              "arrived": [100.125, 100.2], "received": [100.0625, 100.1], "read": [100.1, 100.15],
+              "handed": [100.1875, 100.2]},
              {"step": 3, "tokens": 32768, "clock": [100.75, 103.5], "gpu_ms": 2700.0, "gpu_idle_ms": 2.0, "pid": 7,
               "arrived": [100.3, 100.6], "received": [100.03125, 100.5], "read": [100.25, 100.55]},
              {"step": 4, "tokens": 8192, "clock": [103.5, 103.8], "gpu_ms": 300.0, "pid": 7}]
@@ -169,7 +170,7 @@ def test_an_http_pass_splits_into_its_steps_and_the_time_around_them(tmp_path: P
     got = bench_engine.trace_window(str(path), 100.0, 104.0)
     # (the earliest over the pass's steps: a request received first may be parsed later)
     assert got == {"steps": 3, "head_s": 0.25, "head_to_first_received_s": 0.0312, "head_to_first_body_s": 0.1,
-                   "head_to_first_arrival_s": 0.125, "tail_s": 0.2, "gpu_s": 3.4,
+                   "head_to_first_arrival_s": 0.125, "head_to_first_handed_s": 0.1875, "tail_s": 0.2, "gpu_s": 3.4,
                    "gpu_idle_s": 0.003, "gpu_share_of_wall": 0.85, "engines": 1, "first_step_tokens": 4096,
                    "first_step_gpu_ms": 400.0, "first_step_launch_ms": 380.0}
     assert bench_engine.trace_window(str(path), 200.0, 210.0) is None

@@ -102,10 +102,11 @@ def test_two_replicas_keep_groups_together_and_match_one(checkpoints, reference,
     # both replicas traced their steps into the one file, whole lines each
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
     assert len({x["pid"] for x in lines}) == 2
-    # each step's requests' way in, on the server's clock across the processes: handled, body whole, parsed
+    # each step's requests' way in, on the server's clock across the processes: handled, body whole, parsed,
+    # queued in the replica for its engine thread
     for x in lines:
         for end in (0, 1):
-            assert x["received"][end] <= x["read"][end] <= x["arrived"][end] <= x["clock"][0], x
+            assert x["received"][end] <= x["read"][end] <= x["arrived"][end] <= x["handed"][end] <= x["clock"][0], x
     assert sum(x["scored_rows"] for x in lines) == sum(len(r.token_ids) - 1 - r.start for g in groups for r in g)
 
 

@@ -169,6 +169,7 @@ class AsyncEngine:
                                        f"{self._queued_tokens} tokens)")
             self._queued_requests += 1
             self._queued_tokens += req.length
+            req.handed = time.monotonic()
             self._inbox.put(AddMsg(pending))
         try:
             return await pending.future

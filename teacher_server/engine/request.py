@@ -72,6 +72,7 @@ class ScoreRequest:
     # when its body was whole; ``arrival`` is then when it was parsed
     received: float | None = None
     body_read: float | None = None
+    handed: float | None = None  # when the engine's process queued it for the engine thread (a replica: after the pipe)
     deadline: float | None = None  # time.monotonic() value
     uid: int = field(default_factory=lambda: next(_uids), init=False)
 

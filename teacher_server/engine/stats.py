@@ -99,9 +99,11 @@ class StepTrace:
         when its launch began (``time.monotonic()``) and the host time it took; ``arrived``: the
         earliest and latest arrival (``time.monotonic()`` once the server had parsed it) of its
         requests; through HTTP also ``received`` (the server began handling them) and ``read``
-        (their bodies were whole)."""
+        (their bodies were whole); ``handed``: when the engine's process queued them for the engine
+        thread (for a replica, after the pipe from the server's process)."""
         span = {}
-        for key, name in (("arrived", "arrival"), ("received", "received"), ("read", "body_read")):
+        for key, name in (("arrived", "arrival"), ("received", "received"), ("read", "body_read"),
+                          ("handed", "handed")):
             ts = [t for c in chunks if (t := getattr(c.seq.req, name)) is not None]
             if ts or key == "arrived":
                 span[key] = [round(min(ts), 4), round(max(ts), 4)] if ts else None
