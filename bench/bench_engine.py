@@ -233,7 +233,7 @@ ABLATIONS = ("as_configured", "varlen_attention", "cudnn_attention", "cudnn_fe_a
              "budget_half", "split_to_fill", "eager_stages", "no_cuda_kernels", "no_fused_gate_up",
              "no_combine_kernel", "flip_moe_gate_up", "no_fp8_moe_kernel", "no_router_kernel", "flip_group_kernel",
              "no_router_gemm_split", "eager_gated_attention", "no_gated_qk_kernel", "no_conv_kernel",
-             "fp8_norm_then_quant", "padded_values")
+             "fp8_norm_then_quant", "padded_values", "copied_views")
 
 
 def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, only: list[str]) -> dict:
@@ -248,6 +248,7 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
     streams = getattr(attn, "concurrent_streams", 0)
     grouped = getattr(attn, "group_prefixes", False)
     narrow_v = attn.distinct_v_width
+    views_ok = getattr(attn, "views_ok", None)
     ops = engine.runner.ops  # the fused stages and our CUDA kernels (not part of the tuning either)
     ops_saved = {n: getattr(ops, n) for n in (*_STAGES, *KERNEL_SWITCHES)}
 
@@ -312,6 +313,9 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
         # latent attention: values zero-padded to the key width and the output's extra columns dropped, as for a
         # backend that takes values only as wide as keys (the backend's own calls otherwise take them as they are)
         "padded_values": lambda: setattr(attn, "distinct_v_width", False),
+        # latent attention: q copied out rotated and v copied out of kv_b_proj's output, as for a backend that takes
+        # no strided views (cudnn_fe otherwise takes q rotated where it was made and v where kv_b_proj wrote it)
+        "copied_views": lambda: setattr(attn, "views_ok", False),
     }
     assert tuple(variants) == ABLATIONS, "ABLATIONS lists the variants"
     tp = getattr(engine, "_workers", None) is not None
@@ -346,6 +350,8 @@ def ablate(engine: Engine, cfg: dict, name: str, reqs: list[Req], repeats: int, 
             if hasattr(attn, "group_prefixes"):
                 attn.group_prefixes = grouped
             attn.distinct_v_width = narrow_v
+            if hasattr(attn, "views_ok"):
+                attn.views_ok = views_ok
             for n, f in ops_saved.items():
                 setattr(ops, n, f)
     return out

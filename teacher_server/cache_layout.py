@@ -61,6 +61,10 @@ class AttentionCache:
     # A latent layer: (heads, key width, value width) of the keys and values it makes from the
     # latent for attention (what the backends see, and a step's working memory); None: as kept.
     expands_to: tuple[int, int, int] | None = None
+    # The element strides of q and of v ([T, heads, width] each) as a latent layer hands them to
+    # a backend that ``takes_views`` (q where its projection wrote it, v inside kv_b_proj's
+    # output); None: contiguous.
+    views: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -577,6 +577,85 @@ def test_cudnn_fe_warm_up_checks_the_models_value_width(refuses: str, fe_backend
         assert {full[7] for full in attn._graphs} == {16 if refuses == "none" else 32}
 
 
+def as_views(x: AttentionInputs) -> AttentionInputs:
+    """x with q and the values (fresh and prefixed) moved into wider rows, as latent attention
+    hands them: q inside its projection's output, v inside kv_b_proj's (strided views)."""
+    from teacher_server.attention.cudnn_fe_check import as_view
+
+    hq, d = x.q.shape[1:]
+    hk, dv = x.v.shape[1:]
+    return AttentionInputs(as_view(x.q, (hq * d + 24, d, 1)), x.k, as_view(x.v, (hk * 2 * dv, 2 * dv, 1)), x.kp,
+                           as_view(x.vp, (hk * 2 * dv, 2 * dv, 1)))
+
+
+@pytest.mark.parametrize("refusing", [False, True])
+def test_cudnn_fe_takes_q_and_values_as_views(refusing: bool, fe_backend) -> None:
+    """q and narrower values as strided views (latent attention's q rotated where its
+    projection wrote it, v inside kv_b_proj's output): the frontend's calls read them where
+    they are, at their strides; a frontend that refuses the call turns off and the split gets
+    contiguous copies with slack rows (it pads by viewing them). The reference's result
+    either way."""
+    seen, split_seen = [], []
+
+    class Viewing(fe_backend):
+        def _run(self, it, x, scale, out):
+            if refusing:
+                raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+            seen.append((x.q.is_contiguous(), (x.vp if it.prefixed else x.v).is_contiguous()))
+            super()._run(it, x, scale, out)
+
+    class Split(CpuCudnn):
+        def __call__(self, x, ctx, scale, window, softcap=None):
+            split_seen.append((x.q.is_contiguous(), x.v.is_contiguous(), x.vp is None or x.vp.is_contiguous()))
+            return super().__call__(x, ctx, scale, window, softcap)
+
+    attn = Viewing(split=Split(16))
+    assert attn.takes_views
+    x, ctx, _ = make_step([(700, 2100), (300, 900), (300, 300), (512, 512), (40, 40)], 4, 2, 32, "cpu",
+                          torch.float32)
+    x = as_views(narrow_values(x, 16))
+    assert not x.q.is_contiguous() and not x.v.is_contiguous() and not x.vp.is_contiguous()
+    got = attn(x, ctx, 32 ** -0.5, None)
+    assert got.shape == (x.q.shape[0], 4, 16)
+    assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
+    if refusing:
+        assert not attn.enabled and not attn.takes_views and not seen
+        assert split_seen == [(True, True, True)]
+    else:
+        assert seen == [(False, False)] * 2 and not split_seen  # (the prefixed part and the fresh one)
+
+
+@pytest.mark.parametrize("refuses_views", [False, True])
+def test_cudnn_fe_warm_up_checks_the_layers_views(refuses_views: bool, fe_backend) -> None:
+    """warm_up's check with q and v as the layers hand them (``views``): passed, the graphs it
+    builds take those strides; failed with the views alone, the backend says it takes none
+    (the layers hand contiguous copies) and the graphs take contiguous rows."""
+
+    class Picky(fe_backend):
+        def _run(self, it, x, scale, out):
+            if refuses_views and not x.q.is_contiguous():
+                raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
+            super()._run(it, x, scale, out)
+
+        def _handle(self, device):
+            return None
+
+        def _build(self, full, handle):
+            self._graphs[full] = (None, 0)
+            return self._graphs[full]
+
+    from teacher_server.attention.cudnn_fe_check import frontend_check
+
+    views = ((4 * 32 + 24, 32, 1), (2 * 32, 32, 1))
+    attn = Picky(split=None)
+    attn.check = lambda b, dev, dt, heads, views=None: frontend_check(b, torch.device("cpu"), torch.float32, heads,
+                                                                       views)  # (on the CPU)
+    attn.warm_up(1024, 4, 2, 32, torch.device("cuda"), torch.float32, dv=16, views=views)
+    assert attn.enabled and attn.distinct_v_width and attn.takes_views == (not refuses_views)
+    strides = {(full[10], full[12]) for full in attn._graphs}
+    assert strides == ({((4 * 32, 32, 1), (2 * 16, 16, 1))} if refuses_views else {views})
+
+
 class FakeGraph:
     """A frontend graph as the plan store sees it: built (counted), serialized (a list of
     ints, as the bindings give it), read back; bytes b"bad" do not load, b"wrong" load as a

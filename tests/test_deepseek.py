@@ -200,6 +200,42 @@ def test_values_padded_to_the_key_width_give_the_same_scores(ckpt, monkeypatch) 
     assert {v for v, _ in seen} == {48} and {vp for _, vp in seen} == {None, 48}  # padded from 24 to q/k's 48
 
 
+@pytest.mark.parametrize("name", ["v3_noq", "v3"])
+def test_q_and_values_reach_a_backend_that_takes_views_as_views(name: str, ckpt, monkeypatch) -> None:
+    """A backend that takes views (the CPU's sdpa; cudnn_fe on the GPU) gets q rotated where
+    its projection wrote it (without a q low rank: inside the a-projection's output, rows as
+    wide as it) and the values inside kv_b_proj's output, at the strides the layer declares
+    (``AttentionCache.views``, what warm-up builds graphs for); a step with prefixed tokens
+    copies its fresh values as before. The scores are the reference's, and those of a backend
+    that takes no views."""
+    from teacher_server.attention.sdpa import SdpaBackend
+
+    seen = []
+    real = SdpaBackend.__call__
+
+    def spy(self: SdpaBackend, x: AttentionInputs, ctx, *a: object, **kw: object) -> torch.Tensor:
+        seen.append((x.q.stride(), x.v.stride(), ctx.tok_prefixed))
+        return real(self, x, ctx, *a, **kw)
+
+    monkeypatch.setattr(SdpaBackend, "__call__", spy)
+    path = ckpt[name]
+    reqs = make_requests(family_rng(f"{name}-views"))
+    eng = engine(path)
+    views = eng.runner.model.cache_layout().attention[0].views
+    viewed = eng.run_to_completion(reqs)
+    check(path, reqs, viewed)
+    assert {q for q, _, _ in seen} == {views[0]}  # every call: q where it was made
+    assert {v for _, v, first in seen if not first} == {views[1]}  # values read from kv_b_proj's output
+    assert views[0][0] == 4 * 48 + (32 + 16 if name == "v3_noq" else 0)  # (q_in_a: the a-projection's rows)
+    assert any(first for *_, first in seen) and any(not first for *_, first in seen)  # (both kinds of step ran)
+    monkeypatch.setattr(SdpaBackend, "takes_views", False)
+    seen.clear()
+    plain = engine(path).run_to_completion(reqs)
+    assert all(q == (4 * 48, 48, 1) and (first or v == (4 * 24, 24, 1)) for q, v, first in seen)
+    for a, b in zip(viewed, plain):
+        np.testing.assert_allclose(a.token_id_logprobs, b.token_id_logprobs, rtol=0, atol=1e-5)
+
+
 def test_latent_stages_compiled_match_their_definitions_and_a_wrong_one_is_caught() -> None:
     """The latent attention stages through torch.compile (as ``FusedOps`` compiles them) pass
     the start-up check at a V3-like shape (q/k 192, v 128, latent 512 | 64); a stage that
@@ -212,15 +248,22 @@ def test_latent_stages_compiled_match_their_definitions_and_a_wrong_one_is_caugh
     w = 1 + 0.1 * torch.randn(512, dtype=torch.bfloat16)
     args = (96 + 576, 4, 128, 64, 128, 512, w, 1e-6, table, torch.device("cpu"), torch.bfloat16)
     prep, expand = (torch.compile(f, fullgraph=True) for f in (mla_prep, mla_expand))
-    check_mla_stages(prep, expand, *args)
+    check_mla_stages(prep, expand, *args, views=True)
     # q as the first columns of the a-projection's output (no q low rank, one rank: one GEMM)
-    check_mla_stages(prep, expand, 4 * 192 + 576, *args[1:], q_in_a=True)
+    check_mla_stages(prep, expand, 4 * 192 + 576, *args[1:], q_in_a=True, views=True)
 
     def no_shared_key(kv, pe, k, v) -> None:
         mla_expand(kv, torch.zeros_like(pe), k, v)
 
     with pytest.raises(RuntimeError, match="mla_expand keys"):
         check_mla_stages(mla_prep, no_shared_key, *args)
+
+    def rotates_a_copy(a, q, cs, w, eps, rank, in_place=False, heads=0):  # q left as it was
+        return mla_prep(a, None if q is None else q.clone(), cs, w, eps, rank, False, heads) if not in_place \
+            else (mla_prep(a, q, cs, w, eps, rank, False, heads)[0], q)
+
+    with pytest.raises(RuntimeError, match="in place, q"):
+        check_mla_stages(rotates_a_copy, mla_expand, *args, views=True)
 
 
 def test_without_a_q_low_rank_q_and_the_latent_are_one_gemm_on_one_rank(ckpt) -> None:

@@ -78,3 +78,11 @@ def test_values_narrower_than_keys(backend: str) -> None:
     print(f"{backend}: v narrower than k -> {err} (declared {b.distinct_v_width})")
     if b.distinct_v_width:
         assert out is not None and err < 2e-2, err
+    if b.takes_views:  # q and v where a Moonlight-shaped layer makes them: q inside q|latent rows, v inside kv_b's
+        from teacher_server.attention.cudnn_fe_check import as_view
+
+        x = AttentionInputs(as_view(q, (16 * 192 + 576, 192, 1)), k, as_view(v, (16 * 256, 256, 1)))
+        out = b(x, one_step(lens, dev), 192 ** -0.5, None)
+        err = float((out.float() - ref).abs().max())
+        print(f"{backend}: q and v as strided views -> {err}")
+        assert err < 2e-2, err

@@ -47,6 +47,9 @@ class AttentionBackend(ABC):
     # Where not, the layer pads v with zeros to the key width and drops the output's extra
     # columns (``models.mla``: 1.2x the attention FLOPs at 192/128).
     distinct_v_width: bool = False
+    # Whether q and v may be strided views (latent attention: q rotated where its projection
+    # wrote it, v read from kv_b_proj's output), not contiguous rows with slack around them.
+    takes_views: bool = False
 
     @abstractmethod
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
@@ -67,9 +70,11 @@ class AttentionBackend(ABC):
         return None
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
-                layers: int = 1, dv: int | None = None) -> float:
+                layers: int = 1, dv: int | None = None, views: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                ) -> float:
         """Prepare whatever the backend builds per shape for sequences up to max_len, before
         the first request (``layers``: attention layers per forward, each calling the backend
         with the step's plan; ``dv``: the values' width where it differs from ``d`` and the backend
-        takes it, ``distinct_v_width``). Returns the seconds it took (nothing to do by default)."""
+        takes it, ``distinct_v_width``; ``views``: the strides of q and v as the layers hand them,
+        where the backend ``takes_views``). Returns the seconds it took (nothing to do by default)."""
         return 0.0

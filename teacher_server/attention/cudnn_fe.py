@@ -38,6 +38,7 @@ from teacher_server.attention.cudnn_items import FeCall, PathFailed, ragged_colu
 from teacher_server.attention.packed import Plan, Varlen, cums
 from teacher_server.attention.plan_store import PlanStore, code_digest
 from teacher_server.attention.varlen import TorchVarlenBackend
+from teacher_server.ops.slack import with_slack
 from teacher_server.step_context import StepContext
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,12 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     # off) or the frontend is off, it says so (the model then pads them as it makes them); a
     # call that meets them on another route (the split, varlen) pads them here (``_padded``).
     distinct_v_width = True
-
+    views_ok = True  # q and v as the latent layers' strided views (off where the check with them fails)
     name = "cudnn_fe"
+
+    @property
+    def takes_views(self) -> bool:  # (the frontend's own call takes them, values at their own width)
+        return self.enabled and self.distinct_v_width and self.views_ok
 
     def __init__(self, per_octave: int = 4, split: CudnnBackend | None = None, plans: PlanStore | None = None,
                  ) -> None:
@@ -118,9 +123,11 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         return plan
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
-                layers: int = 1, dv: int | None = None) -> float:
-        """Check the backend at the model's heads (values ``dv`` wide, default ``d``), then
-        build the graphs of fresh sequences (contiguous q, k, v; scale d^-0.5) for up to eight
+                layers: int = 1, dv: int | None = None, views: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                ) -> float:
+        """Check the backend at the model's heads (values ``dv`` wide, default ``d``; q and v as
+        ``views`` where given), then build the graphs of fresh sequences (q, k, v contiguous or
+        those views; scale d^-0.5) for up to eight
         sequences a call and every length class up to ``max_len`` (the runner's: a step's
         tokens, or less) and ``WARM_MAX``; other classes build on first use (the first W1
         steps take a few). Returns seconds."""
@@ -128,19 +135,10 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             return 0.0
         t0 = time.perf_counter()
         dv = d if dv is None else dv
-        # the model's own heads (the start-up check ran CHECK_HEADS): off for good where not right; narrower
-        # values that fail alone are padded to the key width from then on
-        if self.enabled and self.check is not None and not self.check(self, device, dtype, (hq, hkv, d, dv)):
-            self.enabled = True  # (a refused graph turned it off: the check at equal widths decides)
-            if dv != d and self.check(self, device, dtype, (hq, hkv, d)):
-                log.warning("cuDNN frontend attention failed its check with values %d wide under keys of %d; "
-                            "padding them to %d", dv, d, d)
-                self.native_v, dv = False, d
-                self.distinct_v_width = False  # (the model pads them as it makes them: no copy per call)
-            else:
-                log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
-                            "cudnn" if self.split is not None else "varlen")
-                self.enabled = self.distinct_v_width = False
+        if self.enabled and self.check is not None:  # the model's own widths (the start-up check's were CHECK_HEADS)
+            from teacher_server.attention.cudnn_fe_check import at_model_widths  # (it imports this module)
+
+            dv = at_model_widths(self, device, dtype, (hq, hkv, d, dv), views)
         if not self.enabled:
             if self.split is not None:
                 self.split.warm_up(max_len, hq, hkv, d, device, dtype, layers)
@@ -149,6 +147,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
             self.split.plain_squares = False
         sizes = sorted({size_class(n, self.per_octave) for n in range(64, min(max_len, WARM_MAX) + 64, 64)})
         qs, ks, vs = (hq * d, d, 1), (hkv * d, d, 1), (hkv * dv, dv, 1)
+        if views is not None and self.takes_views:  # (the graphs of the layers' own strides)
+            qs, vs = views
         try:
             handle = self._handle(device)
             for bp in (1, 2, 4, 8):
@@ -174,6 +174,8 @@ class CudnnFrontendBackend(TorchVarlenBackend):
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
                  softcap: float | None = None) -> torch.Tensor:
         fe = window is None and self._on_device(x) and self.enabled
+        if not (fe and self.takes_views):  # strided views go to the frontend's call alone
+            x = AttentionInputs(with_slack(x.q), x.k, with_slack(x.v), x.kp, with_slack(x.vp), x.sinks)
         if x.v.shape[2] != x.q.shape[2] and not (fe and self.native_v):
             return self._padded(x, ctx, scale, window, softcap)
         if not fe:

@@ -8,18 +8,47 @@ import logging
 
 import torch
 
+from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.cudnn_check import CHECK_HEADS, check_with_reference
 from teacher_server.attention.cudnn_fe import CudnnFrontendBackend, FeCall
 
 log = logging.getLogger("teacher_server.attention.cudnn_fe")  # the backend's own logger
 
 
+def at_model_widths(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
+                    heads: tuple[int, int, int, int], views: tuple[tuple[int, ...], tuple[int, ...]] | None) -> int:
+    """The backend's check again at the model's heads (query heads, kv heads, key width, value
+    width; the start-up check's were CHECK_HEADS), and with q and v as the layers' ``views``
+    where given. Failing: off for good; failing with narrower values alone, they are padded to
+    the key width from then on (the model pads them as it makes them: no copy per call); failing
+    with the views alone, the layers hand contiguous copies. Returns the value width the graphs
+    take."""
+    hq, hkv, d, dv = heads
+    if not backend.check(backend, device, dtype, heads):
+        backend.enabled = True  # (a refused graph turned it off: the check at equal widths decides)
+        if dv != d and backend.check(backend, device, dtype, (hq, hkv, d)):
+            log.warning("cuDNN frontend attention failed its check with values %d wide under keys of %d; "
+                        "padding them to %d", dv, d, d)
+            backend.native_v, backend.distinct_v_width, dv = False, False, d
+        else:
+            log.warning("cuDNN frontend attention failed its check at %d x %d heads of %d; using %s", hq, hkv, d,
+                        "cudnn" if backend.split is not None else "varlen")
+            backend.enabled = backend.distinct_v_width = False
+    if views is not None and backend.takes_views and not backend.check(backend, device, dtype, (hq, hkv, d, dv), views):
+        log.warning("cuDNN frontend attention failed its check with q and v as the layers' views; copying them")
+        # (it passed without them just before: a graph refused with them turned it off, wrongly)
+        backend.enabled = backend.distinct_v_width = True
+        backend.views_ok = False
+    return dv
+
+
 def checked(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
-            heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
+            heads: tuple[int, ...] = CHECK_HEADS, views: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+            ) -> bool:
     """``frontend_check``, and where it fails after graphs were read from the plan store: the
     store is left, every graph built here again, and the check run once more (a saved plan
     that runs wrong costs its start-up time, never the backend)."""
-    if frontend_check(backend, device, dtype, heads):
+    if frontend_check(backend, device, dtype, heads, views):
         return True
     if backend.plans is None or not backend.loaded:
         return False
@@ -28,15 +57,19 @@ def checked(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dt
     backend.plans, backend.enabled = None, True
     backend._graphs.clear()
     backend.loaded.clear()
-    return frontend_check(backend, device, dtype, heads)
+    return frontend_check(backend, device, dtype, heads, views)
 
 
 def frontend_check(backend: CudnnFrontendBackend, device: torch.device, dtype: torch.dtype,
-                   heads: tuple[int, int, int] = CHECK_HEADS) -> bool:
+                   heads: tuple[int, ...] = CHECK_HEADS, views: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                   ) -> bool:
     """Run the check step through the cudnn_fe backend (prefixed sequences, one sharing a
-    prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim) against the
-    float32 sdpa reference: True when it agrees and took its own calls for both parts."""
+    prefix, fresh ones, a short one; ``heads``: query heads, kv heads, head dim[, value width];
+    ``views``: q's and the values' strides, as the layers hand them) against the float32 sdpa
+    reference: True when it agrees and took its own calls for both parts."""
     x, ctx_on, ref = check_with_reference(device, dtype, heads)
+    if views is not None:  # the same numbers, q and the values (fresh and prefixed) in strided buffers
+        x = AttentionInputs(as_view(x.q, views[0]), x.k, as_view(x.v, views[1]), x.kp, as_view(x.vp, views[1]))
     d = x.q.shape[-1]
     try:
         c = ctx_on(device)
@@ -50,3 +83,13 @@ def frontend_check(backend: CudnnFrontendBackend, device: torch.device, dtype: t
         return True
     log.warning("cuDNN frontend attention failed its self-check: error %.3g, %d calls", err, calls)
     return False
+
+
+def as_view(x: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """x [t, h, w]'s numbers in a view of those element strides (rows ``strides[0]`` apart,
+    heads ``strides[1]``), a buffer of its own around it."""
+    t, h, w = x.shape
+    buf = x.new_zeros(t * strides[0] + h * strides[1] + w)
+    out = buf.as_strided((t, h, w), tuple(strides))
+    out.copy_(x)
+    return out

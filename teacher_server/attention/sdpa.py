@@ -47,6 +47,7 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     honours = frozenset({"window", "softcap", "sinks"})
     distinct_v_width = True
+    takes_views = True
 
     def __call__(self, x: AttentionInputs, ctx: StepContext, scale: float, window: int | None,
                  softcap: float | None = None) -> torch.Tensor:

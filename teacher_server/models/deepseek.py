@@ -75,6 +75,6 @@ class DeepseekForCausalLM(MoeModel, LlamaForCausalLM):
             check_mla_stages(ops.mla_prep, ops.mla_expand, attn.qkv_a_proj.weight.shape[0], attn.n,
                              m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank,
                              attn.kv_a_layernorm.weight, LATENT_NORM_EPS, table, table.device, self.dtype,
-                             q_in_a=attn.q_in_a)
+                             q_in_a=attn.q_in_a, views=True)
         except Exception as e:
             ops.eager_stages(e)

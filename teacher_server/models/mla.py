@@ -24,7 +24,9 @@ after which the usual half-split rotation gives the same dot products, at no cos
 YaRN's ``mscale_all_dim`` scales the softmax (``softmax_scale``).
 
 Values narrower than keys go to backends that take them (``distinct_v_width``); others get
-v padded with zeros to the key width and the output's extra columns dropped.
+v padded with zeros to the key width and the output's extra columns dropped. A backend that
+also ``takes_views`` gets q rotated where its projection wrote it (only the 64 rotated dims
+read and written) and v as a view of kv_b_proj's output (no copy), keys alone assembled.
 """
 
 from __future__ import annotations
@@ -149,22 +151,29 @@ class MlaAttention(RuntimeModule):
         """What this layer keeps per token: the 576-wide latent (one head, no separate values);
         attention sees n heads of keys 192 and values 128 made from it."""
         m = self.mla
+        q_row = self.n * m.qk_dim + (m.latent if self.q_in_a else 0)  # (q_in_a: q is the a-projection's first part)
+        kv = m.qk_nope_head_dim + m.v_head_dim
         return AttentionCache(self.layer_id, LATENT, 1, m.latent, 0, self.params, q_heads=self.n,
-                              expands_to=(self.n, m.qk_dim, m.v_head_dim))
+                              expands_to=(self.n, m.qk_dim, m.v_head_dim),
+                              views=((q_row, m.qk_dim, 1), (self.n * kv, kv, 1)))
 
     def qk_norm_weights(self) -> tuple[None, None]:
         return None, None
 
-    def expand(self, latent: torch.Tensor, pad_v: bool, front: bool,
-               first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(self, latent: torch.Tensor, pad_v: bool, front: bool, first: int = 0,
+               views: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [N, n, 192] and values [N, n, 128] (or zero-padded to 192) of latents [N, 576],
         each in a buffer with slack rows (the cuDNN backends pad into them). Rows before
         ``first`` are zeros, not made: the step's prefixed tokens, whose keys attention reads
-        from the packed prefix keys instead."""
+        from the packed prefix keys instead. ``views`` (and no such rows): the values are
+        kv_b_proj's output where it wrote them (a strided view, no copy)."""
         m, n, t = self.mla, self.n, latent.shape[0]
         src = latent[first:]
         kv = self.kv_b_proj(src[:, :m.kv_lora_rank]).view(t - first, n, m.qk_nope_head_dim + m.v_head_dim)
         k = alloc_with_slack(latent, t, n, m.qk_dim, front=front)
+        if views and not first and not pad_v:
+            self.rt.ops.mla_expand(kv, src[:, m.kv_lora_rank:], k, None)
+            return k, kv[..., m.qk_nope_head_dim:]
         v = alloc_with_slack(latent, t, n, m.qk_dim if pad_v else m.v_head_dim, front=front)
         if first:
             k[:first].zero_()
@@ -178,21 +187,22 @@ class MlaAttention(RuntimeModule):
         """h: normed input [T, hidden]; cs: the step's rotary rows [T, qk_rope_head_dim]."""
         rt, m, n, t = self.rt, self.mla, self.n, h.shape[0]
         a = self.qkv_a_proj(h)  # [T, (q_lora or q +) 576]
+        pad_v = not rt.attn.distinct_v_width
+        views = rt.attn.takes_views and not pad_v
         if self.q_b_proj is not None:
             q = self.q_b_proj(self.q_a_layernorm(a[:, :m.q_lora_rank]))
         else:
-            q = a[:, :n * m.qk_dim] if self.q_in_a else self.q_proj(h)
-        # the latent the pool keeps (normed | rotated shared key) and q rotated
-        latent, q = rt.ops.mla_prep(a, q.view(t, n, m.qk_dim), cs, self.kv_a_layernorm.weight, LATENT_NORM_EPS,
-                                    m.kv_lora_rank)
+            q = None if self.q_in_a and views else a[:, :n * m.qk_dim] if self.q_in_a else self.q_proj(h)
+        # the latent the pool keeps (normed | rotated shared key) and q rotated (views: where it is, q None: in a)
+        latent, q = rt.ops.mla_prep(a, None if q is None else q.view(t, n, m.qk_dim), cs, self.kv_a_layernorm.weight,
+                                    LATENT_NORM_EPS, m.kv_lora_rank, views, n)
         one = latent.view(t, 1, m.latent)
         rt.kv.store(self.layer_id, one, one, ctx)
-        pad_v = not rt.attn.distinct_v_width
-        k, v = self.expand(latent, pad_v, front=True, first=ctx.tok_prefixed)
+        k, v = self.expand(latent, pad_v, front=True, first=ctx.tok_prefixed, views=views)
         kp = vp = None
         if ctx.has_prefix:  # packed [cached prefix | chunk] latents of the prefixed sequences, expanded
             lp, _ = rt.kv.gather_prefixed(self.layer_id, one, one, ctx)
-            kp, vp = self.expand(lp.view(-1, m.latent), pad_v, front=False)
+            kp, vp = self.expand(lp.view(-1, m.latent), pad_v, front=False, views=views)
         p = self.params
         o = rt.attn(AttentionInputs(q, k, v, kp, vp), ctx, p.scale, None)  # [T, n, v width]
         if pad_v:

@@ -20,3 +20,13 @@ def alloc_with_slack(like: torch.Tensor, t: int, h: int, d: int, front: bool = F
     buf = like.new_empty(f + t + sl, h, d)
     buf[f + t:].zero_()
     return buf[f:f + t]
+
+
+def with_slack(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x [t, h, d] itself where its rows are contiguous, else a copy of it with slack rows around
+    (a strided view, such as latent attention's q and v, on a route that pads by viewing)."""
+    if x is None or x.is_contiguous():
+        return x
+    out = alloc_with_slack(x, *x.shape, front=True)
+    out.copy_(x)
+    return out
