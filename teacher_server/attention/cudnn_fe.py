@@ -35,6 +35,7 @@ from teacher_server.attention.base import AttentionInputs
 from teacher_server.attention.buckets import batch_class, size_class
 from teacher_server.attention.cudnn import CudnnBackend
 from teacher_server.attention.cudnn_items import FeCall, PathFailed, ragged_columns
+from teacher_server.attention.fe_widths import at_model_widths
 from teacher_server.attention.packed import Plan, Varlen, cums
 from teacher_server.attention.plan_store import PlanStore, code_digest
 from teacher_server.attention.varlen import TorchVarlenBackend
@@ -136,8 +137,6 @@ class CudnnFrontendBackend(TorchVarlenBackend):
         t0 = time.perf_counter()
         dv = d if dv is None else dv
         if self.enabled and self.check is not None:  # the model's own widths (the start-up check's were CHECK_HEADS)
-            from teacher_server.attention.cudnn_fe_check import at_model_widths  # (it imports this module)
-
             dv = at_model_widths(self, device, dtype, (hq, hkv, d, dv), views)
         if not self.enabled:
             if self.split is not None:
