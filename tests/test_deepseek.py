@@ -258,12 +258,15 @@ def test_latent_stages_compiled_match_their_definitions_and_a_wrong_one_is_caugh
     with pytest.raises(RuntimeError, match="mla_expand keys"):
         check_mla_stages(mla_prep, no_shared_key, *args)
 
-    def rotates_a_copy(a, q, cs, w, eps, rank, in_place=False, heads=0):  # q left as it was
-        return mla_prep(a, None if q is None else q.clone(), cs, w, eps, rank, False, heads) if not in_place \
-            else (mla_prep(a, q, cs, w, eps, rank, False, heads)[0], q)
+    def unrotated(a, q, cs, w, eps, rank, rope_only=False, heads=0):  # q's rotated dims handed back as they were
+        latent, rot = mla_prep(a, q, cs, w, eps, rank, rope_only, heads)
+        if rope_only:
+            q = a[:, :a.shape[1] - rank - cs.shape[1]].view(a.shape[0], heads, -1) if q is None else q
+            rot = q[..., q.shape[-1] - rot.shape[-1]:].clone()
+        return latent, rot
 
     with pytest.raises(RuntimeError, match="in place, q"):
-        check_mla_stages(rotates_a_copy, mla_expand, *args, views=True)
+        check_mla_stages(unrotated, mla_expand, *args, views=True)
 
 
 def test_without_a_q_low_rank_q_and_the_latent_are_one_gemm_on_one_rank(ckpt) -> None:

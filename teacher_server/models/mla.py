@@ -44,6 +44,7 @@ from teacher_server.layers.norm import RMSNorm
 from teacher_server.layers.parallel import SINGLE, TensorParallel
 from teacher_server.layers.runtime import RuntimeModule
 from teacher_server.models.spec import ModelSpec
+from teacher_server.ops.mla_prep import rotate_q_in_place
 from teacher_server.ops.qkv_rope import HeadLayout
 from teacher_server.ops.slack import alloc_with_slack
 from teacher_server.step_context import StepContext
@@ -194,8 +195,9 @@ class MlaAttention(RuntimeModule):
         else:
             q = None if self.q_in_a and views else a[:, :n * m.qk_dim] if self.q_in_a else self.q_proj(h)
         # the latent the pool keeps (normed | rotated shared key) and q rotated (views: where it is, q None: in a)
-        latent, q = rt.ops.mla_prep(a, None if q is None else q.view(t, n, m.qk_dim), cs, self.kv_a_layernorm.weight,
-                                    LATENT_NORM_EPS, m.kv_lora_rank, views, n)
+        args = (a, None if q is None else q.view(t, n, m.qk_dim), cs, self.kv_a_layernorm.weight, LATENT_NORM_EPS,
+                m.kv_lora_rank)
+        latent, q = rotate_q_in_place(rt.ops.mla_prep, *args, n) if views else rt.ops.mla_prep(*args)
         one = latent.view(t, 1, m.latent)
         rt.kv.store(self.layer_id, one, one, ctx)
         k, v = self.expand(latent, pad_v, front=True, first=ctx.tok_prefixed, views=views)

@@ -28,23 +28,34 @@ def rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
 
 
 def mla_prep(a: torch.Tensor, q: torch.Tensor | None, cs: torch.Tensor, norm_w: torch.Tensor, eps: float,
-             rank: int, in_place: bool = False, heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(latent [T, rank + r], q [T, n, d]): the latent, new and contiguous, from the last rank + r
-    columns of ``a`` (rms_norm of the first ``rank`` | the rest rotated by cs [T, r]), and q with
-    its last r dims rotated: a new contiguous tensor, or (``in_place``) q itself, its last r dims
-    rotated where they are (only they are read and written). q None: q is ``a``'s first columns,
-    ``heads`` heads of the width the rest leaves (in place only: q and ``a`` are then one input,
-    not two aliases of one buffer). (Plain ints: ``FusedOps`` compiles this.)"""
+             rank: int, rope_only: bool = False, heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent [T, rank + r], q [T, n, d]), both new and contiguous: the latent from the last
+    rank + r columns of ``a`` (rms_norm of the first ``rank`` | the rest rotated by cs [T, r]),
+    and q with its last r dims rotated; ``rope_only``: those r dims alone ([T, n, r]: the layer
+    writes them back into q, ``rotate_q_in_place``). q None: q is ``a``'s first columns,
+    ``heads`` heads of the width the rest leaves. (Plain ints: ``FusedOps`` compiles this.)"""
     r = cs.shape[1]
     kv_a = a[:, a.shape[1] - rank - r:]
     latent = torch.cat([rms_norm(kv_a[:, :rank], norm_w, eps), rotate(kv_a[:, None, rank:], cs)[:, 0]], dim=-1)
     if q is None:
         q = a[:, :a.shape[1] - rank - r].view(a.shape[0], heads, -1)
     nope = q.shape[-1] - r
-    if in_place:
-        q[..., nope:] = rotate(q[..., nope:], cs)
-        return latent, q
+    if rope_only:
+        return latent, rotate(q[..., nope:], cs)
     return latent, torch.cat([q[..., :nope], rotate(q[..., nope:], cs)], dim=-1)
+
+
+def rotate_q_in_place(prep: Callable, a: torch.Tensor, q: torch.Tensor | None, cs: torch.Tensor,
+                      norm_w: torch.Tensor, eps: float, rank: int, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(latent, q) with q rotated where it is (q None: ``a``'s first columns): ``prep`` (the
+    stage ``mla_prep``, compiled or not) makes the latent and q's rotated dims, and one strided
+    copy writes those dims into q; q's other dims are neither read nor written (a compiled
+    in-place update of an input's slice wrote all of q, twice)."""
+    latent, rot = prep(a, q, cs, norm_w, eps, rank, True, heads)
+    if q is None:
+        q = a[:, :a.shape[1] - rank - cs.shape[1]].view(a.shape[0], heads, -1)
+    q[..., q.shape[-1] - rot.shape[-1]:].copy_(rot)
+    return latent, q
 
 
 def mla_expand(kv: torch.Tensor, pe: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
@@ -81,8 +92,8 @@ def check_mla_stages(prep: Callable, expand: Callable, width: int, heads: int, n
         if views:  # in place, on copies: q where the layer has it (``a``'s columns: passed as None)
             (a1, q1), (a2, q2) = ((b, b[:, :q.numel() // n].view_as(q) if q_in_a else q.clone())
                                   for b in (a.clone(), a.clone()))
-            got = prep(a1, None if q_in_a else q1, cs, norm_w, eps, rank, True, heads)
-            ref = mla_prep(a2, None if q_in_a else q2, cs, norm_w, eps, rank, True, heads)
+            got = rotate_q_in_place(prep, a1, None if q_in_a else q1, cs, norm_w, eps, rank, heads)
+            ref = rotate_q_in_place(mla_prep, a2, None if q_in_a else q2, cs, norm_w, eps, rank, heads)
             assert_close("compiled mla_prep in place, latent", got[0], ref[0])
             assert_close("compiled mla_prep in place, q", q1, q2)
             assert_close("compiled mla_prep in place, q unrotated", q1[..., :nope], q[..., :nope], rel=0, floor=0)
