@@ -545,16 +545,15 @@ def test_cudnn_fe_narrower_values_on_another_route(fe_backend) -> None:
     assert (got - reference(x, ctx, 32 ** -0.5, None)).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("refuses", ["narrow", "all", "none"])
-def test_cudnn_fe_warm_up_checks_the_models_value_width(refuses: str, fe_backend) -> None:
-    """warm_up's check at the model's widths (keys 32, values 16): passed, the values go to
-    the frontend as they are; failed with narrower values alone, they are padded and the
-    frontend stays on; failed at equal widths too, the frontend is off."""
+def picky_fe(fe_backend, refused):
+    """A CPU frontend backend whose calls ``refused(item, inputs)`` raise as cuDNN refusing a
+    graph; graph builds are stubs (warm-up builds none for real) and its start-up check runs
+    on the CPU, views and all."""
+    from teacher_server.attention.cudnn_fe_check import frontend_check
 
     class Picky(fe_backend):
         def _run(self, it, x, scale, out):
-            vt = x.vp if it.prefixed else x.v
-            if refuses == "all" or (refuses == "narrow" and vt.shape[2] != x.q.shape[2]):
+            if refused(it, x):
                 raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
             super()._run(it, x, scale, out)
 
@@ -565,10 +564,23 @@ def test_cudnn_fe_warm_up_checks_the_models_value_width(refuses: str, fe_backend
             self._graphs[full] = (None, 0)
             return self._graphs[full]
 
-    from teacher_server.attention.cudnn_fe_check import frontend_check
-
     attn = Picky(split=None)
-    attn.check = lambda b, dev, dt, heads: frontend_check(b, torch.device("cpu"), torch.float32, heads)  # (on the CPU)
+    attn.check = lambda b, dev, dt, heads, views=None: frontend_check(b, torch.device("cpu"), torch.float32, heads,
+                                                                       views)
+    return attn
+
+
+@pytest.mark.parametrize("refuses", ["narrow", "all", "none"])
+def test_cudnn_fe_warm_up_checks_the_models_value_width(refuses: str, fe_backend) -> None:
+    """warm_up's check at the model's widths (keys 32, values 16): passed, the values go to
+    the frontend as they are; failed with narrower values alone, they are padded and the
+    frontend stays on; failed at equal widths too, the frontend is off."""
+
+    def refused(it, x) -> bool:
+        vt = x.vp if it.prefixed else x.v
+        return refuses == "all" or (refuses == "narrow" and vt.shape[2] != x.q.shape[2])
+
+    attn = picky_fe(fe_backend, refused)
     attn.warm_up(1024, 4, 2, 32, torch.device("cuda"), torch.float32, dv=16)
     assert (attn.enabled, attn.native_v) == {"none": (True, True), "narrow": (True, False),
                                              "all": (False, True)}[refuses]
@@ -631,25 +643,8 @@ def test_cudnn_fe_warm_up_checks_the_layers_views(refuses_views: bool, fe_backen
     builds take those strides; failed with the views alone, the backend says it takes none
     (the layers hand contiguous copies) and the graphs take contiguous rows."""
 
-    class Picky(fe_backend):
-        def _run(self, it, x, scale, out):
-            if refuses_views and not x.q.is_contiguous():
-                raise RuntimeError("cudnnGraphNotSupportedError: no engine for this graph")
-            super()._run(it, x, scale, out)
-
-        def _handle(self, device):
-            return None
-
-        def _build(self, full, handle):
-            self._graphs[full] = (None, 0)
-            return self._graphs[full]
-
-    from teacher_server.attention.cudnn_fe_check import frontend_check
-
     views = ((4 * 32 + 24, 32, 1), (2 * 32, 32, 1))
-    attn = Picky(split=None)
-    attn.check = lambda b, dev, dt, heads, views=None: frontend_check(b, torch.device("cpu"), torch.float32, heads,
-                                                                       views)  # (on the CPU)
+    attn = picky_fe(fe_backend, lambda it, x: refuses_views and not x.q.is_contiguous())
     attn.warm_up(1024, 4, 2, 32, torch.device("cuda"), torch.float32, dv=16, views=views)
     assert attn.enabled and attn.distinct_v_width and attn.takes_views == (not refuses_views)
     strides = {(full[10], full[12]) for full in attn._graphs}
