@@ -289,10 +289,11 @@ class CudnnBackend(TorchVarlenBackend):
             t += c
 
     def warm_up(self, max_len: int, hq: int, hkv: int, d: int, device: torch.device, dtype: torch.dtype,
-                layers: int = 1, dv: int | None = None) -> float:
+                layers: int = 1, dv: int | None = None, views: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                ) -> float:
         """Run every square bucket up to max_len once, so their cuDNN plans exist before
         the first request (the median host time of those builds is logged: ``_BUILD_S`` is
-        what a prefix shape's build is weighed against). Returns the seconds it took."""
+        what a prefix shape's build is weighed against; it takes no views). Returns the seconds it took."""
         t0 = time.perf_counter()
         self.layers, self.flops_per_pair = layers, 4.0 * hq * d
         median = _BUILD_S

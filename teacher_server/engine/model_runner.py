@@ -73,7 +73,7 @@ class ModelRunner:
             hkv, dk, dv = c.attn_shape  # a latent layer's backend shape is its expanded heads'
             attn.warm_up(min(max_model_len, step_tokens or max_model_len), c.q_heads or c.heads, hkv, dk,
                          device, layout.dtype, layers=len(layout.attention), dv=dv if attn.distinct_v_width else dk,
-                         **({"views": c.views} if attn.takes_views and c.views else {}))
+                         views=c.views if attn.takes_views else None)
             self.startup_s["attention plans"] = time.perf_counter() - t0
         # Our CUDA kernels on CUDA; torch.compile where configured (each falls back alone).
         self.ops = FusedOps(kernels=cuda, compile=compile_ops and cuda)
