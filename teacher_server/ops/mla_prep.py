@@ -27,6 +27,12 @@ def rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def q_in(a: torch.Tensor, latent: int, heads: int) -> torch.Tensor:
+    """q [T, heads, d] as the first columns of the a-projection's output ``a`` (q | the latent's
+    ``latent`` columns), where they are."""
+    return a[:, :a.shape[1] - latent].view(a.shape[0], heads, -1)
+
+
 def mla_prep(a: torch.Tensor, q: torch.Tensor | None, cs: torch.Tensor, norm_w: torch.Tensor, eps: float,
              rank: int, rope_only: bool = False, heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(latent [T, rank + r], q [T, n, d]), both new and contiguous: the latent from the last
@@ -37,8 +43,7 @@ def mla_prep(a: torch.Tensor, q: torch.Tensor | None, cs: torch.Tensor, norm_w: 
     r = cs.shape[1]
     kv_a = a[:, a.shape[1] - rank - r:]
     latent = torch.cat([rms_norm(kv_a[:, :rank], norm_w, eps), rotate(kv_a[:, None, rank:], cs)[:, 0]], dim=-1)
-    if q is None:
-        q = a[:, :a.shape[1] - rank - r].view(a.shape[0], heads, -1)
+    q = q_in(a, rank + r, heads) if q is None else q
     nope = q.shape[-1] - r
     if rope_only:
         return latent, rotate(q[..., nope:], cs)
@@ -52,8 +57,7 @@ def rotate_q_in_place(prep: Callable, a: torch.Tensor, q: torch.Tensor | None, c
     copy writes those dims into q; q's other dims are neither read nor written (a compiled
     in-place update of an input's slice wrote all of q, twice)."""
     latent, rot = prep(a, q, cs, norm_w, eps, rank, True, heads)
-    if q is None:
-        q = a[:, :a.shape[1] - rank - cs.shape[1]].view(a.shape[0], heads, -1)
+    q = q_in(a, latent.shape[1], heads) if q is None else q
     q[..., q.shape[-1] - rot.shape[-1]:].copy_(rot)
     return latent, q
 
